@@ -1,0 +1,117 @@
+"""Where boxd keeps its files, and the settings read from the environment.
+
+Layout of the data directory (``$BOXD_HOME``, default ``~/.local/share/boxd``)::
+
+    boxd.sock            the daemon's unix socket
+    daemon.lock          one daemon per data directory
+    daemon.log           structured log, one line per event
+    state.db             SQLite (WAL)
+    host.json            cached accelerator probe
+    images/<hash>/       guest kernel, initramfs, rootfs (one per recipe)
+    disks/<layer>.qcow2  disk layers: a machine's writable overlay or a frozen layer
+    snapshots/           content-addressed snapshot store (blobs/, manifests)
+    machines/<id>/       per-machine persistent files (console log)
+
+and on tmpfs (``/dev/shm/boxd-<hash of data dir>``)::
+
+    machines/<id>/       run directory: RAM file, QMP and agent sockets, pid
+    templates/<id>/      frozen memory + device state that fork children map
+    checkpoints/<id>/    checkpoint memory + device state
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def _default_home() -> Path:
+    if env := os.environ.get("BOXD_HOME"):
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(xdg) / "boxd"
+
+
+@dataclass(frozen=True)
+class Paths:
+    """Every path boxd uses, derived from one data directory."""
+
+    home: Path
+
+    @classmethod
+    def default(cls) -> Paths:
+        return cls(_default_home().resolve())
+
+    @property
+    def socket(self) -> Path:
+        return self.home / "boxd.sock"
+
+    @property
+    def lock(self) -> Path:
+        return self.home / "daemon.lock"
+
+    @property
+    def log(self) -> Path:
+        return self.home / "daemon.log"
+
+    @property
+    def db(self) -> Path:
+        return self.home / "state.db"
+
+    @property
+    def host_info(self) -> Path:
+        return self.home / "host.json"
+
+    @property
+    def images(self) -> Path:
+        return self.home / "images"
+
+    @property
+    def disks(self) -> Path:
+        return self.home / "disks"
+
+    @property
+    def snapshots(self) -> Path:
+        return self.home / "snapshots"
+
+    @property
+    def machines(self) -> Path:
+        return self.home / "machines"
+
+    @property
+    def shm(self) -> Path:
+        """Per-data-directory folder on tmpfs for RAM files and sockets."""
+        digest = hashlib.sha256(str(self.home).encode()).hexdigest()[:12]
+        base = Path(os.environ.get("BOXD_SHM", "/dev/shm"))
+        return base / f"boxd-{digest}"
+
+    def run_dir(self, machine_id: str) -> Path:
+        return self.shm / "machines" / machine_id
+
+    @property
+    def templates(self) -> Path:
+        return self.shm / "templates"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.shm / "checkpoints"
+
+    def ensure(self) -> None:
+        for p in (self.home, self.images, self.disks, self.snapshots, self.machines,
+                  self.shm, self.shm / "machines", self.templates, self.checkpoints):
+            p.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.home, 0o700)
+        os.chmod(self.shm, 0o700)
+
+
+# Machine sizing defaults (documented in docs/machines.md).
+DEFAULT_VCPUS = 1
+DEFAULT_MEMORY_MIB = 1024
+DEFAULT_DISK_GIB = 8
+MAX_VCPUS = 8
+MAX_MEMORY_MIB = 16384
+MAX_DISK_GIB = 256
+DEFAULT_MACHINE_QUOTA = 50
+GUEST_HTTP_PORT = 8080

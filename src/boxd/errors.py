@@ -1,0 +1,242 @@
+"""The one exception tree of boxd, shared by the daemon, the SDKs and the CLI.
+
+::
+
+    BoxdError                      every error boxd raises; .code, .message, .hint
+    ├── InvalidRequest             malformed input (bad name, bad size, bad path)     400
+    ├── AuthError                  missing, unknown or revoked API key                401
+    ├── NotFound                   no such resource for this account                  404
+    │   ├── MachineNotFound        .machine
+    │   ├── CheckpointNotFound     .machine, .checkpoint
+    │   ├── SnapshotNotFound       .snapshot
+    │   └── GuestFileNotFound      .path (inside the machine)
+    ├── Conflict                   the request clashes with what exists               409
+    │   ├── AlreadyExists          .kind, .name (duplicate name)
+    │   └── StateError             .machine, .state, .required (wrong lifecycle state)
+    ├── QuotaExceeded              .limit, .used                                      429
+    ├── ExecTimeout                a command ran past its timeout and was killed      408
+    ├── MachineFailed              the machine's VM died or stopped answering         503
+    ├── IntegrityError             a stored blob does not match its digest            500
+    ├── ResourceExhausted          host disk or memory is full                        507
+    ├── HostSetupError             QEMU, an image or another host prerequisite is missing  500
+    ├── ConnectionError            the client cannot reach the daemon                 (client only)
+    └── InternalError              a bug; the daemon's log has the details            500
+
+Each error serialises to ``{"error": {"code", "message", "hint", "details"}}``; the SDKs
+rebuild the same class from ``code``. Codes are stable API.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+__all__ = [
+    "AlreadyExists",
+    "AuthError",
+    "BoxdError",
+    "CheckpointNotFound",
+    "Conflict",
+    "ConnectionError",
+    "ExecTimeout",
+    "GuestFileNotFound",
+    "HostSetupError",
+    "IntegrityError",
+    "InternalError",
+    "InvalidRequest",
+    "MachineFailed",
+    "MachineNotFound",
+    "NotFound",
+    "QuotaExceeded",
+    "ResourceExhausted",
+    "SnapshotNotFound",
+    "StateError",
+    "error_from_body",
+]
+
+
+class BoxdError(Exception):
+    """Root of every error boxd raises.
+
+    Attributes:
+        message: what happened, in one sentence.
+        hint: what to do about it, or "".
+        details: machine-readable fields (also set as attributes).
+    """
+
+    code: ClassVar[str] = "error"
+    status: ClassVar[int] = 500
+    _fields: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, message: str, *, hint: str = "", **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+        self.details = details
+        for name in self._fields:
+            setattr(self, name, details.get(name))
+
+    def __str__(self) -> str:
+        return f"{self.message} ({self.hint})" if self.hint else self.message
+
+    def to_body(self) -> dict[str, Any]:
+        """The JSON error body the API sends for this error."""
+        return {
+            "error": {
+                "code": self.code,
+                "message": self.message,
+                "hint": self.hint,
+                "details": self.details,
+            }
+        }
+
+
+class InvalidRequest(BoxdError):
+    """Malformed input: a bad name, size, path or argument."""
+
+    code = "invalid_request"
+    status = 400
+    _fields = ("field",)
+
+
+class AuthError(BoxdError):
+    """The API key is missing, unknown or revoked."""
+
+    code = "unauthorized"
+    status = 401
+
+
+class NotFound(BoxdError):
+    """No such resource for this account (another account's resources look the same)."""
+
+    code = "not_found"
+    status = 404
+
+
+class MachineNotFound(NotFound):
+    """No machine with this name or id."""
+
+    code = "machine_not_found"
+    _fields = ("machine",)
+
+
+class CheckpointNotFound(NotFound):
+    """The machine has no checkpoint of this name."""
+
+    code = "checkpoint_not_found"
+    _fields = ("machine", "checkpoint")
+
+
+class SnapshotNotFound(NotFound):
+    """No snapshot matches this reference."""
+
+    code = "snapshot_not_found"
+    _fields = ("snapshot",)
+
+
+class GuestFileNotFound(NotFound):
+    """A path inside the machine does not exist."""
+
+    code = "guest_file_not_found"
+    _fields = ("path",)
+
+
+class Conflict(BoxdError):
+    """The request clashes with what exists."""
+
+    code = "conflict"
+    status = 409
+
+
+class AlreadyExists(Conflict):
+    """A resource of this kind and name exists already."""
+
+    code = "already_exists"
+    _fields = ("kind", "name")
+
+
+class StateError(Conflict):
+    """The machine is in a state that does not allow this operation."""
+
+    code = "invalid_state"
+    _fields = ("machine", "state", "required")
+
+
+class QuotaExceeded(BoxdError):
+    """An account limit would be exceeded."""
+
+    code = "quota_exceeded"
+    status = 429
+    _fields = ("limit", "used")
+
+
+class ExecTimeout(BoxdError):
+    """A command ran past its timeout and was killed."""
+
+    code = "exec_timeout"
+    status = 408
+    _fields = ("timeout", "stdout", "stderr")
+
+
+class MachineFailed(BoxdError):
+    """The machine's VM process died or stopped answering."""
+
+    code = "machine_failed"
+    status = 503
+    _fields = ("machine",)
+
+
+class IntegrityError(BoxdError):
+    """A stored blob does not match its recorded digest."""
+
+    code = "integrity_error"
+    status = 500
+    _fields = ("digest", "path")
+
+
+class ResourceExhausted(BoxdError):
+    """The host ran out of disk or memory."""
+
+    code = "resource_exhausted"
+    status = 507
+
+
+class HostSetupError(BoxdError):
+    """A host prerequisite (QEMU, an image, a tool) is missing or broken."""
+
+    code = "host_setup"
+    status = 500
+
+
+class ConnectionError(BoxdError):  # noqa: A001 - deliberately mirrors httpx naming
+    """The client could not reach the boxd daemon."""
+
+    code = "connection_error"
+    status = 503
+
+
+class InternalError(BoxdError):
+    """An unexpected failure; the daemon's log has the details."""
+
+    code = "internal_error"
+    status = 500
+
+
+def _all_subclasses(cls: type[BoxdError]) -> list[type[BoxdError]]:
+    out = [cls]
+    for sub in cls.__subclasses__():
+        out += _all_subclasses(sub)
+    return out
+
+
+_BY_CODE: dict[str, type[BoxdError]] = {c.code: c for c in _all_subclasses(BoxdError)}
+
+
+def error_from_body(body: Any, status: int = 500) -> BoxdError:
+    """Rebuild the typed error from an API error body (the inverse of `to_body`)."""
+    err = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(err, dict):
+        return InternalError(f"unexpected error response (HTTP {status}): {body!r}"[:500])
+    cls = _BY_CODE.get(str(err.get("code")), BoxdError)
+    details = err.get("details") if isinstance(err.get("details"), dict) else {}
+    exc = cls(str(err.get("message", "")), hint=str(err.get("hint", "")), **details)
+    return exc

@@ -1,0 +1,187 @@
+"""Wire schemas shared by the daemon and the SDKs (pydantic v2).
+
+Every API request and response body is one of these; the OpenAPI schema and the
+TypeScript types are generated from them.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+
+from pydantic import BaseModel, Field
+
+from boxd import config
+
+NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+NAME_RULE = "1-63 lowercase letters, digits or '-', starting and ending with a letter or digit"
+
+
+class MachineState(str, Enum):
+    """Lifecycle of a machine. Transitions are checked in one place (core.machines)."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    FAILED = "failed"
+    DELETING = "deleting"
+
+
+class MachineCreate(BaseModel):
+    name: str | None = Field(None, description="DNS label, unique per account; generated if absent")
+    vcpus: int = Field(config.DEFAULT_VCPUS, ge=1, le=config.MAX_VCPUS)
+    memory_mib: int = Field(config.DEFAULT_MEMORY_MIB, ge=128, le=config.MAX_MEMORY_MIB)
+    disk_gib: int = Field(config.DEFAULT_DISK_GIB, ge=1, le=config.MAX_DISK_GIB)
+    isolated: bool = Field(False, description="no network device at all")
+    from_snapshot: str | None = Field(None, description="NAME, NAME@VERSION or sha256:DIGEST")
+
+
+class Machine(BaseModel):
+    id: str
+    name: str
+    state: MachineState
+    vcpus: int
+    memory_mib: int
+    disk_gib: int
+    isolated: bool
+    port: int | None = Field(None, description="host port forwarded to the guest's port 8080")
+    url: str | None = None
+    parent_id: str | None = Field(None, description="machine this one was forked from")
+    snapshot: str | None = Field(None, description="snapshot digest this machine started from")
+    accelerator: str | None = None
+    error: str | None = None
+    created_at: float
+
+
+class MachineList(BaseModel):
+    machines: list[Machine]
+
+
+class ForkRequest(BaseModel):
+    name: str | None = Field(None, description="name of the single child")
+    count: int | None = Field(None, ge=1, le=64, description="number of children (batch)")
+    names: list[str] | None = Field(None, description="names of the children (batch)")
+
+
+class ErrorBody(BaseModel):
+    code: str
+    message: str
+    hint: str = ""
+    details: dict[str, object] = Field(default_factory=dict)
+
+
+class ForkItem(BaseModel):
+    """One child of a batch fork: the machine, or the error that stopped it."""
+
+    machine: Machine | None = None
+    error: ErrorBody | None = None
+
+
+class ForkResult(BaseModel):
+    children: list[ForkItem]
+
+
+class ExecRequest(BaseModel):
+    command: str | list[str] = Field(..., description="shell string (run by /bin/sh -c) or argv")
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = None
+    timeout: float | None = Field(None, gt=0, description="seconds; the command is killed after")
+    stdin: str | None = None
+
+
+class ExecResult(BaseModel):
+    stdout: str
+    stderr: str
+    exit_code: int = Field(..., description="exit status; 128+N when killed by signal N")
+    signal: int | None = Field(None, description="signal that killed the command, if any")
+    timed_out: bool = False
+    duration: float
+
+
+class ExecEvent(BaseModel):
+    """One line of a streaming exec (NDJSON): output as it arrives, then the exit."""
+
+    type: str = Field(..., description="'stdout', 'stderr' or 'exit'")
+    data: str | None = None
+    exit_code: int | None = None
+    signal: int | None = None
+    timed_out: bool | None = None
+    duration: float | None = None
+
+
+class FileInfo(BaseModel):
+    path: str
+    size: int
+    mode: int
+    sha256: str
+
+
+class CheckpointCreate(BaseModel):
+    name: str
+
+
+class Checkpoint(BaseModel):
+    id: str
+    name: str
+    machine_id: str
+    created_at: float
+
+
+class CheckpointList(BaseModel):
+    checkpoints: list[Checkpoint]
+
+
+class SnapshotCreate(BaseModel):
+    machine: str = Field(..., description="machine name or id")
+    name: str
+    new_version: bool = Field(False, description="add a version to an existing name")
+
+
+class Snapshot(BaseModel):
+    id: str
+    name: str
+    version: int
+    digest: str
+    created_at: float
+    source_machine: str | None = None
+    memory_bytes: int = 0
+    disk_bytes: int = 0
+    stored_bytes: int = 0
+    engine: str | None = None
+    cpu_model: str | None = None
+    image: str | None = None
+
+
+class SnapshotList(BaseModel):
+    snapshots: list[Snapshot]
+
+
+class ApiKey(BaseModel):
+    id: str
+    name: str
+    prefix: str
+    created_at: float
+    revoked_at: float | None = None
+
+
+class ApiKeyCreated(ApiKey):
+    secret: str = Field(..., description="shown once; send as 'Authorization: Bearer <secret>'")
+
+
+class ApiKeyCreate(BaseModel):
+    name: str = "default"
+
+
+class ApiKeyList(BaseModel):
+    keys: list[ApiKey]
+
+
+class HostInfo(BaseModel):
+    version: str
+    engine: str
+    qemu: str
+    qemu_version: str
+    accelerator: str
+    accelerator_reason: str
+    cpu_model: str
+    data_dir: str
+    image: str | None = None
