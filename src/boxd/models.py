@@ -57,9 +57,12 @@ class MachineList(BaseModel):
 
 
 class ForkRequest(BaseModel):
-    name: str | None = Field(None, description="name of the single child")
-    count: int | None = Field(None, ge=1, le=64, description="number of children (batch)")
-    names: list[str] | None = Field(None, description="names of the children (batch)")
+    name: str | None = Field(None, description="name of the child; generated if absent")
+
+
+class ForkBatchRequest(BaseModel):
+    count: int | None = Field(None, ge=1, le=64, description="number of children")
+    names: list[str] | None = Field(None, description="names of the children (count may be omitted)")
 
 
 class ErrorBody(BaseModel):
