@@ -103,12 +103,15 @@ class ExecResult(BaseModel):
 class ExecEvent(BaseModel):
     """One line of a streaming exec (NDJSON): output as it arrives, then the exit."""
 
-    type: str = Field(..., description="'stdout', 'stderr' or 'exit'")
+    type: str = Field(..., description="'stdout', 'stderr', 'exit' or 'error' (stream failed)")
     data: str | None = None
     exit_code: int | None = None
     signal: int | None = None
     timed_out: bool | None = None
     duration: float | None = None
+    error: ErrorBody | None = Field(
+        None, description="set on a final 'error' event when the stream fails midway"
+    )
 
 
 class FileInfo(BaseModel):
@@ -172,10 +175,23 @@ class ApiKeyCreated(ApiKey):
 
 class ApiKeyCreate(BaseModel):
     name: str = "default"
+    account: str | None = Field(
+        None,
+        description="account name to create the key for (created if new); only the local "
+        "account's keys may name another account",
+    )
 
 
 class ApiKeyList(BaseModel):
     keys: list[ApiKey]
+
+
+class Health(BaseModel):
+    """Answer of ``GET /v1/health``: tells a client that a daemon answers."""
+
+    ok: bool
+    version: str
+    pid: int
 
 
 class HostInfo(BaseModel):

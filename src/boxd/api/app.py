@@ -1,0 +1,82 @@
+"""The app factory: routes, the error map and the services, nothing else."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI
+
+from boxd import models
+from boxd.api.errors import install_error_handlers
+from boxd.api.routes import keys as keys_routes
+from boxd.api.routes import machines as machines_routes
+from boxd.api.routes import snapshots as snapshots_routes
+from boxd.api.routes import system
+from boxd.api.services.keys import KeyService
+from boxd.api.services.machines import MachineService
+from boxd.api.services.snapshots import SnapshotService
+
+__all__ = ["create_app"]
+
+API_PREFIX = "/v1"
+
+
+def create_app(
+    *,
+    machines: MachineService,
+    snapshots: SnapshotService,
+    keys: KeyService,
+    host_info: Callable[[], models.HostInfo],
+    upload_dir: Path | None = None,
+) -> FastAPI:
+    """Build the boxd HTTP API over the given services.
+
+    Args:
+        machines: the machine service.
+        snapshots: the snapshot service.
+        keys: accounts and API keys.
+        host_info: returns what ``GET /v1/info`` answers.
+        upload_dir: where snapshot imports are spooled (default: the system temp dir);
+            best on the same file system as the snapshot store.
+
+    Returns:
+        The ASGI app. Its lifespan does not close the services: whoever built them does.
+    """
+    app = FastAPI(
+        title="boxd",
+        version=system.version(),
+        summary="microVMs with cheap fork, checkpoint and snapshot",
+        description="Every route except GET /v1/health needs 'Authorization: Bearer <API key>'."
+        " Errors are {\"error\": {\"code\", \"message\", \"hint\", \"details\"}}.",
+    )
+    app.state.machines = machines
+    app.state.snapshots = snapshots
+    app.state.keys = keys
+    app.state.host_info = host_info
+    app.state.upload_dir = upload_dir
+    install_error_handlers(app)
+    for module in (system, machines_routes, snapshots_routes, keys_routes):
+        app.include_router(module.router, prefix=API_PREFIX)
+    _document_400_not_422(app)
+    return app
+
+
+def _document_400_not_422(app: FastAPI) -> None:
+    """Drop FastAPI's default 422 entries: validation errors are answered with 400."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            for item in schema.get("paths", {}).values():
+                for operation in item.values():
+                    if isinstance(operation, dict):
+                        operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -1,0 +1,122 @@
+"""The one map from errors to HTTP responses.
+
+Every `BoxdError` becomes its ``.status`` and ``to_body()``; FastAPI's request validation
+errors become ``invalid_request`` (400) with the offending ``field``; Starlette's own
+HTTP errors (unknown route, wrong method) keep their status in the same body shape;
+anything else is a bug: 500 ``internal_error``, traceback in the log, never in the body.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from boxd import models
+from boxd.errors import BoxdError, InternalError, InvalidRequest
+
+__all__ = [
+    "ERROR_RESPONSES",
+    "ErrorResponse",
+    "error_body",
+    "error_response",
+    "install_error_handlers",
+]
+
+log = logging.getLogger("boxd.api")
+
+
+class ErrorResponse(BaseModel):
+    """Body of every error response: ``{"error": {"code", "message", "hint", "details"}}``."""
+
+    error: models.ErrorBody
+
+
+def _doc(description: str) -> dict[str, Any]:
+    return {"model": ErrorResponse, "description": description}
+
+
+# Documented on every route; individual routes add nothing route-specific (the codes
+# inside the body say what happened).
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: _doc("invalid_request: malformed input"),
+    401: _doc("unauthorized: missing, unknown or revoked API key"),
+    404: _doc("not found for this account"),
+    409: _doc("conflict: duplicate name or wrong machine state"),
+    429: _doc("quota_exceeded"),
+    500: _doc("internal_error, integrity_error or host_setup"),
+    503: _doc("machine_failed"),
+    507: _doc("resource_exhausted"),
+}
+
+
+def error_body(exc: BaseException) -> models.ErrorBody:
+    """The wire body of an error; unexpected exceptions become ``internal_error``."""
+    if not isinstance(exc, BoxdError):
+        exc = InternalError("internal error", hint="the daemon's log has the details")
+    return models.ErrorBody.model_validate(jsonable_encoder(exc.to_body()["error"]))
+
+
+def error_response(exc: BoxdError) -> JSONResponse:
+    """A JSON response carrying a domain error at its status."""
+    return JSONResponse(status_code=exc.status, content=jsonable_encoder(exc.to_body()))
+
+
+def _field(loc: Sequence[Any]) -> str:
+    # ("body", "vcpus") -> "vcpus"; ("query", "path") -> "path"; ("body",) -> "body"
+    parts = [str(p) for p in loc]
+    if len(parts) > 1 and parts[0] in ("body", "query", "path", "header", "cookie"):
+        parts = parts[1:]
+    return ".".join(parts)
+
+
+async def _boxd_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, BoxdError)
+    if exc.status >= 500:
+        log.error("request failed: %s %s: %s (%s)", request.method, request.url.path,
+                  exc.code, exc.message)
+    return error_response(exc)
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    errors = list(exc.errors())
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    field = _field(first.get("loc", ()))
+    message = f"{field}: {first.get('msg', 'invalid value')}" if field else str(first.get("msg"))
+    problems = [
+        {"field": _field(e.get("loc", ())), "message": str(e.get("msg", ""))} for e in errors
+    ]
+    return error_response(
+        InvalidRequest(message, hint="see /openapi.json for the request schema",
+                       field=field, errors=problems)
+    )
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    code = {404: "not_found", 401: "unauthorized", 405: "method_not_allowed"}.get(
+        exc.status_code, "invalid_request" if exc.status_code < 500 else "internal_error"
+    )
+    body = {"error": {"code": code, "message": str(exc.detail), "hint": "", "details": {}}}
+    return JSONResponse(status_code=exc.status_code, content=body, headers=exc.headers)
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(InternalError("internal error", hint="the daemon's log has the details"))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Register the error map on an app."""
+    app.add_exception_handler(BoxdError, _boxd_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)

@@ -1,0 +1,253 @@
+"""``/v1/machines``: create, inspect, exec, files, fork, checkpoints, delete."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Annotated, cast
+
+from fastapi import APIRouter, Query, Request, Response, status
+from fastapi.responses import StreamingResponse
+
+from boxd import models
+from boxd.api.auth import Account
+from boxd.api.errors import ERROR_RESPONSES, ErrorResponse, error_body
+from boxd.api.routes._deps import BINARY_BODY, BINARY_RESPONSE, Machines, check_name
+from boxd.errors import BoxdError, InvalidRequest
+
+router = APIRouter(prefix="/machines", tags=["machines"], responses=ERROR_RESPONSES)
+log = logging.getLogger("boxd.api")
+
+MAX_FORK_BATCH = 64
+NDJSON = "application/x-ndjson"
+
+@router.post(
+    "", response_model=models.Machine, status_code=status.HTTP_201_CREATED
+)
+async def create_machine(
+    body: models.MachineCreate, account: Account, machines: Machines
+) -> models.Machine:
+    """Create and boot a machine (returns while it is still starting)."""
+    check_name(body.name)
+    return await machines.create(account, body)
+
+
+@router.get("", response_model=models.MachineList)
+async def list_machines(account: Account, machines: Machines) -> models.MachineList:
+    """Every machine of the account."""
+    return models.MachineList(machines=await machines.list(account))
+
+
+@router.get("/{ref}", response_model=models.Machine)
+async def get_machine(ref: str, account: Account, machines: Machines) -> models.Machine:
+    """One machine by name or id."""
+    return await machines.get(account, ref)
+
+
+@router.delete("/{ref}", status_code=status.HTTP_204_NO_CONTENT, response_class=Response)
+async def delete_machine(ref: str, account: Account, machines: Machines) -> Response:
+    """Stop the machine and remove its files."""
+    await machines.delete(account, ref)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.post("/{ref}/wait", response_model=models.Machine)
+async def wait_until_ready(
+    ref: str,
+    account: Account,
+    machines: Machines,
+    timeout: Annotated[float, Query(gt=0, le=3600, description="seconds")] = 60.0,
+) -> models.Machine:
+    """Wait until the machine's agent answers."""
+    return await machines.wait_until_ready(account, ref, timeout)
+
+
+@router.post(
+    "/{ref}/exec",
+    response_model=models.ExecResult,
+    responses={408: {"model": ErrorResponse,
+                     "description": "exec_timeout; partial output in details"}},
+)
+async def exec_command(
+    ref: str, body: models.ExecRequest, account: Account, machines: Machines
+) -> models.ExecResult:
+    """Run a command to completion."""
+    return await machines.exec(account, ref, body)
+
+
+def _line(event: models.ExecEvent) -> bytes:
+    return (event.model_dump_json(exclude_none=True) + "\n").encode()
+
+
+@router.post(
+    "/{ref}/exec/stream",
+    response_class=StreamingResponse,
+    responses={
+        200: {
+            "description": "one ExecEvent per line (NDJSON): stdout/stderr as they arrive, "
+            "then one 'exit' event (or one 'error' event if the stream fails midway)",
+            "content": {NDJSON: {"schema": {"$ref": "#/components/schemas/ExecEvent"}}},
+        }
+    },
+)
+async def exec_stream(
+    ref: str, body: models.ExecRequest, account: Account, machines: Machines
+) -> StreamingResponse:
+    """Run a command and stream its output as NDJSON."""
+    events = aiter(machines.exec_stream(account, ref, body))
+    # Pull the first event before answering, so an unknown machine or a dead VM still gets
+    # its proper status instead of a 200 followed by an error line.
+    try:
+        first: models.ExecEvent | None = await anext(events)
+    except StopAsyncIteration:
+        first = None
+
+    async def lines() -> AsyncIterator[bytes]:
+        if first is None:
+            return
+        yield _line(first)
+        try:
+            async for event in events:
+                yield _line(event)
+        except BoxdError as exc:
+            yield _line(models.ExecEvent(type="error", error=error_body(exc)))
+        except Exception as exc:
+            log.exception("exec stream failed", exc_info=exc)
+            yield _line(models.ExecEvent(type="error", error=error_body(exc)))
+
+    return StreamingResponse(lines(), media_type=NDJSON)
+
+
+Path_ = Annotated[
+    str, Query(min_length=1, max_length=4096, description="absolute path in the machine")
+]
+
+
+def _check_path(path: str) -> None:
+    if not path.startswith("/") or "\x00" in path:
+        raise InvalidRequest(
+            f"path must be absolute: {path!r}", hint="e.g. /home/boxd/file.txt", field="path"
+        )
+
+
+@router.put("/{ref}/files", response_model=models.FileInfo, openapi_extra=BINARY_BODY)
+async def upload_file(
+    ref: str,
+    request: Request,
+    path: Path_,
+    account: Account,
+    machines: Machines,
+    mode: Annotated[int, Query(ge=0, le=0o7777, description="permission bits, decimal "
+                                                               "(420 = 0o644)")] = 0o644,
+) -> models.FileInfo:
+    """Write the request body to a file in the machine (parents are created)."""
+    _check_path(path)
+    data = await request.body()
+    return await machines.upload(account, ref, path, data, mode)
+
+
+@router.get(
+    "/{ref}/files", response_class=Response, responses={200: BINARY_RESPONSE}
+)
+async def download_file(
+    ref: str, path: Path_, account: Account, machines: Machines
+) -> Response:
+    """Read a file from the machine."""
+    _check_path(path)
+    data = await machines.download(account, ref, path)
+    return Response(content=data, media_type="application/octet-stream")
+
+
+def _items(result: object) -> list[models.Machine | Exception]:
+    # The stub's return annotation names ``list`` inside a class that defines ``list``.
+    return cast("list[models.Machine | Exception]", result)
+
+
+@router.post("/{ref}/fork", response_model=models.Machine, status_code=status.HTTP_201_CREATED)
+async def fork(
+    ref: str, account: Account, machines: Machines, body: models.ForkRequest | None = None
+) -> models.Machine:
+    """Fork one running machine into one child."""
+    name = body.name if body is not None else None
+    check_name(name)
+    (item,) = _items(await machines.fork(account, ref, [name]))
+    if isinstance(item, Exception):
+        raise item
+    return item
+
+
+@router.post("/{ref}/fork/batch", response_model=models.ForkResult)
+async def fork_batch(
+    ref: str, body: models.ForkBatchRequest, account: Account, machines: Machines
+) -> models.ForkResult:
+    """Fork one machine into many children; each item is a child or its error."""
+    names: list[str | None]
+    if body.names is not None:
+        if body.count is not None and body.count != len(body.names):
+            raise InvalidRequest(
+                f"count {body.count} does not match the {len(body.names)} names given",
+                hint="give names or count, or make them agree", field="count",
+            )
+        if not 1 <= len(body.names) <= MAX_FORK_BATCH:
+            raise InvalidRequest(
+                f"a batch forks 1-{MAX_FORK_BATCH} children", hint="split the batch",
+                field="names",
+            )
+        for n in body.names:
+            check_name(n, "names")
+        if len(set(body.names)) != len(body.names):
+            raise InvalidRequest("names repeat", hint="give each child its own name",
+                                 field="names")
+        names = list(body.names)
+    elif body.count is not None:
+        names = [None] * body.count
+    else:
+        raise InvalidRequest("give count or names", hint='e.g. {"count": 8}', field="count")
+    items = _items(await machines.fork(account, ref, names))
+    children = []
+    for item in items:
+        if isinstance(item, models.Machine):
+            children.append(models.ForkItem(machine=item))
+        else:
+            if not isinstance(item, BoxdError):
+                log.error("fork child failed", exc_info=item)
+            children.append(models.ForkItem(error=error_body(item)))
+    return models.ForkResult(children=children)
+
+
+@router.post(
+    "/{ref}/checkpoints", response_model=models.Checkpoint, status_code=status.HTTP_201_CREATED
+)
+async def save_checkpoint(
+    ref: str, body: models.CheckpointCreate, account: Account, machines: Machines
+) -> models.Checkpoint:
+    """Save a checkpoint of the machine."""
+    check_name(body.name)
+    return await machines.checkpoint_save(account, ref, body.name)
+
+
+@router.get("/{ref}/checkpoints", response_model=models.CheckpointList)
+async def list_checkpoints(
+    ref: str, account: Account, machines: Machines
+) -> models.CheckpointList:
+    """The machine's checkpoints."""
+    return models.CheckpointList(checkpoints=await machines.checkpoint_list(account, ref))
+
+
+@router.post("/{ref}/checkpoints/{name}/restore", response_model=models.Machine)
+async def restore_checkpoint(
+    ref: str, name: str, account: Account, machines: Machines
+) -> models.Machine:
+    """Rewind the machine in place to a checkpoint."""
+    return await machines.checkpoint_restore(account, ref, name)
+
+
+@router.delete(
+    "/{ref}/checkpoints/{name}", status_code=status.HTTP_204_NO_CONTENT, response_class=Response
+)
+async def delete_checkpoint(
+    ref: str, name: str, account: Account, machines: Machines
+) -> Response:
+    """Delete a checkpoint."""
+    await machines.checkpoint_delete(account, ref, name)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -1,0 +1,33 @@
+"""``/v1/health`` (no auth) and ``/v1/info``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from fastapi import APIRouter, Request
+
+import boxd
+from boxd import models
+from boxd.api.auth import Account
+from boxd.api.errors import ERROR_RESPONSES
+
+router = APIRouter(tags=["system"])
+
+
+def version() -> str:
+    """The daemon's version string."""
+    return str(getattr(boxd, "__version__", None) or "0.1.0")
+
+
+@router.get("/health", response_model=models.Health)
+async def health() -> models.Health:
+    """Whether a daemon answers here (no API key needed)."""
+    return models.Health(ok=True, version=version(), pid=os.getpid())
+
+
+@router.get("/info", response_model=models.HostInfo, responses=ERROR_RESPONSES)
+async def info(request: Request, account: Account) -> models.HostInfo:
+    """What the host runs: engine, QEMU, accelerator, CPU model, data directory."""
+    host_info: Callable[[], models.HostInfo] = request.app.state.host_info
+    return host_info()

@@ -1,0 +1,302 @@
+"""The daemon: one per data directory, serving the API on a unix socket (and maybe TCP).
+
+``serve(paths)`` locks the data directory, opens the state database, builds the
+services, writes the local key file (docs/auth.md) and runs uvicorn until SIGTERM or
+SIGINT. Logs go to ``paths.log`` as JSON lines, never to the terminal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import importlib
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from boxd import models
+from boxd.api.app import create_app
+from boxd.api.routes.system import version
+from boxd.api.services.keys import KeyService
+from boxd.api.services.machines import MachineService
+from boxd.api.services.snapshots import SnapshotService
+from boxd.config import Paths
+from boxd.errors import Conflict, InvalidRequest
+from boxd.state import Database
+
+__all__ = ["Daemon", "local_key_path", "serve", "write_local_key"]
+
+log = logging.getLogger("boxd.daemon")
+
+_LOGGERS = ("boxd", "uvicorn", "uvicorn.error", "uvicorn.access")
+_RECORD_FIELDS = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
+
+
+class JsonLineFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, msg, extra fields, traceback."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, Any] = {
+            "ts": round(record.created, 6),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+        }
+        # Structured fields passed with extra={...} go first after the header (machine id
+        # first when present), then the message.
+        extra = {k: v for k, v in record.__dict__.items() if k not in _RECORD_FIELDS}
+        if "machine" in extra:
+            line["machine"] = extra.pop("machine")
+        line["msg"] = record.getMessage()
+        line.update(extra)
+        if record.exc_info:
+            line["exc"] = self.formatException(record.exc_info)
+        return json.dumps(line, default=str)
+
+
+def setup_logging(path: Path) -> logging.Handler:
+    """Send boxd's and uvicorn's logs (access log included) to ``path`` only.
+
+    Returns:
+        The handler, so that the caller can remove it again.
+    """
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(JsonLineFormatter())
+    for name in _LOGGERS:
+        logger = logging.getLogger(name)
+        logger.handlers = [h for h in logger.handlers if not isinstance(h, logging.FileHandler)]
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False  # keep the terminal quiet
+    return handler
+
+
+def local_key_path(paths: Paths) -> Path:
+    """Where the local account's default key lives: ``<data dir>/local.key``."""
+    return paths.home / "local.key"
+
+
+def write_local_key(path: Path, secret: str) -> None:
+    """Write a secret to ``path`` atomically (temp file, fsync, rename) with mode 0600."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # in case the file existed with wider bits
+        os.write(fd, (secret + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _read_local_key(path: Path) -> str | None:
+    try:
+        return path.read_text().strip() or None
+    except (FileNotFoundError, PermissionError, UnicodeDecodeError):
+        return None
+
+
+def _fallback_host_info(paths: Paths) -> Callable[[], models.HostInfo]:
+    def host_info() -> models.HostInfo:
+        return models.HostInfo(
+            version=version(), engine="none", qemu="", qemu_version="", accelerator="none",
+            accelerator_reason="no engine is wired into this daemon", cpu_model="",
+            data_dir=str(paths.home),
+        )
+
+    return host_info
+
+
+def _build_services(
+    paths: Paths, db: Database
+) -> tuple[MachineService, SnapshotService, Callable[[], models.HostInfo]]:
+    """Use ``boxd.core.build_services`` when it exists, else the interface stubs."""
+    try:
+        core = importlib.import_module("boxd.core")
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("boxd.core",):
+            raise
+        core = None
+    build = getattr(core, "build_services", None)
+    if build is None:
+        log.warning("boxd.core.build_services not found; serving stub services")
+        return MachineService(), SnapshotService(), _fallback_host_info(paths)
+    services: tuple[MachineService, SnapshotService, Callable[[], models.HostInfo]]
+    services = build(paths, db)
+    return services
+
+
+def _parse_listen(listen: str) -> tuple[str, int]:
+    host, sep, port = listen.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise InvalidRequest(
+            f"cannot listen on {listen!r}", hint="use HOST:PORT, e.g. 127.0.0.1:7070",
+            field="listen",
+        )
+    return host.strip("[]"), int(port)
+
+
+def _unix_socket(path: Path) -> socket.socket:
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()  # stale: we hold the data directory's lock, so nobody serves it
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)  # born 0600: no window where others could connect
+    try:
+        sock.bind(str(path))
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+def _tcp_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+class Daemon:
+    """A prepared daemon: data directory locked, services built, key file written.
+
+    ``serve()`` is ``Daemon(...).run()``; tests build one directly to stop it by hand.
+    """
+
+    def __init__(
+        self,
+        paths: Paths,
+        *,
+        listen: str | None = None,
+        machines: MachineService | None = None,
+        snapshots: SnapshotService | None = None,
+        host_info: Callable[[], models.HostInfo] | None = None,
+    ) -> None:
+        """Lock the data directory and prepare everything short of listening.
+
+        Raises:
+            Conflict: another daemon serves this data directory.
+            InvalidRequest: ``listen`` is not ``HOST:PORT``.
+        """
+        self.paths = paths
+        self.tcp = _parse_listen(listen) if listen else None
+        paths.ensure()
+        self._lock_fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            os.close(self._lock_fd)
+            raise Conflict(
+                "a boxd daemon already serves this data directory",
+                hint=f"use it (socket {paths.socket}) or stop it; pid in {paths.lock}",
+            ) from exc
+        try:
+            os.ftruncate(self._lock_fd, 0)
+            os.write(self._lock_fd, f"{os.getpid()}\n".encode())
+            self._log_handler = setup_logging(paths.log)
+            self.db = Database(paths.db)
+            self.keys = KeyService(self.db)
+            if machines is None or snapshots is None:
+                built_m, built_s, built_info = _build_services(paths, self.db)
+                machines = machines or built_m
+                snapshots = snapshots or built_s
+                host_info = host_info or built_info
+            self.machines = machines
+            self.snapshots = snapshots
+            key_file = local_key_path(paths)
+            secret = self.keys.ensure_default_local_key(os.getuid(), _read_local_key(key_file))
+            write_local_key(key_file, secret)
+            self.app = create_app(
+                machines=machines,
+                snapshots=snapshots,
+                keys=self.keys,
+                host_info=host_info or _fallback_host_info(paths),
+                upload_dir=paths.home / "uploads",
+            )
+            self.server = uvicorn.Server(
+                uvicorn.Config(
+                    self.app, log_config=None, access_log=True, proxy_headers=False,
+                    timeout_graceful_shutdown=10,
+                )
+            )
+        except BaseException:
+            self._unlock()
+            raise
+
+    def _unlock(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self._lock_fd)
+
+    def stop(self) -> None:
+        """Ask a running daemon to shut down (thread-safe)."""
+        self.server.should_exit = True
+
+    async def run_async(self) -> None:
+        """Serve until stopped, then detach from machines (they keep running)."""
+        sockets = [_unix_socket(self.paths.socket)]
+        if self.tcp:
+            sockets.append(_tcp_socket(*self.tcp))
+        log.info("daemon started", extra={"pid": os.getpid(), "socket": str(self.paths.socket),
+                                          "tcp": self.tcp, "home": str(self.paths.home)})
+        started = time.monotonic()
+        try:
+            await self.server.serve(sockets=sockets)
+        finally:
+            try:
+                await self.machines.close()
+            except NotImplementedError:
+                pass
+            except Exception:
+                log.exception("closing the machine service failed")
+            for s in sockets:
+                s.close()
+            with contextlib.suppress(FileNotFoundError):
+                self.paths.socket.unlink()
+            self.db.close()
+            log.info("daemon stopped", extra={"uptime": round(time.monotonic() - started, 3)})
+            for name in _LOGGERS:
+                logging.getLogger(name).removeHandler(self._log_handler)
+            self._log_handler.close()
+            self._unlock()
+
+    def run(self) -> None:
+        """Serve until SIGTERM or SIGINT (uvicorn handles both)."""
+        asyncio.run(self.run_async())
+
+
+def serve(
+    paths: Paths,
+    *,
+    listen: str | None = None,
+    machines: MachineService | None = None,
+    snapshots: SnapshotService | None = None,
+) -> None:
+    """Run the boxd daemon for a data directory until SIGTERM or SIGINT.
+
+    Args:
+        paths: the data directory.
+        listen: also serve on TCP at ``HOST:PORT`` (e.g. ``127.0.0.1:7070``).
+        machines: the machine service (default: ``boxd.core.build_services``).
+        snapshots: the snapshot service (default: ``boxd.core.build_services``).
+
+    Raises:
+        Conflict: another daemon serves this data directory.
+        InvalidRequest: ``listen`` is not ``HOST:PORT``.
+    """
+    Daemon(paths, listen=listen, machines=machines, snapshots=snapshots).run()
