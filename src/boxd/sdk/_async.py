@@ -1,0 +1,544 @@
+"""The asynchronous client, ``AsyncBoxd``. Mirrors ``_sync.py``; logic lives in ``_base``.
+
+One ``AsyncBoxd`` may serve many tasks at once: the pool allows 64 concurrent
+connections, and the lazy connect (which may start the local daemon, in a worker
+thread) runs once under a lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import os
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import BinaryIO, overload
+
+import httpx
+
+from boxd import errors, models
+from boxd.sdk import _base, _local
+
+__all__ = [
+    "AsyncBoxd",
+    "AsyncCheckpoints",
+    "AsyncFiles",
+    "AsyncKeys",
+    "AsyncMachines",
+    "AsyncSnapshots",
+]
+
+_CHUNK = 1 << 20
+
+
+class AsyncBoxd:
+    """Client of a boxd daemon.
+
+    Args:
+        api_key: API key; defaults to ``BOXD_API_KEY``, else the local daemon's key file.
+        base_url: ``http://HOST:PORT`` of a daemon; defaults to ``BOXD_URL``, else the local
+            daemon on its unix socket (started on first use if none runs).
+        timeout: seconds for ordinary requests (exec has no read timeout; the command's
+            own ``timeout`` applies). None waits forever.
+
+    Raises:
+        InvalidRequest: ``base_url``/``BOXD_URL`` is not an http(s) URL.
+    """
+
+    def __init__(
+        self,
+        api_key: str | None = None,
+        base_url: str | None = None,
+        timeout: float | None = _base.DEFAULT_TIMEOUT,
+    ) -> None:
+        self._target = _base.resolve_target(api_key, base_url)
+        self._timeout = timeout
+        self._lock = asyncio.Lock()
+        self._http: httpx.AsyncClient | None = None
+        self._closed = False
+        self.machines = AsyncMachines(self)
+        self.snapshots = AsyncSnapshots(self)
+        self.keys = AsyncKeys(self)
+
+    async def info(self) -> models.HostInfo:
+        """Describe the host: engine, QEMU version, accelerator and why, data directory.
+
+        Raises:
+            BoxdError: the daemon refused the request; ConnectionError if unreachable.
+        """
+        return await self._parse(models.HostInfo, _base.info())
+
+    async def close(self) -> None:
+        """Close the connection pool. The daemon keeps running."""
+        async with self._lock:
+            self._closed = True
+            http, self._http = self._http, None
+        if http is not None:
+            await http.aclose()
+
+    async def __aenter__(self) -> AsyncBoxd:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"AsyncBoxd({self._target.where!r})"
+
+    # --- plumbing (mirrored in _sync) -------------------------------------------------
+
+    async def _client(self) -> httpx.AsyncClient:
+        http = self._http
+        if http is not None:
+            return http
+        async with self._lock:
+            if self._closed:
+                raise errors.ConnectionError("this AsyncBoxd client is closed")
+            if self._http is None:
+                t = self._target
+                if t.local:
+                    await asyncio.to_thread(_local.ensure_daemon, t.paths)
+                key = t.api_key or _local.read_local_key(t.paths)
+                transport = httpx.AsyncHTTPTransport(
+                    uds=str(t.uds) if t.uds is not None else None, limits=_base.limits()
+                )
+                self._http = httpx.AsyncClient(
+                    base_url=t.base_url,
+                    transport=transport,
+                    headers=_base.headers(key),
+                    timeout=_base.timeout_for(self._timeout, _base.DEFAULT),
+                )
+            return self._http
+
+    async def _build(
+        self, req: _base.Req, content: AsyncIterator[bytes] | None = None
+    ) -> httpx.Request:
+        return (await self._client()).build_request(
+            req.method,
+            req.path,
+            params=req.params or None,
+            json=req.json,
+            content=content if content is not None else req.content,
+            timeout=_base.timeout_for(self._timeout, req.timeout),
+        )
+
+    async def _send(
+        self, req: _base.Req, *, stream: bool = False, content: AsyncIterator[bytes] | None = None
+    ) -> httpx.Response:
+        try:
+            try:
+                request = await self._build(req, content)
+                return await (await self._client()).send(request, stream=stream)
+            except httpx.ConnectError:
+                # The local daemon may have stopped since we connected: start it and retry
+                # once (safe: nothing was sent).
+                if not self._target.local or content is not None:
+                    raise
+                await asyncio.to_thread(_local.ensure_daemon, self._target.paths)
+                request = await self._build(req, content)
+                return await (await self._client()).send(request, stream=stream)
+        except httpx.HTTPError as exc:
+            raise _base.map_transport_error(exc, self._target) from exc
+
+    async def _call(self, req: _base.Req) -> bytes:
+        resp = await self._send(req)
+        _base.raise_for_status(resp.status_code, resp.content)
+        return resp.content
+
+    async def _parse(self, model: type[_base.M], req: _base.Req) -> _base.M:
+        resp = await self._send(req)
+        return _base.parse(model, resp.status_code, resp.content)
+
+    @contextlib.asynccontextmanager
+    async def _stream(
+        self, req: _base.Req, content: AsyncIterator[bytes] | None = None
+    ) -> AsyncIterator[httpx.Response]:
+        resp = await self._send(req, stream=True, content=content)
+        try:
+            if not 200 <= resp.status_code < 300:
+                try:
+                    body = await resp.aread()
+                except httpx.HTTPError as exc:
+                    raise _base.map_transport_error(exc, self._target) from exc
+                _base.raise_for_status(resp.status_code, body)
+            yield resp
+        finally:
+            await resp.aclose()
+
+
+class AsyncMachines:
+    """AsyncMachines: create, inspect, run commands in, fork and delete (``boxd.machines``)."""
+
+    def __init__(self, client: AsyncBoxd) -> None:
+        self._c = client
+        self.files = AsyncFiles(client)
+        self.checkpoints = AsyncCheckpoints(client)
+
+    async def new(
+        self,
+        name: str | None = None,
+        *,
+        vcpus: int | None = None,
+        memory_mib: int | None = None,
+        disk_gib: int | None = None,
+        isolated: bool = False,
+        from_snapshot: str | None = None,
+    ) -> models.Machine:
+        """Create and boot a machine; returns while it starts (see ``wait_until_ready``).
+
+        Args:
+            name: DNS-label name, unique per account; generated if None.
+            vcpus: virtual CPUs (daemon default if None).
+            memory_mib: memory in MiB (daemon default if None).
+            disk_gib: disk size in GiB (daemon default if None).
+            isolated: no network at all.
+            from_snapshot: start from a snapshot (``NAME``, ``NAME@N`` or ``sha256:...``).
+
+        Raises:
+            InvalidRequest, AlreadyExists, QuotaExceeded, SnapshotNotFound, HostSetupError.
+        """
+        return await self._c._parse(
+            models.Machine,
+            _base.machine_create(name, vcpus, memory_mib, disk_gib, isolated, from_snapshot),
+        )
+
+    async def get(self, ref: str) -> models.Machine:
+        """The machine with this name or id.
+
+        Raises:
+            MachineNotFound: no such machine.
+        """
+        return await self._c._parse(models.Machine, _base.machine_get(ref))
+
+    async def list(self) -> list[models.Machine]:
+        """Every machine of this account.
+
+        Raises:
+            BoxdError: the daemon refused the request.
+        """
+        return (await self._c._parse(models.MachineList, _base.machine_list())).machines
+
+    async def delete(self, ref: str) -> None:
+        """Stop the machine and remove its files (its checkpoints die with it).
+
+        Raises:
+            MachineNotFound: no such machine.
+        """
+        await self._c._call(_base.machine_delete(ref))
+
+    async def wait_until_ready(self, ref: str, timeout: float = 120.0) -> models.Machine:
+        """Block until the machine's agent answers, then return the machine.
+
+        Raises:
+            MachineNotFound: no such machine.
+            MachineFailed: the machine died or did not become ready within ``timeout``.
+        """
+        return await self._c._parse(models.Machine, _base.machine_wait(ref, timeout))
+
+    async def exec(
+        self,
+        ref: str,
+        command: str | builtins.list[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float | None = None,
+        stdin: str | None = None,
+    ) -> models.ExecResult:
+        """Run a command to completion and return its output and exit code.
+
+        A non-zero exit code is a normal result, not an exception.
+
+        Args:
+            ref: machine name or id.
+            command: a shell string (run by ``/bin/sh -c``) or an argv list.
+            env: extra environment variables.
+            cwd: working directory in the guest.
+            timeout: seconds after which the command is killed.
+            stdin: text fed to the command's standard input.
+
+        Raises:
+            ExecTimeout: the command ran past ``timeout``; ``.stdout``/``.stderr`` hold the
+                partial output.
+            MachineNotFound, MachineFailed.
+        """
+        return await self._c._parse(
+            models.ExecResult, _base.machine_exec(ref, command, env, cwd, timeout, stdin)
+        )
+
+    async def exec_stream(
+        self,
+        ref: str,
+        command: str | builtins.list[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float | None = None,
+        stdin: str | None = None,
+    ) -> AsyncIterator[models.ExecEvent]:
+        """Run a command, yielding ``stdout``/``stderr`` events as they arrive, then ``exit``.
+
+        Arguments are those of :meth:`exec`. The final event has ``type == "exit"`` with
+        ``exit_code``, ``signal`` and ``timed_out``.
+
+        Raises:
+            MachineNotFound, MachineFailed, ConnectionError.
+        """
+        req = _base.machine_exec_stream(ref, command, env, cwd, timeout, stdin)
+        async with self._c._stream(req) as resp:
+            try:
+                async for line in resp.aiter_lines():
+                    event = _base.parse_event(line)
+                    if event is not None:
+                        yield event
+            except httpx.HTTPError as exc:
+                raise _base.map_transport_error(exc, self._c._target) from exc
+
+    @overload
+    async def fork(self, src: str, name: str | None = None) -> models.Machine: ...
+
+    @overload
+    async def fork(
+        self, src: str, name: None = None, *, count: int, names: builtins.list[str] | None = None
+    ) -> builtins.list[models.Machine | errors.BoxdError]: ...
+
+    @overload
+    async def fork(
+        self, src: str, name: None = None, *, count: int | None = None, names: builtins.list[str]
+    ) -> builtins.list[models.Machine | errors.BoxdError]: ...
+
+    async def fork(
+        self,
+        src: str,
+        name: str | None = None,
+        *,
+        count: int | None = None,
+        names: builtins.list[str] | None = None,
+    ) -> models.Machine | builtins.list[models.Machine | errors.BoxdError]:
+        """Fork a running machine: the child continues from the same instruction.
+
+        With ``count`` or ``names``, fork several children in one call and return one
+        entry per child: its ``Machine`` or the ``BoxdError`` that stopped it (one failure
+        doesn't sink the batch). Otherwise return the single child.
+
+        Raises:
+            MachineNotFound, StateError, AlreadyExists, QuotaExceeded (single fork; a
+            batch raises only for errors that concern the whole request).
+        """
+        if count is None and names is None:
+            return await self._c._parse(models.Machine, _base.machine_fork(src, name))
+        if name is not None:
+            raise errors.InvalidRequest("pass either name or count/names", field="name")
+        result = await self._c._parse(
+            models.ForkResult, _base.machine_fork_batch(src, count, names)
+        )
+        return _base.fork_items(result)
+
+
+class AsyncFiles:
+    """AsyncFiles inside a machine (``boxd.machines.files``)."""
+
+    def __init__(self, client: AsyncBoxd) -> None:
+        self._c = client
+
+    async def upload(
+        self, ref: str, path: str, data: str | bytes, mode: int = 0o644
+    ) -> models.FileInfo:
+        """Write a file in the machine (parent directories are created).
+
+        Args:
+            ref: machine name or id.
+            path: absolute path in the guest.
+            data: the content; ``str`` is encoded as UTF-8.
+            mode: permission bits.
+
+        Raises:
+            MachineNotFound, InvalidRequest.
+        """
+        return await self._c._parse(models.FileInfo, _base.file_upload(ref, path, data, mode))
+
+    async def download(self, ref: str, path: str) -> bytes:
+        """Read a file from the machine.
+
+        Raises:
+            MachineNotFound, GuestFileNotFound.
+        """
+        return await self._c._call(_base.file_download(ref, path))
+
+
+class AsyncCheckpoints:
+    """Per-machine checkpoints: rewind one machine in place (``boxd.machines.checkpoints``)."""
+
+    def __init__(self, client: AsyncBoxd) -> None:
+        self._c = client
+
+    async def save(self, ref: str, name: str) -> models.Checkpoint:
+        """Capture the machine's memory and disk under ``name``.
+
+        Raises:
+            MachineNotFound, AlreadyExists, StateError.
+        """
+        return await self._c._parse(models.Checkpoint, _base.checkpoint_save(ref, name))
+
+    async def restore(self, ref: str, name: str) -> models.Machine:
+        """Rewind the machine in place to the checkpoint (same id, name and URL).
+
+        Raises:
+            MachineNotFound, CheckpointNotFound.
+        """
+        return await self._c._parse(models.Machine, _base.checkpoint_restore(ref, name))
+
+    async def list(self, ref: str) -> list[models.Checkpoint]:
+        """The machine's checkpoints.
+
+        Raises:
+            MachineNotFound: no such machine.
+        """
+        return (await self._c._parse(models.CheckpointList, _base.checkpoint_list(ref))).checkpoints
+
+    async def delete(self, ref: str, name: str) -> None:
+        """Delete one checkpoint.
+
+        Raises:
+            MachineNotFound, CheckpointNotFound.
+        """
+        await self._c._call(_base.checkpoint_delete(ref, name))
+
+
+class AsyncSnapshots:
+    """Durable, named, versioned machine images (``boxd.snapshots``)."""
+
+    def __init__(self, client: AsyncBoxd) -> None:
+        self._c = client
+
+    async def save(self, machine: str, name: str, *, new_version: bool = False) -> models.Snapshot:
+        """Save a machine as snapshot ``name`` (the machine keeps running).
+
+        Args:
+            machine: machine name or id.
+            name: snapshot name.
+            new_version: add a version when ``name`` exists (else that is an error).
+
+        Raises:
+            MachineNotFound, AlreadyExists.
+        """
+        return await self._c._parse(
+            models.Snapshot, _base.snapshot_save(machine, name, new_version)
+        )
+
+    async def get(self, ref: str) -> models.Snapshot:
+        """The snapshot ``NAME`` (latest version), ``NAME@N`` or ``sha256:DIGEST``.
+
+        Raises:
+            SnapshotNotFound: no match.
+        """
+        return await self._c._parse(models.Snapshot, _base.snapshot_get(ref))
+
+    async def list(self) -> list[models.Snapshot]:
+        """Every snapshot version of this account.
+
+        Raises:
+            BoxdError: the daemon refused the request.
+        """
+        return (await self._c._parse(models.SnapshotList, _base.snapshot_list())).snapshots
+
+    async def delete(self, ref: str) -> None:
+        """Delete a snapshot version.
+
+        Raises:
+            SnapshotNotFound: no match.
+        """
+        await self._c._call(_base.snapshot_delete(ref))
+
+    async def export(self, ref: str, path: str | os.PathLike[str]) -> Path:
+        """Stream the snapshot into one file at ``path`` (written atomically).
+
+        Raises:
+            SnapshotNotFound: no match.
+            InvalidRequest: ``path`` cannot be written.
+        """
+        dest = Path(path)
+        tmp = dest.with_name(f".{dest.name}.part")
+        try:
+            async with self._c._stream(_base.snapshot_export(ref)) as resp:
+                with open(tmp, "wb") as f:
+                    try:
+                        async for chunk in resp.aiter_bytes(_CHUNK):
+                            await asyncio.to_thread(f.write, chunk)
+                    except httpx.HTTPError as exc:
+                        raise _base.map_transport_error(exc, self._c._target) from exc
+            os.replace(tmp, dest)
+        except OSError as exc:
+            raise errors.InvalidRequest(
+                f"cannot write {dest}: {exc.strerror or exc}", field="path"
+            ) from exc
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        return dest
+
+    async def import_(
+        self, path: str | os.PathLike[str], name: str | None = None
+    ) -> models.Snapshot:
+        """Import a file written by :meth:`export`.
+
+        Raises:
+            IntegrityError: the file is corrupt.
+            InvalidRequest: not a snapshot file, or ``path`` cannot be read.
+        """
+        src = Path(path)
+        try:
+            with open(src, "rb") as f:
+                resp = await self._c._send(_base.snapshot_import(name), content=_read_chunks(f))
+        except OSError as exc:
+            raise errors.InvalidRequest(
+                f"cannot read {src}: {exc.strerror or exc}", field="path"
+            ) from exc
+        return _base.parse(models.Snapshot, resp.status_code, resp.content)
+
+
+async def _read_chunks(f: BinaryIO) -> AsyncIterator[bytes]:
+    while chunk := await asyncio.to_thread(f.read, _CHUNK):
+        yield chunk
+
+
+class AsyncKeys:
+    """API keys (``boxd.keys``)."""
+
+    def __init__(self, client: AsyncBoxd) -> None:
+        self._c = client
+
+    async def create(self, name: str, account: str | None = None) -> models.ApiKeyCreated:
+        """Create an API key; its ``secret`` is shown only in this result.
+
+        Args:
+            name: a label for the key.
+            account: the account the key acts for (admin only); the caller's if None.
+
+        Raises:
+            AuthError, InvalidRequest.
+        """
+        return await self._c._parse(models.ApiKeyCreated, _base.key_create(name, account))
+
+    async def list(self) -> list[models.ApiKey]:
+        """The keys visible to this key.
+
+        Raises:
+            AuthError: the key is not allowed to list keys.
+        """
+        return (await self._c._parse(models.ApiKeyList, _base.key_list())).keys
+
+    async def revoke(self, key_id: str) -> None:
+        """Revoke a key; requests with it fail from now on.
+
+        Raises:
+            NotFound: no such key.
+        """
+        await self._c._call(_base.key_revoke(key_id))

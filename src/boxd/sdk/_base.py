@@ -1,0 +1,457 @@
+"""I/O-free logic shared by the sync and async clients.
+
+Everything here is pure: where to connect and with which key (from arguments and the
+environment), which HTTP request each SDK call makes, and how a response becomes a model
+or a typed :class:`~boxd.errors.BoxdError`. The clients in ``_sync`` and ``_async`` only
+send what this module builds, so both stay thin mirrors of each other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, TypeVar
+from urllib.parse import quote, urlsplit
+
+import httpx
+from pydantic import BaseModel, ValidationError
+
+from boxd import errors, models
+from boxd.config import Paths
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "LOCAL_BASE_URL",
+    "Req",
+    "Target",
+    "fork_items",
+    "local_key_path",
+    "map_transport_error",
+    "parse",
+    "parse_event",
+    "raise_for_status",
+    "resolve_target",
+]
+
+#: Seconds for ordinary requests. Exec and exec_stream have no read timeout (the command's
+#: own ``timeout`` is enforced by the daemon); wait_until_ready extends it by its timeout.
+DEFAULT_TIMEOUT: Final = 300.0
+#: Seconds to establish a connection.
+CONNECT_TIMEOUT: Final = 10.0
+#: Base URL used for the local daemon on its unix socket (the host part is ignored).
+LOCAL_BASE_URL: Final = "http://boxd"
+#: The spec's ThreadPoolExecutor runs 8 workers; leave head room for exec + stream pairs.
+MAX_CONNECTIONS: Final = 64
+MAX_KEEPALIVE: Final = 32
+
+#: Sentinel for "use the client's default timeout".
+DEFAULT: Final = "default"
+#: Sentinel for "no read timeout" (long-running exec).
+NO_READ_TIMEOUT: Final = "no-read-timeout"
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def local_key_path(paths: Paths) -> Path:
+    """The key file the local daemon writes for its OS user (mode 0600)."""
+    return paths.home / "local.key"
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a client connects and how it authenticates.
+
+    Attributes:
+        base_url: URL prefix of every request.
+        uds: the local daemon's unix socket, or None for a TCP URL.
+        api_key: explicit key (argument or ``BOXD_API_KEY``), or None to use the local key
+            file once the daemon is known to run.
+        paths: the local data directory (socket, key file, log, spawn lock).
+    """
+
+    base_url: str
+    uds: Path | None
+    api_key: str | None
+    paths: Paths
+
+    @property
+    def local(self) -> bool:
+        """True when the client talks to (and may start) the local daemon."""
+        return self.uds is not None
+
+    @property
+    def where(self) -> str:
+        """Human description of the endpoint, for error messages."""
+        return f"unix socket {self.uds}" if self.uds is not None else self.base_url
+
+
+def resolve_target(
+    api_key: str | None = None,
+    base_url: str | None = None,
+    environ: Mapping[str, str] | None = None,
+    paths: Paths | None = None,
+) -> Target:
+    """Decide the endpoint and key from arguments, then the environment.
+
+    Order: ``base_url`` argument, ``BOXD_URL``, else the local daemon's unix socket.
+    ``api_key`` argument, ``BOXD_API_KEY``, else (resolved later, after the daemon runs)
+    the local key file.
+
+    Raises:
+        InvalidRequest: the base URL is not an ``http(s)://host[:port]`` URL.
+    """
+    env = os.environ if environ is None else environ
+    paths = paths or Paths.default()
+    key = api_key or env.get("BOXD_API_KEY") or None
+    url = base_url or env.get("BOXD_URL") or None
+    if url is None:
+        return Target(LOCAL_BASE_URL, paths.socket, key, paths)
+    url = url.strip().rstrip("/")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise errors.InvalidRequest(
+            f"invalid boxd URL {url!r}",
+            hint="use http://HOST:PORT, e.g. BOXD_URL=http://127.0.0.1:7070",
+            field="base_url",
+        )
+    return Target(url, None, key, paths)
+
+
+def timeout_for(default: float | None, spec: float | str | None) -> httpx.Timeout:
+    """The httpx timeout for one request, given the client default and the request's spec."""
+    if spec == DEFAULT:
+        return httpx.Timeout(default, connect=CONNECT_TIMEOUT)
+    if spec == NO_READ_TIMEOUT or spec is None:
+        return httpx.Timeout(default, connect=CONNECT_TIMEOUT, read=None)
+    assert isinstance(spec, float | int)
+    return httpx.Timeout(max(float(spec), default or 0.0), connect=CONNECT_TIMEOUT)
+
+
+def seg(ref: str) -> str:
+    """Quote one path segment (machine and snapshot refs may hold ``@`` or ``:``)."""
+    return quote(str(ref), safe="")
+
+
+@dataclass(frozen=True)
+class Req:
+    """One HTTP request, built without I/O."""
+
+    method: str
+    path: str
+    params: dict[str, str] = field(default_factory=dict)
+    json: Any = None
+    content: bytes | None = None
+    timeout: float | str | None = DEFAULT
+
+
+# --- request builders -----------------------------------------------------------------
+
+
+def health() -> Req:
+    return Req("GET", "/v1/health", timeout=5.0)
+
+
+def info() -> Req:
+    return Req("GET", "/v1/info")
+
+
+def machine_create(
+    name: str | None,
+    vcpus: int | None,
+    memory_mib: int | None,
+    disk_gib: int | None,
+    isolated: bool,
+    from_snapshot: str | None,
+) -> Req:
+    body: dict[str, Any] = {"isolated": bool(isolated)}
+    for k, v in (
+        ("name", name),
+        ("vcpus", vcpus),
+        ("memory_mib", memory_mib),
+        ("disk_gib", disk_gib),
+        ("from_snapshot", from_snapshot),
+    ):
+        if v is not None:  # absent fields take the daemon's defaults
+            body[k] = v
+    return Req("POST", "/v1/machines", json=body)
+
+
+def machine_get(ref: str) -> Req:
+    return Req("GET", f"/v1/machines/{seg(ref)}")
+
+
+def machine_list() -> Req:
+    return Req("GET", "/v1/machines")
+
+
+def machine_delete(ref: str) -> Req:
+    return Req("DELETE", f"/v1/machines/{seg(ref)}")
+
+
+def machine_wait(ref: str, timeout: float) -> Req:
+    # The daemon holds the request up to `timeout`; give the HTTP read some slack on top.
+    return Req(
+        "POST",
+        f"/v1/machines/{seg(ref)}/wait",
+        params={"timeout": _num(timeout)},
+        timeout=float(timeout) + 30.0,
+    )
+
+
+def exec_body(
+    command: str | list[str] | tuple[str, ...],
+    env: Mapping[str, str] | None,
+    cwd: str | None,
+    timeout: float | None,
+    stdin: str | None,
+) -> dict[str, Any]:
+    if isinstance(command, tuple):
+        command = list(command)
+    if not isinstance(command, str | list) or not command:
+        raise errors.InvalidRequest(
+            "command must be a non-empty shell string or argv list", field="command"
+        )
+    body: dict[str, Any] = {"command": command, "env": dict(env or {})}
+    if cwd is not None:
+        body["cwd"] = cwd
+    if timeout is not None:
+        body["timeout"] = timeout
+    if stdin is not None:
+        body["stdin"] = stdin
+    return body
+
+
+def machine_exec(
+    ref: str,
+    command: str | list[str],
+    env: Mapping[str, str] | None,
+    cwd: str | None,
+    timeout: float | None,
+    stdin: str | None,
+) -> Req:
+    return Req(
+        "POST",
+        f"/v1/machines/{seg(ref)}/exec",
+        json=exec_body(command, env, cwd, timeout, stdin),
+        timeout=NO_READ_TIMEOUT,
+    )
+
+
+def machine_exec_stream(
+    ref: str,
+    command: str | list[str],
+    env: Mapping[str, str] | None,
+    cwd: str | None,
+    timeout: float | None,
+    stdin: str | None,
+) -> Req:
+    return Req(
+        "POST",
+        f"/v1/machines/{seg(ref)}/exec/stream",
+        json=exec_body(command, env, cwd, timeout, stdin),
+        timeout=NO_READ_TIMEOUT,
+    )
+
+
+def machine_fork(src: str, name: str | None) -> Req:
+    return Req(
+        "POST",
+        f"/v1/machines/{seg(src)}/fork",
+        json={"name": name} if name is not None else {},
+    )
+
+
+def machine_fork_batch(src: str, count: int | None, names: list[str] | None) -> Req:
+    body: dict[str, Any] = {}
+    if count is not None:
+        body["count"] = count
+    if names is not None:
+        body["names"] = list(names)
+    return Req("POST", f"/v1/machines/{seg(src)}/fork/batch", json=body, timeout=NO_READ_TIMEOUT)
+
+
+def file_upload(ref: str, path: str, data: str | bytes, mode: int) -> Req:
+    content = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+    return Req(
+        "PUT",
+        f"/v1/machines/{seg(ref)}/files",
+        params={"path": path, "mode": str(int(mode))},
+        content=content,
+    )
+
+
+def file_download(ref: str, path: str) -> Req:
+    return Req("GET", f"/v1/machines/{seg(ref)}/files", params={"path": path})
+
+
+def checkpoint_save(ref: str, name: str) -> Req:
+    return Req("POST", f"/v1/machines/{seg(ref)}/checkpoints", json={"name": name})
+
+
+def checkpoint_restore(ref: str, name: str) -> Req:
+    return Req("POST", f"/v1/machines/{seg(ref)}/checkpoints/{seg(name)}/restore")
+
+
+def checkpoint_list(ref: str) -> Req:
+    return Req("GET", f"/v1/machines/{seg(ref)}/checkpoints")
+
+
+def checkpoint_delete(ref: str, name: str) -> Req:
+    return Req("DELETE", f"/v1/machines/{seg(ref)}/checkpoints/{seg(name)}")
+
+
+def snapshot_save(machine: str, name: str, new_version: bool) -> Req:
+    return Req(
+        "POST",
+        "/v1/snapshots",
+        json={"machine": machine, "name": name, "new_version": bool(new_version)},
+        timeout=NO_READ_TIMEOUT,
+    )
+
+
+def snapshot_get(ref: str) -> Req:
+    return Req("GET", f"/v1/snapshots/{seg(ref)}")
+
+
+def snapshot_list() -> Req:
+    return Req("GET", "/v1/snapshots")
+
+
+def snapshot_delete(ref: str) -> Req:
+    return Req("DELETE", f"/v1/snapshots/{seg(ref)}")
+
+
+def snapshot_export(ref: str) -> Req:
+    return Req("GET", f"/v1/snapshots/{seg(ref)}/export", timeout=NO_READ_TIMEOUT)
+
+
+def snapshot_import(name: str | None) -> Req:
+    params = {"name": name} if name is not None else {}
+    return Req("POST", "/v1/snapshots/import", params=params, timeout=NO_READ_TIMEOUT)
+
+
+def key_create(name: str, account: str | None) -> Req:
+    body: dict[str, Any] = {"name": name}
+    if account is not None:
+        body["account"] = account
+    return Req("POST", "/v1/keys", json=body)
+
+
+def key_list() -> Req:
+    return Req("GET", "/v1/keys")
+
+
+def key_revoke(key_id: str) -> Req:
+    return Req("DELETE", f"/v1/keys/{seg(key_id)}")
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(float(x))
+
+
+# --- responses ------------------------------------------------------------------------
+
+
+def error_from_response(status: int, content: bytes) -> errors.BoxdError:
+    """The typed error for a non-2xx response."""
+    try:
+        body = json.loads(content) if content else None
+    except ValueError:
+        text = content.decode("utf-8", "replace").strip()[:300]
+        return errors.InternalError(
+            f"unexpected HTTP {status} from boxd: {text or '(empty body)'}",
+            hint="is BOXD_URL pointing at a boxd daemon?",
+        )
+    if body is None:
+        return errors.InternalError(f"unexpected HTTP {status} from boxd (empty body)")
+    return errors.error_from_body(body, status)
+
+
+def raise_for_status(status: int, content: bytes) -> None:
+    """Raise the typed error if ``status`` is not 2xx.
+
+    Raises:
+        BoxdError: the subclass named by the body's ``code``.
+    """
+    if not 200 <= status < 300:
+        raise error_from_response(status, content)
+
+
+def parse(model: type[M], status: int, content: bytes) -> M:
+    """Check the status, then validate the JSON body as ``model``.
+
+    Raises:
+        BoxdError: for a non-2xx status; InternalError for a body that doesn't fit.
+    """
+    raise_for_status(status, content)
+    try:
+        return model.model_validate_json(content)
+    except ValidationError as exc:
+        raise errors.InternalError(
+            f"boxd sent a {model.__name__} this client cannot read: {exc.errors()[:1]}",
+            hint="are the client and daemon versions compatible?",
+        ) from exc
+
+
+def parse_event(line: str | bytes) -> models.ExecEvent | None:
+    """One NDJSON line of an exec stream as an event (None for blank lines).
+
+    Raises:
+        BoxdError: the line carries an error body instead of an event.
+    """
+    if not line.strip():
+        return None
+    try:
+        obj = json.loads(line)
+    except ValueError as exc:
+        raise errors.InternalError(f"malformed exec stream line: {line[:200]!r}") from exc
+    if isinstance(obj, dict) and isinstance(obj.get("error"), dict):
+        raise errors.error_from_body(obj)
+    try:
+        return models.ExecEvent.model_validate(obj)
+    except ValidationError as exc:
+        raise errors.InternalError(f"malformed exec event: {obj!r}"[:300]) from exc
+
+
+def fork_items(result: models.ForkResult) -> list[models.Machine | errors.BoxdError]:
+    """Per-child outcome of a batch fork: each child's Machine or its typed error."""
+    out: list[models.Machine | errors.BoxdError] = []
+    for item in result.children:
+        if item.machine is not None:
+            out.append(item.machine)
+        elif item.error is not None:
+            out.append(errors.error_from_body({"error": item.error.model_dump()}))
+        else:
+            out.append(errors.InternalError("batch fork returned an empty item"))
+    return out
+
+
+def map_transport_error(exc: Exception, target: Target) -> errors.ConnectionError:
+    """Translate an httpx transport failure into boxd's ConnectionError."""
+    if isinstance(exc, httpx.TimeoutException):
+        what = f"request to boxd at {target.where} timed out ({type(exc).__name__})"
+        hint = "the daemon may be overloaded; raise Boxd(timeout=...)"
+    else:
+        what = f"cannot reach boxd at {target.where}: {exc or type(exc).__name__}"
+        hint = (
+            f"is the daemon running? its log is {target.paths.log}"
+            if target.local
+            else "check BOXD_URL and that the daemon is running"
+        )
+    return errors.ConnectionError(what, hint=hint)
+
+
+def headers(api_key: str | None) -> dict[str, str]:
+    from boxd import __version__  # late: boxd/__init__ imports this module
+
+    h = {"User-Agent": f"boxd-python/{__version__}", "Accept": "application/json"}
+    if api_key:
+        h["Authorization"] = f"Bearer {api_key}"
+    return h
+
+
+def limits() -> httpx.Limits:
+    return httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=MAX_KEEPALIVE)
