@@ -52,6 +52,7 @@ CREATE TABLE machines (
     image       TEXT NOT NULL,                -- image recipe hash
     layer_id    TEXT REFERENCES layers(id),   -- active (writable) disk layer
     template_id TEXT REFERENCES templates(id),-- RAM mapped copy-on-write from this template
+    ram_shared  INTEGER NOT NULL DEFAULT 1,   -- 1: owns its RAM file; 0: maps an image privately
     pid         INTEGER,
     generation  INTEGER NOT NULL DEFAULT 0,   -- bumped by every mutating request
     parent_id   TEXT,                         -- forked from
