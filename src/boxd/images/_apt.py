@@ -123,3 +123,48 @@ def apt_proxy_options() -> list[str]:
             scheme = key.split("_")[0]
             opts.append(f'Acquire::{scheme}::Proxy "{value}";')
     return opts
+
+
+def select_suite_sources(sources: list[AptSource], suite: str) -> list[AptSource]:
+    """Only the entries for ``suite``, ``suite-updates`` and ``suite-security``.
+
+    Backports and third-party suites (``nodistro``, ``cloud-sdk-...``) are dropped;
+    each kept entry lists only the wanted suites it carries.
+    """
+    wanted = (suite, f"{suite}-updates", f"{suite}-security")
+    out: list[AptSource] = []
+    for s in sources:
+        suites = tuple(x for x in s.suites if x in wanted)
+        if suites:
+            out.append(AptSource(s.uri, suites, s.components or ("main",)))
+    return out
+
+
+def one_line_entries(sources: list[AptSource]) -> list[str]:
+    """``deb URI SUITE COMPONENTS`` lines, one per suite (mmdebstrap's mirror arguments)."""
+    lines: list[str] = []
+    for s in sources:
+        for suite in s.suites:
+            line = f"deb {s.uri} {suite} {' '.join(s.components)}"
+            if line not in lines:
+                lines.append(line)
+    return lines
+
+
+def host_apt_proxy_options() -> list[str]:
+    """Proxy settings from the host's apt configuration and environment (``--aptopt`` lines)."""
+    opts = apt_proxy_options()
+    try:
+        import subprocess
+
+        out = subprocess.run(["apt-config", "dump"], capture_output=True, text=True,
+                             check=False).stdout
+    except OSError:
+        return opts
+    for line in out.splitlines():
+        m = re.match(r'(Acquire::(?:http|https|ftp)::Proxy(?:::\S+)?) "(.*)";$', line)
+        if m and m.group(2) and m.group(2).lower() not in {"false", "direct"}:
+            opt = f'{m.group(1)} "{m.group(2)}";'
+            if opt not in opts:
+                opts.append(opt)
+    return opts
