@@ -1,0 +1,213 @@
+"""In-memory fakes of the machine and snapshot services, for the API tests (no VMs).
+
+They respect accounts: another account's machines and snapshots are invisible.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from boxd import models
+from boxd.api.services.keys import KeyService
+from boxd.api.services.machines import MachineService
+from boxd.api.services.snapshots import SnapshotService
+from boxd.errors import (
+    AlreadyExists,
+    CheckpointNotFound,
+    ExecTimeout,
+    GuestFileNotFound,
+    InvalidRequest,
+    MachineFailed,
+    MachineNotFound,
+    SnapshotNotFound,
+)
+from boxd.state import new_id
+
+
+class FakeMachines(MachineService):
+    def __init__(self) -> None:
+        self.machines: dict[str, tuple[str, models.Machine]] = {}  # id -> (account, machine)
+        self.files: dict[tuple[str, str], bytes] = {}
+        self.checkpoints: dict[tuple[str, str], models.Checkpoint] = {}
+        self.closed = False
+
+    def _find(self, account: str, ref: str) -> models.Machine:
+        for owner, m in self.machines.values():
+            if owner == account and ref in (m.id, m.name):
+                return m
+        raise MachineNotFound(f"no machine {ref!r}", hint="boxd machine list", machine=ref)
+
+    def _add(self, account: str, name: str | None, parent: str | None = None) -> models.Machine:
+        if name is not None and not models.NAME_RE.match(name):
+            raise InvalidRequest(f"invalid name {name!r}", field="name")
+        name = name or f"m-{len(self.machines) + 1}"
+        if any(o == account and m.name == name for o, m in self.machines.values()):
+            raise AlreadyExists(f"machine {name!r} exists", kind="machine", name=name)
+        m = models.Machine(
+            id=new_id("m"), name=name, state=models.MachineState.RUNNING, vcpus=1,
+            memory_mib=1024, disk_gib=8, isolated=False, parent_id=parent,
+            created_at=time.time(),
+        )
+        self.machines[m.id] = (account, m)
+        return m
+
+    async def create(self, account: str, req: models.MachineCreate) -> models.Machine:
+        return self._add(account, req.name)
+
+    async def get(self, account: str, ref: str) -> models.Machine:
+        return self._find(account, ref)
+
+    async def list(self, account: str) -> list[models.Machine]:  # type: ignore[valid-type]
+        return [m for o, m in self.machines.values() if o == account]
+
+    async def delete(self, account: str, ref: str) -> None:
+        del self.machines[self._find(account, ref).id]
+
+    async def wait_until_ready(self, account: str, ref: str, timeout: float) -> models.Machine:
+        return self._find(account, ref)
+
+    async def exec(self, account: str, ref: str, req: models.ExecRequest) -> models.ExecResult:
+        self._find(account, ref)
+        cmd = req.command if isinstance(req.command, str) else " ".join(req.command)
+        if cmd == "sleep 100":
+            raise ExecTimeout("timed out", timeout=req.timeout, stdout="partial", stderr="")
+        if cmd == "crash":
+            raise RuntimeError("a bug in the service")
+        return models.ExecResult(stdout=cmd + "\n", stderr="", exit_code=0, duration=0.01)
+
+    async def exec_stream(  # type: ignore[override]
+        self, account: str, ref: str, req: models.ExecRequest
+    ) -> AsyncIterator[models.ExecEvent]:
+        self._find(account, ref)
+        cmd = req.command if isinstance(req.command, str) else " ".join(req.command)
+        for i in range(3):
+            yield models.ExecEvent(type="stdout", data=f"{cmd} {i}\n")
+        if cmd == "die":
+            raise MachineFailed("the VM died", machine=ref)
+        yield models.ExecEvent(type="exit", exit_code=0, duration=0.01)
+
+    async def upload(
+        self, account: str, ref: str, path: str, data: bytes, mode: int = 0o644
+    ) -> models.FileInfo:
+        m = self._find(account, ref)
+        self.files[(m.id, path)] = data
+        import hashlib
+
+        return models.FileInfo(
+            path=path, size=len(data), mode=mode, sha256=hashlib.sha256(data).hexdigest()
+        )
+
+    async def download(self, account: str, ref: str, path: str) -> bytes:
+        m = self._find(account, ref)
+        try:
+            return self.files[(m.id, path)]
+        except KeyError:
+            raise GuestFileNotFound(f"no file {path}", path=path) from None
+
+    async def fork(  # type: ignore[valid-type]
+        self, account: str, ref: str, names: list[str | None]
+    ) -> list[models.Machine | Exception]:
+        src = self._find(account, ref)
+        out: list[models.Machine | Exception] = []
+        for n in names:
+            try:
+                out.append(self._add(account, n, parent=src.id))
+            except Exception as exc:
+                out.append(exc)
+        return out
+
+    async def checkpoint_save(self, account: str, ref: str, name: str) -> models.Checkpoint:
+        m = self._find(account, ref)
+        if (m.id, name) in self.checkpoints:
+            raise AlreadyExists(f"checkpoint {name!r} exists", kind="checkpoint", name=name)
+        c = models.Checkpoint(id=new_id("c"), name=name, machine_id=m.id, created_at=time.time())
+        self.checkpoints[(m.id, name)] = c
+        return c
+
+    async def checkpoint_restore(self, account: str, ref: str, name: str) -> models.Machine:
+        m = self._find(account, ref)
+        if (m.id, name) not in self.checkpoints:
+            raise CheckpointNotFound(f"no checkpoint {name!r}", machine=ref, checkpoint=name)
+        return m
+
+    async def checkpoint_list(  # type: ignore[valid-type]
+        self, account: str, ref: str
+    ) -> list[models.Checkpoint]:
+        m = self._find(account, ref)
+        return [c for (mid, _), c in self.checkpoints.items() if mid == m.id]
+
+    async def checkpoint_delete(self, account: str, ref: str, name: str) -> None:
+        m = self._find(account, ref)
+        if self.checkpoints.pop((m.id, name), None) is None:
+            raise CheckpointNotFound(f"no checkpoint {name!r}", machine=ref, checkpoint=name)
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+class FakeSnapshots(SnapshotService):
+    def __init__(self, machines: FakeMachines, tmp: Path) -> None:
+        self.m = machines
+        self.tmp = tmp
+        self.snaps: dict[str, tuple[str, models.Snapshot]] = {}
+        self.imported: list[bytes] = []
+
+    def _find(self, account: str, ref: str) -> models.Snapshot:
+        for o, s in self.snaps.values():
+            if o == account and ref in (s.name, f"{s.name}@{s.version}", s.digest):
+                return s
+        raise SnapshotNotFound(f"no snapshot {ref!r}", snapshot=ref)
+
+    async def save(
+        self, account: str, machine_ref: str, name: str, *, new_version: bool = False
+    ) -> models.Snapshot:
+        self.m._find(account, machine_ref)
+        if any(o == account and s.name == name for o, s in self.snaps.values()):
+            raise AlreadyExists(f"snapshot {name!r} exists", kind="snapshot", name=name)
+        s = models.Snapshot(
+            id=new_id("s"), name=name, version=1, digest="sha256:" + "0" * 64,
+            created_at=time.time(),
+        )
+        self.snaps[s.id] = (account, s)
+        return s
+
+    async def list(self, account: str) -> list[models.Snapshot]:  # type: ignore[valid-type]
+        return [s for o, s in self.snaps.values() if o == account]
+
+    async def get(self, account: str, ref: str) -> models.Snapshot:
+        return self._find(account, ref)
+
+    async def delete(self, account: str, ref: str) -> None:
+        del self.snaps[self._find(account, ref).id]
+
+    async def export(self, account: str, ref: str) -> Path:
+        s = self._find(account, ref)
+        path = self.tmp / f"export-{s.id}.boxd"
+        path.write_bytes(b"SNAPSHOT:" + s.name.encode() * 10000)
+        return path
+
+    async def import_(
+        self, account: str, path: Path, name: str | None = None
+    ) -> models.Snapshot:
+        data = path.read_bytes()
+        if not data.startswith(b"SNAPSHOT:"):
+            raise InvalidRequest("not a snapshot file", field="body")
+        self.imported.append(data)
+        s = models.Snapshot(
+            id=new_id("s"), name=name or "imported", version=1, digest="sha256:" + "1" * 64,
+            created_at=time.time(),
+        )
+        self.snaps[s.id] = (account, s)
+        return s
+
+
+def host_info() -> models.HostInfo:
+    return models.HostInfo(
+        version="0.1.0", engine="fake", qemu="", qemu_version="", accelerator="none",
+        accelerator_reason="fake", cpu_model="", data_dir="/nonexistent",
+    )
+
+
+__all__ = ["FakeMachines", "FakeSnapshots", "KeyService", "host_info"]
