@@ -1,0 +1,1035 @@
+"""The content-addressed snapshot store: immutable blobs plus a manifest per snapshot.
+
+Layout under ``root`` (``paths.snapshots``)::
+
+    blobs/sha256/<hex>        immutable blob files (mode 0444), sparse where the source was
+    manifests/<hex>.json      canonical JSON; <hex> is the sha256 of the file = snapshot digest
+    staging/<random>/         saves and imports in progress (removed by gc())
+    verified/<hex>            "this blob was verified at this (size, mtime, ctime, inode)"
+    .lock                     flock held while publishing, deleting or collecting
+
+A save stages its files (copying sparse-aware while hashing), then `Staging.commit`
+fsyncs them, moves each blob into ``blobs/`` (dropping it when an identical blob is
+there already), and renames the manifest into place last. Until that rename nothing
+is visible; a crash before it leaves only staging files and orphan blobs, which
+`SnapshotStore.gc` removes. Names and versions live in the state database; this store
+knows digests only.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import fcntl
+import gzip
+import hashlib
+import io
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import tarfile
+import time
+import zlib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType, TracebackType
+from typing import IO, Any, Final, cast
+
+from boxd.errors import IntegrityError, InternalError, InvalidRequest, SnapshotNotFound
+from boxd.storage import _files
+from boxd.storage._files import Progress, os_errors
+
+__all__ = [
+    "FORMAT_VERSION",
+    "BlobEntry",
+    "BlobRef",
+    "GcReport",
+    "Manifest",
+    "SnapshotStore",
+    "Staging",
+]
+
+log = logging.getLogger("boxd.storage.snapshots")
+
+#: Version of the manifest format written by this code.
+FORMAT_VERSION: Final = 1
+_DIGEST_RE = re.compile(r"[0-9a-f]{64}")
+_KIND_RE = re.compile(r"[a-z][a-z0-9_-]{0,31}")
+_MAX_MANIFEST = 1 << 20
+_FIX_HINT = "delete the snapshot and save it again, or re-import it from an export"
+# A file modified within this window of its verification may keep the same mtime
+# (timestamps are clock-tick granular), so such a verification is not trusted later.
+_RACY_WINDOW_NS = 1_000_000_000
+
+
+@dataclass(frozen=True)
+class BlobEntry:
+    """One blob as a manifest records it."""
+
+    digest: str
+    size: int
+
+
+@dataclass(frozen=True)
+class BlobRef:
+    """A blob added to a staging area.
+
+    Attributes:
+        kind: its role in the snapshot ("memory", "state", "disk", ...).
+        digest: sha256 hex of its logical bytes (holes count as zeros).
+        size: logical size in bytes.
+        stored: bytes actually allocated on disk.
+    """
+
+    kind: str
+    digest: str
+    size: int
+    stored: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A stored snapshot: its digest, its blobs by kind and the caller's metadata."""
+
+    digest: str
+    blobs: Mapping[str, BlobEntry]
+    meta: Mapping[str, Any]
+    format: int = FORMAT_VERSION
+    root: Path = field(default=Path("."), compare=False, repr=False)
+
+    def blob_path(self, kind: str) -> Path:
+        """Path of the blob of this kind (read-only; map or back onto it, never write).
+
+        Raises:
+            InvalidRequest: the snapshot has no blob of this kind.
+        """
+        try:
+            entry = self.blobs[kind]
+        except KeyError:
+            raise InvalidRequest(
+                f"snapshot {self.digest[:12]} has no {kind!r} blob", field="kind"
+            ) from None
+        return _blob_path(self.root, entry.digest)
+
+    @property
+    def size(self) -> int:
+        """Total logical size of the blobs."""
+        return sum(b.size for b in self.blobs.values())
+
+    def stored_bytes(self) -> int:
+        """Bytes allocated on disk by this snapshot's blobs (shared blobs count fully)."""
+        total = 0
+        for d in {b.digest for b in self.blobs.values()}:
+            with contextlib.suppress(OSError):
+                total += os.stat(_blob_path(self.root, d)).st_blocks * 512
+        return total
+
+
+@dataclass(frozen=True)
+class GcReport:
+    """What `SnapshotStore.gc` removed."""
+
+    staging_dirs: int = 0
+    blobs: int = 0
+    freed_bytes: int = 0
+    skipped_blobs: bool = False
+
+
+def _blob_path(root: Path, digest: str) -> Path:
+    return root / "blobs" / "sha256" / digest
+
+
+def _canonical(obj: Any) -> bytes:
+    return json.dumps(
+        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode()
+
+
+def _check_digest(digest: str) -> str:
+    if not isinstance(digest, str) or not _DIGEST_RE.fullmatch(digest):
+        raise InvalidRequest(
+            f"not a snapshot digest: {digest!r}", hint="use 64 lowercase hex digits",
+            field="digest",
+        )
+    return digest
+
+
+def _parse_manifest(raw: bytes, digest: str, root: Path) -> Manifest:
+    """Parse manifest bytes already known to hash to ``digest``.
+
+    Raises:
+        InvalidRequest: not a valid manifest of a format this code reads.
+    """
+    try:
+        doc = json.loads(raw)
+        if not isinstance(doc, dict):
+            raise ValueError("not an object")
+        fmt = doc["format"]
+        if fmt != FORMAT_VERSION:
+            raise InvalidRequest(
+                f"snapshot format {fmt!r} is not supported (this boxd reads {FORMAT_VERSION})",
+                hint="upgrade boxd", field="format",
+            )
+        blobs: dict[str, BlobEntry] = {}
+        for kind, b in doc["blobs"].items():
+            if not _KIND_RE.fullmatch(kind) or not _DIGEST_RE.fullmatch(b["digest"]):
+                raise ValueError(f"bad blob entry {kind!r}")
+            size = b["size"]
+            if not isinstance(size, int) or size < 0:
+                raise ValueError(f"bad size for {kind!r}")
+            blobs[kind] = BlobEntry(b["digest"], size)
+        meta = doc.get("meta", {})
+        if not isinstance(meta, dict):
+            raise ValueError("meta is not an object")
+    except InvalidRequest:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise InvalidRequest(f"malformed snapshot manifest {digest[:12]}: {exc}") from exc
+    return Manifest(digest, MappingProxyType(blobs), MappingProxyType(meta), fmt, root)
+
+
+class _Lock:
+    """An exclusive flock on a file; works across processes and threads."""
+
+    def __init__(self, path: Path, *, blocking: bool = True) -> None:
+        self.path = path
+        self.blocking = blocking
+        self.fd = -1
+
+    def acquire(self) -> bool:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if self.blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        self.fd = fd
+        return True
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # closing drops the flock
+            self.fd = -1
+
+    def __enter__(self) -> _Lock:
+        with os_errors("lock the snapshot store", self.path):
+            self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class Staging:
+    """A save in progress; use through `SnapshotStore.stage` as a context manager.
+
+    Nothing staged is visible until `commit`; leaving the ``with`` block without
+    committing (or with an exception) removes every staged file.
+    """
+
+    def __init__(self, store: SnapshotStore, directory: Path, lock: _Lock) -> None:
+        self._store = store
+        self.directory = directory
+        self._lock = lock
+        self._blobs: dict[str, tuple[BlobRef, Path | None]] = {}
+        self._manifest: Manifest | None = None
+        self._closed = False
+
+    @property
+    def blobs(self) -> dict[str, BlobRef]:
+        """The blobs staged so far, by kind."""
+        return {k: ref for k, (ref, _) in self._blobs.items()}
+
+    def add_blob(
+        self, kind: str, src: Path, *, move: bool = False, progress: Progress | None = None
+    ) -> BlobRef:
+        """Copy (or move) ``src`` into staging as the blob of ``kind``, hashing it.
+
+        Copies keep holes (``SEEK_DATA``/``SEEK_HOLE``) and turn all-zero blocks into
+        holes. ``move=True`` renames the file when it is on the same filesystem and has
+        no other hard link (otherwise copies it and removes ``src``); the caller must
+        not write to ``src`` afterwards.
+
+        Args:
+            kind: the blob's role, e.g. ``"memory"``, ``"state"``, ``"disk"``.
+            src: the file to store.
+            move: take the file instead of copying it.
+            progress: ``progress(done_bytes, total_bytes)`` while copying/hashing.
+
+        Returns:
+            The staged blob's `BlobRef`.
+
+        Raises:
+            InvalidRequest: bad or duplicate kind, or ``src`` is not a regular file.
+            ResourceExhausted: the disk is full.
+            InternalError: another I/O error.
+        """
+        self._check_open()
+        if not _KIND_RE.fullmatch(kind):
+            raise InvalidRequest(f"bad blob kind {kind!r}", field="kind")
+        if kind in self._blobs:
+            raise InvalidRequest(f"blob kind {kind!r} added twice", field="kind")
+        dst = self.directory / f"blob-{kind}"
+        moved = False
+        if move:
+            with os_errors("move into the snapshot store", src):
+                st = os.stat(src)
+                if st.st_dev == os.stat(self.directory).st_dev and st.st_nlink == 1:
+                    os.rename(src, dst)
+                    moved = True
+        if moved:
+            digest, size = _files.hash_file(dst, progress)
+        else:
+            digest, size = _files.copy_sparse(src, dst, progress)
+            if move:
+                with os_errors("remove", src):
+                    src.unlink()
+        with os_errors("stat", dst):
+            stored = os.stat(dst).st_blocks * 512
+        ref = BlobRef(kind, digest, size, stored)
+        self._blobs[kind] = (ref, dst)
+        return ref
+
+    def commit(self, meta: Mapping[str, Any]) -> Manifest:
+        """Publish the staged blobs and a manifest holding ``meta``; return it.
+
+        Args:
+            meta: JSON-serialisable caller metadata (name, version, created_at,
+                source_machine, image, engine, cpu_model, memory_mib, ...).
+
+        Returns:
+            The stored `Manifest`; its digest is the sha256 of the manifest file.
+
+        Raises:
+            InvalidRequest: nothing staged, or ``meta`` is not JSON-serialisable.
+            ResourceExhausted: the disk is full.
+            InternalError: another I/O error.
+        """
+        self._check_open()
+        if not self._blobs:
+            raise InvalidRequest("a snapshot needs at least one blob")
+        doc = {
+            "format": FORMAT_VERSION,
+            "blobs": {
+                k: {"digest": ref.digest, "size": ref.size} for k, (ref, _) in self._blobs.items()
+            },
+            "meta": dict(meta),
+        }
+        try:
+            raw = _canonical(doc)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequest(f"snapshot metadata is not JSON: {exc}", field="meta") from exc
+        manifest = self._store._publish(self.directory, raw, self._blobs.values())
+        self._manifest = manifest
+        return manifest
+
+    def _stage_existing(self, ref: BlobRef, path: Path | None) -> None:
+        self._blobs[ref.kind] = (ref, path)
+
+    def _check_open(self) -> None:
+        if self._closed or self._manifest is not None:
+            raise InternalError("this staging area is already committed or closed")
+
+    def close(self) -> None:
+        """Remove the staging directory (after commit, only leftovers remain in it)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            shutil.rmtree(self.directory, ignore_errors=True)
+        finally:
+            self._lock.release()
+
+    def __enter__(self) -> Staging:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class SnapshotStore:
+    """Content-addressed, integrity-checked storage of snapshot blobs and manifests.
+
+    Thread- and process-safe: publishing, deleting and collecting take a file lock;
+    copying and hashing run outside it.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.blobs_dir = root / "blobs" / "sha256"
+        self.manifests_dir = root / "manifests"
+        self.staging_dir = root / "staging"
+        self.verified_dir = root / "verified"
+        with os_errors("create the snapshot store", root):
+            for d in (self.blobs_dir, self.manifests_dir, self.staging_dir, self.verified_dir):
+                d.mkdir(parents=True, exist_ok=True)
+
+    # ---- paths and locking -------------------------------------------------------
+
+    def _lock(self) -> _Lock:
+        return _Lock(self.root / ".lock")
+
+    def blob_path(self, digest: str) -> Path:
+        """Path of a blob by digest (it may not exist)."""
+        return _blob_path(self.root, _check_digest(digest))
+
+    def manifest_path(self, digest: str) -> Path:
+        """Path of a manifest by snapshot digest (it may not exist)."""
+        return self.manifests_dir / f"{_check_digest(digest)}.json"
+
+    # ---- saving ------------------------------------------------------------------
+
+    def stage(self) -> Staging:
+        """Open a staging area for a new snapshot (use as a context manager).
+
+        Raises:
+            ResourceExhausted: the disk is full.
+            InternalError: another I/O error.
+        """
+        with self._lock(), os_errors("create a staging directory", self.staging_dir):
+            d = self.staging_dir / secrets.token_hex(8)
+            d.mkdir()
+            lock = _Lock(d / ".lock")
+            lock.acquire()  # gc() skips staging directories whose lock is held
+        return Staging(self, d, lock)
+
+    def _publish(
+        self, staging: Path, raw: bytes, blobs: Iterable[tuple[BlobRef, Path | None]]
+    ) -> Manifest:
+        digest = hashlib.sha256(raw).hexdigest()
+        manifest = _parse_manifest(raw, digest, self.root)
+        blobs = list(blobs)
+        tmp_manifest = staging / "manifest.json"
+        with os_errors("save the snapshot", staging):
+            # Data first: every staged blob and the manifest are durable before any
+            # becomes visible.
+            for _, path in blobs:
+                if path is not None:
+                    os.chmod(path, 0o444)
+                    _files.fsync_path(path)
+            with open(tmp_manifest, "xb") as f:
+                f.write(raw)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp_manifest, 0o444)
+            with self._lock():
+                for ref, path in blobs:
+                    target = _blob_path(self.root, ref.digest)
+                    try:
+                        existing = os.stat(target).st_size
+                    except FileNotFoundError:
+                        existing = -1
+                    if path is None or not path.exists():
+                        if existing != ref.size:
+                            raise InternalError(f"blob {ref.digest[:12]} vanished while saving")
+                        continue
+                    if existing == ref.size:
+                        path.unlink()  # dedup: an identical blob is stored already
+                        continue
+                    os.replace(path, target)  # new, or replacing a damaged (wrong-size) copy
+                    self._forget_verified(ref.digest)
+                _files.fsync_dir(self.blobs_dir)
+                os.replace(tmp_manifest, self.manifests_dir / f"{digest}.json")
+                _files.fsync_dir(self.manifests_dir)
+        log.info("snapshot %s saved blobs=%s", digest[:12], sorted(manifest.blobs))
+        return manifest
+
+    # ---- reading -----------------------------------------------------------------
+
+    def exists(self, digest: str) -> bool:
+        """Whether a snapshot with this digest is stored."""
+        if not isinstance(digest, str) or not _DIGEST_RE.fullmatch(digest):
+            return False
+        return (self.manifests_dir / f"{digest}.json").exists()
+
+    def _read_manifest_bytes(self, digest: str) -> bytes:
+        path = self.manifest_path(digest)
+        try:
+            with open(path, "rb") as f:
+                return f.read(_MAX_MANIFEST + 1)
+        except FileNotFoundError:
+            raise SnapshotNotFound(f"no snapshot {digest[:12]}", snapshot=digest) from None
+        except OSError as exc:
+            raise InternalError(f"could not read {path}: {exc.strerror or exc}") from exc
+
+    def get(self, digest: str) -> Manifest:
+        """The manifest of a stored snapshot (its own hash is checked: it is small).
+
+        Raises:
+            InvalidRequest: ``digest`` is not 64 hex digits.
+            SnapshotNotFound: no such snapshot.
+            IntegrityError: the manifest file does not match its digest.
+        """
+        raw = self._read_manifest_bytes(_check_digest(digest))
+        path = self.manifest_path(digest)
+        if hashlib.sha256(raw).hexdigest() != digest:
+            raise IntegrityError(
+                f"snapshot {digest[:12]}: the manifest is corrupt", hint=_FIX_HINT,
+                digest=digest, path=str(path),
+            )
+        try:
+            return _parse_manifest(raw, digest, self.root)
+        except InvalidRequest as exc:
+            raise IntegrityError(
+                f"snapshot {digest[:12]}: {exc.message}", hint=_FIX_HINT,
+                digest=digest, path=str(path),
+            ) from exc
+
+    def list(self) -> list[Manifest]:
+        """Every stored snapshot, sorted by digest; unreadable manifests are logged and
+        skipped (`verify` or `get` reports them)."""
+        out = []
+        for digest in self._manifest_digests():
+            try:
+                out.append(self.get(digest))
+            except (IntegrityError, SnapshotNotFound, InternalError) as exc:
+                log.warning("snapshot %s skipped in list: %s", digest[:12], exc)
+        return out
+
+    def _manifest_digests(self) -> builtins.list[str]:
+        with os_errors("list snapshots", self.manifests_dir):
+            names = os.listdir(self.manifests_dir)
+        return sorted(
+            n[:-5] for n in names if n.endswith(".json") and _DIGEST_RE.fullmatch(n[:-5])
+        )
+
+    def _referenced(self) -> tuple[set[str], bool]:
+        """Blob digests referenced by any manifest, and whether every manifest parsed.
+
+        Deliberately lenient: a manifest whose bytes no longer match its digest still
+        protects the blobs it names.
+        """
+        refs: set[str] = set()
+        complete = True
+        for digest in self._manifest_digests():
+            try:
+                doc = json.loads(self._read_manifest_bytes(digest))
+                refs.update(b["digest"] for b in doc["blobs"].values())
+            except SnapshotNotFound:
+                continue
+            except (ValueError, KeyError, TypeError, AttributeError, InternalError):
+                log.warning("snapshot %s: unreadable manifest", digest[:12])
+                complete = False
+        return refs, complete
+
+    # ---- integrity ---------------------------------------------------------------
+
+    def verify(self, digest: str, *, kinds: Iterable[str] | None = None) -> None:
+        """Re-hash the manifest and the blobs (all, or those of ``kinds``).
+
+        Success is remembered for `ensure_verified`.
+
+        Raises:
+            SnapshotNotFound: no such snapshot.
+            InvalidRequest: a kind the snapshot does not have.
+            IntegrityError: a blob is missing, has the wrong size or the wrong hash;
+                ``.path`` names it.
+        """
+        self._verify(digest, kinds, cached=False)
+
+    def ensure_verified(self, digest: str, *, kinds: Iterable[str] | None = None) -> None:
+        """Verify once; later calls re-hash only blobs changed since (by size, mtime,
+        ctime and inode). Use before the first use of a snapshot.
+
+        Raises:
+            SnapshotNotFound: no such snapshot.
+            InvalidRequest: a kind the snapshot does not have.
+            IntegrityError: as `verify`.
+        """
+        self._verify(digest, kinds, cached=True)
+
+    def _verify(self, digest: str, kinds: Iterable[str] | None, *, cached: bool) -> None:
+        m = self.get(digest)  # checks the manifest's own hash
+        selected = list(m.blobs) if kinds is None else list(kinds)
+        for kind in selected:
+            entry = m.blobs.get(kind)
+            if entry is None:
+                raise InvalidRequest(f"snapshot {digest[:12]} has no {kind!r} blob", field="kind")
+            path = _blob_path(self.root, entry.digest)
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                raise IntegrityError(
+                    f"snapshot {digest[:12]}: the {kind} blob is missing", hint=_FIX_HINT,
+                    digest=digest, path=str(path),
+                ) from None
+            except OSError as exc:
+                raise InternalError(f"could not stat {path}: {exc.strerror or exc}") from exc
+            if cached and self._is_verified(entry.digest, st):
+                continue
+            started = time.time_ns()
+            actual, size = (None, st.st_size) if st.st_size != entry.size else (
+                _files.hash_file(path)
+            )
+            if actual != entry.digest or size != entry.size:
+                raise IntegrityError(
+                    f"snapshot {digest[:12]}: the {kind} blob does not match its digest",
+                    hint=_FIX_HINT, digest=digest, path=str(path),
+                )
+            self._remember_verified(entry.digest, st, started)
+
+    @staticmethod
+    def _stat_key(st: os.stat_result) -> builtins.list[int]:
+        return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+    def _is_verified(self, blob: str, st: os.stat_result) -> bool:
+        try:
+            rec = json.loads((self.verified_dir / blob).read_bytes())
+            key, at = rec["stat"], rec["verified_at_ns"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        if key != self._stat_key(st):
+            return False
+        # A change in the same clock tick as the last write before verification would
+        # keep the same timestamps: only trust verifications well after the last change.
+        return bool(max(st.st_mtime_ns, st.st_ctime_ns) + _RACY_WINDOW_NS < at)
+
+    def _remember_verified(self, blob: str, st: os.stat_result, started_ns: int) -> None:
+        rec = _canonical({"stat": self._stat_key(st), "verified_at_ns": started_ns})
+        try:
+            _files.write_atomic(self.verified_dir / blob, rec, durable=False)
+        except OSError as exc:  # only a cache: failing to write it costs a re-hash later
+            log.warning("could not record verification of blob %s: %s", blob[:12], exc)
+
+    def _forget_verified(self, blob: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            (self.verified_dir / blob).unlink()
+
+    # ---- deleting and collecting -------------------------------------------------
+
+    def delete(
+        self, digest: str, *, in_use: Callable[[], set[str]] | None = None
+    ) -> builtins.list[str]:
+        """Delete a snapshot and every blob of it no other snapshot or machine uses.
+
+        The manifest goes first, so a crash leaves at most orphan blobs for `gc`.
+
+        Args:
+            digest: the snapshot.
+            in_use: returns digests of blobs running machines map; those are kept.
+
+        Returns:
+            The digests of the blobs removed.
+
+        Raises:
+            SnapshotNotFound: no such snapshot.
+            InternalError: an I/O error.
+        """
+        path = self.manifest_path(digest)
+        removed: builtins.list[str] = []
+        with self._lock(), os_errors("delete the snapshot", path):
+            try:
+                doc = json.loads(self._read_manifest_bytes(digest))
+                mine = {b["digest"] for b in doc["blobs"].values()}
+            except (ValueError, KeyError, TypeError, AttributeError):
+                mine = set()  # unreadable: gc() collects its blobs
+            path.unlink()
+            _files.fsync_dir(self.manifests_dir)
+            referenced, complete = self._referenced()
+            if not complete:
+                log.warning("snapshot %s deleted; blobs kept (unreadable manifests)", digest[:12])
+                return removed
+            pinned = in_use() if in_use is not None else set()
+            for blob in sorted(mine - referenced - pinned):
+                if _DIGEST_RE.fullmatch(blob) and self._remove_blob(blob) is not None:
+                    removed.append(blob)
+            _files.fsync_dir(self.blobs_dir)
+        log.info("snapshot %s deleted blobs_removed=%d", digest[:12], len(removed))
+        return removed
+
+    def _remove_blob(self, blob: str) -> int | None:
+        path = _blob_path(self.root, blob)
+        try:
+            freed = os.stat(path).st_blocks * 512
+            path.unlink()
+        except FileNotFoundError:
+            return None
+        self._forget_verified(blob)
+        return freed
+
+    def gc(self, *, in_use: Callable[[], set[str]] | None = None) -> GcReport:
+        """Remove abandoned staging directories and blobs no manifest references.
+
+        Run at daemon start-up (it is also safe while the store is in use: live
+        staging areas are skipped, and blob removal holds the store lock).
+
+        Args:
+            in_use: returns digests of blobs running machines map; those are kept.
+
+        Returns:
+            A `GcReport` of what was removed.
+
+        Raises:
+            InternalError: an I/O error.
+        """
+        staging = blobs = freed = 0
+        with self._lock(), os_errors("collect garbage", self.root):
+            for name in os.listdir(self.staging_dir):
+                d = self.staging_dir / name
+                lock = _Lock(d / ".lock", blocking=False)
+                try:
+                    if not lock.acquire():
+                        continue
+                except (FileNotFoundError, NotADirectoryError):
+                    pass
+                try:
+                    if d.is_dir():
+                        shutil.rmtree(d, ignore_errors=True)
+                    else:
+                        d.unlink(missing_ok=True)
+                    staging += 1
+                finally:
+                    lock.release()
+            referenced, complete = self._referenced()
+            if complete:
+                pinned = in_use() if in_use is not None else set()
+                for name in os.listdir(self.blobs_dir):
+                    if name in referenced or name in pinned:
+                        continue
+                    if not _DIGEST_RE.fullmatch(name):  # a stray temp file
+                        (self.blobs_dir / name).unlink(missing_ok=True)
+                        continue
+                    got = self._remove_blob(name)
+                    if got is not None:
+                        blobs += 1
+                        freed += got
+                _files.fsync_dir(self.blobs_dir)
+            else:
+                log.warning("gc kept all blobs: some manifests are unreadable")
+            for name in os.listdir(self.verified_dir):
+                if not (self.blobs_dir / name).exists():
+                    (self.verified_dir / name).unlink(missing_ok=True)
+        report = GcReport(staging, blobs, freed, not complete)
+        if staging or blobs:
+            log.info("snapshot gc %s", report)
+        return report
+
+    # ---- export and import -------------------------------------------------------
+
+    def export(
+        self, digest: str, out: Path, progress: Progress | None = None, *,
+        compress: bool = False,
+    ) -> Path:
+        """Write the snapshot to one tar file (PAX, sparse blobs in GNU sparse 1.0 form).
+
+        The archive holds ``manifests/<digest>.json`` first, then ``blobs/sha256/<hex>``;
+        GNU tar extracts it (``tar -xSf``). Blobs are re-hashed while they are read, so a
+        damaged store never produces a good-looking export. The file is written to a
+        temporary name and renamed to ``out`` when complete.
+
+        Args:
+            digest: the snapshot.
+            out: destination file.
+            progress: ``progress(done_bytes, total_bytes)`` over the blobs' data.
+            compress: gzip (level 1) the archive.
+
+        Returns:
+            ``out``.
+
+        Raises:
+            SnapshotNotFound: no such snapshot.
+            IntegrityError: a blob does not match its digest.
+            ResourceExhausted: the disk is full.
+            InternalError: another I/O error.
+        """
+        m = self.get(digest)
+        raw = self._read_manifest_bytes(digest)
+        tmp = out.with_name(f".{out.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            with os_errors("export the snapshot", out):
+                _write_archive(tmp, m, raw, progress, compress=compress)
+                os.replace(tmp, out)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+        return out
+
+    def import_(self, path: Path, progress: Progress | None = None) -> Manifest:
+        """Import a file written by `export`, verifying every digest on the way.
+
+        Importing a snapshot that is already stored is a no-op returning it.
+
+        Args:
+            path: the export file (plain or gzipped tar).
+            progress: ``progress(done_bytes, total_bytes)`` over the file.
+
+        Returns:
+            The stored `Manifest` (same digest as on the exporting store).
+
+        Raises:
+            InvalidRequest: not a boxd export, or truncated.
+            IntegrityError: a blob or the manifest does not match its digest.
+            ResourceExhausted: the disk is full.
+            InternalError: another I/O error.
+        """
+        with self.stage() as staging:
+            result = _read_archive(path, self, staging, progress)
+            if isinstance(result, Manifest):
+                return result  # already stored
+            raw, staged = result
+            manifest = self._publish(staging.directory, raw, staged)
+        return manifest
+
+
+# ---- the export file: a PAX tar, sparse blobs in GNU sparse 1.0 form ----------------
+
+_BLOCK = 512
+_RECORD = 20 * _BLOCK
+_ARCHIVE_ERRORS: tuple[type[BaseException], ...] = (tarfile.TarError, EOFError, zlib.error)
+_NOT_EXPORT_HINT = "the file is truncated or not a boxd snapshot export; export it again"
+
+
+def _tar_header(name: str, size: int, pax: dict[str, str] | None = None) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.size = size
+    info.mode = 0o444
+    info.mtime = 0  # exports of one snapshot are byte-identical
+    info.uname = info.gname = ""
+    if pax:
+        info.pax_headers = pax
+    return info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+
+
+def _pad(n: int) -> bytes:
+    return bytes(-n % _BLOCK)
+
+
+class _Counter:
+    def __init__(self, total: int, progress: Progress | None) -> None:
+        self.done = 0
+        self.total = total
+        self.progress = progress
+
+    def add(self, n: int) -> None:
+        self.done += n
+        if self.progress is not None:
+            self.progress(self.done, self.total)
+
+
+def _write_archive(
+    tmp: Path, m: Manifest, raw: bytes, progress: Progress | None, *, compress: bool
+) -> None:
+    blobs = sorted({e.digest: e.size for e in m.blobs.values()}.items())
+    fds: list[tuple[str, int, int, list[tuple[int, int]]]] = []
+    try:
+        for digest, size in blobs:
+            path = _blob_path(m.root, digest)
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                raise IntegrityError(
+                    f"snapshot {m.digest[:12]}: blob {digest[:12]} is missing",
+                    hint=_FIX_HINT, digest=m.digest, path=str(path),
+                ) from None
+            fds.append((digest, fd, size, []))
+            if os.fstat(fd).st_size != size:
+                raise IntegrityError(
+                    f"snapshot {m.digest[:12]}: blob {digest[:12]} has the wrong size",
+                    hint=_FIX_HINT, digest=m.digest, path=str(path),
+                )
+            fds[-1][3].extend(_files.data_regions(fd, size))
+        counter = _Counter(
+            len(raw) + sum(n for *_, regions in fds for _, n in regions), progress
+        )
+        with open(tmp, "xb") as rawf:
+            out = cast(IO[bytes], (
+                gzip.GzipFile(fileobj=rawf, mode="wb", compresslevel=1, mtime=0)
+                if compress else rawf
+            ))
+            with out:
+                written = _write_members(out, m, raw, fds, counter)
+                out.write(bytes(2 * _BLOCK + (-(written + 2 * _BLOCK) % _RECORD)))
+            rawf.flush()
+            os.fsync(rawf.fileno())
+    finally:
+        for _, fd, _, _ in fds:
+            os.close(fd)
+
+
+def _write_members(
+    out: IO[bytes], m: Manifest, raw: bytes,
+    fds: list[tuple[str, int, int, list[tuple[int, int]]]], counter: _Counter,
+) -> int:
+    written = 0
+
+    def emit(data: bytes | memoryview) -> None:
+        nonlocal written
+        out.write(data)
+        written += len(data)
+
+    emit(_tar_header(f"manifests/{m.digest}.json", len(raw)))
+    emit(raw + _pad(len(raw)))
+    counter.add(len(raw))
+    buf = bytearray(_files.CHUNK)
+    view = memoryview(buf)
+    for digest, fd, size, regions in fds:
+        name = f"blobs/sha256/{digest}"
+        data_len = sum(n for _, n in regions)
+        if regions == [(0, size)] or size == 0:
+            emit(_tar_header(name, size))
+            sparse_map = b""
+        else:
+            entries = [*regions]
+            if not entries or sum(entries[-1]) < size:
+                entries.append((size, 0))  # GNU convention: the map ends at the real size
+            sparse_map = f"{len(entries)}\n".encode() + b"".join(
+                f"{o}\n{n}\n".encode() for o, n in entries
+            )
+            sparse_map += _pad(len(sparse_map))
+            emit(_tar_header(
+                f"blobs/sha256/GNUSparseFile.0/{digest}", len(sparse_map) + data_len,
+                {"GNU.sparse.major": "1", "GNU.sparse.minor": "0",
+                 "GNU.sparse.name": name, "GNU.sparse.realsize": str(size)},
+            ))
+            emit(sparse_map)
+        h = hashlib.sha256()
+        pos = 0
+        for off, length in regions:
+            _files.hash_zeros(h, off - pos)
+            end = off + length
+            while off < end:
+                n = os.preadv(fd, [view[: min(_files.CHUNK, end - off)]], off)
+                if n == 0:
+                    raise InternalError(f"blob {digest[:12]} shrank while exporting")
+                h.update(view[:n])
+                emit(view[:n])
+                off += n
+                counter.add(n)
+            pos = end
+        _files.hash_zeros(h, size - pos)
+        emit(_pad(len(sparse_map) + data_len))
+        if h.hexdigest() != digest:
+            raise IntegrityError(
+                f"snapshot {m.digest[:12]}: blob {digest[:12]} does not match its digest",
+                hint=_FIX_HINT, digest=m.digest, path=str(_blob_path(m.root, digest)),
+            )
+    return written
+
+
+def _read_archive(
+    path: Path, store: SnapshotStore, staging: Staging, progress: Progress | None
+) -> Manifest | tuple[bytes, list[tuple[BlobRef, Path | None]]]:
+    try:
+        rawf = open(path, "rb")  # noqa: SIM115 - closed below, after tarfile
+    except FileNotFoundError:
+        raise InvalidRequest(f"no such file: {path}", field="path") from None
+    except OSError as exc:
+        raise InternalError(f"could not open {path}: {exc.strerror or exc}") from exc
+    try:
+        total = os.fstat(rawf.fileno()).st_size
+        try:
+            with tarfile.open(fileobj=rawf, mode="r:*") as tf, os_errors("import", path):
+                return _read_members(path, tf, store, staging, lambda: progress and progress(
+                    rawf.tell(), total))
+        except gzip.BadGzipFile as exc:
+            raise InvalidRequest(f"{path} is not a boxd snapshot export: {exc}",
+                                 hint=_NOT_EXPORT_HINT, field="path") from exc
+        except _ARCHIVE_ERRORS as exc:
+            raise InvalidRequest(f"{path} is not a complete boxd snapshot export: {exc}",
+                                 hint=_NOT_EXPORT_HINT, field="path") from exc
+    finally:
+        rawf.close()
+
+
+def _read_members(
+    path: Path, tf: tarfile.TarFile, store: SnapshotStore, staging: Staging,
+    tick: Callable[[], object],
+) -> Manifest | tuple[bytes, list[tuple[BlobRef, Path | None]]]:
+    def invalid(why: str) -> InvalidRequest:
+        return InvalidRequest(f"{path}: {why}", hint=_NOT_EXPORT_HINT, field="path")
+
+    first = tf.next()
+    match = re.fullmatch(r"manifests/([0-9a-f]{64})\.json", first.name) if first else None
+    if first is None or match is None or not first.isreg() or first.size > _MAX_MANIFEST:
+        raise invalid("does not start with a snapshot manifest")
+    digest = match.group(1)
+    f = tf.extractfile(first)
+    raw = f.read() if f is not None else b""
+    if len(raw) != first.size:
+        raise invalid("the manifest is truncated")
+    if hashlib.sha256(raw).hexdigest() != digest:
+        raise IntegrityError(
+            f"{path}: the manifest does not match its digest {digest[:12]}",
+            hint="the export file is corrupt; export the snapshot again",
+            digest=digest, path=str(path),
+        )
+    manifest = _parse_manifest(raw, digest, store.root)
+    if store.exists(digest) and all(
+        _blob_path(store.root, e.digest).exists() for e in manifest.blobs.values()
+    ):
+        return store.get(digest)
+    needed = {e.digest: e.size for e in manifest.blobs.values()}
+    got: dict[str, Path | None] = {}
+    buf = bytearray(_files.CHUNK)
+    view = memoryview(buf)
+    while (member := tf.next()) is not None:
+        match = re.fullmatch(r"blobs/sha256/([0-9a-f]{64})", member.name)
+        if match is None or not member.isreg():
+            raise invalid(f"unexpected member {member.name!r}")
+        blob = match.group(1)
+        if blob not in needed or blob in got:
+            raise invalid(f"unexpected blob {blob[:12]}")
+        if member.size != needed[blob]:
+            raise invalid(f"blob {blob[:12]} has the wrong size")
+        target = _blob_path(store.root, blob)
+        if target.exists() and target.stat().st_size == needed[blob]:
+            got[blob] = None  # stored already: skip its data
+            continue
+        src = tf.extractfile(member)
+        if src is None:
+            raise invalid(f"blob {blob[:12]} has no data")
+        dst = staging.directory / f"import-{blob}"
+        h = hashlib.sha256()
+        fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            pos = 0
+            # TarInfo.sparse is [(offset, length), ...] (typeshed says list[int]).
+            sparse = cast("list[tuple[int, int]] | None", member.sparse)
+            regions = sparse if sparse is not None else [(0, member.size)]
+            for off, length in regions:
+                if off < pos or off + length > member.size:
+                    raise invalid(f"blob {blob[:12]} has a bad sparse map")
+                _files.hash_zeros(h, off - pos)
+                src.seek(off)
+                end = off + length
+                while off < end:
+                    n = cast(io.BufferedReader, src).readinto(view[: min(_files.CHUNK, end - off)])
+                    if not n:
+                        raise invalid(f"blob {blob[:12]} is truncated")
+                    chunk = view[:n]
+                    h.update(chunk)
+                    _files.write_nonzero(fd, chunk, off)
+                    off += n
+                    tick()
+                pos = end
+            _files.hash_zeros(h, member.size - pos)
+            os.ftruncate(fd, member.size)
+        finally:
+            os.close(fd)
+        if h.hexdigest() != blob:
+            raise IntegrityError(
+                f"{path}: blob {blob[:12]} does not match its digest",
+                hint="the export file is corrupt; export the snapshot again",
+                digest=digest, path=str(path),
+            )
+        got[blob] = dst
+    missing = set(needed) - set(got)
+    if missing:
+        raise invalid(f"{len(missing)} blob(s) missing (truncated file?)")
+    staged: list[tuple[BlobRef, Path | None]] = []
+    for kind, e in manifest.blobs.items():
+        p = got[e.digest]
+        stored = p.stat().st_blocks * 512 if p is not None and p.exists() else 0
+        staged.append((BlobRef(kind, e.digest, e.size, stored), p))
+    tick()
+    return raw, staged
