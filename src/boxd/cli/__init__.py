@@ -1,0 +1,553 @@
+"""The ``boxd`` command line: parses, calls the sync SDK, renders with rich.
+
+Every user error (any ``BoxdError``) prints one line, ``error: <message> (<hint>)``, to
+stderr and exits 1; usage errors exit 2; ``machine exec`` exits with the command's code.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+import click
+
+from boxd import __version__, errors
+from boxd.cli import _render
+from boxd.config import Paths
+from boxd.sdk import Boxd
+
+__all__ = ["main"]
+
+_CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    """Print one ``error:`` line to stderr and exit."""
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+class _Group(click.Group):
+    """Root group: turns boxd errors into one line on stderr instead of a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except errors.BoxdError as exc:
+            fail(str(exc))
+        except OSError as exc:  # local files: upload source, download target, export
+            where = f" {exc.filename}" if exc.filename else ""
+            fail(f"{exc.strerror or exc}:{where}".rstrip(":"))
+
+
+class _State:
+    def __init__(self, url: str | None, api_key: str | None) -> None:
+        self.url = url
+        self.api_key = api_key
+        self._client: Boxd | None = None
+
+    @property
+    def boxd(self) -> Boxd:
+        if self._client is None:
+            self._client = Boxd(api_key=self.api_key, base_url=self.url)
+        return self._client
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+
+
+pass_state = click.make_pass_decorator(_State)
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+
+
+@click.group(cls=_Group, context_settings=_CONTEXT)
+@click.option(
+    "--url",
+    metavar="URL",
+    help="Daemon URL (http://HOST:PORT). Default: $BOXD_URL, else the local daemon, "
+    "started on demand.",
+)
+@click.option(
+    "--api-key", metavar="KEY", help="API key. Default: $BOXD_API_KEY, else the local key."
+)
+@click.version_option(__version__, "-V", "--version", prog_name="boxd")
+@click.pass_context
+def main(ctx: click.Context, url: str | None, api_key: str | None) -> None:
+    """boxd: microVMs with cheap fork, checkpoint and snapshot, for reproducible RL.
+
+    \b
+    Quick start:
+      boxd machine new rl-base
+      boxd machine exec rl-base -- 'pip install gymnasium numpy'
+      boxd machine fork rl-base rollout-1
+      boxd snapshots save rl-base env-v3
+    """
+    state = _State(url, api_key)
+    ctx.obj = state
+    ctx.call_on_close(state.close)
+
+
+# --- machine -------------------------------------------------------------------------
+
+
+@main.group(context_settings=_CONTEXT)
+def machine() -> None:
+    """Create, run commands in, fork, checkpoint and delete machines."""
+
+
+@machine.command("new")
+@click.argument("name")
+@click.option("--from-snapshot", metavar="SNAPSHOT", help="Start from NAME, NAME@N or sha256:...")
+@click.option("--isolated", is_flag=True, help="No network: the machine reaches nothing.")
+@click.option("--vcpus", type=click.IntRange(1), help="Virtual CPUs.")
+@click.option("--memory", "memory_mib", type=click.IntRange(128), metavar="MIB", help="Memory.")
+@click.option("--disk", "disk_gib", type=click.IntRange(1), metavar="GIB", help="Disk size.")
+@click.option("--wait/--no-wait", default=True, show_default=True, help="Wait until ready.")
+@click.option("--timeout", type=float, default=120.0, show_default=True, help="Seconds to wait.")
+@json_option
+@pass_state
+def machine_new(
+    state: _State,
+    name: str,
+    from_snapshot: str | None,
+    isolated: bool,
+    vcpus: int | None,
+    memory_mib: int | None,
+    disk_gib: int | None,
+    wait: bool,
+    timeout: float,
+    as_json: bool,
+) -> None:
+    """Create machine NAME and boot it (waits until it is ready unless --no-wait)."""
+    b = state.boxd
+    m = b.machines.new(
+        name,
+        vcpus=vcpus,
+        memory_mib=memory_mib,
+        disk_gib=disk_gib,
+        isolated=isolated,
+        from_snapshot=from_snapshot,
+    )
+    if wait:
+        with _render.console(stderr=True).status(f"waiting for {m.name} to boot"):
+            m = b.machines.wait_until_ready(m.id, timeout=timeout)
+    _show(m, as_json, _render.machine)
+
+
+@machine.command("list")
+@json_option
+@pass_state
+def machine_list(state: _State, as_json: bool) -> None:
+    """List machines."""
+    _show(state.boxd.machines.list(), as_json, _render.machines)
+
+
+@machine.command("info")
+@click.argument("name")
+@json_option
+@pass_state
+def machine_info(state: _State, name: str, as_json: bool) -> None:
+    """Show one machine (NAME is a name or an id)."""
+    _show(state.boxd.machines.get(name), as_json, _render.machine)
+
+
+@machine.command("delete")
+@click.argument("names", nargs=-1, required=True, metavar="NAME...")
+@pass_state
+def machine_delete(state: _State, names: tuple[str, ...]) -> None:
+    """Delete machines (their checkpoints go with them). Tries every NAME."""
+    failed = 0
+    for n in names:
+        try:
+            state.boxd.machines.delete(n)
+        except errors.BoxdError as exc:
+            if len(names) == 1:
+                raise
+            click.echo(f"error: {exc}", err=True)
+            failed += 1
+        else:
+            click.echo(f"deleted {n}")
+    if failed:
+        sys.exit(1)
+
+
+@machine.command("exec")
+@click.argument("name")
+@click.argument("command", nargs=-1, required=True)
+@click.option("--timeout", type=float, help="Kill the command after this many seconds.")
+@click.option("--env", "-e", "env", multiple=True, metavar="K=V", help="Set a variable (repeat).")
+@click.option("--cwd", metavar="DIR", help="Working directory in the machine.")
+@pass_state
+def machine_exec(
+    state: _State,
+    name: str,
+    command: tuple[str, ...],
+    timeout: float | None,
+    env: tuple[str, ...],
+    cwd: str | None,
+) -> None:
+    """Run COMMAND in machine NAME, streaming its output; exit with its exit code.
+
+    \b
+    One argument is a shell string; several are an argv:
+      boxd machine exec rl-base -- 'pip install gymnasium numpy'
+      boxd machine exec rl-base -- ls -la /home/boxd
+    Put options before `--`.
+    """
+    variables: dict[str, str] = {}
+    for item in env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"expected K=V, got {item!r}", param_hint="--env")
+        variables[key] = value
+    cmd: str | list[str] = command[0] if len(command) == 1 else list(command)
+    exit_event = None
+    for event in state.boxd.machines.exec_stream(
+        name, cmd, env=variables or None, cwd=cwd, timeout=timeout
+    ):
+        if event.type == "stdout" and event.data:
+            click.echo(event.data, nl=False)
+        elif event.type == "stderr" and event.data:
+            click.echo(event.data, nl=False, err=True)
+        elif event.type == "exit":
+            exit_event = event
+    if exit_event is None:
+        fail("the command's output stream ended without an exit status (see the daemon log)")
+    if exit_event.timed_out:
+        fail(
+            f"command timed out after {timeout:g} s and was killed"
+            if timeout
+            else "command timed out and was killed",
+            124,
+        )
+    code = exit_event.exit_code if exit_event.exit_code is not None else 1
+    sys.exit(code if 0 <= code <= 255 else 1)
+
+
+@machine.command("fork")
+@click.argument("src")
+@click.argument("new", nargs=-1, metavar="[NEW]...")
+@click.option(
+    "--count", "-n", type=click.IntRange(1, 64), help="Fork N children (names generated)."
+)
+@json_option
+@pass_state
+def machine_fork(
+    state: _State, src: str, new: tuple[str, ...], count: int | None, as_json: bool
+) -> None:
+    """Fork running machine SRC into NEW (the child continues from the same instruction).
+
+    Several NEW names, or --count, fork a batch; each child is reported on its own.
+    """
+    b = state.boxd
+    if count is None and len(new) <= 1:
+        m = b.machines.fork(src, new[0] if new else None)
+        _show(m, as_json, _render.machine)
+        return
+    results = (
+        b.machines.fork(src, names=list(new), count=count)
+        if new
+        else b.machines.fork(src, count=count or 1)
+    )
+    made = [r for r in results if not isinstance(r, errors.BoxdError)]
+    errs = [r for r in results if isinstance(r, errors.BoxdError)]
+    _show(made, as_json, _render.machines)
+    for e in errs:
+        click.echo(f"error: {e}", err=True)
+    if errs:
+        sys.exit(1)
+
+
+@machine.group("files", context_settings=_CONTEXT)
+def machine_files() -> None:
+    """Copy files into and out of a machine."""
+
+
+@machine_files.command("upload")
+@click.argument("name")
+@click.argument("local", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("remote")
+@click.option("--mode", default="644", show_default=True, help="Permission bits, octal.")
+@pass_state
+def files_upload(state: _State, name: str, local: Path, remote: str, mode: str) -> None:
+    """Copy LOCAL file to absolute path REMOTE in machine NAME."""
+    try:
+        bits = int(mode, 8)
+    except ValueError:
+        raise click.BadParameter(f"not an octal mode: {mode!r}", param_hint="--mode") from None
+    info = state.boxd.machines.files.upload(name, remote, local.read_bytes(), mode=bits)
+    click.echo(f"uploaded {local} -> {name}:{info.path} ({info.size} bytes)")
+
+
+@machine_files.command("download")
+@click.argument("name")
+@click.argument("remote")
+@click.argument("local", type=click.Path(dir_okay=False, allow_dash=True, path_type=Path))
+@pass_state
+def files_download(state: _State, name: str, remote: str, local: Path) -> None:
+    """Copy REMOTE file of machine NAME to LOCAL ('-' for stdout)."""
+    data = state.boxd.machines.files.download(name, remote)
+    if str(local) == "-":
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
+        return
+    local.write_bytes(data)
+    click.echo(f"downloaded {name}:{remote} -> {local} ({len(data)} bytes)", err=True)
+
+
+@machine.group("checkpoint", context_settings=_CONTEXT)
+def machine_checkpoint() -> None:
+    """Save a machine's moment and rewind it in place (checkpoints die with the machine)."""
+
+
+@machine_checkpoint.command("save")
+@click.argument("machine_ref", metavar="MACHINE")
+@click.argument("name")
+@pass_state
+def checkpoint_save(state: _State, machine_ref: str, name: str) -> None:
+    """Save checkpoint NAME of MACHINE."""
+    c = state.boxd.machines.checkpoints.save(machine_ref, name)
+    click.echo(f"saved checkpoint {c.name} of {machine_ref}")
+
+
+@machine_checkpoint.command("restore")
+@click.argument("machine_ref", metavar="MACHINE")
+@click.argument("name")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@pass_state
+def checkpoint_restore(state: _State, machine_ref: str, name: str, yes: bool) -> None:
+    """Rewind MACHINE in place to checkpoint NAME (its current state is lost)."""
+    if not yes:
+        click.confirm(
+            f"Rewind {machine_ref} to checkpoint {name}? Its current state is lost.",
+            abort=True,
+        )
+    state.boxd.machines.checkpoints.restore(machine_ref, name)
+    click.echo(f"restored {machine_ref} to checkpoint {name}")
+
+
+@machine_checkpoint.command("list")
+@click.argument("machine_ref", metavar="MACHINE")
+@json_option
+@pass_state
+def checkpoint_list(state: _State, machine_ref: str, as_json: bool) -> None:
+    """List the checkpoints of MACHINE."""
+    _show(state.boxd.machines.checkpoints.list(machine_ref), as_json, _render.checkpoints)
+
+
+@machine_checkpoint.command("delete")
+@click.argument("machine_ref", metavar="MACHINE")
+@click.argument("name")
+@pass_state
+def checkpoint_delete(state: _State, machine_ref: str, name: str) -> None:
+    """Delete checkpoint NAME of MACHINE."""
+    state.boxd.machines.checkpoints.delete(machine_ref, name)
+    click.echo(f"deleted checkpoint {name} of {machine_ref}")
+
+
+# --- snapshots -----------------------------------------------------------------------
+
+
+@main.group(context_settings=_CONTEXT)
+def snapshots() -> None:
+    """Durable, named, versioned machine images (NAME, NAME@N or sha256:DIGEST)."""
+
+
+@snapshots.command("save")
+@click.argument("machine_ref", metavar="MACHINE")
+@click.argument("name")
+@click.option("--new-version", is_flag=True, help="Add a version if NAME exists already.")
+@json_option
+@pass_state
+def snapshots_save(
+    state: _State, machine_ref: str, name: str, new_version: bool, as_json: bool
+) -> None:
+    """Save MACHINE as snapshot NAME (the machine keeps running)."""
+    with _render.console(stderr=True).status(f"saving {machine_ref} as {name}"):
+        s = state.boxd.snapshots.save(machine_ref, name, new_version=new_version)
+    _show(s, as_json, _render.snapshot)
+
+
+@snapshots.command("list")
+@json_option
+@pass_state
+def snapshots_list(state: _State, as_json: bool) -> None:
+    """List snapshots (every version)."""
+    _show(state.boxd.snapshots.list(), as_json, _render.snapshots)
+
+
+@snapshots.command("info")
+@click.argument("ref")
+@json_option
+@pass_state
+def snapshots_info(state: _State, ref: str, as_json: bool) -> None:
+    """Show snapshot REF."""
+    _show(state.boxd.snapshots.get(ref), as_json, _render.snapshot)
+
+
+@snapshots.command("delete")
+@click.argument("refs", nargs=-1, required=True, metavar="REF...")
+@pass_state
+def snapshots_delete(state: _State, refs: tuple[str, ...]) -> None:
+    """Delete snapshot versions."""
+    for r in refs:
+        state.boxd.snapshots.delete(r)
+        click.echo(f"deleted snapshot {r}")
+
+
+@snapshots.command("export")
+@click.argument("ref")
+@click.option(
+    "-o",
+    "--output",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="File to write.",
+)
+@pass_state
+def snapshots_export(state: _State, ref: str, output: Path) -> None:
+    """Write snapshot REF to one file, for `boxd snapshots import` elsewhere."""
+    with _render.console(stderr=True).status(f"exporting {ref}"):
+        path = state.boxd.snapshots.export(ref, output)
+    click.echo(f"exported {ref} -> {path} ({_render.size(path.stat().st_size)})")
+
+
+@snapshots.command("import")
+@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@json_option
+@pass_state
+def snapshots_import(state: _State, file: Path, as_json: bool) -> None:
+    """Import a snapshot file written by `boxd snapshots export`."""
+    with _render.console(stderr=True).status(f"importing {file}"):
+        s = state.boxd.snapshots.import_(file)
+    _show(s, as_json, _render.snapshot)
+
+
+# --- keys, info, serve, image ----------------------------------------------------------
+
+
+@main.group(context_settings=_CONTEXT)
+def keys() -> None:
+    """Create, list and revoke API keys."""
+
+
+@keys.command("create")
+@click.argument("name")
+@click.option("--account", help="Account the key acts for (admin keys only).")
+@json_option
+@pass_state
+def keys_create(state: _State, name: str, account: str | None, as_json: bool) -> None:
+    """Create API key NAME and print its secret (shown only once)."""
+    k = state.boxd.keys.create(name, account=account)
+    if as_json:
+        _render.print_json(k)
+        return
+    click.echo(k.secret)
+    click.echo(f"created key {k.id} ({k.name}); the secret above is shown only once", err=True)
+
+
+@keys.command("list")
+@json_option
+@pass_state
+def keys_list(state: _State, as_json: bool) -> None:
+    """List API keys."""
+    _show(state.boxd.keys.list(), as_json, _render.keys)
+
+
+@keys.command("revoke")
+@click.argument("key_id", metavar="ID")
+@pass_state
+def keys_revoke(state: _State, key_id: str) -> None:
+    """Revoke key ID."""
+    state.boxd.keys.revoke(key_id)
+    click.echo(f"revoked {key_id}")
+
+
+@main.command("info")
+@json_option
+@pass_state
+def info(state: _State, as_json: bool) -> None:
+    """Show the host: accelerator (and why), QEMU version, data directory."""
+    _show(state.boxd.info(), as_json, _render.host)
+
+
+@main.command("serve")
+@click.option("--listen", metavar="HOST:PORT", help="Also serve HTTP on TCP (e.g. 127.0.0.1:7070).")
+def serve(listen: str | None) -> None:
+    """Run the daemon in the foreground (clients start one on demand otherwise)."""
+    from boxd.api.server import serve as run  # heavy: FastAPI, engine
+
+    run(Paths.default(), listen=listen)
+
+
+@main.group(context_settings=_CONTEXT)
+def image() -> None:
+    """Build and list guest images (kernel, initramfs, root filesystem)."""
+
+
+@image.command("build")
+@click.option("--apt", multiple=True, metavar="PKG", help="Extra Debian package (repeat).")
+@click.option("--pip", multiple=True, metavar="PKG", help="Extra pip package (repeat).")
+@click.option("--force", is_flag=True, help="Rebuild even if the image exists.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+def image_build(apt: tuple[str, ...], pip: tuple[str, ...], force: bool, as_json: bool) -> None:
+    """Build the guest image for a recipe (cached: a second build is instant)."""
+    from boxd.images import Recipe, ensure_image
+
+    out = _render.console(stderr=True)
+    with out.status("building guest image") as status:
+
+        def progress(step: str, fraction: float | None) -> None:
+            pct = f" {fraction * 100:.0f}%" if fraction is not None else ""
+            status.update(f"{step}{pct}")
+            if fraction is None:
+                out.log(step)
+
+        img = ensure_image(
+            Paths.default(), Recipe(apt=apt, pip=pip), progress=progress, force=force
+        )
+    if as_json:
+        _render.print_json(img)
+        return
+    _render.details([("key", img.key), ("kernel", img.kernel_version), ("dir", img.dir)])
+
+
+@image.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+def image_list(as_json: bool) -> None:
+    """List built guest images, newest first."""
+    from boxd.images import list_images
+
+    imgs = list_images(Paths.default())
+    if as_json:
+        _render.print_json(imgs)
+        return
+    _render.table(
+        ["KEY", "KERNEL", "APT", "PIP", "DIR"],
+        (
+            [
+                i.key,
+                i.kernel_version,
+                " ".join(i.recipe.apt) or "-",
+                " ".join(i.recipe.pip) or "-",
+                str(i.dir),
+            ]
+            for i in imgs
+        ),
+        "no images (run `boxd image build`)",
+    )
+
+
+def _show(obj: Any, as_json: bool, render: Any) -> None:
+    if as_json:
+        _render.print_json(obj)
+    else:
+        render(obj)
+
+
+def run(argv: Sequence[str] | None = None) -> None:
+    """Entry point for embedding: ``run(["machine", "list"])``."""
+    main.main(args=list(argv) if argv is not None else None, prog_name="boxd")
