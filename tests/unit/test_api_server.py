@@ -1,0 +1,113 @@
+"""The daemon for real: uvicorn on a unix socket, the data-directory lock, local.key."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from test_api_fakes import FakeMachines, FakeSnapshots
+
+from boxd.api.server import Daemon, local_key_path
+from boxd.config import Paths
+from boxd.errors import Conflict
+
+
+@pytest.fixture
+def paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Paths]:
+    monkeypatch.setenv("BOXD_SHM", str(tmp_path / "shm"))
+    # AF_UNIX paths are limited to ~107 bytes; pytest's tmp paths can be long.
+    short = Path(tempfile.mkdtemp(prefix="boxd-test-", dir="/tmp"))
+    yield Paths(short)
+    shutil.rmtree(short, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon(paths: Paths, tmp_path: Path) -> Iterator[Daemon]:
+    machines = FakeMachines()
+    d = Daemon(paths, machines=machines, snapshots=FakeSnapshots(machines, tmp_path))
+    thread = threading.Thread(target=d.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not (d.server.started and paths.socket.exists()):
+        assert time.monotonic() < deadline, "daemon did not start"
+        time.sleep(0.02)
+    yield d
+    d.stop()
+    thread.join(10)
+    assert not thread.is_alive()
+
+
+def _client(paths: Paths, key: str | None = None) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.Client(
+        transport=httpx.HTTPTransport(uds=str(paths.socket)), base_url="http://boxd",
+        headers=headers,
+    )
+
+
+def test_real_server_on_unix_socket(daemon: Daemon, paths: Paths) -> None:
+    key_file = local_key_path(paths)
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    assert key_file.stat().st_uid == os.getuid()
+    assert stat.S_IMODE(paths.socket.stat().st_mode) == 0o600
+    secret = key_file.read_text().strip()
+    assert secret.startswith("boxd_")
+
+    with _client(paths) as anon:
+        health = anon.get("/v1/health").json()
+        assert health["ok"] is True and health["pid"] == os.getpid()
+        assert anon.get("/v1/machines").status_code == 401
+    with _client(paths, secret) as c:
+        assert c.post("/v1/machines", json={"name": "a"}).status_code == 201
+        with c.stream("POST", "/v1/machines/a/exec/stream", json={"command": "x"}) as r:
+            lines = [json.loads(x) for x in r.iter_lines() if x]
+        assert lines[-1]["type"] == "exit"
+        assert c.get("/v1/machines/nope").json()["error"]["code"] == "machine_not_found"
+
+    # The log is JSON lines in the data directory, access log included.
+    records = [json.loads(line) for line in paths.log.read_text().splitlines()]
+    assert any(r["msg"] == "daemon started" for r in records)
+    assert any(r["logger"] == "uvicorn.access" for r in records)
+
+
+def test_second_daemon_on_same_directory_is_a_conflict(daemon: Daemon, paths: Paths) -> None:
+    with pytest.raises(Conflict, match="already serves this data directory"):
+        Daemon(paths, machines=FakeMachines(), snapshots=daemon.snapshots)
+
+
+def test_shutdown_closes_machines_and_keeps_the_key(paths: Paths, tmp_path: Path) -> None:
+    machines = FakeMachines()
+    d = Daemon(paths, machines=machines, snapshots=FakeSnapshots(machines, tmp_path))
+    thread = threading.Thread(target=d.run, daemon=True)
+    thread.start()
+    while not d.server.started:
+        time.sleep(0.02)
+    d.stop()
+    thread.join(10)
+    assert machines.closed
+    assert not paths.socket.exists()
+    secret = local_key_path(paths).read_text()
+
+    # A restart keeps a still-valid key file; a lost or bad one is replaced (old revoked).
+    d2 = Daemon(paths, machines=FakeMachines(), snapshots=FakeSnapshots(machines, tmp_path))
+    assert local_key_path(paths).read_text() == secret
+    d2._unlock()
+    d2.db.close()
+    local_key_path(paths).write_text("boxd_garbage\n")
+    d3 = Daemon(paths, machines=FakeMachines(), snapshots=FakeSnapshots(machines, tmp_path))
+    new = local_key_path(paths).read_text().strip()
+    assert new != secret.strip()
+    assert stat.S_IMODE(local_key_path(paths).stat().st_mode) == 0o600
+    keys = d3.keys.list(d3.keys.ensure_local_account())
+    assert [k.revoked_at is not None for k in keys] == [True, False]
+    d3._unlock()
+    d3.db.close()
