@@ -101,7 +101,9 @@ def test_validation_error_becomes_400_with_field(env: Env) -> None:
     err = _error(r)
     assert err["code"] == "invalid_request"
     assert err["details"]["field"] == "vcpus"  # type: ignore[index]
-    r = env.client.post("/v1/machines", content=b"{not json", headers={"content-type": "application/json"})
+    r = env.client.post(
+        "/v1/machines", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400 and _error(r)["code"] == "invalid_request"
     r = env.client.post("/v1/machines/x/wait?timeout=abc")
     assert r.status_code == 400 and _error(r)["details"]["field"] == "timeout"  # type: ignore[index]
