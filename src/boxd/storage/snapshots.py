@@ -842,13 +842,13 @@ def _write_archive(
             len(raw) + sum(n for *_, regions in fds for _, n in regions), progress
         )
         with open(tmp, "xb") as rawf:
-            out = cast(IO[bytes], (
-                gzip.GzipFile(fileobj=rawf, mode="wb", compresslevel=1, mtime=0)
-                if compress else rawf
-            ))
-            with out:
-                written = _write_members(out, m, raw, fds, counter)
-                out.write(bytes(2 * _BLOCK + (-(written + 2 * _BLOCK) % _RECORD)))
+            gz = gzip.GzipFile(fileobj=rawf, mode="wb", compresslevel=1, mtime=0) if compress \
+                else None
+            out = cast(IO[bytes], gz if gz is not None else rawf)
+            written = _write_members(out, m, raw, fds, counter)
+            out.write(bytes(2 * _BLOCK + (-(written + 2 * _BLOCK) % _RECORD)))
+            if gz is not None:
+                gz.close()  # writes the gzip trailer; leaves rawf open
             rawf.flush()
             os.fsync(rawf.fileno())
     finally:
