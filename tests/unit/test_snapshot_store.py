@@ -17,8 +17,7 @@ from boxd.errors import (
     ResourceExhausted,
     SnapshotNotFound,
 )
-from boxd.storage import Manifest, SnapshotStore, snapshots
-from boxd.storage import _files
+from boxd.storage import Manifest, SnapshotStore, _files, snapshots
 
 MiB = 1 << 20
 
