@@ -7,7 +7,7 @@ TypeScript types are generated from them.
 from __future__ import annotations
 
 import re
-from enum import Enum
+from enum import StrEnum
 
 from pydantic import BaseModel, Field
 
@@ -17,7 +17,7 @@ NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 NAME_RULE = "1-63 lowercase letters, digits or '-', starting and ending with a letter or digit"
 
 
-class MachineState(str, Enum):
+class MachineState(StrEnum):
     """Lifecycle of a machine. Transitions are checked in one place (core.machines)."""
 
     STARTING = "starting"
@@ -62,7 +62,9 @@ class ForkRequest(BaseModel):
 
 class ForkBatchRequest(BaseModel):
     count: int | None = Field(None, ge=1, le=64, description="number of children")
-    names: list[str] | None = Field(None, description="names of the children (count may be omitted)")
+    names: list[str] | None = Field(
+        None, description="names of the children (count may be omitted)"
+    )
 
 
 class ErrorBody(BaseModel):

@@ -1,0 +1,130 @@
+"""QEMU command lines for boxd machines (pure functions, unit-tested without QEMU)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from boxd import config as cfg
+from boxd.engine.base import MachineConfig
+
+QBOOT = Path("/usr/share/qemu/qboot.rom")
+# A named CPU model, not -cpu host, so saved state moves between hosts of one kind.
+# Under TCG the features TCG cannot emulate are switched off explicitly (no warnings).
+CPU_MODELS = {
+    "kvm": "Haswell-noTSX",
+    "tcg": "Haswell-noTSX,-pcid,-tsc-deadline,-invpcid",
+}
+# Below 64 MB the translation cache makes guest Python imports 2-4x slower (notes).
+TCG_TB_SIZE_MB = 64
+SANDBOX = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    """The files of one QEMU process, all under the machine's run directory."""
+
+    run_dir: Path
+
+    @property
+    def mem(self) -> Path:
+        return self.run_dir / "mem"
+
+    @property
+    def qmp(self) -> Path:
+        return self.run_dir / "qmp.sock"
+
+    @property
+    def agent(self) -> Path:
+        return self.run_dir / "agent.sock"
+
+    @property
+    def pidfile(self) -> Path:
+        return self.run_dir / "qemu.pid"
+
+
+@dataclass(frozen=True)
+class Memory:
+    """How guest RAM is backed: the machine's own file, or a template mapped privately."""
+
+    path: Path
+    shared: bool
+    readonly: bool = False
+
+
+def kernel_cmdline(config: MachineConfig) -> str:
+    parts = [
+        "console=ttyS0",
+        "root=/dev/vda",
+        "rw",
+        "quiet",
+        "panic=-1",
+        f"boxd.hostname={config.hostname}",
+    ]
+    if config.cmdline:
+        parts.append(config.cmdline)
+    return " ".join(parts)
+
+
+def build(
+    *,
+    qemu: str,
+    config: MachineConfig,
+    accel: str,
+    files: RunFiles,
+    disk: Path,
+    memory: Memory,
+    console_log: Path,
+    incoming: bool,
+    sandbox: bool = True,
+    readonly_rom_supported: bool = True,
+) -> list[str]:
+    """The full argv of one machine's QEMU process."""
+    mem_opts = [
+        "memory-backend-file",
+        "id=ram",
+        f"size={config.memory_mib}M",
+        f"mem-path={memory.path}",
+        f"share={'on' if memory.shared else 'off'}",
+    ]
+    if memory.readonly and readonly_rom_supported:
+        # Open the template read-only and give the guest a private writable copy.
+        mem_opts += ["readonly=on", "rom=off"]
+    accel_arg = f"tcg,tb-size={TCG_TB_SIZE_MB}" if accel == "tcg" else "kvm"
+    argv = [
+        qemu,
+        "-name", f"boxd-{config.id},debug-threads=off",
+        "-machine", "microvm,memory-backend=ram,x-option-roms=off,pit=off,pic=off,rtc=off",
+        "-accel", accel_arg,
+        "-cpu", CPU_MODELS[accel],
+        "-smp", str(config.vcpus),
+        "-m", f"{config.memory_mib}M",
+        "-object", ",".join(mem_opts),
+        "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+        "-serial", f"file:{console_log}",
+        "-kernel", str(config.kernel),
+        "-initrd", str(config.initrd),
+        "-append", kernel_cmdline(config),
+        # cache=unsafe: a running machine does not outlive a host crash anyway (its RAM is
+        # gone); durable copies (snapshots) are flattened and fsynced by storage/.
+        "-drive", f"file={disk},if=none,id=disk0,format=qcow2,cache=unsafe,discard=unmap",
+        "-device", "virtio-blk-device,drive=disk0",
+        "-device", "virtio-serial-device,max_ports=2",
+        "-chardev", f"socket,id=agent,path={files.agent},server=on,wait=off",
+        "-device", "virtserialport,chardev=agent,name=boxd.agent",
+        "-qmp", f"unix:{files.qmp},server=on,wait=off",
+        "-pidfile", str(files.pidfile),
+    ]
+    if QBOOT.exists():
+        argv += ["-bios", str(QBOOT)]
+    if not config.isolated:
+        fwd = f",hostfwd=tcp:127.0.0.1:{config.port}-:{cfg.GUEST_HTTP_PORT}" if config.port else ""
+        argv += [
+            "-netdev", f"user,id=net0{fwd}",
+            "-device", "virtio-net-device,netdev=net0",
+        ]
+    if incoming:
+        argv += ["-incoming", "defer"]
+    if sandbox:
+        argv += ["-sandbox", SANDBOX]
+    return argv

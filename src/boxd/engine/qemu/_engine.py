@@ -1,0 +1,244 @@
+"""QemuEngine and QemuMachine: boot, start from a memory image, capture, destroy."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+import time
+from pathlib import Path
+
+from boxd.engine.agent import AgentClient
+from boxd.engine.base import BootDisk, MachineConfig, MemoryImage
+from boxd.engine.qemu import _argv
+from boxd.engine.qemu._probe import AccelChoice
+from boxd.engine.qemu._process import QemuProcess, pid_matches
+from boxd.errors import MachineFailed
+from boxd.storage.memory import sparse_copy
+
+log = logging.getLogger("boxd.engine")
+
+STATE_FILE = "state"
+MEM_FILE = "mem"
+
+
+class QemuMachine:
+    """A live QEMU machine: its process, QMP, agent channel and RAM backing."""
+
+    def __init__(
+        self, config: MachineConfig, process: QemuProcess, files: _argv.RunFiles,
+        disk: Path, ram_shared: bool,
+    ) -> None:
+        self.config = config
+        self.process = process
+        self.files = files
+        self.disk = disk
+        self._ram_shared = ram_shared
+        self._agent: AgentClient | None = None
+        self._agent_lock = asyncio.Lock()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def ram_shared(self) -> bool:
+        return self._ram_shared
+
+    def alive(self) -> bool:
+        return self.process.alive()
+
+    def exit_reason(self) -> str:
+        return self.process.exit_reason()
+
+    def _failed(self) -> MachineFailed:
+        return MachineFailed(
+            f"machine {self.config.id} failed: {self.exit_reason()}",
+            hint="delete it and create it again", machine=self.config.id,
+        )
+
+    async def agent(self, timeout: float = 60.0) -> AgentClient:
+        """The agent connection, (re)opened when needed.
+
+        Raises:
+            MachineFailed: the VM is gone or its agent does not answer in time.
+        """
+        async with self._agent_lock:
+            if self._agent is not None and self._agent.connected:
+                return self._agent
+            if not self.alive():
+                raise self._failed()
+            if self._agent is not None:
+                with contextlib.suppress(Exception):
+                    await self._agent.close()
+                self._agent = None
+            connect = asyncio.ensure_future(
+                AgentClient.connect(self.files.agent, timeout=timeout)
+            )
+            # Watch the process while waiting: a dead VM fails fast, not at the timeout.
+            while not connect.done():
+                await asyncio.wait({connect}, timeout=0.2)
+                if not connect.done() and not self.alive():
+                    connect.cancel()
+                    with contextlib.suppress(BaseException):
+                        await connect
+                    raise self._failed()
+            try:
+                self._agent = connect.result()
+            except MachineFailed:
+                if not self.alive():
+                    raise self._failed() from None
+                raise
+            return self._agent
+
+    async def pause(self) -> None:
+        await self.process.execute("stop")
+
+    async def resume(self) -> None:
+        await self.process.execute("cont")
+
+    async def freeze_disk(self, new_active: Path) -> Path:
+        """Switch writes to a new overlay; the old active layer becomes a frozen backing file."""
+        frozen = self.disk
+        await self.process.execute(
+            "blockdev-snapshot-sync",
+            {"device": "disk0", "snapshot-file": str(new_active), "format": "qcow2"},
+        )
+        self.disk = new_active
+        return frozen
+
+    async def capture(self, dest_dir: Path) -> MemoryImage:
+        """Write RAM and device state of the paused machine into ``dest_dir``.
+
+        A machine that owns its RAM file (share=on) writes device state only (a few
+        tens of KB, with ``x-ignore-shared``) and its RAM file is copied sparsely; a
+        machine mapping a template privately streams its whole RAM (mapped-ram).
+        The machine is left paused; call ``resume``.
+        """
+        dest_dir.mkdir(parents=True, exist_ok=True)
+        state = dest_dir / STATE_FILE
+        if self._ram_shared:
+            caps = [{"capability": "x-ignore-shared", "state": True},
+                    {"capability": "mapped-ram", "state": False}]
+        else:
+            caps = [{"capability": "x-ignore-shared", "state": False},
+                    {"capability": "mapped-ram", "state": True}]
+        await self.process.execute("migrate-set-capabilities", {"capabilities": caps})
+        await self.process.execute("migrate", {"uri": f"file:{state}"})
+        await self.process.wait_migration()
+        mem: Path | None = None
+        if self._ram_shared:
+            mem = dest_dir / MEM_FILE
+            await asyncio.to_thread(sparse_copy, self.files.mem, mem)
+        return MemoryImage(mem_path=mem, state_path=state, memory_mib=self.config.memory_mib)
+
+    async def destroy(self) -> None:
+        """Kill the VM and remove its run directory."""
+        await self.detach()
+        await self.process.kill()
+        shutil.rmtree(self.files.run_dir, ignore_errors=True)
+
+    async def detach(self) -> None:
+        if self._agent is not None:
+            with contextlib.suppress(Exception):
+                await self._agent.close()
+            self._agent = None
+        await self.process.disconnect()
+
+
+class QemuEngine:
+    """Boots QEMU microVMs with the accelerator chosen by the probe."""
+
+    name = "qemu"
+
+    def __init__(self, qemu: str, accel: AccelChoice, *, readonly_rom: bool = True) -> None:
+        self.qemu = qemu
+        self.accel = accel
+        self.readonly_rom = readonly_rom
+
+    @property
+    def accelerator(self) -> str:
+        return self.accel.accelerator
+
+    @property
+    def accelerator_reason(self) -> str:
+        return self.accel.reason
+
+    @property
+    def cpu_model(self) -> str:
+        return _argv.CPU_MODELS[self.accel.accelerator]
+
+    def _spawn(
+        self, config: MachineConfig, disk: Path, files: _argv.RunFiles, memory: _argv.Memory,
+        log_path: Path, *, incoming: bool,
+    ) -> QemuProcess:
+        argv = _argv.build(
+            qemu=self.qemu, config=config, accel=self.accel.accelerator, files=files,
+            disk=disk, memory=memory, console_log=log_path.with_name("console.log"),
+            incoming=incoming, readonly_rom_supported=self.readonly_rom,
+        )
+        for stale in (files.qmp, files.agent, files.pidfile):
+            stale.unlink(missing_ok=True)
+        return QemuProcess.spawn(config.id, argv, files.qmp, log_path)
+
+    async def boot(
+        self, config: MachineConfig, disk: BootDisk, run_dir: Path, log_path: Path
+    ) -> QemuMachine:
+        """Cold-boot a machine from its image (kernel + initramfs + disk)."""
+        run_dir.mkdir(parents=True, exist_ok=True)
+        files = _argv.RunFiles(run_dir)
+        memory = _argv.Memory(files.mem, shared=True)
+        proc = self._spawn(config, disk.path, files, memory, log_path, incoming=False)
+        machine = QemuMachine(config, proc, files, disk.path, ram_shared=True)
+        await proc.qmp()
+        return machine
+
+    async def start_from(
+        self, config: MachineConfig, disk: BootDisk, image: MemoryImage, run_dir: Path,
+        log_path: Path, *, copy_memory: bool,
+    ) -> QemuMachine:
+        """Start a machine that continues from ``image`` (fork child, restore, snapshot)."""
+        t0 = time.monotonic()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        files = _argv.RunFiles(run_dir)
+        if image.mem_path is None:
+            # RAM is inside the stream: load it into a RAM file of the machine's own.
+            memory = _argv.Memory(files.mem, shared=True)
+            caps = [{"capability": "mapped-ram", "state": True}]
+        elif copy_memory:
+            await asyncio.to_thread(sparse_copy, image.mem_path, files.mem)
+            memory = _argv.Memory(files.mem, shared=True)
+            caps = [{"capability": "x-ignore-shared", "state": True}]
+        else:
+            memory = _argv.Memory(image.mem_path, shared=False, readonly=True)
+            caps = [{"capability": "x-ignore-shared", "state": True}]
+        proc = self._spawn(config, disk.path, files, memory, log_path, incoming=True)
+        machine = QemuMachine(config, proc, files, disk.path, ram_shared=memory.shared)
+        try:
+            await proc.execute("migrate-set-capabilities", {"capabilities": caps})
+            await proc.execute("migrate-incoming", {"uri": f"file:{image.state_path}"})
+            await proc.wait_migration()
+            await proc.execute("cont")
+        except BaseException:
+            await machine.destroy()
+            raise
+        log.debug("machine=%s started from image in %.3fs", config.id, time.monotonic() - t0)
+        return machine
+
+    async def attach(self, config: MachineConfig, run_dir: Path, pid: int, disk: Path,
+                     ram_shared: bool, log_path: Path) -> QemuMachine:
+        """Find a machine's QEMU process again after a daemon restart.
+
+        Raises:
+            MachineFailed: the process is gone.
+        """
+        files = _argv.RunFiles(run_dir)
+        proc = QemuProcess(config.id, pid, files.qmp, log_path)
+        machine = QemuMachine(config, proc, files, disk, ram_shared=ram_shared)
+        if not pid_matches(pid, config.id):
+            raise MachineFailed(
+                f"machine {config.id} failed: its QEMU process (pid {pid}) is gone",
+                hint="delete it and create it again", machine=config.id,
+            )
+        return machine

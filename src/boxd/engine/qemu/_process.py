@@ -1,0 +1,198 @@
+"""One QEMU process: spawn or re-attach, QMP, liveness, and its exit reason."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from qemu.qmp import ConnectError, ExecuteError, QMPClient
+
+from boxd.errors import HostSetupError, InternalError, MachineFailed
+
+log = logging.getLogger("boxd.engine")
+
+
+def _proc_state(pid: int) -> str | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def pid_matches(pid: int, machine_id: str) -> bool:
+    """True when ``pid`` is a live QEMU process of machine ``machine_id``."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return f"boxd-{machine_id},".encode() in cmdline and _proc_state(pid) not in (None, "Z")
+
+
+class QemuProcess:
+    """A QEMU process we spawned (``popen``) or found again after a restart (pid only)."""
+
+    def __init__(
+        self, machine_id: str, pid: int, qmp_path: Path, log_path: Path,
+        popen: subprocess.Popen[bytes] | None = None,
+    ) -> None:
+        self.machine_id = machine_id
+        self.pid = pid
+        self.qmp_path = qmp_path
+        self.log_path = log_path
+        self.popen = popen
+        self._qmp: QMPClient | None = None
+        self._qmp_lock = asyncio.Lock()
+
+    @classmethod
+    def spawn(cls, machine_id: str, argv: list[str], qmp_path: Path, log_path: Path) -> QemuProcess:
+        """Start QEMU in its own session (it outlives a daemon restart).
+
+        Raises:
+            HostSetupError: the QEMU binary is missing.
+        """
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as logf:
+            logf.write(f"--- {time.strftime('%F %T')} {' '.join(argv)}\n".encode())
+            logf.flush()
+            try:
+                popen = subprocess.Popen(
+                    argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
+                    start_new_session=True, close_fds=True,
+                )
+            except FileNotFoundError as exc:
+                raise HostSetupError(
+                    f"QEMU binary {argv[0]!r} not found",
+                    hint="run scripts/setup-host.sh to install QEMU",
+                ) from exc
+        return cls(machine_id, popen.pid, qmp_path, log_path, popen)
+
+    def alive(self) -> bool:
+        if self.popen is not None:
+            return self.popen.poll() is None
+        return _proc_state(self.pid) not in (None, "Z")
+
+    def exit_reason(self) -> str:
+        """A one-line account of why the process is gone, from its status and log."""
+        why = "the QEMU process is gone"
+        if self.popen is not None and self.popen.returncode is not None:
+            rc = self.popen.returncode
+            if rc < 0:
+                try:
+                    name = signal.Signals(-rc).name
+                except ValueError:
+                    name = str(-rc)
+                why = f"the QEMU process was killed by {name}"
+            else:
+                why = f"the QEMU process exited with status {rc}"
+        tail = self.log_tail()
+        return f"{why}: {tail}" if tail else why
+
+    def log_tail(self, lines: int = 3) -> str:
+        try:
+            text = self.log_path.read_bytes()[-4000:].decode(errors="replace")
+        except OSError:
+            return ""
+        keep = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("---")]
+        return " | ".join(keep[-lines:])[-400:]
+
+    async def qmp(self, timeout: float = 10.0) -> QMPClient:
+        """The QMP connection, opened on first use (waits for QEMU to create the socket)."""
+        async with self._qmp_lock:
+            if self._qmp is not None:
+                return self._qmp
+            deadline = time.monotonic() + timeout
+            while True:
+                if not self.alive():
+                    raise MachineFailed(
+                        f"machine {self.machine_id} failed: {self.exit_reason()}",
+                        hint="delete it and create it again", machine=self.machine_id,
+                    )
+                client = QMPClient(f"boxd-{self.machine_id}")
+                try:
+                    await client.connect(str(self.qmp_path))
+                    self._qmp = client
+                    return client
+                except (ConnectError, OSError) as exc:
+                    with contextlib.suppress(Exception):
+                        await client.disconnect()
+                    if time.monotonic() > deadline:
+                        raise MachineFailed(
+                            f"machine {self.machine_id}: QMP did not answer: {exc}",
+                            machine=self.machine_id,
+                        ) from exc
+                    await asyncio.sleep(0.005)
+
+    async def execute(self, cmd: str, args: dict[str, Any] | None = None) -> Any:
+        """Run one QMP command, mapping QMP failures to boxd errors.
+
+        Raises:
+            MachineFailed: the process is gone or the connection broke.
+            InternalError: QEMU refused the command.
+        """
+        client = await self.qmp()
+        try:
+            return await client.execute(cmd, args)
+        except ExecuteError as exc:
+            raise InternalError(f"QEMU refused {cmd}: {exc.error.error.desc}") from exc
+        except Exception as exc:
+            self._qmp = None
+            if not self.alive():
+                raise MachineFailed(
+                    f"machine {self.machine_id} failed: {self.exit_reason()}",
+                    hint="delete it and create it again", machine=self.machine_id,
+                ) from exc
+            raise MachineFailed(
+                f"machine {self.machine_id}: QMP {cmd} failed: {exc!r}", machine=self.machine_id
+            ) from exc
+
+    async def wait_migration(self, timeout: float = 120.0) -> None:
+        """Poll query-migrate until the migration completes.
+
+        Raises:
+            InternalError: the migration failed or timed out.
+        """
+        deadline = time.monotonic() + timeout
+        delay = 0.001
+        while True:
+            info = await self.execute("query-migrate")
+            status = info.get("status")
+            if status == "completed":
+                return
+            if status in ("failed", "cancelled"):
+                raise InternalError(
+                    f"migration {status} for {self.machine_id}: {info.get('error-desc', '')}"
+                )
+            if time.monotonic() > deadline:
+                raise InternalError(f"migration timed out for {self.machine_id} ({status})")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.02)
+
+    async def disconnect(self) -> None:
+        client, self._qmp = self._qmp, None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await client.disconnect()
+
+    async def kill(self) -> None:
+        """SIGKILL the process and reap it."""
+        await self.disconnect()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        if self.popen is not None:
+            for _ in range(500):
+                if self.popen.poll() is not None:
+                    break
+                await asyncio.sleep(0.01)
+        else:
+            for _ in range(500):
+                if _proc_state(self.pid) in (None, "Z"):
+                    break
+                await asyncio.sleep(0.01)

@@ -1,0 +1,80 @@
+"""Disk layers: qcow2 files in ``disks/``, chained by backing files.
+
+A machine writes to its *active* layer. Forking or checkpointing freezes the active
+layer (it becomes a read-only backing file) and gives the machine a new active layer
+on top; children get their own active layers on the same frozen one. Layers are
+reference-counted in the state database and removed when nothing refers to them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+from pathlib import Path
+
+from boxd.errors import HostSetupError, InternalError, ResourceExhausted
+
+QEMU_IMG = "qemu-img"
+
+
+async def _run(*argv: str) -> str:
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        )
+    except FileNotFoundError as exc:
+        raise HostSetupError(
+            f"{argv[0]} not found", hint="run scripts/setup-host.sh to install qemu-utils"
+        ) from exc
+    out, err = await proc.communicate()
+    if proc.returncode != 0:
+        text = err.decode(errors="replace").strip()
+        if "No space left" in text:
+            raise ResourceExhausted(
+                f"disk full while running {argv[0]}", hint="free space in the data directory"
+            )
+        raise InternalError(f"{' '.join(argv[:3])} failed: {text[-500:]}")
+    return out.decode()
+
+
+def layer_path(disks_dir: Path, layer_id: str) -> Path:
+    return disks_dir / f"{layer_id}.qcow2"
+
+
+async def create_overlay(path: Path, backing: Path, backing_format: str, size_gib: int) -> None:
+    """Create a qcow2 overlay of ``size_gib`` on ``backing`` (written to a temp name first)."""
+    tmp = path.with_name(path.name + ".tmp")
+    await _run(
+        QEMU_IMG, "create", "-q", "-f", "qcow2",
+        "-o", "cluster_size=65536,lazy_refcounts=on",
+        "-b", str(backing), "-F", backing_format,
+        str(tmp), f"{size_gib}G",
+    )
+    os.replace(tmp, path)
+
+
+async def flatten(src: Path, dest: Path) -> None:
+    """Write the whole backing chain of ``src`` into one standalone qcow2 file ``dest``."""
+    tmp = dest.with_name(dest.name + ".tmp")
+    await _run(QEMU_IMG, "convert", "-q", "-O", "qcow2", str(src), str(tmp))
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, dest)
+
+
+async def info(path: Path) -> dict[str, object]:
+    """``qemu-img info`` of one file (its virtual size, backing file, allocation)."""
+    out = await _run(QEMU_IMG, "info", "--output=json", "-U", str(path))
+    data: dict[str, object] = json.loads(out)
+    return data
+
+
+def remove(path: Path) -> None:
+    for p in (path, path.with_name(path.name + ".tmp")):
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
