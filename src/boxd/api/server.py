@@ -14,9 +14,11 @@ import importlib
 import json
 import logging
 import os
+import signal
 import socket
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +39,9 @@ __all__ = ["Daemon", "local_key_path", "serve", "write_local_key"]
 log = logging.getLogger("boxd.daemon")
 
 _LOGGERS = ("boxd", "uvicorn", "uvicorn.error", "uvicorn.access")
-_RECORD_FIELDS = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
+_RECORD_FIELDS = set(logging.makeLogRecord({}).__dict__) | {
+    "message", "asctime", "color_message"
+}
 
 
 class JsonLineFormatter(logging.Formatter):
@@ -173,6 +177,27 @@ def _tcp_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, minus re-raising the caught signal at exit.
+
+    uvicorn re-raises SIGTERM/SIGINT after shutting down, which would kill the process
+    before the daemon detaches from its machines; we exit normally instead.
+    """
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT,
+                                                                     signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
 class Daemon:
     """A prepared daemon: data directory locked, services built, key file written.
 
@@ -229,7 +254,7 @@ class Daemon:
                 host_info=host_info or _fallback_host_info(paths),
                 upload_dir=paths.home / "uploads",
             )
-            self.server = uvicorn.Server(
+            self.server = _Server(
                 uvicorn.Config(
                     self.app, log_config=None, access_log=True, proxy_headers=False,
                     timeout_graceful_shutdown=10,
