@@ -111,3 +111,34 @@ def test_shutdown_closes_machines_and_keeps_the_key(paths: Paths, tmp_path: Path
     assert [k.revoked_at is not None for k in keys] == [True, False]
     d3._unlock()
     d3.db.close()
+
+
+def test_serve_exits_cleanly_on_sigterm(paths: Paths, tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    code = "from boxd.api.server import serve; from boxd.config import Paths; " \
+        f"from pathlib import Path; serve(Paths(Path({str(paths.home)!r})))"
+    env = {**os.environ, "BOXD_SHM": str(tmp_path / "shm2")}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            assert time.monotonic() < deadline, "daemon did not answer"
+            try:
+                with _client(paths) as c:
+                    if c.get("/v1/health").status_code == 200:
+                        break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert out == b"" and err == b""  # nothing on the terminal; it all goes to the log
+    assert not paths.socket.exists()
+    assert "daemon stopped" in paths.log.read_text()
