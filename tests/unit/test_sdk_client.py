@@ -8,12 +8,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from test_sdk_support import daemon, paths, start_daemon  # noqa: F401 - fixtures
+import test_sdk_support as support
 
 from boxd import AsyncBoxd, Boxd, errors
 from boxd.api.server import Daemon
 from boxd.config import Paths
 from boxd.sdk import _local
+
+daemon = support.daemon  # fixtures
+paths = support.paths
 
 
 def test_spec_rollout_loop_with_eight_threads(daemon: Daemon, tmp_path: Path) -> None:
@@ -119,7 +122,7 @@ def test_autostart_spawns_one_daemon_for_concurrent_clients(
             pass
 
     def fake_spawn(p: Paths) -> Proc:
-        d, _ = start_daemon(p, tmp_path)
+        d, _ = support.start_daemon(p, tmp_path)
         spawned.append(d)
         return Proc()
 
