@@ -1,0 +1,620 @@
+"""Host side of the guest agent channel: an asyncio client for ``boxd.guest.agent``.
+
+One `AgentClient` is one connection to a machine's agent socket (QEMU's virtio-serial
+chardev). Requests are multiplexed over it by id; replies whose id the client does not know
+(stale answers from before a fork, restore or reconnect) are dropped. Protocol:
+``docs/agent-protocol.md``.
+
+Every failure surfaces as a `boxd.errors.BoxdError`: a lost connection or an agent that does
+not answer is `MachineFailed`, a missing guest file is `GuestFileNotFound`, other guest file
+errors are `InvalidRequest`, a corrupted transfer is `IntegrityError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, NamedTuple
+
+from boxd.errors import (
+    BoxdError,
+    GuestFileNotFound,
+    HostSetupError,
+    IntegrityError,
+    InternalError,
+    InvalidRequest,
+    MachineFailed,
+)
+from boxd.guest import protocol as P
+
+__all__ = ["AgentClient", "ExecChunk", "ExecExit", "ExecOutcome", "ExecOutput", "FileStat"]
+
+log = logging.getLogger(__name__)
+
+#: Seconds to wait for the reply of a one-shot request (ping, stat, kill, identity, ...).
+REQUEST_TIMEOUT = 30.0
+#: Seconds a streaming read or a file write may go without any message from the agent.
+STREAM_IDLE_TIMEOUT = 120.0
+#: How often `connect` re-sends hello while the guest agent is not up yet.
+HELLO_RETRY = 1.0
+
+
+class ExecOutput(NamedTuple):
+    """A piece of a command's output, as it arrived (unpacks as ``(stream, data)``)."""
+
+    stream: Literal["stdout", "stderr"]
+    data: bytes
+
+
+@dataclass(frozen=True)
+class ExecExit:
+    """The end of a command: ``exit_code`` is 128+N when it was killed by signal N."""
+
+    exit_code: int
+    signal: int | None
+    timed_out: bool
+    duration: float
+
+
+ExecChunk = ExecOutput | ExecExit
+
+
+@dataclass(frozen=True)
+class ExecOutcome:
+    """A finished command with its whole output."""
+
+    stdout: bytes
+    stderr: bytes
+    exit_code: int
+    signal: int | None
+    timed_out: bool
+    duration: float
+
+
+@dataclass(frozen=True)
+class FileStat:
+    """A guest file after a write (size, permission bits, sha256 hex digest)."""
+
+    path: str
+    size: int
+    mode: int
+    sha256: str
+
+
+_Msg = dict[str, Any]
+# Each pending request has a queue of messages; None means "the connection is gone".
+_Queue = asyncio.Queue[_Msg | None]
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _unb64(msg: _Msg) -> bytes:
+    text = msg.get("data")
+    if not text:
+        return b""
+    try:
+        return base64.b64decode(text)
+    except (ValueError, TypeError) as exc:
+        raise MachineFailed(f"agent sent corrupt data: {exc}") from exc
+
+
+class AgentClient:
+    """An asyncio connection to one machine's guest agent.
+
+    Safe for many concurrent requests. Build one with `AgentClient.connect`.
+    """
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        socket_path: Path,
+    ) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._path = socket_path
+        self._nonce = secrets.token_hex(8)
+        # Ids start at a random point so a stale reply to another connection's request
+        # (answered by a forked or restored guest) cannot match one of ours.
+        self._next_id = secrets.randbelow(1 << 40) + 1
+        self._pending: dict[int, _Queue] = {}
+        self._write_lock = asyncio.Lock()
+        self._closed = False
+        self._failure = ""
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._read_task = asyncio.create_task(self._read_loop(), name=f"agent-reader {socket_path}")
+        self.agent_version = ""
+        self.agent_pid = 0
+        self.agent_started = 0.0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    async def connect(cls, socket_path: Path, *, timeout: float) -> AgentClient:
+        """Connect to the agent socket and handshake, retrying until the agent answers.
+
+        Args:
+            socket_path: QEMU's unix socket for the ``boxd.agent`` port.
+            timeout: seconds to keep trying.
+
+        Raises:
+            MachineFailed: nothing answered within ``timeout``.
+            HostSetupError: the agent speaks an incompatible protocol major version.
+        """
+        deadline = time.monotonic() + timeout
+        last = "no attempt"
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise MachineFailed(
+                    f"guest agent at {socket_path} did not answer within {timeout:g}s ({last})",
+                    hint="the machine may still be booting, or its agent crashed (see its console)",
+                )
+            try:
+                reader, writer = await asyncio.wait_for(
+                    asyncio.open_unix_connection(str(socket_path), limit=P.MAX_LINE),
+                    timeout=remaining,
+                )
+            except (OSError, TimeoutError) as exc:
+                last = f"cannot connect: {exc}"
+                await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+                continue
+            client = cls(reader, writer, socket_path)
+            try:
+                await client._hello(deadline)
+            except MachineFailed as exc:
+                last = exc.message
+                await client.close()
+                await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+                continue
+            except BaseException:
+                await client.close()
+                raise
+            return client
+
+    async def _hello(self, deadline: float) -> None:
+        # All hellos of this connection share one queue: the first answer wins, late ones are
+        # harmless (same nonce, so the agent does not treat them as a new connection).
+        q: _Queue = asyncio.Queue()
+        ids: list[int] = []
+        try:
+            # A leading newline ends any partial line left in the channel by a previous host.
+            await self._send_raw(b"\n")
+            while True:
+                req_id = self._new_id()
+                ids.append(req_id)
+                self._pending[req_id] = q
+                await self._send(
+                    {
+                        "id": req_id,
+                        "op": P.OP_HELLO,
+                        "version": P.PROTOCOL_VERSION,
+                        "nonce": self._nonce,
+                    }
+                )
+                wait = min(HELLO_RETRY, deadline - time.monotonic())
+                if wait <= 0:
+                    raise MachineFailed("guest agent did not answer hello")
+                try:
+                    msg = await asyncio.wait_for(q.get(), timeout=wait)
+                except TimeoutError:
+                    continue
+                if msg is None:
+                    raise MachineFailed(f"agent connection closed during hello ({self._failure})")
+                if msg.get("ev") == P.EV_ERROR:
+                    if msg.get("code") == P.ERR_VERSION:
+                        raise HostSetupError(
+                            f"guest agent protocol mismatch: {msg.get('message')}",
+                            hint="rebuild the guest image with this version of boxd",
+                        )
+                    raise self._error(msg)
+                version = str(msg.get("version", ""))
+                if version.split(".", 1)[0] != str(P.PROTOCOL_MAJOR):
+                    raise HostSetupError(
+                        f"guest agent speaks protocol {version}, boxd speaks {P.PROTOCOL_VERSION}",
+                        hint="rebuild the guest image with this version of boxd",
+                    )
+                self.agent_version = version
+                self.agent_pid = int(msg.get("pid", 0))
+                self.agent_started = float(msg.get("started", 0.0))
+                return
+        finally:
+            for req_id in ids:
+                self._pending.pop(req_id, None)
+
+    @property
+    def connected(self) -> bool:
+        """True until the connection is closed or lost."""
+        return not self._closed
+
+    async def close(self) -> None:
+        """Close the connection; pending requests fail with `MachineFailed`."""
+        self._fail_all("connection closed by the host")
+        self._read_task.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        with contextlib.suppress(BaseException):
+            await self._read_task
+        self._writer.close()
+        with contextlib.suppress(Exception):
+            await self._writer.wait_closed()
+
+    async def __aenter__(self) -> AgentClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def _fail_all(self, reason: str) -> None:
+        if not self._closed:
+            self._closed = True
+            self._failure = reason
+        for q in self._pending.values():
+            q.put_nowait(None)
+        self._pending.clear()
+
+    async def _read_loop(self) -> None:
+        reason = "agent closed the connection"
+        try:
+            while True:
+                try:
+                    line = await self._reader.readline()
+                except ValueError:  # a line longer than the limit: skip what was buffered
+                    log.warning("agent %s: oversized line dropped", self._path)
+                    continue
+                if not line:
+                    break
+                if not line.endswith(b"\n"):
+                    break  # EOF in the middle of a line
+                if not line.strip():
+                    continue
+                try:
+                    msg = json.loads(line)
+                    req_id = msg["id"]
+                except (ValueError, KeyError, TypeError):
+                    # A partial line from before a reconnect/fork; the protocol resyncs at \n.
+                    log.debug("agent %s: malformed line dropped: %.80r", self._path, line)
+                    continue
+                q = self._pending.get(req_id) if isinstance(req_id, int) else None
+                if q is None:
+                    log.debug("agent %s: stale reply for id %r dropped", self._path, req_id)
+                    continue
+                q.put_nowait(msg)
+                if msg.get("ev") in P.TERMINAL_EVENTS:
+                    self._pending.pop(req_id, None)
+        except (OSError, asyncio.IncompleteReadError) as exc:
+            reason = f"agent connection lost: {exc}"
+        finally:
+            self._fail_all(reason)
+
+    async def _send_raw(self, data: bytes) -> None:
+        if self._closed:
+            raise MachineFailed(f"agent connection is closed ({self._failure})")
+        try:
+            async with self._write_lock:
+                self._writer.write(data)
+                await self._writer.drain()
+        except (OSError, RuntimeError) as exc:
+            self._fail_all(f"agent connection lost: {exc}")
+            raise MachineFailed(f"agent connection lost: {exc}") from exc
+
+    async def _send(self, msg: _Msg) -> None:
+        await self._send_raw(json.dumps(msg, separators=(",", ":")).encode() + b"\n")
+
+    def _open(self, op: str, **fields: Any) -> tuple[int, _Queue, _Msg]:
+        if self._closed:
+            raise MachineFailed(f"agent connection is closed ({self._failure})")
+        req_id = self._new_id()
+        q: _Queue = asyncio.Queue()
+        self._pending[req_id] = q
+        return req_id, q, {"id": req_id, "op": op, **fields}
+
+    async def _next(self, q: _Queue, timeout: float | None, what: str) -> _Msg:
+        try:
+            msg = await asyncio.wait_for(q.get(), timeout=timeout)
+        except TimeoutError:
+            raise MachineFailed(
+                f"guest agent did not answer {what} within {timeout:g}s",
+                hint="the machine may be overloaded or hung",
+            ) from None
+        if msg is None:
+            raise MachineFailed(f"lost the agent connection during {what} ({self._failure})")
+        return msg
+
+    async def _call(self, op: str, timeout: float = REQUEST_TIMEOUT, **fields: Any) -> _Msg:
+        req_id, q, msg = self._open(op, **fields)
+        try:
+            await self._send(msg)
+            reply = await self._next(q, timeout, op)
+        finally:
+            self._pending.pop(req_id, None)
+        if reply.get("ev") == P.EV_ERROR:
+            raise self._error(reply)
+        return reply
+
+    def _spawn(self, coro: Any) -> None:
+        task: asyncio.Task[Any] = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _quiet(self, op: str, **fields: Any) -> None:
+        """Fire-and-forget request (used from cleanup paths); errors are only logged."""
+        try:
+            await self._call(op, timeout=10.0, **fields)
+        except BoxdError as exc:
+            log.debug("agent %s: %s failed: %s", self._path, op, exc)
+
+    @staticmethod
+    def _error(msg: _Msg) -> BoxdError:
+        code = str(msg.get("code", ""))
+        text = str(msg.get("message") or code or "guest agent error")
+        path = msg.get("path")
+        if code == P.ERR_NOT_FOUND and path is not None:
+            return GuestFileNotFound(text, path=path)
+        if code == P.ERR_INTERNAL:
+            return InternalError(f"guest agent: {text}")
+        if code == P.ERR_VERSION:
+            return HostSetupError(text, hint="rebuild the guest image with this version of boxd")
+        details: dict[str, Any] = {"field": "path"} if path is not None else {}
+        if path is not None:
+            details["path"] = path
+        details["errno"] = code
+        return InvalidRequest(text, **details)
+
+    # ------------------------------------------------------------------ operations
+
+    async def ping(self) -> float:
+        """Round trip to the agent, in seconds.
+
+        Raises:
+            MachineFailed: the agent did not answer.
+        """
+        start = time.perf_counter()
+        await self._call(P.OP_PING)
+        return time.perf_counter() - start
+
+    async def exec(
+        self,
+        command: str | list[str],
+        *,
+        env: Mapping[str, str | None] | None = None,
+        cwd: str | None = None,
+        timeout: float | None = None,
+        stdin: bytes | None = None,
+    ) -> AsyncIterator[ExecChunk]:
+        """Run a command, yielding its output as it arrives, then one `ExecExit`.
+
+        ``command`` is a shell string (``/bin/sh -c``) or an argv list. ``env`` is merged
+        over the agent's default environment (a None value unsets a variable). Closing or
+        cancelling the iterator early kills the command's process group in the guest; use
+        ``contextlib.aclosing`` when breaking out of the loop.
+
+        Raises:
+            MachineFailed: the connection was lost.
+            GuestFileNotFound: ``cwd`` does not exist.
+            InvalidRequest: the agent rejected the request.
+        """
+        fields: _Msg = {"cmd": command}
+        if env:
+            fields["env"] = dict(env)
+        if cwd is not None:
+            fields["cwd"] = cwd
+        if timeout is not None:
+            fields["timeout"] = timeout
+        if stdin is not None:
+            fields["stdin"] = _b64(stdin)
+        req_id, q, msg = self._open(P.OP_EXEC, **fields)
+        finished = False
+        try:
+            await self._send(msg)
+            while True:
+                # No idle limit: a command may legitimately be silent for a long time. The
+                # agent enforces ``timeout``; a lost connection ends the wait.
+                reply = await self._next(q, None, "exec")
+                ev = reply.get("ev")
+                if ev == P.EV_STDOUT:
+                    yield ExecOutput("stdout", _unb64(reply))
+                elif ev == P.EV_STDERR:
+                    yield ExecOutput("stderr", _unb64(reply))
+                elif ev == P.EV_RESULT:
+                    finished = True
+                    yield ExecExit(
+                        exit_code=int(reply["exit_code"]),
+                        signal=reply.get("signal"),
+                        timed_out=bool(reply.get("timed_out")),
+                        duration=float(reply.get("duration", 0.0)),
+                    )
+                    return
+                elif ev == P.EV_ERROR:
+                    finished = True
+                    raise self._error(reply)
+                # "started" and unknown events (newer minor versions) are skipped.
+        finally:
+            self._pending.pop(req_id, None)
+            if not finished and not self._closed:
+                self._spawn(self._quiet(P.OP_KILL, exec_id=req_id, signal=9))
+
+    async def run(
+        self,
+        command: str | list[str],
+        *,
+        env: Mapping[str, str | None] | None = None,
+        cwd: str | None = None,
+        timeout: float | None = None,
+        stdin: bytes | None = None,
+    ) -> ExecOutcome:
+        """Run a command to completion and return its buffered output.
+
+        A timeout is reported in the outcome (``timed_out``), not raised.
+
+        Raises:
+            MachineFailed: the connection was lost.
+            GuestFileNotFound: ``cwd`` does not exist.
+            InvalidRequest: the agent rejected the request.
+        """
+        out: list[bytes] = []
+        err: list[bytes] = []
+        result: ExecExit | None = None
+        async for item in self.exec(command, env=env, cwd=cwd, timeout=timeout, stdin=stdin):
+            if isinstance(item, ExecExit):
+                result = item
+            elif item.stream == "stdout":
+                out.append(item.data)
+            else:
+                err.append(item.data)
+        if result is None:  # pragma: no cover - exec() always ends with an exit or raises
+            raise MachineFailed("exec ended without an exit status")
+        return ExecOutcome(
+            stdout=b"".join(out),
+            stderr=b"".join(err),
+            exit_code=result.exit_code,
+            signal=result.signal,
+            timed_out=result.timed_out,
+            duration=result.duration,
+        )
+
+    async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> FileStat:
+        """Write ``data`` to ``path`` in the guest atomically (temp file, fsync, rename).
+
+        Parent directories are created. The agent's sha256 is checked against ours.
+
+        Raises:
+            InvalidRequest: the path is a directory, not absolute, or not writable.
+            IntegrityError: the guest's copy does not match.
+            MachineFailed: the connection was lost.
+        """
+        digest = hashlib.sha256(data).hexdigest()
+        req_id, q, first = self._open(P.OP_WRITE, path=path, mode=mode)
+        try:
+            view = memoryview(data)
+            offset = 0
+            while True:
+                chunk = bytes(view[offset : offset + P.FILE_CHUNK])
+                eof = offset + len(chunk) >= len(data)
+                msg: _Msg = first if offset == 0 else {"id": req_id, "op": P.OP_WRITE}
+                msg.update(offset=offset, data=_b64(chunk), eof=eof)
+                await self._send(msg)
+                offset += len(chunk)
+                if eof or not q.empty():  # an early error: stop sending
+                    break
+            reply = await self._next(q, STREAM_IDLE_TIMEOUT, "write")
+        finally:
+            self._pending.pop(req_id, None)
+        if reply.get("ev") == P.EV_ERROR:
+            raise self._error(reply)
+        stat = FileStat(
+            path=str(reply.get("path", path)),
+            size=int(reply["size"]),
+            mode=int(reply["mode"]),
+            sha256=str(reply["sha256"]),
+        )
+        if stat.size != len(data) or stat.sha256 != digest:
+            raise IntegrityError(
+                f"guest file {path} does not match what was sent "
+                f"({stat.size} bytes, sha256 {stat.sha256}; sent {len(data)}, {digest})",
+                digest=digest,
+                path=path,
+            )
+        return stat
+
+    async def read_file(self, path: str) -> bytes:
+        """Read a whole guest file, verified by sha256.
+
+        Raises:
+            GuestFileNotFound: no such file.
+            InvalidRequest: the path is a directory or not readable.
+            IntegrityError: the data does not match the agent's digest.
+            MachineFailed: the connection was lost.
+        """
+        req_id, q, msg = self._open(P.OP_READ, path=path)
+        parts: list[bytes] = []
+        size = 0
+        sha = hashlib.sha256()
+        try:
+            await self._send(msg)
+            while True:
+                reply = await self._next(q, STREAM_IDLE_TIMEOUT, "read")
+                ev = reply.get("ev")
+                if ev == P.EV_DATA:
+                    chunk = _unb64(reply)
+                    if reply.get("offset") != size:
+                        raise IntegrityError(
+                            f"guest file {path}: chunk at offset {reply.get('offset')}, "
+                            f"expected {size}",
+                            path=path,
+                        )
+                    parts.append(chunk)
+                    sha.update(chunk)
+                    size += len(chunk)
+                elif ev == P.EV_ERROR:
+                    raise self._error(reply)
+                elif ev == P.EV_RESULT:
+                    break
+        finally:
+            self._pending.pop(req_id, None)
+        if reply.get("size") != size or reply.get("sha256") != sha.hexdigest():
+            raise IntegrityError(
+                f"guest file {path} arrived corrupted ({size} bytes, sha256 {sha.hexdigest()}; "
+                f"agent says {reply.get('size')}, {reply.get('sha256')})",
+                digest=str(reply.get("sha256")),
+                path=path,
+            )
+        return b"".join(parts)
+
+    async def stat(self, path: str) -> dict[str, Any]:
+        """``lstat`` a guest path: type ("file", "dir", "symlink", "other"), size, mode, mtime.
+
+        Raises:
+            GuestFileNotFound: no such path.
+            InvalidRequest: the path is not absolute or not accessible.
+            MachineFailed: the connection was lost.
+        """
+        reply = await self._call(P.OP_STAT, path=path)
+        return {k: v for k, v in reply.items() if k not in ("id", "ev")}
+
+    async def identity(self, *, hostname: str, machine_id: str, seed: bytes, now: float) -> None:
+        """Give the machine a new identity (after a fork or restore).
+
+        Sets the hostname, /etc/machine-id (32 lowercase hex digits), mixes ``seed`` into
+        (and credits) the kernel RNG and sets the wall clock to ``now``. No user-space
+        process is touched.
+
+        Raises:
+            InvalidRequest: a bad value, or the agent lacks the privilege.
+            MachineFailed: the connection was lost.
+        """
+        await self._call(
+            P.OP_IDENTITY, hostname=hostname, machine_id=machine_id, seed=_b64(seed), now=now
+        )
+
+    async def kill(self, exec_id: int, signal: int = 9) -> bool:
+        """Signal the process group of a running exec; False when it already finished."""
+        try:
+            reply = await self._call(P.OP_KILL, exec_id=exec_id, signal=signal)
+        except InvalidRequest as exc:
+            if exc.details.get("errno") == P.ERR_NO_EXEC:
+                return False
+            raise
+        return bool(reply.get("delivered"))
+
+    def __repr__(self) -> str:
+        state = "connected" if self.connected else f"closed ({self._failure})"
+        return f"<AgentClient {os.fspath(self._path)} {state}>"

@@ -1,0 +1,991 @@
+"""boxd guest agent: runs as PID 1 inside every machine and serves the host over virtio-serial.
+
+Stdlib only, one file (plus ``protocol.py`` next to it), Python 3.11. The wire protocol is
+documented in ``docs/agent-protocol.md``. Design points:
+
+* The channel outlives host connections: EOF/POLLHUP means "the host went away", so the agent
+  waits ~20 ms and retries; it never exits. A VM fork or restore looks like a reconnect.
+* Every request carries an id; every reply echoes it. A ``hello`` carries the host
+  connection's nonce; output of requests that arrived on an older connection is dropped.
+* Writes never block forever: while the host is away, output is dropped.
+* As PID 1 it reaps every zombie. One reaper thread owns ``waitpid(-1)`` and hands statuses
+  to the exec that owns the pid (remembering statuses that arrive before registration).
+
+For host tests: ``--connect PATH`` uses a unix socket (as a client, reconnecting on EOF)
+instead of the virtio port; the agent then marks itself child subreaper so orphaned
+grandchildren are still reparented to it and reaped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import ctypes
+import errno
+import fcntl
+import glob
+import hashlib
+import json
+import os
+import queue
+import select
+import signal
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+try:
+    from boxd.guest import protocol as P
+except ImportError:  # inside the guest: protocol.py sits next to this file
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import protocol as P  # type: ignore[no-redef]
+
+RETRY_SLEEP = 0.02
+WRITE_STALL_LIMIT = 30.0  # seconds a connected but non-reading host may stall one message
+EXIT_DRAIN_IDLE = 0.25  # after the command exits, stop reading its pipes after this much quiet
+EXIT_DRAIN_MAX = 2.0  # ... or after this long (background children may hold the pipes)
+UNCLAIMED_TTL = 120.0
+RNDADDENTROPY = 0x40085203
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def log(msg: str) -> None:
+    try:
+        sys.stderr.write(f"boxd-agent[{os.getpid()}] {time.strftime('%H:%M:%S')} {msg}\n")
+        sys.stderr.flush()
+    except Exception:
+        pass
+
+
+def b64e(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def b64d(text: Any) -> bytes:
+    if not text:
+        return b""
+    return base64.b64decode(text, validate=False)
+
+
+class RequestError(Exception):
+    """An error to report to the host as ``{"ev": "error", "code": ...}``."""
+
+    def __init__(self, code: str, message: str, **extra: Any) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.extra = extra
+
+
+def os_error(exc: OSError, path: str | None = None) -> RequestError:
+    code = errno.errorcode.get(exc.errno or 0, "EIO")
+    where = path if path is not None else exc.filename
+    text = f"{exc.strerror or exc}: {where}" if where else str(exc.strerror or exc)
+    return RequestError(code, text, path=where)
+
+
+# --------------------------------------------------------------------------- channels
+
+
+class Channel:
+    """A byte pipe to the host that survives host reconnects.
+
+    ``read()`` blocks until bytes arrive and returns them, or returns ``b""`` once each time
+    the host goes away (the caller then drops any partial line). ``write()`` sends one whole
+    message or drops it; it never blocks forever.
+    """
+
+    def __init__(self) -> None:
+        self.fd = -1
+        self.lock = threading.Lock()
+        self.broken_line = False  # a message was cut mid-way: start the next on a new line
+        self.host_present = False
+
+    def open(self) -> None:
+        raise NotImplementedError
+
+    def on_eof(self) -> None:
+        """The host went away (EOF or POLLHUP)."""
+        time.sleep(RETRY_SLEEP)
+
+    def read(self) -> bytes:
+        while True:
+            fd = self.fd
+            if fd < 0:
+                self.open()
+                continue
+            try:
+                p = select.poll()
+                p.register(fd, select.POLLIN)
+                events = p.poll(1000)
+            except (OSError, ValueError):
+                self.on_eof()
+                continue
+            if not events:
+                continue
+            revents = events[0][1]
+            if revents & select.POLLIN:
+                try:
+                    data = os.read(fd, 1 << 20)
+                except BlockingIOError:
+                    continue
+                except OSError as exc:
+                    log(f"channel read error: {exc}")
+                    data = b""
+                if data:
+                    self.host_present = True
+                    return data
+            was_present = self.host_present
+            self.host_present = False
+            self.on_eof()
+            if was_present:
+                return b""
+
+    def write(self, data: bytes) -> bool:
+        with self.lock:
+            if self.broken_line:
+                data = b"\n" + data
+            fd = self.fd
+            if fd < 0:
+                return False
+            view = memoryview(data)
+            stalled_since: float | None = None
+            while view:
+                try:
+                    n = os.write(fd, view)
+                    view = view[n:]
+                    stalled_since = None
+                    continue
+                except (BlockingIOError, InterruptedError):
+                    pass
+                except OSError as exc:
+                    # ENOTCONN/EPIPE/ENODEV...: the host is gone; drop the message.
+                    if exc.errno not in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN):
+                        log(f"channel write error: {exc}")
+                    self.broken_line = len(view) != len(data)
+                    return False
+                now = time.monotonic()
+                stalled_since = stalled_since or now
+                try:
+                    p = select.poll()
+                    p.register(fd, select.POLLOUT)
+                    events = p.poll(100)
+                except (OSError, ValueError):
+                    events = [(fd, select.POLLHUP)]
+                revents = events[0][1] if events else 0
+                if (revents & (select.POLLHUP | select.POLLERR | select.POLLNVAL)) and not (
+                    revents & select.POLLOUT
+                ):
+                    self.broken_line = len(view) != len(data)
+                    return False
+                if now - stalled_since > WRITE_STALL_LIMIT:
+                    log("host stopped reading; dropping a message")
+                    self.broken_line = True
+                    return False
+            self.broken_line = False
+            return True
+
+
+class VirtioChannel(Channel):
+    """The virtio-serial port named ``boxd.agent``, found through sysfs (no udev here)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self.warned = False
+
+    def find(self) -> str | None:
+        for name_file in sorted(glob.glob("/sys/class/virtio-ports/*/name")):
+            try:
+                with open(name_file) as f:
+                    if f.read().strip() != self.name:
+                        continue
+            except OSError:
+                continue
+            port_dir = os.path.dirname(name_file)
+            dev = "/dev/" + os.path.basename(port_dir)
+            if not os.path.exists(dev):
+                # No devtmpfs entry: make the node from sysfs' major:minor.
+                try:
+                    with open(os.path.join(port_dir, "dev")) as f:
+                        major, minor = (int(x) for x in f.read().strip().split(":"))
+                    os.mknod(dev, 0o600 | stat.S_IFCHR, os.makedev(major, minor))
+                except OSError as exc:
+                    log(f"cannot create {dev}: {exc}")
+                    return None
+            return dev
+        return None
+
+    def open(self) -> None:
+        dev = self.find()
+        if dev is None:
+            if not self.warned:
+                log(f"virtio port {self.name!r} not found yet; retrying")
+                self.warned = True
+            time.sleep(0.1)
+            return
+        try:
+            fd = os.open(dev, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            log(f"cannot open {dev}: {exc}")
+            time.sleep(0.5)
+            return
+        log(f"serving on {dev}")
+        with self.lock:
+            self.fd = fd
+
+
+class SocketChannel(Channel):
+    """A unix socket we connect to (host tests), reconnecting whenever it closes."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+        self.sock: socket.socket | None = None
+
+    def open(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(self.path)
+        except OSError:
+            sock.close()
+            time.sleep(RETRY_SLEEP)
+            return
+        sock.setblocking(False)
+        with self.lock:
+            self.sock = sock
+            self.fd = sock.fileno()
+            self.broken_line = False
+
+    def on_eof(self) -> None:
+        with self.lock:
+            if self.sock is not None:
+                self.sock.close()
+            self.sock = None
+            self.fd = -1
+        time.sleep(RETRY_SLEEP)
+
+
+# --------------------------------------------------------------------------- reaping
+
+
+class Reaper:
+    """Owns every ``waitpid``: reaps all children (and, as PID 1, all orphans)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.waiters: dict[int, tuple[threading.Event, list[int]]] = {}
+        self.unclaimed: dict[int, tuple[int, float]] = {}  # pid -> (status, monotonic time)
+        self.wake = threading.Event()
+        threading.Thread(target=self.run, name="reaper", daemon=True).start()
+
+    def run(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, 0)
+            except ChildProcessError:
+                self.wake.wait(1.0)
+                self.wake.clear()
+                continue
+            except Exception as exc:
+                log(f"reaper: {exc}")
+                time.sleep(0.1)
+                continue
+            if pid <= 0:
+                continue
+            now = time.monotonic()
+            with self.lock:
+                waiter = self.waiters.pop(pid, None)
+                if waiter is not None:
+                    waiter[1].append(status)
+                    waiter[0].set()
+                else:
+                    self.unclaimed[pid] = (status, now)
+                    if len(self.unclaimed) > 256:
+                        for old in [
+                            p for p, (_, t) in self.unclaimed.items() if now - t > UNCLAIMED_TTL
+                        ]:
+                            del self.unclaimed[old]
+
+    def register(self, pid: int, spawned_at: float) -> tuple[threading.Event, list[int]]:
+        """Claim ``pid``'s exit status; ``spawned_at`` is ``time.monotonic()`` before spawning."""
+        event, box = threading.Event(), []
+        with self.lock:
+            early = self.unclaimed.pop(pid, None)
+            if early is not None and early[1] >= spawned_at:
+                box.append(early[0])
+                event.set()
+            else:
+                self.waiters[pid] = (event, box)
+        self.wake.set()
+        return event, box
+
+
+# --------------------------------------------------------------------------- agent
+
+
+class Exec:
+    def __init__(self, req_id: int, conn: str | None) -> None:
+        self.id = req_id
+        self.conn = conn
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.pgid = 0
+        self.stdin_q: queue.Queue[bytes | None] = queue.Queue()
+        self.stream_stdin = False
+        self.done = False
+
+
+class FileWrite:
+    def __init__(self, path: str, tmp: str, fd: int, mode: int, conn: str | None) -> None:
+        self.path = path
+        self.tmp = tmp
+        self.fd = fd
+        self.mode = mode
+        self.conn = conn
+        self.size = 0
+        self.sha = hashlib.sha256()
+        self.failed = False
+
+
+class Agent:
+    def __init__(self, channel: Channel, args: argparse.Namespace) -> None:
+        self.channel = channel
+        self.args = args
+        self.started = time.time()
+        self.conn: str | None = None  # nonce of the current host connection
+        self.reaper = Reaper()
+        self.lock = threading.Lock()
+        self.execs: dict[int, Exec] = {}
+        self.writes: dict[int, FileWrite] = {}
+
+    # ---- output
+
+    def send(self, msg: dict[str, Any], conn: str | None = None, *, check: bool = True) -> bool:
+        """Send one message; drop it if the request's connection is gone (``check``)."""
+        if check and conn != self.conn:
+            return False
+        try:
+            line = json.dumps(msg, separators=(",", ":")).encode() + b"\n"
+        except (TypeError, ValueError) as exc:
+            log(f"cannot encode reply: {exc}")
+            return False
+        return self.channel.write(line)
+
+    def reply(self, req_id: Any, conn: str | None, **fields: Any) -> None:
+        self.send({"id": req_id, "ev": P.EV_RESULT, **fields}, conn)
+
+    def fail(self, req_id: Any, conn: str | None, err: RequestError) -> None:
+        msg = {"id": req_id, "ev": P.EV_ERROR, "code": err.code, "message": err.message}
+        msg.update({k: v for k, v in err.extra.items() if v is not None})
+        self.send(msg, conn)
+
+    # ---- input
+
+    def serve(self) -> None:
+        buf = bytearray()
+        while True:
+            data = self.channel.read()
+            if not data:
+                # Host went away: a partial line can never complete; its requests are orphaned.
+                buf.clear()
+                self.conn = None
+                self.abort_stale_writes()
+                continue
+            buf += data
+            while True:
+                nl = buf.find(b"\n")
+                if nl < 0:
+                    break
+                line = bytes(buf[:nl])
+                del buf[: nl + 1]
+                if line.strip():
+                    self.handle_line(line)
+            if len(buf) > P.MAX_LINE:
+                log("line too long; dropped")
+                buf.clear()
+
+    def handle_line(self, line: bytes) -> None:
+        try:
+            msg = json.loads(line)
+            if not isinstance(msg, dict):
+                raise ValueError("not an object")
+        except ValueError:
+            log(f"ignoring malformed line ({len(line)} bytes): {line[:80]!r}")
+            return
+        req_id = msg.get("id")
+        op = msg.get("op")
+        if op == P.OP_HELLO:
+            nonce = msg.get("nonce")
+            if isinstance(nonce, str) and nonce != self.conn:
+                self.conn = nonce
+                self.abort_stale_writes()
+        conn = self.conn
+        handler = getattr(self, f"op_{op}", None) if isinstance(op, str) else None
+        try:
+            if handler is None:
+                raise RequestError(P.ERR_UNKNOWN_OP, f"unknown operation {op!r}")
+            if not isinstance(req_id, int):
+                raise RequestError(P.ERR_INVALID, "request id must be an integer")
+            handler(req_id, conn, msg)
+        except RequestError as exc:
+            self.fail(req_id, conn, exc)
+        except OSError as exc:
+            self.fail(req_id, conn, os_error(exc))
+        except Exception as exc:
+            log(f"{op} failed:\n{traceback.format_exc()}")
+            self.fail(req_id, conn, RequestError(P.ERR_INTERNAL, f"{type(exc).__name__}: {exc}"))
+
+    def spawn_thread(self, name: str, fn: Any, *args: Any) -> None:
+        def run() -> None:
+            try:
+                fn(*args)
+            except Exception:
+                log(f"{name} thread crashed:\n{traceback.format_exc()}")
+
+        threading.Thread(target=run, name=name, daemon=True).start()
+
+    # ---- hello / ping
+
+    def op_hello(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
+        version = str(msg.get("version", ""))
+        major = version.split(".", 1)[0]
+        if major != str(P.PROTOCOL_MAJOR):
+            raise RequestError(
+                P.ERR_VERSION,
+                f"host speaks agent protocol {version or '?'}, "
+                f"this agent speaks {P.PROTOCOL_VERSION}",
+                version=P.PROTOCOL_VERSION,
+            )
+        self.reply(
+            req_id,
+            conn,
+            version=P.PROTOCOL_VERSION,
+            nonce=msg.get("nonce"),
+            started=self.started,
+            pid=os.getpid(),
+            hostname=socket.gethostname(),
+            time=time.time(),
+        )
+
+    def op_ping(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
+        self.reply(req_id, conn, time=time.time())
+
+    # ---- exec
+
+    def op_exec(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
+        cmd = msg.get("cmd")
+        if isinstance(cmd, str):
+            argv = ["/bin/sh", "-c", cmd]
+        elif isinstance(cmd, list) and cmd and all(isinstance(a, str) for a in cmd):
+            argv = list(cmd)
+        else:
+            raise RequestError(P.ERR_INVALID, "cmd must be a string or a non-empty list of strings")
+        env = dict(P.DEFAULT_ENV)
+        for key, value in (msg.get("env") or {}).items():
+            if value is None:
+                env.pop(str(key), None)
+            else:
+                env[str(key)] = str(value)
+        cwd = msg.get("cwd")
+        if cwd is None:
+            cwd = self.args.default_cwd
+            try:
+                os.makedirs(cwd, exist_ok=True)
+            except OSError as exc:
+                log(f"cannot create default cwd {cwd}: {exc}")
+                cwd = "/"
+        elif not isinstance(cwd, str):
+            raise RequestError(P.ERR_INVALID, "cwd must be a string")
+        elif not os.path.isdir(cwd):
+            code = P.ERR_NOT_DIR if os.path.exists(cwd) else P.ERR_NOT_FOUND
+            raise RequestError(code, f"working directory does not exist: {cwd}", path=cwd)
+        timeout = msg.get("timeout")
+        if timeout is not None and (not isinstance(timeout, int | float) or timeout <= 0):
+            raise RequestError(P.ERR_INVALID, "timeout must be a positive number")
+        ex = Exec(req_id, conn)
+        ex.stream_stdin = bool(msg.get("stdin_stream"))
+        stdin_data = msg.get("stdin")
+        if stdin_data is not None:
+            ex.stdin_q.put(b64d(stdin_data))
+        if not ex.stream_stdin:
+            ex.stdin_q.put(None)
+        with self.lock:
+            if req_id in self.execs:
+                raise RequestError(P.ERR_INVALID, f"exec id {req_id} is already running")
+            self.execs[req_id] = ex
+        self.spawn_thread(
+            f"exec-{req_id}",
+            self.run_exec,
+            ex,
+            argv,
+            env,
+            cwd,
+            timeout,
+            stdin_data is not None or ex.stream_stdin,
+        )
+
+    def run_exec(
+        self,
+        ex: Exec,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: str,
+        timeout: float | None,
+        want_stdin: bool,
+    ) -> None:
+        try:
+            self._run_exec(ex, argv, env, cwd, timeout, want_stdin)
+        finally:
+            ex.done = True
+            with self.lock:
+                self.execs.pop(ex.id, None)
+
+    def _run_exec(
+        self,
+        ex: Exec,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: str,
+        timeout: float | None,
+        want_stdin: bool,
+    ) -> None:
+        start = time.monotonic()
+        try:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE if want_stdin else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=env,
+                cwd=cwd,
+                start_new_session=True,
+                close_fds=True,
+            )
+        except OSError as exc:
+            # Behave like a shell: 127 for "not found", 126 for "cannot execute".
+            code = 127 if exc.errno == errno.ENOENT else 126
+            text = f"boxd-agent: {argv[0]}: {exc.strerror}\n".encode()
+            self.send({"id": ex.id, "ev": P.EV_STDERR, "data": b64e(text)}, ex.conn)
+            self.reply(
+                ex.id,
+                ex.conn,
+                exit_code=code,
+                signal=None,
+                timed_out=False,
+                duration=time.monotonic() - start,
+            )
+            return
+        done_event, status_box = self.reaper.register(proc.pid, start)
+        ex.proc = proc
+        ex.pgid = proc.pid
+        self.send({"id": ex.id, "ev": P.EV_STARTED, "pid": proc.pid}, ex.conn)
+        if proc.stdin is not None:
+            self.spawn_thread(f"stdin-{ex.id}", self.feed_stdin, ex, proc.stdin)
+
+        assert proc.stdout is not None and proc.stderr is not None
+        pipes = {proc.stdout.fileno(): P.EV_STDOUT, proc.stderr.fileno(): P.EV_STDERR}
+        for fd in pipes:
+            os.set_blocking(fd, False)
+        poller = select.poll()
+        for fd in pipes:
+            poller.register(fd, select.POLLIN)
+        deadline = start + timeout if timeout is not None else None
+        timed_out = False
+        exited_at: float | None = None
+        last_data = time.monotonic()
+        while pipes:
+            now = time.monotonic()
+            if exited_at is None and done_event.is_set():
+                exited_at = now
+            if exited_at is not None and (
+                now - last_data > EXIT_DRAIN_IDLE or now - exited_at > EXIT_DRAIN_MAX
+            ):
+                break  # background children still hold the pipes: don't wait for them
+            if deadline is not None and not timed_out and now >= deadline:
+                timed_out = True
+                self.killpg(ex.pgid, signal.SIGKILL)
+            wait = 0.05 if exited_at is not None or deadline is not None else 0.2
+            for fd, _ in poller.poll(wait * 1000):
+                try:
+                    data = os.read(fd, P.EXEC_CHUNK)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    data = b""
+                if not data:
+                    poller.unregister(fd)
+                    del pipes[fd]
+                    continue
+                last_data = time.monotonic()
+                self.send({"id": ex.id, "ev": pipes[fd], "data": b64e(data)}, ex.conn)
+        # Pipes closed (or given up on): now wait for the exit status, still honouring timeout.
+        while not done_event.wait(0.05):
+            if deadline is not None and not timed_out and time.monotonic() >= deadline:
+                timed_out = True
+                self.killpg(ex.pgid, signal.SIGKILL)
+        if timed_out:
+            # The whole group dies, not only the leader.
+            self.killpg(ex.pgid, signal.SIGKILL)
+        status = status_box[0]
+        # The reaper collected the status; tell Popen so it never waits on its own.
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        for f in (proc.stdout, proc.stderr):
+            with contextlib.suppress(OSError):
+                f.close()
+        ex.stdin_q.put(None)
+        sig: int | None = None
+        if os.WIFSIGNALED(status):
+            sig = os.WTERMSIG(status)
+            exit_code = 128 + sig
+        else:
+            exit_code = os.WEXITSTATUS(status)
+        self.reply(
+            ex.id,
+            ex.conn,
+            exit_code=exit_code,
+            signal=sig,
+            timed_out=timed_out,
+            duration=round(time.monotonic() - start, 6),
+        )
+
+    @staticmethod
+    def killpg(pgid: int, sig: int) -> bool:
+        try:
+            os.killpg(pgid, sig)
+            return True
+        except OSError:
+            return False
+
+    def feed_stdin(self, ex: Exec, pipe: Any) -> None:
+        fd = pipe.fileno()
+        try:
+            while True:
+                chunk = ex.stdin_q.get()
+                if chunk is None:
+                    break
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(fd, view) :]
+        except OSError:
+            pass  # the command closed its stdin or exited
+        finally:
+            with contextlib.suppress(OSError):
+                pipe.close()
+
+    def find_exec(self, msg: dict[str, Any]) -> Exec:
+        exec_id = msg.get("exec_id")
+        with self.lock:
+            ex = self.execs.get(exec_id) if isinstance(exec_id, int) else None
+        if ex is None or ex.done:
+            raise RequestError(P.ERR_NO_EXEC, f"no running exec with id {exec_id!r}")
+        return ex
+
+    def op_stdin(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
+        ex = self.find_exec(msg)
+        if not ex.stream_stdin:
+            raise RequestError(P.ERR_INVALID, "exec was not started with stdin_stream")
+        data = b64d(msg.get("data"))
+        if data:
+            ex.stdin_q.put(data)
+        if msg.get("eof"):
+            ex.stdin_q.put(None)
+        self.reply(req_id, conn, size=len(data))
+
+    def op_kill(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
+        ex = self.find_exec(msg)
+        sig = msg.get("signal", signal.SIGKILL)
+        if not isinstance(sig, int):
+            raise RequestError(P.ERR_INVALID, "signal must be an integer")
+        delivered = ex.pgid > 0 and self.killpg(ex.pgid, sig)
+        self.reply(req_id, conn, delivered=delivered)
+
+    # ---- files
+
+    def op_stat(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
+        path = self.path_arg(msg)
+        try:
+            st = os.lstat(path)
+        except OSError as exc:
+            raise os_error(exc, path) from exc
+        if stat.S_ISREG(st.st_mode):
+            kind = "file"
+        elif stat.S_ISDIR(st.st_mode):
+            kind = "dir"
+        elif stat.S_ISLNK(st.st_mode):
+            kind = "symlink"
+        else:
+            kind = "other"
+        self.reply(
+            req_id,
+            conn,
+            path=path,
+            type=kind,
+            size=st.st_size,
+            mode=stat.S_IMODE(st.st_mode),
+            mtime=st.st_mtime,
+            uid=st.st_uid,
+            gid=st.st_gid,
+        )
+
+    @staticmethod
+    def path_arg(msg: dict[str, Any]) -> str:
+        path = msg.get("path")
+        if not isinstance(path, str) or not path.startswith("/") or "\0" in path:
+            raise RequestError(P.ERR_INVALID, f"path must be absolute: {path!r}", path=path)
+        return path
+
+    def op_write(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
+        with self.lock:
+            fw = self.writes.get(req_id)
+        offset = msg.get("offset", 0)
+        if fw is None:
+            if offset != 0:
+                return  # the write already failed (and was answered) or was aborted
+            fw = self.open_write(req_id, conn, msg)
+        if fw.failed:
+            return
+        try:
+            if offset != fw.size:
+                raise RequestError(P.ERR_INVALID, f"chunk at offset {offset}, expected {fw.size}")
+            data = b64d(msg.get("data"))
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fw.fd, view) :]
+            fw.size += len(data)
+            fw.sha.update(data)
+            if msg.get("eof"):
+                self.finish_write(req_id, fw)
+        except (RequestError, OSError) as exc:
+            self.drop_write(req_id, fw)
+            raise exc if isinstance(exc, RequestError) else os_error(exc, fw.path) from exc
+
+    def open_write(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> FileWrite:
+        path = self.path_arg(msg)
+        mode = msg.get("mode", 0o644)
+        if not isinstance(mode, int) or not 0 <= mode <= 0o7777:
+            raise RequestError(P.ERR_INVALID, f"bad mode {mode!r}")
+        if os.path.isdir(path):
+            raise RequestError(P.ERR_IS_DIR, f"Is a directory: {path}", path=path)
+        parent = os.path.dirname(path) or "/"
+        try:
+            os.makedirs(parent, exist_ok=True)
+            tmp = os.path.join(parent, f".{os.path.basename(path)}.boxd-{os.getpid()}-{req_id}")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise os_error(exc, path) from exc
+        fw = FileWrite(path, tmp, fd, mode, conn)
+        with self.lock:
+            self.writes[req_id] = fw
+        return fw
+
+    def finish_write(self, req_id: int, fw: FileWrite) -> None:
+        os.fchmod(fw.fd, fw.mode)
+        os.fsync(fw.fd)
+        os.close(fw.fd)
+        fw.fd = -1
+        os.rename(fw.tmp, fw.path)
+        with contextlib.suppress(OSError):
+            dfd = os.open(os.path.dirname(fw.path) or "/", os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        with self.lock:
+            self.writes.pop(req_id, None)
+        self.reply(
+            req_id, fw.conn, path=fw.path, size=fw.size, mode=fw.mode, sha256=fw.sha.hexdigest()
+        )
+
+    def drop_write(self, req_id: int, fw: FileWrite) -> None:
+        fw.failed = True
+        if fw.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fw.fd)
+            fw.fd = -1
+        with contextlib.suppress(OSError):
+            os.unlink(fw.tmp)
+        # Keep the failed entry so later chunks of this id are ignored, not re-opened.
+        with self.lock:
+            self.writes[req_id] = fw
+            if len(self.writes) > 1024:
+                for key in [k for k, w in self.writes.items() if w.failed][:512]:
+                    del self.writes[key]
+
+    def abort_stale_writes(self) -> None:
+        with self.lock:
+            stale = [(k, w) for k, w in self.writes.items() if w.conn != self.conn]
+            for k, _ in stale:
+                del self.writes[k]
+        for _, w in stale:
+            if not w.failed:
+                w.failed = True
+                with contextlib.suppress(OSError):
+                    os.close(w.fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(w.tmp)
+
+    def op_read(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
+        path = self.path_arg(msg)
+        try:
+            f = open(path, "rb")  # noqa: SIM115 - handed to the reader thread, closed there
+            st = os.fstat(f.fileno())
+        except OSError as exc:
+            raise os_error(exc, path) from exc
+        if stat.S_ISDIR(st.st_mode):
+            f.close()
+            raise RequestError(P.ERR_IS_DIR, f"Is a directory: {path}", path=path)
+        self.spawn_thread(f"read-{req_id}", self.stream_file, req_id, conn, path, f, st)
+
+    def stream_file(
+        self, req_id: int, conn: str | None, path: str, f: Any, st: os.stat_result
+    ) -> None:
+        sha = hashlib.sha256()
+        size = 0
+        try:
+            with f:
+                while True:
+                    chunk = f.read(P.FILE_CHUNK)
+                    if not chunk:
+                        break
+                    sha.update(chunk)
+                    msg = {"id": req_id, "ev": P.EV_DATA, "offset": size, "data": b64e(chunk)}
+                    size += len(chunk)
+                    if conn != self.conn:
+                        return  # the host that asked is gone
+                    self.send(msg, conn)
+        except OSError as exc:
+            self.fail(req_id, conn, os_error(exc, path))
+            return
+        self.reply(
+            req_id,
+            conn,
+            path=path,
+            size=size,
+            mode=stat.S_IMODE(st.st_mode),
+            sha256=sha.hexdigest(),
+        )
+
+    # ---- identity
+
+    def op_identity(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
+        """New identity after a fork/restore. Touches kernel and /etc state, no process state."""
+        hostname = msg.get("hostname")
+        machine_id = msg.get("machine_id")
+        seed = b64d(msg.get("seed"))
+        now = msg.get("now")
+        if hostname is not None and (
+            not isinstance(hostname, str) or not 0 < len(hostname) <= 64 or "/" in hostname
+        ):
+            raise RequestError(P.ERR_INVALID, f"bad hostname {hostname!r}")
+        if machine_id is not None and (
+            not isinstance(machine_id, str)
+            or len(machine_id) != 32
+            or any(c not in "0123456789abcdef" for c in machine_id)
+        ):
+            raise RequestError(P.ERR_INVALID, "machine_id must be 32 lowercase hex digits")
+        if now is not None and not isinstance(now, int | float):
+            raise RequestError(P.ERR_INVALID, "now must be a number (seconds since the epoch)")
+        sysroot = self.args.sysroot  # tests: write files under it, skip kernel calls
+        done: list[str] = []
+        if now is not None:
+            if not sysroot:
+                time.clock_settime(time.CLOCK_REALTIME, float(now))
+            done.append("clock")
+        if seed:
+            self.reseed(seed, real=not sysroot)
+            done.append("rng")
+        if hostname is not None:
+            if not sysroot:
+                socket.sethostname(hostname)
+            self.write_etc(sysroot, "etc/hostname", hostname + "\n")
+            done.append("hostname")
+        if machine_id is not None:
+            self.write_etc(sysroot, "etc/machine-id", machine_id + "\n")
+            done.append("machine_id")
+        self.reply(req_id, conn, applied=done)
+
+    @staticmethod
+    def reseed(seed: bytes, *, real: bool) -> None:
+        if not real:
+            return
+        fd = os.open("/dev/urandom", os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            if os.geteuid() == 0:
+                # struct rand_pool_info { int entropy_count; int buf_size; __u32 buf[]; }
+                padded = seed + b"\0" * (-len(seed) % 4)
+                info = struct.pack("ii", len(seed) * 8, len(seed)) + padded
+                try:
+                    fcntl.ioctl(fd, RNDADDENTROPY, info)
+                    return
+                except OSError as exc:
+                    log(f"RNDADDENTROPY failed ({exc}); mixing without credit")
+            os.write(fd, seed)  # mixes into the pool without crediting entropy
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def write_etc(sysroot: str | None, rel: str, text: str) -> None:
+        path = os.path.join(sysroot or "/", rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = path + ".boxd-tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o444 if rel.endswith("machine-id") else 0o644)
+        os.rename(tmp, path)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def set_subreaper() -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+            log(f"prctl(PR_SET_CHILD_SUBREAPER) failed: errno {ctypes.get_errno()}")
+    except Exception as exc:
+        log(f"cannot become a child subreaper: {exc}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="boxd guest agent")
+    parser.add_argument("--connect", metavar="UNIX_SOCKET", help="serve over a unix socket (tests)")
+    parser.add_argument("--port", default=P.PORT_NAME, help="virtio-serial port name")
+    parser.add_argument("--default-cwd", default=P.DEFAULT_CWD)
+    parser.add_argument(
+        "--sysroot", help="tests: identity writes /etc files here, skips kernel calls"
+    )
+    args = parser.parse_args(argv)
+
+    pid1 = os.getpid() == 1
+    if pid1:
+        # PID 1 must survive stray TERM/INT. A no-op handler (not SIG_IGN) so that commands
+        # we start get the default disposition back on exec.
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, lambda *_: None)
+    else:
+        set_subreaper()
+    channel: Channel = SocketChannel(args.connect) if args.connect else VirtioChannel(args.port)
+    agent = Agent(channel, args)
+    log(f"boxd agent {P.PROTOCOL_VERSION} started (pid {os.getpid()})")
+    while True:
+        try:
+            agent.serve()
+        except KeyboardInterrupt:
+            if not pid1:
+                raise
+        except Exception:
+            log(f"serve loop crashed; restarting:\n{traceback.format_exc()}")
+            time.sleep(0.1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Wire constants of the boxd agent protocol, shared by the guest agent and the host client.
+
+Stdlib only and dependency free: this file is copied into every guest next to ``agent.py``.
+The protocol is documented in ``docs/agent-protocol.md``; bump ``PROTOCOL_MINOR`` for
+backward-compatible additions and ``PROTOCOL_MAJOR`` for anything else.
+"""
+
+from __future__ import annotations
+
+PROTOCOL_MAJOR = 1
+PROTOCOL_MINOR = 0
+PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
+
+#: Name of the virtio-serial port (``-device virtserialport,name=...``).
+PORT_NAME = "boxd.agent"
+
+#: Messages are single JSON objects, UTF-8, one per line, ``\n`` terminated.
+#: Binary payloads travel base64-encoded in ``data`` fields.
+MAX_LINE = 64 * 1024 * 1024
+
+EXEC_CHUNK = 64 * 1024  # bytes read from a command's stdout/stderr at a time
+FILE_CHUNK = 1024 * 1024  # bytes per file chunk, both directions
+
+DEFAULT_CWD = "/home/boxd"
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+DEFAULT_ENV = {
+    "PATH": DEFAULT_PATH,
+    "HOME": "/root",
+    "LANG": "C.UTF-8",
+    "TERM": "xterm-256color",
+    "USER": "root",
+}
+
+# Operations (host -> agent, field "op").
+OP_HELLO = "hello"
+OP_PING = "ping"
+OP_EXEC = "exec"
+OP_STDIN = "stdin"
+OP_KILL = "kill"
+OP_WRITE = "write"
+OP_READ = "read"
+OP_STAT = "stat"
+OP_IDENTITY = "identity"
+
+# Events (agent -> host, field "ev"). RESULT and ERROR end a request.
+EV_STARTED = "started"  # exec: the process is running (pid)
+EV_STDOUT = "stdout"
+EV_STDERR = "stderr"
+EV_DATA = "data"  # read: one chunk of the file
+EV_RESULT = "result"
+EV_ERROR = "error"
+TERMINAL_EVENTS = frozenset({EV_RESULT, EV_ERROR})
+
+# Error codes (field "code" of an error event). File errors use errno names.
+ERR_NOT_FOUND = "ENOENT"
+ERR_IS_DIR = "EISDIR"
+ERR_NOT_DIR = "ENOTDIR"
+ERR_ACCESS = "EACCES"
+ERR_PERM = "EPERM"
+ERR_INVALID = "EINVAL"  # malformed request
+ERR_UNKNOWN_OP = "EOPNOTSUPP"
+ERR_VERSION = "EVERSION"  # major protocol version mismatch
+ERR_NO_EXEC = "ESRCH"  # stdin/kill for an exec id the agent does not know (or that finished)
+ERR_INTERNAL = "EINTERNAL"  # a bug in the agent; its stderr has the traceback

@@ -1,0 +1,565 @@
+"""The guest agent and its host client, end to end over real sockets and real processes.
+
+No VM: the real ``agent.py`` runs as a host subprocess with ``--connect``, and `FakeQemu`
+stands in for QEMU's virtio-serial chardev: a persistent guest side (the agent) and a unix
+socket server the host `AgentClient` connects to, one host connection at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+import boxd.guest.agent as agent_module
+from boxd.engine.agent import AgentClient, ExecExit, ExecOutput
+from boxd.errors import GuestFileNotFound, HostSetupError, InvalidRequest, MachineFailed
+from boxd.guest import protocol as P
+
+pytestmark = pytest.mark.timeout(120)
+
+T = TypeVar("T")
+AGENT = Path(agent_module.__file__)
+
+
+def run(coro: Awaitable[T]) -> T:
+    async def main() -> T:
+        return await coro
+
+    return asyncio.run(main())
+
+
+class FakeQemu:
+    """Relays bytes between one agent ("guest") and one host connection at a time.
+
+    Like QEMU's virtio-serial port: while no host is connected, the guest's output waits
+    (``buffer`` mode) and is delivered to the next host, stale replies included. With
+    ``hup=True`` a host disconnect also hangs up on the agent (it sees EOF and reconnects),
+    like POLLHUP on the port.
+    """
+
+    def __init__(self, directory: Path, *, hup: bool = False) -> None:
+        self.guest_path = directory / "guest.sock"
+        self.host_path = directory / "agent.sock"
+        self.hup = hup
+        self.guest_listen = self._listen(self.guest_path)
+        self.host_listen = self._listen(self.host_path)
+        self.guest: socket.socket | None = None
+        self.host: socket.socket | None = None
+        self.to_guest = bytearray()
+        self.to_host = bytearray()
+        self.guest_connects = 0
+        self.stopped = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def _listen(path: Path) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(str(path))
+        sock.listen(4)
+        sock.setblocking(False)
+        return sock
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.thread.join(5)
+        for s in (self.guest, self.host, self.guest_listen, self.host_listen):
+            if s is not None:
+                s.close()
+
+    def _close_host(self) -> None:
+        if self.host is not None:
+            self.host.close()
+            self.host = None
+        if self.hup and self.guest is not None:
+            self.guest.close()
+            self.guest = None
+            self.to_host.clear()
+            self.to_guest.clear()
+
+    def _run(self) -> None:
+        while not self.stopped:
+            rlist: list[socket.socket] = [self.guest_listen, self.host_listen]
+            wlist: list[socket.socket] = []
+            for conn, out in ((self.guest, self.to_guest), (self.host, self.to_host)):
+                if conn is not None:
+                    rlist.append(conn)
+                    if out:
+                        wlist.append(conn)
+            readable, writable, _ = select.select(rlist, wlist, [], 0.05)
+            for sock in readable:
+                if sock is self.guest_listen:
+                    new, _ = sock.accept()
+                    new.setblocking(False)
+                    if self.guest is not None:
+                        self.guest.close()
+                    self.guest = new
+                    self.guest_connects += 1
+                elif sock is self.host_listen:
+                    new, _ = sock.accept()
+                    new.setblocking(False)
+                    if self.host is not None:
+                        self._close_host()
+                    self.host = new
+                elif sock is self.guest:
+                    try:
+                        data = sock.recv(1 << 20)
+                    except OSError:
+                        data = b""
+                    if not data:
+                        sock.close()
+                        self.guest = None
+                    else:
+                        self.to_host += data
+                elif sock is self.host:
+                    try:
+                        data = sock.recv(1 << 20)
+                    except OSError:
+                        data = b""
+                    if not data:
+                        self._close_host()
+                    else:
+                        self.to_guest += data
+            for sock, buf in ((self.guest, self.to_guest), (self.host, self.to_host)):
+                if sock is not None and sock in writable and buf:
+                    try:
+                        n = sock.send(buf)
+                        del buf[:n]
+                    except BlockingIOError:
+                        pass
+                    except OSError:
+                        if sock is self.host:
+                            self._close_host()
+
+
+class Guest:
+    """A running agent process behind a FakeQemu."""
+
+    def __init__(self, tmp: Path, *, hup: bool = False) -> None:
+        self.tmp = tmp
+        self.qemu = FakeQemu(tmp, hup=hup)
+        self.home = tmp / "home"
+        self.sysroot = tmp / "sysroot"
+        self.log_path = tmp / "agent.log"
+        self.log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                str(AGENT),
+                "--connect",
+                str(self.qemu.guest_path),
+                "--default-cwd",
+                str(self.home),
+                "--sysroot",
+                str(self.sysroot),
+            ],
+            stdout=self.log,
+            stderr=self.log,
+        )
+
+    @property
+    def socket_path(self) -> Path:
+        return self.qemu.host_path
+
+    async def client(self, timeout: float = 15.0) -> AgentClient:
+        return await AgentClient.connect(self.socket_path, timeout=timeout)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.qemu.stop()
+        self.log.close()
+
+
+@pytest.fixture
+def guest(tmp_path: Path) -> Iterator[Guest]:
+    g = Guest(tmp_path)
+    yield g
+    g.stop()
+    print(g.log_path.read_text(errors="replace")[-4000:])  # shown when a test fails
+
+
+@pytest.fixture
+def hup_guest(tmp_path: Path) -> Iterator[Guest]:
+    g = Guest(tmp_path, hup=True)
+    yield g
+    g.stop()
+    print(g.log_path.read_text(errors="replace")[-4000:])
+
+
+def with_client(g: Guest, body: Callable[[AgentClient], Awaitable[T]]) -> T:
+    async def main() -> T:
+        client = await g.client()
+        try:
+            return await body(client)
+        finally:
+            await client.close()
+
+    return run(main())
+
+
+# ------------------------------------------------------------------------ handshake
+
+
+def test_hello_and_ping(guest: Guest) -> None:
+    async def body(c: AgentClient) -> None:
+        assert c.connected
+        assert c.agent_version == P.PROTOCOL_VERSION
+        assert c.agent_pid == guest.proc.pid
+        assert 0 < c.agent_started <= time.time()
+        rtt = await c.ping()
+        assert 0 < rtt < 5
+
+    with_client(guest, body)
+
+
+def test_connect_times_out_without_agent(tmp_path: Path) -> None:
+    qemu = FakeQemu(tmp_path)  # a socket but no agent behind it
+    try:
+        with pytest.raises(MachineFailed):
+            run(AgentClient.connect(qemu.host_path, timeout=1.5))
+        with pytest.raises(MachineFailed):
+            run(AgentClient.connect(tmp_path / "missing.sock", timeout=0.3))
+    finally:
+        qemu.stop()
+
+
+def test_major_version_mismatch_is_clear(guest: Guest) -> None:
+    async def body() -> None:
+        reader, writer = await asyncio.open_unix_connection(str(guest.socket_path))
+        writer.write(b'{"id":1,"op":"hello","version":"99.0","nonce":"x"}\n')
+        await writer.drain()
+        msg = json.loads(await asyncio.wait_for(reader.readline(), 15))
+        assert msg["ev"] == "error" and msg["code"] == P.ERR_VERSION
+        writer.close()
+        err = AgentClient._error(msg)
+        assert isinstance(err, HostSetupError)
+
+    run(body())
+
+
+def test_agent_ignores_garbage(guest: Guest) -> None:
+    async def body() -> None:
+        reader, writer = await asyncio.open_unix_connection(str(guest.socket_path))
+        writer.write(b'not json\n{"id": "x"}\n[1]\n{"id":5,"op":"nope"}\n{"id":6,"op":"ping"}\n')
+        await writer.drain()
+        msg = json.loads(await asyncio.wait_for(reader.readline(), 15))
+        assert msg["id"] == "x" and msg["ev"] == "error"  # answered, not fatal
+        msg = json.loads(await asyncio.wait_for(reader.readline(), 15))
+        assert msg == {**msg, "id": 5, "ev": "error", "code": P.ERR_UNKNOWN_OP}
+        msg = json.loads(await asyncio.wait_for(reader.readline(), 15))
+        assert msg["id"] == 6 and msg["ev"] == "result"
+        writer.close()
+
+    run(body())
+
+
+# ------------------------------------------------------------------------ exec
+
+
+def test_exec_streams_stdout_and_stderr_separately(guest: Guest) -> None:
+    async def body(c: AgentClient) -> None:
+        items = [
+            item async for item in c.exec("echo out; echo err >&2; echo out2", cwd=str(guest.tmp))
+        ]
+        assert isinstance(items[-1], ExecExit) and items[-1].exit_code == 0
+        out = b"".join(i.data for i in items if isinstance(i, ExecOutput) and i.stream == "stdout")
+        err = b"".join(i.data for i in items if isinstance(i, ExecOutput) and i.stream == "stderr")
+        assert (out, err) == (b"out\nout2\n", b"err\n")
+        stream, data = next(i for i in items if isinstance(i, ExecOutput))  # unpacks
+        assert stream in ("stdout", "stderr") and data
+
+    with_client(guest, body)
+
+
+def test_exec_streams_while_running(guest: Guest) -> None:
+    async def body(c: AgentClient) -> None:
+        start = time.monotonic()
+        first_at = None
+        async for _item in c.exec("echo first; sleep 1; echo second"):
+            if first_at is None:
+                first_at = time.monotonic() - start
+        assert first_at is not None and first_at < 0.8
+
+    with_client(guest, body)
+
+
+def test_exit_codes_and_signals(guest: Guest) -> None:
+    async def body(c: AgentClient) -> None:
+        ok = await c.run("true")
+        assert (ok.exit_code, ok.signal, ok.timed_out) == (0, None, False)
+        three = await c.run(["sh", "-c", "exit 3"])
+        assert three.exit_code == 3 and three.signal is None
+        killed = await c.run("kill -TERM $$")
+        assert (killed.exit_code, killed.signal, killed.timed_out) == (128 + 15, 15, False)
+        missing = await c.run(["/no/such/binary"])
+        assert missing.exit_code == 127 and b"No such file" in missing.stderr
+
+    with_client(guest, body)
+
+
+def test_timeout_kills_the_whole_group(guest: Guest) -> None:
+    marker = guest.tmp / "grandchild.pid"
+
+    async def body(c: AgentClient) -> None:
+        start = time.monotonic()
+        res = await c.run(f"sleep 60 & echo $! > {marker}; sleep 60", timeout=0.5)
+        assert time.monotonic() - start < 5
+        assert res.timed_out and res.signal == signal.SIGKILL and res.exit_code == 137
+        assert 0.4 < res.duration < 5
+        grandchild = int(marker.read_text())
+        for _ in range(100):
+            if not _alive(grandchild):
+                break
+            await asyncio.sleep(0.05)
+        assert not _alive(grandchild)
+
+    with_client(guest, body)
+
+
+def _alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_big_stdout_intact(guest: Guest) -> None:
+    size = 10 * 1024 * 1024
+    script = (
+        f"import os,sys,random; r=random.Random(7); sys.stdout.buffer.write(r.randbytes({size}))"
+    )
+    expected = hashlib.sha256(__import__("random").Random(7).randbytes(size)).hexdigest()
+
+    async def body(c: AgentClient) -> None:
+        start = time.monotonic()
+        res = await c.run([sys.executable, "-c", script])
+        elapsed = time.monotonic() - start
+        assert res.exit_code == 0, res.stderr
+        assert len(res.stdout) == size
+        assert hashlib.sha256(res.stdout).hexdigest() == expected
+        assert elapsed < 10
+
+    with_client(guest, body)
+
+
+def test_stdin_env_cwd(guest: Guest) -> None:
+    async def body(c: AgentClient) -> None:
+        res = await c.run("cat", stdin=b"hello\x00world")
+        assert res.stdout == b"hello\x00world"
+        res = await c.run("cat")  # no stdin: /dev/null, so cat ends at once
+        assert res.stdout == b"" and res.exit_code == 0
+        res = await c.run("echo $FOO:$HOME:$LANG; pwd", env={"FOO": "bar"}, cwd=str(guest.tmp))
+        assert res.stdout.decode() == f"bar:/root:C.UTF-8\n{guest.tmp}\n"
+        res = await c.run("pwd")  # default cwd is created
+        assert res.stdout.decode().strip() == str(guest.home)
+        with pytest.raises(GuestFileNotFound) as info:
+            await c.run("pwd", cwd=str(guest.tmp / "nope"))
+        assert info.value.path == str(guest.tmp / "nope")  # type: ignore[attr-defined]
+
+    with_client(guest, body)
+
+
+def test_concurrent_execs(guest: Guest) -> None:
+    async def body(c: AgentClient) -> None:
+        start = time.monotonic()
+        results = await asyncio.gather(
+            *(c.run(f"sleep 0.5; echo {i}; echo e{i} >&2") for i in range(20)),
+            *(c.ping() for _ in range(20)),
+        )
+        assert time.monotonic() - start < 5
+        for i, res in enumerate(results[:20]):
+            assert res.stdout == f"{i}\n".encode() and res.stderr == f"e{i}\n".encode()  # type: ignore[union-attr]
+
+    with_client(guest, body)
+
+
+def test_cancelling_exec_kills_the_command(guest: Guest) -> None:
+    marker = guest.tmp / "pid"
+
+    async def body(c: AgentClient) -> None:
+        async def consume() -> None:
+            async for _ in c.exec(f"echo $$ > {marker}; echo started; sleep 60"):
+                pass
+
+        task = asyncio.create_task(consume())
+        for _ in range(100):
+            if marker.exists() and marker.read_text().strip():
+                break
+            await asyncio.sleep(0.05)
+        pid = int(marker.read_text())
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        for _ in range(100):
+            if not _alive(pid):
+                break
+            await asyncio.sleep(0.05)
+        assert not _alive(pid)
+        assert (await c.run("echo still")).stdout == b"still\n"
+
+    with_client(guest, body)
+
+
+def test_orphaned_grandchild_is_reaped(guest: Guest) -> None:
+    async def body(c: AgentClient) -> None:
+        res = await c.run("sleep 0.1 & echo $!")
+        grandchild = int(res.stdout)
+        await asyncio.sleep(0.6)
+        assert not _zombie(grandchild), "orphan left as a zombie"
+        # The agent has no zombie children at all.
+        await asyncio.sleep(0.2)
+        children = Path(f"/proc/{guest.proc.pid}/task/{guest.proc.pid}/children").read_text()
+        assert all(not _zombie(int(p)) for p in children.split())
+
+    with_client(guest, body)
+
+
+# ------------------------------------------------------------------------ files
+
+
+@pytest.mark.parametrize("size", [0, 1, 50 * 1024 * 1024])
+def test_file_round_trip(guest: Guest, size: int) -> None:
+    data = os.urandom(size)
+    target = guest.tmp / "deep" / "dir" / f"f{size}.bin"
+
+    async def body(c: AgentClient) -> None:
+        st = await c.write_file(str(target), data, mode=0o600)
+        assert (st.size, st.mode, st.sha256) == (size, 0o600, hashlib.sha256(data).hexdigest())
+        assert target.read_bytes() == data and (target.stat().st_mode & 0o777) == 0o600
+        back = await c.read_file(str(target))
+        assert hashlib.sha256(back).hexdigest() == hashlib.sha256(data).hexdigest()
+        assert not [p for p in target.parent.iterdir() if p.name.startswith(".")]  # no temp
+
+    with_client(guest, body)
+
+
+def test_file_errors(guest: Guest) -> None:
+    missing = guest.tmp / "nope" / "x"
+
+    async def body(c: AgentClient) -> None:
+        with pytest.raises(GuestFileNotFound) as info:
+            await c.read_file(str(missing))
+        assert info.value.path == str(missing)  # type: ignore[attr-defined]
+        with pytest.raises(GuestFileNotFound):
+            await c.stat(str(missing))
+        with pytest.raises(InvalidRequest, match="directory"):
+            await c.read_file(str(guest.tmp))
+        with pytest.raises(InvalidRequest, match="directory"):
+            await c.write_file(str(guest.tmp), b"x")
+        with pytest.raises(InvalidRequest):
+            await c.write_file("relative/path", b"x")
+        (guest.tmp / "file").write_bytes(b"")
+        with pytest.raises(InvalidRequest):  # a parent that is a file
+            await c.write_file(str(guest.tmp / "file" / "child"), b"x" * (3 << 20))
+        st = await c.stat(str(guest.tmp))
+        assert st["type"] == "dir"
+        assert await c.ping() > 0  # still serving
+
+    with_client(guest, body)
+
+
+def test_identity(guest: Guest) -> None:
+    async def body(c: AgentClient) -> None:
+        await c.identity(
+            hostname="fork-1", machine_id="ab" * 16, seed=os.urandom(64), now=time.time()
+        )
+        assert (guest.sysroot / "etc/hostname").read_text() == "fork-1\n"
+        assert (guest.sysroot / "etc/machine-id").read_text() == "ab" * 16 + "\n"
+        with pytest.raises(InvalidRequest):
+            await c.identity(hostname="x", machine_id="xyz", seed=b"", now=time.time())
+
+    with_client(guest, body)
+
+
+# ------------------------------------------------------------------------ reconnects
+
+
+def test_reconnect_drops_stale_replies(guest: Guest) -> None:
+    """A reply to the previous connection reaches the next one, which must ignore it."""
+
+    async def body() -> None:
+        first = await guest.client()
+        task = asyncio.create_task(first.run("sleep 0.5; echo late"))
+        await asyncio.sleep(0.2)
+        await first.close()
+        with pytest.raises(MachineFailed):
+            await task
+        assert not first.connected
+        with pytest.raises(MachineFailed):
+            await first.ping()
+        await asyncio.sleep(0.8)  # the stale reply is now waiting in the channel
+        assert b'"ev":"result"' in guest.qemu.to_host  # ... and will reach the next host
+        second = await guest.client()
+        try:
+            res = await second.run("echo fresh")
+            assert res.stdout == b"fresh\n"
+            assert await second.ping() > 0
+        finally:
+            await second.close()
+
+    run(body())
+
+
+def test_reconnect_after_hangup(hup_guest: Guest) -> None:
+    async def body() -> None:
+        for i in range(3):
+            c = await hup_guest.client()
+            task = asyncio.create_task(c.run("sleep 5"))
+            res = await c.run(f"echo {i}")
+            assert res.stdout == f"{i}\n".encode()
+            await c.close()
+            with pytest.raises(MachineFailed):
+                await task
+        assert hup_guest.qemu.guest_connects >= 3
+        assert hup_guest.proc.poll() is None
+
+    run(body())
+
+
+def test_agent_survives_writes_without_host(guest: Guest) -> None:
+    """Output produced while no host is connected neither blocks nor kills the agent."""
+
+    async def body() -> None:
+        c = await guest.client()
+        await c._send({"id": 1, "op": "exec", "cmd": "head -c 3000000 /dev/zero"})
+        await c.close()
+        await asyncio.sleep(1.0)
+        c = await guest.client()
+        try:
+            assert (await c.run("echo ok")).stdout == b"ok\n"
+        finally:
+            await c.close()
+
+    run(body())
+
+
+def test_protocol_constants() -> None:
+    # The host relies on these names.
+    assert P.PORT_NAME == "boxd.agent"
+    assert P.EV_RESULT in P.TERMINAL_EVENTS
