@@ -207,7 +207,7 @@ class HostSetupError(BoxdError):
     status = 500
 
 
-class ConnectionError(BoxdError):  # noqa: A001 - deliberately mirrors httpx naming
+class ConnectionError(BoxdError):
     """The client could not reach the boxd daemon."""
 
     code = "connection_error"
@@ -237,6 +237,6 @@ def error_from_body(body: Any, status: int = 500) -> BoxdError:
     if not isinstance(err, dict):
         return InternalError(f"unexpected error response (HTTP {status}): {body!r}"[:500])
     cls = _BY_CODE.get(str(err.get("code")), BoxdError)
-    details = err.get("details") if isinstance(err.get("details"), dict) else {}
-    exc = cls(str(err.get("message", "")), hint=str(err.get("hint", "")), **details)
-    return exc
+    raw = err.get("details")
+    details: dict[str, Any] = raw if isinstance(raw, dict) else {}
+    return cls(str(err.get("message", "")), hint=str(err.get("hint", "")), **details)

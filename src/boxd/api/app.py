@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +23,16 @@ __all__ = ["create_app"]
 API_PREFIX = "/v1"
 
 
+HostInfoFn = Callable[[], models.HostInfo | Awaitable[models.HostInfo]]
+"""What ``GET /v1/info`` calls: returns the host info, or an awaitable of it."""
+
+
 def create_app(
     *,
     machines: MachineService,
     snapshots: SnapshotService,
     keys: KeyService,
-    host_info: Callable[[], models.HostInfo],
+    host_info: HostInfoFn,
     upload_dir: Path | None = None,
 ) -> FastAPI:
     """Build the boxd HTTP API over the given services.

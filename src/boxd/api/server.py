@@ -25,7 +25,7 @@ from typing import Any
 import uvicorn
 
 from boxd import models
-from boxd.api.app import create_app
+from boxd.api.app import HostInfoFn, create_app
 from boxd.api.routes.system import version
 from boxd.api.services.keys import KeyService
 from boxd.api.services.machines import MachineService
@@ -125,7 +125,7 @@ def _fallback_host_info(paths: Paths) -> Callable[[], models.HostInfo]:
 
 def _build_services(
     paths: Paths, db: Database
-) -> tuple[MachineService, SnapshotService, Callable[[], models.HostInfo]]:
+) -> tuple[MachineService, SnapshotService, HostInfoFn]:
     """Use ``boxd.core.build_services`` when it exists, else the interface stubs."""
     try:
         core = importlib.import_module("boxd.core")
@@ -137,7 +137,7 @@ def _build_services(
     if build is None:
         log.warning("boxd.core.build_services not found; serving stub services")
         return MachineService(), SnapshotService(), _fallback_host_info(paths)
-    services: tuple[MachineService, SnapshotService, Callable[[], models.HostInfo]]
+    services: tuple[MachineService, SnapshotService, HostInfoFn]
     services = build(paths, db)
     return services
 
@@ -211,7 +211,7 @@ class Daemon:
         listen: str | None = None,
         machines: MachineService | None = None,
         snapshots: SnapshotService | None = None,
-        host_info: Callable[[], models.HostInfo] | None = None,
+        host_info: HostInfoFn | None = None,
     ) -> None:
         """Lock the data directory and prepare everything short of listening.
 
@@ -281,6 +281,10 @@ class Daemon:
                                           "tcp": self.tcp, "home": str(self.paths.home)})
         started = time.monotonic()
         try:
+            # Find the VMs of machines recorded before a restart (they kept running).
+            attach = getattr(self.machines, "attach_all", None)
+            if attach is not None:
+                await attach()
             await self.server.serve(sockets=sockets)
         finally:
             try:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import os
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
 
@@ -11,6 +12,9 @@ import boxd
 from boxd import models
 from boxd.api.auth import Account
 from boxd.api.errors import ERROR_RESPONSES
+
+if TYPE_CHECKING:
+    from boxd.api.app import HostInfoFn
 
 router = APIRouter(tags=["system"])
 
@@ -29,5 +33,8 @@ async def health() -> models.Health:
 @router.get("/info", response_model=models.HostInfo, responses=ERROR_RESPONSES)
 async def info(request: Request, account: Account) -> models.HostInfo:
     """What the host runs: engine, QEMU, accelerator, CPU model, data directory."""
-    host_info: Callable[[], models.HostInfo] = request.app.state.host_info
-    return host_info()
+    host_info: HostInfoFn = request.app.state.host_info
+    result = host_info()
+    if inspect.isawaitable(result):
+        result = await result
+    return result

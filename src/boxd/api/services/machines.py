@@ -7,6 +7,7 @@ account that owns the resource; a ``ref`` is a machine name or id.
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import AsyncIterator
 
 from boxd import models
@@ -59,8 +60,8 @@ class MachineService:
         raise NotImplementedError
 
     async def fork(
-        self, account: str, ref: str, names: list[str | None]
-    ) -> list[models.Machine | Exception]:
+        self, account: str, ref: str, names: builtins.list[str | None]
+    ) -> builtins.list[models.Machine | Exception]:
         """Fork ``ref`` into ``len(names)`` children (None = generated name), per item."""
         raise NotImplementedError
 
@@ -70,7 +71,9 @@ class MachineService:
     async def checkpoint_restore(self, account: str, ref: str, name: str) -> models.Machine:
         raise NotImplementedError
 
-    async def checkpoint_list(self, account: str, ref: str) -> list[models.Checkpoint]:
+    async def checkpoint_list(
+        self, account: str, ref: str
+    ) -> builtins.list[models.Checkpoint]:
         raise NotImplementedError
 
     async def checkpoint_delete(self, account: str, ref: str, name: str) -> None:

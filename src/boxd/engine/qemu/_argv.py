@@ -94,7 +94,7 @@ def build(
     argv = [
         qemu,
         "-name", f"boxd-{config.id},debug-threads=off",
-        "-machine", "microvm,memory-backend=ram,x-option-roms=off,pit=off,pic=off,rtc=off",
+        "-machine", "microvm,memory-backend=ram,x-option-roms=off,pit=off,pic=off,rtc=on",
         "-accel", accel_arg,
         "-cpu", CPU_MODELS[accel],
         "-smp", str(config.vcpus),

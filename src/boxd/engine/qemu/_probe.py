@@ -56,7 +56,7 @@ def _cache_key(qemu: str, kernel: Path) -> str:
 
 def _boot_under_kvm(qemu: str, kernel: Path) -> tuple[bool, str, float]:
     argv = [
-        qemu, "-machine", "microvm,x-option-roms=off,pit=off,pic=off,rtc=off",
+        qemu, "-machine", "microvm,x-option-roms=off,pit=off,pic=off,rtc=on",
         "-accel", "kvm", "-cpu", CPU_MODELS["kvm"], "-m", "256M", "-smp", "1",
         "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
         "-serial", "stdio", "-kernel", str(kernel),

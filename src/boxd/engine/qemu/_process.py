@@ -115,6 +115,15 @@ class QemuProcess:
                         f"machine {self.machine_id} failed: {self.exit_reason()}",
                         hint="delete it and create it again", machine=self.machine_id,
                     )
+                if not self.qmp_path.exists():
+                    # QEMU has not created its socket yet (connecting would log errors).
+                    if time.monotonic() > deadline:
+                        raise MachineFailed(
+                            f"machine {self.machine_id}: QMP socket never appeared",
+                            machine=self.machine_id,
+                        )
+                    await asyncio.sleep(0.005)
+                    continue
                 client = QMPClient(f"boxd-{self.machine_id}")
                 try:
                     await client.connect(str(self.qmp_path))
