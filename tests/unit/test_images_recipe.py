@@ -43,8 +43,8 @@ def test_canonical_is_sorted() -> None:
 
 
 def test_cmdline_hint() -> None:
-    assert _build.cmdline_hint_for(2_100_000) == "tsc_early_khz=2100000 lpj=8400000"
-    assert _build.cmdline_hint_for(None) == ""
+    assert _build.cmdline_hint_for(2_100_000) == "pci=off tsc_early_khz=2100000 lpj=8400000"
+    assert _build.cmdline_hint_for(None) == "pci=off"
 
 
 def test_initramfs_key_tracks_agent_and_kernel() -> None:

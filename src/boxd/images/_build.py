@@ -121,10 +121,16 @@ def host_tsc_khz() -> int | None:
 
 
 def cmdline_hint_for(tsc_khz: int | None, hz: int = 250) -> str:
-    """Kernel words that skip delay-loop and TSC calibration (they hang under quiet TCG)."""
-    if not tsc_khz:
-        return ""
-    return f"tsc_early_khz={tsc_khz} lpj={tsc_khz * 1000 // hz}"
+    """Kernel words the engine should append (see docs/images.md).
+
+    ``tsc_early_khz``/``lpj`` skip TSC and delay-loop calibration, which has no PIT
+    to calibrate against on microvm and hangs or takes seconds under TCG; ``pci=off``
+    skips probing a bus microvm does not have.
+    """
+    words = ["pci=off"]
+    if tsc_khz:
+        words += [f"tsc_early_khz={tsc_khz}", f"lpj={tsc_khz * 1000 // hz}"]
+    return " ".join(words)
 
 
 @contextlib.contextmanager
@@ -300,7 +306,8 @@ def _image(image_dir: Path, info: dict[str, object], initrd: Path, ikey: str) ->
         rootfs=image_dir / "rootfs.img",
         recipe=recipe,
         kernel_version=str(info["kernel_version"]),
-        cmdline_hint=str(info.get("cmdline_hint", "")),
+        # Computed now, not at build time: it depends on the host that boots the image.
+        cmdline_hint=cmdline_hint_for(host_tsc_khz()),
     )
 
 
