@@ -471,7 +471,10 @@ def keys_revoke(state: _State, key_id: str) -> None:
 @pass_state
 def info(state: _State, as_json: bool) -> None:
     """Show the host: accelerator (and why), QEMU version, data directory."""
-    _show(state.boxd.info(), as_json, _render.host)
+    # The first call may take a while (the daemon probes the host and prepares its image).
+    with _render.console(stderr=True).status("asking the daemon about the host"):
+        host = state.boxd.info()
+    _show(host, as_json, _render.host)
 
 
 @main.command("serve")
