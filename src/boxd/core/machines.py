@@ -246,6 +246,12 @@ class Machines(MachineService):
                 ) from exc
             raise
         if row["state"] == S.STARTING.value:
+            # First answer after a cold boot: give the machine its own machine-id, a
+            # reseeded RNG and the host's wall clock (the RTC only has seconds).
+            await agent.identity(
+                hostname=row["name"], machine_id=secrets.token_hex(16), seed=os.urandom(64),
+                now=time.time(),
+            )
             self._set_state(row["id"], S.RUNNING)
         return agent
 

@@ -1,0 +1,159 @@
+"""Shared fixtures.
+
+Integration tests drive real machines through a real daemon: one daemon and one
+booted *base* machine per test run (a cold boot takes seconds under TCG), and a fork
+of the base per test for isolation (a fraction of a second). The guest image is
+cached in ``<repo>/.cache/images`` so a run builds it once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+IMAGE_CACHE = REPO / ".cache" / "images"
+
+
+@dataclass
+class Daemon:
+    """A `boxd serve` process on its own data directory."""
+
+    home: Path
+    proc: subprocess.Popen[bytes]
+
+    @property
+    def log(self) -> Path:
+        return self.home / "daemon.log"
+
+    @property
+    def socket(self) -> Path:
+        return self.home / "boxd.sock"
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "BOXD_HOME": str(self.home)}
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def start_daemon(home: Path, *extra: str) -> Daemon:
+    """Start `python -m boxd serve` on ``home`` and wait until it answers."""
+    from boxd.sdk._local import is_healthy
+
+    home.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "BOXD_HOME": str(home), "BOXD_IMAGE_CACHE": str(IMAGE_CACHE)}
+    with open(home / "serve.out", "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "boxd", "serve", *extra], env=env, stdout=out,
+            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+    deadline = time.monotonic() + 60
+    while not is_healthy(home / "boxd.sock"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            text = (home / "serve.out").read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"boxd serve did not start: {text}")
+        time.sleep(0.1)
+    while not (home / "local.key").exists():
+        time.sleep(0.05)
+    return Daemon(home, proc)
+
+
+def kill_machines_of(home: Path) -> None:
+    """SIGKILL any QEMU process left by a data directory (test clean-up safety net)."""
+    out = subprocess.run(["pgrep", "-f", "boxd-m_"], capture_output=True, text=True).stdout
+    for pid in out.split():
+        with contextlib.suppress(OSError):
+            env = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if str(home).encode() in env or str(_shm_of(home)).encode() in env:
+                os.kill(int(pid), signal.SIGKILL)
+
+
+def _shm_of(home: Path) -> Path:
+    from boxd.config import Paths
+
+    return Paths(home.resolve()).shm
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _image_cache_env() -> Iterator[None]:
+    os.environ.setdefault("BOXD_IMAGE_CACHE", str(IMAGE_CACHE))
+    yield
+
+
+@pytest.fixture(scope="session")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """One real daemon for the whole run, on a fresh data directory."""
+    home = tmp_path_factory.mktemp("boxd-home")
+    old = os.environ.get("BOXD_HOME")
+    os.environ["BOXD_HOME"] = str(home)
+    d = start_daemon(home)
+    try:
+        yield d
+    finally:
+        d.stop()
+        kill_machines_of(home)
+        import shutil
+
+        shutil.rmtree(_shm_of(home), ignore_errors=True)
+        if old is None:
+            os.environ.pop("BOXD_HOME", None)
+        else:
+            os.environ["BOXD_HOME"] = old
+
+
+@pytest.fixture(scope="session")
+def client(daemon: Daemon) -> Iterator[object]:
+    """A `boxd.Boxd` client of the session daemon (local key, unix socket)."""
+    from boxd import Boxd
+
+    with Boxd() as b:
+        yield b
+
+
+@pytest.fixture(scope="session")
+def base(client):  # type: ignore[no-untyped-def]
+    """One cold-booted machine for the whole run; tests fork it, never change it."""
+    m = client.machines.new("base")
+    client.machines.wait_until_ready(m.id, timeout=300)
+    return client.machines.get(m.id)
+
+
+@pytest.fixture
+def machine_factory(client, base, request):  # type: ignore[no-untyped-def]
+    """Fork the base machine; every fork is deleted after the test (logs kept on failure)."""
+    made: list[str] = []
+
+    def make(name: str | None = None):  # type: ignore[no-untyped-def]
+        m = client.machines.fork(base.id, name)
+        made.append(m.id)
+        return m
+
+    yield make
+    for mid in made:
+        with contextlib.suppress(Exception):
+            client.machines.delete(mid)
+
+
+@pytest.fixture
+def machine(machine_factory):  # type: ignore[no-untyped-def]
+    """A fresh fork of the base machine, deleted after the test."""
+    return machine_factory()
+
+
+MachineFactory = Callable[..., object]
