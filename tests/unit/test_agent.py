@@ -563,3 +563,34 @@ def test_protocol_constants() -> None:
     # The host relies on these names.
     assert P.PORT_NAME == "boxd.agent"
     assert P.EV_RESULT in P.TERMINAL_EVENTS
+
+
+def test_streamed_stdin_worker(guest: Guest) -> None:
+    """A long-lived process fed through stdin messages: the warm-worker pattern."""
+    worker = "import sys\nfor line in sys.stdin:\n    print(int(line) * 2, flush=True)\n"
+
+    async def body(c: AgentClient) -> None:
+        proc = await c.start([sys.executable, "-u", "-c", worker])
+        events = aiter(proc)
+        for n in (1, 21, 100):
+            await proc.write(f"{n}\n".encode())
+            got = b""
+            while not got.endswith(b"\n"):  # a line may arrive in pieces
+                item = await asyncio.wait_for(anext(events), 10)
+                assert isinstance(item, ExecOutput) and item.stream == "stdout"
+                got += item.data
+            assert got == f"{n * 2}\n".encode()
+        await proc.close_stdin()
+        rest = [item async for item in events]
+        assert isinstance(rest[-1], ExecExit) and rest[-1].exit_code == 0
+        with pytest.raises(InvalidRequest):
+            await proc.write(b"late\n")
+        assert await proc.kill() is False
+
+        sleeper = await c.start("sleep 60")
+        assert await sleeper.kill(signal.SIGTERM)
+        last = [item async for item in sleeper][-1]
+        assert isinstance(last, ExecExit), last
+        assert last.signal == signal.SIGTERM, last
+
+    with_client(guest, body)

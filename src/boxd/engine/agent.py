@@ -21,7 +21,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -37,7 +37,15 @@ from boxd.errors import (
 )
 from boxd.guest import protocol as P
 
-__all__ = ["AgentClient", "ExecChunk", "ExecExit", "ExecOutcome", "ExecOutput", "FileStat"]
+__all__ = [
+    "AgentClient",
+    "ExecChunk",
+    "ExecExit",
+    "ExecOutcome",
+    "ExecOutput",
+    "ExecProcess",
+    "FileStat",
+]
 
 log = logging.getLogger(__name__)
 
@@ -412,6 +420,47 @@ class AgentClient:
             GuestFileNotFound: ``cwd`` does not exist.
             InvalidRequest: the agent rejected the request.
         """
+        fields = self._exec_fields(command, env, cwd, timeout)
+        if stdin is not None:
+            fields["stdin"] = _b64(stdin)
+        req_id, q, msg = self._open(P.OP_EXEC, **fields)
+        async with contextlib.aclosing(self._exec_events(req_id, q, msg)) as events:
+            async for item in events:
+                yield item
+
+    async def start(
+        self,
+        command: str | list[str],
+        *,
+        env: Mapping[str, str | None] | None = None,
+        cwd: str | None = None,
+        timeout: float | None = None,
+    ) -> ExecProcess:
+        """Start a long-lived command whose stdin stays open (e.g. a warm worker).
+
+        Feed it with `ExecProcess.write` / `ExecProcess.close_stdin` and iterate the
+        `ExecProcess` for its output and exit, exactly as with `exec`.
+
+        Raises:
+            MachineFailed: the connection was lost.
+        """
+        fields = self._exec_fields(command, env, cwd, timeout)
+        fields["stdin_stream"] = True
+        req_id, q, msg = self._open(P.OP_EXEC, **fields)
+        try:
+            await self._send(msg)
+        except BaseException:
+            self._pending.pop(req_id, None)
+            raise
+        return ExecProcess(self, req_id, self._exec_events(req_id, q, None))
+
+    @staticmethod
+    def _exec_fields(
+        command: str | list[str],
+        env: Mapping[str, str | None] | None,
+        cwd: str | None,
+        timeout: float | None,
+    ) -> _Msg:
         fields: _Msg = {"cmd": command}
         if env:
             fields["env"] = dict(env)
@@ -419,12 +468,15 @@ class AgentClient:
             fields["cwd"] = cwd
         if timeout is not None:
             fields["timeout"] = timeout
-        if stdin is not None:
-            fields["stdin"] = _b64(stdin)
-        req_id, q, msg = self._open(P.OP_EXEC, **fields)
+        return fields
+
+    async def _exec_events(
+        self, req_id: int, q: _Queue, msg: _Msg | None
+    ) -> AsyncGenerator[ExecChunk, None]:
         finished = False
         try:
-            await self._send(msg)
+            if msg is not None:
+                await self._send(msg)
             while True:
                 # No idle limit: a command may legitimately be silent for a long time. The
                 # agent enforces ``timeout``; a lost connection ends the wait.
@@ -615,6 +667,54 @@ class AgentClient:
             raise
         return bool(reply.get("delivered"))
 
+    async def _stdin(self, exec_id: int, data: bytes, eof: bool) -> None:
+        await self._call(P.OP_STDIN, exec_id=exec_id, data=_b64(data), eof=eof)
+
     def __repr__(self) -> str:
         state = "connected" if self.connected else f"closed ({self._failure})"
         return f"<AgentClient {os.fspath(self._path)} {state}>"
+
+
+class ExecProcess:
+    """A running command started with `AgentClient.start`: streamed stdin, output, exit.
+
+    Iterate it (once) for `ExecOutput` chunks and the final `ExecExit`. Closing the
+    iterator before the exit kills the command.
+    """
+
+    def __init__(
+        self, client: AgentClient, exec_id: int, events: AsyncGenerator[ExecChunk, None]
+    ) -> None:
+        self._client = client
+        self.exec_id = exec_id
+        self._events = events
+
+    def __aiter__(self) -> AsyncIterator[ExecChunk]:
+        return self._events
+
+    async def write(self, data: bytes) -> None:
+        """Send bytes to the command's stdin.
+
+        Raises:
+            InvalidRequest: the command has already finished.
+            MachineFailed: the connection was lost.
+        """
+        for i in range(0, len(data), P.FILE_CHUNK):
+            await self._client._stdin(self.exec_id, data[i : i + P.FILE_CHUNK], False)
+
+    async def close_stdin(self) -> None:
+        """Close the command's stdin (it reads EOF).
+
+        Raises:
+            InvalidRequest: the command has already finished.
+            MachineFailed: the connection was lost.
+        """
+        await self._client._stdin(self.exec_id, b"", True)
+
+    async def kill(self, signal: int = 9) -> bool:
+        """Signal the command's process group; False when it already finished."""
+        return await self._client.kill(self.exec_id, signal)
+
+    async def aclose(self) -> None:
+        """Stop following the output; kills the command if it still runs."""
+        await self._events.aclose()

@@ -337,6 +337,7 @@ class Exec:
         self.conn = conn
         self.proc: subprocess.Popen[bytes] | None = None
         self.pgid = 0
+        self.pending_signal = 0  # a kill that arrived before the process was spawned
         self.stdin_q: queue.Queue[bytes | None] = queue.Queue()
         self.stream_stdin = False
         self.done = False
@@ -584,7 +585,11 @@ class Agent:
             return
         done_event, status_box = self.reaper.register(proc.pid, start)
         ex.proc = proc
-        ex.pgid = proc.pid
+        with self.lock:
+            ex.pgid = proc.pid
+            early_signal = ex.pending_signal
+        if early_signal:
+            self.killpg(ex.pgid, early_signal)
         self.send({"id": ex.id, "ev": P.EV_STARTED, "pid": proc.pid}, ex.conn)
         if proc.stdin is not None:
             self.spawn_thread(f"stdin-{ex.id}", self.feed_stdin, ex, proc.stdin)
@@ -703,7 +708,11 @@ class Agent:
         sig = msg.get("signal", signal.SIGKILL)
         if not isinstance(sig, int):
             raise RequestError(P.ERR_INVALID, "signal must be an integer")
-        delivered = ex.pgid > 0 and self.killpg(ex.pgid, sig)
+        with self.lock:
+            pgid = ex.pgid
+            if not pgid:
+                ex.pending_signal = sig  # delivered as soon as the process exists
+        delivered = self.killpg(pgid, sig) if pgid else True
         self.reply(req_id, conn, delivered=delivered)
 
     # ---- files
