@@ -1,0 +1,614 @@
+/** The client, `Boxd`, and its resources (`machines`, `snapshots`, `keys`). */
+import { createReadStream, createWriteStream } from "node:fs";
+import { rename, unlink } from "node:fs/promises";
+import type { IncomingMessage } from "node:http";
+import { basename, dirname, join, resolve } from "node:path";
+import { pipeline } from "node:stream/promises";
+
+import { camelize } from "./_camel.js";
+import {
+  connectionError,
+  errorFromResponse,
+  isConnectRefused,
+  readBody,
+  send,
+  type Endpoint,
+  type RequestSpec,
+} from "./_http.js";
+import { dataDir, ensureDaemon, logPath, readLocalKey, socketPath } from "./_local.js";
+import {
+  BoxdError,
+  ConnectionError,
+  InternalError,
+  InvalidRequest,
+  errorFromBody,
+} from "./errors.js";
+import type { components } from "./schema.js";
+import type {
+  ApiKey,
+  ApiKeyCreated,
+  Checkpoint,
+  ExecEvent,
+  ExecOptions,
+  ExecResult,
+  FileInfo,
+  Health,
+  HostInfo,
+  Machine,
+  MachineNewOptions,
+  Snapshot,
+} from "./types.js";
+
+type Wire = components["schemas"];
+
+/** Milliseconds for ordinary requests (exec has no read timeout; its own `timeout` applies). */
+export const DEFAULT_TIMEOUT_MS = 300_000;
+
+export interface BoxdOptions {
+  /** API key; defaults to `BOXD_API_KEY`, else the local daemon's key file. */
+  apiKey?: string;
+  /**
+   * `http://HOST:PORT` of a daemon; defaults to `BOXD_URL`, else the local daemon on its
+   * unix socket (started on first use if none runs).
+   */
+  baseUrl?: string;
+  /** Milliseconds an ordinary request may go unanswered (default 300 000; null: forever). */
+  timeout?: number | null;
+}
+
+/** Where a client connects and how it authenticates (see {@link resolveTarget}). */
+export interface Target extends Endpoint {
+  /** Explicit key, or null to read the local key file once the daemon runs. */
+  apiKey: string | null;
+  /** The local data directory (socket, key file, log). */
+  home: string;
+}
+
+/**
+ * Decide the endpoint and key from options, then the environment: `baseUrl`, `BOXD_URL`,
+ * else the local daemon's unix socket; `apiKey`, `BOXD_API_KEY`, else the local key file.
+ *
+ * @throws InvalidRequest the base URL is not an `http(s)://host[:port]` URL.
+ */
+export function resolveTarget(options: BoxdOptions = {}, env = process.env): Target {
+  const home = dataDir(env);
+  const apiKey = options.apiKey || env.BOXD_API_KEY || null;
+  const raw = options.baseUrl || env.BOXD_URL || null;
+  if (raw === null) return { baseUrl: "http://boxd", socketPath: socketPath(home), apiKey, home };
+  const baseUrl = raw.trim().replace(/\/+$/, "");
+  let ok = false;
+  try {
+    const u = new URL(baseUrl);
+    ok = (u.protocol === "http:" || u.protocol === "https:") && u.host !== "";
+  } catch {
+    ok = false;
+  }
+  if (!ok) {
+    throw new InvalidRequest(`invalid boxd URL ${JSON.stringify(baseUrl)}`, {
+      hint: "use http://HOST:PORT, e.g. BOXD_URL=http://127.0.0.1:7070",
+      details: { field: "baseUrl" },
+    });
+  }
+  return { baseUrl, socketPath: null, apiKey, home };
+}
+
+const seg = (ref: string): string => encodeURIComponent(String(ref));
+
+/** Client of a boxd daemon. */
+export class Boxd {
+  readonly machines: Machines;
+  readonly snapshots: Snapshots;
+  readonly keys: Keys;
+  /** @internal */
+  readonly _target: Target;
+  #timeout: number | null;
+  #key: Promise<string | null> | null = null;
+
+  /** @throws InvalidRequest `baseUrl`/`BOXD_URL` is not an http(s) URL. */
+  constructor(options: BoxdOptions = {}) {
+    this._target = resolveTarget(options);
+    this.#timeout = options.timeout === undefined ? DEFAULT_TIMEOUT_MS : options.timeout;
+    this.machines = new Machines(this);
+    this.snapshots = new Snapshots(this);
+    this.keys = new Keys(this);
+  }
+
+  /** Describe the host: engine, QEMU version, accelerator and why, data directory. */
+  async info(): Promise<HostInfo> {
+    return this._json({ method: "GET", path: "/v1/info" });
+  }
+
+  /** `GET /v1/health` (no key needed): the daemon's version and pid. */
+  async health(): Promise<Health> {
+    return this._json({ method: "GET", path: "/v1/health", idleTimeoutMs: 10_000 });
+  }
+
+  toString(): string {
+    return `Boxd(${this.#where()})`;
+  }
+
+  // --- plumbing ----------------------------------------------------------------------
+
+  #where(): string {
+    const t = this._target;
+    return t.socketPath !== null ? `unix socket ${t.socketPath}` : t.baseUrl;
+  }
+
+  #hint(): string {
+    return this._target.socketPath !== null
+      ? `is the daemon running? its log is ${logPath(this._target.home)}`
+      : "check BOXD_URL and that the daemon is running";
+  }
+
+  /** The key to send; for the local daemon, start it first (once) when none answers. */
+  #apiKey(): Promise<string | null> {
+    this.#key ??= (async () => {
+      const t = this._target;
+      if (t.socketPath !== null) await ensureDaemon(t.home);
+      return t.apiKey ?? readLocalKey(t.home);
+    })().catch((err: unknown) => {
+      this.#key = null; // let a later call try again
+      throw err;
+    });
+    return this.#key;
+  }
+
+  /** @internal Send a request; resolves with the 2xx response (body unread). */
+  async _send(spec: RequestSpec, opts: { retry?: boolean } = {}): Promise<IncomingMessage> {
+    const key = await this.#apiKey();
+    const full: RequestSpec = {
+      ...spec,
+      idleTimeoutMs: spec.idleTimeoutMs === undefined ? this.#timeout : spec.idleTimeoutMs,
+      headers: { ...spec.headers, ...(key ? { Authorization: `Bearer ${key}` } : {}) },
+    };
+    let resp: IncomingMessage;
+    try {
+      try {
+        resp = await send(this._target, full);
+      } catch (err) {
+        // The local daemon may have stopped since we connected: start it and retry once
+        // (safe: nothing was processed). Not for streamed bodies, which are consumed.
+        if (this._target.socketPath === null || !isConnectRefused(err) || opts.retry === false) {
+          throw err;
+        }
+        await ensureDaemon(this._target.home);
+        resp = await send(this._target, full);
+      }
+    } catch (err) {
+      if (err instanceof BoxdError) throw err;
+      throw connectionError(err, this.#where(), this.#hint());
+    }
+    const status = resp.statusCode ?? 0;
+    if (status < 200 || status >= 300) {
+      throw errorFromResponse(status, await this.#read(resp));
+    }
+    return resp;
+  }
+
+  async #read(resp: IncomingMessage): Promise<Buffer> {
+    try {
+      return await readBody(resp);
+    } catch (err) {
+      throw connectionError(err, this.#where(), this.#hint());
+    }
+  }
+
+  /** @internal A request whose 2xx body is raw bytes. */
+  async _bytes(spec: RequestSpec): Promise<Buffer> {
+    return this.#read(await this._send(spec));
+  }
+
+  /** @internal A request whose 2xx body is a JSON model, returned with camelCase keys. */
+  async _json<T>(spec: RequestSpec): Promise<T> {
+    const content = await this._bytes(spec);
+    try {
+      return camelize<T>(JSON.parse(content.toString("utf8")));
+    } catch (err) {
+      throw new InternalError(`boxd sent a body this client cannot read: ${content.toString("utf8").slice(0, 200)}`, {
+        hint: "are the client and daemon versions compatible?",
+        cause: err,
+      });
+    }
+  }
+
+  /** @internal A request without a useful body (204). */
+  async _void(spec: RequestSpec): Promise<void> {
+    await this._bytes(spec);
+  }
+
+  /** @internal For the streaming helpers. */
+  _connectionError(err: unknown): ConnectionError {
+    return connectionError(err, this.#where(), this.#hint());
+  }
+}
+
+function execBody(opts: ExecOptions): Wire["ExecRequest"] {
+  const { command } = opts ?? {};
+  const ok =
+    (typeof command === "string" && command.length > 0) ||
+    (Array.isArray(command) && command.length > 0 && command.every((a) => typeof a === "string"));
+  if (!ok) {
+    throw new InvalidRequest("command must be a non-empty shell string or argv list", {
+      details: { field: "command" },
+    });
+  }
+  const body: Wire["ExecRequest"] = { command, env: { ...opts.env } };
+  if (opts.cwd !== undefined) body.cwd = opts.cwd;
+  if (opts.timeout !== undefined) body.timeout = opts.timeout;
+  if (opts.stdin !== undefined) body.stdin = opts.stdin;
+  return body;
+}
+
+/** Options of `machines.fork`: one child (`name`), or a batch (`count` and/or `names`). */
+export type ForkOptions = { name?: string; count?: undefined; names?: undefined };
+export type ForkBatchOptions =
+  | { count: number; names?: string[]; name?: undefined }
+  | { names: string[]; count?: number; name?: undefined };
+
+/** Machines: create, inspect, run commands in, fork and delete (`boxd.machines`). */
+export class Machines {
+  readonly files: Files;
+  readonly checkpoints: Checkpoints;
+
+  constructor(private readonly c: Boxd) {
+    this.files = new Files(c);
+    this.checkpoints = new Checkpoints(c);
+  }
+
+  /**
+   * Create and boot a machine; resolves while it starts (see {@link waitUntilReady}).
+   * @param name DNS-label name, unique per account; generated if absent.
+   * @throws InvalidRequest, AlreadyExists, QuotaExceeded, SnapshotNotFound, HostSetupError
+   */
+  async new(name?: string | null, options: MachineNewOptions = {}): Promise<Machine> {
+    const body: Record<string, unknown> = { isolated: Boolean(options.isolated) };
+    const fields: [string, unknown][] = [
+      ["name", name],
+      ["vcpus", options.vcpus],
+      ["memory_mib", options.memoryMib],
+      ["disk_gib", options.diskGib],
+      ["from_snapshot", options.fromSnapshot],
+    ];
+    for (const [k, v] of fields) if (v !== undefined && v !== null) body[k] = v; // daemon defaults
+    return this.c._json({ method: "POST", path: "/v1/machines", json: body });
+  }
+
+  /** The machine with this name or id. @throws MachineNotFound */
+  async get(ref: string): Promise<Machine> {
+    return this.c._json({ method: "GET", path: `/v1/machines/${seg(ref)}` });
+  }
+
+  /** Every machine of this account. */
+  async list(): Promise<Machine[]> {
+    const out = await this.c._json<{ machines: Machine[] }>({ method: "GET", path: "/v1/machines" });
+    return out.machines;
+  }
+
+  /** Stop the machine and remove its files (its checkpoints die with it). @throws MachineNotFound */
+  async delete(ref: string): Promise<void> {
+    await this.c._void({ method: "DELETE", path: `/v1/machines/${seg(ref)}` });
+  }
+
+  /**
+   * Resolve once the machine's agent answers.
+   * @param options.timeout seconds the daemon waits (default 120).
+   * @throws MachineNotFound, MachineFailed (died, or not ready within the timeout)
+   */
+  async waitUntilReady(ref: string, options: { timeout?: number } = {}): Promise<Machine> {
+    const timeout = options.timeout ?? 120;
+    return this.c._json({
+      method: "POST",
+      path: `/v1/machines/${seg(ref)}/wait`,
+      query: { timeout },
+      // The daemon holds the request up to `timeout`; give the socket some slack on top.
+      idleTimeoutMs: (timeout + 30) * 1000,
+    });
+  }
+
+  /**
+   * Run a command to completion. A non-zero `exitCode` is a normal result, not an error.
+   * @throws ExecTimeout the command ran past `timeout` (`.stdout`/`.stderr`: partial output)
+   * @throws MachineNotFound, MachineFailed
+   */
+  async exec(ref: string, options: ExecOptions): Promise<ExecResult> {
+    return this.c._json({
+      method: "POST",
+      path: `/v1/machines/${seg(ref)}/exec`,
+      json: execBody(options),
+      idleTimeoutMs: null,
+    });
+  }
+
+  /**
+   * Run a command, yielding `stdout`/`stderr` events as they arrive, then one `exit` event
+   * (`exitCode`, `signal`, `timedOut`, `duration`). Breaking out of the loop closes the
+   * stream.
+   * @throws MachineNotFound, MachineFailed, ConnectionError; a failure midway is thrown as
+   *   the typed error of the stream's final `error` event.
+   */
+  async *execStream(ref: string, options: ExecOptions): AsyncGenerator<ExecEvent, void, undefined> {
+    const resp = await this.c._send({
+      method: "POST",
+      path: `/v1/machines/${seg(ref)}/exec/stream`,
+      json: execBody(options),
+      idleTimeoutMs: null,
+      headers: { Accept: "application/x-ndjson" },
+    });
+    let buffered = "";
+    try {
+      resp.setEncoding("utf8");
+      try {
+        for await (const chunk of resp) {
+          buffered += chunk as string;
+          let nl: number;
+          while ((nl = buffered.indexOf("\n")) >= 0) {
+            const event = parseEvent(buffered.slice(0, nl));
+            buffered = buffered.slice(nl + 1);
+            if (event !== null) yield event;
+          }
+        }
+      } catch (err) {
+        if (err instanceof BoxdError) throw err;
+        throw this.c._connectionError(err);
+      }
+      const last = parseEvent(buffered);
+      if (last !== null) yield last;
+    } finally {
+      resp.destroy();
+    }
+  }
+
+  /**
+   * Fork a running machine: the child continues from the same instruction.
+   *
+   * With `{ count }` or `{ names }`, fork several children in one call and resolve to one
+   * entry per child: its `Machine` or the `BoxdError` that stopped it (one failure doesn't
+   * sink the batch). Otherwise resolve to the single child.
+   * @throws MachineNotFound, StateError, AlreadyExists, QuotaExceeded (a batch throws only
+   *   for errors that concern the whole request)
+   */
+  fork(src: string, options?: ForkOptions): Promise<Machine>;
+  fork(src: string, options: ForkBatchOptions): Promise<(Machine | BoxdError)[]>;
+  async fork(
+    src: string,
+    options: ForkOptions | ForkBatchOptions = {},
+  ): Promise<Machine | (Machine | BoxdError)[]> {
+    const { name, count, names } = options as { name?: string; count?: number; names?: string[] };
+    if (count === undefined && names === undefined) {
+      return this.c._json({
+        method: "POST",
+        path: `/v1/machines/${seg(src)}/fork`,
+        json: name !== undefined && name !== null ? { name } : {},
+      });
+    }
+    if (name !== undefined) {
+      throw new InvalidRequest("pass either name or count/names", { details: { field: "name" } });
+    }
+    const body: Wire["ForkBatchRequest"] = {};
+    if (count !== undefined) body.count = count;
+    if (names !== undefined) body.names = [...names];
+    // Raw JSON: the per-item errors are rebuilt from their snake_case bodies.
+    const raw = await this.c._bytes({
+      method: "POST",
+      path: `/v1/machines/${seg(src)}/fork/batch`,
+      json: body,
+      idleTimeoutMs: null,
+    });
+    const result = JSON.parse(raw.toString("utf8")) as Wire["ForkResult"];
+    return result.children.map((item) => {
+      if (item.machine) return camelize<Machine>(item.machine);
+      if (item.error) return errorFromBody({ error: item.error });
+      return new InternalError("batch fork returned an empty item");
+    });
+  }
+}
+
+/** One NDJSON line of an exec stream as an event (null for a blank line). */
+export function parseEvent(line: string): ExecEvent | null {
+  if (!line.trim()) return null;
+  let obj: unknown;
+  try {
+    obj = JSON.parse(line);
+  } catch (err) {
+    throw new InternalError(`malformed exec stream line: ${line.slice(0, 200)}`, { cause: err });
+  }
+  if (typeof obj !== "object" || obj === null || Array.isArray(obj)) {
+    throw new InternalError(`malformed exec event: ${line.slice(0, 200)}`);
+  }
+  const rec = obj as Record<string, unknown>;
+  if (typeof rec.error === "object" && rec.error !== null) {
+    // A final {"type": "error", "error": {...}} event, or a bare error body.
+    throw errorFromBody({ error: rec.error });
+  }
+  if (typeof rec.type !== "string") throw new InternalError(`malformed exec event: ${line.slice(0, 200)}`);
+  return camelize<ExecEvent>(rec);
+}
+
+/** Files inside a machine (`boxd.machines.files`). */
+export class Files {
+  constructor(private readonly c: Boxd) {}
+
+  /**
+   * Write a file in the machine (parent directories are created).
+   * @param data the content; a string is encoded as UTF-8.
+   * @param options.mode permission bits (default 0o644).
+   * @throws MachineNotFound, InvalidRequest
+   */
+  async upload(
+    ref: string,
+    path: string,
+    data: string | Uint8Array,
+    options: { mode?: number } = {},
+  ): Promise<FileInfo> {
+    const body = typeof data === "string" ? Buffer.from(data, "utf8") : Buffer.from(data);
+    return this.c._json({
+      method: "PUT",
+      path: `/v1/machines/${seg(ref)}/files`,
+      query: { path, mode: Math.trunc(options.mode ?? 0o644) },
+      body,
+    });
+  }
+
+  /** Read a file from the machine. @throws MachineNotFound, GuestFileNotFound */
+  async download(ref: string, path: string): Promise<Buffer> {
+    return this.c._bytes({ method: "GET", path: `/v1/machines/${seg(ref)}/files`, query: { path } });
+  }
+}
+
+/** Per-machine checkpoints: rewind one machine in place (`boxd.machines.checkpoints`). */
+export class Checkpoints {
+  constructor(private readonly c: Boxd) {}
+
+  /** Capture the machine's memory and disk under `name`. @throws MachineNotFound, AlreadyExists, StateError */
+  async save(ref: string, name: string): Promise<Checkpoint> {
+    return this.c._json({
+      method: "POST",
+      path: `/v1/machines/${seg(ref)}/checkpoints`,
+      json: { name },
+      idleTimeoutMs: null,
+    });
+  }
+
+  /** Rewind the machine in place (same id, name and URL). @throws MachineNotFound, CheckpointNotFound */
+  async restore(ref: string, name: string): Promise<Machine> {
+    return this.c._json({
+      method: "POST",
+      path: `/v1/machines/${seg(ref)}/checkpoints/${seg(name)}/restore`,
+      idleTimeoutMs: null,
+    });
+  }
+
+  /** The machine's checkpoints. @throws MachineNotFound */
+  async list(ref: string): Promise<Checkpoint[]> {
+    const out = await this.c._json<{ checkpoints: Checkpoint[] }>({
+      method: "GET",
+      path: `/v1/machines/${seg(ref)}/checkpoints`,
+    });
+    return out.checkpoints;
+  }
+
+  /** Delete one checkpoint. @throws MachineNotFound, CheckpointNotFound */
+  async delete(ref: string, name: string): Promise<void> {
+    await this.c._void({
+      method: "DELETE",
+      path: `/v1/machines/${seg(ref)}/checkpoints/${seg(name)}`,
+    });
+  }
+}
+
+/** Durable, named, versioned machine images (`boxd.snapshots`). */
+export class Snapshots {
+  constructor(private readonly c: Boxd) {}
+
+  /**
+   * Save a machine as snapshot `name` (the machine keeps running).
+   * @param options.newVersion add a version when `name` exists (else that is an error).
+   * @throws MachineNotFound, AlreadyExists
+   */
+  async save(machine: string, name: string, options: { newVersion?: boolean } = {}): Promise<Snapshot> {
+    return this.c._json({
+      method: "POST",
+      path: "/v1/snapshots",
+      json: { machine, name, new_version: Boolean(options.newVersion) },
+      idleTimeoutMs: null,
+    });
+  }
+
+  /** The snapshot `NAME` (latest version), `NAME@N` or `sha256:DIGEST`. @throws SnapshotNotFound */
+  async get(ref: string): Promise<Snapshot> {
+    return this.c._json({ method: "GET", path: `/v1/snapshots/${seg(ref)}` });
+  }
+
+  /** Every snapshot version of this account. */
+  async list(): Promise<Snapshot[]> {
+    const out = await this.c._json<{ snapshots: Snapshot[] }>({ method: "GET", path: "/v1/snapshots" });
+    return out.snapshots;
+  }
+
+  /** Delete a snapshot version. @throws SnapshotNotFound */
+  async delete(ref: string): Promise<void> {
+    await this.c._void({ method: "DELETE", path: `/v1/snapshots/${seg(ref)}` });
+  }
+
+  /**
+   * Stream the snapshot into one file at `path` (written atomically); resolves to the path.
+   * @throws SnapshotNotFound; InvalidRequest when `path` cannot be written
+   */
+  async export(ref: string, path: string): Promise<string> {
+    const dest = resolve(path);
+    const tmp = join(dirname(dest), `.${basename(dest)}.part`);
+    const resp = await this.c._send({
+      method: "GET",
+      path: `/v1/snapshots/${seg(ref)}/export`,
+      idleTimeoutMs: null,
+      headers: { Accept: "application/octet-stream" },
+    });
+    try {
+      await pipeline(resp, createWriteStream(tmp));
+      await rename(tmp, dest);
+    } catch (err) {
+      resp.destroy();
+      await unlink(tmp).catch(() => undefined);
+      const e = err as NodeJS.ErrnoException;
+      if (e?.syscall && ["open", "write", "rename"].includes(e.syscall)) {
+        throw new InvalidRequest(`cannot write ${dest}: ${e.message}`, {
+          details: { field: "path" },
+          cause: err,
+        });
+      }
+      throw this.c._connectionError(err);
+    }
+    return dest;
+  }
+
+  /**
+   * Import a file written by {@link export}.
+   * @param options.name import under this name (default: the name in the file).
+   * @throws IntegrityError the file is corrupt; InvalidRequest not a snapshot file, or
+   *   `path` cannot be read
+   */
+  async import(path: string, options: { name?: string } = {}): Promise<Snapshot> {
+    const src = resolve(path);
+    const stream = createReadStream(src);
+    await new Promise<void>((ok, fail) => {
+      stream.once("open", () => ok());
+      stream.once("error", (err) =>
+        fail(new InvalidRequest(`cannot read ${src}: ${err.message}`, { details: { field: "path" }, cause: err })),
+      );
+    });
+    return this.c._json({
+      method: "POST",
+      path: "/v1/snapshots/import",
+      query: { name: options.name },
+      body: stream,
+      idleTimeoutMs: null,
+    });
+  }
+}
+
+/** API keys (`boxd.keys`). */
+export class Keys {
+  constructor(private readonly c: Boxd) {}
+
+  /**
+   * Create an API key; its `secret` is shown only in this result.
+   * @param options.account the account the key acts for (local admin only); the caller's if absent.
+   * @throws AuthError, InvalidRequest
+   */
+  async create(name = "default", options: { account?: string } = {}): Promise<ApiKeyCreated> {
+    const body: Wire["ApiKeyCreate"] = { name };
+    if (options.account !== undefined) body.account = options.account;
+    return this.c._json({ method: "POST", path: "/v1/keys", json: body });
+  }
+
+  /** The keys of this key's account, revoked ones included, never secrets. */
+  async list(): Promise<ApiKey[]> {
+    const out = await this.c._json<{ keys: ApiKey[] }>({ method: "GET", path: "/v1/keys" });
+    return out.keys;
+  }
+
+  /** Revoke a key; requests with it fail from now on. @throws NotFound */
+  async revoke(keyId: string): Promise<void> {
+    await this.c._void({ method: "DELETE", path: `/v1/keys/${seg(keyId)}` });
+  }
+}

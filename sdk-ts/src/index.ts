@@ -1,0 +1,28 @@
+/**
+ * `@boxd-sh/sdk`: TypeScript client of boxd, QEMU microVMs with cheap fork, checkpoint and
+ * snapshot.
+ *
+ * ```ts
+ * import { Boxd } from "@boxd-sh/sdk";
+ * const boxd = new Boxd(); // BOXD_URL / BOXD_API_KEY, else the local daemon
+ * ```
+ */
+export {
+  Boxd,
+  Checkpoints,
+  DEFAULT_TIMEOUT_MS,
+  Files,
+  Keys,
+  Machines,
+  Snapshots,
+  parseEvent,
+  resolveTarget,
+  type BoxdOptions,
+  type ForkBatchOptions,
+  type ForkOptions,
+  type Target,
+} from "./client.js";
+export { dataDir } from "./_local.js";
+export * from "./errors.js";
+export type * from "./types.js";
+export type { components, paths, operations } from "./schema.js";

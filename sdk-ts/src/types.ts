@@ -1,0 +1,63 @@
+/**
+ * Public types: the daemon's wire models (generated into `schema.d.ts` from its OpenAPI
+ * schema) with snake_case keys turned into camelCase, as the SDK returns them.
+ */
+import type { components } from "./schema.js";
+
+type Schemas = components["schemas"];
+
+/** `exit_code` → `exitCode`, at the type level. */
+export type CamelKey<S extends string> = S extends `${infer Head}_${infer Tail}`
+  ? `${Head}${Capitalize<CamelKey<Tail>>}`
+  : S;
+
+/** A wire model with camelCase keys (recursively). */
+export type Camel<T> = T extends readonly (infer U)[]
+  ? Camel<U>[]
+  : T extends object
+    ? { [K in keyof T as K extends string ? CamelKey<K> : K]: Camel<T[K]> }
+    : T;
+
+export type MachineState = Schemas["MachineState"];
+export type Machine = Camel<Schemas["Machine"]>;
+/** Outcome of a command run to completion; a non-zero `exitCode` is a normal result. */
+export type ExecResult = Camel<Schemas["ExecResult"]>;
+/** One event of a streaming exec: `stdout`/`stderr` output as it arrives, then `exit`. */
+export type ExecEvent = Camel<Schemas["ExecEvent"]>;
+export type FileInfo = Camel<Schemas["FileInfo"]>;
+export type Checkpoint = Camel<Schemas["Checkpoint"]>;
+export type Snapshot = Camel<Schemas["Snapshot"]>;
+export type ApiKey = Camel<Schemas["ApiKey"]>;
+/** A new API key; its `secret` is shown only here. */
+export type ApiKeyCreated = Camel<Schemas["ApiKeyCreated"]>;
+export type HostInfo = Camel<Schemas["HostInfo"]>;
+export type Health = Camel<Schemas["Health"]>;
+export type ErrorBody = Schemas["ErrorBody"];
+
+/** Options of `machines.new`. */
+export interface MachineNewOptions {
+  /** Virtual CPUs (daemon default if absent). */
+  vcpus?: number;
+  /** Memory in MiB (daemon default if absent). */
+  memoryMib?: number;
+  /** Disk size in GiB (daemon default if absent). */
+  diskGib?: number;
+  /** No network device at all. */
+  isolated?: boolean;
+  /** Start from a snapshot: `NAME`, `NAME@N` or `sha256:DIGEST`. */
+  fromSnapshot?: string;
+}
+
+/** What `machines.exec` and `machines.execStream` run. */
+export interface ExecOptions {
+  /** A shell string (run by `/bin/sh -c`) or an argv list. */
+  command: string | string[];
+  /** Extra environment variables. */
+  env?: Record<string, string>;
+  /** Working directory in the guest. */
+  cwd?: string;
+  /** Seconds after which the command is killed (then `ExecTimeout` is thrown by `exec`). */
+  timeout?: number;
+  /** Text fed to the command's standard input. */
+  stdin?: string;
+}
