@@ -477,6 +477,17 @@ def info(state: _State, as_json: bool) -> None:
     _show(host, as_json, _render.host)
 
 
+@main.command("demo")
+@click.option("--reuse", is_flag=True, help="Use an existing rl-base (and add an env-v3 version).")
+@click.option("--keep", is_flag=True, help="Keep the machines and snapshot it made.")
+@pass_state
+def demo(state: _State, reuse: bool, keep: bool) -> None:
+    """Run the reproducible-RL spec end to end: warm rl-base, fork 8 rollouts, verify."""
+    from boxd.demo import run_demo
+
+    sys.exit(run_demo(state.boxd, reuse=reuse, keep=keep))
+
+
 @main.command("serve")
 @click.option("--listen", metavar="HOST:PORT", help="Also serve HTTP on TCP (e.g. 127.0.0.1:7070).")
 def serve(listen: str | None) -> None:

@@ -1,0 +1,207 @@
+"""Warm the RL baseline: load the simulator and the policy once, and keep them resident.
+
+    python3 warm_up.py
+
+Run this once on the baseline machine (``rl-base``) before forking it. It imports
+gymnasium and numpy, makes the CartPole environment, builds the policy weights, runs one
+throw-away episode so every first-call path is exercised, and then leaves a **warm
+worker** behind: a daemonised Python process, with all of that already in memory,
+listening on a unix socket (``/run/rl-worker.sock``). Because a fork copies the running
+machine, every fork of the baseline inherits this process mid-``accept()``: a rollout in
+a fork hands its seed to the worker (see ``rollout.py``) and pays only for its episode,
+not for starting an interpreter and importing numpy (~1.5 s under software emulation).
+
+Each request is served in a ``fork()`` of the worker, so an episode never changes the
+worker's own state: the tenth rollout in a machine starts from the same Python objects
+as the first. The worker runs the ``episode()`` function of the script that asked
+(``rollout.py``), so the episode logic lives in one place.
+
+Also written: ``~/.cache/rl-warm/policy.json`` (the weights and how long warming took),
+the warm cache that a fresh interpreter could read instead of rebuilding.
+
+Running it again when a worker already answers does nothing and exits 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ENV_ID = "CartPole-v1"
+POLICY_SEED = 1234  # must match rollout.py
+SOCKET = os.environ.get("RL_WORKER_SOCKET", "/run/rl-worker.sock")
+LOG = os.environ.get("RL_WORKER_LOG", "/run/rl-worker.log")
+CACHE = Path(os.environ.get("RL_WARM_CACHE", str(Path.home() / ".cache" / "rl-warm")))
+
+
+def ping(path: str = SOCKET) -> dict[str, Any] | None:
+    """The running worker's status, or None if none answers."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(10)
+            s.connect(path)
+            s.sendall(b'{"op": "ping"}\n')
+            data = b""
+            while not data.endswith(b"\n"):
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                data += chunk
+        reply: dict[str, Any] = json.loads(data)
+        return reply
+    except (OSError, ValueError):
+        return None
+
+
+class Worker:
+    """The warm state (modules, env, weights) and the loop that serves episodes."""
+
+    def __init__(self) -> None:
+        t0 = time.monotonic()
+        import gymnasium as gym
+        import numpy as np
+
+        self.gym, self.np = gym, np
+        self.import_s = time.monotonic() - t0
+        self.env = gym.make(ENV_ID)
+        self.weights = np.random.default_rng(POLICY_SEED).normal(0.0, 1.0, size=4)
+        # One throw-away episode: first calls (reset, step, numpy dispatch) happen now.
+        self.env.reset(seed=0)
+        for _ in range(20):
+            _, _, done, trunc, _ = self.env.step(0)
+            if done or trunc:
+                break
+        self.warm_s = time.monotonic() - t0
+        self.modules: dict[tuple[str, float], Any] = {}
+        self.pid = os.getpid()
+
+    def write_cache(self) -> None:
+        CACHE.mkdir(parents=True, exist_ok=True)
+        info = {
+            "env": ENV_ID,
+            "policy_seed": POLICY_SEED,
+            "weights": [float(w) for w in self.weights],
+            "gymnasium": self.gym.__version__,
+            "numpy": self.np.__version__,
+            "import_s": round(self.import_s, 3),
+            "warm_s": round(self.warm_s, 3),
+        }
+        tmp = CACHE / "policy.json.tmp"
+        tmp.write_text(json.dumps(info, indent=2) + "\n")
+        tmp.replace(CACHE / "policy.json")
+
+    def load_script(self, path: str) -> Any:
+        key = (path, os.stat(path).st_mtime)
+        mod = self.modules.get(key)
+        if mod is None:
+            spec = importlib.util.spec_from_file_location("rollout_script", path)
+            if spec is None or spec.loader is None:
+                raise RuntimeError(f"cannot load {path}")
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            self.modules[key] = mod
+        return mod
+
+    def handle(self, conn: socket.socket) -> None:
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = conn.recv(65536)
+            if not chunk:
+                return
+            data += chunk
+        try:
+            req = json.loads(data)
+            if req.get("op") == "ping":
+                reply: dict[str, Any] = {"ok": True, "pid": self.pid, "env": ENV_ID,
+                                         "import_s": self.import_s, "warm_s": self.warm_s}
+            elif req.get("op") == "episode":
+                mod = self.load_script(req["script"])
+                reply = {"record": mod.episode(int(req["seed"]), self.env, self.weights,
+                                               self.np)}
+            else:
+                reply = {"error": f"unknown op {req.get('op')!r}"}
+        except Exception as exc:  # reported to the caller, who exits non-zero
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        conn.sendall(json.dumps(reply).encode() + b"\n")
+
+    def serve(self, listener: socket.socket) -> None:
+        self.pid = os.getpid()
+        signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except InterruptedError:
+                continue
+            pid = os.fork()
+            if pid == 0:  # serve this request in a copy: the worker's state never changes
+                listener.close()
+                code = 0
+                try:
+                    self.handle(conn)
+                except Exception:
+                    code = 1
+                finally:
+                    with contextlib.suppress(OSError):
+                        conn.close()
+                    os._exit(code)
+            conn.close()
+
+
+def daemonise(log_path: str) -> bool:
+    """Double-fork into a session of its own; True in the daemon, False in the caller."""
+    if os.fork() > 0:
+        return False
+    os.setsid()
+    if os.fork() > 0:
+        os._exit(0)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.close(null)
+    os.chdir("/")
+    return True
+
+
+def main() -> int:
+    running = ping()
+    if running is not None:
+        print(f"warm worker already running (pid {running['pid']}, {running['env']})")
+        return 0
+    sys.dont_write_bytecode = True  # episodes must not write to the machine's disk
+    worker = Worker()
+    worker.write_cache()
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(SOCKET)  # stale: nothing answered on it
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(SOCKET)
+    listener.listen(64)  # bound before we return: a rollout right after us can connect
+    sys.stdout.flush()
+    if daemonise(LOG):
+        try:
+            worker.serve(listener)
+        finally:
+            os._exit(1)
+    listener.close()
+    status = ping()
+    if status is None:
+        print("warm worker did not answer", file=sys.stderr)
+        return 1
+    print(f"warm worker pid {status['pid']}: {ENV_ID}, gymnasium {worker.gym.__version__}, "
+          f"numpy {worker.np.__version__}; imports {worker.import_s:.2f}s, "
+          f"warm-up {worker.warm_s:.2f}s; socket {SOCKET}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

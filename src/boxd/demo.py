@@ -1,0 +1,340 @@
+"""``boxd demo``: the reproducible-RL spec, end to end, on this host.
+
+Runs the flow of ``spec/reproducible-rl-environments.md`` through the public SDK, as a
+new user would, and prints what each step cost:
+
+1. build the guest image if needed (local daemon only; a remote daemon builds its own);
+2. ``rl-base``: create it, ``pip install gymnasium numpy`` in it (through the guest's
+   network, as the spec does), upload and run ``warm_up.py`` (leaves a warm worker);
+3. upload ``rollout.py`` and run the spec's ``ThreadPoolExecutor`` loop: 8 forks, one
+   seeded CartPole episode each;
+4. the spec's reproducibility check: two forks with seed 42 give the same bytes;
+5. checkpoint reset: on a fork, save ``episode-start``, run an episode that changes a
+   file, restore, and show the file is gone and the next episode is identical;
+6. snapshot round trip: ``snapshots.save("rl-base", "env-v3")``, then
+   ``machines.new("rl-base-2", from_snapshot="env-v3")``; seed 42 there gives the same
+   trajectory as on the forks;
+7. a summary table; then everything the demo made is deleted (machines, snapshot; the
+   guest image stays cached).
+
+A failing step is named with its reason and the command exits 1.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from rich.console import Console
+from rich.table import Table
+
+from boxd import errors
+from boxd.sdk import Boxd
+
+__all__ = ["DemoFailed", "examples_dir", "run_demo"]
+
+BASE = "rl-base"
+SNAPSHOT = "env-v3"
+RESTORED = "rl-base-2"
+ROLLOUTS = 8
+GUEST_HOME = "/home/boxd"
+PIP_TIMEOUT = 1800.0
+EXAMPLES_ENV = "BOXD_EXAMPLES"
+
+T = TypeVar("T")
+
+
+class DemoFailed(Exception):
+    """A step of the demo failed; ``step`` names it."""
+
+    def __init__(self, step: str, reason: str) -> None:
+        super().__init__(f"step '{step}' failed: {reason}")
+        self.step = step
+        self.reason = reason
+
+
+def examples_dir() -> Path:
+    """``examples/rl`` of this checkout (``$BOXD_EXAMPLES`` overrides)."""
+    import os
+
+    if env := os.environ.get(EXAMPLES_ENV):
+        return Path(env)
+    return Path(__file__).resolve().parents[2] / "examples" / "rl"
+
+
+@dataclass
+class _Run:
+    console: Console
+    client: Boxd
+    steps: list[tuple[str, float, str]] = field(default_factory=list)
+    made_machines: list[str] = field(default_factory=list)
+    made_snapshot: str | None = None
+    names_checked: bool = False  # preflight saw none of the demo's machine names in use
+
+    @contextmanager
+    def step(self, title: str) -> Iterator[list[str]]:
+        """Run one step under a spinner; record its time and a detail line."""
+        detail: list[str] = []
+        start = time.monotonic()
+        try:
+            with self.console.status(f"[bold]{title}[/]…"):
+                yield detail
+        except DemoFailed:
+            raise
+        except errors.BoxdError as exc:
+            self.console.print(f"[red]✗[/] {title} ({time.monotonic() - start:.1f}s)")
+            raise DemoFailed(title, str(exc)) from exc
+        except Exception as exc:
+            self.console.print(f"[red]✗[/] {title} ({time.monotonic() - start:.1f}s)")
+            raise DemoFailed(title, f"{type(exc).__name__}: {exc}") from exc
+        took = time.monotonic() - start
+        text = "; ".join(detail)
+        self.steps.append((title, took, text))
+        self.console.print(f"[green]✓[/] {title} [dim]({took:.2f}s)[/] {text}")
+
+
+def _exec_ok(client: Boxd, ref: str, command: str, timeout: float | None = None) -> str:
+    result = client.machines.exec(ref, command, timeout=timeout)
+    if result.exit_code != 0:
+        tail = (result.stderr or result.stdout).strip().splitlines()[-5:]
+        raise RuntimeError(f"`{command}` exited {result.exit_code}: " + " | ".join(tail))
+    return result.stdout
+
+
+def _record(line: str) -> dict[str, Any]:
+    try:
+        rec: dict[str, Any] = json.loads(line)
+    except ValueError as exc:
+        raise RuntimeError(f"rollout printed no trajectory record: {line[:200]!r}") from exc
+    return rec
+
+
+def _timed(fn: Callable[[], T]) -> tuple[T, float]:
+    start = time.monotonic()
+    value = fn()
+    return value, time.monotonic() - start
+
+
+def _exists(fn: Callable[[], object]) -> bool:
+    try:
+        fn()
+    except errors.NotFound:
+        return False
+    return True
+
+
+def run_demo(
+    client: Boxd,
+    *,
+    reuse: bool = False,
+    keep: bool = False,
+    console: Console | None = None,
+) -> int:
+    """Run the demo; return the process exit code (0 on success, 1 if a step failed)."""
+    out = console or Console(highlight=False)
+    run = _Run(out, client)
+    out.rule("[bold]boxd demo: reproducible RL environments")
+    try:
+        _demo(run, reuse)
+    except DemoFailed as exc:
+        out.print(f"[bold red]error:[/] {exc}")
+        return 1
+    except KeyboardInterrupt:
+        out.print("[bold red]interrupted[/]")
+        return 130
+    finally:
+        if not keep:
+            _cleanup(run)
+        else:
+            out.print(f"kept: machines {run.made_machines}, snapshot {run.made_snapshot}")
+    return 0
+
+
+def _demo(run: _Run, reuse: bool) -> None:
+    client, out = run.client, run.console
+    files = examples_dir()
+    warm_up_src = files / "warm_up.py"
+    rollout_src = files / "rollout.py"
+
+    with run.step("preflight") as d:
+        for f in (warm_up_src, rollout_src):
+            if not f.is_file():
+                raise DemoFailed("preflight", f"{f} not found (set ${EXAMPLES_ENV})")
+        base_exists = _exists(lambda: client.machines.get(BASE))
+        if base_exists and not reuse:
+            raise DemoFailed("preflight", f"a machine named {BASE!r} already exists: delete "
+                             f"it (`boxd machine delete {BASE}`) or pass --reuse")
+        for name in (RESTORED, "check-a", "check-b", "episode-box",
+                     *(f"rollout-{s}" for s in range(ROLLOUTS))):
+            if _exists(lambda n=name: client.machines.get(n)):  # type: ignore[misc]
+                raise DemoFailed("preflight", f"a machine named {name!r} already exists; "
+                                 f"delete it (`boxd machine delete {name}`)")
+        run.names_checked = True
+        snap_exists = _exists(lambda: client.snapshots.get(SNAPSHOT))
+        if snap_exists and not reuse:
+            raise DemoFailed("preflight", f"a snapshot named {SNAPSHOT!r} already exists: "
+                             f"delete it (`boxd snapshots delete {SNAPSHOT}`) or pass --reuse")
+        d.append(f"examples from {files}")
+
+    if client._target.local:
+        with run.step("guest image") as d:
+            from boxd.config import Paths
+            from boxd.images import ensure_image
+
+            img = ensure_image(Paths.default())
+            d.append(f"{img.key} (kernel {img.kernel_version})")
+
+    # --- Prepare one warm baseline --------------------------------------------------
+    if base_exists:
+        with run.step(f"reuse {BASE}") as d:
+            m = client.machines.wait_until_ready(BASE, timeout=300)
+            d.append(f"{m.id}, {m.accelerator}")
+    else:
+        with run.step(f"boxd machine new {BASE}") as d:
+            m = client.machines.new(BASE)
+            run.made_machines.append(m.id)
+            m = client.machines.wait_until_ready(m.id, timeout=600)
+            d.append(f"{m.id}, accelerator {m.accelerator}")
+
+    with run.step("pip install gymnasium numpy (guest network)") as d:
+        stdout = _exec_ok(client, BASE, "pip install gymnasium numpy", timeout=PIP_TIMEOUT)
+        last = [ln for ln in stdout.splitlines() if ln.strip()][-1:] or ["done"]
+        d.append(last[0][:90])
+
+    with run.step("python3 warm_up.py") as d:
+        client.machines.files.upload(BASE, f"{GUEST_HOME}/warm_up.py", warm_up_src.read_text())
+        d.append(_exec_ok(client, BASE, "python3 warm_up.py", timeout=600).strip()[:120])
+
+    # --- Fork per rollout: the spec's code ------------------------------------------
+    fork_ready: dict[str, float] = {}
+    exec_time: dict[str, float] = {}
+
+    def rollout(name: str, seed: int) -> str:
+        t0 = time.monotonic()
+        fork = client.machines.fork(BASE, name)
+        client.machines.wait_until_ready(fork.id)
+        fork_ready[name] = time.monotonic() - t0
+        t1 = time.monotonic()
+        result = client.machines.exec(
+            fork.id, f"python3 {GUEST_HOME}/rollout.py --seed {seed}"
+        )
+        exec_time[name] = time.monotonic() - t1
+        client.machines.delete(fork.id)
+        if result.exit_code != 0:
+            raise RuntimeError(f"rollout {name} exited {result.exit_code}: "
+                               f"{result.stderr.strip()[-300:]}")
+        return result.stdout.strip()
+
+    with run.step(f"{ROLLOUTS} forked rollouts in parallel") as d:
+        client.machines.files.upload(BASE, f"{GUEST_HOME}/rollout.py", rollout_src.read_text())
+        start = time.monotonic()
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            results = list(pool.map(lambda s: rollout(f"rollout-{s}", seed=s), range(ROLLOUTS)))
+        wall = time.monotonic() - start
+        records = [_record(r) for r in results]
+        ready = [fork_ready[f"rollout-{s}"] for s in range(ROLLOUTS)]
+        d.append(f"wall {wall:.2f}s, fork→ready median {statistics.median(ready):.2f}s")
+
+    # --- Verify reproducibility -----------------------------------------------------
+    with run.step("same seed → same trajectory (check-a, check-b)") as d:
+        a = rollout("check-a", seed=42)
+        b = rollout("check-b", seed=42)
+        if a != b:
+            raise RuntimeError(f"seed 42 differed between forks:\n  {a}\n  {b}")
+        rec42 = _record(a)
+        d.append(f"identical: sha256 {rec42['sha256'][:16]}…")
+
+    # --- Reset between episodes: checkpoint -----------------------------------------
+    with run.step("checkpoint reset between episodes") as d:
+        box = client.machines.fork(BASE, "episode-box")
+        run.made_machines.append(box.id)
+        client.machines.wait_until_ready(box.id)
+        client.machines.checkpoints.save(box.id, "episode-start")
+        episode = (f"python3 {GUEST_HOME}/rollout.py --seed 7 > {GUEST_HOME}/episode.json"
+                   f" && cat {GUEST_HOME}/episode.json")
+        first = _exec_ok(client, box.id, episode).strip()
+        seen = _exec_ok(client, box.id, f"ls {GUEST_HOME}/episode.json").strip()
+        client.machines.checkpoints.restore(box.id, "episode-start")
+        gone = client.machines.exec(box.id, f"test -e {GUEST_HOME}/episode.json")
+        if gone.exit_code == 0:
+            raise RuntimeError("episode.json still exists after restore")
+        second = _exec_ok(client, box.id, episode).strip()
+        if first != second:
+            raise RuntimeError(f"episode after restore differs:\n  {first}\n  {second}")
+        client.machines.delete(box.id)
+        run.made_machines.remove(box.id)
+        d.append(f"{seen} written, gone after restore; replay identical")
+
+    # --- A baseline that outlives the machine: snapshot -----------------------------
+    with run.step(f"snapshot {SNAPSHOT} → {RESTORED}") as d:
+        snap = client.snapshots.save(BASE, SNAPSHOT, new_version=reuse)
+        run.made_snapshot = f"{snap.name}@{snap.version}"
+        m2 = client.machines.new(RESTORED, from_snapshot=run.made_snapshot)
+        run.made_machines.append(m2.id)
+        client.machines.wait_until_ready(m2.id, timeout=600)
+        again = _exec_ok(client, m2.id, f"python3 {GUEST_HOME}/rollout.py --seed 42").strip()
+        if again != a:
+            raise RuntimeError(f"seed 42 on {RESTORED} differs from the forks:\n  {a}\n  {again}")
+        d.append(f"{run.made_snapshot} ({snap.digest[:19]}…); seed 42 identical")
+
+    _summary(run, records, ready, [exec_time[f"rollout-{s}"] for s in range(ROLLOUTS)], wall)
+    out.print("[bold green]reproducibility check passed[/]: same starting bytes + same seed "
+              "gave the same trajectory on every fork, after a restore and from a snapshot")
+
+
+def _summary(
+    run: _Run, records: list[dict[str, Any]], ready: list[float], execs: list[float], wall: float
+) -> None:
+    out = run.console
+    rt = Table(title=f"{ROLLOUTS} rollouts, one fork each", title_justify="left")
+    for col in ("seed", "steps", "reward", "trajectory sha256", "fork→ready", "exec"):
+        rt.add_column(col, justify="right" if col != "trajectory sha256" else "left")
+    for rec, r, e in zip(records, ready, execs, strict=True):
+        rt.add_row(str(rec["seed"]), str(rec["steps"]), f"{rec['reward']:.0f}",
+                   rec["sha256"][:16] + "…", f"{r:.2f}s", f"{e:.2f}s")
+    out.print(rt)
+    st = Table(title="summary", title_justify="left")
+    st.add_column("step")
+    st.add_column("time", justify="right")
+    st.add_column("detail", overflow="fold")
+    for title, took, text in run.steps:
+        st.add_row(title, f"{took:.2f}s", text)
+    st.add_row("[bold]8 rollouts, wall[/]", f"[bold]{wall:.2f}s[/]", "")
+    out.print(st)
+
+
+def _cleanup(run: _Run) -> None:
+    client, out = run.client, run.console
+    # A rollout that failed half-way may have left its fork (the spec's loop deletes only
+    # on success); the preflight checked that none of these names existed before.
+    ours = {"check-a", "check-b", "episode-box", *(f"rollout-{s}" for s in range(ROLLOUTS))}
+    try:
+        if run.names_checked:
+            run.made_machines += [m.id for m in client.machines.list()
+                                  if m.name in ours and m.id not in run.made_machines]
+    except errors.BoxdError:
+        pass
+    for mid in reversed(run.made_machines):
+        try:
+            client.machines.delete(mid)
+        except errors.NotFound:
+            pass
+        except errors.BoxdError as exc:
+            out.print(f"[yellow]warning:[/] could not delete machine {mid}: {exc}")
+    if run.made_snapshot is not None:
+        try:
+            client.snapshots.delete(run.made_snapshot)
+        except errors.NotFound:
+            pass
+        except errors.BoxdError as exc:
+            out.print(f"[yellow]warning:[/] could not delete snapshot {run.made_snapshot}: {exc}")
+    if run.made_machines or run.made_snapshot:
+        out.print(f"[dim]cleaned up {len(run.made_machines)} machine(s)"
+                  f"{' and snapshot ' + run.made_snapshot if run.made_snapshot else ''}[/]")
