@@ -36,6 +36,7 @@ from boxd.core._host import Host
 from boxd.engine.agent import ExecOutput
 from boxd.engine.base import BootDisk, MachineConfig, MemoryImage
 from boxd.engine.qemu import QemuMachine
+from boxd.engine.qemu import attach as attach_machine
 from boxd.errors import (
     AlreadyExists,
     BoxdError,
@@ -131,12 +132,15 @@ class Machines(MachineService):
         )
 
     def _config(self, row: sqlite3.Row) -> MachineConfig:
+        """The engine's view of a machine. Before the host is ready (re-attaching after a
+        restart) the boot files are unknown; they only matter to start a QEMU process,
+        which always happens after `Host.ready`."""
         image = self.host.image
-        assert image is not None
         return MachineConfig(
             id=row["id"], hostname=row["name"], vcpus=row["vcpus"],
             memory_mib=row["memory_mib"], isolated=bool(row["isolated"]), port=row["port"],
-            kernel=image.kernel, initrd=image.initrd, cmdline=image.cmdline_hint,
+            kernel=image.kernel if image else Path(), initrd=image.initrd if image else Path(),
+            cmdline=image.cmdline_hint if image else "",
         )
 
     def _layer_path(self, layer_id: str) -> Path:
@@ -755,10 +759,9 @@ class Machines(MachineService):
         if not rows:
             self._sweep()
             return
-        _, engine = await self.host.ready()
         for row in rows:
             try:
-                handle = await engine.attach(
+                handle = attach_machine(
                     self._config(row), self._run_dir(row["id"]), row["pid"] or 0,
                     self._layer_path(row["layer_id"]), bool(row["ram_shared"]),
                     self._log_path(row["id"]),

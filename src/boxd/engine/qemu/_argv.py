@@ -104,7 +104,9 @@ def build(
         "-serial", f"file:{console_log}",
         "-kernel", str(config.kernel),
         "-initrd", str(config.initrd),
-        "-append", kernel_cmdline(config),
+        # TCG does not emulate speculative execution, so the guest's Spectre-class
+        # mitigations only cost time there (boot is ~25% faster without them).
+        "-append", kernel_cmdline(config) + (" mitigations=off" if accel == "tcg" else ""),
         # cache=unsafe: a running machine does not outlive a host crash anyway (its RAM is
         # gone); durable copies (snapshots) are flattened and fsynced by storage/.
         "-drive", f"file={disk},if=none,id=disk0,format=qcow2,cache=unsafe,discard=unmap",

@@ -226,19 +226,21 @@ class QemuEngine:
         log.debug("machine=%s started from image in %.3fs", config.id, time.monotonic() - t0)
         return machine
 
-    async def attach(self, config: MachineConfig, run_dir: Path, pid: int, disk: Path,
-                     ram_shared: bool, log_path: Path) -> QemuMachine:
-        """Find a machine's QEMU process again after a daemon restart.
 
-        Raises:
-            MachineFailed: the process is gone.
-        """
-        files = _argv.RunFiles(run_dir)
-        proc = QemuProcess(config.id, pid, files.qmp, log_path)
-        machine = QemuMachine(config, proc, files, disk, ram_shared=ram_shared)
-        if not pid_matches(pid, config.id):
-            raise MachineFailed(
-                f"machine {config.id} failed: its QEMU process (pid {pid}) is gone",
-                hint="delete it and create it again", machine=config.id,
-            )
-        return machine
+def attach(
+    config: MachineConfig, run_dir: Path, pid: int, disk: Path, ram_shared: bool,
+    log_path: Path,
+) -> QemuMachine:
+    """Find a machine's QEMU process again after a daemon restart (no engine needed).
+
+    Raises:
+        MachineFailed: the process is gone.
+    """
+    files = _argv.RunFiles(run_dir)
+    if not pid_matches(pid, config.id):
+        raise MachineFailed(
+            f"machine {config.id} failed: its QEMU process (pid {pid}) is gone",
+            hint="delete it and create it again", machine=config.id,
+        )
+    proc = QemuProcess(config.id, pid, files.qmp, log_path)
+    return QemuMachine(config, proc, files, disk, ram_shared=ram_shared)
