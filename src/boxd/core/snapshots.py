@@ -118,12 +118,15 @@ class Snapshots(SnapshotService):
         self._next_version(account, name, new_version)  # fail early on a taken name
         _, engine = await mach.host.ready()
         work = Path(tempfile.mkdtemp(prefix="save-", dir=self.store.root))
+        # Capture to tmpfs (fast: the machine is paused meanwhile); the store then
+        # copies and hashes into its own filesystem while the machine runs again.
+        capture = mach.paths.shm / "tmp" / new_id("save")
         try:
             async with mach._lock(row["id"]):
                 row = mach._row(account, machine_ref)
                 handle = await mach._own_ram(row)
                 row = mach._row(account, machine_ref)
-                frozen_id, image = await mach._freeze_and_capture(row, handle, work / "capture")
+                frozen_id, image = await mach._freeze_and_capture(row, handle, capture)
             # The machine runs again; the frozen layer and captured files are immutable.
             disk = work / "disk.qcow2"
             await disks.flatten(mach._layer_path(frozen_id), disk)
@@ -146,6 +149,7 @@ class Snapshots(SnapshotService):
             manifest = await asyncio.to_thread(stage)
         finally:
             remove_tree(work)
+            remove_tree(capture)
             mach.gc()
         with self.db.transaction() as conn:
             row_v = conn.execute(
