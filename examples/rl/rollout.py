@@ -23,14 +23,16 @@ Nothing reads the clock, the network or an unseeded RNG.
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import json
+# Only what the warm-worker path needs is imported at the top: under software
+# emulation every module costs milliseconds (argparse alone ~150 ms), and the point of
+# the warm worker is that a rollout pays for its episode, not for imports.
 import os
-import socket
 import sys
 import time
-from typing import Any
+
+TYPE_CHECKING = False  # typing costs ~50 ms to import under emulation
+if TYPE_CHECKING:
+    from typing import Any
 
 ENV_ID = "CartPole-v1"
 POLICY_SEED = 1234  # the "trained weights" (must match warm_up.py)
@@ -49,6 +51,8 @@ def episode(seed: int, env: Any, weights: Any, np: Any) -> dict[str, Any]:
     ``env``, ``weights`` and ``np`` are passed in so the warm worker can run this with
     the objects it already holds.
     """
+    import hashlib
+
     rng = np.random.default_rng(seed)
     obs, _ = env.reset(seed=seed)
     actions = bytearray()
@@ -76,6 +80,9 @@ def episode(seed: int, env: Any, weights: Any, np: Any) -> dict[str, Any]:
 
 def format_record(record: dict[str, Any]) -> str:
     """Canonical JSON of the record plus the sha256 of that JSON."""
+    import hashlib
+    import json
+
     body = json.dumps(record, sort_keys=True, separators=(",", ":"))
     digest = hashlib.sha256(body.encode()).hexdigest()
     return body[:-1] + f',"sha256":"{digest}"}}'
@@ -92,43 +99,68 @@ def run_in_process(seed: int) -> dict[str, Any]:
         env.close()
 
 
-def run_in_worker(seed: int, timeout: float = 60.0) -> dict[str, Any] | None:
-    """Ask the warm worker to run the episode; None if no worker answers."""
+def run_in_worker(seed: int, timeout: float = 60.0) -> str | None:
+    """Ask the warm worker to run the episode: its formatted record, or None if no
+    worker answers.
+
+    The protocol is one line each way: ``episode SEED SCRIPT`` and then ``ok RECORD``
+    or ``error MESSAGE``. ``_socket`` rather than ``socket`` saves the enum import.
+    """
+    import _socket
+
+    s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     try:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.settimeout(timeout)
         s.connect(SOCKET)
     except OSError:
+        s.close()
         return None
-    with s:
-        request = {"op": "episode", "seed": seed, "script": os.path.abspath(__file__)}
-        s.sendall(json.dumps(request).encode() + b"\n")
+    try:
+        s.sendall(f"episode {seed} {os.path.abspath(__file__)}\n".encode())
         data = b""
         while not data.endswith(b"\n"):
             chunk = s.recv(65536)
             if not chunk:
                 break
             data += chunk
-    reply = json.loads(data)
-    if "error" in reply:
-        raise RuntimeError(f"warm worker: {reply['error']}")
-    record: dict[str, Any] = reply["record"]
-    return record
+    finally:
+        s.close()
+    status, _, rest = data.decode().rstrip("\n").partition(" ")
+    if status != "ok":
+        raise RuntimeError(f"warm worker: {rest or 'no answer'}")
+    return rest
+
+
+def parse_args(argv: list[str]) -> tuple[int, bool]:
+    """``--seed N`` (or ``--seed=N``) and ``--no-worker``, without argparse's import."""
+    seed: int | None = None
+    no_worker = False
+    it = iter(argv)
+    for arg in it:
+        if arg == "--seed":
+            seed = int(next(it, ""))
+        elif arg.startswith("--seed="):
+            seed = int(arg.split("=", 1)[1])
+        elif arg == "--no-worker":
+            no_worker = True
+        else:
+            sys.exit(f"usage: rollout.py --seed N [--no-worker]  (unknown argument {arg!r})")
+    if seed is None:
+        sys.exit("usage: rollout.py --seed N [--no-worker]")
+    return seed, no_worker
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seed", type=int, required=True)
-    parser.add_argument("--no-worker", action="store_true", help="always run in this process")
-    args = parser.parse_args(argv)
+    seed, no_worker = parse_args(sys.argv[1:] if argv is None else argv)
     start = time.monotonic()
-    record = None if args.no_worker else run_in_worker(args.seed)
+    line = None if no_worker else run_in_worker(seed)
     path = "warm worker"
-    if record is None:
+    if line is None:
         path = "in process"
-        record = run_in_process(args.seed)
-    print(format_record(record), flush=True)
-    print(f"rollout: seed={args.seed} via {path} in {time.monotonic() - start:.3f}s",
+        line = format_record(run_in_process(seed))
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+    print(f"rollout: seed={seed} via {path} in {time.monotonic() - start:.3f}s",
           file=sys.stderr)
     return 0
 

@@ -48,14 +48,17 @@ def ping(path: str = SOCKET) -> dict[str, Any] | None:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(10)
             s.connect(path)
-            s.sendall(b'{"op": "ping"}\n')
+            s.sendall(b"ping\n")
             data = b""
             while not data.endswith(b"\n"):
                 chunk = s.recv(4096)
                 if not chunk:
                     break
                 data += chunk
-        reply: dict[str, Any] = json.loads(data)
+        status, _, rest = data.decode().strip().partition(" ")
+        if status != "ok":
+            return None
+        reply: dict[str, Any] = json.loads(rest)
         return reply
     except (OSError, ValueError):
         return None
@@ -110,29 +113,13 @@ class Worker:
             self.modules[key] = mod
         return mod
 
-    def handle(self, conn: socket.socket) -> None:
-        data = b""
-        while not data.endswith(b"\n"):
-            chunk = conn.recv(65536)
-            if not chunk:
-                return
-            data += chunk
-        try:
-            req = json.loads(data)
-            if req.get("op") == "ping":
-                reply: dict[str, Any] = {"ok": True, "pid": self.pid, "env": ENV_ID,
-                                         "import_s": self.import_s, "warm_s": self.warm_s}
-            elif req.get("op") == "episode":
-                mod = self.load_script(req["script"])
-                reply = {"record": mod.episode(int(req["seed"]), self.env, self.weights,
-                                               self.np)}
-            else:
-                reply = {"error": f"unknown op {req.get('op')!r}"}
-        except Exception as exc:  # reported to the caller, who exits non-zero
-            reply = {"error": f"{type(exc).__name__}: {exc}"}
-        conn.sendall(json.dumps(reply).encode() + b"\n")
-
     def serve(self, listener: socket.socket) -> None:
+        """Accept requests forever; each episode runs in a ``fork()`` of this process.
+
+        The request line is read and the caller's script loaded (and kept, keyed by
+        mtime) here in the worker, so only the first episode in a machine compiles it;
+        the episode itself runs in the fork, so it cannot change the worker's state.
+        """
         self.pid = os.getpid()
         signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
         while True:
@@ -140,19 +127,55 @@ class Worker:
                 conn, _ = listener.accept()
             except InterruptedError:
                 continue
-            pid = os.fork()
-            if pid == 0:  # serve this request in a copy: the worker's state never changes
-                listener.close()
-                code = 0
-                try:
-                    self.handle(conn)
-                except Exception:
-                    code = 1
-                finally:
-                    with contextlib.suppress(OSError):
-                        conn.close()
-                    os._exit(code)
-            conn.close()
+            try:
+                conn.settimeout(30)
+                op, arg = self.read_request(conn)
+                if op == "ping":
+                    info = {"pid": self.pid, "env": ENV_ID, "import_s": self.import_s,
+                            "warm_s": self.warm_s}
+                    self.reply(conn, "ok " + json.dumps(info))
+                elif op == "episode":
+                    seed_text, _, script = arg.partition(" ")
+                    mod = self.load_script(script)
+                    if os.fork() == 0:
+                        self.run_episode(conn, listener, mod, int(seed_text))
+                else:
+                    self.reply(conn, f"error unknown request {op!r}")
+            except Exception as exc:  # reported to the caller, who exits non-zero
+                with contextlib.suppress(OSError):
+                    self.reply(conn, f"error {type(exc).__name__}: {exc}")
+            finally:
+                conn.close()
+
+    @staticmethod
+    def read_request(conn: socket.socket) -> tuple[str, str]:
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = conn.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        op, _, arg = data.decode().strip().partition(" ")
+        return op, arg
+
+    @staticmethod
+    def reply(conn: socket.socket, text: str) -> None:
+        conn.sendall(text.replace("\n", " ").encode() + b"\n")
+
+    def run_episode(self, conn: socket.socket, listener: socket.socket, mod: Any,
+                    seed: int) -> None:
+        """In the forked child: run one episode, answer, exit."""
+        code = 0
+        try:
+            listener.close()
+            record = mod.episode(seed, self.env, self.weights, self.np)
+            self.reply(conn, "ok " + mod.format_record(record))
+        except BaseException as exc:
+            code = 1
+            with contextlib.suppress(OSError):
+                self.reply(conn, f"error {type(exc).__name__}: {exc}")
+        finally:
+            os._exit(code)
 
 
 def daemonise(log_path: str) -> bool:
