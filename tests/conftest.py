@@ -42,6 +42,11 @@ class Daemon:
     def env(self) -> dict[str, str]:
         return {**os.environ, "BOXD_HOME": str(self.home)}
 
+    def restart(self) -> None:
+        """Stop the daemon (its machines keep running) and start a new one."""
+        self.stop()
+        self.proc = start_daemon(self.home).proc
+
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)

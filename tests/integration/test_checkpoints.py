@@ -1,0 +1,88 @@
+"""Checkpoints rewind one machine in place: files, process memory, same id/name/port."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from boxd.errors import AlreadyExists, CheckpointNotFound
+
+from ._guest import bump_counter, read_counter, start_counter
+
+pytestmark = pytest.mark.vm
+
+
+def cli(daemon, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:  # type: ignore[no-untyped-def]
+    proc = subprocess.run(
+        [sys.executable, "-m", "boxd", *args], env=daemon.env(), capture_output=True,
+        text=True, timeout=300, stdin=subprocess.DEVNULL,
+    )
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_restore_brings_back_file_and_process_state(client, machine) -> None:  # type: ignore[no-untyped-def]
+    start_counter(client, machine.id)
+    bump_counter(client, machine.id, 3)
+    client.machines.files.upload(machine.id, "/root/state.txt", "before")
+    before = client.machines.get(machine.id)
+
+    client.machines.checkpoints.save(machine.id, "episode-start")
+    bump_counter(client, machine.id, 5)
+    client.machines.files.upload(machine.id, "/root/state.txt", "after")
+    assert read_counter(client, machine.id) == 8
+
+    restored = client.machines.checkpoints.restore(machine.id, "episode-start")
+    assert (restored.id, restored.name, restored.port) == (before.id, before.name, before.port)
+    assert client.machines.files.download(machine.id, "/root/state.txt") == b"before"
+    assert read_counter(client, machine.id) == 3
+
+
+def test_restore_ten_times_in_a_row(client, machine) -> None:  # type: ignore[no-untyped-def]
+    client.machines.files.upload(machine.id, "/root/n", "0")
+    client.machines.checkpoints.save(machine.id, "zero")
+    for i in range(10):
+        client.machines.exec(machine.id, f"echo {i + 1} > /root/n")
+        client.machines.checkpoints.restore(machine.id, "zero")
+        assert client.machines.files.download(machine.id, "/root/n") == b"0"
+    assert [c.name for c in client.machines.checkpoints.list(machine.id)] == ["zero"]
+
+
+def test_checkpoint_errors_and_delete(client, machine) -> None:  # type: ignore[no-untyped-def]
+    client.machines.checkpoints.save(machine.id, "one")
+    with pytest.raises(AlreadyExists):
+        client.machines.checkpoints.save(machine.id, "one")
+    with pytest.raises(CheckpointNotFound):
+        client.machines.checkpoints.restore(machine.id, "missing")
+    client.machines.checkpoints.delete(machine.id, "one")
+    assert client.machines.checkpoints.list(machine.id) == []
+
+
+def test_spec_cli_commands_verbatim(daemon, client, machine_factory) -> None:  # type: ignore[no-untyped-def]
+    machine_factory("rollout-1")
+    client.machines.exec("rollout-1", "echo start > /root/episode")
+    cli(daemon, "machine", "checkpoint", "save", "rollout-1", "episode-start")
+    client.machines.exec("rollout-1", "echo changed > /root/episode")
+    # without -y the CLI asks first; no answer means no restore
+    asked = cli(daemon, "machine", "checkpoint", "restore", "rollout-1", "episode-start",
+                check=False)
+    assert asked.returncode != 0
+    assert client.machines.files.download("rollout-1", "/root/episode") == b"changed\n"
+    cli(daemon, "machine", "checkpoint", "restore", "rollout-1", "episode-start", "-y")
+    assert client.machines.files.download("rollout-1", "/root/episode") == b"start\n"
+    listed = cli(daemon, "machine", "checkpoint", "list", "rollout-1")
+    assert "episode-start" in listed.stdout
+
+
+def test_checkpoints_die_with_their_machine(daemon, client, machine_factory) -> None:  # type: ignore[no-untyped-def]
+    from boxd.config import Paths
+
+    m = machine_factory()
+    ck = client.machines.checkpoints.save(m.id, "gone-soon")
+    paths = Paths(daemon.home.resolve())
+    assert (paths.checkpoints / ck.id).exists()
+    client.machines.delete(m.id)
+    assert not (paths.checkpoints / ck.id).exists()
