@@ -1,0 +1,106 @@
+// No daemon: error mapping, key conversion, target resolution.
+import assert from "node:assert/strict";
+import { test } from "node:test";
+
+import * as sdk from "@boxd-sh/sdk";
+
+const CODES = {
+  invalid_request: "InvalidRequest",
+  unauthorized: "AuthError",
+  not_found: "NotFound",
+  machine_not_found: "MachineNotFound",
+  checkpoint_not_found: "CheckpointNotFound",
+  snapshot_not_found: "SnapshotNotFound",
+  guest_file_not_found: "GuestFileNotFound",
+  conflict: "Conflict",
+  already_exists: "AlreadyExists",
+  invalid_state: "StateError",
+  quota_exceeded: "QuotaExceeded",
+  exec_timeout: "ExecTimeout",
+  machine_failed: "MachineFailed",
+  integrity_error: "IntegrityError",
+  resource_exhausted: "ResourceExhausted",
+  host_setup: "HostSetupError",
+  connection_error: "ConnectionError",
+  internal_error: "InternalError",
+};
+
+test("every code of the Python tree maps to its class", () => {
+  for (const [code, name] of Object.entries(CODES)) {
+    const err = sdk.errorFromBody({ error: { code, message: "m", hint: "h", details: {} } }, 400);
+    assert.equal(err.constructor.name, name);
+    assert.equal(err.name, name);
+    assert.equal(err.code, code);
+    assert.ok(err instanceof sdk.BoxdError && err instanceof Error);
+    assert.equal(sdk[name], err.constructor, `${name} is exported`);
+  }
+  assert.deepEqual(
+    sdk.ERROR_CLASSES.map((c) => c.code).sort(),
+    ["error", ...Object.keys(CODES)].sort(),
+  );
+});
+
+test("the tree has the Python parents and statuses", () => {
+  assert.ok(new sdk.MachineNotFound("x") instanceof sdk.NotFound);
+  assert.ok(new sdk.GuestFileNotFound("x") instanceof sdk.NotFound);
+  assert.ok(new sdk.AlreadyExists("x") instanceof sdk.Conflict);
+  assert.ok(new sdk.StateError("x") instanceof sdk.Conflict);
+  assert.equal(new sdk.MachineNotFound("x").status, 404);
+  assert.equal(new sdk.ExecTimeout("x").status, 408);
+  assert.equal(new sdk.QuotaExceeded("x").status, 429);
+});
+
+test("details become fields; unknown codes and bodies degrade gracefully", () => {
+  const err = sdk.errorFromBody({
+    error: { code: "already_exists", message: "taken", hint: "pick another", details: { kind: "machine", name: "a" } },
+  });
+  assert.ok(err instanceof sdk.AlreadyExists);
+  assert.equal(err.kind, "machine");
+  assert.equal(err.resourceName, "a");
+  assert.equal(err.message, "taken");
+  assert.equal(err.hint, "pick another");
+  assert.equal(String(err), "AlreadyExists: taken (pick another)");
+  assert.deepEqual(err.toBody().error.details, { kind: "machine", name: "a" });
+
+  const timeout = sdk.errorFromBody({ error: { code: "exec_timeout", message: "t", details: { stdout: "so far" } } });
+  assert.equal(timeout.stdout, "so far");
+
+  const unknown = sdk.errorFromBody({ error: { code: "brand_new", message: "?" } });
+  assert.equal(unknown.constructor, sdk.BoxdError);
+  assert.ok(sdk.errorFromBody("oops", 502) instanceof sdk.InternalError);
+});
+
+test("exec stream lines: events camelCased, error events thrown typed", () => {
+  assert.equal(sdk.parseEvent("   "), null);
+  assert.deepEqual(sdk.parseEvent('{"type":"exit","exit_code":3,"signal":null,"timed_out":false,"duration":0.5}'), {
+    type: "exit", exitCode: 3, signal: null, timedOut: false, duration: 0.5,
+  });
+  assert.throws(
+    () => sdk.parseEvent('{"type":"error","error":{"code":"machine_failed","message":"died","hint":"","details":{"machine":"m"}}}'),
+    (err) => err instanceof sdk.MachineFailed && err.machine === "m",
+  );
+  assert.throws(() => sdk.parseEvent("{not json"), sdk.InternalError);
+});
+
+test("target: options, then BOXD_URL/BOXD_API_KEY, else the unix socket of the data dir", () => {
+  const local = sdk.resolveTarget({}, { BOXD_HOME: "/tmp/bx" });
+  assert.equal(local.socketPath, "/tmp/bx/boxd.sock");
+  assert.equal(local.apiKey, null);
+  const xdg = sdk.resolveTarget({}, { XDG_DATA_HOME: "/tmp/xdg" });
+  assert.equal(xdg.socketPath, "/tmp/xdg/boxd/boxd.sock");
+  const env = sdk.resolveTarget({}, { BOXD_URL: "http://127.0.0.1:7070/", BOXD_API_KEY: "boxd_k" });
+  assert.deepEqual([env.baseUrl, env.socketPath, env.apiKey], ["http://127.0.0.1:7070", null, "boxd_k"]);
+  const explicit = sdk.resolveTarget({ baseUrl: "http://h:1", apiKey: "a" }, { BOXD_URL: "http://x:2", BOXD_API_KEY: "b" });
+  assert.deepEqual([explicit.baseUrl, explicit.apiKey], ["http://h:1", "a"]);
+  assert.throws(() => sdk.resolveTarget({ baseUrl: "ftp://x" }, {}), (e) => e instanceof sdk.InvalidRequest && e.field === "baseUrl");
+});
+
+test("an unreachable daemon is a ConnectionError", async () => {
+  const boxd = new sdk.Boxd({ baseUrl: "http://127.0.0.1:9", apiKey: "boxd_x" });
+  await assert.rejects(boxd.info(), sdk.ConnectionError);
+});
+
+test("exec rejects an empty command before sending", async () => {
+  const boxd = new sdk.Boxd({ baseUrl: "http://127.0.0.1:9", apiKey: "boxd_x" });
+  await assert.rejects(boxd.machines.exec("m", { command: "" }), sdk.InvalidRequest);
+});
