@@ -1,0 +1,235 @@
+"""Run every benchmark in bench/ and write docs/benchmarks.md and docs/benchmarks-fork.png.
+
+    python bench/run.py                  # all bench/bench_*.py modules that define run()
+    python bench/run.py fork runtime     # only bench_fork.py and bench_runtime.py
+
+Each module's ``run()`` returns rows (``bench/_common.py``'s ``Row``, a dataclass, or a
+dict) with at least a name and a median; rows may carry p90, unit, n, accelerator and a
+note. Everything is measured in this one run, on a fresh data directory (a temporary
+``BOXD_HOME`` unless ``BOXD_HOME`` is set), so every ratio compares figures taken
+minutes apart on the same host. The report is generated, never edited by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime as dt
+import importlib
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+DOCS = REPO / "docs"
+sys.path.insert(0, str(BENCH))
+
+from _common import Row, Table, describe_host  # noqa: E402
+
+
+def host_info() -> dict[str, str]:
+    cpu = "?"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem = "?"
+    with contextlib.suppress(OSError, IndexError, ValueError):
+        kb = int(Path("/proc/meminfo").read_text().split()[1])
+        mem = f"{kb / 2**20:.1f} GiB"
+    info = {"uname": " ".join(platform.uname()), "cpu": cpu, "cores": str(os.cpu_count()),
+            "memory": mem, "python": platform.python_version(), "describe": describe_host()}
+    with contextlib.suppress(Exception):
+        from boxd import Boxd
+
+        with Boxd() as b:
+            h = b.info()
+        info["accelerator"] = str(h.accelerator).upper()
+        info["accelerator_reason"] = getattr(h, "accelerator_reason", "")
+        for key in ("qemu_version", "engine"):
+            if getattr(h, key, None):
+                info[key] = str(getattr(h, key))
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        info["load"] = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    return info
+
+
+def discover(only: list[str]) -> list[str]:
+    names = sorted(p.stem for p in BENCH.glob("bench_*.py"))
+    if only:
+        names = [n for n in names if n.removeprefix("bench_") in only or n in only]
+    return names
+
+
+def stop_local_daemon(home: Path) -> None:
+    """SIGTERM the daemon this run started on ``home`` (by the pid its health reports)."""
+    sock = home / "boxd.sock"
+    if not sock.exists():
+        return
+    with contextlib.suppress(Exception):
+        import httpx
+
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), timeout=5) as c:
+            pid = int(c.get("http://boxd/v1/health").json()["pid"])
+        os.kill(pid, signal.SIGTERM)
+
+
+def chart(fork_mod: Any, path: Path) -> bool:
+    data = getattr(fork_mod, "CHART", None) if fork_mod else None
+    if not data:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import statistics
+
+    import matplotlib.pyplot as plt
+
+    def p(xs: list[float], q: float) -> float:
+        xs = sorted(xs)
+        k = (len(xs) - 1) * q
+        lo = int(k)
+        return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (k - lo)
+
+    series = [
+        ("fork → ready\n(single)", data["single"], "fork"),
+        ("fork → ready\n(8 concurrent)", data["concurrent"], "fork"),
+        ("1 rollout\nwith a fork", data["rollout_fork"], "fork"),
+        ("8 rollouts\nwith forks", data["rollouts8_fork"], "fork"),
+        ("1 rollout by\nrebuilding", data["rebuild"], "rebuild"),
+        ("8 rollouts by\nrebuilding*", [8 * x for x in data["rebuild"]], "rebuild"),
+    ]
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    labels = [s[0] for s in series]
+    med = [statistics.median(s[1]) for s in series]
+    hi = [p(s[1], 0.9) - m for s, m in zip(series, med, strict=True)]
+    colors = ["#2b7bba" if s[2] == "fork" else "#c0392b" for s in series]
+    bars = ax.bar(labels, med, yerr=[[0] * len(med), hi], color=colors, capsize=4)
+    ax.set_yscale("log")
+    ax.set_ylabel("seconds (median, whisker to p90; log scale)")
+    ax.set_title(f"boxd fork vs rebuild ({data.get('accel', '?')}, "
+                 f"{dt.date.today().isoformat()})")
+    for bar, m in zip(bars, med, strict=True):
+        ax.annotate(f"{m * 1000:.0f} ms" if m < 1 else f"{m:.1f} s",
+                    (bar.get_x() + bar.get_width() / 2, m), ha="center", va="bottom",
+                    fontsize=8, xytext=(0, 2), textcoords="offset points")
+    ax.text(0.99, 0.02, "* 8 x the measured per-rollout rebuild (sequential)",
+            transform=ax.transAxes, ha="right", fontsize=7)
+    plt.xticks(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def markdown(host: dict[str, str], results: list[tuple[str, list[Row], float, str | None]],
+             has_chart: bool) -> str:
+    accel = host.get("accelerator", "?")
+    out = [
+        "# Benchmarks",
+        "",
+        "Generated by `python bench/run.py`; do not edit by hand. Every figure was measured "
+        "in the same run, on a fresh data directory, and every ratio compares two figures "
+        "of this run (`ratio = median / baseline median`). The accelerator column says "
+        "what each figure ran under.",
+        "",
+        f"- host: {host['describe']}",
+        f"- uname: `{host['uname']}`",
+        f"- accelerator: **{accel}**" + (f" ({host['accelerator_reason']})"
+                                          if host.get("accelerator_reason") else ""),
+    ]
+    if host.get("load"):
+        out.append(f"- load average at start: {host['load']} (other engineers' VMs share "
+                   "this host, so figures are noisy)")
+    out.append("")
+    for name, rows, took, error in results:
+        out += [f"## {name.removeprefix('bench_')}", ""]
+        if error:
+            out += [f"**Failed** after {took:.0f} s: `{error}`", ""]
+        if rows:
+            out += [Table(rows).markdown(), ""]
+        out += [f"(`{name}` took {took:.0f} s.)", ""]
+        doc = (sys.modules[name].__doc__ or "").strip() if name in sys.modules else ""
+        if doc:
+            out += ["<details><summary>what is measured</summary>", "", doc, "", "</details>",
+                    ""]
+        if name == "bench_fork" and has_chart:
+            out += ["![fork latency against the rebuild baseline](benchmarks-fork.png)", ""]
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run boxd's benchmarks.")
+    parser.add_argument("only", nargs="*", help="module names (fork, runtime, ...)")
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    args = parser.parse_args(argv)
+
+    own_home = "BOXD_HOME" not in os.environ
+    if own_home:
+        os.environ["BOXD_HOME"] = tempfile.mkdtemp(prefix="boxd-bench-")
+    cache = REPO / ".cache" / "images"
+    if "BOXD_IMAGE_CACHE" not in os.environ and cache.exists():
+        os.environ["BOXD_IMAGE_CACHE"] = str(cache)
+    home = Path(os.environ["BOXD_HOME"])
+
+    from rich.console import Console
+
+    con = Console(stderr=True)
+    started = dt.datetime.now(dt.UTC)
+    results: list[tuple[str, list[Row], float, str | None]] = []
+    modules: dict[str, Any] = {}
+    try:
+        with con.status("host info (starts the daemon; first probe of the accelerator)"):
+            host = host_info()
+        con.print(f"host: {host['cpu']} x{host['cores']}, accelerator "
+                  f"{host.get('accelerator', '?')}, BOXD_HOME={home}")
+        for name in discover(args.only):
+            mod = importlib.import_module(name)
+            if not callable(getattr(mod, "run", None)):
+                continue
+            modules[name] = mod
+            con.rule(name)
+            t0 = time.monotonic()
+            try:
+                rows = list(mod.run())
+                error = None
+            except Exception as exc:
+                traceback.print_exc()
+                rows, error = [], f"{type(exc).__name__}: {exc}"
+            results.append((name, rows, time.monotonic() - t0, error))
+    finally:
+        if own_home:
+            stop_local_daemon(home)
+
+    for name, rows, took, error in results:
+        title = f"{name} ({took:.0f} s)" + (f" FAILED: {error}" if error else "")
+        print(Table(rows, title).text() + "\n")
+
+    if not args.no_write:
+        png = DOCS / "benchmarks-fork.png"
+        has_chart = chart(modules.get("bench_fork"), png)
+        DOCS.mkdir(exist_ok=True)
+        (DOCS / "benchmarks.md").write_text(markdown(host, results, has_chart))
+        (REPO / ".cache").mkdir(exist_ok=True)
+        (REPO / ".cache" / "benchmarks.json").write_text(json.dumps(
+            {"host": host, "started": started.isoformat(),
+             "results": [(n, [dataclasses.asdict(x) for x in r], t, e)
+                         for n, r, t, e in results]}, indent=1, default=str))
+        con.print(f"wrote {DOCS / 'benchmarks.md'}" + (f" and {png}" if has_chart else ""))
+    return 1 if any(e for *_, e in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
