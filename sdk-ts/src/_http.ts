@@ -54,8 +54,24 @@ const agents = {
 /**
  * Send one request; resolves with the response as soon as its headers arrive.
  * Socket errors reject with the raw Node error (callers translate them).
+ *
+ * A pooled keep-alive socket may have been closed by the daemon (uvicorn drops idle
+ * connections after a few seconds) just as we reuse it; the request then fails with
+ * ECONNRESET or EPIPE before the daemon saw it, so it is sent once more on a new
+ * connection, as Node's documentation advises. Streamed bodies cannot be replayed.
  */
-export function send(endpoint: Endpoint, spec: RequestSpec): Promise<http.IncomingMessage> {
+export async function send(endpoint: Endpoint, spec: RequestSpec): Promise<http.IncomingMessage> {
+  try {
+    return await sendOnce(endpoint, spec);
+  } catch (err) {
+    const e = err as NodeJS.ErrnoException & { reusedSocket?: boolean };
+    const stale = e.reusedSocket === true && (e.code === "ECONNRESET" || e.code === "EPIPE");
+    if (!stale || (spec.body !== undefined && !Buffer.isBuffer(spec.body))) throw err;
+    return sendOnce(endpoint, spec);
+  }
+}
+
+function sendOnce(endpoint: Endpoint, spec: RequestSpec): Promise<http.IncomingMessage> {
   const u = url(endpoint, spec);
   const headers: Record<string, string> = {
     "User-Agent": USER_AGENT,
@@ -89,7 +105,10 @@ export function send(endpoint: Endpoint, spec: RequestSpec): Promise<http.Incomi
   }
   return new Promise((resolve, reject) => {
     const req = (secure ? https : http).request(options, resolve);
-    req.on("error", reject);
+    req.on("error", (err: NodeJS.ErrnoException & { reusedSocket?: boolean }) => {
+      err.reusedSocket = req.reusedSocket;
+      reject(err);
+    });
     const idle = spec.idleTimeoutMs;
     if (idle !== null && idle !== undefined) {
       req.setTimeout(idle, () => {
