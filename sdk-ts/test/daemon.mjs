@@ -1,5 +1,6 @@
 // A real boxd daemon for the tests: temp BOXD_HOME, the repo's venv, the shared image cache.
 import { spawn } from "node:child_process";
+import { createHash } from "node:crypto";
 import { existsSync, mkdtempSync, readFileSync, rmSync } from "node:fs";
 import { createServer } from "node:net";
 import { tmpdir } from "node:os";
@@ -23,6 +24,12 @@ async function freePort() {
       srv.close(() => ok(port));
     });
   });
+}
+
+/** The daemon's tmpfs folder for a data directory (boxd.config.Paths.shm). */
+export function shmOf(home) {
+  const digest = createHash("sha256").update(home).digest("hex").slice(0, 12);
+  return join(process.env.BOXD_SHM ?? "/dev/shm", `boxd-${digest}`);
 }
 
 /** The environment a client process of this daemon sees (local discovery, no URL/key). */
@@ -80,12 +87,21 @@ export async function startDaemon({ timeoutMs = 120_000 } = {}) {
       }
     },
     async stop() {
+      // Machines outlive their daemon by design: delete what is left first.
+      const auth = { Authorization: `Bearer ${key}` };
+      try {
+        const { machines } = await (await fetch(`${url}/v1/machines`, { headers: auth })).json();
+        for (const m of machines) await fetch(`${url}/v1/machines/${m.id}`, { method: "DELETE", headers: auth });
+      } catch {
+        // the daemon is gone already
+      }
       if (proc.exitCode === null) {
         proc.kill("SIGTERM");
         const t = Date.now();
         while (proc.exitCode === null && Date.now() - t < 30_000) await sleep(100);
         if (proc.exitCode === null) proc.kill("SIGKILL");
       }
+      rmSync(shmOf(home), { recursive: true, force: true, maxRetries: 3 });
       rmSync(home, { recursive: true, force: true, maxRetries: 3 });
     },
   };

@@ -9,7 +9,7 @@ import { promisify } from "node:util";
 
 import * as sdk from "@boxd-sh/sdk";
 import { render } from "../scripts/gen.mjs";
-import { CLI, PKG, clientEnv, startDaemon } from "./daemon.mjs";
+import { CLI, PKG, clientEnv, shmOf, startDaemon } from "./daemon.mjs";
 
 const run = promisify(execFile);
 const SPEC = process.env.BOXD_SPEC ?? "/work/shared/spec/reproducible-rl-environments.md";
@@ -338,6 +338,7 @@ describe("against a real daemon", LONG, () => {
           await new Promise((r) => setTimeout(r, 100));
         }
       }
+      rmSync(shmOf(home), { recursive: true, force: true });
       rmSync(home, { recursive: true, force: true });
     }
   });
