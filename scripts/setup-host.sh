@@ -19,8 +19,15 @@ qemu_ok() {
 }
 
 need_pkgs=(qemu-utils mmdebstrap e2fsprogs cpio kmod xz-utils zstd ca-certificates python3-venv)
-missing=()
-for p in "${need_pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+find_missing() {
+  missing=()
+  for p in "${need_pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  # Node.js and npm for the TypeScript SDK (skipped when a node is already installed).
+  if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
+    missing+=(nodejs npm)
+  fi
+}
+find_missing
 
 if ! qemu_ok || [ ${#missing[@]} -gt 0 ]; then
   log "apt-get update"
@@ -50,8 +57,7 @@ if ! qemu_ok; then
   qemu_ok || log "WARNING: $(qemu-system-x86_64 --version | head -1) is older than 8.2: forks cannot map templates read-only and process start-up is slower"
 fi
 
-missing=()
-for p in "${need_pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+find_missing
 if [ ${#missing[@]} -gt 0 ]; then
   log "installing ${missing[*]}"
   $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null

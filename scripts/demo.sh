@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The main job: sets the host up (QEMU, tools, .venv), then runs the spec's RL demo on
+# the embedded default (a local daemon started on demand, SQLite, QEMU): a warm
+# baseline, 8 forked rollouts, the reproducibility check, a checkpoint reset and a
+# snapshot round trip. Usage: sudo scripts/demo.sh [boxd demo options...]
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+bash "$here/scripts/setup-host.sh"
+exec "$here/.venv/bin/boxd" demo "$@"

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The test command: sets the host up (QEMU, tools, .venv), then runs the linters and the
+# whole test suite: unit tests, and integration tests that boot real machines (the
+# guest image is built once into .cache/images), including the TypeScript SDK's tests.
+# Usage: sudo scripts/test.sh [pytest args...]
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+cd "$here"
+bash scripts/setup-host.sh
+export BOXD_IMAGE_CACHE="$here/.cache/images"
+echo "[test] ruff"; .venv/bin/ruff check src tests bench examples
+echo "[test] mypy"; .venv/bin/mypy
+echo "[test] pytest"
+exec .venv/bin/pytest -p no:cacheprovider -ra "$@"
