@@ -23,6 +23,7 @@ A failing step is named with its reason and the command exits 1.
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from boxd import errors
@@ -76,6 +78,7 @@ class _Run:
     steps: list[tuple[str, float, str]] = field(default_factory=list)
     made_machines: list[str] = field(default_factory=list)
     made_snapshot: str | None = None
+    accel: str = "?"
     names_checked: bool = False  # preflight saw none of the demo's machine names in use
 
     @contextmanager
@@ -84,7 +87,9 @@ class _Run:
         detail: list[str] = []
         start = time.monotonic()
         try:
-            with self.console.status(f"[bold]{title}[/]…"):
+            with Progress(SpinnerColumn(), TextColumn("[bold]{task.description}[/]…"),
+                          TimeElapsedColumn(), console=self.console, transient=True) as bar:
+                bar.add_task(title, total=None)
                 yield detail
         except DemoFailed:
             raise
@@ -181,7 +186,7 @@ def _demo(run: _Run, reuse: bool) -> None:
         if snap_exists and not reuse:
             raise DemoFailed("preflight", f"a snapshot named {SNAPSHOT!r} already exists: "
                              f"delete it (`boxd snapshots delete {SNAPSHOT}`) or pass --reuse")
-        d.append(f"examples from {files}")
+        d.append(f"{files.relative_to(Path.cwd()) if files.is_relative_to(Path.cwd()) else files}")
 
     if client._target.local:
         with run.step("guest image") as d:
@@ -189,28 +194,33 @@ def _demo(run: _Run, reuse: bool) -> None:
             from boxd.images import ensure_image
 
             img = ensure_image(Paths.default())
-            d.append(f"{img.key} (kernel {img.kernel_version})")
+            d.append(f"{img.key}, kernel {img.kernel_version}")
 
     # --- Prepare one warm baseline --------------------------------------------------
     if base_exists:
         with run.step(f"reuse {BASE}") as d:
             m = client.machines.wait_until_ready(BASE, timeout=300)
+            run.accel = str(m.accelerator).upper()
             d.append(f"{m.id}, {m.accelerator}")
     else:
         with run.step(f"boxd machine new {BASE}") as d:
             m = client.machines.new(BASE)
             run.made_machines.append(m.id)
             m = client.machines.wait_until_ready(m.id, timeout=600)
-            d.append(f"{m.id}, accelerator {m.accelerator}")
+            run.accel = str(m.accelerator).upper()
+            d.append(f"{m.id}, {str(m.accelerator).upper()}")
 
     with run.step("pip install gymnasium numpy (guest network)") as d:
         stdout = _exec_ok(client, BASE, "pip install gymnasium numpy", timeout=PIP_TIMEOUT)
-        last = [ln for ln in stdout.splitlines() if ln.strip()][-1:] or ["done"]
-        d.append(last[0][:90])
+        got = re.findall(r"\b(gymnasium|numpy)-(\d[\w.]*)", stdout)
+        d.append(", ".join(f"{n} {v}" for n, v in got) if got else "already installed")
 
     with run.step("python3 warm_up.py") as d:
         client.machines.files.upload(BASE, f"{GUEST_HOME}/warm_up.py", warm_up_src.read_text())
-        d.append(_exec_ok(client, BASE, "python3 warm_up.py", timeout=600).strip()[:120])
+        said = _exec_ok(client, BASE, "python3 warm_up.py", timeout=600).strip()
+        m_imp = re.search(r"imports ([0-9.]+s)", said)
+        d.append(f"worker warm, imports took {m_imp.group(1)} in the guest" if m_imp
+                 else said[:80])
 
     # --- Fork per rollout: the spec's code ------------------------------------------
     fork_ready: dict[str, float] = {}
@@ -240,7 +250,7 @@ def _demo(run: _Run, reuse: bool) -> None:
         wall = time.monotonic() - start
         records = [_record(r) for r in results]
         ready = [fork_ready[f"rollout-{s}"] for s in range(ROLLOUTS)]
-        d.append(f"wall {wall:.2f}s, fork→ready median {statistics.median(ready):.2f}s")
+        d.append(f"fork→ready median {statistics.median(ready):.2f}s")
 
     # --- Verify reproducibility -----------------------------------------------------
     with run.step("same seed → same trajectory (check-a, check-b)") as d:
@@ -249,7 +259,7 @@ def _demo(run: _Run, reuse: bool) -> None:
         if a != b:
             raise RuntimeError(f"seed 42 differed between forks:\n  {a}\n  {b}")
         rec42 = _record(a)
-        d.append(f"identical: sha256 {rec42['sha256'][:16]}…")
+        d.append(f"identical ({rec42['sha256'][:12]}…)")
 
     # --- Reset between episodes: checkpoint -----------------------------------------
     with run.step("checkpoint reset between episodes") as d:
@@ -270,7 +280,7 @@ def _demo(run: _Run, reuse: bool) -> None:
             raise RuntimeError(f"episode after restore differs:\n  {first}\n  {second}")
         client.machines.delete(box.id)
         run.made_machines.remove(box.id)
-        d.append(f"{seen} written, gone after restore; replay identical")
+        d.append(f"{Path(seen).name} gone after restore; replay identical")
 
     # --- A baseline that outlives the machine: snapshot -----------------------------
     with run.step(f"snapshot {SNAPSHOT} → {RESTORED}") as d:
@@ -282,7 +292,7 @@ def _demo(run: _Run, reuse: bool) -> None:
         again = _exec_ok(client, m2.id, f"python3 {GUEST_HOME}/rollout.py --seed 42").strip()
         if again != a:
             raise RuntimeError(f"seed 42 on {RESTORED} differs from the forks:\n  {a}\n  {again}")
-        d.append(f"{run.made_snapshot} ({snap.digest[:19]}…); seed 42 identical")
+        d.append(f"{run.made_snapshot}; seed 42 identical")
 
     _summary(run, records, ready, [exec_time[f"rollout-{s}"] for s in range(ROLLOUTS)], wall)
     out.print("[bold green]reproducibility check passed[/]: same starting bytes + same seed "
@@ -293,7 +303,7 @@ def _summary(
     run: _Run, records: list[dict[str, Any]], ready: list[float], execs: list[float], wall: float
 ) -> None:
     out = run.console
-    rt = Table(title=f"{ROLLOUTS} rollouts, one fork each", title_justify="left")
+    rt = Table(title=f"{ROLLOUTS} rollouts, one fork each (in parallel)", title_justify="left")
     for col in ("seed", "steps", "reward", "trajectory sha256", "fork→ready", "exec"):
         rt.add_column(col, justify="right" if col != "trajectory sha256" else "left")
     for rec, r, e in zip(records, ready, execs, strict=True):
@@ -306,8 +316,10 @@ def _summary(
     st.add_column("detail", overflow="fold")
     for title, took, text in run.steps:
         st.add_row(title, f"{took:.2f}s", text)
-    st.add_row("[bold]8 rollouts, wall[/]", f"[bold]{wall:.2f}s[/]", "")
     out.print(st)
+    out.print(f"[bold]{ROLLOUTS} isolated rollouts in {wall:.1f}s[/] (fork→ready median "
+              f"{statistics.median(ready):.2f}s, {run.accel}); seed 42 gave the same "
+              f"trajectory on two forks.")
 
 
 def _cleanup(run: _Run) -> None:
