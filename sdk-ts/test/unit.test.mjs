@@ -104,3 +104,19 @@ test("exec rejects an empty command before sending", async () => {
   const boxd = new sdk.Boxd({ baseUrl: "http://127.0.0.1:9", apiKey: "boxd_x" });
   await assert.rejects(boxd.machines.exec("m", { command: "" }), sdk.InvalidRequest);
 });
+
+test("the tree matches boxd.errors in the Python package (codes, names, parents, statuses)", async () => {
+  const { execFileSync } = await import("node:child_process");
+  const { PYTHON } = await import("./daemon.mjs");
+  const dump = `
+import json
+from boxd.errors import _BY_CODE
+print(json.dumps({code: [cls.__name__, cls.__mro__[1].__name__, cls.status] for code, cls in _BY_CODE.items()}))
+`;
+  const python = JSON.parse(execFileSync(PYTHON, ["-c", dump], { encoding: "utf8" }));
+  const ts = Object.fromEntries(
+    sdk.ERROR_CLASSES.map((cls) => [cls.code, [cls.name, Object.getPrototypeOf(cls).name, cls.status]]),
+  );
+  ts.error[1] = "Exception"; // the root's parent
+  assert.deepEqual(ts, python);
+});
