@@ -605,12 +605,14 @@ class Machines(MachineService):
             disk_gib=src["disk_gib"], isolated=bool(src["isolated"]), parent_id=src["id"],
             snapshot=src["snapshot"],
         )
+        t0 = time.monotonic()
         try:
             layer_id = self._new_layer(tpl.layer_id, "")
             await disks.create_overlay(
                 self._layer_path(layer_id), self._layer_path(tpl.layer_id), "qcow2",
                 src["disk_gib"],
             )
+            t1 = time.monotonic()
             self.db.execute(
                 "UPDATE machines SET layer_id=?, template_id=?, ram_shared=0 WHERE id=?",
                 (layer_id, tpl.id, row["id"]),
@@ -621,7 +623,12 @@ class Machines(MachineService):
             )
             self.live[row["id"]] = handle
             self.db.execute("UPDATE machines SET pid=? WHERE id=?", (handle.pid, row["id"]))
+            t2 = time.monotonic()
             await self._set_identity(row["id"], name, handle)
+            log.debug(
+                "machine=%s event=child_timing overlay=%.3f start=%.3f identity=%.3f",
+                row["id"], t1 - t0, t2 - t1, time.monotonic() - t2,
+            )
         except BaseException as exc:
             await self._purge(row["id"])
             if isinstance(exc, BoxdError):

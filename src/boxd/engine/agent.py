@@ -54,7 +54,7 @@ REQUEST_TIMEOUT = 30.0
 #: Seconds a streaming read or a file write may go without any message from the agent.
 STREAM_IDLE_TIMEOUT = 120.0
 #: How often `connect` re-sends hello while the guest agent is not up yet.
-HELLO_RETRY = 1.0
+HELLO_RETRY = 0.25
 
 
 class ExecOutput(NamedTuple):

@@ -216,10 +216,18 @@ class QemuEngine:
         proc = self._spawn(config, disk.path, files, memory, log_path, incoming=True)
         machine = QemuMachine(config, proc, files, disk.path, ram_shared=memory.shared)
         try:
+            t1 = time.monotonic()
+            await proc.qmp()
+            t2 = time.monotonic()
             await proc.execute("migrate-set-capabilities", {"capabilities": caps})
             await proc.execute("migrate-incoming", {"uri": f"file:{image.state_path}"})
             await proc.wait_migration()
+            t3 = time.monotonic()
             await proc.execute("cont")
+            log.debug(
+                "machine=%s event=start_timing copy=%.3f spawn_qmp=%.3f incoming=%.3f cont=%.3f",
+                config.id, t1 - t0, t2 - t1, t3 - t2, time.monotonic() - t3,
+            )
         except BaseException:
             await machine.destroy()
             raise
