@@ -32,10 +32,14 @@ export interface RequestSpec {
 
 export const USER_AGENT = "boxd-typescript/0.1.0";
 
-/** Errors of the socket layer that mean "nobody listens there" (retry after a start). */
+/**
+ * Errors of the socket layer that mean "nobody listens there" (start a daemon, retry).
+ * A reset or a timeout is not one of them: a daemon is there, and starting a second one
+ * for the same data directory would only fight it.
+ */
 export function isConnectRefused(err: unknown): boolean {
   const code = (err as { code?: string } | null)?.code;
-  return code === "ECONNREFUSED" || code === "ENOENT" || code === "ECONNRESET";
+  return code === "ECONNREFUSED" || code === "ENOENT";
 }
 
 export function url(endpoint: Endpoint, spec: RequestSpec): URL {

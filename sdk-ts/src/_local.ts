@@ -16,7 +16,7 @@ import { homedir } from "node:os";
 import { delimiter, isAbsolute, join, resolve } from "node:path";
 
 import { ConnectionError } from "./errors.js";
-import { readBody, send } from "./_http.js";
+import { isConnectRefused, readBody, send } from "./_http.js";
 
 /** Milliseconds to wait for a freshly started daemon to answer /v1/health. */
 export const START_TIMEOUT_MS = 30_000;
@@ -42,19 +42,28 @@ export function readLocalKey(home: string): string | null {
   }
 }
 
-/** True when a daemon answers `GET /v1/health` on the socket. */
-export async function isHealthy(socket: string, timeoutMs = 2000): Promise<boolean> {
-  if (!existsSync(socket)) return false;
+/**
+ * Whether a daemon answers `GET /v1/health` on the socket: "up"; "down" (no socket, or
+ * nobody listens on it); or "busy" (something accepted the connection but did not answer
+ * in time, e.g. a daemon on an overloaded host: wait for it rather than start another).
+ */
+export async function probe(socket: string, timeoutMs = 2000): Promise<"up" | "down" | "busy"> {
+  if (!existsSync(socket)) return "down";
   try {
     const resp = await send(
       { baseUrl: "http://boxd", socketPath: socket },
       { method: "GET", path: "/v1/health", idleTimeoutMs: timeoutMs },
     );
     await readBody(resp);
-    return resp.statusCode === 200;
-  } catch {
-    return false;
+    return resp.statusCode === 200 ? "up" : "busy";
+  } catch (err) {
+    return isConnectRefused(err) ? "down" : "busy";
   }
+}
+
+/** True when a daemon answers `GET /v1/health` on the socket. */
+export async function isHealthy(socket: string, timeoutMs = 2000): Promise<boolean> {
+  return (await probe(socket, timeoutMs)) === "up";
 }
 
 /** The `boxd` CLI: `$BOXD_CLI`, else `boxd` on PATH. */
@@ -103,7 +112,25 @@ export function ensureDaemon(home: string, timeoutMs = START_TIMEOUT_MS): Promis
 
 async function start(home: string, timeoutMs: number): Promise<void> {
   const socket = socketPath(home);
-  if (await isHealthy(socket)) return;
+  const state = await probe(socket);
+  if (state === "up") return;
+  if (state === "busy") {
+    // A daemon holds the socket but is slow to answer: wait for it, start nothing.
+    const deadline = Date.now() + timeoutMs;
+    let now: string = state;
+    while (now === "busy" && Date.now() < deadline) {
+      now = await probe(socket, Math.max(500, Math.min(5000, deadline - Date.now())));
+      if (now === "busy") await sleep(POLL_MS);
+    }
+    if (now === "up") return waitForKey(home);
+    if (now === "busy") {
+      throw new ConnectionError(
+        `the boxd daemon on ${socket} did not answer within ${Math.round(timeoutMs / 1000)} s`,
+        { hint: `it may be overloaded; see its log: ${logPath(home)}` },
+      );
+    }
+    // It went away: start one below.
+  }
   const cli = findCli();
   if (cli === null) {
     throw new ConnectionError(`no boxd daemon answers on ${socket}, and the boxd CLI is not on PATH`, {

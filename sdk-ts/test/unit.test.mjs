@@ -120,3 +120,39 @@ print(json.dumps({code: [cls.__name__, cls.__mro__[1].__name__, cls.status] for 
   ts.error[1] = "Exception"; // the root's parent
   assert.deepEqual(ts, python);
 });
+
+test("local discovery: a silent daemon is waited for, never doubled; a dead socket is down", async () => {
+  const { createServer } = await import("node:net");
+  const { mkdtempSync, rmSync, writeFileSync } = await import("node:fs");
+  const { tmpdir } = await import("node:os");
+  const { join } = await import("node:path");
+  const local = await import("../dist/_local.js");
+  const home = mkdtempSync(join(tmpdir(), "boxd-ts-unit-"));
+  const socket = join(home, "boxd.sock");
+  const saved = process.env.BOXD_CLI;
+  try {
+    assert.equal(await local.probe(socket), "down"); // no socket file
+    writeFileSync(socket, ""); // a stale file nobody listens on
+    assert.equal(await local.probe(socket), "down");
+    rmSync(socket);
+    const held = [];
+    const silent = createServer((conn) => held.push(conn)); // accepts, never answers
+    await new Promise((ok) => silent.listen(socket, ok));
+    try {
+      assert.equal(await local.probe(socket, 300), "busy");
+      process.env.BOXD_CLI = join(home, "must-not-run");
+      await assert.rejects(local.ensureDaemon(home, 1500), (e) => {
+        assert.ok(e instanceof sdk.ConnectionError);
+        assert.match(e.message, /did not answer/);
+        return true;
+      });
+    } finally {
+      for (const conn of held) conn.destroy();
+      await new Promise((ok) => silent.close(ok));
+    }
+  } finally {
+    if (saved === undefined) delete process.env.BOXD_CLI;
+    else process.env.BOXD_CLI = saved;
+    rmSync(home, { recursive: true, force: true });
+  }
+});
