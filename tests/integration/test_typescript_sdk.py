@@ -3,7 +3,8 @@
 Runs ``npm ci && npm run build && npm test`` in ``sdk-ts``; the Node tests start their own
 daemon (temp ``BOXD_HOME``, this interpreter's ``python -m boxd serve``, the shared image
 cache), boot one machine and fork it for the rest, and run the spec's TypeScript example
-verbatim. Node 20+ and npm are host prerequisites: without them this test fails.
+verbatim. Node 18+ (Debian 12 ships 18; only 20 was tried here) and npm are host
+prerequisites, installed by scripts/setup-host.sh: without them this test fails.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def test_typescript_sdk() -> None:
     if node is None or npm is None:
         pytest.fail("node and npm are required (Debian: apt-get install nodejs npm)", pytrace=False)
     major = subprocess.run([node, "--version"], capture_output=True, text=True).stdout
-    assert int(major.strip().lstrip("v").split(".")[0]) >= 20, f"Node 20+ needed, found {major}"
+    assert int(major.strip().lstrip("v").split(".")[0]) >= 18, f"Node 18+ needed, found {major}"
 
     python = Path(sys.executable)
     env = {
