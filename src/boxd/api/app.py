@@ -78,8 +78,17 @@ def _document_400_not_422(app: FastAPI) -> None:
                 for operation in item.values():
                     if isinstance(operation, dict):
                         operation.get("responses", {}).pop("422", None)
+            schemas = schema.setdefault("components", {}).setdefault("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
-                schema.get("components", {}).get("schemas", {}).pop(name, None)
+                schemas.pop(name, None)
+            # The NDJSON exec stream refers to ExecEvent, which no response_model
+            # registers (the route returns a StreamingResponse): add it and its parts.
+            event = models.ExecEvent.model_json_schema(
+                ref_template="#/components/schemas/{model}"
+            )
+            for name, sub in event.pop("$defs", {}).items():
+                schemas.setdefault(name, sub)
+            schemas.setdefault("ExecEvent", event)
             app.openapi_schema = schema
         return app.openapi_schema
 
