@@ -5,7 +5,9 @@
 Measures, on the daemon the environment points at (``BOXD_HOME``):
 
 - fork latency, from the API call to the child being exec-ready (``fork`` +
-  ``wait_until_ready``), one at a time and 8 at once (the spec's 8 threads);
+  ``wait_until_ready``): one at a time from an unchanged source (its template is
+  reused), one at a time from a source changed since its last fork (a new template is
+  captured), and 8 at once (the spec's 8 threads);
 - the first ``exec true`` in a fresh child;
 - source downtime per fork, from the daemon's ``event=captured downtime=`` log lines;
 - an idle child's host memory (PSS of its QEMU process, ``/proc/PID/smaps_rollup``) and
@@ -45,6 +47,7 @@ EXAMPLES = REPO / "examples" / "rl"
 GUEST_HOME = "/home/boxd"
 SOURCE = "bench-fork-src"
 FORK_SINGLE_N = int(os.environ.get("BENCH_FORK_N", "10"))
+FORK_FRESH_N = int(os.environ.get("BENCH_FORK_FRESH_N", "5"))
 FORK_CONCURRENT_ROUNDS = int(os.environ.get("BENCH_FORK_ROUNDS", "2"))
 ROLLOUT_ROUNDS = int(os.environ.get("BENCH_ROLLOUT_ROUNDS", "2"))
 REBUILDS = int(os.environ.get("BENCH_REBUILDS", "2"))
@@ -148,7 +151,8 @@ def run(client: Boxd | None = None, log: Callable[[str], None] | None = None) ->
         say_(f"bench_fork: source ready in {rebuilds[0]['total']:.1f}s {rebuilds[0]}")
 
         # --- Fork latency, one at a time. ------------------------------------------
-        log_offset = paths.log.stat().st_size if paths.log.exists() else 0
+        cid, _ = fork_ready(boxd, SOURCE, "bench-fork-first")  # makes the template
+        boxd.machines.delete(cid)
         single: list[float] = []
         first_exec: list[float] = []
         for i in range(FORK_SINGLE_N):
@@ -156,11 +160,27 @@ def run(client: Boxd | None = None, log: Callable[[str], None] | None = None) ->
             single.append(dt)
             first_exec.append(_timed(lambda cid=cid: _ok(boxd, cid, "true")))
             boxd.machines.delete(cid)
-        downtime = downtimes_since(paths.log, log_offset)
-        row("fork → exec-ready, single", single, baseline="cold boot → ready",
-            baseline_values=[rebuilds[0]["boot"]])
+        row("fork → exec-ready, single (template reused)", single,
+            baseline="cold boot → ready", baseline_values=[rebuilds[0]["boot"]],
+            note="source unchanged since the last fork: its template is reused")
         row("first `exec true` in a child", first_exec)
         say_(f"bench_fork: single fork p50 {statistics.median(single)*1000:.0f} ms")
+
+        # --- Forks of a source that changed since the last fork: a fresh template each,
+        # so each pauses the source; the daemon logs that pause as downtime.
+        log_offset = paths.log.stat().st_size if paths.log.exists() else 0
+        fresh: list[float] = []
+        for i in range(FORK_FRESH_N):
+            _ok(boxd, SOURCE, "true")  # any exec makes the source "changed"
+            cid, dt = fork_ready(boxd, SOURCE, f"bench-fork-new-{i}")
+            fresh.append(dt)
+            boxd.machines.delete(cid)
+        downtime = downtimes_since(paths.log, log_offset)
+        row("fork → exec-ready, single (source changed: new template)", fresh,
+            baseline="cold boot → ready", baseline_values=[rebuilds[0]["boot"]])
+        if downtime:
+            row("source downtime per fork", downtime,
+                note="pause → resume of the source, from the daemon's event=captured log")
 
         # --- 8 concurrent forks. ---------------------------------------------------
         conc: list[float] = []
@@ -176,9 +196,6 @@ def run(client: Boxd | None = None, log: Callable[[str], None] | None = None) ->
                 list(pool.map(lambda g: boxd.machines.delete(g[0]), got))
         row("fork → exec-ready, 8 concurrent (per child)", conc)
         row("8 concurrent forks, all ready (wall)", conc_wall)
-        if downtime:
-            row("source downtime per fork (daemon log)", downtime,
-                note="single forks; from event=captured")
         say_(f"bench_fork: 8 concurrent p50 {statistics.median(conc)*1000:.0f} ms")
 
         # --- Idle child: host memory and disk. -------------------------------------
@@ -204,7 +221,8 @@ def run(client: Boxd | None = None, log: Callable[[str], None] | None = None) ->
                 baseline="source (warm, booted)" if src_pss else None,
                 baseline_values=[float(src_pss)] if src_pss else None)
         if disk:
-            row("idle child disk (allocated qcow2 layer)", disk, unit="B")
+            row("idle child disk (allocated qcow2 layer)", disk, unit="B",
+                note="st_blocks of the child's own overlay; its backing layers are shared")
 
         # --- The spec's 8 rollouts with forks. -------------------------------------
         boxd.machines.files.upload(SOURCE, f"{GUEST_HOME}/rollout.py",

@@ -32,6 +32,7 @@ from typing import Any
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 DOCS = REPO / "docs"
+RAW = REPO / ".cache" / "benchmarks.json"  # every row with its samples, for --report-only
 sys.path.insert(0, str(BENCH))
 
 from _common import Row, Table, describe_host  # noqa: E402
@@ -85,46 +86,47 @@ def stop_local_daemon(home: Path) -> None:
         os.kill(pid, signal.SIGTERM)
 
 
-def chart(fork_mod: Any, path: Path) -> bool:
-    data = getattr(fork_mod, "CHART", None) if fork_mod else None
-    if not data:
+CHART_SERIES = [  # (label, bench_fork row name, multiplier, kind)
+    ("fork → ready\n(single)", "fork → exec-ready, single (template reused)", "fork"),
+    ("fork → ready\n(new template)",
+     "fork → exec-ready, single (source changed: new template)", "fork"),
+    ("fork → ready\n(8 concurrent)", "fork → exec-ready, 8 concurrent (per child)", "fork"),
+    ("1 rollout\nwith a fork", "1 rollout with a fork (fork, exec, delete)", "fork"),
+    ("8 rollouts\nwith forks", "8 rollouts with forks, 8 threads (wall)", "fork"),
+    ("1 rollout by\nrebuilding", "1 rollout by rebuilding", "rebuild"),
+    ("8 rollouts by\nrebuilding*", "8 rollouts by rebuilding, sequential", "rebuild"),
+]
+
+
+def chart(rows: list[Row], path: Path, accel: str) -> bool:
+    """Bar chart (log scale) of fork figures against the rebuild baseline, from the
+    samples of ``bench_fork``'s rows."""
+    by_name = {r.name: r for r in rows}
+    series = [(label, by_name[name], kind) for label, name, kind in CHART_SERIES
+              if name in by_name and by_name[name].median is not None]
+    if not series:
         return False
     import matplotlib
 
     matplotlib.use("Agg")
-    import statistics
-
     import matplotlib.pyplot as plt
 
-    def p(xs: list[float], q: float) -> float:
-        xs = sorted(xs)
-        k = (len(xs) - 1) * q
-        lo = int(k)
-        return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (k - lo)
-
-    series = [
-        ("fork → ready\n(single)", data["single"], "fork"),
-        ("fork → ready\n(8 concurrent)", data["concurrent"], "fork"),
-        ("1 rollout\nwith a fork", data["rollout_fork"], "fork"),
-        ("8 rollouts\nwith forks", data["rollouts8_fork"], "fork"),
-        ("1 rollout by\nrebuilding", data["rebuild"], "rebuild"),
-        ("8 rollouts by\nrebuilding*", [8 * x for x in data["rebuild"]], "rebuild"),
-    ]
-    fig, ax = plt.subplots(figsize=(9, 4.8))
-    labels = [s[0] for s in series]
-    med = [statistics.median(s[1]) for s in series]
-    hi = [p(s[1], 0.9) - m for s, m in zip(series, med, strict=True)]
-    colors = ["#2b7bba" if s[2] == "fork" else "#c0392b" for s in series]
-    bars = ax.bar(labels, med, yerr=[[0] * len(med), hi], color=colors, capsize=4)
+    fig, ax = plt.subplots(figsize=(10, 4.8))
+    med = [float(r.median) for _, r, _ in series]  # type: ignore[arg-type]
+    hi = [max(0.0, (r.p90 if r.p90 is not None else m) - m)
+          for (_, r, _), m in zip(series, med, strict=True)]
+    colors = ["#2b7bba" if kind == "fork" else "#c0392b" for *_, kind in series]
+    bars = ax.bar([s[0] for s in series], med, yerr=[[0] * len(med), hi], color=colors,
+                  capsize=4)
     ax.set_yscale("log")
-    ax.set_ylabel("seconds (median, whisker to p90; log scale)")
-    ax.set_title(f"boxd fork vs rebuild ({data.get('accel', '?')}, "
-                 f"{dt.date.today().isoformat()})")
+    ax.set_ylabel("seconds (median; whisker to p90; log scale)")
+    ax.set_title(f"boxd: fork vs rebuild, accelerator {accel} "
+                 f"({dt.datetime.now(dt.UTC).date().isoformat()})")
     for bar, m in zip(bars, med, strict=True):
         ax.annotate(f"{m * 1000:.0f} ms" if m < 1 else f"{m:.1f} s",
                     (bar.get_x() + bar.get_width() / 2, m), ha="center", va="bottom",
                     fontsize=8, xytext=(0, 2), textcoords="offset points")
-    ax.text(0.99, 0.02, "* 8 x the measured per-rollout rebuild (sequential)",
+    ax.text(0.99, 0.02, "* 8 x each measured per-rollout rebuild (sequential)",
             transform=ax.transAxes, ha="right", fontsize=7)
     plt.xticks(fontsize=8)
     fig.tight_layout()
@@ -132,6 +134,22 @@ def chart(fork_mod: Any, path: Path) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def save(path: Path, host: dict[str, str], started: dt.datetime,
+         results: list[tuple[str, list[Row], float, str | None]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(
+        {"host": host, "started": started.isoformat(),
+         "results": [(n, [dataclasses.asdict(x) for x in r], t, e) for n, r, t, e in results]},
+        indent=1, default=str))
+
+
+def load(path: Path) -> tuple[dict[str, str], dt.datetime,
+                              list[tuple[str, list[Row], float, str | None]]]:
+    data = json.loads(path.read_text())
+    results = [(n, [Row(**x) for x in r], t, e) for n, r, t, e in data["results"]]
+    return data["host"], dt.datetime.fromisoformat(data["started"]), results
 
 
 def markdown(host: dict[str, str], results: list[tuple[str, list[Row], float, str | None]],
@@ -161,7 +179,9 @@ def markdown(host: dict[str, str], results: list[tuple[str, list[Row], float, st
         if rows:
             out += [Table(rows).markdown(), ""]
         out += [f"(`{name}` took {took:.0f} s.)", ""]
-        doc = (sys.modules[name].__doc__ or "").strip() if name in sys.modules else ""
+        doc = ""
+        with contextlib.suppress(Exception):
+            doc = (importlib.import_module(name).__doc__ or "").strip()
         if doc:
             out += ["<details><summary>what is measured</summary>", "", doc, "", "</details>",
                     ""]
@@ -170,11 +190,36 @@ def markdown(host: dict[str, str], results: list[tuple[str, list[Row], float, st
     return "\n".join(out) + "\n"
 
 
+def write_report(host: dict[str, str], results: list[tuple[str, list[Row], float, str | None]],
+                 con: Any) -> None:
+    png = DOCS / "benchmarks-fork.png"
+    fork_rows = [r for n, rows, *_ in results if n == "bench_fork" for r in rows]
+    has_chart = False
+    try:
+        has_chart = chart(fork_rows, png, host.get("accelerator", "?"))
+    except Exception as exc:  # the table is still worth writing
+        con.print(f"[yellow]chart not written: {type(exc).__name__}: {exc}[/]")
+    DOCS.mkdir(exist_ok=True)
+    (DOCS / "benchmarks.md").write_text(markdown(host, results, has_chart))
+    con.print(f"wrote {DOCS / 'benchmarks.md'}" + (f" and {png}" if has_chart else ""))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run boxd's benchmarks.")
     parser.add_argument("only", nargs="*", help="module names (fork, runtime, ...)")
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--report-only", action="store_true",
+                        help=f"rewrite the report from the last run's {RAW.name}, measuring "
+                        "nothing")
     args = parser.parse_args(argv)
+
+    from rich.console import Console
+
+    con = Console(stderr=True)
+    if args.report_only:
+        host, _started, results = load(RAW)
+        write_report(host, results, con)
+        return 0
 
     own_home = "BOXD_HOME" not in os.environ
     if own_home:
@@ -184,31 +229,28 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["BOXD_IMAGE_CACHE"] = str(cache)
     home = Path(os.environ["BOXD_HOME"])
 
-    from rich.console import Console
-
-    con = Console(stderr=True)
     started = dt.datetime.now(dt.UTC)
     results: list[tuple[str, list[Row], float, str | None]] = []
-    modules: dict[str, Any] = {}
     try:
         with con.status("host info (starts the daemon; first probe of the accelerator)"):
             host = host_info()
         con.print(f"host: {host['cpu']} x{host['cores']}, accelerator "
                   f"{host.get('accelerator', '?')}, BOXD_HOME={home}")
         for name in discover(args.only):
-            mod = importlib.import_module(name)
-            if not callable(getattr(mod, "run", None)):
-                continue
-            modules[name] = mod
             con.rule(name)
             t0 = time.monotonic()
             try:
+                mod = importlib.import_module(name)
+                if not callable(getattr(mod, "run", None)):
+                    continue
                 rows = list(mod.run())
                 error = None
             except Exception as exc:
                 traceback.print_exc()
                 rows, error = [], f"{type(exc).__name__}: {exc}"
             results.append((name, rows, time.monotonic() - t0, error))
+            if not args.no_write:
+                save(RAW, host, started, results)  # a later failure loses nothing
     finally:
         if own_home:
             stop_local_daemon(home)
@@ -216,18 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, rows, took, error in results:
         title = f"{name} ({took:.0f} s)" + (f" FAILED: {error}" if error else "")
         print(Table(rows, title).text() + "\n")
-
     if not args.no_write:
-        png = DOCS / "benchmarks-fork.png"
-        has_chart = chart(modules.get("bench_fork"), png)
-        DOCS.mkdir(exist_ok=True)
-        (DOCS / "benchmarks.md").write_text(markdown(host, results, has_chart))
-        (REPO / ".cache").mkdir(exist_ok=True)
-        (REPO / ".cache" / "benchmarks.json").write_text(json.dumps(
-            {"host": host, "started": started.isoformat(),
-             "results": [(n, [dataclasses.asdict(x) for x in r], t, e)
-                         for n, r, t, e in results]}, indent=1, default=str))
-        con.print(f"wrote {DOCS / 'benchmarks.md'}" + (f" and {png}" if has_chart else ""))
+        write_report(host, results, con)
     return 1 if any(e for *_, e in results) else 0
 
 
