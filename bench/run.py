@@ -35,7 +35,7 @@ DOCS = REPO / "docs"
 RAW = REPO / ".cache" / "benchmarks.json"  # every row with its samples, for --report-only
 sys.path.insert(0, str(BENCH))
 
-from _common import Row, Table, describe_host  # noqa: E402
+from _common import Row, Table, describe_host, fmt_value  # noqa: E402
 
 
 def host_info() -> dict[str, str]:
@@ -152,6 +152,33 @@ def load(path: Path) -> tuple[dict[str, str], dt.datetime,
     return data["host"], dt.datetime.fromisoformat(data["started"]), results
 
 
+TARGETS = [  # (bench_fork row, what is compared, limit, "max"/"min", unit) from issue 4
+    ("fork → exec-ready, single (template reused)", "median", 0.150, "max", "s"),
+    ("idle child host memory (PSS)", "median", 40 * 2**20, "max", "B"),
+    ("idle child disk (allocated qcow2 layer)", "median", 2**20, "max", "B"),
+    ("8 rollouts by rebuilding, sequential", "ratio", 30.0, "min", "x"),
+    ("8 rollouts by rebuilding, spread over", "ratio", 30.0, "min", "x"),  # N cores
+]
+
+
+def targets(results: list[tuple[str, list[Row], float, str | None]]) -> list[str]:
+    by_name = {r.name: r for n, rows, *_ in results if n == "bench_fork" for r in rows}
+    lines = ["## Targets (issue 4, these TCG hosts)", "",
+             "| figure | target | measured | met |", "|---|---:|---:|---|"]
+    for name, attr, limit, kind, unit in TARGETS:
+        row = by_name.get(name) or next(
+            (r for n, r in by_name.items() if n.startswith(name)), None)
+        name = row.name if row else name
+        value = getattr(row, attr, None) if row else None
+        if value is None:
+            continue
+        ok = value <= limit if kind == "max" else value >= limit
+        sign = "≤" if kind == "max" else "≥"
+        lines.append(f"| {name} ({attr}) | {sign} {fmt_value(limit, unit)} | "
+                     f"{fmt_value(value, unit)} | {'yes' if ok else '**no**'} |")
+    return [*lines, ""] if len(lines) > 4 else []
+
+
 def markdown(host: dict[str, str], results: list[tuple[str, list[Row], float, str | None]],
              has_chart: bool) -> str:
     accel = host.get("accelerator", "?")
@@ -172,6 +199,7 @@ def markdown(host: dict[str, str], results: list[tuple[str, list[Row], float, st
         out.append(f"- load average at start: {host['load']} (other engineers' VMs share "
                    "this host, so figures are noisy)")
     out.append("")
+    out += targets(results)
     for name, rows, took, error in results:
         out += [f"## {name.removeprefix('bench_')}", ""]
         if error:
