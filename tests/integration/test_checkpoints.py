@@ -86,3 +86,43 @@ def test_checkpoints_die_with_their_machine(daemon, client, machine_factory) -> 
     assert (paths.checkpoints / ck.id).exists()
     client.machines.delete(m.id)
     assert not (paths.checkpoints / ck.id).exists()
+
+
+def test_long_backing_chains_collapse(daemon, client, machine) -> None:  # type: ignore[no-untyped-def]
+    import sqlite3
+    import time
+
+    from boxd.core.machines import MAX_CHAIN
+
+    def chain_length() -> int:
+        db = sqlite3.connect(daemon.home / "state.db")
+        try:
+            (layer,) = db.execute(
+                "SELECT layer_id FROM machines WHERE id=?", (machine.id,)
+            ).fetchone()
+            n = 0
+            while layer is not None:
+                n += 1
+                (layer,) = db.execute(
+                    "SELECT parent_id FROM layers WHERE id=?", (layer,)
+                ).fetchone()
+            return n
+        finally:
+            db.close()
+
+    start = chain_length()
+    for i in range(MAX_CHAIN + 2):
+        client.machines.exec(machine.id, f"echo {i} > /root/layer-{i}")
+        client.machines.checkpoints.save(machine.id, f"c{i}")
+    # without collapsing, every save would have added one layer to the chain
+    uncollapsed = start + MAX_CHAIN + 2
+    deadline = time.monotonic() + 300
+    while chain_length() > MAX_CHAIN and time.monotonic() < deadline:
+        time.sleep(1)
+    assert chain_length() <= MAX_CHAIN < uncollapsed, f"chain is {chain_length()} long"
+    # the data written into every layer is still there, and old checkpoints still restore
+    out = client.machines.exec(machine.id, "cat /root/layer-*").stdout.split()
+    assert sorted(out, key=int) == [str(i) for i in range(MAX_CHAIN + 2)]
+    client.machines.checkpoints.restore(machine.id, "c0")
+    assert client.machines.exec(machine.id, "ls /root").stdout.split().count("layer-0") == 1
+    assert "layer-1" not in client.machines.exec(machine.id, "ls /root").stdout

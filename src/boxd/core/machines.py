@@ -59,6 +59,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("boxd.core")
 
+# Backing chains longer than this are collapsed in the background (see `_collapse`).
+MAX_CHAIN = 8
+
 S = MachineState
 
 
@@ -102,6 +105,7 @@ class Machines(MachineService):
         self._locks: dict[str, asyncio.Lock] = {}
         self._preparing: dict[str, asyncio.Future[Template]] = {}
         self._attached = False
+        self._background: set[asyncio.Task[None]] = set()
         self.snapshots: Snapshots | None = None
 
     # ---------------------------------------------------------------- records
@@ -490,7 +494,53 @@ class Machines(MachineService):
             if handle.alive():
                 await handle.resume()
         log.info("machine=%s event=captured downtime=%.3f", row["id"], time.monotonic() - t0)
+        if len(self._chain(new_layer)) > MAX_CHAIN:
+            task = asyncio.create_task(self._collapse(row["id"]), name=f"collapse {row['id']}")
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
         return frozen_id, image
+
+    def _chain(self, layer_id: str | None) -> builtins.list[sqlite3.Row]:
+        """The layers from ``layer_id`` down to the one on the base image."""
+        out: builtins.list[sqlite3.Row] = []
+        while layer_id is not None and len(out) < 10_000:
+            layer = self.db.one("SELECT * FROM layers WHERE id=?", (layer_id,))
+            if layer is None:
+                break
+            out.append(layer)
+            layer_id = layer["parent_id"]
+        return out
+
+    async def _collapse(self, machine_id: str) -> None:
+        """Shorten a machine's backing chain to active layer → base (in the background).
+
+        Each fork of a changed source and each checkpoint adds a frozen layer under the
+        machine's active one; long chains slow every disk read. The layers stay as long
+        as children, templates or checkpoints use them, and are collected after.
+        """
+        try:
+            async with self._lock(machine_id):
+                row = self.db.one("SELECT * FROM machines WHERE id=?", (machine_id,))
+                handle = self.live.get(machine_id)
+                if row is None or handle is None or not handle.alive():
+                    return
+                chain = self._chain(row["layer_id"])
+                if len(chain) <= MAX_CHAIN:
+                    return
+                base = chain[-1]["base"]
+                t0 = time.monotonic()
+                await handle.collapse_disk(Path(base))
+                self.db.execute(
+                    "UPDATE layers SET parent_id=NULL, base=? WHERE id=?",
+                    (base, row["layer_id"]),
+                )
+                self.gc()
+                log.info(
+                    "machine=%s event=collapsed layers=%d seconds=%.2f",
+                    machine_id, len(chain), time.monotonic() - t0,
+                )
+        except BoxdError as exc:
+            log.warning("machine=%s event=collapse_failed error=%s", machine_id, exc)
 
     async def _own_ram(self, row: sqlite3.Row) -> QemuMachine:
         """Give a machine that maps an image privately a RAM file of its own.
@@ -802,6 +852,8 @@ class Machines(MachineService):
                 f.unlink(missing_ok=True)
 
     async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
         for handle in list(self.live.values()):
             await handle.detach()
         self.live.clear()

@@ -14,7 +14,7 @@ from boxd.engine.base import BootDisk, MachineConfig, MemoryImage
 from boxd.engine.qemu import _argv
 from boxd.engine.qemu._probe import AccelChoice
 from boxd.engine.qemu._process import QemuProcess, pid_matches
-from boxd.errors import MachineFailed
+from boxd.errors import InternalError, MachineFailed
 from boxd.storage.memory import sparse_copy
 
 log = logging.getLogger("boxd.engine")
@@ -107,6 +107,43 @@ class QemuMachine:
         )
         self.disk = new_active
         return frozen
+
+    async def collapse_disk(self, base: Path, timeout: float = 600.0) -> None:
+        """Copy every layer between the active one and ``base`` into the active layer.
+
+        Runs QEMU's ``block-stream`` job while the guest keeps running; afterwards the
+        active layer's backing file is ``base`` and the intermediate layers are unused.
+
+        Raises:
+            InternalError: the job failed or ``base`` is not in the chain.
+        """
+        nodes = await self.process.execute("query-named-block-nodes", {"flat": True})
+        base_node = next(
+            (n["node-name"] for n in nodes
+             if n.get("file") == str(base) and n.get("drv") != "file"),
+            None,
+        )
+        if base_node is None:
+            raise InternalError(f"{base} is not in the disk chain of {self.config.id}")
+        job = f"collapse-{self.config.id}"
+        await self.process.execute(
+            "block-stream", {"job-id": job, "device": "disk0", "base-node": base_node}
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            jobs = await self.process.execute("query-block-jobs")
+            if not any(j.get("device") == job for j in jobs):
+                break
+            if time.monotonic() > deadline:
+                raise InternalError(f"collapsing the disk of {self.config.id} timed out")
+            await asyncio.sleep(0.05)
+        info = await self.process.execute("query-block")
+        disk = next(b for b in info if b.get("device") == "disk0")
+        backing = disk["inserted"]["image"].get("backing-image", {}).get("filename")
+        if backing != str(base):
+            raise InternalError(
+                f"collapsing the disk of {self.config.id} did not finish (backing {backing})"
+            )
 
     async def capture(self, dest_dir: Path) -> MemoryImage:
         """Write RAM and device state of the paused machine into ``dest_dir``.
