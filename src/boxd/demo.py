@@ -88,7 +88,8 @@ class _Run:
         start = time.monotonic()
         try:
             with Progress(SpinnerColumn(), TextColumn("[bold]{task.description}[/]…"),
-                          TimeElapsedColumn(), console=self.console, transient=True) as bar:
+                          TimeElapsedColumn(), console=self.console, transient=True,
+                          disable=not self.console.is_terminal) as bar:
                 bar.add_task(title, total=None)
                 yield detail
         except DemoFailed:
@@ -212,8 +213,8 @@ def _demo(run: _Run, reuse: bool) -> None:
 
     with run.step("pip install gymnasium numpy (guest network)") as d:
         stdout = _exec_ok(client, BASE, "pip install gymnasium numpy", timeout=PIP_TIMEOUT)
-        got = re.findall(r"\b(gymnasium|numpy)-(\d[\w.]*)", stdout)
-        d.append(", ".join(f"{n} {v}" for n, v in got) if got else "already installed")
+        got = dict(re.findall(r"\b(gymnasium|numpy)-(\d[\w.]*\w)", stdout))
+        d.append(", ".join(f"{n} {v}" for n, v in sorted(got.items())) or "already installed")
 
     with run.step("python3 warm_up.py") as d:
         client.machines.files.upload(BASE, f"{GUEST_HOME}/warm_up.py", warm_up_src.read_text())
