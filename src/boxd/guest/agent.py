@@ -944,10 +944,12 @@ class Agent:
         path = os.path.join(sysroot or "/", rel)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = path + ".boxd-tmp"
+        # No fsync: identity is on the fork's critical path, and a fresh child under TCG
+        # pays to translate every kernel path it runs first (an fsync's block layer
+        # costs ~0.2 s). The rename is atomic; the page cache is written back later,
+        # and a fork or snapshot of this machine captures that cache with its memory.
         with open(tmp, "w") as f:
             f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
         os.chmod(tmp, 0o444 if rel.endswith("machine-id") else 0o644)
         os.rename(tmp, path)
 
