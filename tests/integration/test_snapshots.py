@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -130,3 +131,35 @@ def test_spec_cli_commands_verbatim(daemon, client, machine_factory) -> None:  #
     assert client.machines.exec("rl-base-2", "hostname").stdout.strip() == "rl-base-2"
     client.machines.delete("rl-base-2")
     client.snapshots.delete("env-v3")
+
+
+def test_interrupted_save_leaves_nothing_after_restart(daemon, client, machine) -> None:  # type: ignore[no-untyped-def]
+    import signal
+    import threading
+    import time
+
+    store = Path(daemon.home) / "snapshots"
+    blobs_before = set((store / "blobs" / "sha256").iterdir())
+    snapshots_before = [s.digest for s in client.snapshots.list()]
+    client.machines.exec(machine.id, "head -c 50000000 /dev/urandom > /root/big")
+
+    def save() -> None:
+        with Boxd() as c, contextlib.suppress(Exception):
+            c.snapshots.save(machine.id, "interrupted")
+
+    saver = threading.Thread(target=save)
+    saver.start()
+    # kill the daemon while the save is under way (staging or capture has begun)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any((store / "staging").iterdir()):
+        time.sleep(0.01)
+    daemon.stop(signal.SIGKILL)
+    saver.join(120)
+    daemon.restart()
+
+    assert [s.digest for s in client.snapshots.list()] == snapshots_before
+    assert "interrupted" not in [s.name for s in client.snapshots.list()]
+    assert list((store / "staging").iterdir()) == []
+    assert set((store / "blobs" / "sha256").iterdir()) == blobs_before
+    # the machine was paused mid-capture; after the restart it runs again
+    assert client.machines.exec(machine.id, "echo alive").stdout == "alive\n"

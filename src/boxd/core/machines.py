@@ -597,6 +597,7 @@ class Machines(MachineService):
                 handle = await self._own_ram(fresh)
                 fresh = self.db.one("SELECT * FROM machines WHERE id=?", (source_id,))
                 assert fresh is not None
+                await self._flush_page_cache(handle)
                 template_id = new_id("t")
                 dest = self.paths.templates / template_id
                 frozen_id, image = await self._freeze_and_capture(fresh, handle, dest)
@@ -616,6 +617,19 @@ class Machines(MachineService):
             raise
         finally:
             self._preparing.pop(source_id, None)
+
+    async def _flush_page_cache(self, handle: QemuMachine) -> None:
+        """Write the source's dirty page cache to its disk before it is frozen.
+
+        Otherwise every child inherits the same dirty pages and writes each of them
+        into its own overlay (a source that just installed packages would cost every
+        child megabytes). Only kernel state changes; best effort.
+        """
+        try:
+            agent = await handle.agent(timeout=30)
+            await agent.run(["sync"], timeout=60)
+        except BoxdError as exc:
+            log.warning("machine=%s event=sync_failed error=%s", handle.config.id, exc)
 
     def _template_of(self, t: sqlite3.Row) -> Template:
         row = self.db.one("SELECT memory_mib FROM machines WHERE id=?", (t["source_id"],))
@@ -824,6 +838,12 @@ class Machines(MachineService):
                     self._log_path(row["id"]),
                 )
                 self.live[row["id"]] = handle
+                # A daemon killed in the middle of a fork, checkpoint or snapshot left
+                # the machine paused: let it run again.
+                status = (await handle.process.execute("query-status")).get("status")
+                if status in ("paused", "postmigrate", "finish-migrate"):
+                    log.info("machine=%s event=resumed_after_restart was=%s", row["id"], status)
+                    await handle.resume()
             except MachineFailed as exc:
                 self._set_state(row["id"], S.FAILED, exc.message)
         self._sweep()
@@ -846,6 +866,10 @@ class Machines(MachineService):
             if d.name not in cks:
                 remove_tree(d)
         remove_tree(self.paths.shm / "tmp")
+        if self.snapshots is not None:
+            # interrupted saves and imports leave staging files and unreferenced blobs
+            report = self.snapshots.store.gc(in_use=self.snapshots.in_use)
+            log.info("event=snapshot_store_gc report=%s", report)
         layers = {r["id"] for r in self.db.all("SELECT id FROM layers")}
         for f in self.paths.disks.glob("*.qcow2*"):
             if f.name.split(".")[0] not in layers:

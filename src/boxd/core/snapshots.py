@@ -117,7 +117,8 @@ class Snapshots(SnapshotService):
         row = mach._row(account, machine_ref)
         self._next_version(account, name, new_version)  # fail early on a taken name
         _, engine = await mach.host.ready()
-        work = Path(tempfile.mkdtemp(prefix="save-", dir=self.store.root))
+        # In the store's staging area: an interrupted save is collected at next start.
+        work = Path(tempfile.mkdtemp(prefix="save-", dir=self.store.staging_dir))
         # Capture to tmpfs (fast: the machine is paused meanwhile); the store then
         # copies and hashes into its own filesystem while the machine runs again.
         capture = mach.paths.shm / "tmp" / new_id("save")
