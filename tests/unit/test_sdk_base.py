@@ -215,3 +215,22 @@ def test_resource_attributes_match() -> None:
         assert type(getattr(a, attr)).__name__ == "Async" + type(getattr(b, attr)).__name__
     assert type(a.machines.files).__name__ == "AsyncFiles"
     assert type(a.machines.checkpoints).__name__ == "AsyncCheckpoints"
+
+
+def test_a_daemon_holding_the_lock_is_never_started_twice(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import fcntl
+    import os
+
+    from boxd.config import Paths
+    from boxd.sdk._local import daemon_holds_lock
+
+    paths = Paths(tmp_path)
+    assert not daemon_holds_lock(paths)  # no lock file at all
+    fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        assert not daemon_holds_lock(paths)  # a file nobody holds: a dead daemon's
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what a serving daemon does
+        assert daemon_holds_lock(paths)
+    finally:
+        os.close(fd)
+    assert not daemon_holds_lock(paths)

@@ -86,6 +86,37 @@ def _spawn(paths: Paths) -> subprocess.Popen[bytes]:
         )
 
 
+def daemon_holds_lock(paths: Paths) -> bool:
+    """True when a daemon process holds this data directory's lock (it may be busy)."""
+    try:
+        fd = os.open(paths.lock, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
+def _wait_for_running(paths: Paths, timeout: float) -> bool:
+    """Wait for a daemon that holds the lock but is slow to answer (a loaded host)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if is_healthy(paths.socket, timeout=5.0):
+            return True
+        if not daemon_holds_lock(paths):
+            return False
+        time.sleep(_POLL)
+    return False
+
+
 def ensure_daemon(paths: Paths, timeout: float = START_TIMEOUT) -> None:
     """Make sure a daemon answers on ``paths.socket``, starting one if needed.
 
@@ -106,8 +137,12 @@ def ensure_daemon(paths: Paths, timeout: float = START_TIMEOUT) -> None:
     with lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
         try:
-            # Another client may have started it while we waited for the lock.
+            # Another client may have started it while we waited for the lock, or a
+            # daemon runs but was too busy to answer in time: never start a second one.
             if is_healthy(paths.socket):
+                return
+            if daemon_holds_lock(paths) and _wait_for_running(paths, timeout):
+                _wait_for_key(paths)
                 return
             try:
                 proc = _spawn(paths)
