@@ -20,7 +20,6 @@ import contextlib
 import logging
 import os
 import secrets
-import shutil
 import socket
 import sqlite3
 import time
@@ -42,12 +41,10 @@ from boxd.errors import (
     BoxdError,
     CheckpointNotFound,
     ExecTimeout,
-    InternalError,
     InvalidRequest,
     MachineFailed,
     MachineNotFound,
     QuotaExceeded,
-    StateError,
 )
 from boxd.models import NAME_RE, NAME_RULE, MachineState
 from boxd.state import Database, new_id
@@ -883,12 +880,4 @@ class Machines(MachineService):
         self.live.clear()
 
 
-async def destroy_all(machines: Machines) -> None:
-    """Delete every machine (tests and `boxd demo` clean-up)."""
-    for r in machines.db.all("SELECT id, account_id FROM machines"):
-        with contextlib.suppress(BoxdError):
-            await machines.delete(r["account_id"], r["id"])
-
-
-__all__ = ["Machines", "destroy_all", "free_port", "validate_name"]
-_ = (shutil, InternalError, StateError)
+__all__ = ["Machines", "free_port", "validate_name"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import secrets
 import sqlite3
 import tempfile
@@ -255,5 +254,3 @@ async def start_from_snapshot(
     machines._set_state(row["id"], models.MachineState.RUNNING)
     return await machines.get(account, row["id"])
 
-
-_ = os

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 from pathlib import Path
 
@@ -67,13 +66,6 @@ async def flatten(src: Path, dest: Path) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, dest)
-
-
-async def info(path: Path) -> dict[str, object]:
-    """``qemu-img info`` of one file (its virtual size, backing file, allocation)."""
-    out = await _run(QEMU_IMG, "info", "--output=json", "-U", str(path))
-    data: dict[str, object] = json.loads(out)
-    return data
 
 
 def remove(path: Path) -> None:
