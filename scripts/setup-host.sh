@@ -63,6 +63,13 @@ if [ ${#missing[@]} -gt 0 ]; then
   $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
+# The unprivileged user QEMU drops to when the daemon runs as root (-run-with user=).
+if ! id boxd-qemu >/dev/null 2>&1; then
+  log "adding the system user boxd-qemu (QEMU processes run as it)"
+  $SUDO useradd --system --no-create-home --home-dir /nonexistent \
+    --shell /usr/sbin/nologin boxd-qemu
+fi
+
 # The Python environment: a venv in .venv with boxd installed editable and the dev tools.
 py=${PYTHON:-python3}
 if [ ! -x "$here/.venv/bin/python" ]; then

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -104,7 +105,9 @@ def _image_cache_env() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """One real daemon for the whole run, on a fresh data directory."""
-    home = tmp_path_factory.mktemp("boxd-home")
+    # Not under pytest's 0700 base: QEMU drops to the boxd-qemu user and reopens disk
+    # layers by path, so the directories above the data directory must be traversable.
+    home = Path(tempfile.mkdtemp(prefix="boxd-test-", dir="/tmp"))
     old = os.environ.get("BOXD_HOME")
     os.environ["BOXD_HOME"] = str(home)
     d = start_daemon(home)
@@ -116,6 +119,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
         import shutil
 
         shutil.rmtree(_shm_of(home), ignore_errors=True)
+        shutil.rmtree(home, ignore_errors=True)
         if old is None:
             os.environ.pop("BOXD_HOME", None)
         else:

@@ -22,9 +22,13 @@ import { isConnectRefused, readBody, send } from "./_http.js";
 export const START_TIMEOUT_MS = 30_000;
 const POLL_MS = 100;
 
-/** The data directory: `$BOXD_HOME`, else `$XDG_DATA_HOME/boxd`, else `~/.local/share/boxd`. */
+/**
+ * The data directory, as the Python side computes it: `$BOXD_HOME`, else `/var/lib/boxd`
+ * for root, else `$XDG_DATA_HOME/boxd`, else `~/.local/share/boxd`.
+ */
 export function dataDir(env: NodeJS.ProcessEnv = process.env): string {
   if (env.BOXD_HOME) return resolve(env.BOXD_HOME.replace(/^~(?=$|\/)/, homedir()));
+  if (process.getuid?.() === 0) return "/var/lib/boxd";
   const xdg = env.XDG_DATA_HOME || join(homedir(), ".local", "share");
   return resolve(xdg, "boxd");
 }

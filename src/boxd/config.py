@@ -1,6 +1,7 @@
 """Where boxd keeps its files, and the settings read from the environment.
 
-Layout of the data directory (``$BOXD_HOME``, default ``~/.local/share/boxd``)::
+Layout of the data directory (``$BOXD_HOME``; default ``/var/lib/boxd`` for root,
+else ``$XDG_DATA_HOME/boxd`` or ``~/.local/share/boxd``)::
 
     boxd.sock            the daemon's unix socket
     daemon.lock          one daemon per data directory
@@ -30,6 +31,10 @@ from pathlib import Path
 def _default_home() -> Path:
     if env := os.environ.get("BOXD_HOME"):
         return Path(env).expanduser()
+    if os.geteuid() == 0:
+        # A system service's place; unlike /root it is traversable by the unprivileged
+        # user QEMU drops to.
+        return Path("/var/lib/boxd")
     xdg = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(xdg) / "boxd"
 
@@ -106,7 +111,7 @@ class Paths:
         os.chmod(self.shm, 0o700)
 
 
-# Machine sizing defaults (documented in docs/machines.md).
+# Machine sizing defaults (documented in docs/design.md).
 DEFAULT_VCPUS = 1
 DEFAULT_MEMORY_MIB = 1024
 DEFAULT_DISK_GIB = 8

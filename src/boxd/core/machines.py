@@ -144,6 +144,11 @@ class Machines(MachineService):
             cmdline=image.cmdline_hint if image else "",
         )
 
+    def _owner(self) -> tuple[int, int] | None:
+        """(uid, gid) for files QEMU reopens after dropping privileges, if it does."""
+        run_as = self.host.run_as()
+        return (run_as.uid, run_as.gid) if run_as else None
+
     def _layer_path(self, layer_id: str) -> Path:
         return disks.layer_path(self.paths.disks, layer_id)
 
@@ -278,8 +283,10 @@ class Machines(MachineService):
         layer_id: str | None = None
         try:
             layer_id = self._new_layer(None, str(image.rootfs))
-            await disks.create_overlay(self._layer_path(layer_id), image.rootfs, "raw",
-                                       req.disk_gib)
+            await disks.create_overlay(
+                self._layer_path(layer_id), image.rootfs, "raw", req.disk_gib,
+                owner=self._owner(),
+            )
             self.db.execute("UPDATE machines SET layer_id=? WHERE id=?", (layer_id, machine_id))
             handle = await engine.boot(
                 self._config(row), BootDisk(self._layer_path(layer_id)),
@@ -671,7 +678,7 @@ class Machines(MachineService):
             layer_id = self._new_layer(tpl.layer_id, "")
             await disks.create_overlay(
                 self._layer_path(layer_id), self._layer_path(tpl.layer_id), "qcow2",
-                src["disk_gib"],
+                src["disk_gib"], owner=self._owner(),
             )
             t1 = time.monotonic()
             self.db.execute(
@@ -774,7 +781,7 @@ class Machines(MachineService):
             try:
                 await disks.create_overlay(
                     self._layer_path(layer_id), self._layer_path(ck["layer_id"]), "qcow2",
-                    row["disk_gib"],
+                    row["disk_gib"], owner=self._owner(),
                 )
                 self.db.execute(
                     "UPDATE machines SET layer_id=?, template_id=NULL, ram_shared=1,"
@@ -832,7 +839,7 @@ class Machines(MachineService):
                 handle = attach_machine(
                     self._config(row), self._run_dir(row["id"]), row["pid"] or 0,
                     self._layer_path(row["layer_id"]), bool(row["ram_shared"]),
-                    self._log_path(row["id"]),
+                    self._log_path(row["id"]), run_as=self.host.run_as(),
                 )
                 self.live[row["id"]] = handle
                 # A daemon killed in the middle of a fork, checkpoint or snapshot left

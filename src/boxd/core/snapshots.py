@@ -234,7 +234,8 @@ async def start_from_snapshot(
     try:
         layer_id = machines._new_layer(None, str(manifest.blob_path("disk")))
         await disks.create_overlay(
-            machines._layer_path(layer_id), manifest.blob_path("disk"), "qcow2", row["disk_gib"]
+            machines._layer_path(layer_id), manifest.blob_path("disk"), "qcow2", row["disk_gib"],
+            owner=machines._owner(),
         )
         machines.db.execute(
             "UPDATE machines SET layer_id=?, ram_shared=0 WHERE id=?", (layer_id, row["id"])

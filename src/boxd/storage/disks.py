@@ -42,8 +42,15 @@ def layer_path(disks_dir: Path, layer_id: str) -> Path:
     return disks_dir / f"{layer_id}.qcow2"
 
 
-async def create_overlay(path: Path, backing: Path, backing_format: str, size_gib: int) -> None:
-    """Create a qcow2 overlay of ``size_gib`` on ``backing`` (written to a temp name first)."""
+async def create_overlay(
+    path: Path, backing: Path, backing_format: str, size_gib: int,
+    owner: tuple[int, int] | None = None,
+) -> None:
+    """Create a qcow2 overlay of ``size_gib`` on ``backing`` (written to a temp name first).
+
+    ``owner`` (uid, gid) hands the file to the user QEMU runs as, which reopens it
+    read-write after dropping privileges.
+    """
     tmp = path.with_name(path.name + ".tmp")
     # 16 KiB clusters: a fork child's first writes (hostname, machine-id, journal) copy
     # 16 KiB per touched cluster instead of 64 KiB, so an idle child's layer stays small.
@@ -53,6 +60,8 @@ async def create_overlay(path: Path, backing: Path, backing_format: str, size_gi
         "-b", str(backing), "-F", backing_format,
         str(tmp), f"{size_gib}G",
     )
+    if owner is not None:
+        os.chown(tmp, *owner)
     os.replace(tmp, path)
 
 

@@ -18,6 +18,9 @@ CPU_MODELS = {
 # Below 64 MB the translation cache makes guest Python imports 2-4x slower (notes).
 TCG_TB_SIZE_MB = 64
 SANDBOX = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+# With -run-with user=, QEMU itself calls setuid after start-up, which the seccomp
+# filter would kill; once it runs as an unprivileged user it cannot elevate anyway.
+SANDBOX_RUN_AS = "on,obsolete=deny,elevateprivileges=allow,spawn=deny,resourcecontrol=deny"
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,7 @@ def build(
     incoming: bool,
     sandbox: bool = True,
     readonly_rom_supported: bool = True,
+    run_as: str | None = None,
 ) -> list[str]:
     """The full argv of one machine's QEMU process."""
     mem_opts = [
@@ -127,6 +131,9 @@ def build(
         ]
     if incoming:
         argv += ["-incoming", "defer"]
+    if run_as:
+        # Open every file and socket as the daemon's user, then drop to run_as.
+        argv += ["-run-with", f"user={run_as}"]
     if sandbox:
-        argv += ["-sandbox", SANDBOX]
+        argv += ["-sandbox", SANDBOX_RUN_AS if run_as else SANDBOX]
     return argv

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from boxd.engine.agent import AgentClient
@@ -23,14 +25,24 @@ STATE_FILE = "state"
 MEM_FILE = "mem"
 
 
+@dataclass(frozen=True)
+class RunAs:
+    """The unprivileged user QEMU drops to after opening its files (daemon run as root)."""
+
+    user: str
+    uid: int
+    gid: int
+
+
 class QemuMachine:
     """A live QEMU machine: its process, QMP, agent channel and RAM backing."""
 
     def __init__(
         self, config: MachineConfig, process: QemuProcess, files: _argv.RunFiles,
-        disk: Path, ram_shared: bool,
+        disk: Path, ram_shared: bool, run_as: RunAs | None = None,
     ) -> None:
         self.config = config
+        self.run_as = run_as
         self.process = process
         self.files = files
         self.disk = disk
@@ -154,6 +166,9 @@ class QemuMachine:
         The machine is left paused; call ``resume``.
         """
         dest_dir.mkdir(parents=True, exist_ok=True)
+        if self.run_as is not None:
+            # QEMU writes the state file itself, as its unprivileged user.
+            os.chown(dest_dir, self.run_as.uid, self.run_as.gid)
         state = dest_dir / STATE_FILE
         if self._ram_shared:
             caps = [{"capability": "x-ignore-shared", "state": True},
@@ -189,10 +204,14 @@ class QemuEngine:
 
     name = "qemu"
 
-    def __init__(self, qemu: str, accel: AccelChoice, *, readonly_rom: bool = True) -> None:
+    def __init__(
+        self, qemu: str, accel: AccelChoice, *, readonly_rom: bool = True,
+        run_as: RunAs | None = None,
+    ) -> None:
         self.qemu = qemu
         self.accel = accel
         self.readonly_rom = readonly_rom
+        self.run_as = run_as
 
     @property
     def accelerator(self) -> str:
@@ -214,6 +233,7 @@ class QemuEngine:
             qemu=self.qemu, config=config, accel=self.accel.accelerator, files=files,
             disk=disk, memory=memory, console_log=log_path.with_name("console.log"),
             incoming=incoming, readonly_rom_supported=self.readonly_rom,
+            run_as=self.run_as.user if self.run_as else None,
         )
         for stale in (files.qmp, files.agent, files.pidfile):
             stale.unlink(missing_ok=True)
@@ -227,7 +247,9 @@ class QemuEngine:
         files = _argv.RunFiles(run_dir)
         memory = _argv.Memory(files.mem, shared=True)
         proc = self._spawn(config, disk.path, files, memory, log_path, incoming=False)
-        machine = QemuMachine(config, proc, files, disk.path, ram_shared=True)
+        machine = QemuMachine(
+            config, proc, files, disk.path, ram_shared=True, run_as=self.run_as
+        )
         await proc.qmp()
         return machine
 
@@ -251,7 +273,9 @@ class QemuEngine:
             memory = _argv.Memory(image.mem_path, shared=False, readonly=True)
             caps = [{"capability": "x-ignore-shared", "state": True}]
         proc = self._spawn(config, disk.path, files, memory, log_path, incoming=True)
-        machine = QemuMachine(config, proc, files, disk.path, ram_shared=memory.shared)
+        machine = QemuMachine(
+            config, proc, files, disk.path, ram_shared=memory.shared, run_as=self.run_as
+        )
         try:
             t1 = time.monotonic()
             await proc.qmp()
@@ -274,7 +298,7 @@ class QemuEngine:
 
 def attach(
     config: MachineConfig, run_dir: Path, pid: int, disk: Path, ram_shared: bool,
-    log_path: Path,
+    log_path: Path, run_as: RunAs | None = None,
 ) -> QemuMachine:
     """Find a machine's QEMU process again after a daemon restart (no engine needed).
 
@@ -288,4 +312,4 @@ def attach(
             hint="delete it and create it again", machine=config.id,
         )
     proc = QemuProcess(config.id, pid, files.qmp, log_path)
-    return QemuMachine(config, proc, files, disk, ram_shared=ram_shared)
+    return QemuMachine(config, proc, files, disk, ram_shared=ram_shared, run_as=run_as)
