@@ -28,9 +28,10 @@ from pathlib import Path
 
 from boxd.config import Paths
 from boxd.errors import HostSetupError
+from boxd.storage._files import fsync_dir, write_atomic
 
 from . import _apt, _initramfs, _kernel, _rootfs
-from ._util import Progress, fsync_dir, fsync_tree, write_atomic
+from ._util import Progress, fsync_tree
 
 BUILDER_VERSION = "1"
 CACHE_ENV = "BOXD_IMAGE_CACHE"

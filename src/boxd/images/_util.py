@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from boxd.errors import HostSetupError
+from boxd.storage._files import fsync_dir, fsync_path
 
 Progress = Callable[[str, float | None], None]
 
@@ -67,15 +68,6 @@ def run(
     return proc.stdout
 
 
-def fsync_dir(path: Path) -> None:
-    """fsync a directory so a rename inside it is durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def fsync_tree(root: Path) -> None:
     """fsync every regular file and directory under ``root`` (not the rootfs contents)."""
     for dirpath, _dirs, files in os.walk(root):
@@ -83,20 +75,5 @@ def fsync_tree(root: Path) -> None:
             p = Path(dirpath) / name
             if p.is_symlink() or not p.is_file():
                 continue
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_path(p)
         fsync_dir(Path(dirpath))
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temp file + fsync + rename."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
