@@ -87,7 +87,9 @@ test("target: options, then BOXD_URL/BOXD_API_KEY, else the unix socket of the d
   assert.equal(local.socketPath, "/tmp/bx/boxd.sock");
   assert.equal(local.apiKey, null);
   const xdg = sdk.resolveTarget({}, { XDG_DATA_HOME: "/tmp/xdg" });
-  assert.equal(xdg.socketPath, "/tmp/xdg/boxd/boxd.sock");
+  // as the Python side: root's data directory is /var/lib/boxd, others' follow XDG
+  const expected = process.getuid() === 0 ? "/var/lib/boxd/boxd.sock" : "/tmp/xdg/boxd/boxd.sock";
+  assert.equal(xdg.socketPath, expected);
   const env = sdk.resolveTarget({}, { BOXD_URL: "http://127.0.0.1:7070/", BOXD_API_KEY: "boxd_k" });
   assert.deepEqual([env.baseUrl, env.socketPath, env.apiKey], ["http://127.0.0.1:7070", null, "boxd_k"]);
   const explicit = sdk.resolveTarget({ baseUrl: "http://h:1", apiKey: "a" }, { BOXD_URL: "http://x:2", BOXD_API_KEY: "b" });
