@@ -162,4 +162,4 @@ def test_interrupted_save_leaves_nothing_after_restart(daemon, client, machine) 
     assert list((store / "staging").iterdir()) == []
     assert set((store / "blobs" / "sha256").iterdir()) == blobs_before
     # the machine was paused mid-capture; after the restart it runs again
-    assert client.machines.exec(machine.id, "echo alive").stdout == "alive\n"
+    assert client.machines.exec(machine.id, "echo alive", timeout=60).stdout == "alive\n"

@@ -58,6 +58,8 @@ log = logging.getLogger("boxd.core")
 
 # Backing chains longer than this are collapsed in the background (see `_collapse`).
 MAX_CHAIN = 8
+# Seconds past an exec's own timeout before the host gives up on a silent guest.
+HOST_GRACE = 30.0
 
 S = MachineState
 
@@ -342,8 +344,19 @@ class Machines(MachineService):
         row = self._row(account, ref)
         agent = await self._agent_call(row)
         self._bump(row["id"])
+        # The guest enforces the timeout; the host deadline only catches a guest that
+        # stopped answering altogether (a VM left paused, a hung kernel).
+        deadline = req.timeout + HOST_GRACE if req.timeout else None
         try:
-            out = await agent.run(req.command, **self._exec_kwargs(req))
+            out = await asyncio.wait_for(
+                agent.run(req.command, **self._exec_kwargs(req)), timeout=deadline
+            )
+        except TimeoutError as exc:
+            raise MachineFailed(
+                f"machine {row['name']!r} stopped answering: the command's {req.timeout}s "
+                f"timeout passed {HOST_GRACE:.0f}s ago with no word from the guest",
+                machine=row["name"], hint="check `boxd machine info`; delete and recreate it",
+            ) from exc
         except MachineFailed:
             await self._live(row)  # reports a dead VM as failed
             raise
@@ -843,7 +856,9 @@ class Machines(MachineService):
                 )
                 self.live[row["id"]] = handle
                 # A daemon killed in the middle of a fork, checkpoint or snapshot left
-                # the machine paused: let it run again.
+                # the machine paused, maybe with its capture still streaming: cancel
+                # that (it would stop the VM again when it completes), then resume.
+                await handle.cancel_migration()
                 status = (await handle.process.execute("query-status")).get("status")
                 if status in ("paused", "postmigrate", "finish-migrate"):
                     log.info("machine=%s event=resumed_after_restart was=%s", row["id"], status)

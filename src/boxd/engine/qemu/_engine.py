@@ -22,6 +22,7 @@ from boxd.storage.memory import sparse_copy
 log = logging.getLogger("boxd.engine")
 
 STATE_FILE = "state"
+_MIGRATING = {"setup", "active", "device", "pre-switchover", "cancelling", "wait-unplug"}
 MEM_FILE = "mem"
 
 
@@ -103,6 +104,18 @@ class QemuMachine:
                     raise self._failed() from None
                 raise
             return self._agent
+
+    async def cancel_migration(self, timeout: float = 30.0) -> None:
+        """Cancel an outgoing migration left running (a capture whose daemon died)."""
+        info = await self.process.execute("query-migrate")
+        if info.get("status") not in _MIGRATING:
+            return
+        await self.process.execute("migrate_cancel")
+        deadline = time.monotonic() + timeout
+        while (await self.process.execute("query-migrate")).get("status") in _MIGRATING:
+            if time.monotonic() > deadline:
+                raise InternalError(f"could not cancel the migration of {self.config.id}")
+            await asyncio.sleep(0.05)
 
     async def pause(self) -> None:
         await self.process.execute("stop")
