@@ -224,24 +224,24 @@ class Machines(MachineService):
 
     # ------------------------------------------------------------- live handle
 
+    @staticmethod
+    def _failed(row: sqlite3.Row, reason: str) -> MachineFailed:
+        return MachineFailed(
+            f"machine {row['name']!r} failed: {reason}", machine=row["name"],
+            hint=f"delete it (`boxd machine delete {row['name']}`) and create it again",
+        )
+
     async def _live(self, row: sqlite3.Row) -> QemuMachine:
         """The running VM of a machine record, or a MachineFailed (and the record says so)."""
-        state = row["state"]
-        if state == S.FAILED.value:
-            raise MachineFailed(
-                f"machine {row['name']!r} failed: {row['error']}", machine=row["name"],
-                hint=f"delete it (`boxd machine delete {row['name']}`) and create it again",
-            )
+        if row["state"] == S.FAILED.value:
+            raise self._failed(row, row["error"])
         handle = self.live.get(row["id"])
         if handle is None or not handle.alive():
             reason = handle.exit_reason() if handle else "its VM process is not running"
             self._set_state(row["id"], S.FAILED, reason)
             if handle is not None:
                 await handle.detach()
-            raise MachineFailed(
-                f"machine {row['name']!r} failed: {reason}", machine=row["name"],
-                hint=f"delete it (`boxd machine delete {row['name']}`) and create it again",
-            )
+            raise self._failed(row, reason)
         return handle
 
     async def _agent_call(self, row: sqlite3.Row, timeout: float = 120.0) -> Any:
@@ -251,11 +251,7 @@ class Machines(MachineService):
         except MachineFailed as exc:
             if not handle.alive():
                 self._set_state(row["id"], S.FAILED, handle.exit_reason())
-                raise MachineFailed(
-                    f"machine {row['name']!r} failed: {handle.exit_reason()}",
-                    machine=row["name"],
-                    hint=f"delete it (`boxd machine delete {row['name']}`) and create it again",
-                ) from exc
+                raise self._failed(row, handle.exit_reason()) from exc
             raise
         if row["state"] == S.STARTING.value:
             # First answer after a cold boot: give the machine its own machine-id, a
