@@ -485,14 +485,46 @@ def test_file_errors(guest: Guest) -> None:
 
 
 def test_identity(guest: Guest) -> None:
+    # The layout the guest's init makes: /etc/{hostname,machine-id} link into /run/boxd.
+    etc, run = guest.sysroot / "etc", guest.sysroot / "run/boxd"
+    etc.mkdir(parents=True)
+    run.mkdir(parents=True)
+    for name in ("hostname", "machine-id"):
+        (etc / name).symlink_to(f"../run/boxd/{name}")
+
     async def body(c: AgentClient) -> None:
         await c.identity(
             hostname="fork-1", machine_id="ab" * 16, seed=os.urandom(64), now=time.time()
         )
-        assert (guest.sysroot / "etc/hostname").read_text() == "fork-1\n"
-        assert (guest.sysroot / "etc/machine-id").read_text() == "ab" * 16 + "\n"
+        assert (etc / "hostname").read_text() == "fork-1\n"
+        assert (etc / "machine-id").read_text() == "ab" * 16 + "\n"
+        assert (etc / "machine-id").is_symlink()  # the link itself is left alone
+        assert (run / "machine-id").stat().st_mode & 0o777 == 0o444
         with pytest.raises(InvalidRequest):
             await c.identity(hostname="x", machine_id="xyz", seed=b"", now=time.time())
+
+    with_client(guest, body)
+
+
+def test_identity_on_an_image_without_links(guest: Guest) -> None:
+    # Images older than protocol 1.1 have regular /etc files: they are replaced in place.
+    etc = guest.sysroot / "etc"
+    etc.mkdir(parents=True)
+    (etc / "hostname").write_text("old\n")
+
+    async def body(c: AgentClient) -> None:
+        await c.identity(hostname="fork-2", machine_id="cd" * 16, seed=b"", now=time.time())
+        assert (etc / "hostname").read_text() == "fork-2\n"
+        assert not (etc / "hostname").is_symlink()
+        assert (etc / "machine-id").read_text() == "cd" * 16 + "\n"
+
+    with_client(guest, body)
+
+
+def test_sync(guest: Guest) -> None:
+    async def body(c: AgentClient) -> None:
+        await c.sync()
+        assert await c.ping() > 0
 
     with_client(guest, body)
 

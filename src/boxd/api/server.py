@@ -73,11 +73,15 @@ def setup_logging(path: Path) -> logging.Handler:
     """
     handler = logging.FileHandler(path, encoding="utf-8")
     handler.setFormatter(JsonLineFormatter())
+    # BOXD_LOG_LEVEL=debug adds per-phase timings (fork, start, capture) to the log.
+    level = logging.getLevelName(os.environ.get("BOXD_LOG_LEVEL", "info").upper())
+    if not isinstance(level, int):
+        level = logging.INFO
     for name in _LOGGERS:
         logger = logging.getLogger(name)
         logger.handlers = [h for h in logger.handlers if not isinstance(h, logging.FileHandler)]
         logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
+        logger.setLevel(level)
         logger.propagate = False  # keep the terminal quiet
     return handler
 

@@ -640,7 +640,7 @@ class Machines(MachineService):
         """
         try:
             agent = await handle.agent(timeout=30)
-            await agent.run(["sync"], timeout=60)
+            await agent.sync(timeout=60)
         except BoxdError as exc:
             log.warning("machine=%s event=sync_failed error=%s", handle.config.id, exc)
 
@@ -717,7 +717,9 @@ class Machines(MachineService):
         return await self.get(account, row["id"])
 
     async def _set_identity(self, machine_id: str, hostname: str, handle: QemuMachine) -> None:
+        t0 = time.monotonic()
         agent = await handle.agent(timeout=60)
+        log.debug("machine=%s event=agent_connected after=%.3f", machine_id, time.monotonic() - t0)
         await agent.identity(
             hostname=hostname, machine_id=secrets.token_hex(16), seed=os.urandom(64),
             now=time.time(),

@@ -657,6 +657,20 @@ class AgentClient:
             P.OP_IDENTITY, hostname=hostname, machine_id=machine_id, seed=_b64(seed), now=now
         )
 
+    async def sync(self, timeout: float = 60.0) -> None:
+        """Write the guest's dirty page cache to its disk (``sync(2)``).
+
+        Agents from protocol 1.1 do it themselves; older ones run the ``sync`` command.
+
+        Raises:
+            MachineFailed: the connection was lost or the guest did not finish in time.
+        """
+        minor = self.agent_version.partition(".")[2]
+        if minor.isdigit() and int(minor) >= 1:
+            await self._call(P.OP_SYNC, timeout=timeout)
+        else:
+            await self.run(["sync"], timeout=timeout)
+
     async def kill(self, exec_id: int, signal: int = 9) -> bool:
         """Signal the process group of a running exec; False when it already finished."""
         try:

@@ -52,6 +52,7 @@ WRITE_STALL_LIMIT = 30.0  # seconds a connected but non-reading host may stall o
 EXIT_DRAIN_IDLE = 0.25  # after the command exits, stop reading its pipes after this much quiet
 EXIT_DRAIN_MAX = 2.0  # ... or after this long (background children may hold the pipes)
 UNCLAIMED_TTL = 120.0
+IDLE_WAIT = 60.0  # seconds an idle loop sleeps between checks (it is woken for real work)
 RNDADDENTROPY = 0x40085203
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -124,7 +125,7 @@ class Channel:
             try:
                 p = select.poll()
                 p.register(fd, select.POLLIN)
-                events = p.poll(1000)
+                events = p.poll(int(IDLE_WAIT * 1000))
             except (OSError, ValueError):
                 self.on_eof()
                 continue
@@ -291,7 +292,10 @@ class Reaper:
             try:
                 pid, status = os.waitpid(-1, 0)
             except ChildProcessError:
-                self.wake.wait(1.0)
+                # No children: sleep until register() announces one. (The timeout is
+                # only a safety net; a busy wake-up here would be guest code that every
+                # fork child must translate again under TCG, and idle CPU for nothing.)
+                self.wake.wait(IDLE_WAIT)
                 self.wake.clear()
                 continue
             except Exception as exc:
@@ -477,6 +481,12 @@ class Agent:
 
     def op_ping(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
         self.reply(req_id, conn, time=time.time())
+
+    def op_sync(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
+        # In this thread, not a `sync` process: a fork template captured right after
+        # leaves no exiting process or thread behind for every child to finish.
+        os.sync()
+        self.reply(req_id, conn)
 
     # ---- exec
 
@@ -913,10 +923,10 @@ class Agent:
         if hostname is not None:
             if not sysroot:
                 socket.sethostname(hostname)
-            self.write_etc(sysroot, "etc/hostname", hostname + "\n")
+            self.write_identity(sysroot, "hostname", hostname + "\n", 0o644)
             done.append("hostname")
         if machine_id is not None:
-            self.write_etc(sysroot, "etc/machine-id", machine_id + "\n")
+            self.write_identity(sysroot, "machine-id", machine_id + "\n", 0o444)
             done.append("machine_id")
         self.reply(req_id, conn, applied=done)
 
@@ -940,17 +950,26 @@ class Agent:
             os.close(fd)
 
     @staticmethod
-    def write_etc(sysroot: str | None, rel: str, text: str) -> None:
-        path = os.path.join(sysroot or "/", rel)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+    def write_identity(sysroot: str | None, name: str, text: str, mode: int) -> None:
+        """Replace one identity file: ``IDENTITY_DIR/name``, which /etc/name links to.
+
+        Plain os calls on tmpfs: identity is on the fork's critical path, and a fresh
+        child under TCG pays to translate every guest code path it runs first (an ext4
+        create + rename-over costs ~8k translation blocks, this a few hundred). A guest
+        whose /etc/name is a regular file (an image from before protocol 1.1) gets it
+        rewritten in place instead.
+        """
+        root = sysroot or "/"
+        etc = os.path.join(root, "etc", name)
+        linked = os.path.islink(etc)
+        path = os.path.join(root, P.IDENTITY_DIR.lstrip("/"), name) if linked else etc
         tmp = path + ".boxd-tmp"
-        # No fsync: identity is on the fork's critical path, and a fresh child under TCG
-        # pays to translate every kernel path it runs first (an fsync's block layer
-        # costs ~0.2 s). The rename is atomic; the page cache is written back later,
-        # and a fork or snapshot of this machine captures that cache with its memory.
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o444 if rel.endswith("machine-id") else 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+        try:
+            os.write(fd, text.encode())
+            os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
         os.rename(tmp, path)
 
 

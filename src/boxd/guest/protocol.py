@@ -8,7 +8,7 @@ backward-compatible additions and ``PROTOCOL_MAJOR`` for anything else.
 from __future__ import annotations
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 0
+PROTOCOL_MINOR = 1
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
 
 #: Name of the virtio-serial port (``-device virtserialport,name=...``).
@@ -22,6 +22,10 @@ EXEC_CHUNK = 64 * 1024  # bytes read from a command's stdout/stderr at a time
 FILE_CHUNK = 1024 * 1024  # bytes per file chunk, both directions
 
 DEFAULT_CWD = "/home/boxd"
+#: Per-instance identity files (hostname, machine-id) live on tmpfs; the guest's init links
+#: /etc/hostname and /etc/machine-id to them (1.1). Writing them costs no disk I/O, which
+#: matters on a fork's critical path, and every start (boot, fork, restore) sets them anew.
+IDENTITY_DIR = "/run/boxd"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DEFAULT_ENV = {
     "PATH": DEFAULT_PATH,
@@ -41,6 +45,7 @@ OP_WRITE = "write"
 OP_READ = "read"
 OP_STAT = "stat"
 OP_IDENTITY = "identity"
+OP_SYNC = "sync"  # 1.1: flush the guest page cache to disk (in the agent, no process)
 
 # Events (agent -> host, field "ev"). RESULT and ERROR end a request.
 EV_STARTED = "started"  # exec: the process is running (pid)

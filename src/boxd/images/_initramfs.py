@@ -48,7 +48,9 @@ while [ ! -b /dev/vda ]; do
   [ "$i" -gt 500 ] && die "no root disk /dev/vda after 5 s"
   usleep 10000
 done
-mount -t ext4 -o rw /dev/vda /newroot || die "cannot mount /dev/vda"
+# noinit_itable: no ext4lazyinit thread zeroing inode tables in the background (after
+# an online grow that is minutes of TCG time, repeated by every fork child).
+mount -t ext4 -o rw,noinit_itable /dev/vda /newroot || die "cannot mount /dev/vda"
 
 R=/newroot
 mkdir -p $R/proc $R/sys $R/dev $R/run $R/tmp
@@ -66,7 +68,13 @@ for word in $cmdline; do
   case "$word" in boxd.hostname=?*) host="${word#boxd.hostname=}";; esac
 done
 hostname "$host"
-echo "$host" > $R/etc/hostname
+# Identity files live on tmpfs (the agent rewrites them on every fork and restore).
+mkdir -p $R/run/boxd
+for f in hostname machine-id; do
+  [ -L $R/etc/$f ] || { rm -f $R/etc/$f; ln -s ../run/boxd/$f $R/etc/$f; }
+done
+echo "$host" > $R/run/boxd/hostname
+: > $R/run/boxd/machine-id
 
 ip link set lo up
 if [ -e /sys/class/net/eth0 ]; then
@@ -86,7 +94,6 @@ if [ "$disk_bytes" -gt "$fs_bytes" ]; then
   chroot $R /sbin/resize2fs /dev/vda >/dev/null 2>&1 || log "resize2fs failed"
 fi
 
-mkdir -p $R/run/boxd
 cp /boxd/*.py $R/run/boxd/ 2>/dev/null
 [ -f $R/run/boxd/agent.py ] || die "no agent in the initramfs"
 
