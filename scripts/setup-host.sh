@@ -18,7 +18,9 @@ qemu_ok() {
   [ "${1:-0}" -gt 8 ] || { [ "${1:-0}" -eq 8 ] && [ "${2:-0}" -ge 2 ]; }
 }
 
-need_pkgs=(qemu-utils mmdebstrap e2fsprogs cpio kmod xz-utils zstd ca-certificates python3-venv)
+# gcc + libc6-dev: the guest's boxd-init (guest/init.c) is compiled, statically, at image build.
+need_pkgs=(qemu-utils mmdebstrap e2fsprogs cpio kmod xz-utils zstd ca-certificates python3-venv
+           gcc libc6-dev)
 find_missing() {
   missing=()
   for p in "${need_pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done

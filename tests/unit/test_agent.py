@@ -27,8 +27,15 @@ import pytest
 
 import boxd.guest.agent as agent_module
 from boxd.engine.agent import AgentClient, ExecExit, ExecOutput
-from boxd.errors import GuestFileNotFound, HostSetupError, InvalidRequest, MachineFailed
+from boxd.errors import (
+    GuestFileNotFound,
+    HostSetupError,
+    InternalError,
+    InvalidRequest,
+    MachineFailed,
+)
 from boxd.guest import protocol as P
+from boxd.images._initramfs import INIT_SOURCE, compile_init
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -147,30 +154,44 @@ class FakeQemu:
                             self._close_host()
 
 
-class Guest:
-    """A running agent process behind a FakeQemu."""
+_INIT_BINARY: list[Path] = []
 
-    def __init__(self, tmp: Path, *, hup: bool = False) -> None:
+
+def init_binary(tmp_factory: pytest.TempPathFactory) -> Path:
+    """boxd-init compiled from guest/init.c, once per test session."""
+    if not _INIT_BINARY:
+        try:
+            data = compile_init((AGENT.parent / INIT_SOURCE).read_bytes())
+        except HostSetupError as exc:
+            pytest.skip(f"boxd-init cannot be built here ({exc.message}); the integration "
+                        "tests still run it as every guest's PID 1")
+        path = tmp_factory.mktemp("init") / "boxd-init"
+        path.write_bytes(data)
+        path.chmod(0o755)
+        _INIT_BINARY.append(path)
+    return _INIT_BINARY[0]
+
+
+class Guest:
+    """A running agent behind a FakeQemu: agent.py alone, or boxd-init in front of it."""
+
+    def __init__(self, tmp: Path, *, hup: bool = False, init: Path | None = None) -> None:
         self.tmp = tmp
         self.qemu = FakeQemu(tmp, hup=hup)
         self.home = tmp / "home"
         self.sysroot = tmp / "sysroot"
         self.log_path = tmp / "agent.log"
         self.log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                str(AGENT),
-                "--connect",
-                str(self.qemu.guest_path),
-                "--default-cwd",
-                str(self.home),
-                "--sysroot",
-                str(self.sysroot),
-            ],
-            stdout=self.log,
-            stderr=self.log,
-        )
+        self.init = init
+        agent_args = ["--default-cwd", str(self.home), "--sysroot", str(self.sysroot)]
+        if init is None:
+            argv = [sys.executable, str(AGENT), "--connect", str(self.qemu.guest_path),
+                    *agent_args]
+        else:
+            argv = [str(init), "--connect", str(self.qemu.guest_path),
+                    "--sysroot", str(self.sysroot), "--python", sys.executable,
+                    "--agent", str(AGENT), "--", *agent_args]
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=self.log)
 
     @property
     def socket_path(self) -> Path:
@@ -186,17 +207,36 @@ class Guest:
         self.log.close()
 
 
-@pytest.fixture
-def guest(tmp_path: Path) -> Iterator[Guest]:
-    g = Guest(tmp_path)
+FRONTS = ["agent.py", "boxd-init"]  # every agent test runs against both front ends
+
+
+def _front(request: pytest.FixtureRequest, tmp_factory: pytest.TempPathFactory) -> Path | None:
+    return init_binary(tmp_factory) if request.param == "boxd-init" else None
+
+
+@pytest.fixture(params=FRONTS)
+def guest(
+    request: pytest.FixtureRequest, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Guest]:
+    g = Guest(tmp_path, init=_front(request, tmp_path_factory))
     yield g
     g.stop()
     print(g.log_path.read_text(errors="replace")[-4000:])  # shown when a test fails
 
 
+@pytest.fixture(params=FRONTS)
+def hup_guest(
+    request: pytest.FixtureRequest, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Guest]:
+    g = Guest(tmp_path, hup=True, init=_front(request, tmp_path_factory))
+    yield g
+    g.stop()
+    print(g.log_path.read_text(errors="replace")[-4000:])
+
+
 @pytest.fixture
-def hup_guest(tmp_path: Path) -> Iterator[Guest]:
-    g = Guest(tmp_path, hup=True)
+def init_guest(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Guest]:
+    g = Guest(tmp_path, init=init_binary(tmp_path_factory))
     yield g
     g.stop()
     print(g.log_path.read_text(errors="replace")[-4000:])
@@ -258,12 +298,14 @@ def test_agent_ignores_garbage(guest: Guest) -> None:
         reader, writer = await asyncio.open_unix_connection(str(guest.socket_path))
         writer.write(b'not json\n{"id": "x"}\n[1]\n{"id":5,"op":"nope"}\n{"id":6,"op":"ping"}\n')
         await writer.drain()
-        msg = json.loads(await asyncio.wait_for(reader.readline(), 15))
-        assert msg["id"] == "x" and msg["ev"] == "error"  # answered, not fatal
-        msg = json.loads(await asyncio.wait_for(reader.readline(), 15))
-        assert msg == {**msg, "id": 5, "ev": "error", "code": P.ERR_UNKNOWN_OP}
-        msg = json.loads(await asyncio.wait_for(reader.readline(), 15))
-        assert msg["id"] == 6 and msg["ev"] == "result"
+        # Replies match requests by id, not by order (boxd-init answers ping itself).
+        got = {}
+        for _ in range(3):
+            msg = json.loads(await asyncio.wait_for(reader.readline(), 15))
+            got[msg["id"]] = msg
+        assert got["x"]["ev"] == "error"  # answered, not fatal
+        assert got[5] == {**got[5], "ev": "error", "code": P.ERR_UNKNOWN_OP}
+        assert got[6]["ev"] == "result"
         writer.close()
 
     run(body())
@@ -589,6 +631,60 @@ def test_agent_survives_writes_without_host(guest: Guest) -> None:
             await c.close()
 
     run(body())
+
+
+# ------------------------------------------------------------------------ boxd-init
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(x) for x in text.split()]
+
+
+def test_init_answers_hello_itself_and_relays_the_rest(init_guest: Guest) -> None:
+    async def body(c: AgentClient) -> None:
+        assert c.agent_pid == init_guest.proc.pid  # hello came from boxd-init
+        assert c.agent_version == P.PROTOCOL_VERSION
+        out = await c.run("echo $PPID")  # exec went through to agent.py
+        assert int(out.stdout) in _children(init_guest.proc.pid)
+
+    with_client(init_guest, body)
+
+
+def test_init_restarts_a_killed_agent(init_guest: Guest) -> None:
+    async def body(c: AgentClient) -> None:
+        assert (await c.run("true")).exit_code == 0
+        (agent_pid,) = _children(init_guest.proc.pid)
+        os.kill(agent_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while True:  # requests in the gap fail clearly, then work again
+            try:
+                out = await c.run("echo back")
+                break
+            except InternalError as exc:
+                assert "restart" in exc.message
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+        assert out.stdout == b"back\n"
+        assert _children(init_guest.proc.pid) != [agent_pid]
+        assert await c.ping() > 0  # the host connection never dropped
+
+    with_client(init_guest, body)
+
+
+def test_init_fails_requests_a_dead_agent_held(init_guest: Guest) -> None:
+    async def body(c: AgentClient) -> None:
+        task = asyncio.ensure_future(c.run("sleep 30"))
+        await asyncio.sleep(0.5)
+        (agent_pid,) = _children(init_guest.proc.pid)
+        os.kill(agent_pid, signal.SIGKILL)
+        with pytest.raises(InternalError, match="lost"):
+            await asyncio.wait_for(task, 10)  # an error at once, not a 30 s wait
+
+    with_client(init_guest, body)
 
 
 def test_protocol_constants() -> None:

@@ -274,6 +274,27 @@ class SocketChannel(Channel):
         time.sleep(RETRY_SLEEP)
 
 
+class RelayChannel(Channel):
+    """The socketpair to boxd-init (init.c), which owns the host connection.
+
+    boxd-init answers hello, ping, identity and sync itself and relays every other line
+    here; a hello with a new nonce tells this agent that the host connection changed.
+    """
+
+    def __init__(self, fd: int) -> None:
+        super().__init__()
+        self.relay_fd = fd
+
+    def open(self) -> None:
+        os.set_blocking(self.relay_fd, False)
+        with self.lock:
+            self.fd = self.relay_fd
+
+    def on_eof(self) -> None:
+        log("boxd-init closed the relay; exiting")
+        os._exit(1)
+
+
 # --------------------------------------------------------------------------- reaping
 
 
@@ -988,6 +1009,9 @@ def set_subreaper() -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="boxd guest agent")
     parser.add_argument("--connect", metavar="UNIX_SOCKET", help="serve over a unix socket (tests)")
+    parser.add_argument(
+        "--relay-fd", type=int, metavar="FD", help="serve behind boxd-init on this socket fd"
+    )
     parser.add_argument("--port", default=P.PORT_NAME, help="virtio-serial port name")
     parser.add_argument("--default-cwd", default=P.DEFAULT_CWD)
     parser.add_argument(
@@ -996,14 +1020,21 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     pid1 = os.getpid() == 1
-    if pid1:
-        # PID 1 must survive stray TERM/INT. A no-op handler (not SIG_IGN) so that commands
-        # we start get the default disposition back on exec.
+    if pid1 or args.relay_fd is not None:
+        # PID 1 (or the agent behind it) must survive stray TERM/INT (`pkill python3` in a
+        # guest). A no-op handler (not SIG_IGN) so that commands we start get the default
+        # disposition back on exec.
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda *_: None)
-    else:
+    if not pid1:
         set_subreaper()
-    channel: Channel = SocketChannel(args.connect) if args.connect else VirtioChannel(args.port)
+    channel: Channel
+    if args.relay_fd is not None:
+        channel = RelayChannel(args.relay_fd)
+    elif args.connect:
+        channel = SocketChannel(args.connect)
+    else:
+        channel = VirtioChannel(args.port)
     agent = Agent(channel, args)
     log(f"boxd agent {P.PROTOCOL_VERSION} started (pid {os.getpid()})")
     while True:

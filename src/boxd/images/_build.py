@@ -325,7 +325,8 @@ def _with_initrd(image_dir: Path, guest_dir: Path, report: Progress) -> GuestIma
     initrd = image_dir / f"initrd-{ikey}.img"
     if not initrd.exists():
         report("build initramfs", 0.99)
-        data = _initramfs.build_initramfs(busybox, _modules_of(image_dir), agent)
+        files = _initramfs.with_init_binary(agent)
+        data = _initramfs.build_initramfs(busybox, _modules_of(image_dir), files)
         write_atomic(initrd, data)
     report("image ready", 1.0)
     return _image(image_dir, info, initrd, ikey)

@@ -8,10 +8,19 @@ from __future__ import annotations
 
 import hashlib
 import io
+import shutil
 import stat
+import subprocess
+import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+from boxd.errors import HostSetupError
+
+#: The guest's PID 1 in front of the Python agent, compiled from ``guest/init.c``.
+INIT_SOURCE = "init.c"
+INIT_BINARY = "boxd-init"
 
 # The /init script. Kept in one place so its text is part of the initramfs cache key.
 INIT_SCRIPT = r"""#!/bin/busybox sh
@@ -96,12 +105,17 @@ fi
 
 cp /boxd/*.py $R/run/boxd/ 2>/dev/null
 [ -f $R/run/boxd/agent.py ] || die "no agent in the initramfs"
+[ -x /boxd/boxd-init ] && cp /boxd/boxd-init $R/run/boxd/
 
 umount /proc /sys /dev 2>/dev/null
 log "starting agent"
 cd $R/home/boxd 2>/dev/null
 export HOME=/root LANG=C.UTF-8 TERM=linux
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+# boxd-init answers the hot operations itself and runs agent.py behind it.
+if [ -x $R/run/boxd/boxd-init ]; then
+  exec switch_root $R /run/boxd/boxd-init < $R/dev/console > $R/dev/console 2>&1
+fi
 exec switch_root $R /usr/bin/python3 -u /run/boxd/agent.py \
   < $R/dev/console > $R/dev/console 2>&1
 """
@@ -141,10 +155,50 @@ def write_cpio(entries: Iterable[CpioEntry]) -> bytes:
 
 
 def guest_files(guest_dir: Path | None) -> dict[str, bytes]:
-    """The agent's Python files (``*.py`` of ``guest_dir``), by file name."""
+    """The agent's sources (``*.py`` and ``init.c`` of ``guest_dir``), by file name."""
     if guest_dir is None or not guest_dir.is_dir():
         return {}
-    return {p.name: p.read_bytes() for p in sorted(guest_dir.glob("*.py"))}
+    files = {p.name: p.read_bytes() for p in sorted(guest_dir.glob("*.py"))}
+    init = guest_dir / INIT_SOURCE
+    if init.exists():
+        files[INIT_SOURCE] = init.read_bytes()
+    return files
+
+
+def compile_init(source: bytes) -> bytes:
+    """Compile boxd-init (a static binary: the guest has no C library of the host's).
+
+    Raises:
+        HostSetupError: no C compiler or static C library, or the source does not build.
+    """
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise HostSetupError(
+            "no C compiler to build the guest's boxd-init",
+            hint="install gcc and libc6-dev (scripts/setup-host.sh does)",
+        )
+    with tempfile.TemporaryDirectory(prefix="boxd-init-") as tmp:
+        out = Path(tmp) / INIT_BINARY
+        proc = subprocess.run(
+            [cc, "-O2", "-std=gnu11", "-Wall", "-static", "-s", "-o", str(out), "-x", "c", "-"],
+            input=source, capture_output=True, check=False,
+        )
+        if proc.returncode != 0 or not out.exists():
+            tail = proc.stderr.decode(errors="replace").strip()[-600:]
+            raise HostSetupError(
+                f"building the guest's boxd-init failed: {tail}",
+                hint="install gcc and libc6-dev (scripts/setup-host.sh does)",
+            )
+        return out.read_bytes()
+
+
+def with_init_binary(agent: dict[str, bytes]) -> dict[str, bytes]:
+    """The files the initramfs carries: ``init.c`` compiled to ``boxd-init``."""
+    files = dict(agent)
+    source = files.pop(INIT_SOURCE, None)
+    if source is not None:
+        files[INIT_BINARY] = compile_init(source)
+    return files
 
 
 def initramfs_key(kernel_release: str, busybox: bytes, agent: dict[str, bytes]) -> str:
@@ -174,5 +228,8 @@ def build_initramfs(busybox: bytes, modules: list[tuple[str, bytes]],
     order = "".join(name + "\n" for name, _ in modules)
     entries.append(CpioEntry("lib/modules/load-order", f, order.encode()))
     entries += [CpioEntry(f"lib/modules/{name}.ko", f, data) for name, data in modules]
-    entries += [CpioEntry(f"boxd/{name}", f, data) for name, data in sorted(agent.items())]
+    entries += [
+        CpioEntry(f"boxd/{name}", x if name == INIT_BINARY else f, data)
+        for name, data in sorted(agent.items())
+    ]
     return write_cpio(entries)

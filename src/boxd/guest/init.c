@@ -1,0 +1,1044 @@
+/*
+ * boxd-init: PID 1 of a boxd guest, in front of the Python agent (agent.py).
+ *
+ * It owns the host connection (the virtio-serial port "boxd.agent") and answers the
+ * protocol's hot, small operations itself: hello, ping, identity and sync. Everything
+ * else (exec, files, stat, kill, stdin) is relayed, line by line, to the Python agent
+ * over a socketpair (agent.py --relay-fd 3), and the agent's lines are relayed back.
+ *
+ * Why: a fork child is a new QEMU process, and under TCG it must translate every guest
+ * code path it runs before running it. Answering hello + identity in CPython costs
+ * ~7k translation blocks (~0.1 s) on each child's critical path; here it costs a few
+ * hundred. With KVM the gain is smaller but real (no interpreter on the fork path).
+ *
+ * Protocol: docs/agent-protocol.md. Wire constants mirror src/boxd/guest/protocol.py
+ * (tests/unit/test_agent.py runs the agent test-suite against both front ends).
+ *
+ * Usage (guest):  boxd-init
+ * Usage (tests):  boxd-init --connect SOCK [--sysroot DIR] [--python PY] [--agent PATH]
+ *                           [-- extra agent.py arguments]
+ */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/random.h> /* RNDADDENTROPY */
+#include <poll.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
+#include <sys/types.h>
+#include <sys/un.h>
+#include <sys/utsname.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define PROTOCOL_MAJOR "1"
+#define PROTOCOL_VERSION "1.1"
+#define PORT_NAME "boxd.agent"
+#define IDENTITY_DIR "run/boxd"
+#define MAX_LINE (64L * 1024 * 1024)
+#define RETRY_MS 20
+#define WRITE_STALL_MS 30000
+#define RESTART_MS 100
+#define INTERNAL_ID "{\"id\":-1,"
+
+static const char *opt_connect;
+static const char *opt_sysroot;
+static const char *opt_python = "/usr/bin/python3";
+static const char *opt_agent = "/run/boxd/agent.py";
+static char **agent_extra;
+static int n_agent_extra;
+
+static int host_fd = -1;     /* virtio port, or the test socket */
+static int host_present;     /* bytes arrived since the last hang-up */
+static int broken_line;      /* a message to the host was cut: start the next on a new line */
+static long long host_retry_at; /* monotonic ms: poll the host again after a hang-up */
+static int py_fd = -1;       /* our end of the socketpair to agent.py */
+static pid_t py_pid = -1;
+static long long py_restart_at;
+static char cur_nonce[256];  /* nonce of the current host connection */
+static char py_nonce[256];   /* nonce agent.py last heard (it drops stale work on change) */
+static unsigned long hangups;
+static double started;
+
+/* Ids of requests relayed to agent.py and not yet ended (by a result or error event):
+   if agent.py dies they are failed at once instead of leaving the host waiting. */
+static long long *inflight;
+static size_t n_inflight, cap_inflight;
+
+static void inflight_add(long long id) {
+    for (size_t i = 0; i < n_inflight; i++)
+        if (inflight[i] == id) return;
+    if (n_inflight == cap_inflight) {
+        cap_inflight = cap_inflight ? cap_inflight * 2 : 64;
+        inflight = realloc(inflight, cap_inflight * sizeof *inflight);
+        if (!inflight) abort();
+    }
+    inflight[n_inflight++] = id;
+}
+
+static void inflight_remove(long long id) {
+    for (size_t i = 0; i < n_inflight; i++)
+        if (inflight[i] == id) {
+            inflight[i] = inflight[--n_inflight];
+            return;
+        }
+}
+
+struct buf {
+    char *p;
+    size_t start, len, cap; /* data is p[start .. start+len) */
+};
+static struct buf hbuf, pybuf, pyq;
+
+static void logf_(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "boxd-init[%d] ", (int)getpid());
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+}
+
+static long long now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static double wall(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+/* ------------------------------------------------------------------ buffers */
+
+static void buf_reserve(struct buf *b, size_t extra) {
+    if (b->start > 0 && b->start + b->len + extra > b->cap) {
+        memmove(b->p, b->p + b->start, b->len);
+        b->start = 0;
+    }
+    if (b->len + extra > b->cap) {
+        size_t cap = b->cap ? b->cap : 65536;
+        while (cap < b->len + extra) cap *= 2;
+        char *p = realloc(b->p, cap);
+        if (!p) {
+            logf_("out of memory");
+            abort();
+        }
+        b->p = p;
+        b->cap = cap;
+    }
+}
+
+static void buf_add(struct buf *b, const char *d, size_t n) {
+    buf_reserve(b, n);
+    memcpy(b->p + b->start + b->len, d, n);
+    b->len += n;
+}
+
+static void buf_drop(struct buf *b, size_t n) {
+    b->start += n;
+    b->len -= n;
+    if (b->len == 0) b->start = 0;
+}
+
+static void buf_clear(struct buf *b) { b->start = b->len = 0; }
+
+/* ------------------------------------------------------------------ JSON (flat objects) */
+
+enum jtype { J_STR, J_NUM, J_NULL, J_OTHER };
+struct jfield {
+    const char *key;
+    size_t klen;
+    enum jtype type;
+    const char *val; /* strings: the raw text between the quotes; else the value text */
+    size_t vlen;
+};
+#define MAX_FIELDS 32
+
+static const char *ws(const char *p, const char *e) {
+    while (p < e && (*p == ' ' || *p == '\t' || *p == '\r' || *p == '\n')) p++;
+    return p;
+}
+
+/* p at '"': returns the pointer after the closing quote, or NULL. */
+static const char *skip_string(const char *p, const char *e) {
+    for (p++; p < e; p++) {
+        if (*p == '\\') {
+            p++;
+        } else if (*p == '"') {
+            return p + 1;
+        }
+    }
+    return NULL;
+}
+
+static const char *skip_value(const char *p, const char *e) {
+    if (p >= e) return NULL;
+    if (*p == '"') return skip_string(p, e);
+    if (*p == '{' || *p == '[') {
+        int depth = 0;
+        while (p < e) {
+            if (*p == '"') {
+                p = skip_string(p, e);
+                if (!p) return NULL;
+                continue;
+            }
+            if (*p == '{' || *p == '[') depth++;
+            if (*p == '}' || *p == ']') {
+                if (--depth == 0) return p + 1;
+            }
+            p++;
+        }
+        return NULL;
+    }
+    const char *s = p;
+    while (p < e && *p != ',' && *p != '}' && *p != ']' && *p != ' ' && *p != '\t' &&
+           *p != '\r' && *p != '\n')
+        p++;
+    return p > s ? p : NULL;
+}
+
+/* The top-level fields of one JSON object. Returns their number, or -1 if malformed. */
+static int json_fields(const char *s, size_t n, struct jfield *f) {
+    const char *p = ws(s, s + n), *e = s + n;
+    int count = 0;
+    if (p >= e || *p != '{') return -1;
+    p = ws(p + 1, e);
+    if (p < e && *p == '}') return ws(p + 1, e) == e ? 0 : -1;
+    for (;;) {
+        if (p >= e || *p != '"') return -1;
+        const char *k = p + 1, *kend = skip_string(p, e);
+        if (!kend) return -1;
+        p = ws(kend, e);
+        if (p >= e || *p != ':') return -1;
+        p = ws(p + 1, e);
+        const char *v = p, *vend = skip_value(p, e);
+        if (!vend) return -1;
+        if (count < MAX_FIELDS) {
+            struct jfield *x = &f[count++];
+            x->key = k;
+            x->klen = (size_t)(kend - 1 - k);
+            if (*v == '"') {
+                x->type = J_STR;
+                x->val = v + 1;
+                x->vlen = (size_t)(vend - 1 - (v + 1));
+            } else {
+                x->val = v;
+                x->vlen = (size_t)(vend - v);
+                if (x->vlen == 4 && !memcmp(v, "null", 4))
+                    x->type = J_NULL;
+                else if (*v == '-' || (*v >= '0' && *v <= '9'))
+                    x->type = J_NUM;
+                else
+                    x->type = J_OTHER;
+            }
+        }
+        p = ws(vend, e);
+        if (p < e && *p == ',') {
+            p = ws(p + 1, e);
+            continue;
+        }
+        if (p < e && *p == '}') return ws(p + 1, e) == e ? count : -1;
+        return -1;
+    }
+}
+
+static const struct jfield *field(const struct jfield *f, int n, const char *key) {
+    size_t kl = strlen(key);
+    for (int i = 0; i < n; i++)
+        if (f[i].klen == kl && !memcmp(f[i].key, key, kl)) return &f[i];
+    return NULL;
+}
+
+static int hexval(char c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+}
+
+static size_t put_utf8(char *o, unsigned cp) {
+    if (cp < 0x80) {
+        o[0] = (char)cp;
+        return 1;
+    }
+    if (cp < 0x800) {
+        o[0] = (char)(0xc0 | (cp >> 6));
+        o[1] = (char)(0x80 | (cp & 0x3f));
+        return 2;
+    }
+    if (cp < 0x10000) {
+        o[0] = (char)(0xe0 | (cp >> 12));
+        o[1] = (char)(0x80 | ((cp >> 6) & 0x3f));
+        o[2] = (char)(0x80 | (cp & 0x3f));
+        return 3;
+    }
+    o[0] = (char)(0xf0 | (cp >> 18));
+    o[1] = (char)(0x80 | ((cp >> 12) & 0x3f));
+    o[2] = (char)(0x80 | ((cp >> 6) & 0x3f));
+    o[3] = (char)(0x80 | (cp & 0x3f));
+    return 4;
+}
+
+/* Unescape a J_STR field into out (NUL-terminated). Returns its length, or -1. */
+static long json_str(const struct jfield *x, char *out, size_t cap) {
+    size_t o = 0;
+    const char *p = x->val, *e = x->val + x->vlen;
+    while (p < e) {
+        if (o + 5 > cap) return -1;
+        char c = *p++;
+        if (c != '\\') {
+            out[o++] = c;
+            continue;
+        }
+        if (p >= e) return -1;
+        c = *p++;
+        switch (c) {
+        case '"': case '\\': case '/': out[o++] = c; break;
+        case 'b': out[o++] = '\b'; break;
+        case 'f': out[o++] = '\f'; break;
+        case 'n': out[o++] = '\n'; break;
+        case 'r': out[o++] = '\r'; break;
+        case 't': out[o++] = '\t'; break;
+        case 'u': {
+            unsigned cp = 0;
+            for (int i = 0; i < 4; i++) {
+                int h = p < e ? hexval(*p++) : -1;
+                if (h < 0) return -1;
+                cp = cp << 4 | (unsigned)h;
+            }
+            if (cp >= 0xd800 && cp < 0xdc00 && e - p >= 6 && p[0] == '\\' && p[1] == 'u') {
+                unsigned lo = 0;
+                for (int i = 2; i < 6; i++) {
+                    int h = hexval(p[i]);
+                    if (h < 0) return -1;
+                    lo = lo << 4 | (unsigned)h;
+                }
+                if (lo >= 0xdc00 && lo < 0xe000) {
+                    cp = 0x10000 + ((cp - 0xd800) << 10) + (lo - 0xdc00);
+                    p += 6;
+                }
+            }
+            o += put_utf8(out + o, cp);
+            break;
+        }
+        default: return -1;
+        }
+    }
+    out[o] = 0;
+    return (long)o;
+}
+
+/* Append s as a JSON string literal. */
+static void put_jstr(struct buf *b, const char *s) {
+    buf_add(b, "\"", 1);
+    for (; *s; s++) {
+        unsigned char c = (unsigned char)*s;
+        char esc[8];
+        if (c == '"' || c == '\\') {
+            esc[0] = '\\';
+            esc[1] = (char)c;
+            buf_add(b, esc, 2);
+        } else if (c < 0x20) {
+            snprintf(esc, sizeof esc, "\\u%04x", c);
+            buf_add(b, esc, 6);
+        } else {
+            buf_add(b, (const char *)&c, 1);
+        }
+    }
+    buf_add(b, "\"", 1);
+}
+
+static void put(struct buf *b, const char *fmt, ...) {
+    char tmp[512];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(tmp, sizeof tmp, fmt, ap);
+    va_end(ap);
+    if (n > 0) buf_add(b, tmp, (size_t)n < sizeof tmp ? (size_t)n : sizeof tmp - 1);
+}
+
+static int is_int(const struct jfield *x, long long *out) {
+    if (!x || x->type != J_NUM || x->vlen >= 32) return 0;
+    char tmp[32], *end;
+    memcpy(tmp, x->val, x->vlen);
+    tmp[x->vlen] = 0;
+    if (strpbrk(tmp, ".eE")) return 0;
+    errno = 0;
+    *out = strtoll(tmp, &end, 10);
+    return errno == 0 && *end == 0;
+}
+
+static int num(const struct jfield *x, double *out) {
+    if (!x || x->type != J_NUM || x->vlen >= 64) return 0;
+    char tmp[64], *end;
+    memcpy(tmp, x->val, x->vlen);
+    tmp[x->vlen] = 0;
+    *out = strtod(tmp, &end);
+    return *end == 0;
+}
+
+static long b64decode(const char *s, size_t n, unsigned char *out, size_t cap) {
+    unsigned acc = 0;
+    int bits = 0;
+    size_t o = 0;
+    for (size_t i = 0; i < n; i++) {
+        char c = s[i];
+        int v;
+        if (c >= 'A' && c <= 'Z') v = c - 'A';
+        else if (c >= 'a' && c <= 'z') v = c - 'a' + 26;
+        else if (c >= '0' && c <= '9') v = c - '0' + 52;
+        else if (c == '+') v = 62;
+        else if (c == '/') v = 63;
+        else if (c == '=') break;
+        else continue; /* like Python's b64decode(validate=False): skip the rest */
+        acc = acc << 6 | (unsigned)v;
+        bits += 6;
+        if (bits >= 8) {
+            bits -= 8;
+            if (o >= cap) return -1;
+            out[o++] = (unsigned char)(acc >> bits);
+        }
+    }
+    return (long)o;
+}
+
+/* ------------------------------------------------------------------ host side */
+
+static void host_close(void) {
+    if (host_fd >= 0) close(host_fd);
+    host_fd = -1;
+}
+
+static int find_port(char *dev, size_t cap) {
+    DIR *d = opendir("/sys/class/virtio-ports");
+    if (!d) return -1;
+    struct dirent *ent;
+    int found = -1;
+    while ((ent = readdir(d))) {
+        if (ent->d_name[0] == '.') continue;
+        char path[512], name[128] = "";
+        snprintf(path, sizeof path, "/sys/class/virtio-ports/%s/name", ent->d_name);
+        FILE *f = fopen(path, "re");
+        if (!f) continue;
+        if (!fgets(name, sizeof name, f)) name[0] = 0;
+        fclose(f);
+        name[strcspn(name, "\n")] = 0;
+        if (strcmp(name, PORT_NAME)) continue;
+        snprintf(dev, cap, "/dev/%s", ent->d_name);
+        if (access(dev, F_OK) != 0) {
+            /* No devtmpfs entry: make the node from sysfs' major:minor. */
+            unsigned maj, min;
+            snprintf(path, sizeof path, "/sys/class/virtio-ports/%s/dev", ent->d_name);
+            f = fopen(path, "re");
+            if (f && fscanf(f, "%u:%u", &maj, &min) == 2)
+                mknod(dev, S_IFCHR | 0600, makedev(maj, min));
+            if (f) fclose(f);
+        }
+        found = 0;
+        break;
+    }
+    closedir(d);
+    return found;
+}
+
+static void host_open(void) {
+    static int warned;
+    if (opt_connect) {
+        int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+        struct sockaddr_un a = {.sun_family = AF_UNIX};
+        snprintf(a.sun_path, sizeof a.sun_path, "%s", opt_connect);
+        if (s >= 0 && connect(s, (struct sockaddr *)&a, sizeof a) == 0) {
+            host_fd = s;
+            broken_line = 0;
+            return;
+        }
+        if (s >= 0) close(s);
+        host_retry_at = now_ms() + RETRY_MS;
+        return;
+    }
+    char dev[300];
+    if (find_port(dev, sizeof dev) != 0) {
+        if (!warned++) logf_("virtio port %s not found yet; retrying", PORT_NAME);
+        host_retry_at = now_ms() + 100;
+        return;
+    }
+    host_fd = open(dev, O_RDWR | O_NONBLOCK | O_CLOEXEC);
+    if (host_fd < 0) {
+        logf_("cannot open %s: %s", dev, strerror(errno));
+        host_retry_at = now_ms() + 500;
+        return;
+    }
+    logf_("serving on %s", dev);
+}
+
+/* Send one whole message to the host, or drop it (host away, or not reading for 30 s). */
+static void host_send(const char *data, size_t n) {
+    if (host_fd < 0) return;
+    if (broken_line) {
+        if (write(host_fd, "\n", 1) != 1) return;
+        broken_line = 0;
+    }
+    size_t done = 0;
+    long long stalled = 0;
+    while (done < n) {
+        ssize_t w = write(host_fd, data + done, n - done);
+        if (w > 0) {
+            done += (size_t)w;
+            stalled = 0;
+            continue;
+        }
+        if (w < 0 && errno != EAGAIN && errno != EINTR) {
+            if (errno != EPIPE && errno != ECONNRESET && errno != ENOTCONN)
+                logf_("channel write error: %s", strerror(errno));
+            broken_line = done > 0;
+            return;
+        }
+        long long t = now_ms();
+        if (!stalled) stalled = t;
+        if (t - stalled > WRITE_STALL_MS) {
+            logf_("host stopped reading; dropping a message");
+            broken_line = 1;
+            return;
+        }
+        struct pollfd p = {host_fd, POLLOUT, 0};
+        if (poll(&p, 1, 100) > 0 && (p.revents & (POLLHUP | POLLERR | POLLNVAL)) &&
+            !(p.revents & POLLOUT)) {
+            broken_line = done > 0;
+            return;
+        }
+    }
+}
+
+static void reply_start(struct buf *b, long long id, const char *ev) {
+    buf_clear(b);
+    put(b, "{\"id\":%lld,\"ev\":\"%s\"", id, ev);
+}
+
+static void reply_end(struct buf *b) {
+    buf_add(b, "}\n", 2);
+    host_send(b->p + b->start, b->len);
+}
+
+static void fail(long long id, const char *code, const char *msg) {
+    static struct buf b;
+    reply_start(&b, id, "error");
+    put(&b, ",\"code\":\"%s\",\"message\":", code);
+    put_jstr(&b, msg);
+    reply_end(&b);
+}
+
+static const char *errno_name(int e) {
+    switch (e) {
+    case EPERM: return "EPERM";
+    case ENOENT: return "ENOENT";
+    case EACCES: return "EACCES";
+    case EEXIST: return "EEXIST";
+    case ENOTDIR: return "ENOTDIR";
+    case EISDIR: return "EISDIR";
+    case EINVAL: return "EINVAL";
+    case ENOSPC: return "ENOSPC";
+    case EROFS: return "EROFS";
+    case EBUSY: return "EBUSY";
+    default: return "EIO";
+    }
+}
+
+static void fail_errno(long long id, const char *what) {
+    char msg[512];
+    int e = errno;
+    snprintf(msg, sizeof msg, "%s: %s", strerror(e), what);
+    fail(id, errno_name(e), msg);
+}
+
+/* ------------------------------------------------------------------ the Python agent */
+
+static void py_send(const char *d, size_t n) {
+    if (py_fd >= 0) buf_add(&pyq, d, n);
+}
+
+static void py_flush(void) {
+    while (py_fd >= 0 && pyq.len) {
+        ssize_t w = write(py_fd, pyq.p + pyq.start, pyq.len);
+        if (w > 0) {
+            buf_drop(&pyq, (size_t)w);
+            continue;
+        }
+        if (w < 0 && errno == EINTR) continue;
+        return; /* EAGAIN (poll for POLLOUT) or a dead agent (SIGCHLD follows) */
+    }
+}
+
+/* Tell agent.py about the current connection: it drops work of older ones. */
+static void py_sync_nonce(void) {
+    if (!strcmp(py_nonce, cur_nonce)) return;
+    static struct buf b;
+    buf_clear(&b);
+    put(&b, "%s\"op\":\"hello\",\"version\":\"%s\",\"nonce\":", INTERNAL_ID,
+        PROTOCOL_VERSION);
+    put_jstr(&b, cur_nonce);
+    buf_add(&b, "}\n", 2);
+    py_send(b.p + b.start, b.len);
+    snprintf(py_nonce, sizeof py_nonce, "%s", cur_nonce);
+}
+
+static void py_spawn(void) {
+    int sv[2];
+    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
+        logf_("socketpair: %s", strerror(errno));
+        py_restart_at = now_ms() + 1000;
+        return;
+    }
+    pid_t pid = fork();
+    if (pid < 0) {
+        logf_("fork: %s", strerror(errno));
+        close(sv[0]);
+        close(sv[1]);
+        py_restart_at = now_ms() + 1000;
+        return;
+    }
+    if (pid == 0) {
+        sigset_t all;
+        sigemptyset(&all);
+        sigprocmask(SIG_SETMASK, &all, NULL);
+        if (sv[1] == 3) {
+            fcntl(3, F_SETFD, 0);
+        } else {
+            dup2(sv[1], 3);
+        }
+        char **argv = calloc((size_t)n_agent_extra + 8, sizeof *argv);
+        int a = 0;
+        argv[a++] = (char *)opt_python;
+        argv[a++] = "-u";
+        argv[a++] = (char *)opt_agent;
+        argv[a++] = "--relay-fd";
+        argv[a++] = "3";
+        for (int i = 0; i < n_agent_extra; i++) argv[a++] = agent_extra[i];
+        argv[a] = NULL;
+        execv(opt_python, argv);
+        fprintf(stderr, "boxd-init: cannot run %s: %s\n", opt_python, strerror(errno));
+        _exit(127);
+    }
+    close(sv[1]);
+    fcntl(sv[0], F_SETFL, O_NONBLOCK);
+    py_fd = sv[0];
+    py_pid = pid;
+    buf_clear(&pybuf);
+    buf_clear(&pyq);
+    /* Never equal to a real nonce: the first relayed request is preceded by a hello. */
+    snprintf(py_nonce, sizeof py_nonce, "\x01");
+}
+
+static void py_gone(void) {
+    for (size_t i = 0; i < n_inflight; i++)
+        fail(inflight[i], "EINTERNAL", "the guest agent restarted; this request was lost");
+    n_inflight = 0;
+    if (py_fd >= 0) close(py_fd);
+    py_fd = -1;
+    py_pid = -1;
+    buf_clear(&pybuf);
+    buf_clear(&pyq);
+    py_restart_at = now_ms() + RESTART_MS;
+}
+
+/* Lines from agent.py go to the host as they are (except replies to our own hellos). */
+static void py_readable(void) {
+    for (;;) {
+        buf_reserve(&pybuf, 1 << 20);
+        ssize_t r = read(py_fd, pybuf.p + pybuf.start + pybuf.len, 1 << 20);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) break;
+        pybuf.len += (size_t)r;
+        if (r < (1 << 20)) break;
+    }
+    for (;;) {
+        char *s = pybuf.p + pybuf.start;
+        char *nl = memchr(s, '\n', pybuf.len);
+        if (!nl) break;
+        size_t n = (size_t)(nl - s) + 1;
+        if (strncmp(s, INTERNAL_ID, strlen(INTERNAL_ID)) != 0) {
+            /* agent.py writes {"id":N,"ev":"E",...}: a result or error ends request N */
+            char *end;
+            if (n > 6 && !strncmp(s, "{\"id\":", 6)) {
+                long long id = strtoll(s + 6, &end, 10);
+                if (end > s + 6 && (!strncmp(end, ",\"ev\":\"result\"", 15) ||
+                                    !strncmp(end, ",\"ev\":\"error\"", 14)))
+                    inflight_remove(id);
+            }
+            host_send(s, n);
+        }
+        buf_drop(&pybuf, n);
+    }
+}
+
+/* ------------------------------------------------------------------ operations */
+
+static void op_hello(long long id, const struct jfield *f, int n) {
+    static struct buf b;
+    const struct jfield *v = field(f, n, "version"), *nonce = field(f, n, "nonce");
+    char version[64] = "", nbuf[256] = "";
+    if (v && v->type == J_STR && json_str(v, version, sizeof version) < 0) version[0] = 0;
+    int have_nonce = nonce && nonce->type == J_STR && json_str(nonce, nbuf, sizeof nbuf) >= 0;
+    if (have_nonce && strcmp(nbuf, cur_nonce)) {
+        snprintf(cur_nonce, sizeof cur_nonce, "%s", nbuf);
+        n_inflight = 0; /* the old connection's requests are no one's now */
+    }
+    size_t ml = strcspn(version, ".");
+    if (ml != strlen(PROTOCOL_MAJOR) || strncmp(version, PROTOCOL_MAJOR, ml)) {
+        char msg[200];
+        snprintf(msg, sizeof msg, "host speaks agent protocol %s, this agent speaks %s",
+                 version[0] ? version : "?", PROTOCOL_VERSION);
+        reply_start(&b, id, "error");
+        put(&b, ",\"code\":\"EVERSION\",\"message\":");
+        put_jstr(&b, msg);
+        put(&b, ",\"version\":\"%s\"", PROTOCOL_VERSION);
+        reply_end(&b);
+        return;
+    }
+    struct utsname u;
+    uname(&u);
+    reply_start(&b, id, "result");
+    put(&b, ",\"version\":\"%s\",\"nonce\":", PROTOCOL_VERSION);
+    if (have_nonce)
+        put_jstr(&b, nbuf);
+    else
+        put(&b, "null");
+    put(&b, ",\"started\":%.6f,\"pid\":%d,\"hostname\":", started, (int)getpid());
+    put_jstr(&b, u.nodename);
+    put(&b, ",\"time\":%.6f", wall());
+    reply_end(&b);
+}
+
+static void op_ping(long long id) {
+    static struct buf b;
+    reply_start(&b, id, "result");
+    put(&b, ",\"time\":%.6f", wall());
+    reply_end(&b);
+}
+
+static void op_sync(long long id) {
+    static struct buf b;
+    sync();
+    reply_start(&b, id, "result");
+    reply_end(&b);
+}
+
+/* Replace IDENTITY_DIR/name, which /etc/name links to (or /etc/name itself, if a file). */
+static int write_identity(const char *name, const char *text, mode_t mode, char *what,
+                          size_t wcap) {
+    const char *root = opt_sysroot ? opt_sysroot : "";
+    char etc[512], path[512], tmp[600];
+    struct stat st;
+    snprintf(etc, sizeof etc, "%s/etc/%s", root, name);
+    if (lstat(etc, &st) == 0 && S_ISLNK(st.st_mode))
+        snprintf(path, sizeof path, "%s/%s/%s", root, IDENTITY_DIR, name);
+    else
+        snprintf(path, sizeof path, "%s", etc);
+    snprintf(tmp, sizeof tmp, "%s.boxd-tmp", path);
+    snprintf(what, wcap, "%s", tmp);
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, mode);
+    if (fd < 0) return -1;
+    size_t len = strlen(text);
+    if (write(fd, text, len) != (ssize_t)len || fchmod(fd, mode) != 0) {
+        int e = errno;
+        close(fd);
+        errno = e ? e : EIO;
+        return -1;
+    }
+    close(fd);
+    snprintf(what, wcap, "%s", path);
+    return rename(tmp, path);
+}
+
+static void reseed(const unsigned char *seed, size_t n) {
+    int fd = open("/dev/urandom", O_WRONLY | O_CLOEXEC);
+    if (fd < 0) {
+        logf_("cannot open /dev/urandom: %s", strerror(errno));
+        return;
+    }
+    if (geteuid() == 0) {
+        /* struct rand_pool_info { int entropy_count; int buf_size; __u32 buf[]; } */
+        int req[2 + 64];
+        memset(req, 0, sizeof req);
+        req[0] = (int)(n * 8);
+        req[1] = (int)n;
+        memcpy(&req[2], seed, n);
+        if (ioctl(fd, RNDADDENTROPY, req) == 0) {
+            close(fd);
+            return;
+        }
+        logf_("RNDADDENTROPY failed (%s); mixing without credit", strerror(errno));
+    }
+    if (write(fd, seed, n) < 0) logf_("writing /dev/urandom: %s", strerror(errno));
+    close(fd);
+}
+
+static void op_identity(long long id, const struct jfield *f, int n) {
+    static struct buf b;
+    const struct jfield *h = field(f, n, "hostname"), *m = field(f, n, "machine_id");
+    const struct jfield *s = field(f, n, "seed"), *t = field(f, n, "now");
+    char host[256], mid[64], what[600];
+    unsigned char seed[256];
+    long seed_len = 0;
+    double now = 0;
+    int have_host = h && h->type != J_NULL, have_mid = m && m->type != J_NULL;
+    int have_now = t && t->type != J_NULL;
+    if (have_host) {
+        long hl = h->type == J_STR ? json_str(h, host, sizeof host) : -1;
+        if (hl <= 0 || hl > 64 || strchr(host, '/')) {
+            fail(id, "EINVAL", "bad hostname");
+            return;
+        }
+    }
+    if (have_mid) {
+        long ml = m->type == J_STR ? json_str(m, mid, sizeof mid) : -1;
+        int ok = ml == 32;
+        for (int i = 0; ok && i < 32; i++)
+            ok = (mid[i] >= '0' && mid[i] <= '9') || (mid[i] >= 'a' && mid[i] <= 'f');
+        if (!ok) {
+            fail(id, "EINVAL", "machine_id must be 32 lowercase hex digits");
+            return;
+        }
+    }
+    if (have_now && !num(t, &now)) {
+        fail(id, "EINVAL", "now must be a number (seconds since the epoch)");
+        return;
+    }
+    if (s && s->type == J_STR) {
+        seed_len = b64decode(s->val, s->vlen, seed, sizeof seed);
+        if (seed_len < 0) {
+            fail(id, "EINVAL", "seed must be at most 256 bytes");
+            return;
+        }
+    }
+    char applied[128] = "";
+    if (have_now) {
+        if (!opt_sysroot) {
+            struct timespec ts = {(time_t)now, (long)((now - (double)(time_t)now) * 1e9)};
+            if (clock_settime(CLOCK_REALTIME, &ts) != 0) {
+                fail_errno(id, "clock_settime");
+                return;
+            }
+        }
+        strcat(applied, "\"clock\"");
+    }
+    if (seed_len > 0) {
+        if (!opt_sysroot) reseed(seed, (size_t)seed_len);
+        strcat(applied, applied[0] ? ",\"rng\"" : "\"rng\"");
+    }
+    if (have_host) {
+        if (!opt_sysroot && sethostname(host, strlen(host)) != 0) {
+            fail_errno(id, "sethostname");
+            return;
+        }
+        size_t hl = strlen(host);
+        host[hl] = '\n';
+        host[hl + 1] = 0;
+        if (write_identity("hostname", host, 0644, what, sizeof what) != 0) {
+            fail_errno(id, what);
+            return;
+        }
+        strcat(applied, applied[0] ? ",\"hostname\"" : "\"hostname\"");
+    }
+    if (have_mid) {
+        mid[32] = '\n';
+        mid[33] = 0;
+        if (write_identity("machine-id", mid, 0444, what, sizeof what) != 0) {
+            fail_errno(id, what);
+            return;
+        }
+        strcat(applied, applied[0] ? ",\"machine_id\"" : "\"machine_id\"");
+    }
+    reply_start(&b, id, "result");
+    put(&b, ",\"applied\":[%s]", applied);
+    reply_end(&b);
+}
+
+static void host_line(const char *line, size_t n) {
+    struct jfield f[MAX_FIELDS];
+    int nf = json_fields(line, n, f);
+    long long id = 0;
+    if (nf >= 0) {
+        const struct jfield *op = field(f, nf, "op");
+        char name[32];
+        if (op && op->type == J_STR && json_str(op, name, sizeof name) > 0 &&
+            is_int(field(f, nf, "id"), &id)) {
+            if (!strcmp(name, "hello")) {
+                op_hello(id, f, nf);
+                return;
+            }
+            if (!strcmp(name, "ping")) {
+                op_ping(id);
+                return;
+            }
+            if (!strcmp(name, "identity")) {
+                op_identity(id, f, nf);
+                return;
+            }
+            if (!strcmp(name, "sync")) {
+                op_sync(id);
+                return;
+            }
+        }
+    }
+    /* Everything else (and anything malformed: agent.py logs it) goes to agent.py. */
+    if (py_fd < 0) {
+        if (nf >= 0 && is_int(field(f, nf, "id"), &id))
+            fail(id, "EINTERNAL", "the guest agent is restarting; retry");
+        return;
+    }
+    py_sync_nonce();
+    if (nf >= 0 && is_int(field(f, nf, "id"), &id)) inflight_add(id);
+    py_send(line, n);
+    py_send("\n", 1);
+}
+
+static void host_gone(void) {
+    /* A partial line can never complete. agent.py hears of the change (a nonce no host
+       uses) with the next request relayed to it, not now: in a fork child that has just
+       started, waking the interpreter would cost more than the child's whole hello. */
+    buf_clear(&hbuf);
+    n_inflight = 0;
+    snprintf(cur_nonce, sizeof cur_nonce, "hangup-%lu", ++hangups);
+}
+
+static void host_readable(void) {
+    buf_reserve(&hbuf, 1 << 20);
+    ssize_t r = read(host_fd, hbuf.p + hbuf.start + hbuf.len, 1 << 20);
+    if (r < 0 && (errno == EAGAIN || errno == EINTR)) return;
+    if (r <= 0) {
+        if (r < 0) logf_("channel read error: %s", strerror(errno));
+        int was = host_present;
+        host_present = 0;
+        if (opt_connect) host_close();
+        host_retry_at = now_ms() + RETRY_MS;
+        if (was) host_gone();
+        return;
+    }
+    host_present = 1;
+    hbuf.len += (size_t)r;
+    for (;;) {
+        char *s = hbuf.p + hbuf.start;
+        char *nl = memchr(s, '\n', hbuf.len);
+        if (!nl) break;
+        size_t n = (size_t)(nl - s);
+        const char *p = s;
+        size_t k = n;
+        while (k && (*p == ' ' || *p == '\t' || *p == '\r')) p++, k--;
+        if (k) host_line(s, n);
+        buf_drop(&hbuf, n + 1);
+    }
+    if (hbuf.len > (size_t)MAX_LINE) {
+        logf_("line too long; dropped");
+        buf_clear(&hbuf);
+    }
+}
+
+/* ------------------------------------------------------------------ main loop */
+
+static void reap(int sfd) {
+    struct signalfd_siginfo si;
+    while (read(sfd, &si, sizeof si) == sizeof si) {
+    }
+    int status;
+    pid_t pid;
+    while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
+        if (pid == py_pid) {
+            logf_("agent.py exited (status %d); restarting it", status);
+            py_gone();
+        }
+    }
+}
+
+static void usage(void) {
+    fprintf(stderr, "usage: boxd-init [--connect SOCK] [--sysroot DIR] [--python PY] "
+                    "[--agent PATH] [-- agent args]\n");
+    exit(2);
+}
+
+int main(int argc, char **argv) {
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--")) {
+            agent_extra = argv + i + 1;
+            n_agent_extra = argc - i - 1;
+            break;
+        }
+        if (i + 1 >= argc) usage();
+        if (!strcmp(a, "--connect")) opt_connect = argv[++i];
+        else if (!strcmp(a, "--sysroot")) opt_sysroot = argv[++i];
+        else if (!strcmp(a, "--python")) opt_python = argv[++i];
+        else if (!strcmp(a, "--agent")) opt_agent = argv[++i];
+        else usage();
+    }
+    started = wall();
+    if (getpid() != 1) prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
+    signal(SIGPIPE, SIG_IGN);
+    sigset_t chld;
+    sigemptyset(&chld);
+    sigaddset(&chld, SIGCHLD);
+    sigprocmask(SIG_BLOCK, &chld, NULL);
+    int sfd = signalfd(-1, &chld, SFD_NONBLOCK | SFD_CLOEXEC);
+    logf_("boxd-init %s started", PROTOCOL_VERSION);
+    py_spawn();
+
+    for (;;) {
+        long long t = now_ms();
+        if (py_fd < 0 && py_pid < 0 && t >= py_restart_at) py_spawn();
+        if (host_fd < 0 && t >= host_retry_at) host_open();
+        struct pollfd p[3];
+        int np = 0, ip = -1, ih = -1;
+        p[np++] = (struct pollfd){sfd, POLLIN, 0};
+        if (py_fd >= 0) {
+            ip = np;
+            p[np++] = (struct pollfd){py_fd, (short)(POLLIN | (pyq.len ? POLLOUT : 0)), 0};
+        }
+        t = now_ms();
+        if (host_fd >= 0 && t >= host_retry_at) {
+            ih = np;
+            p[np++] = (struct pollfd){host_fd, POLLIN, 0};
+        }
+        int timeout = -1; /* host and agent polled: sleep until one of them speaks */
+        if (ih < 0) timeout = (int)(host_retry_at > t ? host_retry_at - t : 0);
+        if (py_fd < 0 && py_pid < 0) {
+            int w = (int)(py_restart_at > t ? py_restart_at - t : 0);
+            timeout = timeout < 0 || w < timeout ? w : timeout;
+        }
+        if (poll(p, (nfds_t)np, timeout) < 0) {
+            if (errno != EINTR) logf_("poll: %s", strerror(errno));
+            continue;
+        }
+        if (p[0].revents) reap(sfd);
+        if (ip >= 0 && py_fd >= 0) {
+            if (p[ip].revents & POLLIN) py_readable();
+            if (py_fd >= 0 && (p[ip].revents & POLLOUT)) py_flush();
+        }
+        if (ih >= 0 && host_fd >= 0) {
+            short rev = p[ih].revents;
+            if (rev & POLLIN) {
+                host_readable();
+            } else if (rev & (POLLHUP | POLLERR | POLLNVAL)) {
+                /* virtio: no host on the other end (POLLHUP until one connects) */
+                int was = host_present;
+                host_present = 0;
+                if (opt_connect) host_close();
+                host_retry_at = now_ms() + RETRY_MS;
+                if (was) host_gone();
+            }
+        }
+        if (py_fd >= 0 && pyq.len) py_flush();
+    }
+}
