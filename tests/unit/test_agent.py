@@ -644,32 +644,38 @@ def _children(pid: int) -> list[int]:
     return [int(x) for x in text.split()]
 
 
-def test_init_answers_hello_itself_and_relays_the_rest(init_guest: Guest) -> None:
+def test_init_answers_itself_and_relays_the_rest(init_guest: Guest) -> None:
+    init_pid = init_guest.proc.pid
+
     async def body(c: AgentClient) -> None:
-        assert c.agent_pid == init_guest.proc.pid  # hello came from boxd-init
+        assert c.agent_pid == init_pid  # hello came from boxd-init
         assert c.agent_version == P.PROTOCOL_VERSION
-        out = await c.run("echo $PPID")  # exec went through to agent.py
-        assert int(out.stdout) in _children(init_guest.proc.pid)
+        # exec without stdin: boxd-init runs it; with stdin: relayed to agent.py
+        assert int((await c.run("echo $PPID")).stdout) == init_pid
+        relayed = int((await c.run("echo $PPID", stdin=b"")).stdout)
+        assert relayed != init_pid and relayed in _children(init_pid)
+        assert (await c.stat("/"))["type"] == "dir"  # files go to agent.py
 
     with_client(init_guest, body)
 
 
 def test_init_restarts_a_killed_agent(init_guest: Guest) -> None:
     async def body(c: AgentClient) -> None:
-        assert (await c.run("true")).exit_code == 0
+        assert (await c.stat("/"))["type"] == "dir"
         (agent_pid,) = _children(init_guest.proc.pid)
         os.kill(agent_pid, signal.SIGKILL)
         deadline = time.monotonic() + 15
         while True:  # requests in the gap fail clearly, then work again
             try:
-                out = await c.run("echo back")
+                st = await c.stat("/")
                 break
             except InternalError as exc:
                 assert "restart" in exc.message
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.05)
-        assert out.stdout == b"back\n"
+        assert st["type"] == "dir"
         assert _children(init_guest.proc.pid) != [agent_pid]
+        assert (await c.run("echo back", stdin=b"")).stdout == b"back\n"
         assert await c.ping() > 0  # the host connection never dropped
 
     with_client(init_guest, body)
@@ -677,9 +683,10 @@ def test_init_restarts_a_killed_agent(init_guest: Guest) -> None:
 
 def test_init_fails_requests_a_dead_agent_held(init_guest: Guest) -> None:
     async def body(c: AgentClient) -> None:
-        task = asyncio.ensure_future(c.run("sleep 30"))
+        task = asyncio.ensure_future(c.run("sleep 30", stdin=b""))  # held by agent.py
         await asyncio.sleep(0.5)
-        (agent_pid,) = _children(init_guest.proc.pid)
+        (agent_pid,) = [p for p in _children(init_guest.proc.pid)
+                        if Path(f"/proc/{p}/cmdline").read_bytes().find(b"agent.py") >= 0]
         os.kill(agent_pid, signal.SIGKILL)
         with pytest.raises(InternalError, match="lost"):
             await asyncio.wait_for(task, 10)  # an error at once, not a 30 s wait

@@ -682,6 +682,7 @@ class Agent:
             exit_code = 128 + sig
         else:
             exit_code = os.WEXITSTATUS(status)
+        ex.done = True  # before the reply: a stdin/kill sent right after it gets ESRCH
         self.reply(
             ex.id,
             ex.conn,

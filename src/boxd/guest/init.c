@@ -2,14 +2,17 @@
  * boxd-init: PID 1 of a boxd guest, in front of the Python agent (agent.py).
  *
  * It owns the host connection (the virtio-serial port "boxd.agent") and answers the
- * protocol's hot, small operations itself: hello, ping, identity and sync. Everything
- * else (exec, files, stat, kill, stdin) is relayed, line by line, to the Python agent
- * over a socketpair (agent.py --relay-fd 3), and the agent's lines are relayed back.
+ * protocol's hot operations itself: hello, ping, identity, sync, and exec without
+ * stdin (the RL rollout path: fork, run a command, read its output), with kill for
+ * those execs. Everything else (exec with stdin or streamed stdin, files, stat, stdin)
+ * is relayed, line by line, to the Python agent over a socketpair (agent.py
+ * --relay-fd 3), and the agent's lines are relayed back.
  *
  * Why: a fork child is a new QEMU process, and under TCG it must translate every guest
  * code path it runs before running it. Answering hello + identity in CPython costs
- * ~7k translation blocks (~0.1 s) on each child's critical path; here it costs a few
- * hundred. With KVM the gain is smaller but real (no interpreter on the fork path).
+ * ~7k translation blocks (~0.1 s) on each child's critical path, and a first exec
+ * through subprocess.Popen ~12k more; here they cost a few hundred. With KVM the gain
+ * is smaller but real (no interpreter on the fork path).
  *
  * Protocol: docs/agent-protocol.md. Wire constants mirror src/boxd/guest/protocol.py
  * (tests/unit/test_agent.py runs the agent test-suite against both front ends).
@@ -58,6 +61,27 @@ static const char *opt_python = "/usr/bin/python3";
 static const char *opt_agent = "/run/boxd/agent.py";
 static char **agent_extra;
 static int n_agent_extra;
+
+static const char *default_cwd = "/home/boxd"; /* agent.py's --default-cwd, if given */
+
+#define EXEC_CHUNK 65536
+#define EXIT_DRAIN_IDLE_MS 250 /* after exit, stop reading pipes after this much quiet */
+#define EXIT_DRAIN_MAX_MS 2000 /* ... or this long (background children hold them) */
+static const char *const DEFAULT_ENV[] = {
+    "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root",
+    "LANG=C.UTF-8", "TERM=xterm-256color", "USER=root", NULL};
+
+struct exec {
+    long long id;
+    char nonce[256]; /* events go only to the connection that asked */
+    pid_t pid;
+    int fd[2];       /* stdout, stderr pipes (-1 once closed) */
+    int exited, status, timed_out;
+    double start;
+    long long deadline, exited_at, last_data; /* monotonic ms; deadline 0 = none */
+    struct exec *next;
+};
+static struct exec *execs;
 
 static int host_fd = -1;     /* virtio port, or the test socket */
 static int host_present;     /* bytes arrived since the last hang-up */
@@ -114,6 +138,12 @@ static long long now_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static double mono(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec / 1e9;
 }
 
 static double wall(void) {
@@ -414,6 +444,79 @@ static long b64decode(const char *s, size_t n, unsigned char *out, size_t cap) {
         }
     }
     return (long)o;
+}
+
+static void put_b64(struct buf *b, const unsigned char *d, size_t n) {
+    static const char tab[] =
+        "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    buf_reserve(b, (n + 2) / 3 * 4);
+    char *o = b->p + b->start + b->len;
+    size_t i = 0;
+    for (; i + 2 < n; i += 3) {
+        unsigned v = (unsigned)d[i] << 16 | (unsigned)d[i + 1] << 8 | d[i + 2];
+        *o++ = tab[v >> 18];
+        *o++ = tab[(v >> 12) & 63];
+        *o++ = tab[(v >> 6) & 63];
+        *o++ = tab[v & 63];
+    }
+    if (i < n) {
+        unsigned v = (unsigned)d[i] << 16 | (i + 1 < n ? (unsigned)d[i + 1] << 8 : 0);
+        *o++ = tab[v >> 18];
+        *o++ = tab[(v >> 12) & 63];
+        *o++ = i + 1 < n ? tab[(v >> 6) & 63] : '=';
+        *o++ = '=';
+    }
+    b->len = (size_t)(o - (b->p + b->start));
+}
+
+/* The string elements of a JSON array (NULL-terminated, malloc'ed), or NULL. */
+static char **json_strings(const char *s, size_t n, int *count) {
+    const char *p = ws(s, s + n), *e = s + n;
+    size_t cap = 8, k = 0;
+    char **out = calloc(cap, sizeof *out);
+    if (!out || p >= e || *p != '[') goto bad;
+    p = ws(p + 1, e);
+    if (p < e && *p == ']') goto bad; /* an empty argv is not a command */
+    for (;;) {
+        if (p >= e || *p != '"') goto bad;
+        const char *end = skip_string(p, e);
+        if (!end) goto bad;
+        struct jfield x = {.type = J_STR, .val = p + 1, .vlen = (size_t)(end - 1 - (p + 1))};
+        char *str = malloc(x.vlen * 4 + 8);
+        long sl = str ? json_str(&x, str, x.vlen * 4 + 8) : -1;
+        if (sl < 0 || (size_t)sl != strlen(str)) {
+            free(str);
+            goto bad;
+        }
+        if (k + 2 > cap) {
+            cap *= 2;
+            char **grown = realloc(out, cap * sizeof *out);
+            if (!grown) goto bad;
+            out = grown;
+        }
+        out[k++] = str;
+        out[k] = NULL;
+        p = ws(end, e);
+        if (p < e && *p == ',') {
+            p = ws(p + 1, e);
+            continue;
+        }
+        if (p < e && *p == ']') break;
+        goto bad;
+    }
+    *count = (int)k;
+    return out;
+bad:
+    if (out)
+        for (size_t i = 0; i < k; i++) free(out[i]);
+    free(out);
+    return NULL;
+}
+
+static void free_strings(char **v) {
+    if (!v) return;
+    for (char **p = v; *p; p++) free(*p);
+    free(v);
 }
 
 /* ------------------------------------------------------------------ host side */
@@ -736,22 +839,42 @@ static void op_sync(long long id) {
     reply_end(&b);
 }
 
-/* Replace IDENTITY_DIR/name, which /etc/name links to (or /etc/name itself, if a file). */
+/* Set IDENTITY_DIR/name, which /etc/name links to (or /etc/name itself, if a file).
+ *
+ * The tmpfs file is rewritten in place (pwrite + ftruncate on the same inode), not
+ * replaced by a rename: a fork child pays to translate every kernel path it runs, and
+ * create + rename + evicting the old inode cost ~2k translation blocks more. A reader
+ * racing the write of these few bytes could see a mix of old and new; nothing in the
+ * child reads them before identity returns but processes inherited from the source. A
+ * regular /etc file (an image from before protocol 1.1, on ext4) is replaced atomically
+ * (temp file + rename). */
 static int write_identity(const char *name, const char *text, mode_t mode, char *what,
                           size_t wcap) {
     const char *root = opt_sysroot ? opt_sysroot : "";
     char etc[512], path[512], tmp[600];
     struct stat st;
+    size_t len = strlen(text);
     snprintf(etc, sizeof etc, "%s/etc/%s", root, name);
-    if (lstat(etc, &st) == 0 && S_ISLNK(st.st_mode))
+    int linked = lstat(etc, &st) == 0 && S_ISLNK(st.st_mode);
+    if (linked) {
         snprintf(path, sizeof path, "%s/%s/%s", root, IDENTITY_DIR, name);
-    else
-        snprintf(path, sizeof path, "%s", etc);
+        snprintf(what, wcap, "%s", path);
+        int fd = open(path, O_WRONLY | O_CREAT | O_CLOEXEC, mode);
+        if (fd < 0 && errno != EACCES) return -1;
+        if (fd < 0) goto replace; /* 0444 and not root: replace it instead */
+        int ok = pwrite(fd, text, len, 0) == (ssize_t)len && ftruncate(fd, (off_t)len) == 0 &&
+                 fstat(fd, &st) == 0 && ((st.st_mode & 07777) == mode || fchmod(fd, mode) == 0);
+        int e = errno;
+        close(fd);
+        errno = ok ? 0 : (e ? e : EIO);
+        return ok ? 0 : -1;
+    }
+    snprintf(path, sizeof path, "%s", etc);
+replace:
     snprintf(tmp, sizeof tmp, "%s.boxd-tmp", path);
     snprintf(what, wcap, "%s", tmp);
     int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, mode);
     if (fd < 0) return -1;
-    size_t len = strlen(text);
     if (write(fd, text, len) != (ssize_t)len || fchmod(fd, mode) != 0) {
         int e = errno;
         close(fd);
@@ -763,8 +886,11 @@ static int write_identity(const char *name, const char *text, mode_t mode, char 
     return rename(tmp, path);
 }
 
+static int urandom_fd = -1; /* opened once: no open/close on a fork child's first run */
+
 static void reseed(const unsigned char *seed, size_t n) {
-    int fd = open("/dev/urandom", O_WRONLY | O_CLOEXEC);
+    if (urandom_fd < 0) urandom_fd = open("/dev/urandom", O_WRONLY | O_CLOEXEC);
+    int fd = urandom_fd;
     if (fd < 0) {
         logf_("cannot open /dev/urandom: %s", strerror(errno));
         return;
@@ -776,14 +902,10 @@ static void reseed(const unsigned char *seed, size_t n) {
         req[0] = (int)(n * 8);
         req[1] = (int)n;
         memcpy(&req[2], seed, n);
-        if (ioctl(fd, RNDADDENTROPY, req) == 0) {
-            close(fd);
-            return;
-        }
+        if (ioctl(fd, RNDADDENTROPY, req) == 0) return;
         logf_("RNDADDENTROPY failed (%s); mixing without credit", strerror(errno));
     }
     if (write(fd, seed, n) < 0) logf_("writing /dev/urandom: %s", strerror(errno));
-    close(fd);
 }
 
 static void op_identity(long long id, const struct jfield *f, int n) {
@@ -867,6 +989,332 @@ static void op_identity(long long id, const struct jfield *f, int n) {
     reply_end(&b);
 }
 
+/* ------------------------------------------------------------------ exec */
+
+static void exec_event(struct exec *x, const char *ev, const unsigned char *d, size_t n) {
+    static struct buf b;
+    if (strcmp(x->nonce, cur_nonce)) return; /* its connection is gone: drop */
+    reply_start(&b, x->id, ev);
+    buf_add(&b, ",\"data\":\"", 9);
+    put_b64(&b, d, n);
+    buf_add(&b, "\"", 1);
+    reply_end(&b);
+}
+
+static struct exec *find_exec(long long id) {
+    for (struct exec *x = execs; x; x = x->next)
+        if (x->id == id) return x;
+    return NULL;
+}
+
+/* Build the command's environment: DEFAULT_ENV with the request's env merged over it
+   ("K": null unsets K). Returns a malloc'ed NULL-terminated array, or NULL. */
+static char **exec_env(const struct jfield *env) {
+    struct jfield f[MAX_FIELDS];
+    int nf = 0;
+    if (env && env->type == J_OTHER) {
+        nf = json_fields(env->val, env->vlen, f);
+        if (nf < 0) return NULL;
+        if (nf == MAX_FIELDS) return NULL; /* maybe more: let agent.py do it */
+    } else if (env && env->type != J_NULL) {
+        return NULL;
+    }
+    size_t n = 0;
+    char **out = calloc(sizeof DEFAULT_ENV / sizeof *DEFAULT_ENV + (size_t)nf + 1, sizeof *out);
+    if (!out) return NULL;
+    for (const char *const *d = DEFAULT_ENV; *d; d++) out[n++] = strdup(*d);
+    for (int i = 0; i < nf; i++) {
+        char key[256];
+        if (f[i].klen == 0 || f[i].klen >= sizeof key) goto bad;
+        memcpy(key, f[i].key, f[i].klen);
+        key[f[i].klen] = 0;
+        if (strchr(key, '\\') || strchr(key, '=')) goto bad;
+        size_t kl = strlen(key);
+        for (size_t j = 0; j < n; j++) /* drop an existing K= */
+            if (!strncmp(out[j], key, kl) && out[j][kl] == '=') {
+                free(out[j]);
+                out[j] = out[--n];
+                out[n] = NULL;
+                break;
+            }
+        if (f[i].type == J_NULL) continue;
+        if (f[i].type != J_STR) goto bad; /* numbers, booleans: agent.py's str() rules */
+        char *val = malloc(f[i].vlen * 4 + 8);
+        long vl = val ? json_str(&f[i], val, f[i].vlen * 4 + 8) : -1;
+        if (vl < 0 || (size_t)vl != strlen(val)) { /* \u0000: agent.py reports it */
+            free(val);
+            goto bad;
+        }
+        char *kv = malloc(kl + strlen(val) + 2);
+        if (!kv) {
+            free(val);
+            goto bad;
+        }
+        sprintf(kv, "%s=%s", key, val);
+        free(val);
+        out[n++] = kv;
+        out[n] = NULL;
+    }
+    return out;
+bad:
+    free_strings(out);
+    return NULL;
+}
+
+static void mkdirs(const char *path) {
+    char tmp[1024];
+    snprintf(tmp, sizeof tmp, "%s", path);
+    for (char *p = tmp + 1; *p; p++)
+        if (*p == '/') {
+            *p = 0;
+            mkdir(tmp, 0755);
+            *p = '/';
+        }
+    mkdir(tmp, 0755);
+}
+
+/* Run an exec request without stdin. Returns 0 if handled, -1 to relay it instead. */
+static int op_exec(long long id, const struct jfield *f, int n) {
+    const struct jfield *cmd = field(f, n, "cmd"), *cwdf = field(f, n, "cwd");
+    const struct jfield *tf = field(f, n, "timeout");
+    char **argv = NULL, **envp = NULL, cwd[1024];
+    int argc = 0;
+    if (!cmd) return -1;
+    if (cmd->type == J_STR) {
+        char *c = malloc(cmd->vlen * 4 + 8);
+        long cl = c ? json_str(cmd, c, cmd->vlen * 4 + 8) : -1;
+        if (cl < 0 || (size_t)cl != strlen(c)) {
+            free(c);
+            return -1;
+        }
+        argv = calloc(4, sizeof *argv);
+        argv[0] = strdup("/bin/sh");
+        argv[1] = strdup("-c");
+        argv[2] = c;
+    } else if (cmd->type == J_OTHER && cmd->val[0] == '[') {
+        argv = json_strings(cmd->val, cmd->vlen, &argc);
+    }
+    if (!argv) return -1; /* malformed: agent.py answers with the exact error */
+    envp = exec_env(field(f, n, "env"));
+    if (!envp) {
+        free_strings(argv);
+        return -1;
+    }
+    double timeout = 0;
+    int rc = -1;
+    if (tf && tf->type != J_NULL && (!num(tf, &timeout) || timeout <= 0)) {
+        fail(id, "EINVAL", "timeout must be a positive number");
+        rc = 0;
+        goto out;
+    }
+    if (!cwdf || cwdf->type == J_NULL) {
+        snprintf(cwd, sizeof cwd, "%s", default_cwd);
+        mkdirs(cwd);
+        struct stat st;
+        if (stat(cwd, &st) != 0 || !S_ISDIR(st.st_mode)) snprintf(cwd, sizeof cwd, "/");
+    } else {
+        struct stat st;
+        if (cwdf->type != J_STR || json_str(cwdf, cwd, sizeof cwd) < 0) goto out;
+        if (stat(cwd, &st) != 0 || !S_ISDIR(st.st_mode)) {
+            static struct buf b;
+            char msg[1100];
+            snprintf(msg, sizeof msg, "working directory does not exist: %s", cwd);
+            reply_start(&b, id, "error");
+            put(&b, ",\"code\":\"%s\",\"message\":",
+                access(cwd, F_OK) == 0 ? "ENOTDIR" : "ENOENT");
+            put_jstr(&b, msg);
+            buf_add(&b, ",\"path\":", 8);
+            put_jstr(&b, cwd);
+            reply_end(&b);
+            rc = 0;
+            goto out;
+        }
+    }
+    if (find_exec(id)) {
+        char msg[100];
+        snprintf(msg, sizeof msg, "exec id %lld is already running", id);
+        fail(id, "EINVAL", msg);
+        rc = 0;
+        goto out;
+    }
+    rc = 0;
+    int out_p[2], err_p[2], sync_p[2];
+    if (pipe2(out_p, O_CLOEXEC) || pipe2(err_p, O_CLOEXEC) || pipe2(sync_p, O_CLOEXEC)) {
+        fail_errno(id, "pipe");
+        goto out;
+    }
+    double start = mono();
+    long long start_ms = now_ms();
+    pid_t pid = fork();
+    if (pid == 0) {
+        sigset_t none;
+        sigemptyset(&none);
+        sigprocmask(SIG_SETMASK, &none, NULL);
+        signal(SIGPIPE, SIG_DFL);
+        setsid();
+        int null = open("/dev/null", O_RDONLY);
+        dup2(null, 0);
+        if (null > 2) close(null);
+        dup2(out_p[1], 1);
+        dup2(err_p[1], 2);
+        if (chdir(cwd) == 0) {
+            extern char **environ;
+            environ = envp; /* execvp searches the command's own PATH, like Popen */
+            execvp(argv[0], argv);
+        }
+        int e = errno;
+        if (write(sync_p[1], &e, sizeof e) < 0) _exit(127);
+        _exit(127);
+    }
+    close(out_p[1]);
+    close(err_p[1]);
+    close(sync_p[1]);
+    int child_errno = 0;
+    ssize_t got = pid > 0 ? read(sync_p[0], &child_errno, sizeof child_errno) : -1;
+    close(sync_p[0]);
+    if (pid < 0 || got > 0) {
+        /* Behave like a shell: 127 for "not found", 126 for "cannot execute". */
+        int e = pid < 0 ? errno : child_errno;
+        char text[1200];
+        snprintf(text, sizeof text, "boxd-agent: %s: %s\n", argv[0], strerror(e));
+        struct exec tmp = {.id = id};
+        snprintf(tmp.nonce, sizeof tmp.nonce, "%s", cur_nonce);
+        exec_event(&tmp, "stderr", (const unsigned char *)text, strlen(text));
+        static struct buf b;
+        reply_start(&b, id, "result");
+        put(&b, ",\"exit_code\":%d,\"signal\":null,\"timed_out\":false,\"duration\":%.6f",
+            e == ENOENT ? 127 : 126, mono() - start);
+        reply_end(&b);
+        close(out_p[0]);
+        close(err_p[0]);
+        /* the failed child is reaped by reap() (no exec owns it) */
+        goto out;
+    }
+    struct exec *x = calloc(1, sizeof *x);
+    x->id = id;
+    snprintf(x->nonce, sizeof x->nonce, "%s", cur_nonce);
+    x->pid = pid;
+    x->fd[0] = out_p[0];
+    x->fd[1] = err_p[0];
+    fcntl(x->fd[0], F_SETFL, O_NONBLOCK);
+    fcntl(x->fd[1], F_SETFL, O_NONBLOCK);
+    x->start = start;
+    x->deadline = timeout > 0 ? start_ms + (long long)(timeout * 1000) : 0;
+    x->last_data = start_ms;
+    x->next = execs;
+    execs = x;
+    static struct buf b;
+    reply_start(&b, id, "started");
+    put(&b, ",\"pid\":%d", (int)pid);
+    if (!strcmp(x->nonce, cur_nonce)) reply_end(&b);
+out:
+    free_strings(argv);
+    free_strings(envp);
+    return rc;
+}
+
+static void exec_read(struct exec *x, int k) {
+    static unsigned char data[EXEC_CHUNK];
+    ssize_t r = read(x->fd[k], data, sizeof data);
+    if (r < 0 && (errno == EAGAIN || errno == EINTR)) return;
+    if (r <= 0) {
+        close(x->fd[k]);
+        x->fd[k] = -1;
+        return;
+    }
+    x->last_data = now_ms();
+    exec_event(x, k ? "stderr" : "stdout", data, (size_t)r);
+}
+
+/* Advance one exec: its timeout, the drain after exit, its result. Returns 1 when done. */
+static int exec_step(struct exec *x) {
+    long long t = now_ms();
+    if (x->deadline && !x->timed_out && t >= x->deadline) {
+        x->timed_out = 1;
+        kill(-x->pid, SIGKILL);
+    }
+    if (x->exited && (t - x->last_data > EXIT_DRAIN_IDLE_MS || t - x->exited_at > EXIT_DRAIN_MAX_MS))
+        for (int k = 0; k < 2; k++)
+            if (x->fd[k] >= 0) { /* background children still hold the pipe */
+                close(x->fd[k]);
+                x->fd[k] = -1;
+            }
+    if (!x->exited || x->fd[0] >= 0 || x->fd[1] >= 0) return 0;
+    if (x->timed_out) kill(-x->pid, SIGKILL); /* the whole group, not only the leader */
+    static struct buf b;
+    int code, sig = 0;
+    if (WIFSIGNALED(x->status)) {
+        sig = WTERMSIG(x->status);
+        code = 128 + sig;
+    } else {
+        code = WEXITSTATUS(x->status);
+    }
+    reply_start(&b, x->id, "result");
+    put(&b, ",\"exit_code\":%d,\"signal\":", code);
+    if (sig)
+        put(&b, "%d", sig);
+    else
+        put(&b, "null");
+    put(&b, ",\"timed_out\":%s,\"duration\":%.6f", x->timed_out ? "true" : "false",
+        mono() - x->start);
+    if (!strcmp(x->nonce, cur_nonce)) reply_end(&b);
+    return 1;
+}
+
+static void execs_step(void) {
+    for (struct exec **pp = &execs; *pp;) {
+        struct exec *x = *pp;
+        if (exec_step(x)) {
+            *pp = x->next;
+            free(x);
+        } else {
+            pp = &x->next;
+        }
+    }
+}
+
+/* Milliseconds until some exec needs attention without any I/O (-1: none). */
+static int execs_timeout(void) {
+    long long t = now_ms(), best = -1;
+    for (struct exec *x = execs; x; x = x->next) {
+        long long due = -1;
+        if (x->deadline && !x->timed_out) due = x->deadline;
+        if (x->exited) {
+            long long drain = x->last_data + EXIT_DRAIN_IDLE_MS + 1;
+            long long cap = x->exited_at + EXIT_DRAIN_MAX_MS + 1;
+            long long d = drain < cap ? drain : cap;
+            due = due < 0 || d < due ? d : due;
+        }
+        if (due >= 0 && (best < 0 || due < best)) best = due;
+    }
+    return best < 0 ? -1 : (int)(best > t ? best - t : 0);
+}
+
+static int op_kill(long long id, const struct jfield *f, int n) {
+    long long exec_id, sig = SIGKILL;
+    if (!is_int(field(f, n, "exec_id"), &exec_id)) return -1;
+    struct exec *x = find_exec(exec_id);
+    if (!x || x->exited) return -1; /* agent.py's, or gone: agent.py answers ESRCH */
+    const struct jfield *sf = field(f, n, "signal");
+    if (sf && sf->type != J_NULL && !is_int(sf, &sig)) {
+        fail(id, "EINVAL", "signal must be an integer");
+        return 0;
+    }
+    static struct buf b;
+    int ok = kill(-x->pid, (int)sig) == 0;
+    reply_start(&b, id, "result");
+    put(&b, ",\"delivered\":%s", ok ? "true" : "false");
+    reply_end(&b);
+    return 0;
+}
+
+static int op_stdin(long long id, const struct jfield *f, int n) {
+    long long exec_id;
+    if (!is_int(field(f, n, "exec_id"), &exec_id) || !find_exec(exec_id)) return -1;
+    fail(id, "EINVAL", "exec was not started with stdin_stream");
+    return 0;
+}
+
 static void host_line(const char *line, size_t n) {
     struct jfield f[MAX_FIELDS];
     int nf = json_fields(line, n, f);
@@ -892,6 +1340,13 @@ static void host_line(const char *line, size_t n) {
                 op_sync(id);
                 return;
             }
+            const struct jfield *in = field(f, nf, "stdin"), *st = field(f, nf, "stdin_stream");
+            int no_stdin = (!in || in->type == J_NULL) &&
+                           (!st || (st->vlen == 5 && !memcmp(st->val, "false", 5)) ||
+                            st->type == J_NULL);
+            if (!strcmp(name, "exec") && no_stdin && op_exec(id, f, nf) == 0) return;
+            if (!strcmp(name, "kill") && op_kill(id, f, nf) == 0) return;
+            if (!strcmp(name, "stdin") && op_stdin(id, f, nf) == 0) return;
         }
     }
     /* Everything else (and anything malformed: agent.py logs it) goes to agent.py. */
@@ -959,7 +1414,14 @@ static void reap(int sfd) {
         if (pid == py_pid) {
             logf_("agent.py exited (status %d); restarting it", status);
             py_gone();
+            continue;
         }
+        for (struct exec *x = execs; x; x = x->next)
+            if (x->pid == pid && !x->exited) {
+                x->exited = 1;
+                x->status = status;
+                x->exited_at = now_ms();
+            }
     }
 }
 
@@ -984,7 +1446,10 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--agent")) opt_agent = argv[++i];
         else usage();
     }
+    for (int i = 0; i + 1 < n_agent_extra; i++)
+        if (!strcmp(agent_extra[i], "--default-cwd")) default_cwd = agent_extra[i + 1];
     started = wall();
+    if (!opt_sysroot) urandom_fd = open("/dev/urandom", O_WRONLY | O_CLOEXEC);
     if (getpid() != 1) prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
     signal(SIGPIPE, SIG_IGN);
     sigset_t chld;
@@ -999,7 +1464,15 @@ int main(int argc, char **argv) {
         long long t = now_ms();
         if (py_fd < 0 && py_pid < 0 && t >= py_restart_at) py_spawn();
         if (host_fd < 0 && t >= host_retry_at) host_open();
-        struct pollfd p[3];
+        int nx = 0;
+        for (struct exec *x = execs; x; x = x->next) nx += 2;
+        static struct pollfd *p;
+        static int pcap;
+        if (pcap < nx + 3) {
+            pcap = (nx + 3) * 2;
+            p = realloc(p, (size_t)pcap * sizeof *p);
+            if (!p) abort();
+        }
         int np = 0, ip = -1, ih = -1;
         p[np++] = (struct pollfd){sfd, POLLIN, 0};
         if (py_fd >= 0) {
@@ -1017,11 +1490,23 @@ int main(int argc, char **argv) {
             int w = (int)(py_restart_at > t ? py_restart_at - t : 0);
             timeout = timeout < 0 || w < timeout ? w : timeout;
         }
+        int xw = execs_timeout();
+        if (xw >= 0) timeout = timeout < 0 || xw < timeout ? xw : timeout;
+        int ix = np;
+        for (struct exec *x = execs; x; x = x->next)
+            for (int k = 0; k < 2; k++)
+                p[np++] = (struct pollfd){x->fd[k], POLLIN, 0}; /* fd -1 is ignored */
         if (poll(p, (nfds_t)np, timeout) < 0) {
             if (errno != EINTR) logf_("poll: %s", strerror(errno));
             continue;
         }
         if (p[0].revents) reap(sfd);
+        {
+            int j = ix;
+            for (struct exec *x = execs; x && j < np; x = x->next)
+                for (int k = 0; k < 2; k++, j++)
+                    if (x->fd[k] >= 0 && p[j].fd == x->fd[k] && p[j].revents) exec_read(x, k);
+        }
         if (ip >= 0 && py_fd >= 0) {
             if (p[ip].revents & POLLIN) py_readable();
             if (py_fd >= 0 && (p[ip].revents & POLLOUT)) py_flush();
@@ -1040,5 +1525,6 @@ int main(int argc, char **argv) {
             }
         }
         if (py_fd >= 0 && pyq.len) py_flush();
+        execs_step();
     }
 }
