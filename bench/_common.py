@@ -226,6 +226,38 @@ def pss_bytes(pid: int) -> int:
     raise RuntimeError(f"no Pss in /proc/{pid}/smaps_rollup")
 
 
+def stop_local_daemon(home: Path, timeout: float = 30.0) -> None:
+    """SIGTERM the local daemon of ``home`` (by the pid its health reports); wait for it.
+
+    Machines outlive it; the SDK starts a new daemon (with this process's environment)
+    on its next request.
+    """
+    import contextlib
+    import signal
+
+    import httpx
+
+    sock = home / "boxd.sock"
+    if not sock.exists():
+        return
+    pid = None
+    with contextlib.suppress(Exception), httpx.Client(
+        transport=httpx.HTTPTransport(uds=str(sock)), timeout=5
+    ) as c:
+        pid = int(c.get("http://boxd/v1/health").json()["pid"])
+    if pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+
+
 def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 

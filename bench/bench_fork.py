@@ -6,8 +6,10 @@ Measures, on the daemon the environment points at (``BOXD_HOME``):
 
 - fork latency, from the API call to the child being exec-ready (``fork`` +
   ``wait_until_ready``): one at a time from an unchanged source (its template is
-  reused), one at a time from a source changed since its last fork (a new template is
-  captured), and 8 at once (the spec's 8 threads);
+  reused and a standby child is claimed), the same with standby children turned off
+  (the daemon restarted with ``BOXD_FORK_SPARES=0``; machines outlive it), one at a
+  time from a source changed since its last fork (a new template is captured), and 8
+  at once (the spec's 8 threads);
 - the first ``exec true`` in a fresh child;
 - source downtime per fork, from the daemon's ``event=captured downtime=`` log lines;
 - an idle child's host memory (PSS of its QEMU process, ``/proc/PID/smaps_rollup``) and
@@ -25,19 +27,20 @@ Measures, on the daemon the environment points at (``BOXD_HOME``):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import Row, pss_bytes, qemu_pid, row_from, say, standalone
+from _common import Row, pss_bytes, qemu_pid, row_from, say, standalone, stop_local_daemon
 from boxd import Boxd
 from boxd.config import Paths
 
@@ -121,6 +124,23 @@ def rebuild_once(client: Boxd, name: str, keep: bool = False) -> dict[str, float
     return t
 
 
+@contextlib.contextmanager
+def daemon_env(home: Path, **env: str) -> Iterator[None]:
+    """Run the block against a daemon started with ``env`` set; restart it after."""
+    old = {k: os.environ.get(k) for k in env}
+    stop_local_daemon(home)
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        stop_local_daemon(home)
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def fork_ready(client: Boxd, src: str, name: str) -> tuple[str, float]:
     t = time.monotonic()
     child = client.machines.fork(src, name)
@@ -162,9 +182,25 @@ def run(client: Boxd | None = None, log: Callable[[str], None] | None = None) ->
             boxd.machines.delete(cid)
         row("fork → exec-ready, single (template reused)", single,
             baseline="cold boot → ready", baseline_values=[rebuilds[0]["boot"]],
-            note="source unchanged since the last fork: its template is reused")
+            note="source unchanged since the last fork: its template is reused and a "
+                 "standby child (spare) prepared after the previous fork is claimed")
         row("first `exec true` in a child", first_exec)
         say_(f"bench_fork: single fork p50 {statistics.median(single)*1000:.0f} ms")
+
+        # --- The same without standby children: the daemon restarted with
+        # BOXD_FORK_SPARES=0 (machines outlive a daemon), then restored.
+        nospare: list[float] = []
+        with daemon_env(paths.home, BOXD_FORK_SPARES="0"):
+            cid, _ = fork_ready(boxd, SOURCE, "bench-fork-ns-warm")  # starts the daemon
+            boxd.machines.delete(cid)
+            for i in range(FORK_SINGLE_N):
+                cid, dt = fork_ready(boxd, SOURCE, f"bench-fork-ns-{i}")
+                nospare.append(dt)
+                _ok(boxd, cid, "true")
+                boxd.machines.delete(cid)
+        row("fork → exec-ready, single (template reused, no spare)", nospare,
+            baseline="fork → exec-ready, single (template reused)", baseline_values=single,
+            note="BOXD_FORK_SPARES=0: overlay, QEMU start and state load on the fork's path")
 
         # --- Forks of a source that changed since the last fork: a fresh template each,
         # so each pauses the source; the daemon logs that pause as downtime.

@@ -32,6 +32,7 @@ from boxd import models
 from boxd.api.services.machines import MachineService
 from boxd.config import DEFAULT_MACHINE_QUOTA, Paths
 from boxd.core._host import Host
+from boxd.core._spares import SparePool
 from boxd.engine.agent import ExecOutput
 from boxd.engine.base import BootDisk, MachineConfig, MemoryImage
 from boxd.engine.qemu import QemuMachine
@@ -106,6 +107,7 @@ class Machines(MachineService):
         self._attached = False
         self._background: set[asyncio.Task[None]] = set()
         self.snapshots: Snapshots | None = None
+        self.spares = SparePool(self)
 
     # ---------------------------------------------------------------- records
 
@@ -138,10 +140,19 @@ class Machines(MachineService):
         """The engine's view of a machine. Before the host is ready (re-attaching after a
         restart) the boot files are unknown; they only matter to start a QEMU process,
         which always happens after `Host.ready`."""
+        return self._config_for(
+            row["id"], row["name"], vcpus=row["vcpus"], memory_mib=row["memory_mib"],
+            isolated=bool(row["isolated"]), port=row["port"],
+        )
+
+    def _config_for(
+        self, machine_id: str, hostname: str, *, vcpus: int, memory_mib: int, isolated: bool,
+        port: int | None,
+    ) -> MachineConfig:
         image = self.host.image
         return MachineConfig(
-            id=row["id"], hostname=row["name"], vcpus=row["vcpus"],
-            memory_mib=row["memory_mib"], isolated=bool(row["isolated"]), port=row["port"],
+            id=machine_id, hostname=hostname, vcpus=vcpus, memory_mib=memory_mib,
+            isolated=isolated, port=port,
             kernel=image.kernel if image else Path(), initrd=image.initrd if image else Path(),
             cmdline=image.cmdline_hint if image else "",
         )
@@ -161,14 +172,18 @@ class Machines(MachineService):
 
     def _bump(self, machine_id: str) -> None:
         self.db.execute("UPDATE machines SET generation=generation+1 WHERE id=?", (machine_id,))
+        self.spares.prune()  # a changed source's standby children are stale
 
     def _insert(
         self, account: str, name: str | None, *, vcpus: int, memory_mib: int, disk_gib: int,
         isolated: bool, parent_id: str | None = None, snapshot: str | None = None,
-        extra_quota: int = 0,
+        extra_quota: int = 0, spare: tuple[str, int | None] | None = None,
     ) -> sqlite3.Row:
-        """Claim a name and a machine id atomically (duplicate and quota checked)."""
-        machine_id = new_id("m")
+        """Claim a name and a machine id atomically (duplicate and quota checked).
+
+        ``spare`` is the (machine id, port) a standby child was prepared with.
+        """
+        machine_id = spare[0] if spare else new_id("m")
         if name is None:
             name = f"machine-{secrets.token_hex(3)}"
         validate_name(name)
@@ -201,15 +216,16 @@ class Machines(MachineService):
                 " isolated, port, image, parent_id, snapshot, created_at, accel)"
                 " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (machine_id, account, name, S.STARTING.value, vcpus, memory_mib, disk_gib,
-                 int(isolated), None if isolated else free_port(), image.key, parent_id,
+                 int(isolated), spare[1] if spare else None if isolated else free_port(),
+                 image.key, parent_id,
                  snapshot, time.time(), self.host.engine.accelerator if self.host.engine else None),
             )
         row = self.db.one("SELECT * FROM machines WHERE id=?", (machine_id,))
         assert row is not None
         return row
 
-    def _new_layer(self, parent_id: str | None, base: str) -> str:
-        layer_id = new_id("l")
+    def _new_layer(self, parent_id: str | None, base: str, layer_id: str | None = None) -> str:
+        layer_id = layer_id or new_id("l")
         self.db.execute(
             "INSERT INTO layers (id, parent_id, base, frozen, created_at) VALUES (?,?,?,0,?)",
             (layer_id, parent_id, base, time.time()),
@@ -473,6 +489,7 @@ class Machines(MachineService):
             remove_tree(Path(t["mem_path"]).parent)
         for lid in dead_layers:
             disks.remove(self._layer_path(lid))
+        self.spares.prune()
 
     @staticmethod
     def _depth(lid: str, parents: dict[str, str | None]) -> int:
@@ -664,6 +681,7 @@ class Machines(MachineService):
         results = await asyncio.gather(
             *(self._start_child(account, src, tpl, n) for n in names), return_exceptions=True
         )
+        self.spares.want(src["id"], tpl, len(names))
         out: builtins.list[models.Machine | Exception] = []
         for r in results:
             if isinstance(r, BaseException) and not isinstance(r, Exception):
@@ -677,43 +695,64 @@ class Machines(MachineService):
         _, engine = await self.host.ready()
         if name is None:
             name = f"{src['name'][:48]}-{secrets.token_hex(3)}"
-        row = self._insert(
-            account, name, vcpus=src["vcpus"], memory_mib=src["memory_mib"],
-            disk_gib=src["disk_gib"], isolated=bool(src["isolated"]), parent_id=src["id"],
-            snapshot=src["snapshot"],
-        )
+        spare = self.spares.take(tpl.id)
+        try:
+            row = self._insert(
+                account, name, vcpus=src["vcpus"], memory_mib=src["memory_mib"],
+                disk_gib=src["disk_gib"], isolated=bool(src["isolated"]), parent_id=src["id"],
+                snapshot=src["snapshot"],
+                spare=(spare.machine_id, spare.port) if spare else None,
+            )
+        except BaseException:
+            if spare is not None:
+                self.spares.give_back(tpl.id, spare)
+            raise
         t0 = time.monotonic()
         try:
-            layer_id = self._new_layer(tpl.layer_id, "")
-            await disks.create_overlay(
-                self._layer_path(layer_id), self._layer_path(tpl.layer_id), "qcow2",
-                src["disk_gib"], owner=self._owner(),
-            )
+            if spare is not None:
+                # A standby child: overlay, QEMU and loaded state are ready; the guest has
+                # not run yet. Record it and let it run.
+                layer_id = self._new_layer(tpl.layer_id, "", layer_id=spare.layer_id)
+                handle = spare.handle
+            else:
+                layer_id = self._new_layer(tpl.layer_id, "")
+                await disks.create_overlay(
+                    self._layer_path(layer_id), self._layer_path(tpl.layer_id), "qcow2",
+                    src["disk_gib"], owner=self._owner(),
+                )
             t1 = time.monotonic()
             self.db.execute(
                 "UPDATE machines SET layer_id=?, template_id=?, ram_shared=0 WHERE id=?",
                 (layer_id, tpl.id, row["id"]),
             )
-            handle = await engine.start_from(
-                self._config(row), BootDisk(self._layer_path(layer_id)), tpl.image,
-                self._run_dir(row["id"]), self._log_path(row["id"]), copy_memory=False,
-            )
-            self.live[row["id"]] = handle
-            self.db.execute("UPDATE machines SET pid=? WHERE id=?", (handle.pid, row["id"]))
+            if spare is not None:
+                self.live[row["id"]] = handle
+                self.db.execute("UPDATE machines SET pid=? WHERE id=?", (handle.pid, row["id"]))
+                await handle.resume()
+            else:
+                handle = await engine.start_from(
+                    self._config(row), BootDisk(self._layer_path(layer_id)), tpl.image,
+                    self._run_dir(row["id"]), self._log_path(row["id"]), copy_memory=False,
+                )
+                self.live[row["id"]] = handle
+                self.db.execute("UPDATE machines SET pid=? WHERE id=?", (handle.pid, row["id"]))
             t2 = time.monotonic()
             await self._set_identity(row["id"], name, handle)
             log.debug(
-                "machine=%s event=child_timing overlay=%.3f start=%.3f identity=%.3f",
-                row["id"], t1 - t0, t2 - t1, time.monotonic() - t2,
+                "machine=%s event=child_timing spare=%s overlay=%.3f start=%.3f identity=%.3f",
+                row["id"], spare is not None, t1 - t0, t2 - t1, time.monotonic() - t2,
             )
         except BaseException as exc:
+            if spare is not None and row["id"] not in self.live:
+                self.live[row["id"]] = spare.handle  # so that _purge kills it
             await self._purge(row["id"])
             if isinstance(exc, BoxdError):
                 exc.message = f"fork child {name!r} failed: {exc.message}"
                 exc.args = (exc.message,)
             raise
         self._set_state(row["id"], S.RUNNING)
-        log.info("machine=%s event=forked source=%s", row["id"], src["id"])
+        log.info("machine=%s event=forked source=%s spare=%s", row["id"], src["id"],
+                 spare is not None)
         return await self.get(account, row["id"])
 
     async def _set_identity(self, machine_id: str, hostname: str, handle: QemuMachine) -> None:
@@ -871,6 +910,12 @@ class Machines(MachineService):
         known = {r["id"] for r in self.db.all("SELECT id FROM machines")}
         for d in (self.paths.shm / "machines").glob("*"):
             if d.name not in known:
+                # A standby child of a daemon that died (spares are never recorded), or a
+                # machine whose record is gone: its QEMU may still be running.
+                _kill_stray(d)
+                remove_tree(d)
+        for d in self.paths.machines.glob("*"):
+            if d.name not in known:
                 remove_tree(d)
         tpls = {
             Path(r["mem_path"]).parent.name for r in self.db.all("SELECT mem_path FROM templates")
@@ -893,11 +938,26 @@ class Machines(MachineService):
                 f.unlink(missing_ok=True)
 
     async def close(self) -> None:
+        await self.spares.close()
         for task in list(self._background):
             task.cancel()
         for handle in list(self.live.values()):
             await handle.detach()
         self.live.clear()
+
+
+def _kill_stray(run_dir: Path) -> None:
+    """SIGKILL the QEMU process of a run directory no machine owns, if it still runs."""
+    from boxd.engine.qemu._process import pid_matches
+
+    try:
+        pid = int((run_dir / "qemu.pid").read_text().strip())
+    except (OSError, ValueError):
+        return
+    if pid_matches(pid, run_dir.name):
+        log.info("machine=%s event=stray_qemu_killed pid=%s", run_dir.name, pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 9)
 
 
 __all__ = ["Machines", "free_port", "validate_name"]

@@ -113,12 +113,15 @@ class Engine(Protocol):
         log_path: Path,
         *,
         copy_memory: bool,
+        paused: bool = False,
     ) -> MachineHandle:
         """Start a machine that continues from ``image``.
 
         With ``copy_memory`` the machine gets its own RAM file (a sparse copy: it can be
         forked and checkpointed cheaply); otherwise it maps ``image.mem_path``
-        copy-on-write (cheap to start, costs only the pages it changes).
+        copy-on-write (cheap to start, costs only the pages it changes). With ``paused``
+        the state is loaded but the guest has not run an instruction: ``resume()``
+        starts it (a standby fork child, prepared before anyone asks for it).
         """
         ...
 

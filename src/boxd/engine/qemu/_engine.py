@@ -268,9 +268,12 @@ class QemuEngine:
 
     async def start_from(
         self, config: MachineConfig, disk: BootDisk, image: MemoryImage, run_dir: Path,
-        log_path: Path, *, copy_memory: bool,
+        log_path: Path, *, copy_memory: bool, paused: bool = False,
     ) -> QemuMachine:
-        """Start a machine that continues from ``image`` (fork child, restore, snapshot)."""
+        """Start a machine that continues from ``image`` (fork child, restore, snapshot).
+
+        With ``paused`` the machine is left loaded but stopped; ``resume()`` runs it.
+        """
         t0 = time.monotonic()
         run_dir.mkdir(parents=True, exist_ok=True)
         files = _argv.RunFiles(run_dir)
@@ -301,7 +304,8 @@ class QemuEngine:
             await proc.execute("migrate-incoming", {"uri": f"file:{image.state_path}"})
             await proc.wait_migration()
             t3 = time.monotonic()
-            await proc.execute("cont")
+            if not paused:
+                await proc.execute("cont")
             log.debug(
                 "machine=%s event=start_timing copy=%.3f spawn_qmp=%.3f incoming=%.3f cont=%.3f",
                 config.id, t1 - t0, t2 - t1, t3 - t2, time.monotonic() - t3,
