@@ -277,8 +277,9 @@ class SocketChannel(Channel):
 class RelayChannel(Channel):
     """The socketpair to boxd-init (init.c), which owns the host connection.
 
-    boxd-init answers hello, ping, identity and sync itself and relays every other line
-    here; a hello with a new nonce tells this agent that the host connection changed.
+    boxd-init answers hello, ping, identity, sync and exec without stdin itself and
+    relays every other line here; a hello with a new nonce (request id -1, its reply
+    dropped by boxd-init) tells this agent that the host connection changed.
     """
 
     def __init__(self, fd: int) -> None:
@@ -977,9 +978,9 @@ class Agent:
 
         Plain os calls on tmpfs: identity is on the fork's critical path, and a fresh
         child under TCG pays to translate every guest code path it runs first (an ext4
-        create + rename-over costs ~8k translation blocks, this a few hundred). A guest
-        whose /etc/name is a regular file (an image from before protocol 1.1) gets it
-        rewritten in place instead.
+        create + rename-over costs ~8k translation blocks). A guest whose /etc/name is a
+        regular file (an image from before protocol 1.1) gets that file replaced instead.
+        (Guests with boxd-init do identity in C; this is the standalone agent's path.)
         """
         root = sysroot or "/"
         etc = os.path.join(root, "etc", name)
