@@ -53,6 +53,7 @@
 #define RETRY_MS 20
 #define WRITE_STALL_MS 30000
 #define RESTART_MS 100
+#define QUEUE_MAX (8L * 1024 * 1024) /* relayed bytes agent.py may lag behind */
 #define INTERNAL_ID "{\"id\":-1,"
 
 static const char *opt_connect;
@@ -1480,12 +1481,15 @@ int main(int argc, char **argv) {
             p[np++] = (struct pollfd){py_fd, (short)(POLLIN | (pyq.len ? POLLOUT : 0)), 0};
         }
         t = now_ms();
-        if (host_fd >= 0 && t >= host_retry_at) {
+        /* Backpressure: while agent.py has not taken QUEUE_MAX bytes of relayed requests
+           (a big upload), stop reading the host; its writes then wait in the channel. */
+        if (host_fd >= 0 && t >= host_retry_at && pyq.len < QUEUE_MAX) {
             ih = np;
             p[np++] = (struct pollfd){host_fd, POLLIN, 0};
         }
         int timeout = -1; /* host and agent polled: sleep until one of them speaks */
-        if (ih < 0) timeout = (int)(host_retry_at > t ? host_retry_at - t : 0);
+        if (ih < 0 && pyq.len < QUEUE_MAX)
+            timeout = (int)(host_retry_at > t ? host_retry_at - t : 0);
         if (py_fd < 0 && py_pid < 0) {
             int w = (int)(py_restart_at > t ? py_restart_at - t : 0);
             timeout = timeout < 0 || w < timeout ? w : timeout;
