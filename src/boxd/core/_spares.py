@@ -9,8 +9,9 @@ start (~40 ms) and the overlay (~10 ms) off the fork's critical path.
 
 After each fork the pool is refilled, in the background, up to the size of the largest
 batch forked from that template (at most ``BOXD_FORK_SPARES``, default 8; 0 turns spares
-off). Spares live only while their template is the one the next fork would use: when
-the source changes, is deleted or its template is collected, they are killed. They are
+off), and never beyond ``BOXD_FORK_SPARES_TOTAL`` (default 32) across the daemon.
+Spares live only while their template is the one the next fork would use: when the
+source changes, is deleted or its template is collected, they are killed. They are
 never in the database; a restarted daemon kills the QEMU processes of run directories
 no machine owns (see ``Machines._sweep``).
 """
@@ -39,12 +40,21 @@ if TYPE_CHECKING:
 log = logging.getLogger("boxd.core")
 
 
+def _env_int(name: str, default: int) -> int:
+    try:
+        return max(0, int(os.environ.get(name, str(default))))
+    except ValueError:
+        return default
+
+
 def max_spares() -> int:
     """Spares kept per template (``BOXD_FORK_SPARES``, default 8; 0 disables)."""
-    try:
-        return max(0, int(os.environ.get("BOXD_FORK_SPARES", "8")))
-    except ValueError:
-        return 8
+    return _env_int("BOXD_FORK_SPARES", 8)
+
+
+def max_total_spares() -> int:
+    """Spares kept across all templates of the daemon (``BOXD_FORK_SPARES_TOTAL``, 32)."""
+    return _env_int("BOXD_FORK_SPARES_TOTAL", 32)
 
 
 @dataclass
@@ -129,7 +139,9 @@ class SparePool:
 
     async def _refill(self, source_id: str, tpl: Template) -> None:
         try:
-            while self.count(tpl.id) < self._target.get(tpl.id, 0) and self._current(tpl.id):
+            while (self.count(tpl.id) < self._target.get(tpl.id, 0)
+                   and sum(map(len, self._spares.values())) < max_total_spares()
+                   and self._current(tpl.id)):
                 src = self._m.db.one("SELECT * FROM machines WHERE id=?", (source_id,))
                 if src is None:
                     break
@@ -182,4 +194,4 @@ class SparePool:
         remove_tree(m.paths.machines / spare.machine_id)
 
 
-__all__ = ["Spare", "SparePool", "max_spares"]
+__all__ = ["Spare", "SparePool", "max_spares", "max_total_spares"]
