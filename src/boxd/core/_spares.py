@@ -179,19 +179,21 @@ class SparePool:
                 m._log_path(machine_id), copy_memory=False, paused=True,
             )
         except BaseException:
-            disks.remove(layer)
-            remove_tree(m._run_dir(machine_id))
-            remove_tree(m.paths.machines / machine_id)
+            self._remove_files(machine_id, layer_id)
             raise
         return Spare(machine_id, layer_id, port, handle)
 
     async def _discard(self, spare: Spare) -> None:
-        m = self._m
         with contextlib.suppress(Exception):
             await spare.handle.destroy()
-        disks.remove(m._layer_path(spare.layer_id))
-        remove_tree(m._run_dir(spare.machine_id))
-        remove_tree(m.paths.machines / spare.machine_id)
+        self._remove_files(spare.machine_id, spare.layer_id)
+
+    def _remove_files(self, machine_id: str, layer_id: str) -> None:
+        """A spare's overlay, run directory and log directory (it has no records)."""
+        m = self._m
+        disks.remove(m._layer_path(layer_id))
+        remove_tree(m._run_dir(machine_id))
+        remove_tree(m.paths.machines / machine_id)
 
 
 __all__ = ["Spare", "SparePool", "max_spares", "max_total_spares"]

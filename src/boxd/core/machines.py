@@ -440,11 +440,7 @@ class Machines(MachineService):
         else:
             row = self.db.one("SELECT pid FROM machines WHERE id=?", (machine_id,))
             if row and row["pid"]:
-                from boxd.engine.qemu._process import pid_matches
-
-                if pid_matches(row["pid"], machine_id):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(row["pid"], 9)
+                _kill_qemu(row["pid"], machine_id)
         for ck in self.db.all("SELECT id FROM checkpoints WHERE machine_id=?", (machine_id,)):
             remove_tree(self.paths.checkpoints / ck["id"])
         self.db.execute("DELETE FROM checkpoints WHERE machine_id=?", (machine_id,))
@@ -725,17 +721,15 @@ class Machines(MachineService):
                 "UPDATE machines SET layer_id=?, template_id=?, ram_shared=0 WHERE id=?",
                 (layer_id, tpl.id, row["id"]),
             )
-            if spare is not None:
-                self.live[row["id"]] = handle
-                self.db.execute("UPDATE machines SET pid=? WHERE id=?", (handle.pid, row["id"]))
-                await handle.resume()
-            else:
+            if spare is None:
                 handle = await engine.start_from(
                     self._config(row), BootDisk(self._layer_path(layer_id)), tpl.image,
                     self._run_dir(row["id"]), self._log_path(row["id"]), copy_memory=False,
                 )
-                self.live[row["id"]] = handle
-                self.db.execute("UPDATE machines SET pid=? WHERE id=?", (handle.pid, row["id"]))
+            self.live[row["id"]] = handle
+            self.db.execute("UPDATE machines SET pid=? WHERE id=?", (handle.pid, row["id"]))
+            if spare is not None:
+                await handle.resume()  # recorded first: a failed resume is purged with it
             t2 = time.monotonic()
             await self._set_identity(row["id"], name, handle)
             log.debug(
@@ -946,18 +940,25 @@ class Machines(MachineService):
         self.live.clear()
 
 
-def _kill_stray(run_dir: Path) -> None:
-    """SIGKILL the QEMU process of a run directory no machine owns, if it still runs."""
+def _kill_qemu(pid: int, machine_id: str) -> bool:
+    """SIGKILL ``pid`` if it is still the QEMU process of ``machine_id`` (pids recycle)."""
     from boxd.engine.qemu._process import pid_matches
 
+    if not pid_matches(pid, machine_id):
+        return False
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, 9)
+    return True
+
+
+def _kill_stray(run_dir: Path) -> None:
+    """SIGKILL the QEMU process of a run directory no machine owns, if it still runs."""
     try:
         pid = int((run_dir / "qemu.pid").read_text().strip())
     except (OSError, ValueError):
         return
-    if pid_matches(pid, run_dir.name):
+    if _kill_qemu(pid, run_dir.name):
         log.info("machine=%s event=stray_qemu_killed pid=%s", run_dir.name, pid)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, 9)
 
 
 __all__ = ["Machines", "free_port", "validate_name"]

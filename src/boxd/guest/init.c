@@ -1320,11 +1320,11 @@ static void host_line(const char *line, size_t n) {
     struct jfield f[MAX_FIELDS];
     int nf = json_fields(line, n, f);
     long long id = 0;
-    if (nf >= 0) {
+    int has_id = nf >= 0 && is_int(field(f, nf, "id"), &id);
+    if (has_id) {
         const struct jfield *op = field(f, nf, "op");
         char name[32];
-        if (op && op->type == J_STR && json_str(op, name, sizeof name) > 0 &&
-            is_int(field(f, nf, "id"), &id)) {
+        if (op && op->type == J_STR && json_str(op, name, sizeof name) > 0) {
             if (!strcmp(name, "hello")) {
                 op_hello(id, f, nf);
                 return;
@@ -1352,17 +1352,22 @@ static void host_line(const char *line, size_t n) {
     }
     /* Everything else (and anything malformed: agent.py logs it) goes to agent.py. */
     if (py_fd < 0) {
-        if (nf >= 0 && is_int(field(f, nf, "id"), &id))
-            fail(id, "EINTERNAL", "the guest agent is restarting; retry");
+        if (has_id) fail(id, "EINTERNAL", "the guest agent is restarting; retry");
         return;
     }
     py_sync_nonce();
-    if (nf >= 0 && is_int(field(f, nf, "id"), &id)) inflight_add(id);
+    if (has_id) inflight_add(id);
     py_send(line, n);
     py_send("\n", 1);
 }
 
-static void host_gone(void) {
+/* The host went away (EOF, or POLLHUP on the virtio port): poll it again in RETRY_MS. */
+static void host_hangup(void) {
+    int was = host_present;
+    host_present = 0;
+    if (opt_connect) host_close();
+    host_retry_at = now_ms() + RETRY_MS;
+    if (!was) return;
     /* A partial line can never complete. agent.py hears of the change (a nonce no host
        uses) with the next request relayed to it, not now: in a fork child that has just
        started, waking the interpreter would cost more than the child's whole hello. */
@@ -1377,11 +1382,7 @@ static void host_readable(void) {
     if (r < 0 && (errno == EAGAIN || errno == EINTR)) return;
     if (r <= 0) {
         if (r < 0) logf_("channel read error: %s", strerror(errno));
-        int was = host_present;
-        host_present = 0;
-        if (opt_connect) host_close();
-        host_retry_at = now_ms() + RETRY_MS;
-        if (was) host_gone();
+        host_hangup();
         return;
     }
     host_present = 1;
@@ -1520,12 +1521,7 @@ int main(int argc, char **argv) {
             if (rev & POLLIN) {
                 host_readable();
             } else if (rev & (POLLHUP | POLLERR | POLLNVAL)) {
-                /* virtio: no host on the other end (POLLHUP until one connects) */
-                int was = host_present;
-                host_present = 0;
-                if (opt_connect) host_close();
-                host_retry_at = now_ms() + RETRY_MS;
-                if (was) host_gone();
+                host_hangup(); /* virtio: POLLHUP until a host connects */
             }
         }
         if (py_fd >= 0 && pyq.len) py_flush();
