@@ -9,6 +9,7 @@ cd "$here"
 bash scripts/setup-host.sh
 export BOXD_IMAGE_CACHE="$here/.cache/images"
 echo "[test] ruff"; .venv/bin/ruff check src tests bench examples
-echo "[test] mypy"; .venv/bin/mypy
+echo "[test] mypy (engine conformance included)"; .venv/bin/mypy
+echo "[test] import-linter"; .venv/bin/lint-imports --no-cache
 echo "[test] pytest"
 exec .venv/bin/pytest -p no:cacheprovider -ra "$@"

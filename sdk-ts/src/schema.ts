@@ -670,6 +670,16 @@ export interface components {
             error?: string | null;
             /** Created At */
             created_at: number;
+            /**
+             * Node
+             * @description id of the node that runs the machine
+             */
+            node?: string | null;
+            /**
+             * Engine
+             * @description engine that runs it (qemu)
+             */
+            engine?: string | null;
         };
         /** MachineCreate */
         MachineCreate: {
@@ -712,10 +722,14 @@ export interface components {
         };
         /**
          * MachineState
-         * @description Lifecycle of a machine. Transitions are checked in one place (core.machines).
+         * @description Lifecycle of a machine. Transitions are checked in one place (`boxd.node.lifecycle`).
+         *
+         *     ``swapping`` and ``restoring`` are transient: the machine's VM process is being
+         *     replaced (its first fork gives it RAM of its own; a checkpoint restore), and
+         *     requests that need the machine wait for it to finish.
          * @enum {string}
          */
-        MachineState: "starting" | "running" | "failed" | "deleting";
+        MachineState: "starting" | "running" | "swapping" | "restoring" | "failed" | "deleting";
         /** Snapshot */
         Snapshot: {
             /** Id */

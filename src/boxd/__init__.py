@@ -9,8 +9,7 @@
     result = boxd.machines.exec(fork.id, "python3 rollout.py --seed 1")
 """
 
-__version__ = "0.1.0"
-
+from boxd._version import __version__
 from boxd.errors import (
     AlreadyExists,
     AuthError,

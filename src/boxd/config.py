@@ -1,4 +1,7 @@
-"""Where boxd keeps its files, and the settings read from the environment.
+"""Where boxd keeps its files, and every setting read from the environment.
+
+Every ``BOXD_*`` variable is read here and nowhere else (`Settings.from_env`); the
+README's settings table lists them.
 
 Layout of the data directory (``$BOXD_HOME``; default ``/var/lib/boxd`` for root,
 else ``$XDG_DATA_HOME/boxd`` or ``~/.local/share/boxd``)::
@@ -24,12 +27,19 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+HOME_ENV = "BOXD_HOME"
+SHM_ENV = "BOXD_SHM"
+URL_ENV = "BOXD_URL"
+API_KEY_ENV = "BOXD_API_KEY"
+IMAGE_CACHE_ENV = "BOXD_IMAGE_CACHE"
+
 
 def _default_home() -> Path:
-    if env := os.environ.get("BOXD_HOME"):
+    if env := os.environ.get(HOME_ENV):
         return Path(env).expanduser()
     if os.geteuid() == 0:
         # A system service's place; unlike /root it is traversable by the unprivileged
@@ -89,7 +99,7 @@ class Paths:
     def shm(self) -> Path:
         """Per-data-directory folder on tmpfs for RAM files and sockets."""
         digest = hashlib.sha256(str(self.home).encode()).hexdigest()[:12]
-        base = Path(os.environ.get("BOXD_SHM", "/dev/shm"))
+        base = Path(os.environ.get(SHM_ENV) or "/dev/shm")
         return base / f"boxd-{digest}"
 
     def run_dir(self, machine_id: str) -> Path:
@@ -120,3 +130,50 @@ MAX_MEMORY_MIB = 16384
 MAX_DISK_GIB = 256
 DEFAULT_MACHINE_QUOTA = 50
 GUEST_HTTP_PORT = 8080
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    try:
+        return max(0, int(env.get(name, str(default))))
+    except ValueError:
+        return default
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The daemon's settings, read once from the environment (see the README's table)."""
+
+    accel: str = ""  # BOXD_ACCEL: "kvm" or "tcg" forces the accelerator; else probed
+    qemu_user: str = "boxd-qemu"  # BOXD_QEMU_USER: user QEMU drops to (root daemon); "" off
+    fork_spares: int = 8  # BOXD_FORK_SPARES: standby children per template; 0 off
+    fork_spares_total: int = 32  # BOXD_FORK_SPARES_TOTAL: standby children per daemon
+    log_level: str = "info"  # BOXD_LOG_LEVEL
+    image_cache: Path | None = None  # BOXD_IMAGE_CACHE: where guest images are built
+    engine: str = "qemu"  # BOXD_ENGINE: the engine new machines run on
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        e = os.environ if env is None else env
+        cache = e.get(IMAGE_CACHE_ENV)
+        return cls(
+            accel=e.get("BOXD_ACCEL", "").strip().lower(),
+            qemu_user=e.get("BOXD_QEMU_USER", "boxd-qemu"),
+            fork_spares=_int(e, "BOXD_FORK_SPARES", 8),
+            fork_spares_total=_int(e, "BOXD_FORK_SPARES_TOTAL", 32),
+            log_level=e.get("BOXD_LOG_LEVEL", "info").strip().lower() or "info",
+            image_cache=Path(cache).expanduser() if cache else None,
+            engine=e.get("BOXD_ENGINE", "qemu").strip().lower() or "qemu",
+        )
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    """What a client (SDK, CLI) reads: ``BOXD_URL`` and ``BOXD_API_KEY``."""
+
+    url: str | None
+    api_key: str | None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ClientSettings:
+        e = os.environ if env is None else env
+        return cls(url=e.get(URL_ENV) or None, api_key=e.get(API_KEY_ENV) or None)

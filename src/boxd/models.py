@@ -18,10 +18,17 @@ NAME_RULE = "1-63 lowercase letters, digits or '-', starting and ending with a l
 
 
 class MachineState(StrEnum):
-    """Lifecycle of a machine. Transitions are checked in one place (core.machines)."""
+    """Lifecycle of a machine. Transitions are checked in one place (`boxd.node.lifecycle`).
+
+    ``swapping`` and ``restoring`` are transient: the machine's VM process is being
+    replaced (its first fork gives it RAM of its own; a checkpoint restore), and
+    requests that need the machine wait for it to finish.
+    """
 
     STARTING = "starting"
     RUNNING = "running"
+    SWAPPING = "swapping"
+    RESTORING = "restoring"
     FAILED = "failed"
     DELETING = "deleting"
 
@@ -50,6 +57,8 @@ class Machine(BaseModel):
     accelerator: str | None = None
     error: str | None = None
     created_at: float
+    node: str | None = Field(None, description="id of the node that runs the machine")
+    engine: str | None = Field(None, description="engine that runs it (qemu)")
 
 
 class MachineList(BaseModel):

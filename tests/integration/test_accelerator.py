@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from boxd.config import Settings
 from boxd.engine.qemu import _probe
 from boxd.engine.qemu._probe import AccelChoice, probe_accelerator
 
@@ -56,7 +57,8 @@ def test_forced_accelerator_skips_the_probe(
 ) -> None:
     calls = _fake_boot(monkeypatch, (True, "booted", 1.0))
     monkeypatch.setenv("BOXD_ACCEL", value)
-    choice = probe_accelerator("qemu-system-x86_64", kernel, tmp_path / "host.json")
+    forced = Settings.from_env().accel  # the daemon reads it once, in config
+    choice = probe_accelerator("qemu-system-x86_64", kernel, tmp_path / "host.json", forced)
     want = value.strip().lower()
     assert choice == AccelChoice(want, f"forced by BOXD_ACCEL={want}", forced=True)
     assert calls == []
@@ -68,7 +70,8 @@ def test_unknown_forced_value_is_ignored(
 ) -> None:
     _fake_boot(monkeypatch, (False, "KVM internal error", 2.0))
     monkeypatch.setenv("BOXD_ACCEL", "hvf")
-    choice = probe_accelerator("qemu-system-x86_64", kernel, tmp_path / "host.json")
+    forced = Settings.from_env().accel
+    choice = probe_accelerator("qemu-system-x86_64", kernel, tmp_path / "host.json", forced)
     assert choice.accelerator == "tcg" and not choice.forced
 
 

@@ -92,7 +92,7 @@ def test_long_backing_chains_collapse(daemon, client, machine) -> None:  # type:
     import sqlite3
     import time
 
-    from boxd.core.machines import MAX_CHAIN
+    from boxd.node.runtime import MAX_CHAIN
 
     def chain_length() -> int:
         db = sqlite3.connect(daemon.home / "state.db")

@@ -158,6 +158,13 @@ def _qemu_pid(machine_id: str) -> int:
     return int(out[0])
 
 
+def _vm_id(daemon, machine_id: str) -> str:  # type: ignore[no-untyped-def]
+    """The engine's id of a machine's VM (a claimed standby child keeps its own)."""
+    with sqlite3.connect(Paths(daemon.home.resolve()).db) as db:
+        (vm_id,) = db.execute("SELECT vm_id FROM machines WHERE id=?", (machine_id,)).fetchone()
+    return str(vm_id)
+
+
 def _layer_file(daemon, machine_id: str) -> Path:  # type: ignore[no-untyped-def]
     paths = Paths(daemon.home.resolve())
     with sqlite3.connect(paths.db) as db:
@@ -169,12 +176,13 @@ def _layer_file(daemon, machine_id: str) -> Path:  # type: ignore[no-untyped-def
 
 def test_sigkilled_machine_is_failed_and_deletable(client, daemon, machine) -> None:  # type: ignore[no-untyped-def]
     paths = Paths(daemon.home.resolve())
-    run_dir = paths.run_dir(machine.id)
+    vm_id = _vm_id(daemon, machine.id)
+    run_dir = paths.run_dir(vm_id)
     layer = _layer_file(daemon, machine.id)
     assert run_dir.is_dir() and layer.exists()
     assert client.machines.exec(machine.id, "true").exit_code == 0
 
-    pid = _qemu_pid(machine.id)
+    pid = _qemu_pid(vm_id)
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 30
     while Path(f"/proc/{pid}").exists() and "Z" not in _proc_state(pid):

@@ -1,4 +1,8 @@
-"""Standby fork children (core/_spares.py): claimed by forks, killed with their template."""
+"""Standby fork children (node/_spares.py): claimed by forks, killed with their template.
+
+A spare's QEMU process is started under a VM id of its own; the fork that claims it
+records that VM id on the new machine (``machines.vm_id``).
+"""
 
 from __future__ import annotations
 
@@ -30,8 +34,14 @@ def _wait(what: str, ok, timeout: float = 90.0) -> None:  # type: ignore[no-unty
         time.sleep(0.2)
 
 
+def _vm_ids(paths: Paths) -> dict[str, str]:
+    """Machine id -> the VM id its QEMU process runs under."""
+    with sqlite3.connect(f"file:{paths.db}?mode=ro", uri=True) as db:
+        return dict(db.execute("SELECT id, vm_id FROM machines").fetchall())
+
+
 def _by_machine(home: Path) -> dict[str, str]:
-    """Machine id -> the RAM file it maps, for every QEMU process of this data directory."""
+    """VM id -> the RAM file it maps, for every QEMU process of this data directory."""
     out = {}
     for argv in qemu_cmdlines(home):
         line = " ".join(argv)
@@ -51,11 +61,11 @@ def test_a_fork_claims_a_prepared_spare_and_a_changed_source_kills_it(  # type: 
     client.machines.exec(src.id, "echo from-source > /tmp/mark")
 
     first = client.machines.fork(src.id)
-    template_ram = _by_machine(paths.home)[first.id]  # the children map src's template
+    template_ram = _by_machine(paths.home)[_vm_ids(paths)[first.id]]  # src's template
 
     def spares() -> set[str]:
         """QEMU processes of src's template that are no machine: its standby children."""
-        listed = {m.id for m in client.machines.list()}
+        listed = set(_vm_ids(paths).values())
         return {mid for mid, mem in _by_machine(paths.home).items()
                 if mem == template_ram and mid not in listed}
 
@@ -68,7 +78,8 @@ def test_a_fork_claims_a_prepared_spare_and_a_changed_source_kills_it(  # type: 
         second = client.machines.fork(src.id)
         try:
             log = [m for m in _messages(paths.log) if "spare" in m or "captured" in m]
-            assert second.id == spare_id, log[-12:]  # the prepared child became the machine
+            # the prepared child became the machine
+            assert _vm_ids(paths)[second.id] == spare_id, log[-12:]
             assert any(f"machine={second.id} event=forked" in m and "spare=True" in m
                        for m in _messages(paths.log))
             out = client.machines.exec(second.id, "cat /tmp/mark; hostname; cat /etc/machine-id")
@@ -88,7 +99,7 @@ def test_a_fork_claims_a_prepared_spare_and_a_changed_source_kills_it(  # type: 
     # Nothing of this source's spares is left: every layer file without a record is the
     # disk of a live spare of another template (base's), and so is every machine
     # directory without a machine.
-    listed = {m.id for m in client.machines.list()}
+    listed = set(_vm_ids(paths).values())
     live_spares = {mid for mid, mem in _by_machine(paths.home).items()
                    if mid not in listed and Path(mem).exists()}
     spare_disks = {Path(a).name.split(".")[0]

@@ -11,8 +11,6 @@ from pathlib import Path
 
 from boxd import models
 from boxd.api.services.keys import KeyService
-from boxd.api.services.machines import MachineService
-from boxd.api.services.snapshots import SnapshotService
 from boxd.errors import (
     AlreadyExists,
     CheckpointNotFound,
@@ -23,6 +21,7 @@ from boxd.errors import (
     MachineNotFound,
     SnapshotNotFound,
 )
+from boxd.services import MachineService, SnapshotService
 from boxd.state import new_id
 
 
@@ -142,6 +141,9 @@ class FakeMachines(MachineService):
         m = self._find(account, ref)
         if self.checkpoints.pop((m.id, name), None) is None:
             raise CheckpointNotFound(f"no checkpoint {name!r}", machine=ref, checkpoint=name)
+
+    async def recover(self) -> None:
+        return None
 
     async def close(self) -> None:
         self.closed = True

@@ -1,21 +1,18 @@
-"""The standby-children pool's bookkeeping (core/_spares.py), without QEMU.
+"""The standby-children pool's bookkeeping (node/_spares.py), without QEMU.
 
 Real spares (QEMU processes claimed by forks) are covered by
 tests/integration/test_spares.py; this checks the caps, pruning and dead-spare handling
-with stand-ins for the machine handles and the database.
+with a stand-in for the node runtime (the pool's `SpareMaker`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import pytest
-
-from boxd.core import _spares
-from boxd.core._spares import Spare, SparePool
+from boxd.config import Settings
+from boxd.node._spares import Spare, SparePool
 
 
 class FakeHandle:
@@ -33,38 +30,33 @@ class FakeHandle:
         self.destroyed = True
 
 
-class FakeMachines:
-    """What SparePool uses of Machines: db.one (is the template current?) and paths."""
+class FakeMaker:
+    """What SparePool uses of its node: make spares, remove their files, currency."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self) -> None:
         self.current: set[str] = set()
-        self.db = SimpleNamespace(one=self._one)
-        self.paths = SimpleNamespace(machines=tmp / "machines")
-        self._tmp = tmp
+        self.removed: list[str] = []
+        self.made = 0
+        self.after_prepare: Any = None
 
-    def _one(self, sql: str, args: tuple[Any, ...]) -> object | None:
-        if "FROM templates" in sql:
-            return (1,) if args[0] in self.current else None
-        return {"id": args[0]}  # the source row
+    async def prepare_spare(self, source_id: str, tpl: Any) -> Spare:
+        self.made += 1
+        spare = Spare(f"m_{self.made}", f"l_{self.made}", 10000 + self.made,
+                      FakeHandle())  # type: ignore[arg-type]
+        if self.after_prepare is not None:
+            self.after_prepare()
+        return spare
 
-    def _layer_path(self, layer_id: str) -> Path:
-        return self._tmp / f"{layer_id}.qcow2"
+    def remove_spare_files(self, spare: Spare) -> None:
+        self.removed.append(spare.vm_id)
 
-    def _run_dir(self, machine_id: str) -> Path:
-        return self._tmp / "run" / machine_id
+    def template_is_current(self, template_id: str) -> bool:
+        return template_id in self.current
 
 
-def make_pool(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[SparePool, FakeMachines]:
-    m = FakeMachines(tmp)
-    pool = SparePool(m)  # type: ignore[arg-type]
-    made = iter(range(1000))
-
-    async def prepare(src: object, tpl: object) -> Spare:
-        n = next(made)
-        return Spare(f"m_{n}", f"l_{n}", 10000 + n, FakeHandle())  # type: ignore[arg-type]
-
-    monkeypatch.setattr(pool, "_prepare", prepare)
-    return pool, m
+def make_pool(per_template: int = 8, total: int = 32) -> tuple[SparePool, FakeMaker]:
+    m = FakeMaker()
+    return SparePool(m, per_template=per_template, total=total), m
 
 
 def tpl(tid: str) -> Any:
@@ -76,14 +68,9 @@ async def settle(pool: SparePool) -> None:
         await asyncio.gather(*list(pool._tasks))
 
 
-def test_refill_follows_the_largest_batch_up_to_the_caps(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("BOXD_FORK_SPARES", "3")
-    monkeypatch.setenv("BOXD_FORK_SPARES_TOTAL", "4")
-
+def test_refill_follows_the_largest_batch_up_to_the_caps() -> None:
     async def main() -> None:
-        pool, m = make_pool(tmp_path, monkeypatch)
+        pool, m = make_pool(per_template=3, total=4)
         m.current |= {"t1", "t2"}
         pool.want("src1", tpl("t1"), 1)
         await settle(pool)
@@ -95,28 +82,25 @@ def test_refill_follows_the_largest_batch_up_to_the_caps(
         await settle(pool)
         assert pool.count("t2") == 1
         await pool.close()
+        assert len(m.removed) == 4  # closing discards every spare's files
 
     asyncio.run(main())
 
 
-def test_spares_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("BOXD_FORK_SPARES", "0")
-
+def test_spares_off() -> None:
     async def main() -> None:
-        pool, m = make_pool(tmp_path, monkeypatch)
+        pool, m = make_pool(per_template=0)
         m.current.add("t1")
         pool.want("src", tpl("t1"), 8)
         await settle(pool)
-        assert pool.count("t1") == 0 and pool.take("t1") is None
+        assert pool.count("t1") == 0 and pool.take("t1") is None and m.made == 0
 
     asyncio.run(main())
 
 
-def test_prune_kills_the_spares_of_a_stale_template(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_prune_kills_the_spares_of_a_stale_template() -> None:
     async def main() -> None:
-        pool, m = make_pool(tmp_path, monkeypatch)
+        pool, m = make_pool()
         m.current |= {"t1", "t2"}
         pool.want("a", tpl("t1"), 2)
         pool.want("b", tpl("t2"), 1)
@@ -132,11 +116,9 @@ def test_prune_kills_the_spares_of_a_stale_template(
     asyncio.run(main())
 
 
-def test_take_skips_dead_spares_and_give_back_returns_one(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_take_skips_dead_spares() -> None:
     async def main() -> None:
-        pool, m = make_pool(tmp_path, monkeypatch)
+        pool, m = make_pool()
         m.current.add("t1")
         pool.want("a", tpl("t1"), 2)
         await settle(pool)
@@ -146,40 +128,27 @@ def test_take_skips_dead_spares_and_give_back_returns_one(
         assert got is second  # the dead one is discarded, not handed out
         await settle(pool)
         assert first.handle.destroyed  # type: ignore[attr-defined]
-        assert got is not None
-        pool.give_back("t1", got)
-        assert pool.take("t1") is got
+        assert got is not None and pool.take("t1") is None
         await pool.close()
 
     asyncio.run(main())
 
 
-def test_a_spare_made_for_a_template_that_went_stale_meanwhile_is_discarded(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_spare_made_for_a_template_that_went_stale_meanwhile_is_discarded() -> None:
     async def main() -> None:
-        pool, m = make_pool(tmp_path, monkeypatch)
+        pool, m = make_pool()
         m.current.add("t1")
-        real_prepare = pool._prepare
-        made: list[Spare] = []
-
-        async def prepare_then_stale(src: object, t: object) -> Spare:
-            spare = await real_prepare(src, t)  # type: ignore[arg-type]
-            made.append(spare)
-            m.current.discard("t1")  # e.g. an exec reached the source meanwhile
-            return spare
-
-        monkeypatch.setattr(pool, "_prepare", prepare_then_stale)
+        m.after_prepare = lambda: m.current.discard("t1")  # an exec reached the source
         pool.want("a", tpl("t1"), 1)
         await settle(pool)
         assert pool.count("t1") == 0
-        assert made and made[0].handle.destroyed  # type: ignore[attr-defined]
+        assert m.removed == ["m_1"]
 
     asyncio.run(main())
 
 
-def test_env_values_that_are_not_numbers_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("BOXD_FORK_SPARES", "lots")
-    monkeypatch.setenv("BOXD_FORK_SPARES_TOTAL", "-3")
-    assert _spares.max_spares() == 8
-    assert _spares.max_total_spares() == 0
+def test_settings_that_are_not_numbers_fall_back() -> None:
+    s = Settings.from_env({"BOXD_FORK_SPARES": "lots", "BOXD_FORK_SPARES_TOTAL": "-3"})
+    assert s.fork_spares == 8
+    assert s.fork_spares_total == 0
+    assert Settings.from_env({}).fork_spares == 8

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,15 +14,13 @@ from boxd.api.routes import machines as machines_routes
 from boxd.api.routes import snapshots as snapshots_routes
 from boxd.api.routes import system
 from boxd.api.services.keys import KeyService
-from boxd.api.services.machines import MachineService
-from boxd.api.services.snapshots import SnapshotService
+from boxd.services import HostInfoFn, MachineService, SnapshotService
 
 __all__ = ["create_app"]
 
 API_PREFIX = "/v1"
 
 
-HostInfoFn = Callable[[], models.HostInfo | Awaitable[models.HostInfo]]
 """What ``GET /v1/info`` calls: returns the host info, or an awaitable of it."""
 
 

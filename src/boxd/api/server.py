@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import importlib
 import json
 import logging
 import os
@@ -25,13 +24,13 @@ from typing import Any
 import uvicorn
 
 from boxd import models
-from boxd.api.app import HostInfoFn, create_app
+from boxd.api.app import create_app
 from boxd.api.routes.system import version
 from boxd.api.services.keys import KeyService
-from boxd.api.services.machines import MachineService
-from boxd.api.services.snapshots import SnapshotService
-from boxd.config import Paths
+from boxd.config import Paths, Settings
+from boxd.control import build_services
 from boxd.errors import Conflict, InvalidRequest
+from boxd.services import HostInfoFn, MachineService, SnapshotService
 from boxd.state import Database
 
 __all__ = ["Daemon", "local_key_path", "serve", "write_local_key"]
@@ -74,7 +73,7 @@ def setup_logging(path: Path) -> logging.Handler:
     handler = logging.FileHandler(path, encoding="utf-8")
     handler.setFormatter(JsonLineFormatter())
     # BOXD_LOG_LEVEL=debug adds per-phase timings (fork, start, capture) to the log.
-    level = logging.getLevelName(os.environ.get("BOXD_LOG_LEVEL", "info").upper())
+    level = logging.getLevelName(Settings.from_env().log_level.upper())
     if not isinstance(level, int):
         level = logging.INFO
     for name in _LOGGERS:
@@ -125,25 +124,6 @@ def _fallback_host_info(paths: Paths) -> Callable[[], models.HostInfo]:
         )
 
     return host_info
-
-
-def _build_services(
-    paths: Paths, db: Database
-) -> tuple[MachineService, SnapshotService, HostInfoFn]:
-    """Use ``boxd.core.build_services`` when it exists, else the interface stubs."""
-    try:
-        core = importlib.import_module("boxd.core")
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("boxd.core",):
-            raise
-        core = None
-    build = getattr(core, "build_services", None)
-    if build is None:
-        log.warning("boxd.core.build_services not found; serving stub services")
-        return MachineService(), SnapshotService(), _fallback_host_info(paths)
-    services: tuple[MachineService, SnapshotService, HostInfoFn]
-    services = build(paths, db)
-    return services
 
 
 def _parse_listen(listen: str) -> tuple[str, int]:
@@ -242,7 +222,7 @@ class Daemon:
             self.db = Database(paths.db)
             self.keys = KeyService(self.db)
             if machines is None or snapshots is None:
-                built_m, built_s, built_info = _build_services(paths, self.db)
+                built_m, built_s, built_info = build_services(paths, self.db)
                 machines = machines or built_m
                 snapshots = snapshots or built_s
                 host_info = host_info or built_info
@@ -286,15 +266,11 @@ class Daemon:
         started = time.monotonic()
         try:
             # Find the VMs of machines recorded before a restart (they kept running).
-            attach = getattr(self.machines, "attach_all", None)
-            if attach is not None:
-                await attach()
+            await self.machines.recover()
             await self.server.serve(sockets=sockets)
         finally:
             try:
                 await self.machines.close()
-            except NotImplementedError:
-                pass
             except Exception:
                 log.exception("closing the machine service failed")
             for s in sockets:

@@ -1,25 +1,31 @@
 """The engine interface: what boxd needs from an isolation technology.
 
-The QEMU engine (`boxd.engine.qemu`) is the reference implementation. An engine
-boots machines from an image or from a frozen memory image, gives an agent channel
-into each, pauses/resumes them, captures their memory + device state to files, and
-destroys them. Disk layers and memory files are owned by `boxd.storage`; the engine
-only receives paths.
+The node runtime imports this module (and `boxd.engine.registry`) and nothing else of
+``engine/``. An engine boots machines from an image or from a frozen memory image,
+gives an agent channel into each, pauses/resumes them, captures their memory + device
+state to files, makes and flattens disk layers in its own format, and destroys them.
+The QEMU engine (`boxd.engine.qemu`) is the reference; `boxd.engine.fake` is an
+in-memory engine for unit tests of the runtime. ``engine/_conformance.py`` assigns
+both to these protocols so ``mypy --strict`` proves they satisfy them.
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from boxd.engine.agent import AgentClient
+from boxd.engine.agent import ExecChunk, ExecExit, ExecOutcome, ExecOutput, FileStat
 
 
 @dataclass(frozen=True)
 class MachineConfig:
-    """What a machine is: fixed for its whole life (forks inherit all but identity)."""
+    """What a machine is: fixed for its whole life (forks inherit all but identity).
+
+    ``id`` is the engine's id of the VM (its run directory and process name); it is
+    the machine's id except for a standby fork child, which is prepared under its own.
+    """
 
     id: str
     hostname: str
@@ -37,8 +43,8 @@ class MemoryImage:
     """Frozen guest RAM plus device state at one instant (a template or a checkpoint).
 
     ``mem_path`` is a raw RAM file that machines map copy-on-write and ``state_path`` a
-    migration stream of device state only; when ``mem_path`` is None the RAM is inside
-    ``state_path`` (a mapped-ram stream, taken from a machine whose RAM is private).
+    stream of device state only; when ``mem_path`` is None the RAM is inside
+    ``state_path`` (taken from a machine whose RAM is private).
     """
 
     mem_path: Path | None
@@ -48,37 +54,100 @@ class MemoryImage:
 
 @dataclass(frozen=True)
 class BootDisk:
-    """The machine's writable qcow2 layer (its backing chain is already in its header)."""
+    """The machine's writable disk layer (its backing chain is already in its header)."""
 
     path: Path
 
 
-class MachineHandle(Protocol):
-    """A live machine as the engine sees it."""
+@dataclass(frozen=True)
+class EngineInfo:
+    """What ``boxd info`` shows of an engine."""
 
-    config: MachineConfig
-    pid: int
+    name: str
+    binary: str
+    version: str
+    accelerator: str
+    accelerator_reason: str
+    cpu_model: str
+
+
+class Agent(Protocol):
+    """The in-guest agent channel (one connection): the same protocol on every engine."""
+
+    @property
+    def connected(self) -> bool: ...
+
+    def exec(
+        self, command: str | list[str], *, env: Mapping[str, str | None] | None = None,
+        cwd: str | None = None, timeout: float | None = None, stdin: bytes | None = None,
+    ) -> AsyncIterator[ExecChunk]: ...
+
+    async def run(
+        self, command: str | list[str], *, env: Mapping[str, str | None] | None = None,
+        cwd: str | None = None, timeout: float | None = None, stdin: bytes | None = None,
+    ) -> ExecOutcome: ...
+
+    async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> FileStat: ...
+
+    async def read_file(self, path: str) -> bytes: ...
+
+    async def identity(
+        self, *, hostname: str, machine_id: str, seed: bytes, now: float
+    ) -> None: ...
+
+    async def sync(self, timeout: float = 60.0) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class MachineHandle(Protocol):
+    """A live machine as the engine sees it. Only the handle mutates."""
+
+    @property
+    def config(self) -> MachineConfig: ...
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def disk(self) -> Path:
+        """The active (writable) disk layer."""
+        ...
 
     @property
     def ram_shared(self) -> bool:
-        """True when the machine owns its RAM file (share=on), so capture is cheap."""
+        """True when the machine owns its RAM file, so capture is cheap."""
         ...
 
-    async def agent(self, timeout: float = 60.0) -> AgentClient: ...
+    async def agent(self, timeout: float = 60.0) -> Agent: ...
 
     def alive(self) -> bool: ...
 
     def exit_reason(self) -> str: ...
 
+    async def wait_exit(self) -> str:
+        """Return when the VM process has ended, with the reason (for the watcher)."""
+        ...
+
     async def pause(self) -> None: ...
 
     async def resume(self) -> None: ...
 
+    async def recover(self) -> str | None:
+        """After a daemon restart: undo what a killed daemon left half-done (a capture
+        still streaming, vCPUs left paused). Returns what was undone, or None."""
+        ...
+
     async def freeze_disk(self, new_active: Path) -> Path:
-        """Make the current active layer read-only; the machine now writes ``new_active``.
+        """Make the active layer read-only; the machine now writes ``new_active``.
 
         Returns the path of the frozen layer.
         """
+        ...
+
+    async def collapse_disk(self, base: Path) -> None:
+        """Copy every layer between the active one and ``base`` into the active layer,
+        while the guest runs; afterwards the active layer is backed by ``base``."""
         ...
 
     async def capture(self, dest_dir: Path) -> MemoryImage:
@@ -93,27 +162,34 @@ class MachineHandle(Protocol):
 
 
 class Engine(Protocol):
-    """Boots and re-attaches machines."""
+    """Boots, restarts and re-attaches machines; owns the disk layer format."""
 
-    name: str
-    accelerator: str
-    accelerator_reason: str
-    cpu_model: str
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def accelerator(self) -> str: ...
+
+    @property
+    def accelerator_reason(self) -> str: ...
+
+    @property
+    def cpu_model(self) -> str: ...
+
+    @property
+    def file_owner(self) -> tuple[int, int] | None:
+        """(uid, gid) the files the VM process reopens must belong to, if not ours."""
+        ...
+
+    def info(self) -> EngineInfo: ...
 
     async def boot(
         self, config: MachineConfig, disk: BootDisk, run_dir: Path, log_path: Path
     ) -> MachineHandle: ...
 
     async def start_from(
-        self,
-        config: MachineConfig,
-        disk: BootDisk,
-        image: MemoryImage,
-        run_dir: Path,
-        log_path: Path,
-        *,
-        copy_memory: bool,
-        paused: bool = False,
+        self, config: MachineConfig, disk: BootDisk, image: MemoryImage, run_dir: Path,
+        log_path: Path, *, copy_memory: bool, paused: bool = False,
     ) -> MachineHandle:
         """Start a machine that continues from ``image``.
 
@@ -125,6 +201,46 @@ class Engine(Protocol):
         """
         ...
 
-    async def attach(
-        self, config: MachineConfig, run_dir: Path, pid: int
-    ) -> MachineHandle: ...
+    def attach(
+        self, config: MachineConfig, run_dir: Path, pid: int, disk: Path, ram_shared: bool,
+        log_path: Path,
+    ) -> MachineHandle:
+        """Find a machine's VM process again after a daemon restart.
+
+        Raises:
+            MachineFailed: the process is gone.
+        """
+        ...
+
+    def kill_stray(self, vm_id: str, run_dir: Path, pid: int | None = None) -> bool:
+        """Kill the VM process of ``vm_id`` that no handle owns (pid from the record or
+        the run directory), if it is still that VM's process. True if one was killed."""
+        ...
+
+    async def create_disk(
+        self, path: Path, backing: Path, backing_format: str, size_gib: int
+    ) -> None:
+        """A new writable layer on ``backing`` (``raw`` image or a ``layer``)."""
+        ...
+
+    async def flatten_disk(self, layer: Path, dest: Path) -> None:
+        """Write ``layer`` with its whole backing chain as one standalone disk."""
+        ...
+
+    def remove_disk(self, path: Path) -> None: ...
+
+
+__all__ = [
+    "Agent",
+    "BootDisk",
+    "Engine",
+    "EngineInfo",
+    "ExecChunk",
+    "ExecExit",
+    "ExecOutcome",
+    "ExecOutput",
+    "FileStat",
+    "MachineConfig",
+    "MachineHandle",
+    "MemoryImage",
+]

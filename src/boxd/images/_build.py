@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from boxd.config import Paths
+from boxd.config import IMAGE_CACHE_ENV, Paths, Settings
 from boxd.errors import HostSetupError
 from boxd.storage._files import fsync_dir, write_atomic
 
@@ -34,7 +34,7 @@ from . import _apt, _initramfs, _kernel, _rootfs
 from ._util import Progress, fsync_tree
 
 BUILDER_VERSION = "1"
-CACHE_ENV = "BOXD_IMAGE_CACHE"
+CACHE_ENV = IMAGE_CACHE_ENV
 GUEST_DIR = Path(__file__).resolve().parent.parent / "guest"
 RECIPE_FILE = "recipe.json"
 
@@ -99,8 +99,8 @@ class GuestImage:
 
 def cache_dir(paths: Paths) -> Path:
     """Where images live: ``$BOXD_IMAGE_CACHE`` if set, else ``paths.images``."""
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser().resolve() if env else paths.images
+    cache = Settings.from_env().image_cache
+    return cache.resolve() if cache else paths.images
 
 
 def host_tsc_khz() -> int | None:

@@ -20,7 +20,7 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from boxd import errors, models
-from boxd.config import Paths
+from boxd.config import ClientSettings, Paths
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -105,8 +105,9 @@ def resolve_target(
     """
     env = os.environ if environ is None else environ
     paths = paths or Paths.default()
-    key = api_key or env.get("BOXD_API_KEY") or None
-    url = base_url or env.get("BOXD_URL") or None
+    client = ClientSettings.from_env(env)
+    key = api_key or client.api_key
+    url = base_url or client.url
     if url is None:
         return Target(LOCAL_BASE_URL, paths.socket, key, paths)
     url = url.strip().rstrip("/")

@@ -1,5 +1,24 @@
-"""SQLite state: schema migrations and a small thread-safe connection wrapper."""
+"""SQLite state: schema migrations, a thread-safe connection, repositories of records."""
 
 from boxd.state._db import Database, new_id
+from boxd.state.records import (
+    CheckpointRecord,
+    Garbage,
+    LayerRecord,
+    MachineRecord,
+    SnapshotRecord,
+    TemplateRecord,
+)
+from boxd.state.repos import Repos
 
-__all__ = ["Database", "new_id"]
+__all__ = [
+    "CheckpointRecord",
+    "Database",
+    "Garbage",
+    "LayerRecord",
+    "MachineRecord",
+    "Repos",
+    "SnapshotRecord",
+    "TemplateRecord",
+    "new_id",
+]

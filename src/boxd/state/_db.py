@@ -15,7 +15,8 @@ from boxd.errors import InternalError, ResourceExhausted
 
 # Each entry upgrades the schema by one version. Append only.
 _MIGRATIONS: list[str] = [
-    resources.files("boxd.state").joinpath("schema.sql").read_text(),
+    resources.files("boxd.state").joinpath(name).read_text()
+    for name in ("schema.sql", "migrations_v2.sql")
 ]
 
 _ALPHABET = "abcdefghijkmnpqrstuvwxyz23456789"

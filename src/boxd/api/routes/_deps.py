@@ -8,9 +8,8 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from boxd import models
-from boxd.api.services.machines import MachineService
-from boxd.api.services.snapshots import SnapshotService
 from boxd.errors import InvalidRequest
+from boxd.services import MachineService, SnapshotService
 
 
 def _machines(request: Request) -> MachineService:

@@ -8,20 +8,20 @@ from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
 
-import boxd
 from boxd import models
+from boxd._version import __version__
 from boxd.api.auth import Account
 from boxd.api.errors import ERROR_RESPONSES
 
 if TYPE_CHECKING:
-    from boxd.api.app import HostInfoFn
+    from boxd.services import HostInfoFn
 
 router = APIRouter(tags=["system"])
 
 
 def version() -> str:
     """The daemon's version string."""
-    return str(getattr(boxd, "__version__", None) or "0.1.0")
+    return __version__
 
 
 @router.get("/health", response_model=models.Health)

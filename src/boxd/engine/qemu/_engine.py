@@ -1,4 +1,9 @@
-"""QemuEngine and QemuMachine: boot, start from a memory image, capture, destroy."""
+"""QemuEngine and QemuMachine: boot, start from a memory image, capture, destroy.
+
+Everything QEMU-specific lives here and below: QMP, migration streams, run states,
+qcow2 layers, the unprivileged user QEMU drops to. The node runtime sees only the
+protocols of `boxd.engine.base`.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +11,22 @@ import asyncio
 import contextlib
 import logging
 import os
+import pwd
 import shutil
+import signal
+import stat
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from boxd.engine.agent import AgentClient
-from boxd.engine.base import BootDisk, MachineConfig, MemoryImage
+from boxd.engine.base import BootDisk, EngineInfo, MachineConfig, MemoryImage
 from boxd.engine.qemu import _argv
 from boxd.engine.qemu._probe import AccelChoice
 from boxd.engine.qemu._process import QemuProcess, pid_matches
 from boxd.errors import InternalError, MachineFailed
+from boxd.storage import disks
 from boxd.storage.memory import sparse_copy
 
 log = logging.getLogger("boxd.engine")
@@ -33,6 +43,43 @@ class RunAs:
     user: str
     uid: int
     gid: int
+
+
+def resolve_run_as(
+    name: str, traversed: Iterable[Path], writable: Iterable[Path], listable: Iterable[Path]
+) -> RunAs | None:
+    """The unprivileged user QEMU drops to when the daemon runs as root (else None).
+
+    ``name`` is ``BOXD_QEMU_USER`` (default ``boxd-qemu``, created by
+    scripts/setup-host.sh; empty disables). QEMU reopens files by path after
+    dropping privileges, so every directory in ``traversed`` (and its parents) must let
+    it through; ``listable`` become traversable-not-listable (0711) and ``writable``
+    (disk layers, capture directories) group-writable for its group.
+    """
+    if os.geteuid() != 0 or not name:
+        return None
+    try:
+        pw = pwd.getpwnam(name)
+    except KeyError:
+        log.warning("event=qemu_runs_as_root reason=%r", f"no user {name!r}")
+        return None
+    for top in traversed:
+        for d in top.parents:
+            st = d.stat()
+            if not (st.st_mode & stat.S_IXOTH or (st.st_gid == pw.pw_gid
+                                                  and st.st_mode & stat.S_IXGRP)):
+                log.warning(
+                    "event=qemu_runs_as_root reason=%r",
+                    f"{d} is not traversable by {name} (use a data directory such as "
+                    "/var/lib/boxd)",
+                )
+                return None
+    for d in listable:
+        os.chmod(d, 0o711)  # traversable, not listable: QEMU reopens layers by path
+    for d in writable:
+        os.chown(d, 0, pw.pw_gid)
+        os.chmod(d, 0o2770)
+    return RunAs(name, pw.pw_uid, pw.pw_gid)
 
 
 class QemuMachine:
@@ -64,6 +111,20 @@ class QemuMachine:
 
     def exit_reason(self) -> str:
         return self.process.exit_reason()
+
+    async def wait_exit(self) -> str:
+        await self.process.wait_exit()
+        return self.exit_reason()
+
+    async def recover(self) -> str | None:
+        """Cancel a capture a killed daemon left streaming (it would stop the VM again
+        when it completes), then resume vCPUs it left paused."""
+        await self.cancel_migration()
+        status = (await self.process.execute("query-status")).get("status")
+        if status in ("paused", "postmigrate", "finish-migrate"):
+            await self.resume()
+            return f"resumed a VM left {status}"
+        return None
 
     def _failed(self) -> MachineFailed:
         return MachineFailed(
@@ -219,12 +280,56 @@ class QemuEngine:
 
     def __init__(
         self, qemu: str, accel: AccelChoice, *, readonly_rom: bool = True,
-        run_as: RunAs | None = None,
+        run_as: RunAs | None = None, version: str = "",
     ) -> None:
         self.qemu = qemu
         self.accel = accel
         self.readonly_rom = readonly_rom
         self.run_as = run_as
+        self.version = version
+
+    @property
+    def file_owner(self) -> tuple[int, int] | None:
+        return (self.run_as.uid, self.run_as.gid) if self.run_as else None
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(
+            name=self.name, binary=self.qemu, version=self.version,
+            accelerator=self.accelerator, accelerator_reason=self.accelerator_reason,
+            cpu_model=self.cpu_model,
+        )
+
+    def attach(
+        self, config: MachineConfig, run_dir: Path, pid: int, disk: Path, ram_shared: bool,
+        log_path: Path,
+    ) -> QemuMachine:
+        return attach(config, run_dir, pid, disk, ram_shared, log_path, run_as=self.run_as)
+
+    def kill_stray(self, vm_id: str, run_dir: Path, pid: int | None = None) -> bool:
+        """SIGKILL the QEMU process of ``vm_id`` if it still runs (pids recycle: the
+        process's command line must name the VM)."""
+        if pid is None:
+            try:
+                pid = int((run_dir / "qemu.pid").read_text().strip())
+            except (OSError, ValueError):
+                return False
+        if not pid_matches(pid, vm_id):
+            return False
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        return True
+
+    async def create_disk(
+        self, path: Path, backing: Path, backing_format: str, size_gib: int
+    ) -> None:
+        fmt = "raw" if backing_format == "raw" else "qcow2"
+        await disks.create_overlay(path, backing, fmt, size_gib, owner=self.file_owner)
+
+    async def flatten_disk(self, layer: Path, dest: Path) -> None:
+        await disks.flatten(layer, dest)
+
+    def remove_disk(self, path: Path) -> None:
+        disks.remove(path)
 
     @property
     def accelerator(self) -> str:

@@ -89,9 +89,8 @@ def _boot_under_kvm(qemu: str, kernel: Path) -> tuple[bool, str, float]:
     return False, f"QEMU with KVM exited with status {rc}: {last[0][:200]}", elapsed
 
 
-def probe_accelerator(qemu: str, kernel: Path, cache: Path) -> AccelChoice:
-    """Pick KVM or TCG for this host, honouring ``BOXD_ACCEL`` (kvm|tcg) when set."""
-    forced = os.environ.get("BOXD_ACCEL", "").strip().lower()
+def probe_accelerator(qemu: str, kernel: Path, cache: Path, forced: str = "") -> AccelChoice:
+    """Pick KVM or TCG for this host; ``forced`` (``BOXD_ACCEL``: kvm|tcg) wins when set."""
     if forced in ("kvm", "tcg"):
         return AccelChoice(forced, f"forced by BOXD_ACCEL={forced}", forced=True)
     if not os.path.exists("/dev/kvm"):

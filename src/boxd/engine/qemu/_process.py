@@ -215,6 +215,35 @@ class QemuProcess:
             with contextlib.suppress(Exception):
                 await client.disconnect()
 
+    async def wait_exit(self) -> None:
+        """Return once the process has ended (and is reaped, when it is our child).
+
+        Event-driven: a pidfd becomes readable when the process exits, for a child and
+        for a process re-attached after a daemon restart alike.
+        """
+        if not self.alive():
+            return
+        try:
+            fd = os.pidfd_open(self.pid)
+        except OSError:
+            return  # gone already
+        loop = asyncio.get_running_loop()
+        ended: asyncio.Future[None] = loop.create_future()
+
+        def on_exit() -> None:
+            if not ended.done():
+                ended.set_result(None)
+
+        loop.add_reader(fd, on_exit)
+        try:
+            if self.alive():
+                await ended
+            while self.alive():  # readable means exited; reaping may lag a moment
+                await asyncio.sleep(0.01)
+        finally:
+            loop.remove_reader(fd)
+            os.close(fd)
+
     async def kill(self) -> None:
         """SIGKILL the process and reap it."""
         await self.disconnect()

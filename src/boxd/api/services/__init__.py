@@ -1,0 +1,1 @@
+"""Services the API layer owns itself (API keys and accounts)."""

@@ -1,0 +1,32 @@
+"""The control plane: accounts, names, quotas, the snapshot registry, placement."""
+
+from __future__ import annotations
+
+from boxd import models
+from boxd.config import Paths, Settings
+from boxd.control.plane import Machines, Snapshots, machine_model, validate_name
+from boxd.node import Host, NodeRuntime
+from boxd.services import HostInfoFn
+from boxd.state import Database, Repos
+from boxd.storage import SnapshotStore
+
+__all__ = ["Machines", "Snapshots", "build_services", "machine_model", "validate_name"]
+
+
+def build_services(
+    paths: Paths, db: Database, settings: Settings | None = None
+) -> tuple[Machines, Snapshots, HostInfoFn]:
+    """The services a daemon serves: one local node, one database, one snapshot store."""
+    settings = settings or Settings.from_env()
+    paths.ensure()
+    repos = Repos(db)
+    store = SnapshotStore(paths.snapshots)
+    node = NodeRuntime(paths, repos, Host(paths, settings), settings, store)
+    machines = Machines(repos, {node.id: node}, store)
+    snapshots = Snapshots(machines, store)
+    machines.snapshots = snapshots
+
+    async def host_info() -> models.HostInfo:
+        return await node.host_info()
+
+    return machines, snapshots, host_info

@@ -1,0 +1,359 @@
+"""The control plane: accounts, names, quotas, the snapshot registry and placement.
+
+It implements the service contracts of `boxd.services` on top of nodes (the `Node`
+protocol): it claims a machine's name and quota slot by inserting its record, picks
+the node, and asks that node to launch, fork, checkpoint, run and delete. Reads
+(`get`, `list`) are pure: they return the records as they are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from boxd import models
+from boxd.config import DEFAULT_MACHINE_QUOTA
+from boxd.errors import InvalidRequest, MachineNotFound, SnapshotNotFound
+from boxd.models import NAME_RE, NAME_RULE, MachineState
+from boxd.node.base import Boot, FromSnapshot, Node
+from boxd.state import MachineRecord, Repos, SnapshotRecord, new_id
+from boxd.storage import SnapshotStore
+
+log = logging.getLogger("boxd.control")
+
+
+def validate_name(name: str, kind: str = "machine") -> str:
+    """Check a DNS-label name.
+
+    Raises:
+        InvalidRequest: the name breaks the rule.
+    """
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise InvalidRequest(
+            f"invalid {kind} name {name!r}: use {NAME_RULE}", field="name",
+            hint="e.g. rl-base or rollout-3",
+        )
+    return name
+
+
+def machine_model(rec: MachineRecord) -> models.Machine:
+    return models.Machine(
+        id=rec.id, name=rec.name, state=rec.state, vcpus=rec.vcpus, memory_mib=rec.memory_mib,
+        disk_gib=rec.disk_gib, isolated=rec.isolated, port=rec.port,
+        url=f"http://127.0.0.1:{rec.port}" if rec.port else None, parent_id=rec.parent_id,
+        snapshot=rec.snapshot, accelerator=rec.accel, error=rec.error,
+        created_at=rec.created_at, node=rec.node_id, engine=rec.engine,
+    )
+
+
+class Machines:
+    """The `MachineService`: machines of accounts, on nodes."""
+
+    def __init__(self, repos: Repos, nodes: dict[str, Node], store: SnapshotStore) -> None:
+        self.repos = repos
+        self.nodes = nodes
+        self.store = store
+        self.snapshots: Snapshots | None = None
+
+    # ------------------------------------------------------------- placement
+
+    def _node(self, rec: MachineRecord) -> Node:
+        return self.nodes[rec.node_id]
+
+    def _place(self) -> Node:
+        """The node a new machine goes to (one local node today)."""
+        return next(iter(self.nodes.values()))
+
+    def _find(self, account: str, ref: str) -> MachineRecord:
+        rec = self.repos.machines.find(account, ref)
+        if rec is None or rec.state == MachineState.DELETING:
+            raise MachineNotFound(
+                f"no machine named {ref!r}", machine=ref,
+                hint="`boxd machine list` shows your machines",
+            )
+        return rec
+
+    async def _claim(
+        self, account: str, name: str | None, node: Node, *, vcpus: int, memory_mib: int,
+        disk_gib: int, isolated: bool, parent_id: str | None = None,
+        snapshot: str | None = None, image: str | None = None,
+    ) -> MachineRecord:
+        if name is None:
+            name = f"machine-{secrets.token_hex(3)}"
+        validate_name(name)
+        return self.repos.machines.claim(
+            account, name, machine_id=new_id("m"), vcpus=vcpus, memory_mib=memory_mib,
+            disk_gib=disk_gib, isolated=isolated, image=image or await node.image_key(),
+            node_id=node.id, engine=await node.engine_name(), parent_id=parent_id,
+            snapshot=snapshot, default_quota=DEFAULT_MACHINE_QUOTA,
+        )
+
+    # ---------------------------------------------------------------- create
+
+    async def create(self, account: str, req: models.MachineCreate) -> models.Machine:
+        if req.name is not None:
+            validate_name(req.name)
+        node = self._place()
+        if req.from_snapshot:
+            return await self._create_from_snapshot(account, req, node)
+        rec = await self._claim(
+            account, req.name, node, vcpus=req.vcpus, memory_mib=req.memory_mib,
+            disk_gib=req.disk_gib, isolated=req.isolated,
+        )
+        await node.create(rec.id, Boot())
+        return await self.get(account, rec.id)
+
+    async def _create_from_snapshot(
+        self, account: str, req: models.MachineCreate, node: Node
+    ) -> models.Machine:
+        assert self.snapshots is not None and req.from_snapshot is not None
+        snap = self.snapshots.resolve(account, req.from_snapshot)
+        manifest = self.store.get(snap.digest)
+        await asyncio.to_thread(self.store.ensure_verified, manifest.digest)
+        meta = manifest.meta
+        rec = await self._claim(
+            account, req.name, node, vcpus=int(meta.get("vcpus", req.vcpus)),
+            memory_mib=int(meta.get("memory_mib", req.memory_mib)),
+            disk_gib=max(req.disk_gib, int(meta.get("disk_gib", req.disk_gib))),
+            isolated=req.isolated or bool(meta.get("isolated", False)),
+            snapshot=manifest.digest,
+        )
+        await node.create(rec.id, FromSnapshot(
+            manifest.digest, manifest.blob_path("memory"), manifest.blob_path("state"),
+            manifest.blob_path("disk"),
+        ))
+        return await self.get(account, rec.id)
+
+    # ------------------------------------------------------------ inspection
+
+    async def get(self, account: str, ref: str) -> models.Machine:
+        return machine_model(self._find(account, ref))
+
+    async def list(self, account: str) -> builtins.list[models.Machine]:
+        return [machine_model(r) for r in self.repos.machines.list(account)]
+
+    async def wait_until_ready(self, account: str, ref: str, timeout: float) -> models.Machine:
+        rec = self._find(account, ref)
+        await self._node(rec).wait_until_ready(rec.id, timeout)
+        return await self.get(account, rec.id)
+
+    # --------------------------------------------------------- guest access
+
+    async def exec(self, account: str, ref: str, req: models.ExecRequest) -> models.ExecResult:
+        rec = self._find(account, ref)
+        return await self._node(rec).exec(rec.id, req)
+
+    async def exec_stream(
+        self, account: str, ref: str, req: models.ExecRequest
+    ) -> AsyncIterator[models.ExecEvent]:
+        rec = self._find(account, ref)
+        async for event in self._node(rec).exec_stream(rec.id, req):
+            yield event
+
+    async def upload(
+        self, account: str, ref: str, path: str, data: bytes, mode: int = 0o644
+    ) -> models.FileInfo:
+        if not path.startswith("/"):
+            raise InvalidRequest(f"guest path must be absolute: {path!r}", field="path")
+        rec = self._find(account, ref)
+        return await self._node(rec).upload(rec.id, path, data, mode)
+
+    async def download(self, account: str, ref: str, path: str) -> bytes:
+        if not path.startswith("/"):
+            raise InvalidRequest(f"guest path must be absolute: {path!r}", field="path")
+        rec = self._find(account, ref)
+        return await self._node(rec).download(rec.id, path)
+
+    # ------------------------------------------------------------------ fork
+
+    async def fork(
+        self, account: str, ref: str, names: builtins.list[str | None]
+    ) -> builtins.list[models.Machine | Exception]:
+        src = self._find(account, ref)
+        for n in names:
+            if n is not None:
+                validate_name(n)
+        node = self._node(src)
+        # Claim every child's name and quota slot first: one that fails is that item's
+        # error and the others go on.
+        claimed: builtins.list[MachineRecord | Exception] = []
+        for n in names:
+            try:
+                claimed.append(await self._claim(
+                    account, n if n is not None else f"{src.name[:48]}-{secrets.token_hex(3)}",
+                    node, vcpus=src.vcpus, memory_mib=src.memory_mib, disk_gib=src.disk_gib,
+                    isolated=src.isolated, parent_id=src.id, snapshot=src.snapshot,
+                    image=src.image,
+                ))
+            except Exception as exc:
+                claimed.append(exc)
+        ids = [c.id for c in claimed if isinstance(c, MachineRecord)]
+        try:
+            results = iter(await node.fork(src.id, ids) if ids else [])
+        except BaseException:
+            for cid in ids:  # the source could not be forked at all
+                await self._forget(cid, node)
+            raise
+        out: builtins.list[models.Machine | Exception] = []
+        for c in claimed:
+            if isinstance(c, Exception):
+                out.append(c)
+                continue
+            err = next(results)
+            out.append(err if err is not None else machine_model(self._find(account, c.id)))
+        return out
+
+    async def _forget(self, machine_id: str, node: Node) -> None:
+        """Remove the record of a machine that was never launched."""
+        if self.repos.machines.get(machine_id) is not None:
+            await node.delete(machine_id)
+
+    # ----------------------------------------------------------- checkpoints
+
+    async def checkpoint_save(self, account: str, ref: str, name: str) -> models.Checkpoint:
+        validate_name(name, "checkpoint")
+        rec = self._find(account, ref)
+        ck = await self._node(rec).checkpoint_save(rec.id, name)
+        return models.Checkpoint(id=ck.id, name=ck.name, machine_id=ck.machine_id,
+                                 created_at=ck.created_at)
+
+    async def checkpoint_restore(self, account: str, ref: str, name: str) -> models.Machine:
+        rec = self._find(account, ref)
+        await self._node(rec).checkpoint_restore(rec.id, name)
+        return await self.get(account, rec.id)
+
+    async def checkpoint_list(self, account: str, ref: str) -> builtins.list[models.Checkpoint]:
+        rec = self._find(account, ref)
+        return [
+            models.Checkpoint(id=ck.id, name=ck.name, machine_id=ck.machine_id,
+                              created_at=ck.created_at)
+            for ck in self.repos.checkpoints.list(rec.id)
+        ]
+
+    async def checkpoint_delete(self, account: str, ref: str, name: str) -> None:
+        rec = self._find(account, ref)
+        await self._node(rec).checkpoint_delete(rec.id, name)
+
+    # ---------------------------------------------------------------- delete
+
+    async def delete(self, account: str, ref: str) -> None:
+        rec = self._find(account, ref)
+        await self._node(rec).delete(rec.id)
+
+    async def recover(self) -> None:
+        for node in self.nodes.values():
+            await node.recover()
+        if self.snapshots is not None:
+            # interrupted saves and imports leave staging files and unreferenced blobs
+            report = await asyncio.to_thread(self.store.gc, in_use=self.snapshots.in_use)
+            log.info("event=snapshot_store_gc report=%s", report)
+
+    async def close(self) -> None:
+        for node in self.nodes.values():
+            await node.close()
+
+
+class Snapshots:
+    """The `SnapshotService`: named, versioned snapshots per account."""
+
+    def __init__(self, machines: Machines, store: SnapshotStore) -> None:
+        self.machines = machines
+        self.repos = machines.repos
+        self.store = store
+
+    def in_use(self) -> set[str]:
+        """Blob digests that machines started from snapshots still map or back onto."""
+        used: set[str] = set()
+        for node in self.machines.nodes.values():
+            for digest in node.snapshot_digests_in_use():
+                if self.store.exists(digest):
+                    used |= {b.digest for b in self.store.get(digest).blobs.values()}
+        return used
+
+    def resolve(self, account: str, ref: str) -> SnapshotRecord:
+        """Find a snapshot by NAME, NAME@N or sha256:HEX.
+
+        Raises:
+            SnapshotNotFound: nothing matches.
+        """
+        rec: SnapshotRecord | None = None
+        if ref.startswith("sha256:"):
+            rec = self.repos.snapshots.by_digest(account, ref[7:])
+        elif "@" in ref:
+            name, _, ver = ref.partition("@")
+            if ver.isdigit():
+                rec = self.repos.snapshots.by_version(account, name, int(ver))
+        else:
+            rec = self.repos.snapshots.latest(account, ref)
+        if rec is None:
+            raise SnapshotNotFound(
+                f"no snapshot {ref!r}", snapshot=ref,
+                hint="`boxd snapshots list` shows your snapshots",
+            )
+        return rec
+
+    def _model(self, rec: SnapshotRecord) -> models.Snapshot:
+        m = self.store.get(rec.digest)
+        meta = m.meta
+        return models.Snapshot(
+            id=rec.id, name=rec.name, version=rec.version, digest="sha256:" + rec.digest,
+            created_at=rec.created_at, source_machine=meta.get("source_machine"),
+            memory_bytes=m.blobs["memory"].size if "memory" in m.blobs else 0,
+            disk_bytes=m.blobs["disk"].size if "disk" in m.blobs else 0,
+            stored_bytes=m.stored_bytes(), engine=meta.get("engine"),
+            cpu_model=meta.get("cpu_model"), image=meta.get("image"),
+        )
+
+    async def save(
+        self, account: str, machine_ref: str, name: str, *, new_version: bool = False
+    ) -> models.Snapshot:
+        validate_name(name, "snapshot")
+        rec = self.machines._find(account, machine_ref)
+        self.repos.snapshots.check_name(account, name, new_version=new_version)  # fail early
+        digest = await self.machines._node(rec).save_snapshot(rec.id, {
+            "name": name, "source_machine": rec.name, "source_machine_id": rec.id,
+            "created_at": time.time(), "memory_mib": rec.memory_mib, "vcpus": rec.vcpus,
+            "disk_gib": rec.disk_gib, "isolated": rec.isolated,
+        })
+        snap = self.repos.snapshots.add(account, name, digest, new_version=new_version)
+        log.info("snapshot=%s event=saved name=%s digest=%s", snap.id, name, digest[:12])
+        return self._model(snap)
+
+    async def list(self, account: str) -> builtins.list[models.Snapshot]:
+        return [self._model(r) for r in self.repos.snapshots.list(account)
+                if self.store.exists(r.digest)]
+
+    async def get(self, account: str, ref: str) -> models.Snapshot:
+        return self._model(self.resolve(account, ref))
+
+    async def delete(self, account: str, ref: str) -> None:
+        rec = self.resolve(account, ref)
+        self.repos.snapshots.delete(rec.id)
+        if not self.repos.snapshots.digest_used(rec.digest):
+            await asyncio.to_thread(self.store.delete, rec.digest, in_use=self.in_use)
+
+    async def export(self, account: str, ref: str) -> Path:
+        rec = self.resolve(account, ref)
+        out = self.store.root / "staging" / f"export-{secrets.token_hex(6)}.boxd"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(self.store.export, rec.digest, out)
+        return out
+
+    async def import_(self, account: str, path: Path, name: str | None = None) -> models.Snapshot:
+        manifest = await asyncio.to_thread(self.store.import_, path)
+        name = name or str(manifest.meta.get("name") or "")
+        if not name:
+            raise InvalidRequest("the imported snapshot has no name; pass one", field="name")
+        existing = self.repos.snapshots.named(account, name, manifest.digest)
+        if existing is not None:
+            return self._model(existing)
+        return self._model(self.repos.snapshots.add(account, name, manifest.digest,
+                                                    new_version=True))
+
+
+__all__ = ["Machines", "Snapshots", "machine_model", "validate_name"]

@@ -1,0 +1,329 @@
+"""An in-memory engine for unit tests of the node runtime: no processes, tiny files.
+
+A fake machine's "memory" is a dict of guest files; capture writes it (as JSON) into
+the image directory, and a machine started from an image reads it back, so fork,
+checkpoint and snapshot semantics (a child sees its source's files; a restore rewinds)
+are observable without QEMU. Its agent runs a few commands (``echo``, ``cat``,
+``write PATH TEXT``, ``hostname``) and reports the rest as exit 0.
+
+Failures are injected by name (`FakeEngine.fail`), processes are killed by hand
+(`FakeMachine.kill`), and `FakeEngine.gate` parks an operation at a chosen step so a
+test can interleave another request exactly there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import shutil
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from boxd.engine.agent import ExecChunk, ExecExit, ExecOutcome, ExecOutput, FileStat
+from boxd.engine.base import BootDisk, EngineInfo, MachineConfig, MemoryImage
+from boxd.errors import BoxdError, GuestFileNotFound, InternalError, MachineFailed
+
+_pids = itertools.count(100_000)
+
+
+@dataclass
+class FakeGuest:
+    """What a fake machine's memory holds."""
+
+    files: dict[str, str] = field(default_factory=dict)
+    hostname: str = ""
+    identities: int = 0  # how many times identity was set
+
+
+class FakeAgent:
+    def __init__(self, machine: FakeMachine) -> None:
+        self._m = machine
+
+    @property
+    def connected(self) -> bool:
+        return self._m.alive()
+
+    def _check(self) -> None:
+        if not self._m.alive():
+            raise MachineFailed(f"machine {self._m.config.id}: agent connection lost",
+                                machine=self._m.config.id)
+
+    async def exec(
+        self, command: str | list[str], *, env: Mapping[str, str | None] | None = None,
+        cwd: str | None = None, timeout: float | None = None, stdin: bytes | None = None,
+    ) -> AsyncIterator[ExecChunk]:
+        self._check()
+        await self._m.engine._step("exec")
+        self._check()
+        argv = command.split(" ", 2) if isinstance(command, str) else list(command)
+        out, code = "", 0
+        g = self._m.guest
+        if argv[0] == "echo":
+            out = " ".join(argv[1:]) + "\n"
+        elif argv[0] == "cat":
+            if argv[1] not in g.files:
+                out, code = "", 1
+            else:
+                out = g.files[argv[1]]
+        elif argv[0] == "write":
+            g.files[argv[1]] = argv[2] if len(argv) > 2 else ""
+        elif argv[0] == "hostname":
+            out = g.hostname + "\n"
+        if out:
+            yield ExecOutput("stdout", out.encode())
+        yield ExecExit(exit_code=code, signal=None, timed_out=False, duration=0.0)
+
+    async def run(
+        self, command: str | list[str], *, env: Mapping[str, str | None] | None = None,
+        cwd: str | None = None, timeout: float | None = None, stdin: bytes | None = None,
+    ) -> ExecOutcome:
+        out = b""
+        code = 0
+        async for item in self.exec(command, env=env, cwd=cwd, timeout=timeout, stdin=stdin):
+            if isinstance(item, ExecExit):
+                code = item.exit_code
+            else:
+                out += item.data
+        return ExecOutcome(out, b"", code, None, False, 0.0)
+
+    async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> FileStat:
+        self._check()
+        self._m.guest.files[path] = data.decode()
+        import hashlib
+
+        return FileStat(path, len(data), mode, hashlib.sha256(data).hexdigest())
+
+    async def read_file(self, path: str) -> bytes:
+        self._check()
+        if path not in self._m.guest.files:
+            raise GuestFileNotFound(f"no file {path!r} in the machine", path=path)
+        return self._m.guest.files[path].encode()
+
+    async def identity(self, *, hostname: str, machine_id: str, seed: bytes, now: float) -> None:
+        self._check()
+        await self._m.engine._step("identity")
+        self._check()
+        self._m.guest.hostname = hostname
+        self._m.guest.identities += 1
+
+    async def sync(self, timeout: float = 60.0) -> None:
+        self._check()
+
+    async def close(self) -> None:
+        return None
+
+
+class FakeMachine:
+    def __init__(
+        self, engine: FakeEngine, config: MachineConfig, disk: Path, run_dir: Path,
+        guest: FakeGuest, ram_shared: bool, paused: bool = False,
+    ) -> None:
+        self.engine = engine
+        self._config = config
+        self._disk = disk
+        self.run_dir = run_dir
+        self.guest = guest
+        self._ram_shared = ram_shared
+        self._pid = next(_pids)
+        self.paused = paused
+        self._exited = asyncio.Event()
+        self._reason = ""
+        self.destroyed = False
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "pid").write_text(str(self._pid))
+        engine.running[config.id] = self
+
+    @property
+    def config(self) -> MachineConfig:
+        return self._config
+
+    @property
+    def pid(self) -> int:
+        return self._pid
+
+    @property
+    def disk(self) -> Path:
+        return self._disk
+
+    @property
+    def ram_shared(self) -> bool:
+        return self._ram_shared
+
+    def kill(self, reason: str = "the fake VM process was killed by SIGKILL") -> None:
+        """End the 'process' (as a crash would)."""
+        if not self._exited.is_set():
+            self._reason = reason
+            self._exited.set()
+            self.engine.running.pop(self._config.id, None)
+
+    async def agent(self, timeout: float = 60.0) -> FakeAgent:
+        if not self.alive():
+            raise MachineFailed(f"machine {self._config.id} failed: {self._reason}",
+                                machine=self._config.id)
+        return FakeAgent(self)
+
+    def alive(self) -> bool:
+        return not self._exited.is_set()
+
+    def exit_reason(self) -> str:
+        return self._reason or "running"
+
+    async def wait_exit(self) -> str:
+        await self._exited.wait()
+        return self._reason
+
+    async def pause(self) -> None:
+        await self.engine._step("pause")
+        self.paused = True
+
+    async def resume(self) -> None:
+        await self.engine._step("resume")
+        self.paused = False
+
+    async def recover(self) -> str | None:
+        if self.paused:
+            self.paused = False
+            return "resumed a VM left paused"
+        return None
+
+    async def freeze_disk(self, new_active: Path) -> Path:
+        await self.engine._step("freeze_disk")
+        frozen = self._disk
+        new_active.write_text(json.dumps({"backing": str(frozen)}))
+        self._disk = new_active
+        return frozen
+
+    async def collapse_disk(self, base: Path) -> None:
+        await self.engine._step("collapse_disk")
+        self._disk.write_text(json.dumps({"backing": str(base)}))
+
+    async def capture(self, dest_dir: Path) -> MemoryImage:
+        await self.engine._step("capture")
+        if not self.alive():
+            raise MachineFailed(f"machine {self._config.id} died during capture")
+        dest_dir.mkdir(parents=True, exist_ok=True)
+        state = dest_dir / "state"
+        state.write_text(json.dumps({"files": self.guest.files, "hostname": self.guest.hostname}))
+        mem: Path | None = None
+        if self._ram_shared:
+            mem = dest_dir / "mem"
+            mem.write_text("ram")
+        return MemoryImage(mem, state, self._config.memory_mib)
+
+    async def destroy(self) -> None:
+        self.destroyed = True
+        self.kill("destroyed")
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    async def detach(self) -> None:
+        return None
+
+
+class FakeEngine:
+    """The engine protocol in memory; see the module docstring."""
+
+    def __init__(self) -> None:
+        self.running: dict[str, FakeMachine] = {}
+        self.failures: dict[str, BoxdError] = {}
+        self.gates: dict[str, tuple[asyncio.Event, asyncio.Event]] = {}
+        self.calls: list[str] = []
+
+    @property
+    def name(self) -> str:
+        return "fake"
+
+    @property
+    def accelerator(self) -> str:
+        return "none"
+
+    @property
+    def accelerator_reason(self) -> str:
+        return "the fake engine runs no guest code"
+
+    @property
+    def cpu_model(self) -> str:
+        return "fake"
+
+    @property
+    def file_owner(self) -> tuple[int, int] | None:
+        return None
+
+    def info(self) -> EngineInfo:
+        return EngineInfo("fake", "", "0", "none", self.accelerator_reason, "fake")
+
+    # ------------------------------------------------------------ test controls
+
+    def fail(self, step: str, error: BoxdError | None = None) -> None:
+        """Make the next ``step`` (boot, start_from, capture, identity, …) raise."""
+        self.failures[step] = error or InternalError(f"injected failure at {step}")
+
+    def gate(self, step: str) -> tuple[asyncio.Event, asyncio.Event]:
+        """Park the next ``step``: returns (reached, release) events."""
+        pair = (asyncio.Event(), asyncio.Event())
+        self.gates[step] = pair
+        return pair
+
+    async def _step(self, step: str) -> None:
+        self.calls.append(step)
+        gate = self.gates.pop(step, None)
+        if gate is not None:
+            gate[0].set()
+            await gate[1].wait()
+        err = self.failures.pop(step, None)
+        if err is not None:
+            raise err
+
+    # ---------------------------------------------------------------- protocol
+
+    async def boot(
+        self, config: MachineConfig, disk: BootDisk, run_dir: Path, log_path: Path
+    ) -> FakeMachine:
+        await self._step("boot")
+        return FakeMachine(self, config, disk.path, run_dir, FakeGuest(), ram_shared=True)
+
+    async def start_from(
+        self, config: MachineConfig, disk: BootDisk, image: MemoryImage, run_dir: Path,
+        log_path: Path, *, copy_memory: bool, paused: bool = False,
+    ) -> FakeMachine:
+        await self._step("start_from")
+        data = json.loads(image.state_path.read_text())
+        guest = FakeGuest(files=dict(data["files"]), hostname=data["hostname"])
+        shared = copy_memory or image.mem_path is None
+        return FakeMachine(self, config, disk.path, run_dir, guest, ram_shared=shared,
+                           paused=paused)
+
+    def attach(
+        self, config: MachineConfig, run_dir: Path, pid: int, disk: Path, ram_shared: bool,
+        log_path: Path,
+    ) -> FakeMachine:
+        for m in self.running.values():
+            if m.pid == pid and m.config.id == config.id:
+                return m
+        raise MachineFailed(f"machine {config.id} failed: its process (pid {pid}) is gone",
+                            machine=config.id)
+
+    def kill_stray(self, vm_id: str, run_dir: Path, pid: int | None = None) -> bool:
+        m = self.running.get(vm_id)
+        if m is None:
+            return False
+        m.kill("killed as a stray")
+        return True
+
+    async def create_disk(
+        self, path: Path, backing: Path, backing_format: str, size_gib: int
+    ) -> None:
+        await self._step("create_disk")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"backing": str(backing), "format": backing_format}))
+
+    async def flatten_disk(self, layer: Path, dest: Path) -> None:
+        await self._step("flatten_disk")
+        shutil.copyfile(layer, dest)
+
+    def remove_disk(self, path: Path) -> None:
+        path.unlink(missing_ok=True)
+
+
+__all__ = ["FakeAgent", "FakeEngine", "FakeGuest", "FakeMachine"]

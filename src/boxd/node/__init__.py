@@ -1,0 +1,7 @@
+"""The node runtime: one host's machines, its engine, templates, spares and recovery."""
+
+from boxd.node._host import Host
+from boxd.node.base import Boot, FromSnapshot, Node
+from boxd.node.runtime import NodeRuntime
+
+__all__ = ["Boot", "FromSnapshot", "Host", "Node", "NodeRuntime"]

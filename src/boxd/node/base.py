@@ -1,0 +1,99 @@
+"""The `Node` protocol: what the control plane asks of one host's node runtime.
+
+Narrow on purpose: the control plane owns accounts, names, quotas, the snapshot
+registry and placement, and inserts a machine's record (state ``starting``) before it
+asks a node to launch it; the node owns everything on its host (VM processes, disk
+layers, templates, spares, recovery) and every state change of its machines. Today
+one in-process node (`boxd.node.runtime.NodeRuntime`); a Ray-backed node implements
+the same protocol. Batches return per-item results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from boxd import models
+from boxd.state import CheckpointRecord
+
+
+@dataclass(frozen=True)
+class Boot:
+    """Launch a new machine from the guest image (cold boot)."""
+
+
+@dataclass(frozen=True)
+class FromSnapshot:
+    """Launch a new machine that continues from a snapshot's stored blobs."""
+
+    digest: str
+    memory: Path
+    state: Path
+    disk: Path
+
+
+class Node(Protocol):
+    """One host's machines. Each method names machines by id (records exist)."""
+
+    @property
+    def id(self) -> str: ...
+
+    async def host_info(self) -> models.HostInfo: ...
+
+    async def image_key(self) -> str:
+        """The guest image new machines boot (built on first use)."""
+        ...
+
+    async def engine_name(self) -> str: ...
+
+    async def create(self, machine_id: str, source: Boot | FromSnapshot) -> None:
+        """Launch a recorded machine; on failure its record is gone and the error raised."""
+        ...
+
+    async def fork(self, source_id: str, child_ids: list[str]) -> list[Exception | None]:
+        """Start recorded children of ``source_id``; per child None or its error (a
+        failed child's record is gone)."""
+        ...
+
+    async def wait_until_ready(self, machine_id: str, timeout: float) -> None: ...
+
+    async def exec(self, machine_id: str, req: models.ExecRequest) -> models.ExecResult: ...
+
+    def exec_stream(
+        self, machine_id: str, req: models.ExecRequest
+    ) -> AsyncIterator[models.ExecEvent]: ...
+
+    async def upload(self, machine_id: str, path: str, data: bytes, mode: int) -> models.FileInfo:
+        ...
+
+    async def download(self, machine_id: str, path: str) -> bytes: ...
+
+    async def checkpoint_save(self, machine_id: str, name: str) -> CheckpointRecord: ...
+
+    async def checkpoint_restore(self, machine_id: str, name: str) -> None: ...
+
+    async def checkpoint_delete(self, machine_id: str, name: str) -> None: ...
+
+    async def save_snapshot(self, machine_id: str, meta: dict[str, object]) -> str:
+        """Capture memory, device state and a flattened disk into the node's snapshot
+        store (with ``meta`` and the engine's facts); return the manifest digest."""
+        ...
+
+    async def delete(self, machine_id: str) -> None: ...
+
+    def snapshot_digests_in_use(self) -> set[str]: ...
+
+    async def recover(self) -> None:
+        """After a daemon (re)start: find the VMs of recorded machines again."""
+        ...
+
+    async def close(self) -> None:
+        """Detach from running machines (they keep running)."""
+        ...
+
+    # Room for the lifecycle issue: suspend, resume, hibernate (same shape: machine id).
+
+
+__all__ = ["Boot", "FromSnapshot", "Node"]

@@ -1,0 +1,189 @@
+"""The machine lifecycle: states, the transition table, `require`, leases.
+
+Every change of a machine's state goes through `Lifecycle.move`, which checks the
+transition table and writes with one compare-and-set (``UPDATE … WHERE state IN …``),
+so two operations racing on one machine cannot both win and a read never writes.
+
+::
+
+    starting ──agent answered──▶ running ◀──────────────┐
+       │                          │  │ first fork of a   │
+       │                          │  └─ fork child ──▶ swapping
+       │                          │  checkpoint restore  │
+       │                          └────────────────▶ restoring
+       ▼                               any state ─────▶ failed (process exit, failed op)
+    failed ──checkpoint restore──▶ restoring            failed/any ──▶ deleting ──▶ gone
+
+A `Lease` serialises the operations that change a machine's process, disk chain or
+memory (fork template, checkpoint save/restore, snapshot capture, RAM swap, collapse,
+delete) and lets those that replace the VM process close the machine to agent users
+first, so no request ever talks to a half-swapped handle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from boxd.errors import MachineNotFound, StateError
+from boxd.models import MachineState
+from boxd.state import MachineRecord
+from boxd.state.repos import Machines
+
+S = MachineState
+
+# From each state, where a machine may go. DELETING is terminal (the record goes).
+TRANSITIONS: dict[MachineState, frozenset[MachineState]] = {
+    S.STARTING: frozenset({S.RUNNING, S.FAILED, S.DELETING}),
+    S.RUNNING: frozenset({S.SWAPPING, S.RESTORING, S.FAILED, S.DELETING}),
+    S.SWAPPING: frozenset({S.RUNNING, S.FAILED, S.DELETING}),
+    S.RESTORING: frozenset({S.RUNNING, S.FAILED, S.DELETING}),
+    S.FAILED: frozenset({S.RESTORING, S.DELETING}),
+    S.DELETING: frozenset(),
+}
+
+# States in which the VM process may be talked to (exec, files, capture).
+LIVE = (S.STARTING, S.RUNNING)
+# States whose VM process is being replaced: requests wait for the operation's lease.
+TRANSIENT = (S.SWAPPING, S.RESTORING)
+
+
+def allowed(src: MachineState, dst: MachineState) -> bool:
+    return dst in TRANSITIONS[src]
+
+
+def require(machine: MachineRecord, *states: MachineState) -> MachineRecord:
+    """Return ``machine`` if it is in one of ``states``.
+
+    Raises:
+        StateError: it is not; the error names its state and the required ones.
+    """
+    if machine.state not in states:
+        raise StateError(
+            f"machine {machine.name!r} is {machine.state.value}; this needs it "
+            + " or ".join(s.value for s in states),
+            machine=machine.name, state=machine.state.value,
+            required=[s.value for s in states],
+            hint=_hint(machine),
+        )
+    return machine
+
+
+def _hint(machine: MachineRecord) -> str:
+    if machine.state == S.FAILED:
+        return (f"restore a checkpoint, or delete it (`boxd machine delete {machine.name}`) "
+                "and create it again")
+    if machine.state in TRANSIENT:
+        return "retry when the operation in progress finishes"
+    return "`boxd machine info` shows its state"
+
+
+class Lifecycle:
+    """The one writer of machine states."""
+
+    def __init__(self, machines: Machines) -> None:
+        self._machines = machines
+
+    def move(
+        self, machine_id: str, dst: MachineState, *, expect: tuple[MachineState, ...] | None = None,
+        error: str | None = None,
+    ) -> bool:
+        """Move a machine to ``dst`` from any state that allows it (or from ``expect``).
+
+        Returns False when the machine was not in such a state (someone else moved it,
+        or it is gone); the record is unchanged then.
+
+        Raises:
+            StateError: ``expect`` names a state from which ``dst`` is illegal.
+        """
+        sources = expect if expect is not None else tuple(
+            s for s, targets in TRANSITIONS.items() if dst in targets
+        )
+        for src in sources:
+            if not allowed(src, dst):
+                raise StateError(
+                    f"illegal transition {src.value} -> {dst.value}", machine=machine_id,
+                    state=src.value, required=[s.value for s in TRANSITIONS if allowed(s, dst)],
+                )
+        return self._machines.compare_and_set(machine_id, sources, dst, error)
+
+    def fail(self, machine_id: str, reason: str) -> bool:
+        """Mark a machine failed (from any non-terminal state) with the reason."""
+        return self.move(machine_id, S.FAILED, error=reason)
+
+    def begin(
+        self, machine: MachineRecord, dst: MachineState, *required: MachineState
+    ) -> MachineRecord:
+        """Enter a transient state from one of ``required``, or raise `StateError`.
+
+        Raises:
+            StateError: the machine is not in a required state (it may have moved since).
+        """
+        require(machine, *required)
+        if not self.move(machine.id, dst, expect=(machine.state,)):
+            fresh = self._machines.get(machine.id)
+            if fresh is None:
+                raise MachineNotFound(f"no machine named {machine.name!r}", machine=machine.name)
+            require(fresh, *required)  # it moved: raise with its current state
+            return self.begin(fresh, dst, *required)
+        fresh = self._machines.get(machine.id)
+        assert fresh is not None
+        return fresh
+
+
+class Lease:
+    """Per machine: one mutating operation at a time; a gate for agent users.
+
+    ``op()`` serialises operations. ``replace()`` (inside ``op()``) additionally closes
+    the gate: new agent users wait, and those in flight are given ``drain`` seconds to
+    finish before the VM process is replaced.
+    """
+
+    def __init__(self) -> None:
+        self._op = asyncio.Lock()
+        self._cond = asyncio.Condition()
+        self._users = 0
+        self._closed = False
+
+    @property
+    def busy(self) -> bool:
+        return self._op.locked()
+
+    @contextlib.asynccontextmanager
+    async def op(self) -> AsyncIterator[None]:
+        async with self._op:
+            yield
+
+    @contextlib.asynccontextmanager
+    async def replace(self, drain: float = 0.0) -> AsyncIterator[None]:
+        """Close the gate to agent users while the VM process is replaced."""
+        async with self._cond:
+            self._closed = True
+            if drain > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(
+                        self._cond.wait_for(lambda: self._users == 0), timeout=drain
+                    )
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._closed = False
+                self._cond.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def use(self) -> AsyncIterator[None]:
+        """Hold the machine's VM process for one agent request."""
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._closed)
+            self._users += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._users -= 1
+                self._cond.notify_all()
+
+
+__all__ = ["LIVE", "TRANSIENT", "TRANSITIONS", "Lease", "Lifecycle", "allowed", "require"]

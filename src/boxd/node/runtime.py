@@ -1,0 +1,952 @@
+"""The node runtime: one host's machines, on one engine, through one launch path.
+
+Records (the control plane inserted them) name what a machine is; this module owns
+what happens on the host: VM processes, disk layers and templates, standby fork
+children, checkpoints, recovery after a daemon restart and sweeping what no record
+knows. Every state change goes through `Lifecycle`; a watcher per VM process marks
+the machine failed when it exits; reads never write.
+
+Fork (VM templating): the source is paused once, its writable disk layer is frozen
+(it gets a fresh overlay on top), its device state is written and its RAM file copied
+sparsely into a *template*; the source resumes. Children map the template's RAM
+privately (copy-on-write) and get their own overlay on the frozen layer. Forks asked
+for while a template is being made share it; a later fork of an unchanged source
+(same generation: no exec, upload or restore since) reuses it. A machine that maps an
+image privately (a fork child, a machine from a snapshot) first gets RAM of its own
+(`_own_ram`: state ``swapping``).
+
+The one launch path (`_launch`) starts a VM process for all six cases — create, fork
+child, start from snapshot, checkpoint restore, RAM swap and standby child — and has
+one failure behaviour: the new process and the new layer are removed and the machine
+is marked failed with the reason; for a machine that never ran (create, fork child,
+snapshot start) the caller then removes its record, so the request fails cleanly and
+the quota slot is free again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from boxd import models
+from boxd._version import __version__
+from boxd.config import Paths, Settings
+from boxd.engine.base import (
+    Agent,
+    BootDisk,
+    Engine,
+    ExecOutput,
+    MachineConfig,
+    MachineHandle,
+    MemoryImage,
+)
+from boxd.errors import (
+    AlreadyExists,
+    BoxdError,
+    CheckpointNotFound,
+    ExecTimeout,
+    InvalidRequest,
+    MachineFailed,
+    MachineNotFound,
+)
+from boxd.models import MachineState
+from boxd.node._host import Host
+from boxd.node._spares import Spare, SparePool
+from boxd.node.base import Boot, FromSnapshot
+from boxd.node.lifecycle import LIVE, TRANSIENT, Lease, Lifecycle, require
+from boxd.state import CheckpointRecord, MachineRecord, Repos, TemplateRecord, new_id
+from boxd.storage import Manifest, SnapshotStore, disks
+from boxd.storage.memory import remove_tree
+
+log = logging.getLogger("boxd.node")
+
+S = MachineState
+
+# Backing chains longer than this are collapsed in the background (see `_collapse`).
+MAX_CHAIN = 8
+# Seconds past an exec's own timeout before the host gives up on a silent guest.
+HOST_GRACE = 30.0
+# Seconds a RAM swap waits for requests in flight on the machine to finish.
+SWAP_DRAIN = 30.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How to start one VM process (see the module docstring for the six cases).
+
+    ``backing`` gets a new writable layer on top (``parent_layer`` is its layer id, or
+    None when it is a base image); without it the VM keeps writing ``keep_disk``.
+    ``image`` None is a cold boot.
+    """
+
+    image: MemoryImage | None
+    backing: Path | None = None
+    backing_format: str = "layer"
+    parent_layer: str | None = None
+    keep_disk: Path | None = None
+    copy_memory: bool = False
+    paused: bool = False
+    disk_gib: int = 8
+
+
+class NodeRuntime:
+    """The in-process node: implements `boxd.node.base.Node`."""
+
+    def __init__(
+        self, paths: Paths, repos: Repos, host: Host, settings: Settings,
+        store: SnapshotStore, *, node_id: str = "local",
+    ) -> None:
+        self.paths = paths
+        self.store = store
+        self.repos = repos
+        self.host = host
+        self.settings = settings
+        self._id = node_id
+        self.lifecycle = Lifecycle(repos.machines)
+        self.live: dict[str, MachineHandle] = {}
+        self._leases: dict[str, Lease] = {}
+        self._watchers: dict[str, asyncio.Task[None]] = {}
+        self._preparing: dict[str, asyncio.Future[TemplateRecord]] = {}
+        self._background: set[asyncio.Task[None]] = set()
+        self._recovered = False
+        self.spares = SparePool(self, per_template=settings.fork_spares,
+                                total=settings.fork_spares_total)
+
+    @property
+    def id(self) -> str:
+        return self._id
+
+    # ------------------------------------------------------------------ helpers
+
+    def lease(self, machine_id: str) -> Lease:
+        return self._leases.setdefault(machine_id, Lease())
+
+    def _rec(self, machine_id: str) -> MachineRecord:
+        rec = self.repos.machines.get(machine_id)
+        if rec is None or rec.state == S.DELETING:
+            raise MachineNotFound(
+                f"no machine {machine_id!r}", machine=machine_id,
+                hint="`boxd machine list` shows your machines",
+            )
+        return rec
+
+    def layer_path(self, layer_id: str) -> Path:
+        return disks.layer_path(self.paths.disks, layer_id)
+
+    def run_dir(self, vm_id: str) -> Path:
+        return self.paths.run_dir(vm_id)
+
+    def log_path(self, vm_id: str) -> Path:
+        return self.paths.machines / vm_id / "qemu.log"
+
+    def config_for(
+        self, vm_id: str, hostname: str, *, vcpus: int, memory_mib: int, isolated: bool,
+        port: int | None,
+    ) -> MachineConfig:
+        image = self.host.image
+        return MachineConfig(
+            id=vm_id, hostname=hostname, vcpus=vcpus, memory_mib=memory_mib,
+            isolated=isolated, port=port,
+            kernel=image.kernel if image else Path(), initrd=image.initrd if image else Path(),
+            cmdline=image.cmdline_hint if image else "",
+        )
+
+    def _config(self, rec: MachineRecord) -> MachineConfig:
+        return self.config_for(
+            rec.vm_id, rec.name, vcpus=rec.vcpus, memory_mib=rec.memory_mib,
+            isolated=rec.isolated, port=rec.port,
+        )
+
+    @staticmethod
+    def failed_error(rec: MachineRecord, reason: str | None) -> MachineFailed:
+        return MachineFailed(
+            f"machine {rec.name!r} failed: {reason or 'unknown reason'}", machine=rec.name,
+            hint=f"restore a checkpoint, or delete it (`boxd machine delete {rec.name}`) and "
+            "create it again",
+        )
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ----------------------------------------------------- handles and watchers
+
+    def _install(self, machine_id: str, handle: MachineHandle) -> None:
+        """Make ``handle`` the machine's VM and watch its process."""
+        self.live[machine_id] = handle
+        old = self._watchers.pop(machine_id, None)
+        if old is not None:
+            old.cancel()
+        self._watchers[machine_id] = asyncio.create_task(
+            self._watch(machine_id, handle), name=f"watch {machine_id}"
+        )
+
+    def _retire(self, machine_id: str) -> MachineHandle | None:
+        """Take the machine's VM out of service (before a deliberate destroy)."""
+        watcher = self._watchers.pop(machine_id, None)
+        if watcher is not None:
+            watcher.cancel()
+        return self.live.pop(machine_id, None)
+
+    async def _watch(self, machine_id: str, handle: MachineHandle) -> None:
+        try:
+            reason = await handle.wait_exit()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a watcher must never die silently
+            reason = f"its VM process could not be watched: {exc!r}"
+        self._on_exit(machine_id, handle, reason)
+
+    def _on_exit(self, machine_id: str, handle: MachineHandle, reason: str) -> None:
+        """The VM process of a machine ended: failed, unless it was replaced meanwhile."""
+        if self.live.get(machine_id) is not handle:
+            return  # replaced or retired on purpose: not a failure
+        self.live.pop(machine_id, None)
+        self._watchers.pop(machine_id, None)
+        if self.lifecycle.fail(machine_id, reason):
+            log.warning("machine=%s event=failed reason=%r", machine_id, reason)
+        self._spawn(handle.detach(), f"detach {machine_id}")
+
+    # -------------------------------------------------------------- launching
+
+    async def _launch(
+        self, config: MachineConfig, launch: Launch, *, record_layer: bool = True
+    ) -> tuple[MachineHandle, str | None]:
+        """Start one VM process (the one launch path). Returns it and its new layer id.
+
+        The new layer is recorded unless ``record_layer`` is false (a standby child's
+        layer is recorded when a fork claims it). On failure nothing of the launch is
+        left: no process, no new layer.
+        """
+        _, engine = await self.host.ready()
+        layer_id: str | None = None
+        disk = launch.keep_disk
+        try:
+            if launch.backing is not None:
+                layer_id = new_id("l")
+                disk = self.layer_path(layer_id)
+                await engine.create_disk(disk, launch.backing, launch.backing_format,
+                                         launch.disk_gib)
+                if record_layer:
+                    self.repos.layers.new(
+                        launch.parent_layer,
+                        "" if launch.parent_layer else str(launch.backing), layer_id=layer_id,
+                    )
+            assert disk is not None
+            run_dir, log_path = self.run_dir(config.id), self.log_path(config.id)
+            if launch.image is None:
+                handle = await engine.boot(config, BootDisk(disk), run_dir, log_path)
+            else:
+                handle = await engine.start_from(
+                    config, BootDisk(disk), launch.image, run_dir, log_path,
+                    copy_memory=launch.copy_memory, paused=launch.paused,
+                )
+        except BaseException:
+            if layer_id is not None:
+                engine.remove_disk(self.layer_path(layer_id))
+                self.repos.layers.drop(layer_id)
+            raise
+        return handle, layer_id
+
+    async def _start(
+        self, rec: MachineRecord, launch: Launch, *, template_id: str | None = None,
+        spare: Spare | None = None, identity: bool = True, to_running: bool = True,
+    ) -> MachineHandle:
+        """Launch (or claim ``spare`` for) a recorded machine and put it in service.
+
+        The record gets its layer, pid and VM id before the guest runs; the machine
+        moves to ``running`` once identity is set (``identity``), or stays ``starting``
+        for a cold boot (its first agent answer sets identity).
+
+        Raises:
+            BoxdError: the launch failed; the machine is failed with the reason and the
+                new process and layer are gone.
+        """
+        handle: MachineHandle | None = None
+        layer_id: str | None = None
+        try:
+            if spare is not None:
+                handle, layer_id = spare.handle, spare.layer_id
+                self.repos.layers.new(launch.parent_layer, "", layer_id=layer_id)
+                self.repos.machines.update(rec.id, vm_id=spare.vm_id, port=spare.port)
+            else:
+                handle, layer_id = await self._launch(self._config(rec), launch)
+            _, engine = await self.host.ready()
+            fields: dict[str, object] = {"pid": handle.pid, "ram_shared": handle.ram_shared,
+                                         "template_id": template_id,
+                                         "accel": engine.accelerator}
+            if layer_id is not None:
+                fields["layer_id"] = layer_id
+            self.repos.machines.update(rec.id, **fields)
+            self._install(rec.id, handle)
+            if spare is not None:
+                await handle.resume()
+            if identity:
+                await self._set_identity(rec.name, handle)
+        except BaseException as exc:
+            reason = exc.message if isinstance(exc, BoxdError) else repr(exc)
+            if handle is not None:
+                self._retire(rec.id)
+                with contextlib.suppress(Exception):
+                    await handle.destroy()
+            if layer_id is not None:
+                _, engine = await self.host.ready()
+                engine.remove_disk(self.layer_path(layer_id))
+                if launch.keep_disk is None:
+                    self.repos.machines.update(rec.id, layer_id=None)
+                self.repos.layers.drop(layer_id)
+            self.lifecycle.fail(rec.id, f"launch failed: {reason}")
+            raise
+        if to_running and not self.lifecycle.move(rec.id, S.RUNNING, expect=(rec.state,)):
+            fresh = self._rec(rec.id)  # its new process died at once: the watcher said why
+            raise self.failed_error(fresh, fresh.error)
+        return handle
+
+    async def _set_identity(
+        self, hostname: str, handle: MachineHandle, timeout: float = 60.0
+    ) -> None:
+        """A new machine-id, a reseeded RNG and the host's clock (and the hostname)."""
+        agent = await handle.agent(timeout=timeout)
+        await agent.identity(
+            hostname=hostname, machine_id=secrets.token_hex(16), seed=os.urandom(64),
+            now=time.time(),
+        )
+
+    # ------------------------------------------------------------------ create
+
+    async def host_info(self) -> models.HostInfo:
+        image, engine = await self.host.ready()
+        info = engine.info()
+        return models.HostInfo(
+            version=__version__, engine=info.name, qemu=info.binary, qemu_version=info.version,
+            accelerator=info.accelerator, accelerator_reason=info.accelerator_reason,
+            cpu_model=info.cpu_model, data_dir=str(self.paths.home), image=image.key,
+        )
+
+    async def image_key(self) -> str:
+        image, _ = await self.host.ready()
+        return image.key
+
+    async def engine_name(self) -> str:
+        _, engine = await self.host.ready()
+        return engine.name
+
+    async def create(self, machine_id: str, source: Boot | FromSnapshot) -> None:
+        image, _ = await self.host.ready()
+        rec = self._rec(machine_id)
+        port = None if rec.isolated else free_port()
+        self.repos.machines.update(machine_id, port=port)
+        rec = self._rec(machine_id)
+        try:
+            async with self.lease(machine_id).op():
+                if isinstance(source, Boot):
+                    await self._start(
+                        rec, Launch(None, backing=image.rootfs, backing_format="raw",
+                                    disk_gib=rec.disk_gib),
+                        identity=False, to_running=False,
+                    )
+                else:
+                    await self._start(rec, Launch(
+                        MemoryImage(source.memory, source.state, rec.memory_mib),
+                        backing=source.disk, backing_format="layer", disk_gib=rec.disk_gib,
+                    ))
+        except BaseException:
+            await self.purge(machine_id)
+            raise
+        log.info("machine=%s event=created name=%s", machine_id, rec.name)
+
+    # -------------------------------------------------------------- agent use
+
+    @contextlib.asynccontextmanager
+    async def _using(
+        self, machine_id: str, timeout: float = 120.0
+    ) -> AsyncIterator[tuple[MachineRecord, MachineHandle, Agent]]:
+        """The machine's VM and agent for one request, held against a swap.
+
+        A request that finds the machine ``swapping``, ``restoring`` or ``starting``
+        waits for the operation in progress; the first request to a cold-booted
+        machine sets its identity (once, under the machine's lease).
+        """
+        rec = self._rec(machine_id)
+        lease = self.lease(machine_id)
+        if rec.state in TRANSIENT or rec.state == S.STARTING:
+            async with lease.op():
+                rec = self._rec(machine_id)
+                if rec.state == S.STARTING:
+                    await self._first_answer(rec, timeout)
+            rec = self._rec(machine_id)
+        async with lease.use():
+            rec = self._rec(machine_id)
+            if rec.state == S.FAILED:
+                raise self.failed_error(rec, rec.error)
+            require(rec, S.RUNNING)
+            handle = self.live.get(machine_id)
+            if handle is None:
+                raise self.failed_error(rec, "its VM process is not running")
+            try:
+                agent = await handle.agent(timeout=timeout)
+                yield rec, handle, agent
+            except MachineFailed as exc:
+                if not handle.alive():
+                    self._on_exit(machine_id, handle, handle.exit_reason())
+                    raise self.failed_error(rec, handle.exit_reason()) from exc
+                raise
+
+    async def _first_answer(self, rec: MachineRecord, timeout: float) -> None:
+        """A cold-booted machine's agent answered: its own machine-id, a reseeded RNG
+        and the host's wall clock (the RTC only has seconds); then it is running."""
+        handle = self.live.get(rec.id)
+        if handle is None:
+            raise self.failed_error(rec, "its VM process is not running")
+        try:
+            await self._set_identity(rec.name, handle, timeout)
+        except MachineFailed as exc:
+            if not handle.alive():
+                self._on_exit(rec.id, handle, handle.exit_reason())
+                raise self.failed_error(rec, handle.exit_reason()) from exc
+            raise
+        self.lifecycle.move(rec.id, S.RUNNING, expect=(S.STARTING,))
+
+    async def wait_until_ready(self, machine_id: str, timeout: float) -> None:
+        async with self._using(machine_id, timeout=timeout):
+            pass
+
+    @staticmethod
+    def _exec_kwargs(req: models.ExecRequest) -> dict[str, Any]:
+        return {
+            "env": req.env or None, "cwd": req.cwd, "timeout": req.timeout,
+            "stdin": req.stdin.encode() if req.stdin is not None else None,
+        }
+
+    def _changed(self, machine_id: str) -> None:
+        """The guest may change: the next fork needs a new template."""
+        self.repos.machines.bump_generation(machine_id)
+        self.spares.prune()  # a changed source's standby children are stale
+
+    async def exec(self, machine_id: str, req: models.ExecRequest) -> models.ExecResult:
+        async with self._using(machine_id) as (rec, _handle, agent):
+            self._changed(machine_id)
+            # The guest enforces the timeout; the host deadline only catches a guest that
+            # stopped answering altogether (a VM left paused, a hung kernel).
+            deadline = req.timeout + HOST_GRACE if req.timeout else None
+            try:
+                out = await asyncio.wait_for(
+                    agent.run(req.command, **self._exec_kwargs(req)), timeout=deadline
+                )
+            except TimeoutError as exc:
+                raise MachineFailed(
+                    f"machine {rec.name!r} stopped answering: the command's {req.timeout}s "
+                    f"timeout passed {HOST_GRACE:.0f}s ago with no word from the guest",
+                    machine=rec.name, hint="check `boxd machine info`; delete and recreate it",
+                ) from exc
+        result = models.ExecResult(
+            stdout=out.stdout.decode(errors="replace"), stderr=out.stderr.decode(errors="replace"),
+            exit_code=out.exit_code, signal=out.signal, timed_out=out.timed_out,
+            duration=out.duration,
+        )
+        if result.timed_out:
+            raise ExecTimeout(
+                f"command timed out after {req.timeout}s and was killed",
+                timeout=req.timeout, stdout=result.stdout, stderr=result.stderr,
+                hint="raise the timeout or make the command finish sooner",
+            )
+        return result
+
+    async def exec_stream(
+        self, machine_id: str, req: models.ExecRequest
+    ) -> AsyncIterator[models.ExecEvent]:
+        async with self._using(machine_id) as (_, _handle, agent):
+            self._changed(machine_id)
+            async for item in agent.exec(req.command, **self._exec_kwargs(req)):
+                if isinstance(item, ExecOutput):
+                    yield models.ExecEvent(
+                        type=item.stream, data=item.data.decode(errors="replace"), error=None
+                    )
+                else:
+                    yield models.ExecEvent(
+                        type="exit", exit_code=item.exit_code, signal=item.signal,
+                        timed_out=item.timed_out, duration=item.duration, error=None,
+                    )
+
+    async def upload(self, machine_id: str, path: str, data: bytes, mode: int) -> models.FileInfo:
+        if not path.startswith("/"):
+            raise InvalidRequest(f"guest path must be absolute: {path!r}", field="path")
+        async with self._using(machine_id) as (_, _handle, agent):
+            self._changed(machine_id)
+            st = await agent.write_file(path, data, mode)
+        return models.FileInfo(path=path, size=st.size, mode=st.mode, sha256=st.sha256)
+
+    async def download(self, machine_id: str, path: str) -> bytes:
+        if not path.startswith("/"):
+            raise InvalidRequest(f"guest path must be absolute: {path!r}", field="path")
+        async with self._using(machine_id) as (_, _handle, agent):
+            data: bytes = await agent.read_file(path)
+        return data
+
+    # ------------------------------------------------------------------ delete
+
+    async def delete(self, machine_id: str) -> None:
+        rec = self._rec(machine_id)
+        lease = self.lease(machine_id)
+        async with lease.op(), lease.replace():
+            if not self.lifecycle.move(machine_id, S.DELETING):
+                self._rec(machine_id)  # gone meanwhile: MachineNotFound
+            await self.purge(machine_id)
+        log.info("machine=%s event=deleted name=%s", machine_id, rec.name)
+
+    async def purge(self, machine_id: str) -> None:
+        """Stop the VM and remove every file and record of a machine."""
+        rec = self.repos.machines.get(machine_id)
+        handle = self._retire(machine_id)
+        if handle is not None:
+            await handle.destroy()
+        if handle is None and rec is not None and rec.pid:
+            _, engine = await self.host.ready()
+            engine.kill_stray(rec.vm_id, self.run_dir(rec.vm_id), rec.pid)
+        for ck_id in self.repos.checkpoints.delete_for(machine_id):
+            remove_tree(self.paths.checkpoints / ck_id)
+        self.repos.machines.delete(machine_id)
+        if rec is not None:
+            remove_tree(self.run_dir(rec.vm_id))
+            remove_tree(self.paths.machines / rec.vm_id)
+        self._leases.pop(machine_id, None)
+        self.gc()
+
+    def gc(self) -> None:
+        """Remove templates and disk layers nothing refers to any more."""
+        garbage = self.repos.layers.collect()
+        for d in garbage.template_dirs:
+            remove_tree(d)
+        for lid in garbage.layer_ids:
+            disks.remove(self.layer_path(lid))
+        self.spares.prune()
+
+    # -------------------------------------------------------------------- fork
+
+    async def _freeze_and_capture(
+        self, rec: MachineRecord, handle: MachineHandle, dest: Path
+    ) -> tuple[str, MemoryImage]:
+        """Pause, freeze the disk, capture memory + device state into ``dest``, resume.
+
+        Returns the frozen layer id and the memory image. The source is resumed
+        whatever happens.
+        """
+        assert rec.layer_id is not None
+        frozen_id = rec.layer_id
+        new_layer = self.repos.layers.new(frozen_id, "")
+        t0 = time.monotonic()
+        await handle.pause()
+        try:
+            await handle.freeze_disk(self.layer_path(new_layer))
+            self.repos.layers.freeze(rec.id, frozen_id, new_layer)
+            image = await handle.capture(dest)
+        finally:
+            if handle.alive():
+                await handle.resume()
+        log.info("machine=%s event=captured downtime=%.3f", rec.id, time.monotonic() - t0)
+        if len(self.repos.layers.chain(new_layer)) > MAX_CHAIN:
+            self._spawn(self._collapse(rec.id), f"collapse {rec.id}")
+        return frozen_id, image
+
+    async def _collapse(self, machine_id: str) -> None:
+        """Shorten a machine's backing chain to active layer → base (in the background).
+
+        Each fork of a changed source and each checkpoint adds a frozen layer under the
+        machine's active one; long chains slow every disk read. The layers stay as long
+        as children, templates or checkpoints use them, and are collected after.
+        """
+        try:
+            async with self.lease(machine_id).op():
+                rec = self.repos.machines.get(machine_id)
+                handle = self.live.get(machine_id)
+                if rec is None or rec.state != S.RUNNING or handle is None:
+                    return
+                chain = self.repos.layers.chain(rec.layer_id)
+                if len(chain) <= MAX_CHAIN or rec.layer_id is None:
+                    return
+                base = chain[-1].base
+                t0 = time.monotonic()
+                await handle.collapse_disk(Path(base))
+                self.repos.layers.rebase(rec.layer_id, base)
+                self.gc()
+                log.info("machine=%s event=collapsed layers=%d seconds=%.2f",
+                         machine_id, len(chain), time.monotonic() - t0)
+        except BoxdError as exc:
+            log.warning("machine=%s event=collapse_failed error=%s", machine_id, exc)
+
+    async def _own_ram(self, rec: MachineRecord) -> MachineHandle:
+        """Give a machine that maps an image privately a RAM file of its own.
+
+        Needed once before such a machine is forked or saved: its whole RAM is streamed
+        to a file and a new VM process (same id, name, port and disk) loads it. The
+        caller holds the machine's lease; the machine is ``swapping`` meanwhile and
+        requests that need it wait.
+        """
+        handle = self.live.get(rec.id)
+        if handle is None:
+            raise self.failed_error(rec, "its VM process is not running")
+        if handle.ram_shared:
+            return handle
+        tmp = self.paths.shm / "tmp" / new_id("p")
+        async with self.lease(rec.id).replace(drain=SWAP_DRAIN):
+            rec = self.lifecycle.begin(rec, S.SWAPPING, S.RUNNING)
+            try:
+                try:
+                    await handle.pause()
+                    image = await handle.capture(tmp)
+                except BaseException:
+                    if handle.alive():
+                        await handle.resume()
+                    self.lifecycle.move(rec.id, S.RUNNING, expect=(S.SWAPPING,))
+                    raise
+                self._retire(rec.id)
+                await handle.destroy()
+                new = await self._start(
+                    rec, Launch(image, keep_disk=handle.disk, copy_memory=True,
+                                disk_gib=rec.disk_gib),
+                    identity=False,
+                )
+            finally:
+                remove_tree(tmp)
+        self.gc()
+        return new
+
+    async def _template(self, source_id: str) -> TemplateRecord:
+        """The template children of this source start from: reused or made once."""
+        rec = self._rec(source_id)
+        existing = self.repos.layers.template_for(source_id, rec.generation)
+        if existing is not None and existing.mem_path.exists():
+            return existing
+        pending = self._preparing.get(source_id)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        fut: asyncio.Future[TemplateRecord] = asyncio.get_running_loop().create_future()
+        self._preparing[source_id] = fut
+        try:
+            async with self.lease(source_id).op():
+                rec = self._rec(source_id)
+                if rec.state == S.FAILED:
+                    raise self.failed_error(rec, rec.error)
+                require(rec, S.RUNNING)
+                handle = await self._own_ram(rec)
+                rec = self._rec(source_id)
+                await self._flush_page_cache(handle)
+                template_id = new_id("t")
+                frozen_id, image = await self._freeze_and_capture(
+                    rec, handle, self.paths.templates / template_id
+                )
+                assert image.mem_path is not None
+                tpl = self.repos.layers.add_template(
+                    source_id, frozen_id, image.mem_path, image.state_path, rec.generation,
+                    template_id=template_id,
+                )
+            fut.set_result(tpl)
+            return tpl
+        except BaseException as exc:
+            fut.set_exception(exc)
+            fut.exception()  # mark retrieved: waiters re-raise it themselves
+            raise
+        finally:
+            self._preparing.pop(source_id, None)
+
+    async def _flush_page_cache(self, handle: MachineHandle) -> None:
+        """Write the source's dirty page cache to its disk before it is frozen.
+
+        Otherwise every child inherits the same dirty pages and writes each of them
+        into its own overlay. Only kernel state changes; best effort.
+        """
+        try:
+            agent = await handle.agent(timeout=30)
+            await agent.sync(timeout=60)
+        except BoxdError as exc:
+            log.warning("machine=%s event=sync_failed error=%s", handle.config.id, exc)
+
+    def template_image(self, tpl: TemplateRecord, memory_mib: int) -> MemoryImage:
+        return MemoryImage(tpl.mem_path, tpl.state_path, memory_mib)
+
+    async def fork(self, source_id: str, child_ids: list[str]) -> list[Exception | None]:
+        src = self._rec(source_id)
+        if src.state == S.FAILED:
+            raise self.failed_error(src, src.error)
+        if src.state in TRANSIENT:
+            async with self.lease(source_id).op():
+                pass
+            src = self._rec(source_id)
+        require(src, *LIVE)
+        if src.state == S.STARTING:
+            await self.wait_until_ready(source_id, timeout=120)
+        tpl = await self._template(source_id)
+        src = self._rec(source_id)
+        results = await asyncio.gather(
+            *(self._start_child(src, tpl, cid) for cid in child_ids), return_exceptions=True
+        )
+        self.spares.want(source_id, tpl, len(child_ids))
+        out: list[Exception | None] = []
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, Exception):
+                raise r
+            out.append(r if isinstance(r, Exception) else None)
+        return out
+
+    async def _start_child(self, src: MachineRecord, tpl: TemplateRecord, child_id: str) -> None:
+        rec = self._rec(child_id)
+        spare = self.spares.take(tpl.id)
+        t0 = time.monotonic()
+        launch = Launch(
+            self.template_image(tpl, src.memory_mib), backing=self.layer_path(tpl.layer_id),
+            parent_layer=tpl.layer_id, disk_gib=src.disk_gib,
+        )
+        try:
+            async with self.lease(child_id).op():
+                await self._start(rec, launch, template_id=tpl.id, spare=spare)
+        except BaseException as exc:
+            await self.purge(child_id)
+            if isinstance(exc, BoxdError):
+                exc.message = f"fork child {rec.name!r} failed: {exc.message}"
+                exc.args = (exc.message,)
+            raise
+        log.info("machine=%s event=forked source=%s spare=%s seconds=%.3f", child_id, src.id,
+                 spare is not None, time.monotonic() - t0)
+
+    async def prepare_spare(self, source_id: str, tpl: TemplateRecord) -> Spare:
+        """A standby child of ``tpl``: launched paused, no record (see `SparePool`)."""
+        await self.host.ready()
+        src = self._rec(source_id)
+        vm_id = new_id("m")
+        port = None if src.isolated else free_port()
+        config = self.config_for(vm_id, src.name, vcpus=src.vcpus, memory_mib=src.memory_mib,
+                                 isolated=src.isolated, port=port)
+        try:
+            handle, layer_id = await self._launch(config, Launch(
+                self.template_image(tpl, src.memory_mib), backing=self.layer_path(tpl.layer_id),
+                parent_layer=tpl.layer_id, paused=True, disk_gib=src.disk_gib,
+            ), record_layer=False)
+        except BaseException:
+            remove_tree(self.run_dir(vm_id))
+            remove_tree(self.paths.machines / vm_id)
+            raise
+        assert layer_id is not None
+        return Spare(vm_id, layer_id, port, handle)
+
+    def remove_spare_files(self, spare: Spare) -> None:
+        disks.remove(self.layer_path(spare.layer_id))
+        remove_tree(self.run_dir(spare.vm_id))
+        remove_tree(self.paths.machines / spare.vm_id)
+
+    def template_is_current(self, template_id: str) -> bool:
+        return self.repos.layers.template_is_current(template_id)
+
+    # ------------------------------------------------------------- checkpoints
+
+    def _checkpoint(self, rec: MachineRecord, name: str) -> CheckpointRecord:
+        ck = self.repos.checkpoints.get(rec.id, name)
+        if ck is None:
+            raise CheckpointNotFound(
+                f"machine {rec.name!r} has no checkpoint named {name!r}",
+                machine=rec.name, checkpoint=name,
+                hint=f"`boxd machine checkpoint list {rec.name}` shows them",
+            )
+        return ck
+
+    async def checkpoint_save(self, machine_id: str, name: str) -> CheckpointRecord:
+        async with self.lease(machine_id).op():
+            rec = self._rec(machine_id)
+            if self.repos.checkpoints.get(rec.id, name) is not None:
+                raise AlreadyExists(
+                    f"machine {rec.name!r} already has a checkpoint named {name!r}",
+                    kind="checkpoint", name=name, hint="delete it first or pick another name",
+                )
+            if rec.state == S.FAILED:
+                raise self.failed_error(rec, rec.error)
+            require(rec, S.RUNNING)
+            handle = self.live.get(rec.id)
+            if handle is None:
+                raise self.failed_error(rec, "its VM process is not running")
+            ck_id = new_id("c")
+            dest = self.paths.checkpoints / ck_id
+            try:
+                frozen_id, image = await self._freeze_and_capture(rec, handle, dest)
+                return self.repos.checkpoints.add(
+                    ck_id, rec.id, name, frozen_id, image.mem_path, image.state_path
+                )
+            except BaseException:
+                remove_tree(dest)
+                raise
+
+    async def checkpoint_restore(self, machine_id: str, name: str) -> None:
+        lease = self.lease(machine_id)
+        async with lease.op():
+            rec = self._rec(machine_id)
+            ck = self._checkpoint(rec, name)
+            await self.host.ready()
+            async with lease.replace():
+                rec = self.lifecycle.begin(rec, S.RESTORING, S.RUNNING, S.FAILED)
+                old = self._retire(rec.id)
+                if old is not None:
+                    await old.destroy()
+                self.repos.machines.bump_generation(rec.id)
+                image = MemoryImage(ck.mem_path, ck.state_path, rec.memory_mib)
+                await self._start(
+                    rec, Launch(image, backing=self.layer_path(ck.layer_id),
+                                parent_layer=ck.layer_id, copy_memory=True,
+                                disk_gib=rec.disk_gib),
+                    identity=False,
+                )
+                self.repos.machines.update(rec.id, error=None)
+            self.gc()
+        log.info("machine=%s event=restored checkpoint=%s", machine_id, name)
+
+    async def checkpoint_delete(self, machine_id: str, name: str) -> None:
+        async with self.lease(machine_id).op():
+            rec = self._rec(machine_id)
+            ck = self._checkpoint(rec, name)
+            self.repos.checkpoints.delete(ck.id)
+            remove_tree(self.paths.checkpoints / ck.id)
+            self.gc()
+
+    # --------------------------------------------------------------- snapshots
+
+    async def save_snapshot(self, machine_id: str, meta: dict[str, object]) -> str:
+        """Capture a machine into the snapshot store; return the manifest's digest.
+
+        The capture goes to tmpfs (fast: the machine is paused meanwhile); the store
+        then copies and hashes it into its own filesystem while the machine runs again.
+        """
+        _, engine = await self.host.ready()
+        # In the store's staging area: an interrupted save is collected at next start.
+        work = Path(tempfile.mkdtemp(prefix="save-", dir=self.store.staging_dir))
+        capture = self.paths.shm / "tmp" / new_id("save")
+        try:
+            async with self.lease(machine_id).op():
+                rec = self._rec(machine_id)
+                if rec.state == S.FAILED:
+                    raise self.failed_error(rec, rec.error)
+                require(rec, S.RUNNING)
+                handle = await self._own_ram(rec)
+                rec = self._rec(machine_id)
+                frozen_id, image = await self._freeze_and_capture(rec, handle, capture)
+            # The machine runs again; the frozen layer and captured files are immutable.
+            disk = work / "disk.qcow2"
+            await engine.flatten_disk(self.layer_path(frozen_id), disk)
+            memory = image.mem_path
+            assert memory is not None
+            full = {**meta, "engine": engine.name, "accelerator": engine.accelerator,
+                    "cpu_model": engine.cpu_model, "image": rec.image}
+
+            def stage() -> Manifest:
+                with self.store.stage() as st:
+                    st.add_blob("memory", memory, move=True)
+                    st.add_blob("state", image.state_path, move=True)
+                    st.add_blob("disk", disk, move=True)
+                    return st.commit(full)
+
+            manifest = await asyncio.to_thread(stage)
+        finally:
+            remove_tree(work)
+            remove_tree(capture)
+            self.gc()
+        return manifest.digest
+
+    def snapshot_digests_in_use(self) -> set[str]:
+        return self.repos.machines.snapshot_digests()
+
+    # ---------------------------------------------------------------- recovery
+
+    async def recover(self) -> None:
+        """After a daemon (re)start: find the VMs of recorded machines again.
+
+        A machine whose process is gone is failed with the reason; one left mid-launch
+        (``starting`` without a process) or mid-swap/restore whose process is gone is
+        failed too; ``deleting`` records are finished off. Then files and processes no
+        record knows are swept.
+        """
+        if self._recovered:
+            return
+        self._recovered = True
+        for rec in self.repos.machines.in_states((S.DELETING,), self._id):
+            await self.purge(rec.id)
+        recs = self.repos.machines.in_states((*LIVE, *TRANSIENT), self._id)
+        if recs:
+            _, engine = await self.host.ready()
+            for rec in recs:
+                await self._reattach(engine, rec)
+        await self._sweep()
+        self.gc()
+
+    async def _reattach(self, engine: Engine, rec: MachineRecord) -> None:
+        if not rec.pid or rec.layer_id is None:
+            self.lifecycle.fail(rec.id, "the daemon stopped while the machine was launched")
+            return
+        try:
+            handle = engine.attach(
+                self._config(rec), self.run_dir(rec.vm_id), rec.pid, self.layer_path(rec.layer_id),
+                rec.ram_shared, self.log_path(rec.vm_id),
+            )
+            undone = await handle.recover()
+        except MachineFailed as exc:
+            self.lifecycle.fail(rec.id, exc.message)
+            return
+        if undone:
+            log.info("machine=%s event=recovered undone=%r", rec.id, undone)
+        self._install(rec.id, handle)
+        if rec.state in TRANSIENT:
+            self.lifecycle.move(rec.id, S.RUNNING, expect=(rec.state,))
+
+    async def _sweep(self) -> None:
+        """Remove run directories, templates and checkpoints no record knows."""
+        known = self.repos.machines.vm_ids()
+        strays = [d for d in (self.paths.shm / "machines").glob("*") if d.name not in known]
+        if strays:
+            # Standby children of a daemon that died (spares are never recorded), or
+            # machines whose records are gone: their VMs may still be running.
+            _, engine = await self.host.ready()
+            for d in strays:
+                if engine.kill_stray(d.name, d):
+                    log.info("machine=%s event=stray_vm_killed", d.name)
+                remove_tree(d)
+        for d in self.paths.machines.glob("*"):
+            if d.name not in known:
+                remove_tree(d)
+        tpls = self.repos.layers.template_dirs()
+        for d in self.paths.templates.glob("*"):
+            if d.name not in tpls:
+                remove_tree(d)
+        cks = self.repos.checkpoints.ids()
+        for d in self.paths.checkpoints.glob("*"):
+            if d.name not in cks:
+                remove_tree(d)
+        remove_tree(self.paths.shm / "tmp")
+        layers = self.repos.layers.ids()
+        for f in self.paths.disks.glob("*.qcow2*"):
+            if f.name.split(".")[0] not in layers:
+                f.unlink(missing_ok=True)
+
+    async def close(self) -> None:
+        await self.spares.close()
+        for task in list(self._background):
+            task.cancel()
+        for mid in list(self.live):
+            handle = self._retire(mid)
+            if handle is not None:
+                await handle.detach()
+
+
+__all__ = ["HOST_GRACE", "MAX_CHAIN", "Launch", "NodeRuntime", "free_port"]

@@ -1,0 +1,141 @@
+"""The records the state layer returns: frozen values, never ``sqlite3.Row``.
+
+Every layer above ``state/`` sees these dataclasses only; a change is made by asking a
+repository (`boxd.state.repos`) to write, which returns a new record where it matters.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import dataclass
+from pathlib import Path
+
+from boxd.models import MachineState
+
+
+@dataclass(frozen=True)
+class MachineRecord:
+    """One machine: identity and sizing (control plane), runtime columns (its node)."""
+
+    id: str
+    account_id: str
+    name: str
+    state: MachineState
+    vcpus: int
+    memory_mib: int
+    disk_gib: int
+    isolated: bool
+    port: int | None
+    image: str
+    layer_id: str | None  # active (writable) disk layer
+    template_id: str | None  # RAM mapped copy-on-write from this template
+    ram_shared: bool  # owns its RAM file (cheap to capture) vs maps an image privately
+    pid: int | None
+    vm_id: str  # the engine's id of the VM process (run dir, process name)
+    generation: int  # bumped by every request that may change the guest
+    parent_id: str | None
+    snapshot: str | None  # digest it was started from
+    error: str | None
+    accel: str | None
+    created_at: float
+    node_id: str
+    engine: str
+
+    @classmethod
+    def of(cls, row: sqlite3.Row) -> MachineRecord:
+        return cls(
+            id=row["id"], account_id=row["account_id"], name=row["name"],
+            state=MachineState(row["state"]), vcpus=row["vcpus"], memory_mib=row["memory_mib"],
+            disk_gib=row["disk_gib"], isolated=bool(row["isolated"]), port=row["port"],
+            image=row["image"], layer_id=row["layer_id"], template_id=row["template_id"],
+            ram_shared=bool(row["ram_shared"]), pid=row["pid"], vm_id=row["vm_id"] or row["id"],
+            generation=row["generation"], parent_id=row["parent_id"], snapshot=row["snapshot"],
+            error=row["error"], accel=row["accel"], created_at=row["created_at"],
+            node_id=row["node_id"], engine=row["engine"],
+        )
+
+
+@dataclass(frozen=True)
+class LayerRecord:
+    id: str
+    parent_id: str | None
+    base: str  # base image file when parent_id is None
+    frozen: bool
+
+    @classmethod
+    def of(cls, row: sqlite3.Row) -> LayerRecord:
+        return cls(row["id"], row["parent_id"], row["base"], bool(row["frozen"]))
+
+
+@dataclass(frozen=True)
+class TemplateRecord:
+    """Frozen memory + device state that fork children of one source map."""
+
+    id: str
+    source_id: str | None
+    layer_id: str
+    mem_path: Path
+    state_path: Path
+    generation: int
+    created_at: float
+
+    @classmethod
+    def of(cls, row: sqlite3.Row) -> TemplateRecord:
+        return cls(
+            row["id"], row["source_id"], row["layer_id"], Path(row["mem_path"]),
+            Path(row["state_path"]), row["generation"], row["created_at"],
+        )
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    id: str
+    machine_id: str
+    name: str
+    layer_id: str
+    mem_path: Path | None  # None: the RAM is inside the state stream
+    state_path: Path
+    created_at: float
+
+    @classmethod
+    def of(cls, row: sqlite3.Row) -> CheckpointRecord:
+        return cls(
+            row["id"], row["machine_id"], row["name"], row["layer_id"],
+            Path(row["mem_path"]) if row["mem_path"] else None, Path(row["state_path"]),
+            row["created_at"],
+        )
+
+
+@dataclass(frozen=True)
+class SnapshotRecord:
+    id: str
+    account_id: str
+    name: str
+    version: int
+    digest: str  # hex sha256 of the manifest
+    created_at: float
+
+    @classmethod
+    def of(cls, row: sqlite3.Row) -> SnapshotRecord:
+        return cls(
+            row["id"], row["account_id"], row["name"], row["version"], row["digest"],
+            row["created_at"],
+        )
+
+
+@dataclass(frozen=True)
+class Garbage:
+    """What `Layers.collect` removed from the records: the caller removes the files."""
+
+    template_dirs: tuple[Path, ...]
+    layer_ids: tuple[str, ...]
+
+
+__all__ = [
+    "CheckpointRecord",
+    "Garbage",
+    "LayerRecord",
+    "MachineRecord",
+    "SnapshotRecord",
+    "TemplateRecord",
+]

@@ -1,0 +1,440 @@
+"""Repositories: every SQL statement of the daemon's domain, returning frozen records.
+
+Plain SQL, so a server database can replace SQLite. Layers above call these methods
+and never see a connection or a row.
+"""
+
+from __future__ import annotations
+
+import builtins
+import time
+from collections.abc import Collection, Iterable
+from pathlib import Path
+
+from boxd.errors import AlreadyExists, QuotaExceeded
+from boxd.models import MachineState
+from boxd.state._db import Database, new_id
+from boxd.state.records import (
+    CheckpointRecord,
+    Garbage,
+    LayerRecord,
+    MachineRecord,
+    SnapshotRecord,
+    TemplateRecord,
+)
+
+# Machine columns a node runtime writes (the rest is the control plane's).
+_RUNTIME_COLUMNS = frozenset(
+    {"layer_id", "template_id", "ram_shared", "pid", "vm_id", "port", "error", "accel"}
+)
+
+
+class Machines:
+    """The ``machines`` table."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    def get(self, machine_id: str) -> MachineRecord | None:
+        row = self._db.one("SELECT * FROM machines WHERE id=?", (machine_id,))
+        return MachineRecord.of(row) if row else None
+
+    def find(self, account: str, ref: str) -> MachineRecord | None:
+        """A machine of ``account`` by id or name (deleting ones included)."""
+        row = self._db.one(
+            "SELECT * FROM machines WHERE account_id=? AND (id=? OR name=?)", (account, ref, ref)
+        )
+        return MachineRecord.of(row) if row else None
+
+    def list(self, account: str) -> builtins.list[MachineRecord]:
+        rows = self._db.all(
+            "SELECT * FROM machines WHERE account_id=? AND state!='deleting' ORDER BY created_at",
+            (account,),
+        )
+        return [MachineRecord.of(r) for r in rows]
+
+    def in_states(
+        self, states: Iterable[MachineState], node_id: str
+    ) -> builtins.list[MachineRecord]:
+        names = [st.value for st in states]
+        rows = self._db.all(
+            f"SELECT * FROM machines WHERE node_id=? AND state IN ({','.join('?' * len(names))})"
+            " ORDER BY created_at",
+            (node_id, *names),
+        )
+        return [MachineRecord.of(r) for r in rows]
+
+    def ids(self) -> set[str]:
+        return {r["id"] for r in self._db.all("SELECT id FROM machines")}
+
+    def vm_ids(self) -> set[str]:
+        return {r["vm_id"] for r in self._db.all("SELECT vm_id FROM machines")}
+
+    def claim(
+        self, account: str, name: str, *, machine_id: str, vcpus: int, memory_mib: int,
+        disk_gib: int, isolated: bool, image: str, node_id: str, engine: str,
+        parent_id: str | None = None, snapshot: str | None = None,
+        default_quota: int,
+    ) -> MachineRecord:
+        """Claim a name and a quota slot and insert the record (state ``starting``).
+
+        Raises:
+            QuotaExceeded: the account's concurrent machines would exceed its quota.
+            AlreadyExists: the account has a machine of that name.
+        """
+        with self._db.transaction() as conn:
+            quota_row = conn.execute(
+                "SELECT machine_quota FROM accounts WHERE id=?", (account,)
+            ).fetchone()
+            quota = quota_row[0] if quota_row else default_quota
+            used = conn.execute(
+                "SELECT COUNT(*) FROM machines WHERE account_id=? AND state!='deleting'",
+                (account,),
+            ).fetchone()[0]
+            if used + 1 > quota:
+                raise QuotaExceeded(
+                    f"machine quota reached: {used} of {quota} concurrent machines in use",
+                    limit=quota, used=used,
+                    hint="delete machines you no longer need, or ask for a higher limit",
+                )
+            if conn.execute(
+                "SELECT 1 FROM machines WHERE account_id=? AND name=?", (account, name)
+            ).fetchone():
+                raise AlreadyExists(
+                    f"a machine named {name!r} already exists", kind="machine", name=name,
+                    hint="pick another name or delete the existing machine",
+                )
+            conn.execute(
+                "INSERT INTO machines (id, account_id, name, state, vcpus, memory_mib, disk_gib,"
+                " isolated, image, parent_id, snapshot, created_at, node_id, engine, vm_id)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (machine_id, account, name, MachineState.STARTING.value, vcpus, memory_mib,
+                 disk_gib, int(isolated), image, parent_id, snapshot, time.time(), node_id,
+                 engine, machine_id),
+            )
+        rec = self.get(machine_id)
+        assert rec is not None
+        return rec
+
+    def compare_and_set(
+        self, machine_id: str, expected: Collection[MachineState], new: MachineState,
+        error: str | None = None,
+    ) -> bool:
+        """Move a machine to ``new`` if it is in one of ``expected``; False if it was not.
+
+        The one writer of the ``state`` column (``UPDATE … WHERE state IN …``): two
+        operations racing for one machine cannot both win.
+        """
+        names = [s.value for s in expected]
+        changed = self._db.execute(
+            f"UPDATE machines SET state=?, error=? WHERE id=? AND state IN "
+            f"({','.join('?' * len(names))})",
+            (new.value, error, machine_id, *names),
+        )
+        return changed == 1
+
+    def update(self, machine_id: str, **fields: object) -> None:
+        """Write a machine's runtime columns (never its state: see `compare_and_set`)."""
+        bad = set(fields) - _RUNTIME_COLUMNS
+        if bad:
+            raise ValueError(f"not runtime columns: {sorted(bad)}")
+        cols = ", ".join(f"{k}=?" for k in fields)
+        values = [int(v) if isinstance(v, bool) else v for v in fields.values()]
+        self._db.execute(f"UPDATE machines SET {cols} WHERE id=?", (*values, machine_id))
+
+    def bump_generation(self, machine_id: str) -> None:
+        self._db.execute("UPDATE machines SET generation=generation+1 WHERE id=?", (machine_id,))
+
+    def delete(self, machine_id: str) -> None:
+        self._db.execute("DELETE FROM machines WHERE id=?", (machine_id,))
+
+    def snapshot_digests(self) -> set[str]:
+        rows = self._db.all("SELECT DISTINCT snapshot FROM machines WHERE snapshot IS NOT NULL")
+        return {r["snapshot"] for r in rows}
+
+
+class Layers:
+    """Disk layers, templates and the garbage collection of both."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    def new(self, parent_id: str | None, base: str, layer_id: str | None = None) -> str:
+        layer_id = layer_id or new_id("l")
+        self._db.execute(
+            "INSERT INTO layers (id, parent_id, base, frozen, created_at) VALUES (?,?,?,0,?)",
+            (layer_id, parent_id, base, time.time()),
+        )
+        return layer_id
+
+    def drop(self, layer_id: str) -> None:
+        """Forget a layer no one refers to yet (a launch that failed)."""
+        self._db.execute("DELETE FROM layers WHERE id=?", (layer_id,))
+
+    def get(self, layer_id: str) -> LayerRecord | None:
+        row = self._db.one("SELECT * FROM layers WHERE id=?", (layer_id,))
+        return LayerRecord.of(row) if row else None
+
+    def ids(self) -> set[str]:
+        return {r["id"] for r in self._db.all("SELECT id FROM layers")}
+
+    def chain(self, layer_id: str | None) -> builtins.list[LayerRecord]:
+        """The layers from ``layer_id`` down to the one on the base image."""
+        out: builtins.list[LayerRecord] = []
+        while layer_id is not None and len(out) < 10_000:
+            layer = self.get(layer_id)
+            if layer is None:
+                break
+            out.append(layer)
+            layer_id = layer.parent_id
+        return out
+
+    def freeze(self, machine_id: str, frozen_id: str, new_active: str) -> None:
+        """``frozen_id`` becomes read-only; the machine now writes ``new_active``."""
+        with self._db.transaction() as conn:
+            conn.execute("UPDATE layers SET frozen=1 WHERE id=?", (frozen_id,))
+            conn.execute("UPDATE machines SET layer_id=? WHERE id=?", (new_active, machine_id))
+
+    def rebase(self, layer_id: str, base: str) -> None:
+        """After a collapse: ``layer_id`` sits directly on the base image."""
+        self._db.execute("UPDATE layers SET parent_id=NULL, base=? WHERE id=?", (base, layer_id))
+
+    # -------------------------------------------------------------- templates
+
+    def add_template(
+        self, source_id: str, layer_id: str, mem_path: Path, state_path: Path, generation: int,
+        template_id: str | None = None,
+    ) -> TemplateRecord:
+        template_id = template_id or new_id("t")
+        self._db.execute(
+            "INSERT INTO templates (id, source_id, layer_id, mem_path, state_path, generation,"
+            " created_at) VALUES (?,?,?,?,?,?,?)",
+            (template_id, source_id, layer_id, str(mem_path), str(state_path), generation,
+             time.time()),
+        )
+        tpl = self.template(template_id)
+        assert tpl is not None
+        return tpl
+
+    def template(self, template_id: str) -> TemplateRecord | None:
+        row = self._db.one("SELECT * FROM templates WHERE id=?", (template_id,))
+        return TemplateRecord.of(row) if row else None
+
+    def template_for(self, source_id: str, generation: int) -> TemplateRecord | None:
+        """The newest template of ``source_id`` taken at ``generation``."""
+        row = self._db.one(
+            "SELECT * FROM templates WHERE source_id=? AND generation=? "
+            "ORDER BY created_at DESC LIMIT 1", (source_id, generation),
+        )
+        return TemplateRecord.of(row) if row else None
+
+    def template_dirs(self) -> set[str]:
+        return {Path(r["mem_path"]).parent.name for r in self._db.all(
+            "SELECT mem_path FROM templates")}
+
+    _CURRENT = (
+        " EXISTS (SELECT 1 FROM machines s WHERE s.id=t.source_id"
+        "   AND s.generation=t.generation AND s.state NOT IN ('failed','deleting')"
+        "   AND t.created_at=(SELECT MAX(created_at) FROM templates WHERE source_id=s.id))"
+    )
+
+    def template_is_current(self, template_id: str) -> bool:
+        """True while the next fork of the template's source would use it."""
+        row = self._db.one(f"SELECT 1 FROM templates t WHERE t.id=? AND {self._CURRENT}",
+                           (template_id,))
+        return row is not None
+
+    def collect(self) -> Garbage:
+        """Drop templates and layers nothing refers to; return what the files were.
+
+        A template lives while a child maps it, or while it is its living source's
+        current one (the next fork reuses it). A layer lives while a machine writes
+        it, a template or checkpoint froze it, or a living layer is backed by it.
+        """
+        with self._db.transaction() as conn:
+            dead_templates = conn.execute(
+                "SELECT t.id, t.mem_path FROM templates t WHERE"
+                " NOT EXISTS (SELECT 1 FROM machines m WHERE m.template_id=t.id)"
+                f" AND NOT {self._CURRENT}"
+            ).fetchall()
+            for t in dead_templates:
+                conn.execute("DELETE FROM templates WHERE id=?", (t["id"],))
+            live: set[str] = set()
+            roots = conn.execute(
+                "SELECT layer_id FROM machines WHERE layer_id IS NOT NULL"
+                " UNION SELECT layer_id FROM templates UNION SELECT layer_id FROM checkpoints"
+            ).fetchall()
+            parents: dict[str, str | None] = dict(
+                conn.execute("SELECT id, parent_id FROM layers").fetchall()
+            )
+            for (lid,) in roots:
+                while lid is not None and lid not in live:
+                    live.add(lid)
+                    lid = parents.get(lid)
+            dead_layers = [lid for lid in parents if lid not in live]
+            # children before parents so the foreign key holds at every step
+            for lid in sorted(dead_layers, key=lambda x: -_depth(x, parents)):
+                conn.execute("DELETE FROM layers WHERE id=?", (lid,))
+        return Garbage(
+            tuple(Path(t["mem_path"]).parent for t in dead_templates), tuple(dead_layers)
+        )
+
+
+def _depth(lid: str, parents: dict[str, str | None]) -> int:
+    d = 0
+    cur: str | None = lid
+    while cur is not None and d < 10_000:
+        cur = parents.get(cur)
+        d += 1
+    return d
+
+
+class Checkpoints:
+    """The ``checkpoints`` table: checkpoints belong to their machine."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    def get(self, machine_id: str, name: str) -> CheckpointRecord | None:
+        row = self._db.one(
+            "SELECT * FROM checkpoints WHERE machine_id=? AND name=?", (machine_id, name)
+        )
+        return CheckpointRecord.of(row) if row else None
+
+    def list(self, machine_id: str) -> builtins.list[CheckpointRecord]:
+        rows = self._db.all(
+            "SELECT * FROM checkpoints WHERE machine_id=? ORDER BY created_at", (machine_id,)
+        )
+        return [CheckpointRecord.of(r) for r in rows]
+
+    def add(
+        self, checkpoint_id: str, machine_id: str, name: str, layer_id: str,
+        mem_path: Path | None, state_path: Path,
+    ) -> CheckpointRecord:
+        self._db.execute(
+            "INSERT INTO checkpoints (id, machine_id, name, layer_id, mem_path, state_path,"
+            " created_at) VALUES (?,?,?,?,?,?,?)",
+            (checkpoint_id, machine_id, name, layer_id, str(mem_path) if mem_path else "",
+             str(state_path), time.time()),
+        )
+        ck = self.get(machine_id, name)
+        assert ck is not None
+        return ck
+
+    def delete(self, checkpoint_id: str) -> None:
+        self._db.execute("DELETE FROM checkpoints WHERE id=?", (checkpoint_id,))
+
+    def delete_for(self, machine_id: str) -> builtins.list[str]:
+        """Drop every checkpoint of a machine; return their ids (for their files)."""
+        ids = [c.id for c in self.list(machine_id)]
+        self._db.execute("DELETE FROM checkpoints WHERE machine_id=?", (machine_id,))
+        return ids
+
+    def ids(self) -> set[str]:
+        return {r["id"] for r in self._db.all("SELECT id FROM checkpoints")}
+
+
+class Snapshots:
+    """The ``snapshots`` table: names and versions per account, bytes by digest."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    def by_digest(self, account: str, digest: str) -> SnapshotRecord | None:
+        row = self._db.one(
+            "SELECT * FROM snapshots WHERE account_id=? AND digest=? "
+            "ORDER BY version DESC LIMIT 1", (account, digest),
+        )
+        return SnapshotRecord.of(row) if row else None
+
+    def by_version(self, account: str, name: str, version: int) -> SnapshotRecord | None:
+        row = self._db.one(
+            "SELECT * FROM snapshots WHERE account_id=? AND name=? AND version=?",
+            (account, name, version),
+        )
+        return SnapshotRecord.of(row) if row else None
+
+    def latest(self, account: str, ref: str) -> SnapshotRecord | None:
+        """The newest version of the snapshot named (or with id) ``ref``."""
+        row = self._db.one(
+            "SELECT * FROM snapshots WHERE account_id=? AND (name=? OR id=?) "
+            "ORDER BY version DESC LIMIT 1", (account, ref, ref),
+        )
+        return SnapshotRecord.of(row) if row else None
+
+    def named(self, account: str, name: str, digest: str) -> SnapshotRecord | None:
+        row = self._db.one(
+            "SELECT * FROM snapshots WHERE account_id=? AND digest=? AND name=?",
+            (account, digest, name),
+        )
+        return SnapshotRecord.of(row) if row else None
+
+    def list(self, account: str) -> builtins.list[SnapshotRecord]:
+        rows = self._db.all(
+            "SELECT * FROM snapshots WHERE account_id=? ORDER BY name, version", (account,)
+        )
+        return [SnapshotRecord.of(r) for r in rows]
+
+    def latest_version(self, account: str, name: str) -> int:
+        row = self._db.one(
+            "SELECT MAX(version) AS v FROM snapshots WHERE account_id=? AND name=?",
+            (account, name),
+        )
+        return int(row["v"]) if row and row["v"] is not None else 0
+
+    @staticmethod
+    def _taken(name: str, latest: int) -> AlreadyExists:
+        return AlreadyExists(
+            f"snapshot {name!r} exists (version {latest}); a name keeps meaning the same bytes",
+            kind="snapshot", name=name,
+            hint=f"save with --new-version to add version {latest + 1}, or pick another name",
+        )
+
+    def check_name(self, account: str, name: str, *, new_version: bool) -> None:
+        """Raises: AlreadyExists: ``name`` exists and ``new_version`` is false."""
+        latest = self.latest_version(account, name)
+        if latest and not new_version:
+            raise self._taken(name, latest)
+
+    def add(self, account: str, name: str, digest: str, *, new_version: bool) -> SnapshotRecord:
+        """Record the next version of ``name`` (atomically).
+
+        Raises:
+            AlreadyExists: ``name`` exists and ``new_version`` is false.
+        """
+        snap_id = new_id("s")
+        with self._db.transaction() as conn:
+            latest = conn.execute(
+                "SELECT MAX(version) FROM snapshots WHERE account_id=? AND name=?",
+                (account, name),
+            ).fetchone()[0]
+            if latest and not new_version:
+                raise self._taken(name, latest)
+            conn.execute(
+                "INSERT INTO snapshots (id, account_id, name, version, digest, created_at)"
+                " VALUES (?,?,?,?,?,?)",
+                (snap_id, account, name, (latest or 0) + 1, digest, time.time()),
+            )
+        row = self._db.one("SELECT * FROM snapshots WHERE id=?", (snap_id,))
+        assert row is not None
+        return SnapshotRecord.of(row)
+
+    def delete(self, snapshot_id: str) -> None:
+        self._db.execute("DELETE FROM snapshots WHERE id=?", (snapshot_id,))
+
+    def digest_used(self, digest: str) -> bool:
+        return self._db.one("SELECT 1 FROM snapshots WHERE digest=?", (digest,)) is not None
+
+
+class Repos:
+    """All repositories over one database."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+        self.machines = Machines(db)
+        self.layers = Layers(db)
+        self.checkpoints = Checkpoints(db)
+        self.snapshots = Snapshots(db)
+
+
+__all__ = ["Checkpoints", "Layers", "Machines", "Repos", "Snapshots"]

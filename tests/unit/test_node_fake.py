@@ -1,0 +1,528 @@
+"""The core (control plane + node runtime + lifecycle) against the fake engine.
+
+No QEMU: `boxd.engine.fake` keeps each machine's "memory" as a dict of files, so fork,
+checkpoint and snapshot semantics are observable, failures are injected by name and
+gates park an operation at one step to interleave another request exactly there. The
+same behaviours on real machines are in tests/integration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from boxd import errors, models
+from boxd.config import Paths, Settings
+from boxd.control import Machines, Snapshots
+from boxd.engine.fake import FakeEngine, FakeMachine
+from boxd.images import GuestImage, Recipe
+from boxd.models import MachineState
+from boxd.node import Host, NodeRuntime
+from boxd.node.lifecycle import TRANSITIONS, Lease, Lifecycle, require
+from boxd.state import Database, Repos
+from boxd.storage import SnapshotStore
+
+S = MachineState
+ACCOUNT = "a_test"
+
+
+@dataclass
+class World:
+    paths: Paths
+    repos: Repos
+    engine: FakeEngine
+    node: NodeRuntime
+    machines: Machines
+    snapshots: Snapshots
+
+    def vm(self, machine_id: str) -> FakeMachine:
+        rec = self.repos.machines.get(machine_id)
+        assert rec is not None
+        return self.engine.running[rec.vm_id]
+
+    def state(self, machine_id: str) -> MachineState:
+        rec = self.repos.machines.get(machine_id)
+        assert rec is not None
+        return rec.state
+
+    def restart(self) -> NodeRuntime:
+        """A new node runtime on the same records and engine (a daemon restart)."""
+        host = Host(self.paths, Settings(fork_spares=0), engine=self.engine,
+                    image=self.node.host.image)
+        node = NodeRuntime(self.paths, self.repos, host, Settings(fork_spares=0),
+                           self.machines.store)
+        self.node = node
+        self.machines.nodes = {node.id: node}
+        return node
+
+
+def make_world(tmp: Path, monkeypatch: pytest.MonkeyPatch, spares: int = 0) -> World:
+    monkeypatch.setenv("BOXD_SHM", str(tmp / "shm"))
+    paths = Paths(tmp / "home")
+    paths.ensure()
+    db = Database(paths.db)
+    db.execute("INSERT INTO accounts (id, name, created_at) VALUES (?, 'test', 0)", (ACCOUNT,))
+    repos = Repos(db)
+    rootfs = tmp / "rootfs.img"
+    rootfs.write_text("rootfs")
+    image = GuestImage(key="img1", dir=tmp, kernel=tmp / "vmlinux", initrd=tmp / "initrd",
+                       rootfs=rootfs, recipe=Recipe(suite="bookworm"), kernel_version="6",
+                       cmdline_hint="")
+    engine = FakeEngine()
+    settings = Settings(fork_spares=spares)
+    store = SnapshotStore(paths.snapshots)
+    node = NodeRuntime(paths, repos, Host(paths, settings, engine=engine, image=image), settings,
+                       store)
+    machines = Machines(repos, {node.id: node}, store)
+    snapshots = Snapshots(machines, store)
+    machines.snapshots = snapshots
+    return World(paths, repos, engine, node, machines, snapshots)
+
+
+@pytest.fixture
+def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[World]:
+    w = make_world(tmp_path, monkeypatch)
+    yield w
+    w.repos.db.close()
+
+
+def run(coro: object) -> object:
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+async def running(w: World, name: str = "base") -> models.Machine:
+    m = await w.machines.create(ACCOUNT, models.MachineCreate(name=name))
+    return await w.machines.wait_until_ready(ACCOUNT, m.id, timeout=5)
+
+
+async def sh(w: World, ref: str, cmd: str) -> str:
+    return (await w.machines.exec(ACCOUNT, ref, models.ExecRequest(command=cmd))).stdout
+
+
+def leftovers(w: World) -> dict[str, list[str]]:
+    """Files of machines, templates and checkpoints that exist on 'disk'."""
+    return {
+        "disks": sorted(p.name for p in w.paths.disks.glob("*")),
+        "run": sorted(p.name for p in (w.paths.shm / "machines").glob("*")),
+        "templates": sorted(p.name for p in w.paths.templates.glob("*")),
+        "checkpoints": sorted(p.name for p in w.paths.checkpoints.glob("*")),
+    }
+
+
+# ----------------------------------------------------------------- the table
+
+
+def test_every_transition_in_the_table_is_taken_and_every_other_refused(world: World) -> None:
+    async def main() -> None:
+        m = await world.machines.create(ACCOUNT, models.MachineCreate(name="t"))
+        life = Lifecycle(world.repos.machines)
+        for src, dst in itertools.product(S, S):
+            # put the record in ``src`` by the writer itself (any -> src is not always legal)
+            world.repos.machines.compare_and_set(m.id, list(S), src)
+            if dst in TRANSITIONS[src]:
+                assert life.move(m.id, dst, expect=(src,)), (src, dst)
+                assert world.state(m.id) == dst
+            else:
+                with pytest.raises(errors.StateError) as info:
+                    life.move(m.id, dst, expect=(src,))
+                assert info.value.details["state"] == src.value
+                assert dst.value not in info.value.details["required"] or src == dst
+                assert world.state(m.id) == src  # unchanged
+
+    run(main())
+
+
+def test_compare_and_set_loses_when_someone_else_moved_first(world: World) -> None:
+    async def main() -> None:
+        m = await running(world)
+        life = Lifecycle(world.repos.machines)
+        assert life.move(m.id, S.SWAPPING, expect=(S.RUNNING,))
+        # a second operation that read "running" earlier cannot also win
+        assert not life.move(m.id, S.RESTORING, expect=(S.RUNNING,))
+        assert world.state(m.id) == S.SWAPPING
+
+    run(main())
+
+
+def test_require_names_the_state_and_what_is_required(world: World) -> None:
+    async def main() -> None:
+        m = await running(world)
+        world.repos.machines.compare_and_set(m.id, [S.RUNNING], S.FAILED, "boom")
+        rec = world.repos.machines.get(m.id)
+        assert rec is not None
+        with pytest.raises(errors.StateError) as info:
+            require(rec, S.RUNNING, S.STARTING)
+        assert info.value.details == {"machine": "base", "state": "failed",
+                                      "required": ["running", "starting"]}
+        assert "restore a checkpoint" in info.value.hint
+
+    run(main())
+
+
+# -------------------------------------------------------------- create / exec
+
+
+def test_create_is_starting_until_the_agent_answers_then_running(world: World) -> None:
+    async def main() -> None:
+        m = await world.machines.create(ACCOUNT, models.MachineCreate(name="web"))
+        assert m.state == S.STARTING and m.node == "local" and m.engine == "fake"
+        assert world.vm(m.id).guest.identities == 0
+        ready = await world.machines.wait_until_ready(ACCOUNT, "web", timeout=5)
+        assert ready.state == S.RUNNING
+        assert world.vm(m.id).guest.hostname == "web"
+        assert await sh(world, "web", "echo hi") == "hi\n"
+
+    run(main())
+
+
+def test_a_failed_boot_leaves_no_record_no_layer_and_frees_the_quota(world: World) -> None:
+    async def main() -> None:
+        world.engine.fail("boot", errors.HostSetupError("no QEMU here"))
+        with pytest.raises(errors.HostSetupError):
+            await world.machines.create(ACCOUNT, models.MachineCreate(name="x"))
+        assert await world.machines.list(ACCOUNT) == []
+        assert world.repos.layers.ids() == set()
+        assert leftovers(world)["disks"] == []
+        await world.machines.create(ACCOUNT, models.MachineCreate(name="x"))  # name free
+
+    run(main())
+
+
+def test_quota_counts_machines_and_names_the_limit(world: World) -> None:
+    async def main() -> None:
+        world.repos.db.execute("UPDATE accounts SET machine_quota=2 WHERE id=?", (ACCOUNT,))
+        await running(world, "a")
+        await world.machines.create(ACCOUNT, models.MachineCreate(name="b"))
+        with pytest.raises(errors.QuotaExceeded) as info:
+            await world.machines.create(ACCOUNT, models.MachineCreate(name="c"))
+        assert info.value.details == {"limit": 2, "used": 2}
+        out = await world.machines.fork(ACCOUNT, "a", [None])  # per item, no exception
+        assert isinstance(out[0], errors.QuotaExceeded)
+
+    run(main())
+
+
+def test_a_dead_vm_is_failed_by_its_watcher_and_reads_do_not_write(world: World) -> None:
+    async def main() -> None:
+        m = await running(world)
+        world.vm(m.id).kill("the QEMU process was killed by SIGKILL")
+        await asyncio.sleep(0)  # the watcher runs
+        got = await world.machines.get(ACCOUNT, m.id)
+        assert got.state == S.FAILED and "SIGKILL" in (got.error or "")
+        with pytest.raises(errors.MachineFailed) as info:
+            await sh(world, m.id, "echo")
+        assert "SIGKILL" in str(info.value)
+        await world.machines.delete(ACCOUNT, m.id)
+        assert leftovers(world) == {"disks": [], "run": [], "templates": [], "checkpoints": []}
+
+    run(main())
+
+
+def test_get_and_list_never_change_a_record(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def main() -> None:
+        m = await running(world)
+        writes: list[str] = []
+        monkeypatch.setattr(world.repos.machines, "compare_and_set",
+                            lambda *a, **k: writes.append("state") or True)
+        monkeypatch.setattr(world.repos.machines, "update",
+                            lambda *a, **k: writes.append("update"))
+        # The process is gone, but only its watcher may say so: a read (which does
+        # not yield to the event loop, so the watcher cannot run meanwhile) reports.
+        world.vm(m.id).kill()
+        assert (await world.machines.get(ACCOUNT, m.id)).state == S.RUNNING
+        assert [x.state for x in await world.machines.list(ACCOUNT)] == [S.RUNNING]
+        assert writes == []
+        await asyncio.sleep(0)
+        assert writes == ["state"]  # the watcher's one compare-and-set
+
+    run(main())
+
+
+# ---------------------------------------------------------------------- fork
+
+
+def test_fork_children_continue_from_the_source_and_the_template_is_reused(
+    world: World,
+) -> None:
+    async def main() -> None:
+        src = await running(world)
+        await sh(world, src.id, "write /root/a 1")
+        a, b = await world.machines.fork(ACCOUNT, src.id, ["a", "b"])
+        assert isinstance(a, models.Machine) and isinstance(b, models.Machine)
+        assert a.state == S.RUNNING and a.parent_id == src.id
+        assert await sh(world, "a", "cat /root/a") == "1"
+        assert world.vm(a.id).guest.hostname == "a"
+        captures = world.engine.calls.count("capture")
+        await world.machines.fork(ACCOUNT, src.id, ["c"])  # unchanged source: same template
+        assert world.engine.calls.count("capture") == captures
+        await sh(world, src.id, "write /root/a 2")  # changed: a new template
+        (d,) = await world.machines.fork(ACCOUNT, src.id, ["d"])
+        assert isinstance(d, models.Machine) and d.state == S.RUNNING
+        assert world.engine.calls.count("capture") == captures + 1
+        assert await sh(world, "d", "cat /root/a") == "2"
+        assert await sh(world, "a", "cat /root/a") == "1"  # children are independent
+
+    run(main())
+
+
+def test_a_failed_fork_child_is_its_own_error_and_leaves_nothing(world: World) -> None:
+    async def main() -> None:
+        src = await running(world)
+        await world.machines.fork(ACCOUNT, src.id, ["warm"])  # template made
+        before = leftovers(world)
+        world.engine.fail("start_from")
+        ok, bad = await world.machines.fork(ACCOUNT, src.id, ["ok", "bad"])
+        results = {isinstance(ok, models.Machine), isinstance(bad, models.Machine)}
+        assert results == {True, False}  # exactly one of the two failed
+        err = ok if isinstance(ok, Exception) else bad
+        assert isinstance(err, errors.InternalError) and "fork child" in str(err)
+        names = {m.name for m in await world.machines.list(ACCOUNT)}
+        assert len(names & {"ok", "bad"}) == 1
+        after = leftovers(world)
+        assert len(after["disks"]) == len(before["disks"]) + 1  # only the good child's layer
+        assert len(after["run"]) == len(before["run"]) + 1
+
+    run(main())
+
+
+def test_fork_of_a_failed_source_fails_the_batch_and_frees_the_claims(world: World) -> None:
+    async def main() -> None:
+        src = await running(world)
+        world.vm(src.id).kill()
+        await asyncio.sleep(0)
+        with pytest.raises(errors.MachineFailed):
+            await world.machines.fork(ACCOUNT, src.id, ["x", "y"])
+        assert [m.name for m in await world.machines.list(ACCOUNT)] == ["base"]
+
+    run(main())
+
+
+def test_status_polled_while_a_fork_child_gets_its_own_ram(world: World) -> None:
+    """The race of issue 11: forking a fork child swaps its VM process while another
+    task polls it. The poller sees ``swapping``, never ``failed``; an exec sent during the
+    swap waits for it; the child ends running with its memory."""
+
+    async def main() -> None:
+        src = await running(world)
+        await sh(world, src.id, "write /root/f src")
+        (child,) = await world.machines.fork(ACCOUNT, src.id, ["child"])
+        assert isinstance(child, models.Machine)
+        old_vm = world.vm(child.id)
+        reached, release = world.engine.gate("start_from")  # the swap's new process
+        fork = asyncio.create_task(world.machines.fork(ACCOUNT, "child", ["grandchild"]))
+        await reached.wait()
+        seen = {(await world.machines.get(ACCOUNT, "child")).state for _ in range(20)}
+        assert seen == {S.SWAPPING}
+        assert old_vm.destroyed  # the old process is gone, and that is not a failure
+        exec_task = asyncio.create_task(sh(world, "child", "cat /root/f"))
+        await asyncio.sleep(0.01)
+        assert not exec_task.done()  # waits for the swap
+        release.set()
+        (grandchild,) = await fork
+        assert isinstance(grandchild, models.Machine)
+        assert await exec_task == "src"
+        got = await world.machines.get(ACCOUNT, "child")
+        assert got.state == S.RUNNING and got.error is None
+        assert await sh(world, "grandchild", "cat /root/f") == "src"
+        rec = world.repos.machines.get(child.id)
+        assert rec is not None and rec.ram_shared and rec.template_id is None
+
+    run(main())
+
+
+def test_a_failed_swap_leaves_the_machine_failed_with_the_reason(world: World) -> None:
+    async def main() -> None:
+        src = await running(world)
+        (child,) = await world.machines.fork(ACCOUNT, src.id, ["child"])
+        assert isinstance(child, models.Machine)
+        world.engine.fail("start_from", errors.ResourceExhausted("no room on /dev/shm"))
+        with pytest.raises(errors.ResourceExhausted):
+            await world.machines.fork(ACCOUNT, "child", ["g"])
+        got = await world.machines.get(ACCOUNT, "child")
+        assert got.state == S.FAILED and "no room on /dev/shm" in (got.error or "")
+        assert "g" not in {m.name for m in await world.machines.list(ACCOUNT)}
+
+    run(main())
+
+
+def test_a_failed_template_capture_resumes_the_source(world: World) -> None:
+    async def main() -> None:
+        src = await running(world)
+        world.engine.fail("capture")
+        with pytest.raises(errors.InternalError):
+            await world.machines.fork(ACCOUNT, src.id, ["x"])
+        assert world.state(src.id) == S.RUNNING and not world.vm(src.id).paused
+        assert [m.name for m in await world.machines.list(ACCOUNT)] == ["base"]
+        assert leftovers(world)["templates"] == []
+
+    run(main())
+
+
+def test_templates_and_layers_are_collected_when_nothing_uses_them(world: World) -> None:
+    async def main() -> None:
+        src = await running(world)
+        kids = await world.machines.fork(ACCOUNT, src.id, ["a", "b"])
+        assert len(leftovers(world)["templates"]) == 1
+        for k in kids:
+            assert isinstance(k, models.Machine)
+            await world.machines.delete(ACCOUNT, k.id)
+        assert len(leftovers(world)["templates"]) == 1  # the source may fork again
+        await sh(world, src.id, "write /x 1")  # changed source: its template is stale
+        world.node.gc()
+        assert leftovers(world)["templates"] == []
+        await world.machines.delete(ACCOUNT, src.id)
+        assert leftovers(world) == {"disks": [], "run": [], "templates": [], "checkpoints": []}
+        assert world.repos.layers.ids() == set()
+
+    run(main())
+
+
+# --------------------------------------------------------------- checkpoints
+
+
+def test_checkpoint_restore_rewinds_and_revives_a_failed_machine(world: World) -> None:
+    async def main() -> None:
+        m = await running(world)
+        await sh(world, m.id, "write /root/x before")
+        await world.machines.checkpoint_save(ACCOUNT, m.id, "start")
+        await sh(world, m.id, "write /root/x after")
+        restored = await world.machines.checkpoint_restore(ACCOUNT, m.id, "start")
+        assert restored.state == S.RUNNING and restored.id == m.id and restored.port == m.port
+        assert await sh(world, m.id, "cat /root/x") == "before"
+        world.vm(m.id).kill()
+        await asyncio.sleep(0)
+        assert world.state(m.id) == S.FAILED
+        again = await world.machines.checkpoint_restore(ACCOUNT, m.id, "start")
+        assert again.state == S.RUNNING and again.error is None
+
+    run(main())
+
+
+def test_a_failed_restore_is_failed_with_the_reason(world: World) -> None:
+    async def main() -> None:
+        m = await running(world)
+        await world.machines.checkpoint_save(ACCOUNT, m.id, "c")
+        world.engine.fail("start_from")
+        with pytest.raises(errors.InternalError):
+            await world.machines.checkpoint_restore(ACCOUNT, m.id, "c")
+        got = await world.machines.get(ACCOUNT, m.id)
+        assert got.state == S.FAILED and "injected failure" in (got.error or "")
+
+    run(main())
+
+
+def test_a_failed_checkpoint_save_keeps_the_machine_running_and_records_nothing(
+    world: World,
+) -> None:
+    async def main() -> None:
+        m = await running(world)
+        world.engine.fail("capture")
+        with pytest.raises(errors.InternalError):
+            await world.machines.checkpoint_save(ACCOUNT, m.id, "c")
+        assert world.state(m.id) == S.RUNNING and not world.vm(m.id).paused
+        assert await world.machines.checkpoint_list(ACCOUNT, m.id) == []
+        assert leftovers(world)["checkpoints"] == []
+        with pytest.raises(errors.CheckpointNotFound):
+            await world.machines.checkpoint_restore(ACCOUNT, m.id, "c")
+
+    run(main())
+
+
+# ------------------------------------------------------------------- snapshots
+
+
+def test_snapshot_save_and_start_from_it(world: World) -> None:
+    async def main() -> None:
+        src = await running(world)
+        await sh(world, src.id, "write /root/env v3")
+        snap = await world.snapshots.save(ACCOUNT, src.id, "env-v3")
+        assert snap.version == 1 and snap.engine == "fake"
+        with pytest.raises(errors.AlreadyExists):
+            await world.snapshots.save(ACCOUNT, src.id, "env-v3")
+        m = await world.machines.create(
+            ACCOUNT, models.MachineCreate(name="copy", from_snapshot="env-v3")
+        )
+        assert m.state == S.RUNNING and m.snapshot == snap.digest.removeprefix("sha256:")
+        assert await sh(world, "copy", "cat /root/env") == "v3"
+
+    run(main())
+
+
+# -------------------------------------------------------------------- delete
+
+
+def test_requests_on_a_deleted_machine_are_not_found(world: World) -> None:
+    async def main() -> None:
+        m = await running(world)
+        await world.machines.delete(ACCOUNT, m.id)
+        for call in (
+            world.machines.get(ACCOUNT, m.id),
+            world.machines.exec(ACCOUNT, m.id, models.ExecRequest(command="echo")),
+            world.machines.fork(ACCOUNT, m.id, [None]),
+            world.machines.checkpoint_save(ACCOUNT, m.id, "c"),
+            world.machines.delete(ACCOUNT, m.id),
+        ):
+            with pytest.raises(errors.MachineNotFound):
+                await call
+
+    run(main())
+
+
+# ------------------------------------------------------------------ recovery
+
+
+def test_recovery_reattaches_fails_the_gone_and_sweeps_strays(world: World) -> None:
+    async def main() -> None:
+        alive = await running(world, "alive")
+        gone = await running(world, "gone")
+        half = await world.machines.create(ACCOUNT, models.MachineCreate(name="half"))
+        world.repos.machines.update(half.id, pid=None)  # as if killed mid-launch
+        world.vm(gone.id).kill()
+        stray = world.paths.run_dir("m_stray")
+        stray.mkdir(parents=True)
+        await world.node.close()
+        node = world.restart()
+        await world.machines.recover()
+        assert world.state(alive.id) == S.RUNNING
+        assert await sh(world, "alive", "echo back") == "back\n"
+        assert world.state(gone.id) == S.FAILED
+        assert world.state(half.id) == S.FAILED
+        assert not stray.exists()
+        assert node.live.keys() == {alive.id}
+
+    run(main())
+
+
+# --------------------------------------------------------------------- lease
+
+
+def test_replace_closes_the_gate_and_waits_for_users_in_flight() -> None:
+    async def main() -> None:
+        lease = Lease()
+        order: list[str] = []
+
+        async def user(tag: str, hold: float) -> None:
+            async with lease.use():
+                order.append(f"{tag}+")
+                await asyncio.sleep(hold)
+                order.append(f"{tag}-")
+
+        first = asyncio.create_task(user("a", 0.05))
+        await asyncio.sleep(0.01)
+
+        async def replace() -> None:
+            async with lease.op(), lease.replace(drain=1.0):
+                order.append("swap")
+
+        swap = asyncio.create_task(replace())
+        await asyncio.sleep(0.01)
+        late = asyncio.create_task(user("b", 0))
+        await asyncio.gather(first, swap, late)
+        assert order == ["a+", "a-", "swap", "b+", "b-"]
+
+    asyncio.run(main())
