@@ -491,7 +491,13 @@ def demo(state: _State, reuse: bool, keep: bool) -> None:
 @main.command("serve")
 @click.option("--listen", metavar="HOST:PORT", help="Also serve HTTP on TCP (e.g. 127.0.0.1:7070).")
 def serve(listen: str | None) -> None:
-    """Run the daemon in the foreground (clients start one on demand otherwise)."""
+    """Run the daemon in the foreground (clients start one on demand otherwise).
+
+    Needs the server extra: pip install 'boxd[server]'.
+    """
+    from boxd._server_deps import require_server
+
+    require_server()  # a light install gets one line naming the extra, not a traceback
     from boxd.api.server import serve as run  # heavy: FastAPI, engine
 
     run(Paths.default(), listen=listen)

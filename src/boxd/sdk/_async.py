@@ -14,12 +14,18 @@ import os
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import BinaryIO, overload
+from typing import TYPE_CHECKING, BinaryIO, overload
 
 import httpx
 
-from boxd import errors, models
+from boxd import errors
+from boxd._lazy import LazyModule
 from boxd.sdk import _base, _local
+
+if TYPE_CHECKING:
+    from boxd import models
+else:  # built on first use: see boxd._lazy
+    models = LazyModule("boxd.models")
 
 __all__ = [
     "AsyncBoxd",

@@ -13,14 +13,22 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 from urllib.parse import quote, urlsplit
 
 import httpx
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
-from boxd import errors, models
+from boxd import errors
+from boxd._lazy import LazyModule
 from boxd.config import Paths
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+    from boxd import models
+else:  # built on first use: see boxd._lazy
+    models = LazyModule("boxd.models")
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -52,7 +60,7 @@ DEFAULT: Final = "default"
 #: Sentinel for "no read timeout" (long-running exec).
 NO_READ_TIMEOUT: Final = "no-read-timeout"
 
-M = TypeVar("M", bound=BaseModel)
+M = TypeVar("M", bound="BaseModel")
 
 
 def local_key_path(paths: Paths) -> Path:
