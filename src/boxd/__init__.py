@@ -49,9 +49,12 @@ _LAZY = {
     "ExecResult": "boxd.models",
     "FileInfo": "boxd.models",
     "HostInfo": "boxd.models",
+    "Lineage": "boxd.sdk._lineage",
     "Machine": "boxd.models",
+    "MachineNode": "boxd.sdk._lineage",
     "MachineState": "boxd.models",
     "Snapshot": "boxd.models",
+    "SnapshotNode": "boxd.sdk._lineage",
 }
 
 if TYPE_CHECKING:
@@ -68,6 +71,7 @@ if TYPE_CHECKING:
         Snapshot,
     )
     from boxd.sdk._async import AsyncBoxd
+    from boxd.sdk._lineage import Lineage, MachineNode, SnapshotNode
     from boxd.sdk._sync import Boxd
 
 
@@ -106,14 +110,17 @@ __all__ = [
     "IntegrityError",
     "InternalError",
     "InvalidRequest",
+    "Lineage",
     "Machine",
     "MachineFailed",
+    "MachineNode",
     "MachineNotFound",
     "MachineState",
     "NotFound",
     "QuotaExceeded",
     "ResourceExhausted",
     "Snapshot",
+    "SnapshotNode",
     "SnapshotNotFound",
     "StateError",
     "__version__",

@@ -154,6 +154,19 @@ def machine_info(state: _State, name: str, as_json: bool) -> None:
     _show(state.boxd.machines.get(name), as_json, _render.machine)
 
 
+@machine.command("tree")
+@click.argument("name", required=False)
+@json_option
+@pass_state
+def machine_tree(state: _State, name: str | None, as_json: bool) -> None:
+    """Draw the fork lineage: machine -> forks, snapshots saved, snapshot it came from.
+
+    With NAME, only that machine's subtree. --json prints the SDK's
+    `machines.lineage()` (machines and snapshots).
+    """
+    _show(state.boxd.machines.lineage(name), as_json, _render.machine_tree)
+
+
 @machine.command("delete")
 @click.argument("names", nargs=-1, required=True, metavar="NAME...")
 @pass_state
@@ -377,6 +390,17 @@ def snapshots_save(
 def snapshots_list(state: _State, as_json: bool) -> None:
     """List snapshots (every version)."""
     _show(state.boxd.snapshots.list(), as_json, _render.snapshots)
+
+
+@snapshots.command("tree")
+@json_option
+@pass_state
+def snapshots_tree(state: _State, as_json: bool) -> None:
+    """Draw snapshot lineage: name -> versions (digest, source machine) -> machines made.
+
+    --json prints the SDK's `machines.lineage()` (machines and snapshots).
+    """
+    _show(state.boxd.machines.lineage(), as_json, _render.snapshot_tree)
 
 
 @snapshots.command("info")

@@ -20,7 +20,7 @@ import httpx
 
 from boxd import errors
 from boxd._lazy import LazyModule
-from boxd.sdk import _base, _local
+from boxd.sdk import _base, _lineage, _local
 
 if TYPE_CHECKING:
     from boxd import models
@@ -230,6 +230,30 @@ class AsyncMachines:
             BoxdError: the daemon refused the request.
         """
         return (await self._c._parse(models.MachineList, _base.machine_list())).machines
+
+    async def lineage(self, ref: str | None = None) -> _lineage.Lineage:
+        """Fork trees and snapshot lineage, built from the machine and snapshot lists.
+
+        Args:
+            ref: a machine name or id: only its subtree (and the snapshots saved from it
+                or that it started from). None: every machine of this account.
+
+        Returns:
+            ``Lineage``: ``machines`` (root ``MachineNode``s, each with ``children``, the
+            ``snapshots`` saved from it and the snapshot it started from) and
+            ``snapshots`` (``SnapshotNode``s: version, source machine, machines started
+            from it).
+
+        Raises:
+            MachineNotFound: no machine ``ref``.
+        """
+        machines, snapshots = await asyncio.gather(self.list(), self._c.snapshots.list())
+        if ref is None:
+            return _lineage.build(machines, snapshots)
+        target = await self.get(ref)
+        if target.id not in {m.id for m in machines}:  # made after the list: list again
+            machines = await self.list()
+        return _lineage.build(machines, snapshots, target.id)
 
     async def delete(self, ref: str) -> None:
         """Stop the machine and remove its files (its checkpoints die with it).
