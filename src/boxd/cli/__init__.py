@@ -132,7 +132,7 @@ def machine_new(
         from_snapshot=from_snapshot,
     )
     if wait:
-        with _render.console(stderr=True).status(f"waiting for {m.name} to boot"):
+        with _render.activity(f"waiting for {m.name} to boot", as_json=as_json):
             m = b.machines.wait_until_ready(m.id, timeout=timeout)
     _show(m, as_json, _render.machine)
 
@@ -379,7 +379,8 @@ def snapshots_save(
     state: _State, machine_ref: str, name: str, new_version: bool, as_json: bool
 ) -> None:
     """Save MACHINE as snapshot NAME (the machine keeps running)."""
-    with _render.console(stderr=True).status(f"saving {machine_ref} as {name}"):
+    # The daemon does the work in one request: a spinner with the elapsed time.
+    with _render.activity(f"saving {machine_ref} as {name}", as_json=as_json):
         s = state.boxd.snapshots.save(machine_ref, name, new_version=new_version)
     _show(s, as_json, _render.snapshot)
 
@@ -434,8 +435,8 @@ def snapshots_delete(state: _State, refs: tuple[str, ...]) -> None:
 @pass_state
 def snapshots_export(state: _State, ref: str, output: Path) -> None:
     """Write snapshot REF to one file, for `boxd snapshots import` elsewhere."""
-    with _render.console(stderr=True).status(f"exporting {ref}"):
-        path = state.boxd.snapshots.export(ref, output)
+    with _render.transfer(f"exporting {ref}") as progress:
+        path = state.boxd.snapshots.export(ref, output, progress=progress)
     click.echo(f"exported {ref} -> {path} ({_render.size(path.stat().st_size)})")
 
 
@@ -445,8 +446,8 @@ def snapshots_export(state: _State, ref: str, output: Path) -> None:
 @pass_state
 def snapshots_import(state: _State, file: Path, as_json: bool) -> None:
     """Import a snapshot file written by `boxd snapshots export`."""
-    with _render.console(stderr=True).status(f"importing {file}"):
-        s = state.boxd.snapshots.import_(file)
+    with _render.transfer(f"importing {file.name}", as_json=as_json) as progress:
+        s = state.boxd.snapshots.import_(file, progress=progress)
     _show(s, as_json, _render.snapshot)
 
 
@@ -496,7 +497,7 @@ def keys_revoke(state: _State, key_id: str) -> None:
 def info(state: _State, as_json: bool) -> None:
     """Show the host: accelerator (and why), QEMU version, data directory."""
     # The first call may take a while (the daemon probes the host and prepares its image).
-    with _render.console(stderr=True).status("asking the daemon about the host"):
+    with _render.activity("asking the daemon about the host", as_json=as_json):
         host = state.boxd.info()
     _show(host, as_json, _render.host)
 
@@ -541,15 +542,7 @@ def image_build(apt: tuple[str, ...], pip: tuple[str, ...], force: bool, as_json
     """Build the guest image for a recipe (cached: a second build is instant)."""
     from boxd.images import Recipe, ensure_image
 
-    out = _render.console(stderr=True)
-    with out.status("building guest image") as status:
-
-        def progress(step: str, fraction: float | None) -> None:
-            pct = f" {fraction * 100:.0f}%" if fraction is not None else ""
-            status.update(f"{step}{pct}")
-            if fraction is None:
-                out.log(step)
-
+    with _render.activity("building guest image", as_json=as_json) as progress:
         img = ensure_image(
             Paths.default(), Recipe(apt=apt, pip=pip), progress=progress, force=force
         )

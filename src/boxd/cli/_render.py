@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import click
 from pydantic import BaseModel
 from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    SpinnerColumn,
+    TaskProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TransferSpeedColumn,
+)
 from rich.table import Table
 from rich.tree import Tree
 
@@ -22,6 +34,50 @@ from boxd.sdk import _lineage
 def console(stderr: bool = False) -> Console:
     # Built per call so that it writes to the current sys.stdout (CliRunner swaps it).
     return Console(stderr=stderr, highlight=False, soft_wrap=False)
+
+
+def quiet(as_json: bool = False) -> bool:
+    """Progress is for people: none with ``--json`` or when stdout is not a terminal."""
+    return as_json or not sys.stdout.isatty()
+
+
+@contextlib.contextmanager
+def activity(text: str, *, as_json: bool = False) -> Iterator[Callable[[str, float | None], None]]:
+    """A spinner with elapsed time on stderr while work runs; a bar once a fraction is known.
+
+    Yields ``update(step, fraction_or_None)``, the image builder's progress callback.
+    """
+    bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                   TaskProgressColumn(), TimeElapsedColumn(), console=console(stderr=True),
+                   transient=True, disable=quiet(as_json))
+    with bar:
+        task = bar.add_task(text, total=None)
+
+        def update(step: str, fraction: float | None = None) -> None:
+            if fraction is None:
+                bar.update(task, description=f"{text}: {step}")
+            else:
+                bar.update(task, description=f"{text}: {step}", total=1.0, completed=fraction)
+
+        yield update
+
+
+@contextlib.contextmanager
+def transfer(text: str, *, as_json: bool = False) -> Iterator[Callable[[int, int | None], None]]:
+    """A bar with bytes, rate and elapsed time on stderr for a snapshot export or import.
+
+    Yields ``progress(done, total_or_None)``, the SDK's ``TransferProgress`` callback.
+    """
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                   TransferSpeedColumn(), TimeElapsedColumn(), console=console(stderr=True),
+                   transient=False, disable=quiet(as_json))
+    with bar:
+        task = bar.add_task(text, total=None)
+
+        def progress(done: int, total: int | None) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield progress
 
 
 def jsonable(obj: Any) -> Any:

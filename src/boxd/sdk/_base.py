@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, TypeVar
@@ -35,6 +35,8 @@ __all__ = [
     "LOCAL_BASE_URL",
     "Req",
     "Target",
+    "TransferProgress",
+    "content_length",
     "fork_items",
     "local_key_path",
     "map_transport_error",
@@ -61,6 +63,20 @@ DEFAULT: Final = "default"
 NO_READ_TIMEOUT: Final = "no-read-timeout"
 
 M = TypeVar("M", bound="BaseModel")
+
+#: ``progress(done, total)`` of a snapshot export or import: bytes moved so far and the
+#: total (None when the daemon did not say). Called after every chunk, from the caller's
+#: thread (sync) or task (async).
+TransferProgress = Callable[[int, int | None], None]
+
+
+def content_length(headers: Mapping[str, str]) -> int | None:
+    """The ``Content-Length`` of a response, or None (absent, chunked or malformed)."""
+    try:
+        value = int(headers.get("content-length", ""))
+    except ValueError:
+        return None
+    return value if value >= 0 else None
 
 
 def local_key_path(paths: Paths) -> Path:
