@@ -5,5 +5,6 @@
 # snapshot round trip. Usage: sudo scripts/demo.sh [boxd demo options...]
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
-bash "$here/scripts/setup-host.sh"
+# Only what the demo runs: boxd with the daemon's dependencies (no test or lint tools).
+bash "$here/scripts/setup-host.sh" server
 exec "$here/.venv/bin/boxd" demo "$@"

@@ -1,14 +1,38 @@
 #!/usr/bin/env bash
-# Installs what boxd needs on a Debian/Ubuntu host: QEMU (8.2+ where it can be had),
-# qemu-utils, mmdebstrap and the tools the image builder uses, then the Python venv.
+# Installs what boxd needs on a Debian host: QEMU (8.2+ where it can be had), qemu-utils,
+# mmdebstrap and the tools the image builder uses, then the Python venv (.venv).
 # Idempotent: a second run only checks. Reads mirrors from the host's own apt sources.
-set -euo pipefail
+#
+# Usage: scripts/setup-host.sh [EXTRAS]
+#   EXTRAS: the package extras installed into .venv, comma-separated (default: server,
+#   or $BOXD_EXTRAS). scripts/demo.sh asks for `server` (what the daemon runs);
+#   scripts/test.sh for `server,dev` (adds pytest, ruff, mypy, schemathesis, build, ...).
+#
+# Nothing here imports the boxd package before .venv has its dependencies: the system
+# Python only runs scripts/apt_mirror.py, which is stdlib only. A failing step prints its
+# name and what to do.
+set -Eeuo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
+extras=${1:-${BOXD_EXTRAS:-server}}
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 export DEBIAN_FRONTEND=noninteractive
 
 log() { printf '[setup] %s\n' "$*" >&2; }
+
+# step NAME HINT: names what runs next, for the error report below.
+STEP="start"
+HINT=""
+step() { STEP=$1; HINT=$2; }
+on_error() {
+  local rc=$?
+  # A command substitution inherits the trap (set -E); report once, from the main shell.
+  [ "$BASH_SUBSHELL" -gt 0 ] && exit "$rc"
+  printf '[setup] FAILED (exit %s) in step "%s"\n' "$rc" "$STEP" >&2
+  [ -n "$HINT" ] && printf '[setup] what to do: %s\n' "$HINT" >&2
+  exit "$rc"
+}
+trap on_error ERR
 
 qemu_ok() {
   command -v qemu-system-x86_64 >/dev/null 2>&1 || return 1
@@ -31,7 +55,11 @@ find_missing() {
 }
 find_missing
 
+apt_hint="check the host's apt sources (/etc/apt/sources.list*) and its network or proxy, \
+then run scripts/setup-host.sh again"
+
 if ! qemu_ok || [ ${#missing[@]} -gt 0 ]; then
+  step "apt-get update" "$apt_hint"
   log "apt-get update"
   $SUDO apt-get update -qq
 fi
@@ -43,7 +71,10 @@ if ! qemu_ok; then
     # Debian 12 ships QEMU 7.2; bookworm-backports has 10.0. Add the backports suite
     # with the same mirror the host's apt sources already use.
     if ! apt-cache policy 2>/dev/null | grep -q 'bookworm-backports'; then
+      step "find the host's Debian mirror (scripts/apt_mirror.py)" \
+        "add a Debian bookworm entry to /etc/apt/sources.list or /etc/apt/sources.list.d/"
       mirror=$(python3 "$here/scripts/apt_mirror.py")
+      step "add bookworm-backports" "$apt_hint"
       log "adding bookworm-backports from $mirror"
       printf 'Types: deb\nURIs: %s\nSuites: bookworm-backports\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
         "$mirror" | $SUDO tee /etc/apt/sources.list.d/boxd-backports.sources >/dev/null
@@ -54,6 +85,7 @@ if ! qemu_ok; then
       || log "WARNING: QEMU from backports unavailable; falling back to the distribution's QEMU"
   fi
   if ! command -v qemu-system-x86_64 >/dev/null 2>&1; then
+    step "install QEMU" "$apt_hint"
     $SUDO apt-get install -y -qq qemu-system-x86 >/dev/null
   fi
   qemu_ok || log "WARNING: $(qemu-system-x86_64 --version | head -1) is older than 8.2: forks cannot map templates read-only and process start-up is slower"
@@ -61,27 +93,49 @@ fi
 
 find_missing
 if [ ${#missing[@]} -gt 0 ]; then
+  step "install ${missing[*]}" "$apt_hint"
   log "installing ${missing[*]}"
   $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
 # The unprivileged user QEMU drops to when the daemon runs as root (-run-with user=).
 if ! id boxd-qemu >/dev/null 2>&1; then
+  step "add the system user boxd-qemu" \
+    "run as root (or with sudo), or set BOXD_QEMU_USER= to run QEMU as the daemon's user"
   log "adding the system user boxd-qemu (QEMU processes run as it)"
   $SUDO useradd --system --no-create-home --home-dir /nonexistent \
     --shell /usr/sbin/nologin boxd-qemu
 fi
 
-# The Python environment: a venv in .venv with boxd installed editable and the dev tools.
+# The Python environment: a venv in .venv with boxd installed editable and $extras.
+# .venv/.boxd-installed records the extras installed, so that scripts/demo.sh after
+# scripts/test.sh (server after server,dev) does not reinstall.
 py=${PYTHON:-python3}
 if [ ! -x "$here/.venv/bin/python" ]; then
+  step "create .venv" "install python3-venv (apt-get install python3-venv), or set PYTHON"
   log "creating .venv"
   "$py" -m venv "$here/.venv"
 fi
-if ! "$here/.venv/bin/python" -c 'import boxd, pytest' >/dev/null 2>&1 \
-   || [ "$here/pyproject.toml" -nt "$here/.venv/.boxd-installed" ]; then
-  log "installing boxd into .venv"
-  "$here/.venv/bin/pip" install -q -e "$here[dev]"
-  touch "$here/.venv/.boxd-installed"
+marker="$here/.venv/.boxd-installed"
+have=""
+[ -f "$marker" ] && have=$(cat "$marker")
+need_install=0
+IFS=, read -r -a wanted <<<"$extras"
+for e in "${wanted[@]}"; do
+  case ",$have," in *",$e,"*) ;; *) need_install=1 ;; esac
+done
+if [ ! -f "$marker" ] || [ "$here/pyproject.toml" -nt "$marker" ] \
+   || ! "$here/.venv/bin/python" -c 'import boxd' >/dev/null 2>&1; then
+  need_install=1
 fi
-log "ready: $(qemu-system-x86_64 --version | head -1)"
+if [ "$need_install" = 1 ]; then
+  all=$(printf '%s\n' "${wanted[@]}" ${have//,/ } | sed '/^$/d' | sort -u | paste -sd, -)
+  step "pip install boxd[$all] into .venv" \
+    "check the pip configuration (pip config list) and the network or proxy; the pip output above names the package that failed"
+  log "installing boxd[$all] into .venv"
+  spec=$here
+  [ -n "$all" ] && spec="$here[$all]"
+  "$here/.venv/bin/pip" install -q -e "$spec"
+  echo "$all" >"$marker"
+fi
+log "ready: $(qemu-system-x86_64 --version | head -1); .venv has boxd[$(cat "$marker")]"

@@ -6,7 +6,7 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
-bash scripts/setup-host.sh
+bash scripts/setup-host.sh server,dev
 export BOXD_IMAGE_CACHE="$here/.cache/images"
 echo "[test] ruff"; .venv/bin/ruff check src tests bench examples
 echo "[test] mypy (engine conformance included)"; .venv/bin/mypy

@@ -16,6 +16,7 @@ import {
   type RequestSpec,
 } from "./_http.js";
 import { dataDir, ensureDaemon, logPath, readLocalKey, socketPath } from "./_local.js";
+import { buildLineage, type Lineage } from "./lineage.js";
 import {
   BoxdError,
   ConnectionError,
@@ -282,6 +283,21 @@ export class Machines {
   async list(): Promise<Machine[]> {
     const out = await this.c._json<{ machines: Machine[] }>({ method: "GET", path: "/v1/machines" });
     return out.machines;
+  }
+
+  /**
+   * Fork trees and snapshot lineage, built from the machine and snapshot lists (no
+   * daemon endpoint of its own; the same trees as the Python SDK's `machines.lineage`).
+   * @param ref a machine name or id: only its subtree, and the snapshots saved from it or
+   *   that it was made from. Absent: every machine of this account.
+   * @throws MachineNotFound
+   */
+  async lineage(ref?: string): Promise<Lineage> {
+    const [machines, snapshots] = await Promise.all([this.list(), this.c.snapshots.list()]);
+    if (ref === undefined) return buildLineage(machines, snapshots);
+    const target = await this.get(ref);
+    const all = machines.some((m) => m.id === target.id) ? machines : await this.list();
+    return buildLineage(all, snapshots, target.id);
   }
 
   /** Stop the machine and remove its files (its checkpoints die with it). @throws MachineNotFound */

@@ -23,6 +23,7 @@ export {
   type Target,
 } from "./client.js";
 export { dataDir } from "./_local.js";
+export { buildLineage, digestKey, type Lineage, type MachineNode, type SnapshotNode } from "./lineage.js";
 export * from "./errors.js";
 export type * from "./types.js";
 export type { components, paths, operations } from "./schema.js";

@@ -158,3 +158,41 @@ test("local discovery: a silent daemon is waited for, never doubled; a dead sock
     rmSync(home, { recursive: true, force: true });
   }
 });
+
+test("lineage: forks, a fork of a fork, snapshots saved and machines made from them", () => {
+  const m = (id, name, parentId = null, snapshot = null, createdAt = 0) => ({
+    id, name, parentId, snapshot, createdAt, state: "running",
+  });
+  const s = (id, name, version, hex, sourceMachine, createdAt) => ({
+    id, name, version, digest: `sha256:${hex}`, sourceMachine, createdAt,
+  });
+  const machines = [
+    m("m1", "rl-base", null, null, 1),
+    m("m3", "rollout-2", "m1", null, 3),
+    m("m2", "rollout-1", "m1", null, 2),
+    m("m4", "rollout-1a", "m2", null, 4),
+    m("m5", "rl-base-2", null, "aa".repeat(32), 6),
+    m("m6", "child-of-2", "m5", "aa".repeat(32), 7),
+  ];
+  const snapshots = [
+    s("s2", "env-v3", 2, "bb".repeat(32), "rollout-1a", 9),
+    s("s1", "env-v3", 1, "aa".repeat(32), "rl-base", 5),
+  ];
+  const names = (nodes) => nodes.map((n) => [n.machine.name, names(n.children)]);
+  const lin = sdk.buildLineage(machines, snapshots);
+  assert.deepEqual(names(lin.machines), [
+    ["rl-base", [["rollout-1", [["rollout-1a", []]]], ["rollout-2", []]]],
+    ["rl-base-2", [["child-of-2", []]]],
+  ]);
+  assert.deepEqual(lin.machines[0].snapshots.map((x) => x.version), [1]);
+  assert.equal(lin.machines[1].fromSnapshot.id, "s1");
+  assert.equal(lin.machines[1].children[0].fromSnapshot, null); // inherited
+  assert.deepEqual(
+    lin.snapshots.map((n) => [n.snapshot.version, n.source?.name, n.machines.map((x) => x.machine.name)]),
+    [[1, "rl-base", ["rl-base-2"]], [2, "rollout-1a", []]],
+  );
+  const sub = sdk.buildLineage(machines, snapshots, "m2");
+  assert.deepEqual(names(sub.machines), [["rollout-1", [["rollout-1a", []]]]]);
+  assert.deepEqual(sub.snapshots.map((n) => n.snapshot.id), ["s2"]);
+  assert.throws(() => sdk.buildLineage(machines, snapshots, "nope"));
+});

@@ -34,7 +34,15 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    Progress,
+    SpinnerColumn,
+    TaskID,
+    TaskProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
 from boxd import errors
@@ -80,6 +88,20 @@ class _Run:
     made_snapshot: str | None = None
     accel: str = "?"
     names_checked: bool = False  # preflight saw none of the demo's machine names in use
+    _bar: Progress | None = None  # the running step's progress, for update()
+    _task: TaskID | None = None
+    _title: str = ""
+
+    def update(self, note: str, fraction: float | None = None) -> None:
+        """Show what the running step is doing now (and how far, when known)."""
+        if self._bar is None or self._task is None:
+            return
+        text = f"{self._title}: {note}" if note else self._title
+        if fraction is None:
+            self._bar.update(self._task, description=text, refresh=True)
+        else:
+            self._bar.update(self._task, description=text, total=1.0, completed=fraction,
+                             refresh=True)
 
     @contextmanager
     def step(self, title: str) -> Iterator[list[str]]:
@@ -88,10 +110,15 @@ class _Run:
         start = time.monotonic()
         try:
             with Progress(SpinnerColumn(), TextColumn("[bold]{task.description}[/]…"),
-                          TimeElapsedColumn(), console=self.console, transient=True,
+                          BarColumn(), TaskProgressColumn(), TimeElapsedColumn(),
+                          console=self.console, transient=True,
                           disable=not self.console.is_terminal) as bar:
-                bar.add_task(title, total=None)
-                yield detail
+                self._bar, self._title = bar, title
+                self._task = bar.add_task(title, total=None)
+                try:
+                    yield detail
+                finally:
+                    self._bar = self._task = None
         except DemoFailed:
             raise
         except errors.BoxdError as exc:
@@ -112,6 +139,39 @@ def _exec_ok(client: Boxd, ref: str, command: str, timeout: float | None = None)
         tail = (result.stderr or result.stdout).strip().splitlines()[-5:]
         raise RuntimeError(f"`{command}` exited {result.exit_code}: " + " | ".join(tail))
     return result.stdout
+
+
+# pip's lines worth showing while it works: what it fetches and installs.
+_PIP_NOTE = re.compile(r"^\s*(Collecting|Downloading|Installing|Successfully|Requirement)\b")
+
+
+def _pip_install(run: _Run, command: str) -> str:
+    """Run pip in the base machine, showing its current step; its stdout, or raise."""
+    out: list[str] = []
+    err: list[str] = []
+    code: int | None = None
+    pending = ""
+    seen = 0
+    for event in run.client.machines.exec_stream(BASE, command, timeout=PIP_TIMEOUT):
+        if event.type == "stdout" and event.data:
+            out.append(event.data)
+            pending += event.data
+            *lines, pending = pending.split("\n")
+            for line in lines:
+                if _PIP_NOTE.match(line):
+                    seen += line.lstrip().startswith("Collecting")
+                    run.update(f"{line.strip()[:70]} ({seen} collected)")
+        elif event.type == "stderr" and event.data:
+            err.append(event.data)
+        elif event.type == "exit":
+            code = event.exit_code
+            if event.timed_out:
+                raise RuntimeError(f"`{command}` timed out after {PIP_TIMEOUT:.0f} s")
+    stdout = "".join(out)
+    if code != 0:
+        tail = ("".join(err) or stdout).strip().splitlines()[-5:]
+        raise RuntimeError(f"`{command}` exited {code}: " + " | ".join(tail))
+    return stdout
 
 
 def _record(line: str) -> dict[str, Any]:
@@ -194,7 +254,7 @@ def _demo(run: _Run, reuse: bool) -> None:
             from boxd.config import Paths
             from boxd.images import ensure_image
 
-            img = ensure_image(Paths.default())
+            img = ensure_image(Paths.default(), progress=run.update)  # a bar on first build
             d.append(f"{img.key}, kernel {img.kernel_version}")
 
     # --- Prepare one warm baseline --------------------------------------------------
@@ -212,7 +272,7 @@ def _demo(run: _Run, reuse: bool) -> None:
             d.append(f"{m.id}, {str(m.accelerator).upper()}")
 
     with run.step("pip install gymnasium numpy (guest network)") as d:
-        stdout = _exec_ok(client, BASE, "pip install gymnasium numpy", timeout=PIP_TIMEOUT)
+        stdout = _pip_install(run, "pip install gymnasium numpy")
         got = dict(re.findall(r"\b(gymnasium|numpy)-(\d[\w.]*\w)", stdout))
         d.append(", ".join(f"{n} {v}" for n, v in sorted(got.items())) or "already installed")
 

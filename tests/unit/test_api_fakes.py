@@ -5,8 +5,9 @@ They respect accounts: another account's machines and snapshots are invisible.
 
 from __future__ import annotations
 
+import hashlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from boxd import models
@@ -31,6 +32,8 @@ class FakeMachines(MachineService):
         self.files: dict[tuple[str, str], bytes] = {}
         self.checkpoints: dict[tuple[str, str], models.Checkpoint] = {}
         self.closed = False
+        # (account, snapshot ref) -> bare digest; FakeSnapshots installs its lookup
+        self.snapshot_digest: Callable[[str, str], str] | None = None
 
     def _find(self, account: str, ref: str) -> models.Machine:
         for owner, m in self.machines.values():
@@ -38,7 +41,10 @@ class FakeMachines(MachineService):
                 return m
         raise MachineNotFound(f"no machine {ref!r}", hint="boxd machine list", machine=ref)
 
-    def _add(self, account: str, name: str | None, parent: str | None = None) -> models.Machine:
+    def _add(
+        self, account: str, name: str | None, parent: str | None = None,
+        snapshot: str | None = None,
+    ) -> models.Machine:
         if name is not None and not models.NAME_RE.match(name):
             raise InvalidRequest(f"invalid name {name!r}", field="name")
         name = name or f"m-{len(self.machines) + 1}"
@@ -47,13 +53,17 @@ class FakeMachines(MachineService):
         m = models.Machine(
             id=new_id("m"), name=name, state=models.MachineState.RUNNING, vcpus=1,
             memory_mib=1024, disk_gib=8, isolated=False, parent_id=parent,
-            created_at=time.time(),
+            snapshot=snapshot, created_at=time.time(),
         )
         self.machines[m.id] = (account, m)
         return m
 
     async def create(self, account: str, req: models.MachineCreate) -> models.Machine:
-        return self._add(account, req.name)
+        # like the real service: a machine made from a snapshot records its bare digest
+        digest = None
+        if req.from_snapshot is not None and self.snapshot_digest is not None:
+            digest = self.snapshot_digest(account, req.from_snapshot)
+        return self._add(account, req.name, snapshot=digest)
 
     async def get(self, account: str, ref: str) -> models.Machine:
         return self._find(account, ref)
@@ -112,7 +122,7 @@ class FakeMachines(MachineService):
         out: list[models.Machine | Exception] = []
         for n in names:
             try:
-                out.append(self._add(account, n, parent=src.id))
+                out.append(self._add(account, n, parent=src.id, snapshot=src.snapshot))
             except Exception as exc:
                 out.append(exc)
         return out
@@ -155,6 +165,7 @@ class FakeSnapshots(SnapshotService):
         self.tmp = tmp
         self.snaps: dict[str, tuple[str, models.Snapshot]] = {}
         self.imported: list[bytes] = []
+        machines.snapshot_digest = lambda account, ref: self._find(account, ref).digest[7:]
 
     def _find(self, account: str, ref: str) -> models.Snapshot:
         for o, s in self.snaps.values():
@@ -165,12 +176,15 @@ class FakeSnapshots(SnapshotService):
     async def save(
         self, account: str, machine_ref: str, name: str, *, new_version: bool = False
     ) -> models.Snapshot:
-        self.m._find(account, machine_ref)
-        if any(o == account and s.name == name for o, s in self.snaps.values()):
+        m = self.m._find(account, machine_ref)
+        versions = [s.version for o, s in self.snaps.values() if o == account and s.name == name]
+        if versions and not new_version:
             raise AlreadyExists(f"snapshot {name!r} exists", kind="snapshot", name=name)
+        snap_id = new_id("s")
         s = models.Snapshot(
-            id=new_id("s"), name=name, version=1, digest="sha256:" + "0" * 64,
-            created_at=time.time(),
+            id=snap_id, name=name, version=max(versions, default=0) + 1,
+            digest="sha256:" + hashlib.sha256(snap_id.encode()).hexdigest(),
+            source_machine=m.name, created_at=time.time(),
         )
         self.snaps[s.id] = (account, s)
         return s

@@ -132,7 +132,7 @@ def machine_new(
         from_snapshot=from_snapshot,
     )
     if wait:
-        with _render.console(stderr=True).status(f"waiting for {m.name} to boot"):
+        with _render.activity(f"waiting for {m.name} to boot", as_json=as_json):
             m = b.machines.wait_until_ready(m.id, timeout=timeout)
     _show(m, as_json, _render.machine)
 
@@ -152,6 +152,19 @@ def machine_list(state: _State, as_json: bool) -> None:
 def machine_info(state: _State, name: str, as_json: bool) -> None:
     """Show one machine (NAME is a name or an id)."""
     _show(state.boxd.machines.get(name), as_json, _render.machine)
+
+
+@machine.command("tree")
+@click.argument("name", required=False)
+@json_option
+@pass_state
+def machine_tree(state: _State, name: str | None, as_json: bool) -> None:
+    """Draw the fork lineage: machine -> forks, snapshots saved, snapshot it came from.
+
+    With NAME, only that machine's subtree. --json prints the SDK's
+    `machines.lineage()` (machines and snapshots).
+    """
+    _show(state.boxd.machines.lineage(name), as_json, _render.machine_tree)
 
 
 @machine.command("delete")
@@ -366,7 +379,8 @@ def snapshots_save(
     state: _State, machine_ref: str, name: str, new_version: bool, as_json: bool
 ) -> None:
     """Save MACHINE as snapshot NAME (the machine keeps running)."""
-    with _render.console(stderr=True).status(f"saving {machine_ref} as {name}"):
+    # The daemon does the work in one request: a spinner with the elapsed time.
+    with _render.activity(f"saving {machine_ref} as {name}", as_json=as_json):
         s = state.boxd.snapshots.save(machine_ref, name, new_version=new_version)
     _show(s, as_json, _render.snapshot)
 
@@ -377,6 +391,17 @@ def snapshots_save(
 def snapshots_list(state: _State, as_json: bool) -> None:
     """List snapshots (every version)."""
     _show(state.boxd.snapshots.list(), as_json, _render.snapshots)
+
+
+@snapshots.command("tree")
+@json_option
+@pass_state
+def snapshots_tree(state: _State, as_json: bool) -> None:
+    """Draw snapshot lineage: name -> versions (digest, source machine) -> machines made.
+
+    --json prints the SDK's `machines.lineage()` (machines and snapshots).
+    """
+    _show(state.boxd.machines.lineage(), as_json, _render.snapshot_tree)
 
 
 @snapshots.command("info")
@@ -410,8 +435,8 @@ def snapshots_delete(state: _State, refs: tuple[str, ...]) -> None:
 @pass_state
 def snapshots_export(state: _State, ref: str, output: Path) -> None:
     """Write snapshot REF to one file, for `boxd snapshots import` elsewhere."""
-    with _render.console(stderr=True).status(f"exporting {ref}"):
-        path = state.boxd.snapshots.export(ref, output)
+    with _render.transfer(f"exporting {ref}") as progress:
+        path = state.boxd.snapshots.export(ref, output, progress=progress)
     click.echo(f"exported {ref} -> {path} ({_render.size(path.stat().st_size)})")
 
 
@@ -421,8 +446,8 @@ def snapshots_export(state: _State, ref: str, output: Path) -> None:
 @pass_state
 def snapshots_import(state: _State, file: Path, as_json: bool) -> None:
     """Import a snapshot file written by `boxd snapshots export`."""
-    with _render.console(stderr=True).status(f"importing {file}"):
-        s = state.boxd.snapshots.import_(file)
+    with _render.transfer(f"importing {file.name}", as_json=as_json) as progress:
+        s = state.boxd.snapshots.import_(file, progress=progress)
     _show(s, as_json, _render.snapshot)
 
 
@@ -472,7 +497,7 @@ def keys_revoke(state: _State, key_id: str) -> None:
 def info(state: _State, as_json: bool) -> None:
     """Show the host: accelerator (and why), QEMU version, data directory."""
     # The first call may take a while (the daemon probes the host and prepares its image).
-    with _render.console(stderr=True).status("asking the daemon about the host"):
+    with _render.activity("asking the daemon about the host", as_json=as_json):
         host = state.boxd.info()
     _show(host, as_json, _render.host)
 
@@ -491,7 +516,13 @@ def demo(state: _State, reuse: bool, keep: bool) -> None:
 @main.command("serve")
 @click.option("--listen", metavar="HOST:PORT", help="Also serve HTTP on TCP (e.g. 127.0.0.1:7070).")
 def serve(listen: str | None) -> None:
-    """Run the daemon in the foreground (clients start one on demand otherwise)."""
+    """Run the daemon in the foreground (clients start one on demand otherwise).
+
+    Needs the server extra: pip install 'boxd[server]'.
+    """
+    from boxd._server_deps import require_server
+
+    require_server()  # a light install gets one line naming the extra, not a traceback
     from boxd.api.server import serve as run  # heavy: FastAPI, engine
 
     run(Paths.default(), listen=listen)
@@ -511,15 +542,7 @@ def image_build(apt: tuple[str, ...], pip: tuple[str, ...], force: bool, as_json
     """Build the guest image for a recipe (cached: a second build is instant)."""
     from boxd.images import Recipe, ensure_image
 
-    out = _render.console(stderr=True)
-    with out.status("building guest image") as status:
-
-        def progress(step: str, fraction: float | None) -> None:
-            pct = f" {fraction * 100:.0f}%" if fraction is not None else ""
-            status.update(f"{step}{pct}")
-            if fraction is None:
-                out.log(step)
-
+    with _render.activity("building guest image", as_json=as_json) as progress:
         img = ensure_image(
             Paths.default(), Recipe(apt=apt, pip=pip), progress=progress, force=force
         )

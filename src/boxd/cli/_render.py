@@ -2,24 +2,82 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import click
 from pydantic import BaseModel
 from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    SpinnerColumn,
+    TaskProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TransferSpeedColumn,
+)
 from rich.table import Table
+from rich.tree import Tree
 
 from boxd import models
+from boxd.sdk import _lineage
 
 
 def console(stderr: bool = False) -> Console:
     # Built per call so that it writes to the current sys.stdout (CliRunner swaps it).
     return Console(stderr=stderr, highlight=False, soft_wrap=False)
+
+
+def quiet(as_json: bool = False) -> bool:
+    """Progress is for people: none with ``--json`` or when stdout is not a terminal."""
+    return as_json or not sys.stdout.isatty()
+
+
+@contextlib.contextmanager
+def activity(text: str, *, as_json: bool = False) -> Iterator[Callable[[str, float | None], None]]:
+    """A spinner with elapsed time on stderr while work runs; a bar once a fraction is known.
+
+    Yields ``update(step, fraction_or_None)``, the image builder's progress callback.
+    """
+    bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                   TaskProgressColumn(), TimeElapsedColumn(), console=console(stderr=True),
+                   transient=True, disable=quiet(as_json))
+    with bar:
+        task = bar.add_task(text, total=None)
+
+        def update(step: str, fraction: float | None = None) -> None:
+            if fraction is None:
+                bar.update(task, description=f"{text}: {step}")
+            else:
+                bar.update(task, description=f"{text}: {step}", total=1.0, completed=fraction)
+
+        yield update
+
+
+@contextlib.contextmanager
+def transfer(text: str, *, as_json: bool = False) -> Iterator[Callable[[int, int | None], None]]:
+    """A bar with bytes, rate and elapsed time on stderr for a snapshot export or import.
+
+    Yields ``progress(done, total_or_None)``, the SDK's ``TransferProgress`` callback.
+    """
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                   TransferSpeedColumn(), TimeElapsedColumn(), console=console(stderr=True),
+                   transient=False, disable=quiet(as_json))
+    with bar:
+        task = bar.add_task(text, total=None)
+
+        def progress(done: int, total: int | None) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield progress
 
 
 def jsonable(obj: Any) -> Any:
@@ -203,3 +261,72 @@ def host(info: models.HostInfo) -> None:
             ("image", info.image),
         ]
     )
+
+
+# --- lineage -------------------------------------------------------------------------
+
+
+def short_digest(digest: str) -> str:
+    """``sha256:`` and the first 12 hex digits: enough to tell versions apart."""
+    return "sha256:" + _lineage.digest_key(digest)[:12]
+
+
+def _snap_label(s: models.Snapshot) -> str:
+    return f"[cyan]{s.name}@{s.version}[/] [dim]{short_digest(s.digest)}[/]"
+
+
+def _machine_label(m: models.Machine) -> str:
+    return f"[bold]{m.name}[/] [dim]{m.id}[/] {_state(m.state)}"
+
+
+def _node_label(node: _lineage.MachineNode, root: bool) -> str:
+    label = _machine_label(node.machine)
+    if node.from_snapshot is not None:
+        label += f"  from snapshot {_snap_label(node.from_snapshot)}"
+    elif root and node.machine.snapshot:  # its snapshot was deleted since
+        label += f"  from snapshot [dim]{short_digest(node.machine.snapshot)} (deleted)[/]"
+    return label
+
+
+def _fill(branch: Tree, node: _lineage.MachineNode) -> None:
+    for s in node.snapshots:
+        branch.add(f"snapshot {_snap_label(s)}")
+    for child in node.children:
+        _fill(branch.add(_node_label(child, root=False)), child)
+
+
+def machine_tree(lineage: _lineage.Lineage) -> None:
+    """The fork trees: machine -> snapshots saved from it and machines forked from it."""
+    if not lineage.machines:
+        console().print("[dim]no machines[/]")
+        return
+    out = console()
+    for root in lineage.machines:
+        tree = Tree(_node_label(root, root=True), guide_style="dim")
+        _fill(tree, root)
+        out.print(tree)
+
+
+def snapshot_tree(lineage: _lineage.Lineage) -> None:
+    """Snapshot names -> versions (digest, source machine) -> machines started from each."""
+    if not lineage.snapshots:
+        console().print("[dim]no snapshots[/]")
+        return
+    out = console()
+    names: dict[str, Tree] = {}
+    for sn in lineage.snapshots:
+        s = sn.snapshot
+        tree = names.get(s.name)
+        if tree is None:
+            tree = names[s.name] = Tree(f"[cyan bold]{s.name}[/]", guide_style="dim")
+        if sn.source is not None:
+            source = f"saved from [bold]{sn.source.name}[/] [dim]{sn.source.id}[/]"
+        elif s.source_machine:
+            source = f"saved from {s.source_machine} [dim](gone)[/]"
+        else:
+            source = "imported"
+        version = tree.add(f"[cyan]@{s.version}[/] [dim]{short_digest(s.digest)}[/]  {source}")
+        for node in sn.machines:
+            _fill(version.add(_machine_label(node.machine)), node)
+    for tree in names.values():
+        out.print(tree)

@@ -1,14 +1,24 @@
-"""Python SDK: ``Boxd`` (sync) and ``AsyncBoxd`` (async), thin clients of the HTTP API."""
+"""Python SDK: ``Boxd`` (sync) and ``AsyncBoxd`` (async), thin clients of the HTTP API.
 
-from boxd.sdk._async import (
-    AsyncBoxd,
-    AsyncCheckpoints,
-    AsyncFiles,
-    AsyncKeys,
-    AsyncMachines,
-    AsyncSnapshots,
-)
-from boxd.sdk._sync import Boxd, Checkpoints, Files, Keys, Machines, Snapshots
+Each twin loads on first use: the sync client does not import asyncio's client, nor
+the async one the sync one.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from boxd.sdk._async import (
+        AsyncBoxd,
+        AsyncCheckpoints,
+        AsyncFiles,
+        AsyncKeys,
+        AsyncMachines,
+        AsyncSnapshots,
+    )
+    from boxd.sdk._sync import Boxd, Checkpoints, Files, Keys, Machines, Snapshots
 
 __all__ = [
     "AsyncBoxd",
@@ -24,3 +34,12 @@ __all__ = [
     "Machines",
     "Snapshots",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in __all__:
+        raise AttributeError(f"module 'boxd.sdk' has no attribute {name!r}")
+    twin = "boxd.sdk._async" if name.startswith("Async") else "boxd.sdk._sync"
+    value = getattr(importlib.import_module(twin), name)
+    globals()[name] = value
+    return value

@@ -14,12 +14,18 @@ import os
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import BinaryIO, overload
+from typing import TYPE_CHECKING, BinaryIO, overload
 
 import httpx
 
-from boxd import errors, models
-from boxd.sdk import _base, _local
+from boxd import errors
+from boxd._lazy import LazyModule
+from boxd.sdk import _base, _lineage, _local
+
+if TYPE_CHECKING:
+    from boxd import models
+else:  # built on first use: see boxd._lazy
+    models = LazyModule("boxd.models")
 
 __all__ = [
     "AsyncBoxd",
@@ -224,6 +230,30 @@ class AsyncMachines:
             BoxdError: the daemon refused the request.
         """
         return (await self._c._parse(models.MachineList, _base.machine_list())).machines
+
+    async def lineage(self, ref: str | None = None) -> _lineage.Lineage:
+        """Fork trees and snapshot lineage, built from the machine and snapshot lists.
+
+        Args:
+            ref: a machine name or id: only its subtree (and the snapshots saved from it
+                or that it started from). None: every machine of this account.
+
+        Returns:
+            ``Lineage``: ``machines`` (root ``MachineNode``s, each with ``children``, the
+            ``snapshots`` saved from it and the snapshot it started from) and
+            ``snapshots`` (``SnapshotNode``s: version, source machine, machines started
+            from it).
+
+        Raises:
+            MachineNotFound: no machine ``ref``.
+        """
+        machines, snapshots = await asyncio.gather(self.list(), self._c.snapshots.list())
+        if ref is None:
+            return _lineage.build(machines, snapshots)
+        target = await self.get(ref)
+        if target.id not in {m.id for m in machines}:  # made after the list: list again
+            machines = await self.list()
+        return _lineage.build(machines, snapshots, target.id)
 
     async def delete(self, ref: str) -> None:
         """Stop the machine and remove its files (its checkpoints die with it).
@@ -457,8 +487,19 @@ class AsyncSnapshots:
         """
         await self._c._call(_base.snapshot_delete(ref))
 
-    async def export(self, ref: str, path: str | os.PathLike[str]) -> Path:
+    async def export(
+        self,
+        ref: str,
+        path: str | os.PathLike[str],
+        *,
+        progress: _base.TransferProgress | None = None,
+    ) -> Path:
         """Stream the snapshot into one file at ``path`` (written atomically).
+
+        Args:
+            ref: snapshot ``NAME``, ``NAME@N`` or ``sha256:DIGEST``.
+            path: the file to write.
+            progress: called as ``progress(bytes_written, total_or_None)`` per chunk.
 
         Raises:
             SnapshotNotFound: no match.
@@ -468,10 +509,15 @@ class AsyncSnapshots:
         tmp = dest.with_name(f".{dest.name}.part")
         try:
             async with self._c._stream(_base.snapshot_export(ref)) as resp:
+                total = _base.content_length(resp.headers)
+                done = 0
                 with open(tmp, "wb") as f:
                     try:
                         async for chunk in resp.aiter_bytes(_CHUNK):
                             await asyncio.to_thread(f.write, chunk)
+                            done += len(chunk)
+                            if progress is not None:
+                                progress(done, total)
                     except httpx.HTTPError as exc:
                         raise _base.map_transport_error(exc, self._c._target) from exc
             os.replace(tmp, dest)
@@ -485,9 +531,18 @@ class AsyncSnapshots:
         return dest
 
     async def import_(
-        self, path: str | os.PathLike[str], name: str | None = None
+        self,
+        path: str | os.PathLike[str],
+        name: str | None = None,
+        *,
+        progress: _base.TransferProgress | None = None,
     ) -> models.Snapshot:
         """Import a file written by :meth:`export`.
+
+        Args:
+            path: the file.
+            name: import under this name (the file's own name if None).
+            progress: called as ``progress(bytes_sent, file_size)`` per chunk.
 
         Raises:
             IntegrityError: the file is corrupt.
@@ -496,7 +551,9 @@ class AsyncSnapshots:
         src = Path(path)
         try:
             with open(src, "rb") as f:
-                resp = await self._c._send(_base.snapshot_import(name), content=_read_chunks(f))
+                resp = await self._c._send(
+                    _base.snapshot_import(name), content=_read_chunks(f, progress)
+                )
         except OSError as exc:
             raise errors.InvalidRequest(
                 f"cannot read {src}: {exc.strerror or exc}", field="path"
@@ -504,9 +561,15 @@ class AsyncSnapshots:
         return _base.parse(models.Snapshot, resp.status_code, resp.content)
 
 
-async def _read_chunks(f: BinaryIO) -> AsyncIterator[bytes]:
+async def _read_chunks(
+    f: BinaryIO, progress: _base.TransferProgress | None = None
+) -> AsyncIterator[bytes]:
+    total, done = os.fstat(f.fileno()).st_size, 0
     while chunk := await asyncio.to_thread(f.read, _CHUNK):
         yield chunk
+        done += len(chunk)
+        if progress is not None:
+            progress(done, total)
 
 
 class AsyncKeys:

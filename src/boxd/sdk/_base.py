@@ -10,23 +10,33 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 from urllib.parse import quote, urlsplit
 
 import httpx
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
-from boxd import errors, models
+from boxd import errors
+from boxd._lazy import LazyModule
 from boxd.config import ClientSettings, Paths
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+    from boxd import models
+else:  # built on first use: see boxd._lazy
+    models = LazyModule("boxd.models")
 
 __all__ = [
     "DEFAULT_TIMEOUT",
     "LOCAL_BASE_URL",
     "Req",
     "Target",
+    "TransferProgress",
+    "content_length",
     "fork_items",
     "local_key_path",
     "map_transport_error",
@@ -52,7 +62,21 @@ DEFAULT: Final = "default"
 #: Sentinel for "no read timeout" (long-running exec).
 NO_READ_TIMEOUT: Final = "no-read-timeout"
 
-M = TypeVar("M", bound=BaseModel)
+M = TypeVar("M", bound="BaseModel")
+
+#: ``progress(done, total)`` of a snapshot export or import: bytes moved so far and the
+#: total (None when the daemon did not say). Called after every chunk, from the caller's
+#: thread (sync) or task (async).
+TransferProgress = Callable[[int, int | None], None]
+
+
+def content_length(headers: Mapping[str, str]) -> int | None:
+    """The ``Content-Length`` of a response, or None (absent, chunked or malformed)."""
+    try:
+        value = int(headers.get("content-length", ""))
+    except ValueError:
+        return None
+    return value if value >= 0 else None
 
 
 def local_key_path(paths: Paths) -> Path:

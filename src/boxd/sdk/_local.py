@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 
 from boxd import errors
+from boxd._server_deps import require_server
 from boxd.config import Paths
 from boxd.sdk import _base
 
@@ -123,6 +124,8 @@ def ensure_daemon(paths: Paths, timeout: float = START_TIMEOUT) -> None:
     Raises:
         ConnectionError: the daemon could not be started or did not answer in time; the
             message says what failed and names the log file.
+        HostSetupError: no daemon answers and this Python lacks the server extra
+            (``pip install 'boxd[server]'``) to start one.
     """
     if is_healthy(paths.socket):
         return
@@ -144,6 +147,7 @@ def ensure_daemon(paths: Paths, timeout: float = START_TIMEOUT) -> None:
             if daemon_holds_lock(paths) and _wait_for_running(paths, timeout):
                 _wait_for_key(paths)
                 return
+            require_server()  # a light install: one line naming the extra
             try:
                 proc = _spawn(paths)
             except OSError as exc:

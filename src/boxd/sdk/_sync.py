@@ -14,12 +14,18 @@ import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import BinaryIO, overload
+from typing import TYPE_CHECKING, BinaryIO, overload
 
 import httpx
 
-from boxd import errors, models
-from boxd.sdk import _base, _local
+from boxd import errors
+from boxd._lazy import LazyModule
+from boxd.sdk import _base, _lineage, _local
+
+if TYPE_CHECKING:
+    from boxd import models
+else:  # built on first use: see boxd._lazy
+    models = LazyModule("boxd.models")
 
 __all__ = ["Boxd", "Checkpoints", "Files", "Keys", "Machines", "Snapshots"]
 
@@ -213,6 +219,30 @@ class Machines:
             BoxdError: the daemon refused the request.
         """
         return self._c._parse(models.MachineList, _base.machine_list()).machines
+
+    def lineage(self, ref: str | None = None) -> _lineage.Lineage:
+        """Fork trees and snapshot lineage, built from the machine and snapshot lists.
+
+        Args:
+            ref: a machine name or id: only its subtree (and the snapshots saved from it
+                or that it started from). None: every machine of this account.
+
+        Returns:
+            ``Lineage``: ``machines`` (root ``MachineNode``s, each with ``children``, the
+            ``snapshots`` saved from it and the snapshot it started from) and
+            ``snapshots`` (``SnapshotNode``s: version, source machine, machines started
+            from it).
+
+        Raises:
+            MachineNotFound: no machine ``ref``.
+        """
+        machines, snapshots = self.list(), self._c.snapshots.list()
+        if ref is None:
+            return _lineage.build(machines, snapshots)
+        target = self.get(ref)
+        if target.id not in {m.id for m in machines}:  # made after the list: list again
+            machines = self.list()
+        return _lineage.build(machines, snapshots, target.id)
 
     def delete(self, ref: str) -> None:
         """Stop the machine and remove its files (its checkpoints die with it).
@@ -440,8 +470,19 @@ class Snapshots:
         """
         self._c._call(_base.snapshot_delete(ref))
 
-    def export(self, ref: str, path: str | os.PathLike[str]) -> Path:
+    def export(
+        self,
+        ref: str,
+        path: str | os.PathLike[str],
+        *,
+        progress: _base.TransferProgress | None = None,
+    ) -> Path:
         """Stream the snapshot into one file at ``path`` (written atomically).
+
+        Args:
+            ref: snapshot ``NAME``, ``NAME@N`` or ``sha256:DIGEST``.
+            path: the file to write.
+            progress: called as ``progress(bytes_written, total_or_None)`` per chunk.
 
         Raises:
             SnapshotNotFound: no match.
@@ -451,9 +492,14 @@ class Snapshots:
         tmp = dest.with_name(f".{dest.name}.part")
         try:
             with self._c._stream(_base.snapshot_export(ref)) as resp, open(tmp, "wb") as f:
+                total = _base.content_length(resp.headers)
+                done = 0
                 try:
                     for chunk in resp.iter_bytes(_CHUNK):
                         f.write(chunk)
+                        done += len(chunk)
+                        if progress is not None:
+                            progress(done, total)
                 except httpx.HTTPError as exc:
                     raise _base.map_transport_error(exc, self._c._target) from exc
             os.replace(tmp, dest)
@@ -466,8 +512,19 @@ class Snapshots:
                 tmp.unlink()
         return dest
 
-    def import_(self, path: str | os.PathLike[str], name: str | None = None) -> models.Snapshot:
+    def import_(
+        self,
+        path: str | os.PathLike[str],
+        name: str | None = None,
+        *,
+        progress: _base.TransferProgress | None = None,
+    ) -> models.Snapshot:
         """Import a file written by :meth:`export`.
+
+        Args:
+            path: the file.
+            name: import under this name (the file's own name if None).
+            progress: called as ``progress(bytes_sent, file_size)`` per chunk.
 
         Raises:
             IntegrityError: the file is corrupt.
@@ -476,7 +533,9 @@ class Snapshots:
         src = Path(path)
         try:
             with open(src, "rb") as f:
-                resp = self._c._send(_base.snapshot_import(name), content=_read_chunks(f))
+                resp = self._c._send(
+                    _base.snapshot_import(name), content=_read_chunks(f, progress)
+                )
         except OSError as exc:
             raise errors.InvalidRequest(
                 f"cannot read {src}: {exc.strerror or exc}", field="path"
@@ -484,9 +543,15 @@ class Snapshots:
         return _base.parse(models.Snapshot, resp.status_code, resp.content)
 
 
-def _read_chunks(f: BinaryIO) -> Iterator[bytes]:
+def _read_chunks(
+    f: BinaryIO, progress: _base.TransferProgress | None = None
+) -> Iterator[bytes]:
+    total, done = os.fstat(f.fileno()).st_size, 0
     while chunk := f.read(_CHUNK):
         yield chunk
+        done += len(chunk)
+        if progress is not None:
+            progress(done, total)
 
 
 class Keys:
