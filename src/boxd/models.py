@@ -40,6 +40,10 @@ class MachineCreate(BaseModel):
     disk_gib: int = Field(config.DEFAULT_DISK_GIB, ge=1, le=config.MAX_DISK_GIB)
     isolated: bool = Field(False, description="no network device at all")
     from_snapshot: str | None = Field(None, description="NAME, NAME@VERSION or sha256:DIGEST")
+    engine: str | None = Field(
+        None, pattern=r"^[a-z][a-z0-9-]{0,31}$",
+        description="engine to run it on (qemu); default: the daemon's (BOXD_ENGINE)",
+    )
 
 
 class Machine(BaseModel):

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from boxd import models
 from boxd.config import DEFAULT_MACHINE_QUOTA
+from boxd.engine.registry import ENGINES
 from boxd.errors import InvalidRequest, MachineNotFound, SnapshotNotFound
 from boxd.models import NAME_RE, NAME_RULE, MachineState
 from boxd.node.base import Boot, FromSnapshot, Node
@@ -81,7 +82,7 @@ class Machines:
     async def _claim(
         self, account: str, name: str | None, node: Node, *, vcpus: int, memory_mib: int,
         disk_gib: int, isolated: bool, parent_id: str | None = None,
-        snapshot: str | None = None, image: str | None = None,
+        snapshot: str | None = None, image: str | None = None, engine: str | None = None,
     ) -> MachineRecord:
         if name is None:
             name = f"machine-{secrets.token_hex(3)}"
@@ -89,7 +90,7 @@ class Machines:
         return self.repos.machines.claim(
             account, name, machine_id=new_id("m"), vcpus=vcpus, memory_mib=memory_mib,
             disk_gib=disk_gib, isolated=isolated, image=image or await node.image_key(),
-            node_id=node.id, engine=await node.engine_name(), parent_id=parent_id,
+            node_id=node.id, engine=engine or await node.engine_name(), parent_id=parent_id,
             snapshot=snapshot, default_quota=DEFAULT_MACHINE_QUOTA,
         )
 
@@ -98,12 +99,15 @@ class Machines:
     async def create(self, account: str, req: models.MachineCreate) -> models.Machine:
         if req.name is not None:
             validate_name(req.name)
+        if req.engine is not None and req.engine not in ENGINES:
+            raise InvalidRequest(f"unknown engine {req.engine!r}", field="engine",
+                                 hint=f"use one of {', '.join(ENGINES)}")
         node = self._place()
         if req.from_snapshot:
             return await self._create_from_snapshot(account, req, node)
         rec = await self._claim(
             account, req.name, node, vcpus=req.vcpus, memory_mib=req.memory_mib,
-            disk_gib=req.disk_gib, isolated=req.isolated,
+            disk_gib=req.disk_gib, isolated=req.isolated, engine=req.engine,
         )
         await node.create(rec.id, Boot())
         return await self.get(account, rec.id)
@@ -116,12 +120,20 @@ class Machines:
         manifest = self.store.get(snap.digest)
         await asyncio.to_thread(self.store.ensure_verified, manifest.digest)
         meta = manifest.meta
+        engine = str(meta.get("engine") or "qemu")
+        if req.engine is not None and req.engine != engine:
+            raise InvalidRequest(
+                f"snapshot {req.from_snapshot!r} was saved on the {engine} engine; it cannot "
+                f"start on {req.engine}", field="engine",
+                hint=f"leave the engine out (it starts on {engine}), or save a snapshot of a "
+                f"machine running on {req.engine}",
+            )
         rec = await self._claim(
             account, req.name, node, vcpus=int(meta.get("vcpus", req.vcpus)),
             memory_mib=int(meta.get("memory_mib", req.memory_mib)),
             disk_gib=max(req.disk_gib, int(meta.get("disk_gib", req.disk_gib))),
             isolated=req.isolated or bool(meta.get("isolated", False)),
-            snapshot=manifest.digest,
+            snapshot=manifest.digest, engine=engine,
         )
         await node.create(rec.id, FromSnapshot(
             manifest.digest, manifest.blob_path("memory"), manifest.blob_path("state"),
@@ -188,7 +200,7 @@ class Machines:
                     account, n if n is not None else f"{src.name[:48]}-{secrets.token_hex(3)}",
                     node, vcpus=src.vcpus, memory_mib=src.memory_mib, disk_gib=src.disk_gib,
                     isolated=src.isolated, parent_id=src.id, snapshot=src.snapshot,
-                    image=src.image,
+                    image=src.image, engine=src.engine,
                 ))
             except Exception as exc:
                 claimed.append(exc)

@@ -1,4 +1,4 @@
-"""Picks and prepares the engine a node runs machines on (``BOXD_ENGINE``, default qemu).
+"""Picks and prepares the engines a node runs machines on (``BOXD_ENGINE``: the default).
 
 The node runtime calls `open_engine` once the guest image exists; each engine checks
 its own host requirements here and says what to install when one is missing.
@@ -20,16 +20,16 @@ log = logging.getLogger("boxd.engine")
 ENGINES = ("qemu",)
 
 
-async def open_engine(settings: Settings, paths: Paths, image: GuestImage) -> Engine:
-    """The engine named by ``settings.engine``, ready to boot ``image``.
+async def open_engine(name: str, settings: Settings, paths: Paths, image: GuestImage) -> Engine:
+    """The engine called ``name``, ready to boot ``image``.
 
     Raises:
         HostSetupError: the engine is unknown or its binaries are missing.
     """
-    if settings.engine == "qemu":
+    if name == "qemu":
         return await asyncio.to_thread(_open_qemu, settings, paths, image)
     raise HostSetupError(
-        f"unknown engine {settings.engine!r}", hint=f"set BOXD_ENGINE to one of {ENGINES}"
+        f"unknown engine {name!r}", hint=f"use one of {', '.join(ENGINES)} (BOXD_ENGINE)"
     )
 
 

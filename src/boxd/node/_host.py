@@ -1,4 +1,4 @@
-"""The host side of a node: the guest image and the engine, prepared once, lazily."""
+"""The host side of a node: the guest image and its engines, prepared once, lazily."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ log = logging.getLogger("boxd.node")
 
 
 class Host:
-    """Builds the guest image (first time only) and opens the engine.
+    """Builds the guest image (first time only) and opens engines by name.
 
-    Tests pass a ready ``engine`` and ``image`` (the fake engine needs no image build).
+    ``settings.engine`` names the engine new machines get by default. Tests pass
+    ready ``engines`` and an ``image`` (the fake engine needs no image build).
     """
 
     def __init__(
@@ -25,22 +26,34 @@ class Host:
     ) -> None:
         self.paths = paths
         self.settings = settings
-        self.engine = engine
+        self.engines: dict[str, Engine] = {}
+        if engine is not None:
+            self.engines[engine.name] = engine
+        self.default = engine.name if engine is not None else settings.engine
         self.image = image
         self._lock = asyncio.Lock()
 
-    async def ready(self) -> tuple[GuestImage, Engine]:
-        """The image and engine, prepared on first call.
+    @property
+    def engine(self) -> Engine | None:
+        """The default engine, if it is open already."""
+        return self.engines.get(self.default)
+
+    async def ready(self, engine: str | None = None) -> tuple[GuestImage, Engine]:
+        """The image and the engine named ``engine`` (default: the node's), prepared on
+        first call.
 
         Raises:
-            HostSetupError: the engine's binaries or an image-building tool is missing.
+            HostSetupError: the engine is unknown, or its binaries or an image-building
+                tool are missing.
         """
+        name = engine or self.default
         async with self._lock:
             if self.image is None:
                 self.image = await asyncio.to_thread(ensure_image, self.paths)
-            if self.engine is None:
-                self.engine = await open_engine(self.settings, self.paths, self.image)
-            return self.image, self.engine
+            if name not in self.engines:
+                self.engines[name] = await open_engine(name, self.settings, self.paths,
+                                                       self.image)
+            return self.image, self.engines[name]
 
 
 __all__ = ["Host"]

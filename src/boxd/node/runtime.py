@@ -228,7 +228,8 @@ class NodeRuntime:
     # -------------------------------------------------------------- launching
 
     async def _launch(
-        self, config: MachineConfig, launch: Launch, *, record_layer: bool = True
+        self, config: MachineConfig, launch: Launch, engine_name: str, *,
+        record_layer: bool = True,
     ) -> tuple[MachineHandle, str | None]:
         """Start one VM process (the one launch path). Returns it and its new layer id.
 
@@ -236,7 +237,7 @@ class NodeRuntime:
         layer is recorded when a fork claims it). On failure nothing of the launch is
         left: no process, no new layer.
         """
-        _, engine = await self.host.ready()
+        _, engine = await self.host.ready(engine_name)
         layer_id: str | None = None
         disk = launch.keep_disk
         try:
@@ -288,8 +289,8 @@ class NodeRuntime:
                 self.repos.layers.new(launch.parent_layer, "", layer_id=layer_id)
                 self.repos.machines.update(rec.id, vm_id=spare.vm_id, port=spare.port)
             else:
-                handle, layer_id = await self._launch(self._config(rec), launch)
-            _, engine = await self.host.ready()
+                handle, layer_id = await self._launch(self._config(rec), launch, rec.engine)
+            _, engine = await self.host.ready(rec.engine)
             fields: dict[str, object] = {"pid": handle.pid, "ram_shared": handle.ram_shared,
                                          "template_id": template_id,
                                          "accel": engine.accelerator}
@@ -308,7 +309,7 @@ class NodeRuntime:
                 with contextlib.suppress(Exception):
                     await handle.destroy()
             if layer_id is not None:
-                _, engine = await self.host.ready()
+                _, engine = await self.host.ready(rec.engine)
                 engine.remove_disk(self.layer_path(layer_id))
                 if launch.keep_disk is None:
                     self.repos.machines.update(rec.id, layer_id=None)
@@ -346,12 +347,13 @@ class NodeRuntime:
         return image.key
 
     async def engine_name(self) -> str:
+        """The engine new machines get unless they ask for one."""
         _, engine = await self.host.ready()
         return engine.name
 
     async def create(self, machine_id: str, source: Boot | FromSnapshot) -> None:
-        image, _ = await self.host.ready()
         rec = self._rec(machine_id)
+        image, _ = await self.host.ready(rec.engine)
         port = None if rec.isolated else free_port()
         self.repos.machines.update(machine_id, port=port)
         rec = self._rec(machine_id)
@@ -519,7 +521,7 @@ class NodeRuntime:
         if handle is not None:
             await handle.destroy()
         if handle is None and rec is not None and rec.pid:
-            _, engine = await self.host.ready()
+            _, engine = await self.host.ready(rec.engine)
             engine.kill_stray(rec.vm_id, self.run_dir(rec.vm_id), rec.pid)
         for ck_id in self.repos.checkpoints.delete_for(machine_id):
             remove_tree(self.paths.checkpoints / ck_id)
@@ -728,8 +730,8 @@ class NodeRuntime:
 
     async def prepare_spare(self, source_id: str, tpl: TemplateRecord) -> Spare:
         """A standby child of ``tpl``: launched paused, no record (see `SparePool`)."""
-        await self.host.ready()
         src = self._rec(source_id)
+        await self.host.ready(src.engine)
         vm_id = new_id("m")
         port = None if src.isolated else free_port()
         config = self.config_for(vm_id, src.name, vcpus=src.vcpus, memory_mib=src.memory_mib,
@@ -738,7 +740,7 @@ class NodeRuntime:
             handle, layer_id = await self._launch(config, Launch(
                 self.template_image(tpl, src.memory_mib), backing=self.layer_path(tpl.layer_id),
                 parent_layer=tpl.layer_id, paused=True, disk_gib=src.disk_gib,
-            ), record_layer=False)
+            ), src.engine, record_layer=False)
         except BaseException:
             remove_tree(self.run_dir(vm_id))
             remove_tree(self.paths.machines / vm_id)
@@ -796,7 +798,7 @@ class NodeRuntime:
         async with lease.op():
             rec = self._rec(machine_id)
             ck = self._checkpoint(rec, name)
-            await self.host.ready()
+            await self.host.ready(rec.engine)
             async with lease.replace():
                 rec = self.lifecycle.begin(rec, S.RESTORING, S.RUNNING, S.FAILED)
                 old = self._retire(rec.id)
@@ -830,7 +832,7 @@ class NodeRuntime:
         The capture goes to tmpfs (fast: the machine is paused meanwhile); the store
         then copies and hashes it into its own filesystem while the machine runs again.
         """
-        _, engine = await self.host.ready()
+        _, engine = await self.host.ready(self._rec(machine_id).engine)
         # In the store's staging area: an interrupted save is collected at next start.
         work = Path(tempfile.mkdtemp(prefix="save-", dir=self.store.staging_dir))
         capture = self.paths.shm / "tmp" / new_id("save")
@@ -884,10 +886,9 @@ class NodeRuntime:
         for rec in self.repos.machines.in_states((S.DELETING,), self._id):
             await self.purge(rec.id)
         recs = self.repos.machines.in_states((*LIVE, *TRANSIENT), self._id)
-        if recs:
-            _, engine = await self.host.ready()
-            for rec in recs:
-                await self._reattach(engine, rec)
+        for rec in recs:
+            _, engine = await self.host.ready(rec.engine)
+            await self._reattach(engine, rec)
         await self._sweep()
         self.gc()
 
@@ -917,9 +918,9 @@ class NodeRuntime:
         if strays:
             # Standby children of a daemon that died (spares are never recorded), or
             # machines whose records are gone: their VMs may still be running.
-            _, engine = await self.host.ready()
+            await self.host.ready()
             for d in strays:
-                if engine.kill_stray(d.name, d):
+                if any(e.kill_stray(d.name, d) for e in self.host.engines.values()):
                     log.info("machine=%s event=stray_vm_killed", d.name)
                 remove_tree(d)
         for d in self.paths.machines.glob("*"):
