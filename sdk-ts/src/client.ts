@@ -269,6 +269,9 @@ export class Machines {
       ["memory_mib", options.memoryMib],
       ["disk_gib", options.diskGib],
       ["from_snapshot", options.fromSnapshot],
+      ["engine", options.engine],
+      ["suspend_after", options.suspendAfter],
+      ["hibernate_after", options.hibernateAfter],
     ];
     for (const [k, v] of fields) if (v !== undefined && v !== null) body[k] = v; // daemon defaults
     return this.c._json({ method: "POST", path: "/v1/machines", json: body });
@@ -303,6 +306,25 @@ export class Machines {
   /** Stop the machine and remove its files (its checkpoints die with it). @throws MachineNotFound */
   async delete(ref: string): Promise<void> {
     await this.c._void({ method: "DELETE", path: `/v1/machines/${seg(ref)}` });
+  }
+
+  /** Stop the machine's vCPUs; memory stays resident; any request wakes it. @throws StateError */
+  async suspend(ref: string): Promise<Machine> {
+    return this.c._json({ method: "POST", path: `/v1/machines/${seg(ref)}/suspend` });
+  }
+
+  /** Write the machine's memory to disk and end its VM; any request wakes it. @throws StateError */
+  async hibernate(ref: string): Promise<Machine> {
+    return this.c._json({
+      method: "POST", path: `/v1/machines/${seg(ref)}/hibernate`, idleTimeoutMs: 300_000,
+    });
+  }
+
+  /** Wake a suspended or hibernated machine. @throws MachineFailed, QuotaExceeded */
+  async resume(ref: string): Promise<Machine> {
+    return this.c._json({
+      method: "POST", path: `/v1/machines/${seg(ref)}/resume`, idleTimeoutMs: 300_000,
+    });
   }
 
   /**

@@ -46,6 +46,12 @@ export interface MachineNewOptions {
   isolated?: boolean;
   /** Start from a snapshot: `NAME`, `NAME@N` or `sha256:DIGEST`. */
   fromSnapshot?: string;
+  /** Engine to run it on (daemon default if absent). */
+  engine?: string;
+  /** Idle seconds before its vCPUs stop (0 never; daemon default if absent). */
+  suspendAfter?: number;
+  /** Idle seconds before it goes to disk (0 never; daemon default if absent). */
+  hibernateAfter?: number;
 }
 
 /** What `machines.exec` and `machines.execStream` run. */

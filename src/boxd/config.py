@@ -106,6 +106,11 @@ class Paths:
         return self.shm / "machines" / machine_id
 
     @property
+    def hibernated(self) -> Path:
+        """Memory + device state of hibernated machines (on disk, not tmpfs)."""
+        return self.home / "hibernated"
+
+    @property
     def templates(self) -> Path:
         return self.shm / "templates"
 
@@ -115,7 +120,8 @@ class Paths:
 
     def ensure(self) -> None:
         for p in (self.home, self.images, self.disks, self.snapshots, self.machines,
-                  self.shm, self.shm / "machines", self.templates, self.checkpoints):
+                  self.hibernated, self.shm, self.shm / "machines", self.templates,
+                  self.checkpoints):
             p.mkdir(parents=True, exist_ok=True)
         os.chmod(self.home, 0o700)
         os.chmod(self.shm, 0o700)
@@ -139,6 +145,31 @@ def _int(env: Mapping[str, str], name: str, default: int) -> int:
         return default
 
 
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from ``90``, ``90s``, ``10m`` or ``1h`` (0 means never).
+
+    Raises:
+        ValueError: not a non-negative number with an optional s, m or h.
+    """
+    t = text.strip().lower()
+    unit = _UNITS.get(t[-1:])
+    number = t[:-1] if unit is not None else t
+    value = float(number) * (unit or 1.0)
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"not a duration: {text!r}")
+    return value
+
+
+def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    try:
+        return parse_duration(env[name]) if name in env else default
+    except ValueError:
+        return default
+
+
 @dataclass(frozen=True)
 class Settings:
     """The daemon's settings, read once from the environment (see the README's table)."""
@@ -150,6 +181,9 @@ class Settings:
     log_level: str = "info"  # BOXD_LOG_LEVEL
     image_cache: Path | None = None  # BOXD_IMAGE_CACHE: where guest images are built
     engine: str = "qemu"  # BOXD_ENGINE: the engine new machines run on
+    suspend_after: float = 60.0  # BOXD_SUSPEND_AFTER: idle seconds before suspend; 0 never
+    hibernate_after: float = 600.0  # BOXD_HIBERNATE_AFTER: idle seconds before hibernate
+    default_max_machines: int = 50  # BOXD_DEFAULT_MAX_MACHINES: a new account's quota
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -163,6 +197,9 @@ class Settings:
             log_level=e.get("BOXD_LOG_LEVEL", "info").strip().lower() or "info",
             image_cache=Path(cache).expanduser() if cache else None,
             engine=e.get("BOXD_ENGINE", "qemu").strip().lower() or "qemu",
+            suspend_after=_seconds(e, "BOXD_SUSPEND_AFTER", 60.0),
+            hibernate_after=_seconds(e, "BOXD_HIBERNATE_AFTER", 600.0),
+            default_max_machines=_int(e, "BOXD_DEFAULT_MAX_MACHINES", DEFAULT_MACHINE_QUOTA),
         )
 
 

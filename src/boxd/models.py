@@ -20,13 +20,18 @@ NAME_RULE = "1-63 lowercase letters, digits or '-', starting and ending with a l
 class MachineState(StrEnum):
     """Lifecycle of a machine. Transitions are checked in one place (`boxd.node.lifecycle`).
 
-    ``swapping`` and ``restoring`` are transient: the machine's VM process is being
-    replaced (its first fork gives it RAM of its own; a checkpoint restore), and
-    requests that need the machine wait for it to finish.
+    ``suspended`` machines have their vCPUs stopped (memory resident); ``hibernated``
+    ones have memory and device state on disk and no VM process. ``hibernating``,
+    ``waking``, ``swapping`` and ``restoring`` are transient: requests that need the
+    machine wait for them to finish (and wake a suspended or hibernated machine).
     """
 
     STARTING = "starting"
     RUNNING = "running"
+    SUSPENDED = "suspended"
+    HIBERNATING = "hibernating"
+    HIBERNATED = "hibernated"
+    WAKING = "waking"
     SWAPPING = "swapping"
     RESTORING = "restoring"
     FAILED = "failed"
@@ -43,6 +48,14 @@ class MachineCreate(BaseModel):
     engine: str | None = Field(
         None, pattern=r"^[a-z][a-z0-9-]{0,31}$",
         description="engine to run it on (qemu); default: the daemon's (BOXD_ENGINE)",
+    )
+    suspend_after: float | None = Field(
+        None, ge=0, le=10**9,
+        description="idle seconds before its vCPUs stop; 0 never; default BOXD_SUSPEND_AFTER",
+    )
+    hibernate_after: float | None = Field(
+        None, ge=0, le=10**9,
+        description="idle seconds before it goes to disk; 0 never; default BOXD_HIBERNATE_AFTER",
     )
 
 
@@ -63,6 +76,9 @@ class Machine(BaseModel):
     created_at: float
     node: str | None = Field(None, description="id of the node that runs the machine")
     engine: str | None = Field(None, description="engine that runs it (qemu)")
+    suspend_after: float | None = Field(None, description="its idle timer (None: default)")
+    hibernate_after: float | None = Field(None, description="its idle timer (None: default)")
+    idle_seconds: float | None = Field(None, description="seconds since a request needed it")
 
 
 class MachineList(BaseModel):

@@ -71,6 +71,18 @@ class MachineService(Protocol):
         """Fork ``ref`` into ``len(names)`` children (None = generated name), per item."""
         ...
 
+    async def suspend(self, account: str, ref: str) -> models.Machine:
+        """Stop its vCPUs; memory stays resident. Raises: MachineNotFound, StateError."""
+        ...
+
+    async def hibernate(self, account: str, ref: str) -> models.Machine:
+        """Memory to disk, VM process ends. Raises: MachineNotFound, StateError."""
+        ...
+
+    async def resume(self, account: str, ref: str) -> models.Machine:
+        """Wake it. Raises: MachineNotFound, MachineFailed, QuotaExceeded."""
+        ...
+
     async def checkpoint_save(self, account: str, ref: str, name: str) -> models.Checkpoint:
         ...
 

@@ -9,12 +9,18 @@ tests/unit/test_node_fake.py.
 
 from __future__ import annotations
 
+import sqlite3
+import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from boxd import errors
+from boxd.config import Paths
+
+from ._guest import bump_counter, read_counter, start_counter
 
 pytestmark = pytest.mark.vm
 
@@ -82,3 +88,124 @@ def test_a_second_fork_reuses_the_own_ram_and_states_stay_running(client, machin
     finally:
         client.machines.delete(first.id)
         client.machines.delete(second.id)
+
+
+# ------------------------------------------------- suspend, hibernate, wake
+
+
+def _vm_id(daemon, machine_id: str) -> str:  # type: ignore[no-untyped-def]
+    with sqlite3.connect(f"file:{Paths(daemon.home.resolve()).db}?mode=ro", uri=True) as db:
+        (vm_id,) = db.execute("SELECT vm_id FROM machines WHERE id=?", (machine_id,)).fetchone()
+    return str(vm_id)
+
+
+def _qemu_pids(vm_id: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", f"boxd-{vm_id},"], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def _wait_state(client, ref: str, want: str, timeout: float = 60) -> list[str]:  # type: ignore[no-untyped-def]
+    """Poll the state (status reads: never activity) until it is ``want``."""
+    seen = []
+    deadline = time.monotonic() + timeout
+    while True:
+        state = client.machines.get(ref).state.value
+        seen.append(state)
+        if state == want:
+            return seen
+        assert time.monotonic() < deadline, f"{ref} never became {want}: {seen[-5:]}"
+        time.sleep(0.2)
+
+
+def test_the_idle_timer_suspends_polls_do_not_wake_and_exec_does(client, daemon) -> None:  # type: ignore[no-untyped-def]
+    m = client.machines.new("idle-timer", suspend_after=3, hibernate_after=0)
+    try:
+        client.machines.wait_until_ready(m.id, timeout=300)
+        start_counter(client, m.id)
+        bump_counter(client, m.id, 3)
+        seen = _wait_state(client, m.id, "suspended")
+        assert seen[0] == "running"  # the polls of the loop above did not keep it awake
+        (pid,) = _qemu_pids(_vm_id(daemon, m.id))
+        before = _cpu_ticks(pid)
+        time.sleep(2)
+        used = _cpu_ticks(pid) - before
+        assert used <= 10, f"a suspended machine used {used} ticks in 2 s"  # ~0 while paused
+        got = client.machines.get(m.id)
+        assert got.idle_seconds is not None and got.idle_seconds >= 3
+        assert read_counter(client, m.id) == 3  # exec woke it; the process's memory is intact
+        assert client.machines.get(m.id).state.value == "running"
+    finally:
+        client.machines.delete(m.id)
+
+
+def test_hibernate_ends_qemu_and_a_request_wakes_it(client, daemon, machine) -> None:  # type: ignore[no-untyped-def]
+    start_counter(client, machine.id)
+    bump_counter(client, machine.id, 5)
+    before = client.machines.get(machine.id)
+    vm = _vm_id(daemon, machine.id)
+    hib = client.machines.hibernate(machine.id)
+    assert hib.state.value == "hibernated"
+    assert _qemu_pids(vm) == []  # no QEMU process while hibernated
+    assert not Paths(daemon.home.resolve()).run_dir(vm).exists()  # no RAM on /dev/shm
+    with pytest.raises(errors.StateError):
+        client.machines.suspend(machine.id)
+    assert read_counter(client, machine.id) == 5  # exec woke it from disk
+    after = client.machines.get(machine.id)
+    assert after.state.value == "running"
+    assert (after.id, after.name, after.url) == (before.id, before.name, before.url)
+    # the clock was stepped to the host's at the wake
+    guest_now = float(client.machines.exec(machine.id, "date +%s.%N").stdout)
+    assert abs(guest_now - time.time()) < 5
+
+
+def test_explicit_suspend_and_resume(client, machine) -> None:  # type: ignore[no-untyped-def]
+    assert client.machines.suspend(machine.id).state.value == "suspended"
+    assert client.machines.suspend(machine.id).state.value == "suspended"  # idempotent
+    assert client.machines.resume(machine.id).state.value == "running"
+    assert client.machines.exec(machine.id, "echo ok").stdout == "ok\n"
+
+
+def test_deleting_suspended_and_hibernated_machines(client, daemon, machine_factory) -> None:  # type: ignore[no-untyped-def]
+    a, b = machine_factory(), machine_factory()
+    client.machines.suspend(a.id)
+    client.machines.hibernate(b.id)
+    vm_a = _vm_id(daemon, a.id)
+    client.machines.delete(a.id)
+    client.machines.delete(b.id)
+    for m in (a, b):
+        with pytest.raises(errors.MachineNotFound):
+            client.machines.get(m.id)
+    assert _qemu_pids(vm_a) == []
+    assert not (Paths(daemon.home.resolve()).hibernated / b.id).exists()
+
+
+def test_hibernated_machines_do_not_count_against_the_quota(client, daemon) -> None:  # type: ignore[no-untyped-def]
+    from boxd import Boxd
+
+    created = client.keys.create("quota-test", account="quota-test")
+    with Boxd(api_key=created.secret) as other:
+        db_path = Paths(daemon.home.resolve()).db
+        with sqlite3.connect(db_path) as db:  # the operator sets the limit
+            db.execute("UPDATE accounts SET machine_quota=1 WHERE name='quota-test'")
+        a = other.machines.new("qa")
+        try:
+            other.machines.wait_until_ready(a.id, timeout=300)
+            with pytest.raises(errors.QuotaExceeded):
+                other.machines.new("qb")
+            other.machines.hibernate(a.id)
+            b = other.machines.new("qb")  # a hibernated machine does not count
+            try:
+                with pytest.raises(errors.QuotaExceeded) as info:
+                    other.machines.exec(a.id, "true")  # waking it would exceed the limit
+                assert info.value.details["limit"] == 1
+                assert other.machines.get(a.id).state.value == "hibernated"
+            finally:
+                other.machines.delete(b.id)
+            assert other.machines.exec(a.id, "echo up").stdout == "up\n"
+        finally:
+            other.machines.delete(a.id)

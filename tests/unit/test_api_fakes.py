@@ -155,6 +155,20 @@ class FakeMachines(MachineService):
     async def recover(self) -> None:
         return None
 
+    def _set_state(self, account: str, ref: str, state: models.MachineState) -> models.Machine:
+        m = self._find(account, ref).model_copy(update={"state": state})
+        self.machines[m.id] = (account, m)
+        return m
+
+    async def suspend(self, account: str, ref: str) -> models.Machine:
+        return self._set_state(account, ref, models.MachineState.SUSPENDED)
+
+    async def hibernate(self, account: str, ref: str) -> models.Machine:
+        return self._set_state(account, ref, models.MachineState.HIBERNATED)
+
+    async def resume(self, account: str, ref: str) -> models.Machine:
+        return self._set_state(account, ref, models.MachineState.RUNNING)
+
     async def close(self) -> None:
         self.closed = True
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -526,3 +527,215 @@ def test_replace_closes_the_gate_and_waits_for_users_in_flight() -> None:
         assert order == ["a+", "a-", "swap", "b+", "b-"]
 
     asyncio.run(main())
+
+
+# ----------------------------------------------------- suspend, hibernate, wake
+
+
+def test_suspend_then_exec_wakes_with_memory_and_clock_step(world: World) -> None:
+    async def main() -> None:
+        m = await running(world)
+        await sh(world, m.id, "write /dev/shm/counter 7")
+        got = await world.machines.suspend(ACCOUNT, m.id)
+        assert got.state == S.SUSPENDED and world.vm(m.id).paused
+        assert await world.machines.suspend(ACCOUNT, m.id) == await world.machines.get(
+            ACCOUNT, m.id)  # idempotent
+        steps = world.vm(m.id).guest.clock_steps
+        assert await sh(world, m.id, "cat /dev/shm/counter") == "7"  # woke transparently
+        assert world.state(m.id) == S.RUNNING and not world.vm(m.id).paused
+        assert world.vm(m.id).guest.clock_steps == steps + 1
+
+    run(main())
+
+
+def test_concurrent_requests_share_one_wake(world: World) -> None:
+    async def main() -> None:
+        m = await running(world)
+        await world.machines.suspend(ACCOUNT, m.id)
+        resumes = world.engine.calls.count("resume")
+        outs = await asyncio.gather(*(sh(world, m.id, f"echo {i}") for i in range(5)))
+        assert outs == [f"{i}\n" for i in range(5)]
+        assert world.engine.calls.count("resume") == resumes + 1
+
+    run(main())
+
+
+def test_hibernate_ends_the_vm_and_wake_restores_it(world: World) -> None:
+    async def main() -> None:
+        m = await running(world)
+        await sh(world, m.id, "write /dev/shm/counter 3")
+        vm = world.vm(m.id)
+        got = await world.machines.hibernate(ACCOUNT, m.id)
+        assert got.state == S.HIBERNATED and vm.destroyed
+        rec = world.repos.machines.get(m.id)
+        assert rec is not None and rec.pid is None and rec.vm_id not in world.engine.running
+        assert (world.paths.hibernated / m.id / "complete").exists()
+        with pytest.raises(errors.StateError) as info:
+            await world.machines.suspend(ACCOUNT, m.id)  # suspending a hibernated machine
+        assert info.value.details["state"] == "hibernated"
+        woke = await world.machines.resume(ACCOUNT, m.id)
+        assert woke.state == S.RUNNING and woke.port == m.port and woke.id == m.id
+        assert await sh(world, m.id, "cat /dev/shm/counter") == "3"
+        assert not (world.paths.hibernated / m.id).exists()
+
+    run(main())
+
+
+def test_a_hibernated_source_forks_from_its_template_and_a_request_wakes_it(
+    world: World,
+) -> None:
+    async def main() -> None:
+        src = await running(world)
+        await sh(world, src.id, "write /root/f x")
+        await world.machines.fork(ACCOUNT, src.id, ["a"])
+        await world.machines.hibernate(ACCOUNT, src.id)
+        (b,) = await world.machines.fork(ACCOUNT, src.id, ["b"])  # same template, no wake
+        assert isinstance(b, models.Machine) and world.state(src.id) == S.HIBERNATED
+        assert await sh(world, "b", "cat /root/f") == "x"
+        assert await sh(world, src.id, "cat /root/f") == "x"  # exec wakes it
+        assert world.state(src.id) == S.RUNNING
+
+    run(main())
+
+
+def test_hibernated_machines_free_their_quota_and_waking_needs_one(world: World) -> None:
+    async def main() -> None:
+        world.repos.db.execute("UPDATE accounts SET machine_quota=1 WHERE id=?", (ACCOUNT,))
+        a = await running(world, "a")
+        await world.machines.hibernate(ACCOUNT, a.id)
+        b = await running(world, "b")  # a does not count while hibernated
+        with pytest.raises(errors.QuotaExceeded) as info:
+            await sh(world, a.id, "echo")
+        assert info.value.details == {"limit": 1, "used": 1}
+        assert "--max-machines" in info.value.hint
+        assert world.state(a.id) == S.HIBERNATED  # still hibernated, nothing lost
+        await world.machines.delete(ACCOUNT, b.id)
+        assert await sh(world, a.id, "echo up") == "up\n"
+
+    run(main())
+
+
+def test_a_wake_whose_image_is_gone_fails_the_machine_with_the_reason(world: World) -> None:
+    async def main() -> None:
+        m = await running(world)
+        await world.machines.hibernate(ACCOUNT, m.id)
+        (world.paths.hibernated / m.id / "state").unlink()
+        with pytest.raises(errors.MachineFailed) as info:
+            await sh(world, m.id, "echo")
+        assert "hibernation image" in str(info.value)
+        got = await world.machines.get(ACCOUNT, m.id)
+        assert got.state == S.FAILED and "hibernation image" in (got.error or "")
+
+    run(main())
+
+
+def test_a_wake_that_does_not_load_fails_the_machine(world: World) -> None:
+    async def main() -> None:
+        m = await running(world)
+        await world.machines.hibernate(ACCOUNT, m.id)
+        world.engine.fail("start_from", errors.IntegrityError("the image does not load"))
+        with pytest.raises(errors.MachineFailed):
+            await world.machines.resume(ACCOUNT, m.id)
+        assert world.state(m.id) == S.FAILED
+
+    run(main())
+
+
+def test_a_failed_hibernate_capture_leaves_it_running(world: World) -> None:
+    async def main() -> None:
+        m = await running(world)
+        world.engine.fail("capture")
+        with pytest.raises(errors.InternalError):
+            await world.machines.hibernate(ACCOUNT, m.id)
+        assert world.state(m.id) == S.RUNNING and not world.vm(m.id).paused
+        assert not (world.paths.hibernated / m.id).exists()
+        assert await sh(world, m.id, "echo ok") == "ok\n"
+
+    run(main())
+
+
+def test_delete_suspended_and_hibernated_machines(world: World) -> None:
+    async def main() -> None:
+        a = await running(world, "a")
+        b = await running(world, "b")
+        await world.machines.suspend(ACCOUNT, a.id)
+        await world.machines.hibernate(ACCOUNT, b.id)
+        await world.machines.delete(ACCOUNT, a.id)
+        await world.machines.delete(ACCOUNT, b.id)
+        assert await world.machines.list(ACCOUNT) == []
+        assert list(world.paths.hibernated.iterdir()) == []
+        assert leftovers(world) == {"disks": [], "run": [], "templates": [], "checkpoints": []}
+
+    run(main())
+
+
+def test_idle_timers_suspend_then_hibernate_and_status_reads_do_not_count(
+    world: World,
+) -> None:
+    async def main() -> None:
+        m = await world.machines.create(
+            ACCOUNT, models.MachineCreate(name="w", suspend_after=10, hibernate_after=100)
+        )
+        await world.machines.wait_until_ready(ACCOUNT, m.id, timeout=5)
+        never = await world.machines.create(
+            ACCOUNT, models.MachineCreate(name="n", suspend_after=0, hibernate_after=0)
+        )
+        await world.machines.wait_until_ready(ACCOUNT, never.id, timeout=5)
+        t0 = time.time()
+
+        async def tick(at: float) -> None:
+            await world.node.idle_tick(t0 + at)
+            while world.node._idle_ops:
+                await asyncio.sleep(0)
+
+        await tick(5)
+        assert world.state(m.id) == S.RUNNING
+        for _ in range(3):
+            await world.machines.get(ACCOUNT, m.id)  # polls are not activity
+            await world.machines.list(ACCOUNT)
+        await tick(11)
+        assert world.state(m.id) == S.SUSPENDED
+        await tick(101)
+        assert world.state(m.id) == S.HIBERNATED
+        assert world.state(never.id) == S.RUNNING  # 0 means never
+        got = await world.machines.get(ACCOUNT, m.id)
+        assert got.suspend_after == 10 and got.idle_seconds is not None
+
+    run(main())
+
+
+def test_an_exec_in_flight_keeps_a_machine_from_idling(world: World) -> None:
+    async def main() -> None:
+        m = await running(world)
+        reached, release = world.engine.gate("exec")
+        task = asyncio.create_task(sh(world, m.id, "echo long"))
+        await reached.wait()
+        await world.node.idle_tick(time.time() + 10_000)
+        await asyncio.sleep(0)
+        assert world.state(m.id) == S.RUNNING and not world.node._idle_ops
+        release.set()
+        assert await task == "long\n"
+
+    run(main())
+
+
+def test_recovery_keeps_suspended_and_finishes_an_interrupted_hibernation(
+    world: World,
+) -> None:
+    async def main() -> None:
+        sus = await running(world, "sus")
+        hib = await running(world, "hib")
+        await world.machines.suspend(ACCOUNT, sus.id)
+        await world.machines.hibernate(ACCOUNT, hib.id)
+        # a daemon killed while hibernating, after the image was sealed
+        world.repos.machines.compare_and_set(hib.id, [S.HIBERNATED], S.HIBERNATING)
+        await world.node.close()
+        world.restart()
+        await world.machines.recover()
+        assert world.state(sus.id) == S.SUSPENDED and world.vm(sus.id).paused
+        assert world.state(hib.id) == S.HIBERNATED
+        assert await sh(world, "hib", "echo back") == "back\n"
+        assert await sh(world, "sus", "echo back") == "back\n"
+        await world.node.close()
+
+    run(main())

@@ -15,7 +15,7 @@ import click
 
 from boxd import __version__, errors
 from boxd.cli import _render
-from boxd.config import Paths
+from boxd.config import Paths, parse_duration
 from boxd.sdk import Boxd
 
 __all__ = ["main"]
@@ -93,6 +93,24 @@ def main(ctx: click.Context, url: str | None, api_key: str | None) -> None:
 # --- machine -------------------------------------------------------------------------
 
 
+class _Duration(click.ParamType):  # type: ignore[type-arg]  # generic only in click >= 8.2
+    """``90``, ``90s``, ``10m``, ``1h`` -> seconds (0: never)."""
+
+    name = "duration"
+
+    def convert(self, value: object, param: click.Parameter | None,
+                ctx: click.Context | None) -> float:
+        if isinstance(value, (int, float)):
+            return float(value)
+        try:
+            return parse_duration(str(value))
+        except ValueError:
+            self.fail(f"{value!r} is not a duration: use e.g. 60s, 10m, 1h or 0", param, ctx)
+
+
+_DURATION = _Duration()
+
+
 @main.group(context_settings=_CONTEXT)
 def machine() -> None:
     """Create, run commands in, fork, checkpoint and delete machines."""
@@ -105,6 +123,10 @@ def machine() -> None:
 @click.option("--vcpus", type=click.IntRange(1), help="Virtual CPUs.")
 @click.option("--memory", "memory_mib", type=click.IntRange(128), metavar="MIB", help="Memory.")
 @click.option("--disk", "disk_gib", type=click.IntRange(1), metavar="GIB", help="Disk size.")
+@click.option("--suspend-after", type=_DURATION, metavar="DURATION",
+              help="Suspend after this long idle (60s, 10m, 1h; 0 never). Default: daemon's.")
+@click.option("--hibernate-after", type=_DURATION, metavar="DURATION",
+              help="Hibernate after this long idle (0 never). Default: daemon's.")
 @click.option("--wait/--no-wait", default=True, show_default=True, help="Wait until ready.")
 @click.option("--timeout", type=float, default=120.0, show_default=True, help="Seconds to wait.")
 @json_option
@@ -117,6 +139,8 @@ def machine_new(
     vcpus: int | None,
     memory_mib: int | None,
     disk_gib: int | None,
+    suspend_after: float | None,
+    hibernate_after: float | None,
     wait: bool,
     timeout: float,
     as_json: bool,
@@ -130,6 +154,8 @@ def machine_new(
         disk_gib=disk_gib,
         isolated=isolated,
         from_snapshot=from_snapshot,
+        suspend_after=suspend_after,
+        hibernate_after=hibernate_after,
     )
     if wait:
         with _render.activity(f"waiting for {m.name} to boot", as_json=as_json):
@@ -165,6 +191,33 @@ def machine_tree(state: _State, name: str | None, as_json: bool) -> None:
     `machines.lineage()` (machines and snapshots).
     """
     _show(state.boxd.machines.lineage(name), as_json, _render.machine_tree)
+
+
+@machine.command("suspend")
+@click.argument("name")
+@json_option
+@pass_state
+def machine_suspend(state: _State, name: str, as_json: bool) -> None:
+    """Stop NAME's vCPUs; its memory stays resident. Any request wakes it."""
+    _show(state.boxd.machines.suspend(name), as_json, _render.machine)
+
+
+@machine.command("hibernate")
+@click.argument("name")
+@json_option
+@pass_state
+def machine_hibernate(state: _State, name: str, as_json: bool) -> None:
+    """Write NAME's memory to disk and end its VM. Any request wakes it."""
+    _show(state.boxd.machines.hibernate(name), as_json, _render.machine)
+
+
+@machine.command("resume")
+@click.argument("name")
+@json_option
+@pass_state
+def machine_resume(state: _State, name: str, as_json: bool) -> None:
+    """Wake NAME from suspended or hibernated."""
+    _show(state.boxd.machines.resume(name), as_json, _render.machine)
 
 
 @machine.command("delete")

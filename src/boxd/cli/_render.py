@@ -120,7 +120,27 @@ def size(n: int | None) -> str:
     return f"{value:.1f} TiB"
 
 
-_STATE_STYLE = {"running": "green", "starting": "yellow", "failed": "red", "deleting": "dim"}
+_STATE_STYLE = {
+    "running": "green", "starting": "yellow", "failed": "red", "deleting": "dim",
+    "suspended": "cyan", "hibernated": "blue", "hibernating": "blue", "waking": "yellow",
+    "swapping": "yellow", "restoring": "yellow",
+}
+
+
+def idle(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.0f}s"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def _timer(seconds: float | None) -> str:
+    if seconds is None:
+        return "daemon default"
+    return "never" if seconds == 0 else idle(seconds)
 
 
 def _state(state: models.MachineState | str) -> str:
@@ -154,12 +174,13 @@ def details(pairs: Iterable[tuple[str, object]]) -> None:
 
 def machines(items: Sequence[models.Machine]) -> None:
     table(
-        ["NAME", "ID", "STATE", "CPUS", "MEMORY", "DISK", "PORT", "PARENT", "CREATED"],
+        ["NAME", "ID", "STATE", "IDLE", "CPUS", "MEMORY", "DISK", "PORT", "PARENT", "CREATED"],
         (
             [
                 m.name,
                 m.id,
                 _state(m.state),
+                idle(m.idle_seconds),
                 str(m.vcpus),
                 f"{m.memory_mib} MiB",
                 f"{m.disk_gib} GiB",
@@ -179,6 +200,10 @@ def machine(m: models.Machine) -> None:
             ("name", m.name),
             ("id", m.id),
             ("state", _state(m.state)),
+            ("idle", idle(m.idle_seconds)),
+            ("suspend after", _timer(m.suspend_after)),
+            ("hibernate after", _timer(m.hibernate_after)),
+            ("engine", m.engine),
             ("vcpus", m.vcpus),
             ("memory", f"{m.memory_mib} MiB"),
             ("disk", f"{m.disk_gib} GiB"),

@@ -22,7 +22,8 @@ def build_services(
     repos = Repos(db)
     store = SnapshotStore(paths.snapshots)
     node = NodeRuntime(paths, repos, Host(paths, settings), settings, store)
-    machines = Machines(repos, {node.id: node}, store)
+    machines = Machines(repos, {node.id: node}, store,
+                        default_quota=settings.default_max_machines)
     snapshots = Snapshots(machines, store)
     machines.snapshots = snapshots
 

@@ -49,16 +49,22 @@ def machine_model(rec: MachineRecord) -> models.Machine:
         url=f"http://127.0.0.1:{rec.port}" if rec.port else None, parent_id=rec.parent_id,
         snapshot=rec.snapshot, accelerator=rec.accel, error=rec.error,
         created_at=rec.created_at, node=rec.node_id, engine=rec.engine,
+        suspend_after=rec.suspend_after, hibernate_after=rec.hibernate_after,
+        idle_seconds=round(max(0.0, time.time() - rec.last_active), 3),
     )
 
 
 class Machines:
     """The `MachineService`: machines of accounts, on nodes."""
 
-    def __init__(self, repos: Repos, nodes: dict[str, Node], store: SnapshotStore) -> None:
+    def __init__(
+        self, repos: Repos, nodes: dict[str, Node], store: SnapshotStore, *,
+        default_quota: int = DEFAULT_MACHINE_QUOTA,
+    ) -> None:
         self.repos = repos
         self.nodes = nodes
         self.store = store
+        self.default_quota = default_quota
         self.snapshots: Snapshots | None = None
 
     # ------------------------------------------------------------- placement
@@ -83,6 +89,7 @@ class Machines:
         self, account: str, name: str | None, node: Node, *, vcpus: int, memory_mib: int,
         disk_gib: int, isolated: bool, parent_id: str | None = None,
         snapshot: str | None = None, image: str | None = None, engine: str | None = None,
+        suspend_after: float | None = None, hibernate_after: float | None = None,
     ) -> MachineRecord:
         if name is None:
             name = f"machine-{secrets.token_hex(3)}"
@@ -91,7 +98,8 @@ class Machines:
             account, name, machine_id=new_id("m"), vcpus=vcpus, memory_mib=memory_mib,
             disk_gib=disk_gib, isolated=isolated, image=image or await node.image_key(),
             node_id=node.id, engine=engine or await node.engine_name(), parent_id=parent_id,
-            snapshot=snapshot, default_quota=DEFAULT_MACHINE_QUOTA,
+            snapshot=snapshot, default_quota=self.default_quota,
+            suspend_after=suspend_after, hibernate_after=hibernate_after,
         )
 
     # ---------------------------------------------------------------- create
@@ -108,6 +116,7 @@ class Machines:
         rec = await self._claim(
             account, req.name, node, vcpus=req.vcpus, memory_mib=req.memory_mib,
             disk_gib=req.disk_gib, isolated=req.isolated, engine=req.engine,
+            suspend_after=req.suspend_after, hibernate_after=req.hibernate_after,
         )
         await node.create(rec.id, Boot())
         return await self.get(account, rec.id)
@@ -134,6 +143,7 @@ class Machines:
             disk_gib=max(req.disk_gib, int(meta.get("disk_gib", req.disk_gib))),
             isolated=req.isolated or bool(meta.get("isolated", False)),
             snapshot=manifest.digest, engine=engine,
+            suspend_after=req.suspend_after, hibernate_after=req.hibernate_after,
         )
         await node.create(rec.id, FromSnapshot(
             manifest.digest, manifest.blob_path("memory"), manifest.blob_path("state"),
@@ -200,7 +210,8 @@ class Machines:
                     account, n if n is not None else f"{src.name[:48]}-{secrets.token_hex(3)}",
                     node, vcpus=src.vcpus, memory_mib=src.memory_mib, disk_gib=src.disk_gib,
                     isolated=src.isolated, parent_id=src.id, snapshot=src.snapshot,
-                    image=src.image, engine=src.engine,
+                    image=src.image, engine=src.engine, suspend_after=src.suspend_after,
+                    hibernate_after=src.hibernate_after,
                 ))
             except Exception as exc:
                 claimed.append(exc)
@@ -250,6 +261,23 @@ class Machines:
     async def checkpoint_delete(self, account: str, ref: str, name: str) -> None:
         rec = self._find(account, ref)
         await self._node(rec).checkpoint_delete(rec.id, name)
+
+    # ------------------------------------------------------ suspend / hibernate
+
+    async def suspend(self, account: str, ref: str) -> models.Machine:
+        rec = self._find(account, ref)
+        await self._node(rec).suspend(rec.id)
+        return await self.get(account, rec.id)
+
+    async def hibernate(self, account: str, ref: str) -> models.Machine:
+        rec = self._find(account, ref)
+        await self._node(rec).hibernate(rec.id)
+        return await self.get(account, rec.id)
+
+    async def resume(self, account: str, ref: str) -> models.Machine:
+        rec = self._find(account, ref)
+        await self._node(rec).resume(rec.id)
+        return await self.get(account, rec.id)
 
     # ---------------------------------------------------------------- delete
 

@@ -657,6 +657,15 @@ class AgentClient:
             P.OP_IDENTITY, hostname=hostname, machine_id=machine_id, seed=_b64(seed), now=now
         )
 
+    async def clock(self, now: float) -> None:
+        """Step the guest's wall clock to ``now`` (after a wake); nothing else changes.
+
+        Raises:
+            InvalidRequest: a bad value, or the agent lacks the privilege.
+            MachineFailed: the connection was lost.
+        """
+        await self._call(P.OP_IDENTITY, now=now)
+
     async def sync(self, timeout: float = 60.0) -> None:
         """Write the guest's dirty page cache to its disk (``sync(2)``).
 

@@ -97,6 +97,10 @@ class Agent(Protocol):
 
     async def sync(self, timeout: float = 60.0) -> None: ...
 
+    async def clock(self, now: float) -> None:
+        """Step the guest's wall clock to ``now`` (after a wake)."""
+        ...
+
     async def close(self) -> None: ...
 
 

@@ -35,6 +35,7 @@ class FakeGuest:
     files: dict[str, str] = field(default_factory=dict)
     hostname: str = ""
     identities: int = 0  # how many times identity was set
+    clock_steps: int = 0  # how many times the clock was stepped (wakes)
 
 
 class FakeAgent:
@@ -110,6 +111,10 @@ class FakeAgent:
 
     async def sync(self, timeout: float = 60.0) -> None:
         self._check()
+
+    async def clock(self, now: float) -> None:
+        self._check()
+        self._m.guest.clock_steps += 1
 
     async def close(self) -> None:
         return None

@@ -93,7 +93,17 @@ class Node(Protocol):
         """Detach from running machines (they keep running)."""
         ...
 
-    # Room for the lifecycle issue: suspend, resume, hibernate (same shape: machine id).
+    async def suspend(self, machine_id: str) -> None:
+        """Stop its vCPUs (memory stays resident)."""
+        ...
+
+    async def hibernate(self, machine_id: str) -> None:
+        """Memory and device state to disk; the VM process ends."""
+        ...
+
+    async def resume(self, machine_id: str) -> None:
+        """Wake a suspended or hibernated machine."""
+        ...
 
 
 __all__ = ["Boot", "FromSnapshot", "Node"]

@@ -7,10 +7,13 @@ so two operations racing on one machine cannot both win and a read never writes.
 ::
 
     starting ──agent answered──▶ running ◀──────────────┐
-       │                          │  │ first fork of a   │
-       │                          │  └─ fork child ──▶ swapping
-       │                          │  checkpoint restore  │
-       │                          └────────────────▶ restoring
+       │                   idle / │  │ first fork of a   │
+       │          suspend() ┌─────┘  └─ fork child ──▶ swapping
+       │                    ▼   ▲ wake (resume)        │
+       │               suspended│        checkpoint restore ──▶ restoring
+       │                    │   │
+       │     idle/hibernate()▼   │
+       │              hibernating ──▶ hibernated ──wake──▶ waking ──▶ running
        ▼                               any state ─────▶ failed (process exit, failed op)
     failed ──checkpoint restore──▶ restoring            failed/any ──▶ deleting ──▶ gone
 
@@ -36,7 +39,12 @@ S = MachineState
 # From each state, where a machine may go. DELETING is terminal (the record goes).
 TRANSITIONS: dict[MachineState, frozenset[MachineState]] = {
     S.STARTING: frozenset({S.RUNNING, S.FAILED, S.DELETING}),
-    S.RUNNING: frozenset({S.SWAPPING, S.RESTORING, S.FAILED, S.DELETING}),
+    S.RUNNING: frozenset({S.SUSPENDED, S.HIBERNATING, S.SWAPPING, S.RESTORING, S.FAILED,
+                          S.DELETING}),
+    S.SUSPENDED: frozenset({S.RUNNING, S.HIBERNATING, S.FAILED, S.DELETING}),
+    S.HIBERNATING: frozenset({S.HIBERNATED, S.RUNNING, S.SUSPENDED, S.FAILED}),
+    S.HIBERNATED: frozenset({S.WAKING, S.FAILED, S.DELETING}),
+    S.WAKING: frozenset({S.RUNNING, S.HIBERNATED, S.FAILED}),
     S.SWAPPING: frozenset({S.RUNNING, S.FAILED, S.DELETING}),
     S.RESTORING: frozenset({S.RUNNING, S.FAILED, S.DELETING}),
     S.FAILED: frozenset({S.RESTORING, S.DELETING}),
@@ -45,8 +53,13 @@ TRANSITIONS: dict[MachineState, frozenset[MachineState]] = {
 
 # States in which the VM process may be talked to (exec, files, capture).
 LIVE = (S.STARTING, S.RUNNING)
-# States whose VM process is being replaced: requests wait for the operation's lease.
-TRANSIENT = (S.SWAPPING, S.RESTORING)
+# States an operation holds the machine in: requests wait for the operation's lease.
+TRANSIENT = (S.SWAPPING, S.RESTORING, S.HIBERNATING, S.WAKING)
+# States a request wakes the machine from.
+ASLEEP = (S.SUSPENDED, S.HIBERNATED)
+# States that have a VM process (after a restart: re-attach it).
+HAS_VM = (S.STARTING, S.RUNNING, S.SUSPENDED, S.SWAPPING, S.RESTORING, S.HIBERNATING,
+          S.WAKING)
 
 
 def allowed(src: MachineState, dst: MachineState) -> bool:
@@ -87,7 +100,7 @@ class Lifecycle:
 
     def move(
         self, machine_id: str, dst: MachineState, *, expect: tuple[MachineState, ...] | None = None,
-        error: str | None = None,
+        error: str | None = None, quota: tuple[str, int] | None = None,
     ) -> bool:
         """Move a machine to ``dst`` from any state that allows it (or from ``expect``).
 
@@ -106,7 +119,7 @@ class Lifecycle:
                     f"illegal transition {src.value} -> {dst.value}", machine=machine_id,
                     state=src.value, required=[s.value for s in TRANSITIONS if allowed(s, dst)],
                 )
-        return self._machines.compare_and_set(machine_id, sources, dst, error)
+        return self._machines.compare_and_set(machine_id, sources, dst, error, quota=quota)
 
     def fail(self, machine_id: str, reason: str) -> bool:
         """Mark a machine failed (from any non-terminal state) with the reason."""
@@ -150,6 +163,11 @@ class Lease:
     def busy(self) -> bool:
         return self._op.locked()
 
+    @property
+    def users(self) -> int:
+        """Agent requests in flight."""
+        return self._users
+
     @contextlib.asynccontextmanager
     async def op(self) -> AsyncIterator[None]:
         async with self._op:
@@ -186,4 +204,7 @@ class Lease:
                 self._cond.notify_all()
 
 
-__all__ = ["LIVE", "TRANSIENT", "TRANSITIONS", "Lease", "Lifecycle", "allowed", "require"]
+__all__ = [
+    "ASLEEP", "HAS_VM", "LIVE", "TRANSIENT", "TRANSITIONS", "Lease", "Lifecycle", "allowed",
+    "require",
+]

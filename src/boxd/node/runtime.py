@@ -54,6 +54,7 @@ from boxd.errors import (
     AlreadyExists,
     BoxdError,
     CheckpointNotFound,
+    Conflict,
     ExecTimeout,
     InvalidRequest,
     MachineFailed,
@@ -63,10 +64,10 @@ from boxd.models import MachineState
 from boxd.node._host import Host
 from boxd.node._spares import Spare, SparePool
 from boxd.node.base import Boot, FromSnapshot
-from boxd.node.lifecycle import LIVE, TRANSIENT, Lease, Lifecycle, require
+from boxd.node.lifecycle import ASLEEP, HAS_VM, LIVE, TRANSIENT, Lease, Lifecycle, require
 from boxd.state import CheckpointRecord, MachineRecord, Repos, TemplateRecord, new_id
 from boxd.storage import Manifest, SnapshotStore, disks
-from boxd.storage.memory import remove_tree
+from boxd.storage.memory import is_sealed, remove_tree, seal
 
 log = logging.getLogger("boxd.node")
 
@@ -78,6 +79,15 @@ MAX_CHAIN = 8
 HOST_GRACE = 30.0
 # Seconds a RAM swap waits for requests in flight on the machine to finish.
 SWAP_DRAIN = 30.0
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def free_port() -> int:
@@ -126,6 +136,11 @@ class NodeRuntime:
         self._preparing: dict[str, asyncio.Future[TemplateRecord]] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._recovered = False
+        self._active: dict[str, float] = {}  # machine id -> last activity (seconds)
+        self._active_written: dict[str, float] = {}
+        self._idle_ops: set[str] = set()
+        self._idle_task: asyncio.Task[None] | None = None
+        self.idle_interval = 1.0
         self.spares = SparePool(self, per_template=settings.fork_spares,
                                 total=settings.fork_spares_total)
 
@@ -381,36 +396,63 @@ class NodeRuntime:
     async def _using(
         self, machine_id: str, timeout: float = 120.0
     ) -> AsyncIterator[tuple[MachineRecord, MachineHandle, Agent]]:
-        """The machine's VM and agent for one request, held against a swap.
+        """The machine's VM and agent for one request, held against a swap or suspend.
 
-        A request that finds the machine ``swapping``, ``restoring`` or ``starting``
-        waits for the operation in progress; the first request to a cold-booted
-        machine sets its identity (once, under the machine's lease).
+        A request that finds the machine in a transient state waits for the operation
+        in progress; one that finds it suspended or hibernated wakes it (concurrent
+        requests share one wake: the first wakes, the others wait for its lease); the
+        first request to a cold-booted machine sets its identity. The request counts
+        as activity for the idle timers.
         """
-        rec = self._rec(machine_id)
         lease = self.lease(machine_id)
-        if rec.state in TRANSIENT or rec.state == S.STARTING:
-            async with lease.op():
+        while True:
+            rec = self._rec(machine_id)
+            if rec.state != S.RUNNING:
+                if rec.state == S.FAILED:
+                    raise self.failed_error(rec, rec.error)
+                async with lease.op():
+                    await self._awake(self._rec(machine_id), timeout)
+            async with lease.use():
                 rec = self._rec(machine_id)
-                if rec.state == S.STARTING:
-                    await self._first_answer(rec, timeout)
-            rec = self._rec(machine_id)
-        async with lease.use():
-            rec = self._rec(machine_id)
-            if rec.state == S.FAILED:
-                raise self.failed_error(rec, rec.error)
-            require(rec, S.RUNNING)
-            handle = self.live.get(machine_id)
-            if handle is None:
-                raise self.failed_error(rec, "its VM process is not running")
-            try:
-                agent = await handle.agent(timeout=timeout)
-                yield rec, handle, agent
-            except MachineFailed as exc:
-                if not handle.alive():
-                    self._on_exit(machine_id, handle, handle.exit_reason())
-                    raise self.failed_error(rec, handle.exit_reason()) from exc
-                raise
+                if rec.state != S.RUNNING:
+                    continue  # suspended or replaced between the wake and the gate
+                handle = self.live.get(machine_id)
+                if handle is None:
+                    raise self.failed_error(rec, "its VM process is not running")
+                self._touch(machine_id)
+                try:
+                    agent = await handle.agent(timeout=timeout)
+                    yield rec, handle, agent
+                except MachineFailed as exc:
+                    if not handle.alive():
+                        self._on_exit(machine_id, handle, handle.exit_reason())
+                        raise self.failed_error(rec, handle.exit_reason()) from exc
+                    raise
+                finally:
+                    self._touch(machine_id)
+                return
+
+    async def _awake(self, rec: MachineRecord, timeout: float = 120.0) -> MachineRecord:
+        """Bring a machine to ``running`` (the caller holds its lease): set a cold-booted
+        one's identity, resume a suspended one, restore a hibernated one.
+
+        Raises:
+            MachineFailed: it is failed, or waking it failed (it is failed now).
+            QuotaExceeded: waking a hibernated machine would exceed its account's quota.
+            StateError: it is in a state nothing wakes it from.
+        """
+        if rec.state == S.FAILED:
+            raise self.failed_error(rec, rec.error)
+        if rec.state == S.STARTING:
+            await self._first_answer(rec, timeout)
+        elif rec.state == S.SUSPENDED:
+            await self._resume(rec)
+        elif rec.state == S.HIBERNATED:
+            await self._wake(rec)
+        fresh = self._rec(rec.id)
+        if fresh.state == S.FAILED:
+            raise self.failed_error(fresh, fresh.error)
+        return require(fresh, S.RUNNING)
 
     async def _first_answer(self, rec: MachineRecord, timeout: float) -> None:
         """A cold-booted machine's agent answered: its own machine-id, a reseeded RNG
@@ -529,7 +571,9 @@ class NodeRuntime:
         if rec is not None:
             remove_tree(self.run_dir(rec.vm_id))
             remove_tree(self.paths.machines / rec.vm_id)
+        remove_tree(self.paths.hibernated / machine_id)
         self._leases.pop(machine_id, None)
+        self._active.pop(machine_id, None)
         self.gc()
 
     def gc(self) -> None:
@@ -544,12 +588,13 @@ class NodeRuntime:
     # -------------------------------------------------------------------- fork
 
     async def _freeze_and_capture(
-        self, rec: MachineRecord, handle: MachineHandle, dest: Path
+        self, rec: MachineRecord, handle: MachineHandle, dest: Path, *, resume: bool = True
     ) -> tuple[str, MemoryImage]:
         """Pause, freeze the disk, capture memory + device state into ``dest``, resume.
 
         Returns the frozen layer id and the memory image. The source is resumed
-        whatever happens.
+        whatever happens, unless ``resume`` is false (hibernate: the VM ends next, and
+        on failure the caller resumes it).
         """
         assert rec.layer_id is not None
         frozen_id = rec.layer_id
@@ -561,7 +606,7 @@ class NodeRuntime:
             self.repos.layers.freeze(rec.id, frozen_id, new_layer)
             image = await handle.capture(dest)
         finally:
-            if handle.alive():
+            if resume and handle.alive():
                 await handle.resume()
         log.info("machine=%s event=captured downtime=%.3f", rec.id, time.monotonic() - t0)
         if len(self.repos.layers.chain(new_layer)) > MAX_CHAIN:
@@ -644,10 +689,7 @@ class NodeRuntime:
         self._preparing[source_id] = fut
         try:
             async with self.lease(source_id).op():
-                rec = self._rec(source_id)
-                if rec.state == S.FAILED:
-                    raise self.failed_error(rec, rec.error)
-                require(rec, S.RUNNING)
+                rec = await self._awake(self._rec(source_id))
                 handle = await self._own_ram(rec)
                 rec = self._rec(source_id)
                 await self._flush_page_cache(handle)
@@ -692,9 +734,10 @@ class NodeRuntime:
             async with self.lease(source_id).op():
                 pass
             src = self._rec(source_id)
-        require(src, *LIVE)
+        require(src, *LIVE, *ASLEEP)
         if src.state == S.STARTING:
             await self.wait_until_ready(source_id, timeout=120)
+        self._touch(source_id)
         tpl = await self._template(source_id)
         src = self._rec(source_id)
         results = await asyncio.gather(
@@ -776,9 +819,8 @@ class NodeRuntime:
                     f"machine {rec.name!r} already has a checkpoint named {name!r}",
                     kind="checkpoint", name=name, hint="delete it first or pick another name",
                 )
-            if rec.state == S.FAILED:
-                raise self.failed_error(rec, rec.error)
-            require(rec, S.RUNNING)
+            rec = await self._awake(rec)
+            self._touch(rec.id)
             handle = self.live.get(rec.id)
             if handle is None:
                 raise self.failed_error(rec, "its VM process is not running")
@@ -799,6 +841,9 @@ class NodeRuntime:
             rec = self._rec(machine_id)
             ck = self._checkpoint(rec, name)
             await self.host.ready(rec.engine)
+            if rec.state in ASLEEP:
+                rec = await self._awake(rec)  # takes its quota slot again if hibernated
+            self._touch(rec.id)
             async with lease.replace():
                 rec = self.lifecycle.begin(rec, S.RESTORING, S.RUNNING, S.FAILED)
                 old = self._retire(rec.id)
@@ -838,10 +883,8 @@ class NodeRuntime:
         capture = self.paths.shm / "tmp" / new_id("save")
         try:
             async with self.lease(machine_id).op():
-                rec = self._rec(machine_id)
-                if rec.state == S.FAILED:
-                    raise self.failed_error(rec, rec.error)
-                require(rec, S.RUNNING)
+                rec = await self._awake(self._rec(machine_id))
+                self._touch(rec.id)
                 handle = await self._own_ram(rec)
                 rec = self._rec(machine_id)
                 frozen_id, image = await self._freeze_and_capture(rec, handle, capture)
@@ -870,31 +913,256 @@ class NodeRuntime:
     def snapshot_digests_in_use(self) -> set[str]:
         return self.repos.machines.snapshot_digests()
 
+    # ------------------------------------------------- suspend, hibernate, wake
+
+    def _touch(self, machine_id: str) -> None:
+        """Activity: a request needed the machine (status reads never call this)."""
+        now = time.time()
+        self._active[machine_id] = now
+        if now - self._active_written.get(machine_id, 0.0) >= 1.0:  # at most 1 write/s
+            self._active_written[machine_id] = now
+            self.repos.machines.touch(machine_id, now)
+
+    def last_active(self, rec: MachineRecord) -> float:
+        return max(rec.last_active, self._active.get(rec.id, 0.0))
+
+    def timers(self, rec: MachineRecord) -> tuple[float, float]:
+        """(suspend_after, hibernate_after) in seconds for this machine; 0 is never."""
+        sus = rec.suspend_after if rec.suspend_after is not None else self.settings.suspend_after
+        hib = (rec.hibernate_after if rec.hibernate_after is not None
+               else self.settings.hibernate_after)
+        return sus, hib
+
+    async def _step_clock(self, rec: MachineRecord, handle: MachineHandle) -> None:
+        """After a wake: step the guest's wall clock to the host's (best effort)."""
+        try:
+            agent = await handle.agent(timeout=30)
+            await agent.clock(time.time())
+        except BoxdError as exc:
+            log.warning("machine=%s event=clock_step_failed error=%s", rec.id, exc)
+
+    async def _resume(self, rec: MachineRecord) -> None:
+        """Suspended → running (lease held): resume the vCPUs, step the clock."""
+        handle = self.live.get(rec.id)
+        if handle is None:
+            self.lifecycle.fail(rec.id, "its VM process is not running")
+            raise self.failed_error(rec, "its VM process is not running")
+        t0 = time.perf_counter()
+        await handle.resume()
+        self.lifecycle.move(rec.id, S.RUNNING, expect=(S.SUSPENDED,))
+        t1 = time.perf_counter()
+        await self._step_clock(rec, handle)
+        self._touch(rec.id)
+        log.info("machine=%s event=woke from=suspended resume_ms=%.3f clock_ms=%.3f",
+                 rec.id, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3)
+
+    async def _wake(self, rec: MachineRecord) -> None:
+        """Hibernated → running (lease held): restore the VM from its image on disk.
+
+        Raises:
+            QuotaExceeded: the account has no free slot (the machine stays hibernated).
+            MachineFailed: the image is missing or does not load (the machine is failed).
+        """
+        image_dir = self.paths.hibernated / rec.id
+        if not is_sealed(image_dir) or not (image_dir / "state").is_file():
+            reason = "its hibernation image is missing or incomplete"
+            self.lifecycle.fail(rec.id, reason)
+            raise self.failed_error(rec, reason)
+        if not self.lifecycle.move(
+            rec.id, S.WAKING, expect=(S.HIBERNATED,),
+            quota=(rec.account_id, self.settings.default_max_machines),
+        ):
+            self._rec(rec.id)
+            return
+        t0 = time.perf_counter()
+        rec = self._rec(rec.id)
+        mem = image_dir / "mem"
+        image = MemoryImage(mem if mem.is_file() else None, image_dir / "state", rec.memory_mib)
+        assert rec.layer_id is not None
+        port_free = rec.port is None or _port_free(rec.port)
+        if not port_free:
+            self.repos.machines.update(rec.id, port=free_port())
+            rec = self._rec(rec.id)
+        assert rec.layer_id is not None
+        try:
+            handle = await self._start(
+                rec, Launch(image, keep_disk=self.layer_path(rec.layer_id), copy_memory=True,
+                            disk_gib=rec.disk_gib),
+                identity=False,
+            )
+        except BoxdError as exc:
+            raise self.failed_error(self._rec(rec.id), exc.message) from exc
+        remove_tree(image_dir)
+        await self._step_clock(rec, handle)
+        self._touch(rec.id)
+        log.info("machine=%s event=woke from=hibernated seconds=%.3f", rec.id,
+                 time.perf_counter() - t0)
+
+    async def suspend(self, machine_id: str, *, idle: bool = False) -> None:
+        """Stop a running machine's vCPUs; its memory stays resident.
+
+        Raises:
+            StateError: it is not running (e.g. hibernated, failed).
+            Conflict: requests are in flight on it (only when asked for explicitly).
+        """
+        lease = self.lease(machine_id)
+        async with lease.op():
+            rec = self._rec(machine_id)
+            if rec.state == S.SUSPENDED:
+                return
+            if idle and rec.state != S.RUNNING:
+                return
+            if rec.state == S.FAILED:
+                raise self.failed_error(rec, rec.error)
+            require(rec, S.RUNNING)
+            async with lease.replace(drain=0.0 if idle else SWAP_DRAIN):
+                if lease.users:
+                    if idle:
+                        return  # a request slipped in: not idle after all
+                    raise Conflict(
+                        f"machine {rec.name!r} has requests in flight",
+                        hint="retry when they have finished")
+                handle = self.live.get(machine_id)
+                if handle is None:
+                    raise self.failed_error(rec, "its VM process is not running")
+                await handle.pause()
+                self.lifecycle.move(machine_id, S.SUSPENDED, expect=(S.RUNNING,))
+        log.info("machine=%s event=suspended idle=%s", machine_id, idle)
+
+    async def hibernate(self, machine_id: str, *, idle: bool = False) -> None:
+        """Write memory and device state to disk and end the VM process.
+
+        Raises:
+            StateError: it is neither running nor suspended.
+            Conflict: requests are in flight on it (only when asked for explicitly).
+        """
+        lease = self.lease(machine_id)
+        async with lease.op():
+            rec = self._rec(machine_id)
+            if rec.state == S.HIBERNATED:
+                return
+            if idle and rec.state not in (S.RUNNING, S.SUSPENDED):
+                return
+            if rec.state == S.FAILED:
+                raise self.failed_error(rec, rec.error)
+            require(rec, S.RUNNING, S.SUSPENDED)
+            async with lease.replace(drain=0.0 if idle else SWAP_DRAIN):
+                if lease.users:
+                    if idle:
+                        return
+                    raise Conflict(
+                        f"machine {rec.name!r} has requests in flight",
+                        hint="retry when they have finished")
+                handle = self.live.get(machine_id)
+                if handle is None:
+                    raise self.failed_error(rec, "its VM process is not running")
+                was = rec.state
+                rec = self.lifecycle.begin(rec, S.HIBERNATING, S.RUNNING, S.SUSPENDED)
+                dest = self.paths.hibernated / machine_id
+                remove_tree(dest)
+                t0 = time.perf_counter()
+                try:
+                    await self._freeze_and_capture(rec, handle, dest, resume=False)
+                    await asyncio.to_thread(seal, dest)
+                except BaseException:
+                    remove_tree(dest)
+                    if handle.alive():
+                        if was == S.RUNNING:
+                            await handle.resume()
+                        self.lifecycle.move(machine_id, was, expect=(S.HIBERNATING,))
+                    else:
+                        self.lifecycle.fail(machine_id, handle.exit_reason())
+                    raise
+                # Recorded first: a daemon killed now finds the machine hibernated (and
+                # kills the VM process left over); never neither.
+                self.lifecycle.move(machine_id, S.HIBERNATED, expect=(S.HIBERNATING,))
+                self._retire(machine_id)
+                await handle.destroy()
+                self.repos.machines.update(machine_id, pid=None, template_id=None)
+                log.info("machine=%s event=hibernated idle=%s seconds=%.3f", machine_id, idle,
+                         time.perf_counter() - t0)
+        self.gc()
+
+    async def resume(self, machine_id: str) -> None:
+        """Wake a suspended or hibernated machine (a running one: nothing to do)."""
+        async with self.lease(machine_id).op():
+            await self._awake(self._rec(machine_id))
+
+    async def idle_tick(self, now: float | None = None) -> None:
+        """Suspend and hibernate the machines idle past their timers (one pass)."""
+        now = time.time() if now is None else now
+        for rec in self.repos.machines.in_states((S.RUNNING, S.SUSPENDED), self._id):
+            lease = self.lease(rec.id)
+            if rec.id in self._idle_ops or lease.busy or lease.users:
+                continue
+            idle = now - self.last_active(rec)
+            sus, hib = self.timers(rec)
+            if hib > 0 and idle >= hib:
+                op = self.hibernate(rec.id, idle=True)
+            elif rec.state == S.RUNNING and sus > 0 and idle >= sus:
+                op = self.suspend(rec.id, idle=True)
+            else:
+                continue
+            self._idle_ops.add(rec.id)
+            self._spawn(self._idle_op(rec.id, op), f"idle {rec.id}")
+
+    async def _idle_op(self, machine_id: str, op: Any) -> None:
+        try:
+            await op
+        except asyncio.CancelledError:
+            raise
+        except BoxdError as exc:  # gone meanwhile, or failed: the record says so
+            log.warning("machine=%s event=idle_op_failed error=%s", machine_id, exc)
+        finally:
+            self._idle_ops.discard(machine_id)
+
+    async def _idle_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.idle_interval)
+            try:
+                await self.idle_tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the timer must outlive a bad pass
+                log.exception("event=idle_tick_failed")
+
     # ---------------------------------------------------------------- recovery
 
     async def recover(self) -> None:
         """After a daemon (re)start: find the VMs of recorded machines again.
 
         A machine whose process is gone is failed with the reason; one left mid-launch
-        (``starting`` without a process) or mid-swap/restore whose process is gone is
-        failed too; ``deleting`` records are finished off. Then files and processes no
-        record knows are swept.
+        (``starting`` without a process) is failed; one left hibernating or waking
+        ends hibernated (its image is complete) or running (its VM still runs), never
+        neither; a suspended one stays suspended; ``deleting`` records are finished
+        off. Then files and processes no record knows are swept, and the idle timers
+        start.
         """
         if self._recovered:
             return
         self._recovered = True
         for rec in self.repos.machines.in_states((S.DELETING,), self._id):
             await self.purge(rec.id)
-        recs = self.repos.machines.in_states((*LIVE, *TRANSIENT), self._id)
-        for rec in recs:
+        for rec in self.repos.machines.in_states((S.HIBERNATED,), self._id):
+            if rec.pid:  # killed between recording the hibernation and ending the VM
+                _, engine = await self.host.ready(rec.engine)
+                engine.kill_stray(rec.vm_id, self.run_dir(rec.vm_id), rec.pid)
+                self.repos.machines.update(rec.id, pid=None)
+        for rec in self.repos.machines.in_states(HAS_VM, self._id):
             _, engine = await self.host.ready(rec.engine)
             await self._reattach(engine, rec)
         await self._sweep()
         self.gc()
+        if self._idle_task is None:
+            self._idle_task = asyncio.create_task(self._idle_loop(), name="idle timers")
 
     async def _reattach(self, engine: Engine, rec: MachineRecord) -> None:
+        image_ok = is_sealed(self.paths.hibernated / rec.id)
         if not rec.pid or rec.layer_id is None:
-            self.lifecycle.fail(rec.id, "the daemon stopped while the machine was launched")
+            if rec.state in (S.HIBERNATING, S.WAKING) and image_ok:
+                self.lifecycle.move(rec.id, S.HIBERNATED, expect=(rec.state,))
+            else:
+                self.lifecycle.fail(rec.id, "the daemon stopped while the machine was launched")
             return
         try:
             handle = engine.attach(
@@ -903,12 +1171,18 @@ class NodeRuntime:
             )
             undone = await handle.recover()
         except MachineFailed as exc:
-            self.lifecycle.fail(rec.id, exc.message)
+            if rec.state in (S.HIBERNATING, S.WAKING) and image_ok:
+                self.lifecycle.move(rec.id, S.HIBERNATED, expect=(rec.state,))
+            else:
+                self.lifecycle.fail(rec.id, exc.message)
             return
         if undone:
             log.info("machine=%s event=recovered undone=%r", rec.id, undone)
         self._install(rec.id, handle)
-        if rec.state in TRANSIENT:
+        if rec.state == S.SUSPENDED:
+            await handle.pause()  # recover() resumed it: it was paused on purpose
+        elif rec.state in TRANSIENT:
+            remove_tree(self.paths.hibernated / rec.id)  # the VM ran on: drop a half image
             self.lifecycle.move(rec.id, S.RUNNING, expect=(rec.state,))
 
     async def _sweep(self) -> None:
@@ -941,6 +1215,9 @@ class NodeRuntime:
                 f.unlink(missing_ok=True)
 
     async def close(self) -> None:
+        if self._idle_task is not None:
+            self._idle_task.cancel()
+            self._idle_task = None
         await self.spares.close()
         for task in list(self._background):
             task.cancel()

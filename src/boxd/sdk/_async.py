@@ -196,6 +196,9 @@ class AsyncMachines:
         disk_gib: int | None = None,
         isolated: bool = False,
         from_snapshot: str | None = None,
+        engine: str | None = None,
+        suspend_after: float | None = None,
+        hibernate_after: float | None = None,
     ) -> models.Machine:
         """Create and boot a machine; returns while it starts (see ``wait_until_ready``).
 
@@ -206,13 +209,19 @@ class AsyncMachines:
             disk_gib: disk size in GiB (daemon default if None).
             isolated: no network at all.
             from_snapshot: start from a snapshot (``NAME``, ``NAME@N`` or ``sha256:...``).
+            engine: the engine to run it on (daemon default if None).
+            suspend_after: idle seconds before its vCPUs stop (0 never; daemon default if
+                None).
+            hibernate_after: idle seconds before it goes to disk (0 never; daemon default
+                if None).
 
         Raises:
             InvalidRequest, AlreadyExists, QuotaExceeded, SnapshotNotFound, HostSetupError.
         """
         return await self._c._parse(
             models.Machine,
-            _base.machine_create(name, vcpus, memory_mib, disk_gib, isolated, from_snapshot),
+            _base.machine_create(name, vcpus, memory_mib, disk_gib, isolated, from_snapshot,
+                                 engine, suspend_after, hibernate_after),
         )
 
     async def get(self, ref: str) -> models.Machine:
@@ -262,6 +271,34 @@ class AsyncMachines:
             MachineNotFound: no such machine.
         """
         await self._c._call(_base.machine_delete(ref))
+
+    async def suspend(self, ref: str) -> models.Machine:
+        """Stop the machine's vCPUs; memory stays resident; any request wakes it.
+
+        Raises:
+            MachineNotFound: no such machine.
+            StateError: it is not running (hibernated, failed, ...).
+        """
+        return await self._c._parse(models.Machine, _base.machine_lifecycle(ref, "suspend"))
+
+    async def hibernate(self, ref: str) -> models.Machine:
+        """Write the machine's memory to disk and end its VM; any request wakes it.
+
+        Raises:
+            MachineNotFound: no such machine.
+            StateError: it is neither running nor suspended.
+        """
+        return await self._c._parse(models.Machine, _base.machine_lifecycle(ref, "hibernate"))
+
+    async def resume(self, ref: str) -> models.Machine:
+        """Wake a suspended or hibernated machine (running: nothing to do).
+
+        Raises:
+            MachineNotFound: no such machine.
+            MachineFailed: its image did not load (it is failed now).
+            QuotaExceeded: waking a hibernated machine would exceed the account's limit.
+        """
+        return await self._c._parse(models.Machine, _base.machine_lifecycle(ref, "resume"))
 
     async def wait_until_ready(self, ref: str, timeout: float = 120.0) -> models.Machine:
         """Block until the machine's agent answers, then return the machine.

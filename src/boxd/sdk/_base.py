@@ -190,6 +190,9 @@ def machine_create(
     disk_gib: int | None,
     isolated: bool,
     from_snapshot: str | None,
+    engine: str | None = None,
+    suspend_after: float | None = None,
+    hibernate_after: float | None = None,
 ) -> Req:
     body: dict[str, Any] = {"isolated": bool(isolated)}
     for k, v in (
@@ -198,6 +201,9 @@ def machine_create(
         ("memory_mib", memory_mib),
         ("disk_gib", disk_gib),
         ("from_snapshot", from_snapshot),
+        ("engine", engine),
+        ("suspend_after", suspend_after),
+        ("hibernate_after", hibernate_after),
     ):
         if v is not None:  # absent fields take the daemon's defaults
             body[k] = v
@@ -214,6 +220,11 @@ def machine_list() -> Req:
 
 def machine_delete(ref: str) -> Req:
     return Req("DELETE", f"/v1/machines/{seg(ref)}")
+
+
+def machine_lifecycle(ref: str, action: str) -> Req:
+    """``suspend``, ``hibernate`` or ``resume``; a wake from disk may take seconds."""
+    return Req("POST", f"/v1/machines/{seg(ref)}/{action}", timeout=300.0)
 
 
 def machine_wait(ref: str, timeout: float) -> Req:

@@ -40,6 +40,9 @@ class MachineRecord:
     created_at: float
     node_id: str
     engine: str
+    last_active: float
+    suspend_after: float | None  # None: the daemon's default
+    hibernate_after: float | None
 
     @classmethod
     def of(cls, row: sqlite3.Row) -> MachineRecord:
@@ -52,6 +55,8 @@ class MachineRecord:
             generation=row["generation"], parent_id=row["parent_id"], snapshot=row["snapshot"],
             error=row["error"], accel=row["accel"], created_at=row["created_at"],
             node_id=row["node_id"], engine=row["engine"],
+            last_active=row["last_active"] or row["created_at"],
+            suspend_after=row["suspend_after"], hibernate_after=row["hibernate_after"],
         )
 
 

@@ -7,6 +7,7 @@ and never see a connection or a row.
 from __future__ import annotations
 
 import builtins
+import sqlite3
 import time
 from collections.abc import Collection, Iterable
 from pathlib import Path
@@ -25,8 +26,11 @@ from boxd.state.records import (
 
 # Machine columns a node runtime writes (the rest is the control plane's).
 _RUNTIME_COLUMNS = frozenset(
-    {"layer_id", "template_id", "ram_shared", "pid", "vm_id", "port", "error", "accel"}
+    {"layer_id", "template_id", "ram_shared", "pid", "vm_id", "port", "error", "accel",
+     "last_active"}
 )
+# States that hold a quota slot: every state but these.
+_FREE_STATES = "('deleting','hibernated')"
 
 
 class Machines:
@@ -74,7 +78,8 @@ class Machines:
         self, account: str, name: str, *, machine_id: str, vcpus: int, memory_mib: int,
         disk_gib: int, isolated: bool, image: str, node_id: str, engine: str,
         parent_id: str | None = None, snapshot: str | None = None,
-        default_quota: int,
+        default_quota: int, suspend_after: float | None = None,
+        hibernate_after: float | None = None,
     ) -> MachineRecord:
         """Claim a name and a quota slot and insert the record (state ``starting``).
 
@@ -83,20 +88,7 @@ class Machines:
             AlreadyExists: the account has a machine of that name.
         """
         with self._db.transaction() as conn:
-            quota_row = conn.execute(
-                "SELECT machine_quota FROM accounts WHERE id=?", (account,)
-            ).fetchone()
-            quota = quota_row[0] if quota_row else default_quota
-            used = conn.execute(
-                "SELECT COUNT(*) FROM machines WHERE account_id=? AND state!='deleting'",
-                (account,),
-            ).fetchone()[0]
-            if used + 1 > quota:
-                raise QuotaExceeded(
-                    f"machine quota reached: {used} of {quota} concurrent machines in use",
-                    limit=quota, used=used,
-                    hint="delete machines you no longer need, or ask for a higher limit",
-                )
+            _check_quota(conn, account, default_quota)
             if conn.execute(
                 "SELECT 1 FROM machines WHERE account_id=? AND name=?", (account, name)
             ).fetchone():
@@ -106,11 +98,12 @@ class Machines:
                 )
             conn.execute(
                 "INSERT INTO machines (id, account_id, name, state, vcpus, memory_mib, disk_gib,"
-                " isolated, image, parent_id, snapshot, created_at, node_id, engine, vm_id)"
-                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                " isolated, image, parent_id, snapshot, created_at, node_id, engine, vm_id,"
+                " last_active, suspend_after, hibernate_after)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (machine_id, account, name, MachineState.STARTING.value, vcpus, memory_mib,
                  disk_gib, int(isolated), image, parent_id, snapshot, time.time(), node_id,
-                 engine, machine_id),
+                 engine, machine_id, time.time(), suspend_after, hibernate_after),
             )
         rec = self.get(machine_id)
         assert rec is not None
@@ -118,20 +111,31 @@ class Machines:
 
     def compare_and_set(
         self, machine_id: str, expected: Collection[MachineState], new: MachineState,
-        error: str | None = None,
+        error: str | None = None, *, quota: tuple[str, int] | None = None,
     ) -> bool:
         """Move a machine to ``new`` if it is in one of ``expected``; False if it was not.
 
         The one writer of the ``state`` column (``UPDATE … WHERE state IN …``): two
-        operations racing for one machine cannot both win.
+        operations racing for one machine cannot both win. With ``quota`` (account,
+        default limit) the move also takes a quota slot, in the same transaction (a
+        hibernated machine waking up).
+
+        Raises:
+            QuotaExceeded: ``quota`` was given and the account has no free slot.
         """
         names = [s.value for s in expected]
-        changed = self._db.execute(
-            f"UPDATE machines SET state=?, error=? WHERE id=? AND state IN "
-            f"({','.join('?' * len(names))})",
-            (new.value, error, machine_id, *names),
-        )
+        sql = (f"UPDATE machines SET state=?, error=? WHERE id=? AND state IN "
+               f"({','.join('?' * len(names))})")
+        if quota is None:
+            return self._db.execute(sql, (new.value, error, machine_id, *names)) == 1
+        with self._db.transaction() as conn:
+            _check_quota(conn, quota[0], quota[1])
+            changed: int = conn.execute(sql, (new.value, error, machine_id, *names)).rowcount
         return changed == 1
+
+    def touch(self, machine_id: str, when: float) -> None:
+        """Record activity (a request that needed the machine) at ``when``."""
+        self._db.execute("UPDATE machines SET last_active=? WHERE id=?", (when, machine_id))
 
     def update(self, machine_id: str, **fields: object) -> None:
         """Write a machine's runtime columns (never its state: see `compare_and_set`)."""
@@ -151,6 +155,26 @@ class Machines:
     def snapshot_digests(self) -> set[str]:
         rows = self._db.all("SELECT DISTINCT snapshot FROM machines WHERE snapshot IS NOT NULL")
         return {r["snapshot"] for r in rows}
+
+
+def _check_quota(conn: sqlite3.Connection, account: str, default_quota: int) -> None:
+    """Raise QuotaExceeded unless the account has a free concurrent-machine slot."""
+    quota_row = conn.execute(
+        "SELECT machine_quota FROM accounts WHERE id=?", (account,)
+    ).fetchone()
+    quota = quota_row[0] if quota_row else default_quota
+    used = conn.execute(
+        f"SELECT COUNT(*) FROM machines WHERE account_id=? AND state NOT IN {_FREE_STATES}",
+        (account,),
+    ).fetchone()[0]
+    if used + 1 > quota:
+        raise QuotaExceeded(
+            f"machine quota reached: {used} of {quota} concurrent machines in use "
+            "(hibernated machines do not count)",
+            limit=quota, used=used,
+            hint="delete or hibernate machines you no longer need; the operator raises the "
+            "limit with `boxd accounts update ACCOUNT --max-machines N`",
+        )
 
 
 class Layers:

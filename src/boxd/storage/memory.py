@@ -64,3 +64,25 @@ def sparse_copy(src: Path, dest: Path) -> int:
 
 def remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+SEALED = "complete"
+
+
+def seal(directory: Path) -> None:
+    """Make every file in ``directory`` durable, then mark the directory complete.
+
+    A reader that finds the marker (`is_sealed`) knows every file was fully written
+    before it: a hibernation image interrupted by a crash has no marker.
+    """
+    from boxd.storage._files import fsync_dir, fsync_path, write_atomic
+
+    for f in directory.iterdir():
+        if f.is_file():
+            fsync_path(f)
+    write_atomic(directory / SEALED, b"ok\n", mode=0o600)
+    fsync_dir(directory)
+
+
+def is_sealed(directory: Path) -> bool:
+    return (directory / SEALED).is_file()

@@ -51,6 +51,24 @@ async def delete_machine(ref: str, account: Account, machines: Machines) -> Resp
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
+@router.post("/{ref}/suspend", response_model=models.Machine)
+async def suspend_machine(ref: str, account: Account, machines: Machines) -> models.Machine:
+    """Stop the machine's vCPUs; its memory stays resident. Any request wakes it."""
+    return await machines.suspend(account, ref)
+
+
+@router.post("/{ref}/hibernate", response_model=models.Machine)
+async def hibernate_machine(ref: str, account: Account, machines: Machines) -> models.Machine:
+    """Write memory and device state to disk and end the VM. Any request wakes it."""
+    return await machines.hibernate(account, ref)
+
+
+@router.post("/{ref}/resume", response_model=models.Machine)
+async def resume_machine(ref: str, account: Account, machines: Machines) -> models.Machine:
+    """Wake a suspended or hibernated machine."""
+    return await machines.resume(account, ref)
+
+
 @router.post("/{ref}/wait", response_model=models.Machine)
 async def wait_until_ready(
     ref: str,
