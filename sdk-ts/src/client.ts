@@ -26,6 +26,7 @@ import {
 } from "./errors.js";
 import type { components } from "./schema.js";
 import type {
+  Account,
   ApiKey,
   ApiKeyCreated,
   Checkpoint,
@@ -100,6 +101,7 @@ export class Boxd {
   readonly machines: Machines;
   readonly snapshots: Snapshots;
   readonly keys: Keys;
+  readonly accounts: Accounts;
   /** @internal */
   readonly _target: Target;
   #timeout: number | null;
@@ -112,6 +114,7 @@ export class Boxd {
     this.machines = new Machines(this);
     this.snapshots = new Snapshots(this);
     this.keys = new Keys(this);
+    this.accounts = new Accounts(this);
   }
 
   /** Describe the host: engine, QEMU version, accelerator and why, data directory. */
@@ -648,5 +651,30 @@ export class Keys {
   /** Revoke a key; requests with it fail from now on. @throws NotFound */
   async revoke(keyId: string): Promise<void> {
     await this.c._void({ method: "DELETE", path: `/v1/keys/${seg(keyId)}` });
+  }
+}
+
+/** Accounts and their machine limits (`boxd.accounts`); the operator changes them. */
+export class Accounts {
+  constructor(private readonly c: Boxd) {}
+
+  /** Every account (the operator's key), else only the caller's own. */
+  async list(): Promise<Account[]> {
+    const out = await this.c._json<{ accounts: Account[] }>({ method: "GET", path: "/v1/accounts" });
+    return out.accounts;
+  }
+
+  /** One account: its limit and the machines counting against it. @throws NotFound */
+  async get(name: string): Promise<Account> {
+    return this.c._json({ method: "GET", path: `/v1/accounts/${seg(name)}` });
+  }
+
+  /** Change an account's concurrent-machine limit. @throws AuthError (not the operator), NotFound */
+  async update(name: string, options: { maxMachines: number }): Promise<Account> {
+    return this.c._json({
+      method: "PATCH",
+      path: `/v1/accounts/${seg(name)}`,
+      json: { max_machines: options.maxMachines },
+    });
   }
 }

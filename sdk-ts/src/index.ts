@@ -8,6 +8,7 @@
  * ```
  */
 export {
+  Accounts,
   Boxd,
   Checkpoints,
   DEFAULT_TIMEOUT_MS,

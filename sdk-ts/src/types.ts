@@ -30,6 +30,7 @@ export type Snapshot = Camel<Schemas["Snapshot"]>;
 export type ApiKey = Camel<Schemas["ApiKey"]>;
 /** A new API key; its `secret` is shown only here. */
 export type ApiKeyCreated = Camel<Schemas["ApiKeyCreated"]>;
+export type Account = Camel<Schemas["Account"]>;
 export type HostInfo = Camel<Schemas["HostInfo"]>;
 export type Health = Camel<Schemas["Health"]>;
 export type ErrorBody = Schemas["ErrorBody"];

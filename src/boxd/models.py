@@ -217,6 +217,22 @@ class ApiKeyList(BaseModel):
     keys: list[ApiKey]
 
 
+class Account(BaseModel):
+    name: str
+    id: str
+    max_machines: int = Field(..., description="concurrent machines (hibernated ones free)")
+    machines: int = Field(..., description="machines that count against max_machines now")
+    created_at: float
+
+
+class AccountList(BaseModel):
+    accounts: list[Account]
+
+
+class AccountUpdate(BaseModel):
+    max_machines: int = Field(..., ge=0, le=1_000_000)
+
+
 class Health(BaseModel):
     """Answer of ``GET /v1/health``: tells a client that a daemon answers."""
 

@@ -135,4 +135,20 @@ class SnapshotService(Protocol):
         ...
 
 
-__all__ = ["HostInfoFn", "MachineService", "SnapshotService"]
+class AccountService(Protocol):
+    """Accounts and their limits (the operator, account ``local``, changes them)."""
+
+    async def list(self, account: str) -> builtins.list[models.Account]:
+        """The operator sees every account; others only their own."""
+        ...
+
+    async def get(self, account: str, name: str) -> models.Account:
+        """Raises: NotFound (another account's, unless the caller is the operator)."""
+        ...
+
+    async def update(self, account: str, name: str, req: models.AccountUpdate) -> models.Account:
+        """Raises: AuthError (not the operator), NotFound."""
+        ...
+
+
+__all__ = ["AccountService", "HostInfoFn", "MachineService", "SnapshotService"]

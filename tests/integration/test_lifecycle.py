@@ -189,15 +189,16 @@ def test_hibernated_machines_do_not_count_against_the_quota(client, daemon) -> N
 
     created = client.keys.create("quota-test", account="quota-test")
     with Boxd(api_key=created.secret) as other:
-        db_path = Paths(daemon.home.resolve()).db
-        with sqlite3.connect(db_path) as db:  # the operator sets the limit
-            db.execute("UPDATE accounts SET machine_quota=1 WHERE name='quota-test'")
+        assert client.accounts.update("quota-test", max_machines=1).max_machines == 1
+        with pytest.raises(errors.AuthError):  # only the operator raises limits
+            other.accounts.update("quota-test", max_machines=100)
         a = other.machines.new("qa")
         try:
             other.machines.wait_until_ready(a.id, timeout=300)
             with pytest.raises(errors.QuotaExceeded):
                 other.machines.new("qb")
             other.machines.hibernate(a.id)
+            assert other.accounts.get("quota-test").machines == 0
             b = other.machines.new("qb")  # a hibernated machine does not count
             try:
                 with pytest.raises(errors.QuotaExceeded) as info:

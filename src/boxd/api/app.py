@@ -9,12 +9,15 @@ from fastapi import FastAPI
 
 from boxd import models
 from boxd.api.errors import install_error_handlers
+from boxd.api.routes import accounts as accounts_routes
 from boxd.api.routes import keys as keys_routes
 from boxd.api.routes import machines as machines_routes
 from boxd.api.routes import snapshots as snapshots_routes
 from boxd.api.routes import system
 from boxd.api.services.keys import KeyService
-from boxd.services import HostInfoFn, MachineService, SnapshotService
+from boxd.control.accounts import Accounts as AccountsService
+from boxd.services import AccountService, HostInfoFn, MachineService, SnapshotService
+from boxd.state import Repos
 
 __all__ = ["create_app"]
 
@@ -31,6 +34,7 @@ def create_app(
     keys: KeyService,
     host_info: HostInfoFn,
     upload_dir: Path | None = None,
+    accounts: AccountService | None = None,
 ) -> FastAPI:
     """Build the boxd HTTP API over the given services.
 
@@ -41,6 +45,7 @@ def create_app(
         host_info: returns what ``GET /v1/info`` answers.
         upload_dir: where snapshot imports are spooled (default: the system temp dir);
             best on the same file system as the snapshot store.
+        accounts: accounts and limits (default: over the keys' database).
 
     Returns:
         The ASGI app. Its lifespan does not close the services: whoever built them does.
@@ -57,8 +62,11 @@ def create_app(
     app.state.keys = keys
     app.state.host_info = host_info
     app.state.upload_dir = upload_dir
+    if accounts is None and keys is not None:
+        accounts = AccountsService(Repos(keys.db))
+    app.state.accounts = accounts
     install_error_handlers(app)
-    for module in (system, machines_routes, snapshots_routes, keys_routes):
+    for module in (system, machines_routes, snapshots_routes, keys_routes, accounts_routes):
         app.include_router(module.router, prefix=API_PREFIX)
     _document_400_not_422(app)
     return app

@@ -582,6 +582,31 @@ def serve(listen: str | None) -> None:
 
 
 @main.group(context_settings=_CONTEXT)
+def accounts() -> None:
+    """Accounts and their machine limits (the operator, account local, changes them)."""
+
+
+@accounts.command("list")
+@json_option
+@pass_state
+def accounts_list(state: _State, as_json: bool) -> None:
+    """List accounts with their limits and the machines counting against them."""
+    _show(state.boxd.accounts.list(), as_json, _render.accounts)
+
+
+@accounts.command("update")
+@click.argument("name")
+@click.option("--max-machines", type=click.IntRange(0), required=True, metavar="N",
+              help="Concurrent machines the account may have (hibernated ones do not count).")
+@json_option
+@pass_state
+def accounts_update(state: _State, name: str, max_machines: int, as_json: bool) -> None:
+    """Change account NAME's limit (operator only)."""
+    _show(state.boxd.accounts.update(name, max_machines=max_machines), as_json,
+          lambda a: _render.accounts([a]))
+
+
+@main.group(context_settings=_CONTEXT)
 def image() -> None:
     """Build and list guest images (kernel, initramfs, root filesystem)."""
 

@@ -274,6 +274,14 @@ def keys(items: Sequence[models.ApiKey]) -> None:
     )
 
 
+def accounts(items: Sequence[models.Account]) -> None:
+    table(
+        ["NAME", "ID", "MACHINES", "MAX", "CREATED"],
+        ([a.name, a.id, str(a.machines), str(a.max_machines), ago(a.created_at)] for a in items),
+        "no accounts",
+    )
+
+
 def host(info: models.HostInfo) -> None:
     details(
         [

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from boxd import models
 from boxd.config import Paths, Settings
+from boxd.control.accounts import Accounts
 from boxd.control.plane import Machines, Snapshots, machine_model, validate_name
 from boxd.node import Host, NodeRuntime
 from boxd.services import HostInfoFn
 from boxd.state import Database, Repos
 from boxd.storage import SnapshotStore
 
-__all__ = ["Machines", "Snapshots", "build_services", "machine_model", "validate_name"]
+__all__ = [
+    "Accounts", "Machines", "Snapshots", "build_services", "machine_model", "validate_name",
+]
 
 
 def build_services(

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from boxd.sdk._async import (
+        AsyncAccounts,
         AsyncBoxd,
         AsyncCheckpoints,
         AsyncFiles,
@@ -18,9 +19,11 @@ if TYPE_CHECKING:
         AsyncMachines,
         AsyncSnapshots,
     )
-    from boxd.sdk._sync import Boxd, Checkpoints, Files, Keys, Machines, Snapshots
+    from boxd.sdk._sync import Accounts, Boxd, Checkpoints, Files, Keys, Machines, Snapshots
 
 __all__ = [
+    "Accounts",
+    "AsyncAccounts",
     "AsyncBoxd",
     "AsyncCheckpoints",
     "AsyncFiles",

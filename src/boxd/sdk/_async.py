@@ -67,6 +67,7 @@ class AsyncBoxd:
         self.machines = AsyncMachines(self)
         self.snapshots = AsyncSnapshots(self)
         self.keys = AsyncKeys(self)
+        self.accounts = AsyncAccounts(self)
 
     async def info(self) -> models.HostInfo:
         """Describe the host: engine, QEMU version, accelerator and why, data directory.
@@ -642,3 +643,31 @@ class AsyncKeys:
             NotFound: no such key.
         """
         await self._c._call(_base.key_revoke(key_id))
+
+
+class AsyncAccounts:
+    """Accounts and their machine limits (``boxd.accounts``)."""
+
+    def __init__(self, client: AsyncBoxd) -> None:
+        self._c = client
+
+    async def list(self) -> list[models.Account]:
+        """Every account (the operator's key), else only the caller's own."""
+        return (await self._c._parse(models.AccountList, _base.account_list())).accounts
+
+    async def get(self, name: str) -> models.Account:
+        """One account: its limit and the machines counting against it.
+
+        Raises:
+            NotFound: no such account visible to this key.
+        """
+        return await self._c._parse(models.Account, _base.account_get(name))
+
+    async def update(self, name: str, *, max_machines: int) -> models.Account:
+        """Change an account's concurrent-machine limit.
+
+        Raises:
+            AuthError: only the operator (the local account) changes limits.
+            NotFound: no such account.
+        """
+        return await self._c._parse(models.Account, _base.account_update(name, max_machines))

@@ -376,6 +376,18 @@ def key_create(name: str, account: str | None) -> Req:
     return Req("POST", "/v1/keys", json=body)
 
 
+def account_list() -> Req:
+    return Req("GET", "/v1/accounts")
+
+
+def account_get(name: str) -> Req:
+    return Req("GET", f"/v1/accounts/{seg(name)}")
+
+
+def account_update(name: str, max_machines: int) -> Req:
+    return Req("PATCH", f"/v1/accounts/{seg(name)}", json={"max_machines": int(max_machines)})
+
+
 def key_list() -> Req:
     return Req("GET", "/v1/keys")
 

@@ -60,6 +60,7 @@ class Boxd:
         self.machines = Machines(self)
         self.snapshots = Snapshots(self)
         self.keys = Keys(self)
+        self.accounts = Accounts(self)
 
     def info(self) -> models.HostInfo:
         """Describe the host: engine, QEMU version, accelerator and why, data directory.
@@ -624,3 +625,31 @@ class Keys:
             NotFound: no such key.
         """
         self._c._call(_base.key_revoke(key_id))
+
+
+class Accounts:
+    """Accounts and their machine limits (``boxd.accounts``)."""
+
+    def __init__(self, client: Boxd) -> None:
+        self._c = client
+
+    def list(self) -> list[models.Account]:
+        """Every account (the operator's key), else only the caller's own."""
+        return (self._c._parse(models.AccountList, _base.account_list())).accounts
+
+    def get(self, name: str) -> models.Account:
+        """One account: its limit and the machines counting against it.
+
+        Raises:
+            NotFound: no such account visible to this key.
+        """
+        return self._c._parse(models.Account, _base.account_get(name))
+
+    def update(self, name: str, *, max_machines: int) -> models.Account:
+        """Change an account's concurrent-machine limit.
+
+        Raises:
+            AuthError: only the operator (the local account) changes limits.
+            NotFound: no such account.
+        """
+        return self._c._parse(models.Account, _base.account_update(name, max_machines))

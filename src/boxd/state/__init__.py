@@ -2,6 +2,7 @@
 
 from boxd.state._db import Database, new_id
 from boxd.state.records import (
+    AccountRecord,
     CheckpointRecord,
     Garbage,
     LayerRecord,
@@ -12,6 +13,7 @@ from boxd.state.records import (
 from boxd.state.repos import Repos
 
 __all__ = [
+    "AccountRecord",
     "CheckpointRecord",
     "Database",
     "Garbage",

@@ -129,6 +129,19 @@ class SnapshotRecord:
 
 
 @dataclass(frozen=True)
+class AccountRecord:
+    id: str
+    name: str
+    max_machines: int
+    used: int  # machines counting against the quota now
+    created_at: float
+
+    @classmethod
+    def of(cls, row: sqlite3.Row) -> AccountRecord:
+        return cls(row["id"], row["name"], row["machine_quota"], row["used"], row["created_at"])
+
+
+@dataclass(frozen=True)
 class Garbage:
     """What `Layers.collect` removed from the records: the caller removes the files."""
 
@@ -137,6 +150,7 @@ class Garbage:
 
 
 __all__ = [
+    "AccountRecord",
     "CheckpointRecord",
     "Garbage",
     "LayerRecord",

@@ -16,6 +16,7 @@ from boxd.errors import AlreadyExists, QuotaExceeded
 from boxd.models import MachineState
 from boxd.state._db import Database, new_id
 from boxd.state.records import (
+    AccountRecord,
     CheckpointRecord,
     Garbage,
     LayerRecord,
@@ -450,6 +451,30 @@ class Snapshots:
         return self._db.one("SELECT 1 FROM snapshots WHERE digest=?", (digest,)) is not None
 
 
+class Accounts:
+    """The ``accounts`` table: names, quotas, and the machines that count against them."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    _SELECT = (
+        "SELECT a.id, a.name, a.machine_quota, a.created_at,"
+        f" (SELECT COUNT(*) FROM machines m WHERE m.account_id=a.id"
+        f"  AND m.state NOT IN {_FREE_STATES}) AS used FROM accounts a"
+    )
+
+    def list(self) -> builtins.list[AccountRecord]:
+        return [AccountRecord.of(r) for r in self._db.all(self._SELECT + " ORDER BY a.name")]
+
+    def get(self, name_or_id: str) -> AccountRecord | None:
+        row = self._db.one(self._SELECT + " WHERE a.name=? OR a.id=?", (name_or_id, name_or_id))
+        return AccountRecord.of(row) if row else None
+
+    def set_quota(self, account_id: str, max_machines: int) -> None:
+        self._db.execute("UPDATE accounts SET machine_quota=? WHERE id=?",
+                         (max_machines, account_id))
+
+
 class Repos:
     """All repositories over one database."""
 
@@ -459,6 +484,7 @@ class Repos:
         self.layers = Layers(db)
         self.checkpoints = Checkpoints(db)
         self.snapshots = Snapshots(db)
+        self.accounts = Accounts(db)
 
 
 __all__ = ["Checkpoints", "Layers", "Machines", "Repos", "Snapshots"]

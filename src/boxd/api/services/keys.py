@@ -15,6 +15,7 @@ import sqlite3
 import time
 
 from boxd import models
+from boxd.config import Settings
 from boxd.errors import AuthError, InvalidRequest, NotFound
 from boxd.state import Database, new_id
 
@@ -59,6 +60,10 @@ class KeyService:
     def __init__(self, db: Database) -> None:
         self._db = db
 
+    @property
+    def db(self) -> Database:
+        return self._db
+
     # -- accounts -----------------------------------------------------------------------
 
     def ensure_account(self, name: str) -> str:
@@ -76,9 +81,9 @@ class KeyService:
             return str(row["id"])
         account_id = new_id("a")
         self._db.execute(
-            "INSERT INTO accounts (id, name, created_at) VALUES (?, ?, ?) "
+            "INSERT INTO accounts (id, name, created_at, machine_quota) VALUES (?, ?, ?, ?) "
             "ON CONFLICT(name) DO NOTHING",
-            (account_id, name, time.time()),
+            (account_id, name, time.time(), Settings.from_env().default_max_machines),
         )
         row = self._db.one("SELECT id FROM accounts WHERE name = ?", (name,))
         assert row is not None  # inserted just above, or by a concurrent caller
