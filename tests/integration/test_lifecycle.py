@@ -13,6 +13,8 @@ import sqlite3
 import subprocess
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -210,3 +212,40 @@ def test_hibernated_machines_do_not_count_against_the_quota(client, daemon) -> N
             assert other.machines.exec(a.id, "echo up").stdout == "up\n"
         finally:
             other.machines.delete(a.id)
+
+
+# --------------------------------------------------------------- machine URLs
+
+
+def _get(url: str, timeout: float = 120) -> str:
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=60) as resp:
+                return str(resp.read().decode())
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+            last = exc
+            time.sleep(0.5)
+    raise AssertionError(f"no answer on {url}: {last}")
+
+
+def test_the_url_stays_across_restore_and_hibernate_and_wakes_the_machine(  # type: ignore[no-untyped-def]
+    client, daemon, machine
+):
+    client.machines.files.upload(machine.id, "/srv/www/index.html", "v1")
+    r = client.machines.exec(
+        machine.id, "cd /srv/www && nohup python3 -m http.server 8080 >/tmp/http.log 2>&1 &")
+    assert r.exit_code == 0, r.stderr
+    url = machine.url
+    assert url and _get(url + "/") == "v1"
+    client.machines.checkpoints.save(machine.id, "serving")
+    client.machines.files.upload(machine.id, "/srv/www/index.html", "v2")
+    assert _get(url + "/") == "v2"
+    restored = client.machines.checkpoints.restore(machine.id, "serving")
+    assert restored.url == url and _get(url + "/") == "v1"  # same URL, rewound server
+    client.machines.hibernate(machine.id)
+    assert _qemu_pids(_vm_id(daemon, machine.id)) == []
+    assert _get(url + "/") == "v1"  # the request woke it
+    got = client.machines.get(machine.id)
+    assert got.state.value == "running" and got.url == url

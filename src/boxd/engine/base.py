@@ -32,7 +32,7 @@ class MachineConfig:
     vcpus: int
     memory_mib: int
     isolated: bool
-    port: int | None  # host port forwarded to the guest's HTTP port; None when isolated
+    port: int | None  # loopback port forwarded to the guest's HTTP port; None when isolated
     kernel: Path
     initrd: Path
     cmdline: str  # extra kernel command line of the image (timing hints)

@@ -62,6 +62,7 @@ from boxd.errors import (
 )
 from boxd.models import MachineState
 from boxd.node._host import Host
+from boxd.node._proxy import PortProxy
 from boxd.node._spares import Spare, SparePool
 from boxd.node.base import Boot, FromSnapshot
 from boxd.node.lifecycle import ASLEEP, HAS_VM, LIVE, TRANSIENT, Lease, Lifecycle, require
@@ -79,15 +80,6 @@ MAX_CHAIN = 8
 HOST_GRACE = 30.0
 # Seconds a RAM swap waits for requests in flight on the machine to finish.
 SWAP_DRAIN = 30.0
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
 
 
 def free_port() -> int:
@@ -143,6 +135,7 @@ class NodeRuntime:
         self.idle_interval = 1.0
         self.spares = SparePool(self, per_template=settings.fork_spares,
                                 total=settings.fork_spares_total)
+        self.proxy = PortProxy(self.connect)
 
     @property
     def id(self) -> str:
@@ -186,7 +179,7 @@ class NodeRuntime:
     def _config(self, rec: MachineRecord) -> MachineConfig:
         return self.config_for(
             rec.vm_id, rec.name, vcpus=rec.vcpus, memory_mib=rec.memory_mib,
-            isolated=rec.isolated, port=rec.port,
+            isolated=rec.isolated, port=rec.fwd_port,
         )
 
     @staticmethod
@@ -302,8 +295,11 @@ class NodeRuntime:
             if spare is not None:
                 handle, layer_id = spare.handle, spare.layer_id
                 self.repos.layers.new(launch.parent_layer, "", layer_id=layer_id)
-                self.repos.machines.update(rec.id, vm_id=spare.vm_id, port=spare.port)
+                self.repos.machines.update(rec.id, vm_id=spare.vm_id, fwd_port=spare.port)
             else:
+                # Each VM process gets a fresh forward; the URL's port stays the daemon's.
+                self.repos.machines.update(rec.id, fwd_port=None if rec.isolated else free_port())
+                rec = self._rec(rec.id)
                 handle, layer_id = await self._launch(self._config(rec), launch, rec.engine)
             _, engine = await self.host.ready(rec.engine)
             fields: dict[str, object] = {"pid": handle.pid, "ram_shared": handle.ram_shared,
@@ -334,6 +330,8 @@ class NodeRuntime:
         if to_running and not self.lifecycle.move(rec.id, S.RUNNING, expect=(rec.state,)):
             fresh = self._rec(rec.id)  # its new process died at once: the watcher said why
             raise self.failed_error(fresh, fresh.error)
+        if rec.port and not self.proxy.is_open(rec.id):
+            await self.proxy.open(rec.id, rec.port)
         return handle
 
     async def _set_identity(
@@ -469,6 +467,14 @@ class NodeRuntime:
             raise
         self.lifecycle.move(rec.id, S.RUNNING, expect=(S.STARTING,))
 
+    @contextlib.asynccontextmanager
+    async def connect(self, machine_id: str) -> AsyncIterator[tuple[str, int]]:
+        """For the URL proxy: wake the machine, hold it awake, yield its forward."""
+        async with self._using(machine_id) as (rec, _handle, _agent):
+            if rec.fwd_port is None:
+                raise InvalidRequest(f"machine {rec.name!r} has no network (isolated)")
+            yield "127.0.0.1", rec.fwd_port
+
     async def wait_until_ready(self, machine_id: str, timeout: float) -> None:
         async with self._using(machine_id, timeout=timeout):
             pass
@@ -559,6 +565,7 @@ class NodeRuntime:
     async def purge(self, machine_id: str) -> None:
         """Stop the VM and remove every file and record of a machine."""
         rec = self.repos.machines.get(machine_id)
+        await self.proxy.close(machine_id)
         handle = self._retire(machine_id)
         if handle is not None:
             await handle.destroy()
@@ -752,6 +759,8 @@ class NodeRuntime:
         return out
 
     async def _start_child(self, src: MachineRecord, tpl: TemplateRecord, child_id: str) -> None:
+        if not src.isolated:
+            self.repos.machines.update(child_id, port=free_port())  # its URL
         rec = self._rec(child_id)
         spare = self.spares.take(tpl.id)
         t0 = time.monotonic()
@@ -979,10 +988,6 @@ class NodeRuntime:
         mem = image_dir / "mem"
         image = MemoryImage(mem if mem.is_file() else None, image_dir / "state", rec.memory_mib)
         assert rec.layer_id is not None
-        port_free = rec.port is None or _port_free(rec.port)
-        if not port_free:
-            self.repos.machines.update(rec.id, port=free_port())
-            rec = self._rec(rec.id)
         assert rec.layer_id is not None
         try:
             handle = await self._start(
@@ -1151,6 +1156,11 @@ class NodeRuntime:
         for rec in self.repos.machines.in_states(HAS_VM, self._id):
             _, engine = await self.host.ready(rec.engine)
             await self._reattach(engine, rec)
+        for rec in self.repos.machines.in_states(
+            (*HAS_VM, S.HIBERNATED, S.FAILED), self._id
+        ):
+            if rec.port and rec.fwd_port != rec.port:  # (equal: QEMU itself holds it)
+                await self.proxy.open(rec.id, rec.port)
         await self._sweep()
         self.gc()
         if self._idle_task is None:
@@ -1215,6 +1225,7 @@ class NodeRuntime:
                 f.unlink(missing_ok=True)
 
     async def close(self) -> None:
+        await self.proxy.close_all()
         if self._idle_task is not None:
             self._idle_task.cancel()
             self._idle_task = None

@@ -16,7 +16,8 @@ from boxd.errors import InternalError, ResourceExhausted
 # Each entry upgrades the schema by one version. Append only.
 _MIGRATIONS: list[str] = [
     resources.files("boxd.state").joinpath(name).read_text()
-    for name in ("schema.sql", "migrations_v2.sql", "migrations_v3.sql")
+    for name in ("schema.sql", "migrations_v2.sql", "migrations_v3.sql",
+                 "migrations_v4.sql")
 ]
 
 _ALPHABET = "abcdefghijkmnpqrstuvwxyz23456789"

@@ -25,7 +25,8 @@ class MachineRecord:
     memory_mib: int
     disk_gib: int
     isolated: bool
-    port: int | None
+    port: int | None  # the URL's port, held by the daemon
+    fwd_port: int | None  # the port QEMU forwards to the guest's 8080 (per VM process)
     image: str
     layer_id: str | None  # active (writable) disk layer
     template_id: str | None  # RAM mapped copy-on-write from this template
@@ -50,6 +51,7 @@ class MachineRecord:
             id=row["id"], account_id=row["account_id"], name=row["name"],
             state=MachineState(row["state"]), vcpus=row["vcpus"], memory_mib=row["memory_mib"],
             disk_gib=row["disk_gib"], isolated=bool(row["isolated"]), port=row["port"],
+            fwd_port=row["fwd_port"],
             image=row["image"], layer_id=row["layer_id"], template_id=row["template_id"],
             ram_shared=bool(row["ram_shared"]), pid=row["pid"], vm_id=row["vm_id"] or row["id"],
             generation=row["generation"], parent_id=row["parent_id"], snapshot=row["snapshot"],

@@ -27,8 +27,8 @@ from boxd.state.records import (
 
 # Machine columns a node runtime writes (the rest is the control plane's).
 _RUNTIME_COLUMNS = frozenset(
-    {"layer_id", "template_id", "ram_shared", "pid", "vm_id", "port", "error", "accel",
-     "last_active"}
+    {"layer_id", "template_id", "ram_shared", "pid", "vm_id", "port", "fwd_port", "error",
+     "accel", "last_active"}
 )
 # States that hold a quota slot: every state but these.
 _FREE_STATES = "('deleting','hibernated')"
