@@ -211,9 +211,21 @@ def describe_host() -> str:
             f"{qemu}; {date}")
 
 
+def vm_id(machine_id: str) -> str:
+    """The engine's id of a machine's VM process (a claimed standby child keeps its own),
+    read from the local daemon's state (``BOXD_HOME``)."""
+    import sqlite3
+
+    from boxd.config import Paths
+
+    with sqlite3.connect(f"file:{Paths.default().db}?mode=ro", uri=True) as db:
+        row = db.execute("SELECT vm_id FROM machines WHERE id=?", (machine_id,)).fetchone()
+    return str(row[0]) if row and row[0] else machine_id
+
+
 def qemu_pid(machine_id: str) -> int | None:
-    """The pid of a machine's QEMU process (its ``-name boxd-<id>,...``), if running."""
-    out = subprocess.run(["pgrep", "-f", f"boxd-{machine_id},"], capture_output=True,
+    """The pid of a machine's QEMU process (its ``-name boxd-<vm id>,...``), if running."""
+    out = subprocess.run(["pgrep", "-f", f"boxd-{vm_id(machine_id)},"], capture_output=True,
                          text=True).stdout.split()
     return int(out[0]) if out else None
 

@@ -142,6 +142,23 @@ def test_isolated_machine_cannot_reach_the_host(client, index) -> None:  # type:
         assert r.exit_code == 7, (r.stdout, r.stderr)
         assert r.stdout.startswith("blocked")
         assert requests == []  # nothing reached the host's server
+        # no resolver either: the guest has no route to any name server
+        dns = client.machines.exec(
+            m.id, ["python3", "-c", "import socket; socket.getaddrinfo('localhost.invalid', 80)"])
+        assert dns.exit_code != 0
+        # no credential for the API inside (nothing to reach it with, nothing to use)
+        env = client.machines.exec(m.id, "env; ls /run/boxd 2>/dev/null")
+        assert "BOXD_API_KEY" not in env.stdout and "boxd_" not in env.stdout
+        # a fork of an isolated machine stays isolated
+        child = client.machines.fork(m.id)
+        try:
+            assert child.isolated and child.port is None and child.url is None
+            links = client.machines.exec(child.id, "ip -o link").stdout
+            assert [ln.split(":")[1].strip() for ln in links.splitlines() if ln.strip()] == ["lo"]
+            r = client.machines.exec(child.id, ["python3", "-c", probe], timeout=120)
+            assert r.exit_code == 7 and requests == []
+        finally:
+            client.machines.delete(child.id)
     finally:
         client.machines.delete(m.id)
 
