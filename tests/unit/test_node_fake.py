@@ -739,3 +739,21 @@ def test_recovery_keeps_suspended_and_finishes_an_interrupted_hibernation(
         await world.node.close()
 
     run(main())
+
+
+def test_a_failed_snapshot_save_keeps_the_machine_running_and_registers_nothing(
+    world: World,
+) -> None:
+    async def main() -> None:
+        m = await running(world)
+        world.engine.fail("flatten_disk", errors.ResourceExhausted("disk full"))
+        with pytest.raises(errors.ResourceExhausted):
+            await world.snapshots.save(ACCOUNT, m.id, "s")
+        assert world.state(m.id) == S.RUNNING and not world.vm(m.id).paused
+        assert await world.snapshots.list(ACCOUNT) == []
+        assert list(world.snapshots.store.staging_dir.iterdir()) == []
+        assert await sh(world, m.id, "echo ok") == "ok\n"
+        snap = await world.snapshots.save(ACCOUNT, m.id, "s")  # the name is still free
+        assert snap.version == 1
+
+    run(main())
