@@ -209,8 +209,11 @@ class ClientSettings:
 
     url: str | None
     api_key: str | None
+    examples: Path | None = None  # BOXD_EXAMPLES: where `boxd demo` finds examples/rl
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ClientSettings:
         e = os.environ if env is None else env
-        return cls(url=e.get(URL_ENV) or None, api_key=e.get(API_KEY_ENV) or None)
+        examples = e.get("BOXD_EXAMPLES")
+        return cls(url=e.get(URL_ENV) or None, api_key=e.get(API_KEY_ENV) or None,
+                   examples=Path(examples) if examples else None)

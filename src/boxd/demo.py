@@ -56,7 +56,7 @@ RESTORED = "rl-base-2"
 ROLLOUTS = 8
 GUEST_HOME = "/home/boxd"
 PIP_TIMEOUT = 1800.0
-EXAMPLES_ENV = "BOXD_EXAMPLES"
+EXAMPLES_ENV = "BOXD_EXAMPLES"  # read in boxd.config
 
 T = TypeVar("T")
 
@@ -72,10 +72,10 @@ class DemoFailed(Exception):
 
 def examples_dir() -> Path:
     """``examples/rl`` of this checkout (``$BOXD_EXAMPLES`` overrides)."""
-    import os
+    from boxd.config import ClientSettings
 
-    if env := os.environ.get(EXAMPLES_ENV):
-        return Path(env)
+    if override := ClientSettings.from_env().examples:
+        return override
     return Path(__file__).resolve().parents[2] / "examples" / "rl"
 
 
