@@ -82,7 +82,7 @@ def test_sparse_file_stays_sparse_and_digest_is_logical_sha256(
     assert stored.stat().st_blocks * 512 < 6 * MiB
     assert ref.stored == stored.stat().st_blocks * 512
     assert logical_sha256(stored) == ref.digest
-    assert stored.stat().st_mode & 0o777 == 0o444
+    assert stored.stat().st_mode & 0o777 == (0o440 if store.group is not None else 0o400)
 
 
 def test_manifest_is_canonical_and_named_by_its_hash(
@@ -353,3 +353,24 @@ def test_bad_inputs(store: SnapshotStore, tmp_path: Path) -> None:
             st.add_blob("state", tmp_path / "f")
         with pytest.raises(InvalidRequest):
             st.commit({"when": object()})
+
+
+def test_store_is_private_to_the_daemon_and_qemus_group(
+    tmp_path: Path, machine_files: dict[str, Path]
+) -> None:
+    """Blobs hold guest memory and disks: no other user may list or read them."""
+    own = SnapshotStore(tmp_path / "own", group=None)
+    m = save(own, machine_files)
+    for d in (own.root, own.blobs_dir, own.manifests_dir, own.staging_dir, own.verified_dir):
+        assert d.stat().st_mode & 0o777 == 0o700, d
+    assert m.blob_path("memory").stat().st_mode & 0o777 == 0o400
+    assert own.manifest_path(m.digest).stat().st_mode & 0o777 == 0o400
+    gid = os.getgid()
+    shared = SnapshotStore(tmp_path / "shared", group=gid)
+    m = save(shared, machine_files)
+    for d in (shared.root, shared.root / "blobs", shared.blobs_dir):
+        st = d.stat()
+        assert (st.st_mode & 0o777, st.st_gid) == (0o710, gid), d
+    st = m.blob_path("state").stat()
+    assert (st.st_mode & 0o777, st.st_gid) == (0o440, gid)
+    assert shared.manifests_dir.stat().st_mode & 0o777 == 0o700

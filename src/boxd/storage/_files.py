@@ -13,6 +13,7 @@ import contextlib
 import errno
 import hashlib
 import os
+import pwd
 import secrets
 import stat
 from collections.abc import Callable, Iterator
@@ -32,6 +33,7 @@ __all__ = [
     "hash_zeros",
     "is_zero",
     "os_errors",
+    "qemu_group",
     "write_atomic",
     "write_nonzero",
 ]
@@ -75,6 +77,21 @@ def os_errors(action: str, path: Path | str) -> Iterator[None]:
                 hint=f"free disk space on the filesystem holding {path}, then retry",
             ) from exc
         raise InternalError(f"could not {action} ({path}): {exc.strerror or exc}") from exc
+
+
+def qemu_group() -> int | None:
+    """The group of the user QEMU drops to when the daemon runs as root, else None.
+
+    The same rule as `boxd.core.Host.run_as`: ``BOXD_QEMU_USER`` names the user
+    (default ``boxd-qemu``; empty: QEMU keeps the daemon's user).
+    """
+    name = os.environ.get("BOXD_QEMU_USER", "boxd-qemu")
+    if os.geteuid() != 0 or not name:
+        return None
+    try:
+        return pwd.getpwnam(name).pw_gid
+    except KeyError:
+        return None
 
 
 def data_regions(fd: int, size: int) -> Iterator[tuple[int, int]]:
@@ -225,7 +242,7 @@ def copy_sparse(src: Path, dst: Path, progress: Progress | None = None) -> tuple
             size = st.st_size
             os.posix_fadvise(sfd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         with os_errors("write", dst):
-            dfd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            dfd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
                 _read_regions(sfd, size, h, lambda c, o: write_nonzero(dfd, c, o), progress)
                 os.ftruncate(dfd, size)

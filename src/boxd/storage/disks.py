@@ -20,8 +20,9 @@ QEMU_IMG = "qemu-img"
 
 async def _run(*argv: str) -> str:
     try:
+        # umask 077: disk layers hold guest data; they are born 0600.
         proc = await asyncio.create_subprocess_exec(
-            *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+            *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, umask=0o077
         )
     except FileNotFoundError as exc:
         raise HostSetupError(

@@ -49,7 +49,10 @@ def sparse_copy(src: Path, dest: Path) -> int:
     copied = 0
     try:
         with os_errors("copy guest memory", dest):
-            with open(src, "rb") as fin, open(tmp, "wb") as fout:
+            # Guest memory: readable by the daemon's user only (QEMU opens it before
+            # it drops privileges).
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            with open(src, "rb") as fin, open(fd, "wb") as fout:
                 size = os.fstat(fin.fileno()).st_size
                 fout.truncate(size)
                 for off, length in data_regions(fin.fileno(), size):

@@ -2,8 +2,8 @@
 
 Layout under ``root`` (``paths.snapshots``)::
 
-    blobs/sha256/<hex>        immutable blob files (mode 0444), sparse where the source was
-    manifests/<hex>.json      canonical JSON; <hex> is the sha256 of the file = snapshot digest
+    blobs/sha256/<hex>        immutable blob files (0400, or 0440 for QEMU's group), sparse
+    manifests/<hex>.json      canonical JSON (0400); <hex> is its sha256 = snapshot digest
     staging/<random>/         saves and imports in progress (removed by gc())
     verified/<hex>            "this blob was verified at this (size, mtime, ctime, inode)"
     .lock                     flock held while publishing, deleting or collecting
@@ -64,6 +64,8 @@ _FIX_HINT = "delete the snapshot and save it again, or re-import it from an expo
 # A file modified within this window of its verification may keep the same mtime
 # (timestamps are clock-tick granular), so such a verification is not trusted later.
 _RACY_WINDOW_NS = 1_000_000_000
+#: Default of `SnapshotStore`'s ``group``: the QEMU user's group (daemon run as root).
+QEMU_GROUP: Final = -1
 
 
 @dataclass(frozen=True)
@@ -363,15 +365,38 @@ class SnapshotStore:
     copying and hashing run outside it.
     """
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, group: int | None = QEMU_GROUP) -> None:
+        """Open (creating if needed) the store at ``root``.
+
+        Args:
+            root: the store's directory.
+            group: a group that may read blobs (never list them): QEMU, dropped to its
+                own user, opens a snapshot's device-state blob by path. The default is
+                the QEMU user's group when the daemon runs as root; None: owner only.
+        """
         self.root = root
         self.blobs_dir = root / "blobs" / "sha256"
         self.manifests_dir = root / "manifests"
         self.staging_dir = root / "staging"
         self.verified_dir = root / "verified"
+        self.group = _files.qemu_group() if group == QEMU_GROUP else group
+        # Private to the daemon's user; QEMU's group may only pass through to a blob.
+        passable = 0o710 if self.group is not None else 0o700
         with os_errors("create the snapshot store", root):
             for d in (self.blobs_dir, self.manifests_dir, self.staging_dir, self.verified_dir):
-                d.mkdir(parents=True, exist_ok=True)
+                d.mkdir(parents=True, exist_ok=True, mode=0o700)
+            for d, mode in ((root, passable), (root / "blobs", passable),
+                            (self.blobs_dir, passable), (self.manifests_dir, 0o700),
+                            (self.staging_dir, 0o700), (self.verified_dir, 0o700)):
+                if self.group is not None:
+                    os.chown(d, -1, self.group)
+                os.chmod(d, mode)
+
+    def _seal_blob(self, path: Path) -> None:
+        """Make a blob immutable: read-only for the owner (and QEMU's group, if any)."""
+        if self.group is not None:
+            os.chown(path, -1, self.group)
+        os.chmod(path, 0o440 if self.group is not None else 0o400)
 
     # ---- paths and locking -------------------------------------------------------
 
@@ -414,13 +439,13 @@ class SnapshotStore:
             # becomes visible.
             for _, path in blobs:
                 if path is not None:
-                    os.chmod(path, 0o444)
+                    self._seal_blob(path)
                     _files.fsync_path(path)
             with open(tmp_manifest, "xb") as f:
                 f.write(raw)
                 f.flush()
                 os.fsync(f.fileno())
-            os.chmod(tmp_manifest, 0o444)
+            os.chmod(tmp_manifest, 0o400)
             with self._lock():
                 for ref, path in blobs:
                     target = _blob_path(self.root, ref.digest)
@@ -596,7 +621,7 @@ class SnapshotStore:
     def _remember_verified(self, blob: str, st: os.stat_result, started_ns: int) -> None:
         rec = _canonical({"stat": self._stat_key(st), "verified_at_ns": started_ns})
         try:
-            _files.write_atomic(self.verified_dir / blob, rec, durable=False)
+            _files.write_atomic(self.verified_dir / blob, rec, mode=0o600, durable=False)
         except OSError as exc:  # only a cache: failing to write it costs a re-hash later
             log.warning("could not record verification of blob %s: %s", blob[:12], exc)
 
@@ -841,7 +866,8 @@ def _write_archive(
         counter = _Counter(
             len(raw) + sum(n for *_, regions in fds for _, n in regions), progress
         )
-        with open(tmp, "xb") as rawf:
+        out_fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        with open(out_fd, "wb") as rawf:
             gz = gzip.GzipFile(fileobj=rawf, mode="wb", compresslevel=1, mtime=0) if compress \
                 else None
             out = cast(IO[bytes], gz if gz is not None else rawf)
@@ -990,7 +1016,7 @@ def _read_members(
             raise invalid(f"blob {blob[:12]} has no data")
         dst = staging.directory / f"import-{blob}"
         h = hashlib.sha256()
-        fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             pos = 0
             # TarInfo.sparse is [(offset, length), ...] (typeshed says list[int]).
