@@ -4,6 +4,7 @@
 
     BoxdError                      every error boxd raises; .code, .message, .hint
     ├── InvalidRequest             malformed input (bad name, bad size, bad path)     400
+    │   └── CorruptData            data the client sent fails a digest or size check  400
     ├── AuthError                  missing, unknown or revoked API key                401
     ├── NotFound                   no such resource for this account                  404
     │   ├── MachineNotFound        .machine
@@ -37,6 +38,7 @@ __all__ = [
     "CheckpointNotFound",
     "Conflict",
     "ConnectionError",
+    "CorruptData",
     "ExecTimeout",
     "GuestFileNotFound",
     "HostSetupError",
@@ -95,7 +97,17 @@ class InvalidRequest(BoxdError):
 
     code = "invalid_request"
     status = 400
-    _fields = ("field",)
+    _fields: ClassVar[tuple[str, ...]] = ("field",)
+
+
+class CorruptData(InvalidRequest):
+    """Data the client sent (an imported snapshot file) fails an integrity check.
+
+    The client's data is at fault, not the host: a 4xx. ``digest`` names what failed.
+    """
+
+    code = "corrupt_data"
+    _fields = ("field", "digest")
 
 
 class AuthError(BoxdError):

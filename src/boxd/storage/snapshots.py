@@ -39,7 +39,13 @@ from pathlib import Path
 from types import MappingProxyType, TracebackType
 from typing import IO, Any, Final, cast
 
-from boxd.errors import IntegrityError, InternalError, InvalidRequest, SnapshotNotFound
+from boxd.errors import (
+    CorruptData,
+    IntegrityError,
+    InternalError,
+    InvalidRequest,
+    SnapshotNotFound,
+)
 from boxd.storage import _files
 from boxd.storage._files import Progress, os_errors
 
@@ -782,7 +788,10 @@ class SnapshotStore:
     def import_(self, path: Path, progress: Progress | None = None) -> Manifest:
         """Import a file written by `export`, verifying every digest on the way.
 
-        Importing a snapshot that is already stored is a no-op returning it.
+        Every blob the manifest names must be in the file and match its digest, even
+        when the store holds the snapshot already (a manifest alone proves nothing),
+        and the work done is the same either way: an import tells nothing about what
+        the store holds. Importing a stored snapshot again returns it.
 
         Args:
             path: the export file (plain or gzipped tar).
@@ -793,15 +802,13 @@ class SnapshotStore:
 
         Raises:
             InvalidRequest: not a boxd export, or truncated.
-            IntegrityError: a blob or the manifest does not match its digest.
+            CorruptData: a blob is missing from the file, or a blob or the manifest
+                does not match its digest.
             ResourceExhausted: the disk is full.
             InternalError: another I/O error.
         """
         with self.stage() as staging:
-            result = _read_archive(path, self, staging, progress)
-            if isinstance(result, Manifest):
-                return result  # already stored
-            raw, staged = result
+            raw, staged = _read_archive(path, self, staging, progress)
             manifest = self._publish(staging.directory, raw, staged)
         return manifest
 
@@ -944,7 +951,8 @@ def _write_members(
 
 def _read_archive(
     path: Path, store: SnapshotStore, staging: Staging, progress: Progress | None
-) -> Manifest | tuple[bytes, list[tuple[BlobRef, Path | None]]]:
+) -> tuple[bytes, list[tuple[BlobRef, Path]]]:
+    # Messages speak of "the snapshot file": the path is the daemon's spool file.
     try:
         rawf = open(path, "rb")  # noqa: SIM115 - closed below, after tarfile
     except FileNotFoundError:
@@ -954,25 +962,33 @@ def _read_archive(
     try:
         total = os.fstat(rawf.fileno()).st_size
         try:
-            with tarfile.open(fileobj=rawf, mode="r:*") as tf, os_errors("import", path):
-                return _read_members(path, tf, store, staging, lambda: progress and progress(
+            with tarfile.open(fileobj=rawf, mode="r:*") as tf, \
+                    os_errors("import the snapshot file", store.staging_dir):
+                return _read_members(tf, store, staging, lambda: progress and progress(
                     rawf.tell(), total))
         except gzip.BadGzipFile as exc:
-            raise InvalidRequest(f"{path} is not a boxd snapshot export: {exc}",
-                                 hint=_NOT_EXPORT_HINT, field="path") from exc
+            raise InvalidRequest(f"the snapshot file is not a boxd snapshot export: {exc}",
+                                 hint=_NOT_EXPORT_HINT, field="file") from exc
         except _ARCHIVE_ERRORS as exc:
-            raise InvalidRequest(f"{path} is not a complete boxd snapshot export: {exc}",
-                                 hint=_NOT_EXPORT_HINT, field="path") from exc
+            raise InvalidRequest(
+                f"the snapshot file is not a complete boxd snapshot export: {exc}",
+                hint=_NOT_EXPORT_HINT, field="file",
+            ) from exc
     finally:
         rawf.close()
 
 
 def _read_members(
-    path: Path, tf: tarfile.TarFile, store: SnapshotStore, staging: Staging,
-    tick: Callable[[], object],
-) -> Manifest | tuple[bytes, list[tuple[BlobRef, Path | None]]]:
+    tf: tarfile.TarFile, store: SnapshotStore, staging: Staging, tick: Callable[[], object],
+) -> tuple[bytes, list[tuple[BlobRef, Path]]]:
     def invalid(why: str) -> InvalidRequest:
-        return InvalidRequest(f"{path}: {why}", hint=_NOT_EXPORT_HINT, field="path")
+        return InvalidRequest(f"the snapshot file {why}", hint=_NOT_EXPORT_HINT, field="file")
+
+    def corrupt(why: str, digest: str) -> CorruptData:
+        return CorruptData(
+            f"the snapshot file is corrupt: {why}", field="file", digest=digest,
+            hint="export the snapshot again and import the new file",
+        )
 
     first = tf.next()
     match = re.fullmatch(r"manifests/([0-9a-f]{64})\.json", first.name) if first else None
@@ -982,20 +998,14 @@ def _read_members(
     f = tf.extractfile(first)
     raw = f.read() if f is not None else b""
     if len(raw) != first.size:
-        raise invalid("the manifest is truncated")
+        raise invalid("has a truncated manifest")
     if hashlib.sha256(raw).hexdigest() != digest:
-        raise IntegrityError(
-            f"{path}: the manifest does not match its digest {digest[:12]}",
-            hint="the export file is corrupt; export the snapshot again",
-            digest=digest, path=str(path),
-        )
+        raise corrupt(f"the manifest does not match its digest {digest[:12]}", digest)
     manifest = _parse_manifest(raw, digest, store.root)
-    if store.exists(digest) and all(
-        _blob_path(store.root, e.digest).exists() for e in manifest.blobs.values()
-    ):
-        return store.get(digest)
+    # Every blob is read, hashed and staged, stored already or not (the store drops
+    # duplicates when publishing): nothing here depends on what the store holds.
     needed = {e.digest: e.size for e in manifest.blobs.values()}
-    got: dict[str, Path | None] = {}
+    got: dict[str, Path] = {}
     buf = bytearray(_files.CHUNK)
     view = memoryview(buf)
     while (member := tf.next()) is not None:
@@ -1006,11 +1016,7 @@ def _read_members(
         if blob not in needed or blob in got:
             raise invalid(f"unexpected blob {blob[:12]}")
         if member.size != needed[blob]:
-            raise invalid(f"blob {blob[:12]} has the wrong size")
-        target = _blob_path(store.root, blob)
-        if target.exists() and target.stat().st_size == needed[blob]:
-            got[blob] = None  # stored already: skip its data
-            continue
+            raise corrupt(f"blob {blob[:12]} has the wrong size", digest)
         src = tf.extractfile(member)
         if src is None:
             raise invalid(f"blob {blob[:12]} has no data")
@@ -1043,19 +1049,17 @@ def _read_members(
         finally:
             os.close(fd)
         if h.hexdigest() != blob:
-            raise IntegrityError(
-                f"{path}: blob {blob[:12]} does not match its digest",
-                hint="the export file is corrupt; export the snapshot again",
-                digest=digest, path=str(path),
-            )
+            raise corrupt(f"blob {blob[:12]} does not match its digest", digest)
         got[blob] = dst
     missing = set(needed) - set(got)
     if missing:
-        raise invalid(f"{len(missing)} blob(s) missing (truncated file?)")
-    staged: list[tuple[BlobRef, Path | None]] = []
+        raise corrupt(
+            f"{len(missing)} of the {len(needed)} blobs its manifest names are not in it",
+            digest,
+        )
+    staged: list[tuple[BlobRef, Path]] = []
     for kind, e in manifest.blobs.items():
         p = got[e.digest]
-        stored = p.stat().st_blocks * 512 if p is not None and p.exists() else 0
-        staged.append((BlobRef(kind, e.digest, e.size, stored), p))
+        staged.append((BlobRef(kind, e.digest, e.size, p.stat().st_blocks * 512), p))
     tick()
     return raw, staged
