@@ -293,3 +293,27 @@ def test_openapi_is_typed(env: Env) -> None:
     ] == {"$ref": "#/components/schemas/ErrorResponse"}
     assert "security" not in paths["/v1/health"]["get"]
     assert paths["/v1/machines"]["get"]["security"] == [{"apiKey": []}]
+
+
+def test_error_bodies_never_name_daemon_files(env: Env, tmp_path: Path) -> None:
+    """Defect 6: messages, hints and details keep the daemon's paths to its log."""
+    from boxd.errors import IntegrityError, ResourceExhausted
+
+    home = tmp_path  # the data directory holding upload_dir
+    blob = home / "snapshots" / "blobs" / "sha256" / ("ab" * 32)
+
+    async def corrupt(account: str, ref: str) -> object:
+        raise IntegrityError(f"blob {blob} does not match", hint=f"delete {blob}",
+                             digest="ab" * 32, path=str(blob))
+
+    async def full(account: str) -> object:
+        raise ResourceExhausted(f"disk full: could not write ({home}/disks/l_1.qcow2)")
+
+    env.snapshots.get = corrupt  # type: ignore[method-assign]
+    env.snapshots.list = full  # type: ignore[method-assign]
+    for url in ("/v1/snapshots/env", "/v1/snapshots"):
+        r = env.client.get(url)
+        assert r.status_code >= 500
+        assert str(home) not in r.text and "<boxd>" in r.text, r.text
+    body = _error(env.client.get("/v1/snapshots/env"))
+    assert body["details"] == {"digest": "ab" * 32}

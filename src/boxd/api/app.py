@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from boxd.api.routes import machines as machines_routes
 from boxd.api.routes import snapshots as snapshots_routes
 from boxd.api.routes import system
 from boxd.api.services.keys import KeyService
+from boxd.config import Paths
 from boxd.services import HostInfoFn, MachineService, SnapshotService
 
 __all__ = ["create_app"]
@@ -31,6 +33,7 @@ def create_app(
     keys: KeyService,
     host_info: HostInfoFn,
     upload_dir: Path | None = None,
+    private_dirs: Sequence[Path] | None = None,
 ) -> FastAPI:
     """Build the boxd HTTP API over the given services.
 
@@ -41,6 +44,8 @@ def create_app(
         host_info: returns what ``GET /v1/info`` answers.
         upload_dir: where snapshot imports are spooled (default: the system temp dir);
             best on the same file system as the snapshot store.
+        private_dirs: folders whose paths never appear in an error body (default:
+            the data directory holding ``upload_dir`` and its tmpfs folder).
 
     Returns:
         The ASGI app. Its lifespan does not close the services: whoever built them does.
@@ -57,6 +62,10 @@ def create_app(
     app.state.keys = keys
     app.state.host_info = host_info
     app.state.upload_dir = upload_dir
+    if private_dirs is None:
+        home = upload_dir.parent if upload_dir is not None else None
+        private_dirs = (home, Paths(home).shm) if home is not None else ()
+    app.state.private_dirs = tuple(private_dirs)
     install_error_handlers(app)
     for module in (system, machines_routes, snapshots_routes, keys_routes):
         app.include_router(module.router, prefix=API_PREFIX)

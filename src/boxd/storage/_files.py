@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import logging
 import os
 import pwd
 import secrets
@@ -37,6 +38,8 @@ __all__ = [
     "write_atomic",
     "write_nonzero",
 ]
+
+log = logging.getLogger("boxd.storage")
 
 #: Read size for data regions. 1 MiB keeps the Python overhead per byte negligible.
 CHUNK = 1 << 20
@@ -71,12 +74,18 @@ def os_errors(action: str, path: Path | str) -> Iterator[None]:
     try:
         yield
     except OSError as exc:
+        # The path is the daemon's business: it goes to the log, not to the client.
+        log.warning("event=os_error action=%r path=%s error=%r", action, path, exc)
         if exc.errno in _NO_SPACE:
             raise ResourceExhausted(
-                f"disk full: could not {action} ({path})",
-                hint=f"free disk space on the filesystem holding {path}, then retry",
+                f"disk full: could not {action}",
+                hint="free disk space in boxd's data directory (the daemon's log names the "
+                "file), then retry",
             ) from exc
-        raise InternalError(f"could not {action} ({path}): {exc.strerror or exc}") from exc
+        raise InternalError(
+            f"could not {action}: {exc.strerror or type(exc).__name__}",
+            hint="the daemon's log has the details",
+        ) from exc
 
 
 def qemu_group() -> int | None:

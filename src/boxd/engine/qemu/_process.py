@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import re
 import signal
 import subprocess
 import time
@@ -136,7 +137,12 @@ class QemuProcess:
         except OSError:
             return ""
         keep = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("---")]
-        return " | ".join(keep[-lines:])[-400:]
+        tail = " | ".join(keep[-lines:])
+        # QEMU names its files (RAM, disk layers, sockets): these are the daemon's
+        # business, and this text reaches clients in error messages and `machine info`.
+        for d in (self.log_path.parents[2], self.qmp_path.parents[2]):
+            tail = re.sub(re.escape(str(d)) + r"(/[^\s'\"):,]*)?", "<boxd>", tail)
+        return tail[-400:]
 
     async def qmp(self, timeout: float = 10.0) -> QMPClient:
         """The QMP connection, opened on first use (waits for QEMU to create the socket)."""
