@@ -317,3 +317,35 @@ def test_error_bodies_never_name_daemon_files(env: Env, tmp_path: Path) -> None:
         assert str(home) not in r.text and "<boxd>" in r.text, r.text
     body = _error(env.client.get("/v1/snapshots/env"))
     assert body["details"] == {"digest": "ab" * 32}
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ({"command": "echo a\u0000b"}, "command"),
+    ({"command": ["echo", "a\u0000b"]}, "command"),
+    ({"command": []}, "command"),
+    ({"command": "true", "env": {"A=B": "1"}}, "env"),
+    ({"command": "true", "env": {"": "1"}}, "env"),
+    ({"command": "true", "env": {"A": "x\u0000y"}}, "env"),
+    ({"command": "pwd", "cwd": "/tmp\u0000/x"}, "cwd"),
+    ({"command": "true", "timeout": 1e308}, "timeout"),
+])
+def test_exec_input_a_process_cannot_take_is_a_400(
+    env: Env, body: dict[str, object], field: str
+) -> None:
+    """Defects 5 and 8: refused at the API, naming the field, never sent to the guest."""
+    m = env.client.post("/v1/machines", json={"name": "m"}).json()
+    r = env.client.post(f"/v1/machines/{m['id']}/exec", json=body)
+    assert r.status_code == 400, r.text
+    assert _error(r)["details"]["field"] == field  # type: ignore[index]
+
+
+def test_key_names_refuse_control_characters(env: Env) -> None:
+    r = env.client.post("/v1/keys", json={"name": "ci\u001b[31m"})
+    assert r.status_code == 400 and _error(r)["details"]["field"] == "name"  # type: ignore[index]
+    assert env.client.post("/v1/keys", json={"name": "ci runner"}).status_code == 201
+
+
+def test_openapi_carries_the_exec_rules(env: Env) -> None:
+    schema = env.client.get("/openapi.json").json()["components"]["schemas"]["ExecRequest"]
+    text = json.dumps(schema)
+    assert "\\\\x00" in text and "propertyNames" in text and "604800" in text

@@ -76,11 +76,13 @@ def error_response(exc: BoxdError) -> JSONResponse:
 
 
 def _field(loc: Sequence[Any]) -> str:
-    # ("body", "vcpus") -> "vcpus"; ("query", "path") -> "path"; ("body",) -> "body"
+    # ("body", "vcpus") -> "vcpus"; ("query", "path") -> "path"; ("body",) -> "body";
+    # ("body", "env", "A=B", "[key]") -> "env"; ("body", "command", "list[...]", 1)
+    # -> "command": the request field, not pydantic's path inside it.
     parts = [str(p) for p in loc]
     if len(parts) > 1 and parts[0] in ("body", "query", "path", "header", "cookie"):
         parts = parts[1:]
-    return ".".join(parts)
+    return parts[0] if parts else ""
 
 
 _PLACEHOLDER = "<boxd>"
