@@ -18,7 +18,7 @@
     ├── ExecTimeout                a command ran past its timeout and was killed      408
     ├── MachineFailed              the machine's VM died or stopped answering         503
     ├── IntegrityError             a stored blob does not match its digest            500
-    ├── ResourceExhausted          host disk or memory is full                        507
+    ├── ResourceExhausted          host disk or memory is full; .needed, .free        507
     ├── HostSetupError             QEMU, an image or another host prerequisite is missing  500
     ├── ConnectionError            the client cannot reach the daemon                 (client only)
     └── InternalError              a bug; the daemon's log has the details            500
@@ -210,6 +210,7 @@ class ResourceExhausted(BoxdError):
 
     code = "resource_exhausted"
     status = 507
+    _fields = ("needed", "free")
 
 
 class HostSetupError(BoxdError):

@@ -57,3 +57,25 @@ def test_processes_and_copies_create_private_files(tmp_path: Path) -> None:
     base.write_bytes(bytes(1 << 20))
     asyncio.run(disks.create_overlay(tmp_path / "layer.qcow2", base, "raw", 1))
     assert _mode(tmp_path / "layer.qcow2") == 0o600
+
+
+def test_ensure_space_names_needed_and_free(tmp_path: Path) -> None:
+    from boxd.errors import ResourceExhausted
+    from boxd.storage.memory import ensure_space
+
+    ensure_space(tmp_path, 1)
+    with pytest.raises(ResourceExhausted) as info:
+        ensure_space(tmp_path, 1 << 62)
+    assert info.value.needed == 1 << 62  # type: ignore[attr-defined]
+    assert 0 <= info.value.free < 1 << 62  # type: ignore[attr-defined]
+    assert "BOXD_SHM" in info.value.hint
+
+
+def test_sigbus_death_is_reported_as_such(tmp_path: Path) -> None:
+    proc = QemuProcess.spawn(
+        "m_bus", ["/bin/sh", "-c", "kill -BUS $$"], tmp_path / "run" / "qmp.sock",
+        tmp_path / "log" / "qemu.log",
+    )
+    assert proc.popen is not None
+    proc.popen.wait(10)
+    assert "SIGBUS" in proc.exit_reason() and "BOXD_SHM" in proc.exit_reason()

@@ -126,6 +126,11 @@ class QemuProcess:
                 except ValueError:
                     name = str(-rc)
                 why = f"the QEMU process was killed by {name}"
+                if -rc == signal.SIGBUS:
+                    # Guest RAM is a file on tmpfs: touching a page it has no room for
+                    # raises SIGBUS.
+                    why += (" (its RAM filesystem, BOXD_SHM, is probably full: free "
+                            "memory there or give machines less memory)")
             else:
                 why = f"the QEMU process exited with status {rc}"
         tail = self.log_tail()
