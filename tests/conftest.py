@@ -64,7 +64,8 @@ def start_daemon(home: Path, *extra: str) -> Daemon:
 
     home.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "BOXD_HOME": str(home), "BOXD_IMAGE_CACHE": str(IMAGE_CACHE)}
-    with open(home / "serve.out", "ab") as out:
+    fd = os.open(home / "serve.out", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    with open(fd, "ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "boxd", "serve", *extra], env=env, stdout=out,
             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,

@@ -15,6 +15,10 @@ else ``$XDG_DATA_HOME/boxd`` or ``~/.local/share/boxd``)::
     disks/<layer>.qcow2  disk layers: a machine's writable overlay or a frozen layer
     snapshots/           content-addressed snapshot store (blobs/, manifests)
     machines/<id>/       per-machine persistent files (console log)
+    uploads/             snapshot imports being received
+
+Every file and directory here is private to the daemon's user (0600/0700), and to
+QEMU's user where QEMU reopens a file after dropping privileges (see docs/security.md).
 
 and on tmpfs (``/dev/shm/boxd-<hash of data dir>``)::
 
@@ -96,8 +100,16 @@ class Paths:
         return self.home / "machines"
 
     @property
+    def uploads(self) -> Path:
+        return self.home / "uploads"
+
+    @property
     def shm(self) -> Path:
-        """Per-data-directory folder on tmpfs for RAM files and sockets."""
+        """Per-data-directory folder on tmpfs for RAM files and sockets.
+
+        ``BOXD_SHM`` names the tmpfs to use (default ``/dev/shm``); guest RAM lives
+        there, so it must have room for every machine's memory.
+        """
         digest = hashlib.sha256(str(self.home).encode()).hexdigest()[:12]
         base = Path(os.environ.get(SHM_ENV) or "/dev/shm")
         return base / f"boxd-{digest}"
@@ -119,12 +131,44 @@ class Paths:
         return self.shm / "checkpoints"
 
     def ensure(self) -> None:
-        for p in (self.home, self.images, self.disks, self.snapshots, self.machines,
-                  self.hibernated, self.shm, self.shm / "machines", self.templates,
-                  self.checkpoints):
-            p.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.home, 0o700)
-        os.chmod(self.shm, 0o700)
+        """Create the data directory and the tmpfs folder, private to the daemon's user.
+
+        New directories are made 0700. Existing ones lose every permission "others"
+        have, except the search bit on the two roots: when the daemon runs as root,
+        `Host.run_as` makes them 0711 (QEMU, dropped to its own user, reopens disk
+        layers by path) and some folders below 2770 for QEMU's group; those stay. The
+        database and the log are created 0600 before anything opens them (SQLite gives
+        its -wal and -shm files the database's mode; the log handler appends).
+        """
+        subdirs = (self.images, self.disks, self.snapshots, self.machines, self.uploads,
+                   self.hibernated, self.shm / "machines", self.shm / "tmp", self.templates,
+                   self.checkpoints)
+        for root in (self.home, self.shm):
+            root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            mode = os.stat(root).st_mode & 0o7777
+            # Only root has a QEMU user that needs to pass through.
+            os.chmod(root, mode & ~0o066 if os.geteuid() == 0 else 0o700)
+        for d in subdirs:
+            d.mkdir(parents=True, exist_ok=True, mode=0o700)
+            mode = os.stat(d).st_mode & 0o7777
+            if mode & 0o007:
+                os.chmod(d, mode & ~0o007)
+        for f in (self.db, self.db.with_name(self.db.name + "-wal"),
+                  self.db.with_name(self.db.name + "-shm"), self.log, self.host_info):
+            _make_private(f, create=f in (self.db, self.log))
+
+
+def _make_private(path: Path, *, create: bool = False) -> None:
+    """Make ``path`` readable and writable by its owner only (created empty if asked)."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except FileNotFoundError:
+        return
+    try:
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
 
 
 # Machine sizing defaults (documented in docs/design.md).

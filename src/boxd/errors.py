@@ -4,6 +4,7 @@
 
     BoxdError                      every error boxd raises; .code, .message, .hint
     ├── InvalidRequest             malformed input (bad name, bad size, bad path)     400
+    │   └── CorruptData            data the client sent fails a digest or size check  400
     ├── AuthError                  missing, unknown or revoked API key                401
     ├── NotFound                   no such resource for this account                  404
     │   ├── MachineNotFound        .machine
@@ -17,7 +18,7 @@
     ├── ExecTimeout                a command ran past its timeout and was killed      408
     ├── MachineFailed              the machine's VM died or stopped answering         503
     ├── IntegrityError             a stored blob does not match its digest            500
-    ├── ResourceExhausted          host disk or memory is full                        507
+    ├── ResourceExhausted          host disk or memory is full; .needed, .free        507
     ├── HostSetupError             QEMU, an image or another host prerequisite is missing  500
     ├── ConnectionError            the client cannot reach the daemon                 (client only)
     └── InternalError              a bug; the daemon's log has the details            500
@@ -37,6 +38,7 @@ __all__ = [
     "CheckpointNotFound",
     "Conflict",
     "ConnectionError",
+    "CorruptData",
     "ExecTimeout",
     "GuestFileNotFound",
     "HostSetupError",
@@ -95,7 +97,17 @@ class InvalidRequest(BoxdError):
 
     code = "invalid_request"
     status = 400
-    _fields = ("field",)
+    _fields: ClassVar[tuple[str, ...]] = ("field",)
+
+
+class CorruptData(InvalidRequest):
+    """Data the client sent (an imported snapshot file) fails an integrity check.
+
+    The client's data is at fault, not the host: a 4xx. ``digest`` names what failed.
+    """
+
+    code = "corrupt_data"
+    _fields = ("field", "digest")
 
 
 class AuthError(BoxdError):
@@ -198,6 +210,7 @@ class ResourceExhausted(BoxdError):
 
     code = "resource_exhausted"
     status = 507
+    _fields = ("needed", "free")
 
 
 class HostSetupError(BoxdError):

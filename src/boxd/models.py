@@ -8,13 +8,27 @@ from __future__ import annotations
 
 import re
 from enum import StrEnum
+from typing import Annotated
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StringConstraints
 
 from boxd import config
 
 NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 NAME_RULE = "1-63 lowercase letters, digits or '-', starting and ending with a letter or digit"
+
+#: Longest exec timeout, in seconds (7 days). Longer ones would overflow the host's
+#: deadline arithmetic; a command that must run longer needs no timeout at all.
+MAX_EXEC_TIMEOUT = 7 * 24 * 3600.0
+# What a process's argv, environment and working directory can hold: C strings, and
+# environment names without '='. Checked here so that a bad request is a 400 naming
+# the field, never a guest agent left without an answer.
+_NO_NUL = r"^[^\x00]*$"
+NoNul = Annotated[str, StringConstraints(pattern=_NO_NUL)]
+EnvName = Annotated[str, StringConstraints(min_length=1, max_length=4096,
+                                           pattern=r"^[^=\x00]+$")]
+#: An API key's label: 1-64 printable characters (no control characters).
+KEY_NAME_RE = r"^[^\x00-\x1f\x7f]{1,64}$"
 
 
 class MachineState(StrEnum):
@@ -115,10 +129,19 @@ class ForkResult(BaseModel):
 
 
 class ExecRequest(BaseModel):
-    command: str | list[str] = Field(..., description="shell string (run by /bin/sh -c) or argv")
-    env: dict[str, str] = Field(default_factory=dict)
-    cwd: str | None = None
-    timeout: float | None = Field(None, gt=0, description="seconds; the command is killed after")
+    command: NoNul | Annotated[list[NoNul], Field(min_length=1)] = Field(
+        ..., description="shell string (run by /bin/sh -c) or argv; no NUL bytes"
+    )
+    env: dict[EnvName, NoNul] = Field(
+        default_factory=dict,
+        description="variables set for the command; names without '=', no NUL bytes",
+    )
+    cwd: Annotated[str, StringConstraints(min_length=1, max_length=4096,
+                                          pattern=_NO_NUL)] | None = None
+    timeout: float | None = Field(
+        None, gt=0, le=MAX_EXEC_TIMEOUT, allow_inf_nan=False,
+        description=f"seconds (at most {MAX_EXEC_TIMEOUT:.0f}); the command is killed after",
+    )
     stdin: str | None = None
 
 
@@ -205,7 +228,8 @@ class ApiKeyCreated(ApiKey):
 
 
 class ApiKeyCreate(BaseModel):
-    name: str = "default"
+    name: str = Field("default", pattern=KEY_NAME_RE,
+                      description="a label: 1-64 printable characters")
     account: str | None = Field(
         None,
         description="account name to create the key for (created if new); only the local "

@@ -427,6 +427,39 @@ def test_stdin_env_cwd(guest: Guest) -> None:
     with_client(guest, body)
 
 
+_BAD_EXECS: list[tuple[str, dict[str, object]]] = [
+    ("NUL in a shell command", {"command": "echo a\x00b"}),
+    ("NUL in argv", {"command": ["echo", "a\x00b"]}),
+    ("NUL in argv[0]", {"command": ["ec\x00ho", "a"]}),
+    ("'=' in an env name", {"command": "true", "env": {"A=B": "1"}}),
+    ("empty env name", {"command": "true", "env": {"": "1"}}),
+    ("NUL in an env name", {"command": "true", "env": {"A\x00": "1"}}),
+    ("NUL in an env value", {"command": "true", "env": {"A": "x\x00y"}}),
+    ("NUL in cwd", {"command": "pwd", "cwd": "/tmp\x00/nope"}),
+]
+
+
+def test_bad_exec_input_is_answered_and_blocks_nothing(guest: Guest) -> None:
+    """Defect 5: every request gets a reply, an error one for bad input."""
+
+    async def body(c: AgentClient) -> None:
+        for what, kw in _BAD_EXECS:
+            args = dict(kw)
+            command = args.pop("command")
+            with pytest.raises(InvalidRequest) as info:
+                await asyncio.wait_for(c.run(command, **args), 10)  # type: ignore[arg-type]
+            assert info.value.details.get("errno") == P.ERR_INVALID, what
+        # all at once, mixed with good requests: each answered, none left pending
+        bad = [c.run(kw["command"], env=kw.get("env"), cwd=kw.get("cwd"))  # type: ignore[arg-type]
+               for _, kw in _BAD_EXECS]
+        results = await asyncio.wait_for(asyncio.gather(
+            *bad, c.run("echo ok"), c.ping(), return_exceptions=True), 20)
+        assert all(isinstance(r, InvalidRequest) for r in results[:len(bad)]), results
+        assert results[len(bad)].stdout == b"ok\n"  # type: ignore[union-attr]
+
+    with_client(guest, body)
+
+
 def test_concurrent_execs(guest: Guest) -> None:
     async def body(c: AgentClient) -> None:
         start = time.monotonic()

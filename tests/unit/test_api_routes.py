@@ -293,3 +293,59 @@ def test_openapi_is_typed(env: Env) -> None:
     ] == {"$ref": "#/components/schemas/ErrorResponse"}
     assert "security" not in paths["/v1/health"]["get"]
     assert paths["/v1/machines"]["get"]["security"] == [{"apiKey": []}]
+
+
+def test_error_bodies_never_name_daemon_files(env: Env, tmp_path: Path) -> None:
+    """Defect 6: messages, hints and details keep the daemon's paths to its log."""
+    from boxd.errors import IntegrityError, ResourceExhausted
+
+    home = tmp_path  # the data directory holding upload_dir
+    blob = home / "snapshots" / "blobs" / "sha256" / ("ab" * 32)
+
+    async def corrupt(account: str, ref: str) -> object:
+        raise IntegrityError(f"blob {blob} does not match", hint=f"delete {blob}",
+                             digest="ab" * 32, path=str(blob))
+
+    async def full(account: str) -> object:
+        raise ResourceExhausted(f"disk full: could not write ({home}/disks/l_1.qcow2)")
+
+    env.snapshots.get = corrupt  # type: ignore[method-assign]
+    env.snapshots.list = full  # type: ignore[method-assign]
+    for url in ("/v1/snapshots/env", "/v1/snapshots"):
+        r = env.client.get(url)
+        assert r.status_code >= 500
+        assert str(home) not in r.text and "<boxd>" in r.text, r.text
+    body = _error(env.client.get("/v1/snapshots/env"))
+    assert body["details"] == {"digest": "ab" * 32}
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ({"command": "echo a\u0000b"}, "command"),
+    ({"command": ["echo", "a\u0000b"]}, "command"),
+    ({"command": []}, "command"),
+    ({"command": "true", "env": {"A=B": "1"}}, "env"),
+    ({"command": "true", "env": {"": "1"}}, "env"),
+    ({"command": "true", "env": {"A": "x\u0000y"}}, "env"),
+    ({"command": "pwd", "cwd": "/tmp\u0000/x"}, "cwd"),
+    ({"command": "true", "timeout": 1e308}, "timeout"),
+])
+def test_exec_input_a_process_cannot_take_is_a_400(
+    env: Env, body: dict[str, object], field: str
+) -> None:
+    """Defects 5 and 8: refused at the API, naming the field, never sent to the guest."""
+    m = env.client.post("/v1/machines", json={"name": "m"}).json()
+    r = env.client.post(f"/v1/machines/{m['id']}/exec", json=body)
+    assert r.status_code == 400, r.text
+    assert _error(r)["details"]["field"] == field  # type: ignore[index]
+
+
+def test_key_names_refuse_control_characters(env: Env) -> None:
+    r = env.client.post("/v1/keys", json={"name": "ci\u001b[31m"})
+    assert r.status_code == 400 and _error(r)["details"]["field"] == "name"  # type: ignore[index]
+    assert env.client.post("/v1/keys", json={"name": "ci runner"}).status_code == 201
+
+
+def test_openapi_carries_the_exec_rules(env: Env) -> None:
+    schema = env.client.get("/openapi.json").json()["components"]["schemas"]["ExecRequest"]
+    text = json.dumps(schema)
+    assert "\\\\x00" in text and "propertyNames" in text and "604800" in text

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from boxd.errors import (
+    CorruptData,
     IntegrityError,
     InvalidRequest,
     ResourceExhausted,
@@ -82,7 +83,7 @@ def test_sparse_file_stays_sparse_and_digest_is_logical_sha256(
     assert stored.stat().st_blocks * 512 < 6 * MiB
     assert ref.stored == stored.stat().st_blocks * 512
     assert logical_sha256(stored) == ref.digest
-    assert stored.stat().st_mode & 0o777 == 0o444
+    assert stored.stat().st_mode & 0o777 == (0o440 if store.group is not None else 0o400)
 
 
 def test_manifest_is_canonical_and_named_by_its_hash(
@@ -315,7 +316,7 @@ def test_truncated_or_corrupt_export_fails_cleanly(
     flipped = bytearray(data)
     flipped[len(data) // 2] ^= 0xFF  # inside the RAM data
     (tmp_path / "flip.boxd").write_bytes(bytes(flipped))
-    with pytest.raises(IntegrityError):
+    with pytest.raises(CorruptData):
         other.import_(tmp_path / "flip.boxd")
     (tmp_path / "junk").write_bytes(b"not a tar at all" * 100)
     with pytest.raises(InvalidRequest):
@@ -353,3 +354,82 @@ def test_bad_inputs(store: SnapshotStore, tmp_path: Path) -> None:
             st.add_blob("state", tmp_path / "f")
         with pytest.raises(InvalidRequest):
             st.commit({"when": object()})
+
+
+def test_store_is_private_to_the_daemon_and_qemus_group(
+    tmp_path: Path, machine_files: dict[str, Path]
+) -> None:
+    """Blobs hold guest memory and disks: no other user may list or read them."""
+    own = SnapshotStore(tmp_path / "own", group=None)
+    m = save(own, machine_files)
+    for d in (own.root, own.blobs_dir, own.manifests_dir, own.staging_dir, own.verified_dir):
+        assert d.stat().st_mode & 0o777 == 0o700, d
+    assert m.blob_path("memory").stat().st_mode & 0o777 == 0o400
+    assert own.manifest_path(m.digest).stat().st_mode & 0o777 == 0o400
+    gid = os.getgid()
+    shared = SnapshotStore(tmp_path / "shared", group=gid)
+    m = save(shared, machine_files)
+    for d in (shared.root, shared.root / "blobs", shared.blobs_dir):
+        st = d.stat()
+        assert (st.st_mode & 0o777, st.st_gid) == (0o710, gid), d
+    st = m.blob_path("state").stat()
+    assert (st.st_mode & 0o777, st.st_gid) == (0o440, gid)
+    assert shared.manifests_dir.stat().st_mode & 0o777 == 0o700
+
+
+def _rewrite_export(src: Path, dest: Path, keep: int | None = None, flip: bool = False) -> Path:
+    """Copy an export keeping its manifest and ``keep`` blob members (all if None);
+    ``flip`` corrupts one data byte of every blob kept."""
+    import io
+    import tarfile
+
+    with tarfile.open(src) as tin, tarfile.open(dest, "w", format=tarfile.PAX_FORMAT) as tout:
+        members = tin.getmembers()
+        for i, member in enumerate(members):
+            if i > 0 and keep is not None and i > keep:
+                break
+            f = tin.extractfile(member)
+            data = bytearray(f.read() if f is not None else b"")
+            if i > 0 and flip:
+                data[len(data) // 2] ^= 0xFF
+            info = tarfile.TarInfo(member.name)
+            info.size = len(data)
+            tout.addfile(info, io.BytesIO(bytes(data)))
+    return dest
+
+
+def test_a_manifest_alone_claims_nothing(
+    store: SnapshotStore, machine_files: dict[str, Path], tmp_path: Path
+) -> None:
+    """Defect 3: the ~600-byte manifest of a stored snapshot must not import it."""
+    m = save(store, machine_files)
+    export = store.export(m.digest, tmp_path / "env.boxd")
+    claim = _rewrite_export(export, tmp_path / "claim.boxd", keep=0)
+    assert claim.stat().st_size < 20_000
+    empty = SnapshotStore(tmp_path / "empty")
+    answers = []
+    for target in (store, empty):  # holds the snapshot / does not
+        with pytest.raises(CorruptData) as info:
+            target.import_(claim)
+        answers.append((type(info.value), info.value.message, info.value.details))
+    # the same answer either way: an import tells nothing about what the store holds
+    assert answers[0] == answers[1]
+    assert "3 of the 3 blobs" in answers[0][1]
+    assert empty.list() == [] and list(empty.blobs_dir.iterdir()) == []
+
+
+def test_import_reads_every_blob_even_when_stored(
+    store: SnapshotStore, machine_files: dict[str, Path], tmp_path: Path
+) -> None:
+    m = save(store, machine_files)
+    export = store.export(m.digest, tmp_path / "env.boxd")
+    some = _rewrite_export(export, tmp_path / "some.boxd", keep=1)
+    with pytest.raises(CorruptData, match="2 of the 3 blobs"):
+        store.import_(some)
+    flipped = _rewrite_export(export, tmp_path / "flip.boxd", flip=True)
+    with pytest.raises(CorruptData, match="does not match its digest") as info:
+        store.import_(flipped)
+    assert str(tmp_path) not in str(info.value)
+    assert store.import_(export).digest == m.digest  # the whole file still imports
+    store.verify(m.digest)
+    assert list(store.staging_dir.iterdir()) == []

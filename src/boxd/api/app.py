@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from boxd.api.routes import machines as machines_routes
 from boxd.api.routes import snapshots as snapshots_routes
 from boxd.api.routes import system
 from boxd.api.services.keys import KeyService
+from boxd.config import Paths
 from boxd.control.accounts import Accounts as AccountsService
 from boxd.services import AccountService, HostInfoFn, MachineService, SnapshotService
 from boxd.state import Repos
@@ -34,6 +36,7 @@ def create_app(
     keys: KeyService,
     host_info: HostInfoFn,
     upload_dir: Path | None = None,
+    private_dirs: Sequence[Path] | None = None,
     accounts: AccountService | None = None,
 ) -> FastAPI:
     """Build the boxd HTTP API over the given services.
@@ -45,6 +48,8 @@ def create_app(
         host_info: returns what ``GET /v1/info`` answers.
         upload_dir: where snapshot imports are spooled (default: the system temp dir);
             best on the same file system as the snapshot store.
+        private_dirs: folders whose paths never appear in an error body (default:
+            the data directory holding ``upload_dir`` and its tmpfs folder).
         accounts: accounts and limits (default: over the keys' database).
 
     Returns:
@@ -62,6 +67,10 @@ def create_app(
     app.state.keys = keys
     app.state.host_info = host_info
     app.state.upload_dir = upload_dir
+    if private_dirs is None:
+        home = upload_dir.parent if upload_dir is not None else None
+        private_dirs = (home, Paths(home).shm) if home is not None else ()
+    app.state.private_dirs = tuple(private_dirs)
     if accounts is None and keys is not None:
         accounts = AccountsService(Repos(keys.db))
     app.state.accounts = accounts

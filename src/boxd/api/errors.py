@@ -4,12 +4,18 @@ Every `BoxdError` becomes its ``.status`` and ``to_body()``; FastAPI's request v
 errors become ``invalid_request`` (400) with the offending ``field``; Starlette's own
 HTTP errors (unknown route, wrong method) keep their status in the same body shape;
 anything else is a bug: 500 ``internal_error``, traceback in the log, never in the body.
+
+No body names a file of the daemon: paths under its data directory or tmpfs folder
+(``app.state.private_dirs``) are replaced by ``<boxd>``, and a host-side error's
+``path`` detail stays in the log.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -70,19 +76,48 @@ def error_response(exc: BoxdError) -> JSONResponse:
 
 
 def _field(loc: Sequence[Any]) -> str:
-    # ("body", "vcpus") -> "vcpus"; ("query", "path") -> "path"; ("body",) -> "body"
+    # ("body", "vcpus") -> "vcpus"; ("query", "path") -> "path"; ("body",) -> "body";
+    # ("body", "env", "A=B", "[key]") -> "env"; ("body", "command", "list[...]", 1)
+    # -> "command": the request field, not pydantic's path inside it.
     parts = [str(p) for p in loc]
     if len(parts) > 1 and parts[0] in ("body", "query", "path", "header", "cookie"):
         parts = parts[1:]
-    return ".".join(parts)
+    return parts[0] if parts else ""
+
+
+_PLACEHOLDER = "<boxd>"
+
+
+def scrub(text: str, private_dirs: Sequence[Path]) -> str:
+    """``text`` with every path under one of ``private_dirs`` replaced by ``<boxd>``."""
+    for d in private_dirs:
+        text = re.sub(re.escape(str(d)) + r"(/[^\s'\"):,]*)?", _PLACEHOLDER, text)
+    return text
+
+
+def _public(exc: BoxdError, private_dirs: Sequence[Path]) -> BoxdError:
+    """A copy of ``exc`` fit for a client: no daemon paths in what it says."""
+    details = dict(exc.details)
+    if exc.status >= 500:
+        details.pop("path", None)  # a host file (a corrupt blob): the log has it
+    for k, v in details.items():
+        if isinstance(v, str):
+            details[k] = scrub(v, private_dirs)
+    return type(exc)(scrub(exc.message, private_dirs), hint=scrub(exc.hint, private_dirs),
+                     **details)
+
+
+def _private_dirs(request: Request) -> Sequence[Path]:
+    dirs: Sequence[Path] = getattr(request.app.state, "private_dirs", ())
+    return dirs
 
 
 async def _boxd_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, BoxdError)
     if exc.status >= 500:
-        log.error("request failed: %s %s: %s (%s)", request.method, request.url.path,
-                  exc.code, exc.message)
-    return error_response(exc)
+        log.error("request failed: %s %s: %s (%s) details=%s", request.method,
+                  request.url.path, exc.code, exc.message, exc.details)
+    return error_response(_public(exc, _private_dirs(request)))
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
@@ -105,7 +140,8 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     code = {404: "not_found", 401: "unauthorized", 405: "method_not_allowed"}.get(
         exc.status_code, "invalid_request" if exc.status_code < 500 else "internal_error"
     )
-    body = {"error": {"code": code, "message": str(exc.detail), "hint": "", "details": {}}}
+    message = scrub(str(exc.detail), _private_dirs(request))
+    body = {"error": {"code": code, "message": message, "hint": "", "details": {}}}
     return JSONResponse(status_code=exc.status_code, content=body, headers=exc.headers)
 
 

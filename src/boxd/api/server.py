@@ -237,6 +237,7 @@ class Daemon:
                 keys=self.keys,
                 host_info=host_info or _fallback_host_info(paths),
                 upload_dir=paths.home / "uploads",
+                private_dirs=(paths.home, paths.shm),
             )
             self.server = _Server(
                 uvicorn.Config(

@@ -384,6 +384,8 @@ class AgentClient:
         details: dict[str, Any] = {"field": "path"} if path is not None else {}
         if path is not None:
             details["path"] = path
+        if isinstance(msg.get("field"), str):
+            details["field"] = msg["field"]  # the request field the agent rejected
         details["errno"] = code
         return InvalidRequest(text, **details)
 

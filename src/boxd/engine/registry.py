@@ -50,7 +50,8 @@ def _open_qemu(settings: Settings, paths: Paths, image: GuestImage) -> Engine:
     paths.ensure()
     run_as = resolve_run_as(
         settings.qemu_user, traversed=(paths.home, paths.shm),
-        writable=(paths.disks, paths.templates, paths.checkpoints, paths.hibernated),
+        writable=(paths.disks, paths.templates, paths.checkpoints, paths.hibernated,
+                  paths.shm / "tmp"),
         listable=(paths.home, paths.shm),
     )
     return QemuEngine(

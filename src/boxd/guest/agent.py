@@ -520,13 +520,34 @@ class Agent:
             argv = list(cmd)
         else:
             raise RequestError(P.ERR_INVALID, "cmd must be a string or a non-empty list of strings")
+        # Checked here, not left to Popen in the exec thread: a bad request gets an
+        # error reply instead of a thread that dies without one.
+        if any("\0" in a for a in argv):
+            raise RequestError(P.ERR_INVALID, "cmd must not contain NUL bytes", field="command")
         env = dict(P.DEFAULT_ENV)
-        for key, value in (msg.get("env") or {}).items():
+        raw_env = msg.get("env") or {}
+        if not isinstance(raw_env, dict):
+            raise RequestError(P.ERR_INVALID, "env must be an object", field="env")
+        for key, value in raw_env.items():
+            key = str(key)
+            if not key or "=" in key or "\0" in key:
+                raise RequestError(
+                    P.ERR_INVALID,
+                    f"invalid environment variable name {key!r}: it must be non-empty "
+                    "without '=' or NUL", field="env",
+                )
             if value is None:
-                env.pop(str(key), None)
+                env.pop(key, None)
+            elif "\0" in str(value):
+                raise RequestError(
+                    P.ERR_INVALID, f"environment variable {key} contains a NUL byte",
+                    field="env",
+                )
             else:
-                env[str(key)] = str(value)
+                env[key] = str(value)
         cwd = msg.get("cwd")
+        if isinstance(cwd, str) and "\0" in cwd:
+            raise RequestError(P.ERR_INVALID, "cwd must not contain NUL bytes", field="cwd")
         if cwd is None:
             cwd = self.args.default_cwd
             try:
@@ -575,6 +596,15 @@ class Agent:
     ) -> None:
         try:
             self._run_exec(ex, argv, env, cwd, timeout, want_stdin)
+        except Exception as exc:
+            # Never leave the host waiting: an exec that fails before its result is
+            # answered with an error (after a result, the failure is only logged).
+            log(f"exec {ex.id} failed:\n{traceback.format_exc()}")
+            if not ex.done:
+                ex.done = True
+                self.fail(ex.id, ex.conn, RequestError(
+                    P.ERR_INVALID if isinstance(exc, ValueError) else P.ERR_INTERNAL,
+                    f"{type(exc).__name__}: {exc}"))
         finally:
             ex.done = True
             with self.lock:

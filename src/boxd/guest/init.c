@@ -1115,7 +1115,17 @@ static int op_exec(long long id, const struct jfield *f, int n) {
         if (stat(cwd, &st) != 0 || !S_ISDIR(st.st_mode)) snprintf(cwd, sizeof cwd, "/");
     } else {
         struct stat st;
-        if (cwdf->type != J_STR || json_str(cwdf, cwd, sizeof cwd) < 0) goto out;
+        long cl = cwdf->type == J_STR ? json_str(cwdf, cwd, sizeof cwd) : -1;
+        if (cl < 0) goto out; /* not a string, or too long: agent.py answers */
+        if ((size_t)cl != strlen(cwd)) { /* a \u0000 would cut the path short */
+            static struct buf b;
+            reply_start(&b, id, "error");
+            put(&b, ",\"code\":\"EINVAL\",\"message\":\"cwd must not contain NUL bytes\","
+                "\"field\":\"cwd\"");
+            reply_end(&b);
+            rc = 0;
+            goto out;
+        }
         if (stat(cwd, &st) != 0 || !S_ISDIR(st.st_mode)) {
             static struct buf b;
             char msg[1100];

@@ -68,7 +68,7 @@ from boxd.node.base import Boot, FromSnapshot
 from boxd.node.lifecycle import ASLEEP, HAS_VM, LIVE, TRANSIENT, Lease, Lifecycle, require
 from boxd.state import CheckpointRecord, MachineRecord, Repos, TemplateRecord, new_id
 from boxd.storage import Manifest, SnapshotStore, disks
-from boxd.storage.memory import is_sealed, remove_tree, seal
+from boxd.storage.memory import ensure_space, is_sealed, remove_tree, seal
 
 log = logging.getLogger("boxd.node")
 
@@ -260,6 +260,10 @@ class NodeRuntime:
                         "" if launch.parent_layer else str(launch.backing), layer_id=layer_id,
                     )
             assert disk is not None
+            if launch.image is None or launch.copy_memory or launch.image.mem_path is None:
+                # Its own RAM file on tmpfs: a full one would kill the guest later (SIGBUS).
+                # A child mapping a template pays only for the pages it changes.
+                ensure_space(self.paths.shm, config.memory_mib << 20)
             run_dir, log_path = self.run_dir(config.id), self.log_path(config.id)
             if launch.image is None:
                 handle = await engine.boot(config, BootDisk(disk), run_dir, log_path)
@@ -1218,7 +1222,8 @@ class NodeRuntime:
         for d in self.paths.checkpoints.glob("*"):
             if d.name not in cks:
                 remove_tree(d)
-        remove_tree(self.paths.shm / "tmp")
+        for d in (self.paths.shm / "tmp").glob("*"):  # the folder itself keeps its modes
+            remove_tree(d)
         layers = self.repos.layers.ids()
         for f in self.paths.disks.glob("*.qcow2*"):
             if f.name.split(".")[0] not in layers:

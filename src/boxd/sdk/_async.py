@@ -583,7 +583,7 @@ class AsyncSnapshots:
             progress: called as ``progress(bytes_sent, file_size)`` per chunk.
 
         Raises:
-            IntegrityError: the file is corrupt.
+            CorruptData: the file is corrupt or lacks blobs its manifest names.
             InvalidRequest: not a snapshot file, or ``path`` cannot be read.
         """
         src = Path(path)

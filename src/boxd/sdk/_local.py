@@ -74,7 +74,9 @@ def _spawn(paths: Paths) -> subprocess.Popen[bytes]:
     env["BOXD_HOME"] = str(paths.home)  # the daemon serves the same data dir we looked in
     env.pop("BOXD_URL", None)
     # Output goes to the daemon log so that a crash at start-up leaves its traceback there.
-    with open(paths.log, "ab") as log:
+    # The log is the daemon's alone (docs/security.md): born 0600.
+    fd = os.open(paths.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    with open(fd, "ab") as log:
         return subprocess.Popen(
             [sys.executable, "-m", "boxd", "serve"],
             stdin=subprocess.DEVNULL,
@@ -131,7 +133,8 @@ def ensure_daemon(paths: Paths, timeout: float = START_TIMEOUT) -> None:
         return
     try:
         paths.home.mkdir(parents=True, exist_ok=True, mode=0o700)
-        lock = open(spawn_lock_path(paths), "a+b")  # noqa: SIM115 - held across the wait
+        lock_fd = os.open(spawn_lock_path(paths), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        lock = open(lock_fd, "a+b")  # noqa: SIM115 - held across the wait
     except OSError as exc:
         raise errors.ConnectionError(
             f"cannot start the boxd daemon: cannot create {paths.home}: {exc.strerror}",

@@ -565,7 +565,7 @@ class Snapshots:
             progress: called as ``progress(bytes_sent, file_size)`` per chunk.
 
         Raises:
-            IntegrityError: the file is corrupt.
+            CorruptData: the file is corrupt or lacks blobs its manifest names.
             InvalidRequest: not a snapshot file, or ``path`` cannot be read.
         """
         src = Path(path)

@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import logging
 import os
+import pwd
 import secrets
 import stat
 from collections.abc import Callable, Iterator
@@ -32,9 +34,12 @@ __all__ = [
     "hash_zeros",
     "is_zero",
     "os_errors",
+    "qemu_group",
     "write_atomic",
     "write_nonzero",
 ]
+
+log = logging.getLogger("boxd.storage")
 
 #: Read size for data regions. 1 MiB keeps the Python overhead per byte negligible.
 CHUNK = 1 << 20
@@ -69,12 +74,33 @@ def os_errors(action: str, path: Path | str) -> Iterator[None]:
     try:
         yield
     except OSError as exc:
+        # The path is the daemon's business: it goes to the log, not to the client.
+        log.warning("event=os_error action=%r path=%s error=%r", action, path, exc)
         if exc.errno in _NO_SPACE:
             raise ResourceExhausted(
-                f"disk full: could not {action} ({path})",
-                hint=f"free disk space on the filesystem holding {path}, then retry",
+                f"disk full: could not {action}",
+                hint="free disk space in boxd's data directory (the daemon's log names the "
+                "file), then retry",
             ) from exc
-        raise InternalError(f"could not {action} ({path}): {exc.strerror or exc}") from exc
+        raise InternalError(
+            f"could not {action}: {exc.strerror or type(exc).__name__}",
+            hint="the daemon's log has the details",
+        ) from exc
+
+
+def qemu_group() -> int | None:
+    """The group of the user QEMU drops to when the daemon runs as root, else None.
+
+    The same rule as `boxd.core.Host.run_as`: ``BOXD_QEMU_USER`` names the user
+    (default ``boxd-qemu``; empty: QEMU keeps the daemon's user).
+    """
+    name = os.environ.get("BOXD_QEMU_USER", "boxd-qemu")
+    if os.geteuid() != 0 or not name:
+        return None
+    try:
+        return pwd.getpwnam(name).pw_gid
+    except KeyError:
+        return None
 
 
 def data_regions(fd: int, size: int) -> Iterator[tuple[int, int]]:
@@ -225,7 +251,7 @@ def copy_sparse(src: Path, dst: Path, progress: Progress | None = None) -> tuple
             size = st.st_size
             os.posix_fadvise(sfd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         with os_errors("write", dst):
-            dfd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            dfd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
                 _read_regions(sfd, size, h, lambda c, o: write_nonzero(dfd, c, o), progress)
                 os.ftruncate(dfd, size)

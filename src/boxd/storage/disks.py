@@ -10,18 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 from pathlib import Path
 
 from boxd.errors import HostSetupError, InternalError, ResourceExhausted
 
 QEMU_IMG = "qemu-img"
+log = logging.getLogger("boxd.storage")
 
 
 async def _run(*argv: str) -> str:
     try:
+        # umask 077: disk layers hold guest data; they are born 0600.
         proc = await asyncio.create_subprocess_exec(
-            *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+            *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, umask=0o077
         )
     except FileNotFoundError as exc:
         raise HostSetupError(
@@ -30,11 +33,16 @@ async def _run(*argv: str) -> str:
     out, err = await proc.communicate()
     if proc.returncode != 0:
         text = err.decode(errors="replace").strip()
+        # qemu-img names the layer files: its words go to the log, not to the client.
+        log.warning("event=qemu_img_failed argv=%r error=%r", argv, text[-2000:])
         if "No space left" in text:
             raise ResourceExhausted(
                 f"disk full while running {argv[0]}", hint="free space in the data directory"
             )
-        raise InternalError(f"{' '.join(argv[:3])} failed: {text[-500:]}")
+        raise InternalError(
+            f"{argv[0]} {argv[1]} failed (status {proc.returncode})",
+            hint="the daemon's log has its error message",
+        )
     return out.decode()
 
 

@@ -7,6 +7,7 @@ import os
 import shutil
 from pathlib import Path
 
+from boxd.errors import ResourceExhausted
 from boxd.storage._files import data_regions, os_errors
 
 _CHUNK = 8 << 20
@@ -49,7 +50,10 @@ def sparse_copy(src: Path, dest: Path) -> int:
     copied = 0
     try:
         with os_errors("copy guest memory", dest):
-            with open(src, "rb") as fin, open(tmp, "wb") as fout:
+            # Guest memory: readable by the daemon's user only (QEMU opens it before
+            # it drops privileges).
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            with open(src, "rb") as fin, open(fd, "wb") as fout:
                 size = os.fstat(fin.fileno()).st_size
                 fout.truncate(size)
                 for off, length in data_regions(fin.fileno(), size):
@@ -60,6 +64,31 @@ def sparse_copy(src: Path, dest: Path) -> int:
         tmp.unlink(missing_ok=True)
         raise
     return copied
+
+
+def ensure_space(path: Path, needed: int) -> None:
+    """Check that the filesystem holding ``path`` has ``needed`` bytes free.
+
+    Guest RAM is a file on tmpfs (``BOXD_SHM``, default ``/dev/shm``). Pages are
+    allocated as the guest touches them, so a full tmpfs is not an error at start:
+    the guest dies later of SIGBUS. Call this before placing a machine's RAM there
+    (create, fork, restore, wake) with its memory size.
+
+    Raises:
+        ResourceExhausted: less than ``needed`` bytes are free (``.needed``, ``.free``).
+    """
+    with os_errors("check free space", path):
+        st = os.statvfs(path)
+    free = st.f_bavail * st.f_frsize
+    if free < needed:
+        mib = 1 << 20
+        raise ResourceExhausted(
+            f"not enough memory for the machine's RAM: {needed // mib} MiB needed, "
+            f"{free // mib} MiB free on the RAM filesystem",
+            hint="delete or hibernate machines, give the machine less memory, or point "
+            "BOXD_SHM at a larger tmpfs",
+            needed=needed, free=free,
+        )
 
 
 def remove_tree(path: Path) -> None:

@@ -2,8 +2,8 @@
 
 Layout under ``root`` (``paths.snapshots``)::
 
-    blobs/sha256/<hex>        immutable blob files (mode 0444), sparse where the source was
-    manifests/<hex>.json      canonical JSON; <hex> is the sha256 of the file = snapshot digest
+    blobs/sha256/<hex>        immutable blob files (0400, or 0440 for QEMU's group), sparse
+    manifests/<hex>.json      canonical JSON (0400); <hex> is its sha256 = snapshot digest
     staging/<random>/         saves and imports in progress (removed by gc())
     verified/<hex>            "this blob was verified at this (size, mtime, ctime, inode)"
     .lock                     flock held while publishing, deleting or collecting
@@ -39,7 +39,13 @@ from pathlib import Path
 from types import MappingProxyType, TracebackType
 from typing import IO, Any, Final, cast
 
-from boxd.errors import IntegrityError, InternalError, InvalidRequest, SnapshotNotFound
+from boxd.errors import (
+    CorruptData,
+    IntegrityError,
+    InternalError,
+    InvalidRequest,
+    SnapshotNotFound,
+)
 from boxd.storage import _files
 from boxd.storage._files import Progress, os_errors
 
@@ -64,6 +70,8 @@ _FIX_HINT = "delete the snapshot and save it again, or re-import it from an expo
 # A file modified within this window of its verification may keep the same mtime
 # (timestamps are clock-tick granular), so such a verification is not trusted later.
 _RACY_WINDOW_NS = 1_000_000_000
+#: Default of `SnapshotStore`'s ``group``: the QEMU user's group (daemon run as root).
+QEMU_GROUP: Final = -1
 
 
 @dataclass(frozen=True)
@@ -363,15 +371,38 @@ class SnapshotStore:
     copying and hashing run outside it.
     """
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, group: int | None = QEMU_GROUP) -> None:
+        """Open (creating if needed) the store at ``root``.
+
+        Args:
+            root: the store's directory.
+            group: a group that may read blobs (never list them): QEMU, dropped to its
+                own user, opens a snapshot's device-state blob by path. The default is
+                the QEMU user's group when the daemon runs as root; None: owner only.
+        """
         self.root = root
         self.blobs_dir = root / "blobs" / "sha256"
         self.manifests_dir = root / "manifests"
         self.staging_dir = root / "staging"
         self.verified_dir = root / "verified"
+        self.group = _files.qemu_group() if group == QEMU_GROUP else group
+        # Private to the daemon's user; QEMU's group may only pass through to a blob.
+        passable = 0o710 if self.group is not None else 0o700
         with os_errors("create the snapshot store", root):
             for d in (self.blobs_dir, self.manifests_dir, self.staging_dir, self.verified_dir):
-                d.mkdir(parents=True, exist_ok=True)
+                d.mkdir(parents=True, exist_ok=True, mode=0o700)
+            for d, mode in ((root, passable), (root / "blobs", passable),
+                            (self.blobs_dir, passable), (self.manifests_dir, 0o700),
+                            (self.staging_dir, 0o700), (self.verified_dir, 0o700)):
+                if self.group is not None:
+                    os.chown(d, -1, self.group)
+                os.chmod(d, mode)
+
+    def _seal_blob(self, path: Path) -> None:
+        """Make a blob immutable: read-only for the owner (and QEMU's group, if any)."""
+        if self.group is not None:
+            os.chown(path, -1, self.group)
+        os.chmod(path, 0o440 if self.group is not None else 0o400)
 
     # ---- paths and locking -------------------------------------------------------
 
@@ -414,13 +445,13 @@ class SnapshotStore:
             # becomes visible.
             for _, path in blobs:
                 if path is not None:
-                    os.chmod(path, 0o444)
+                    self._seal_blob(path)
                     _files.fsync_path(path)
             with open(tmp_manifest, "xb") as f:
                 f.write(raw)
                 f.flush()
                 os.fsync(f.fileno())
-            os.chmod(tmp_manifest, 0o444)
+            os.chmod(tmp_manifest, 0o400)
             with self._lock():
                 for ref, path in blobs:
                     target = _blob_path(self.root, ref.digest)
@@ -596,7 +627,7 @@ class SnapshotStore:
     def _remember_verified(self, blob: str, st: os.stat_result, started_ns: int) -> None:
         rec = _canonical({"stat": self._stat_key(st), "verified_at_ns": started_ns})
         try:
-            _files.write_atomic(self.verified_dir / blob, rec, durable=False)
+            _files.write_atomic(self.verified_dir / blob, rec, mode=0o600, durable=False)
         except OSError as exc:  # only a cache: failing to write it costs a re-hash later
             log.warning("could not record verification of blob %s: %s", blob[:12], exc)
 
@@ -757,7 +788,10 @@ class SnapshotStore:
     def import_(self, path: Path, progress: Progress | None = None) -> Manifest:
         """Import a file written by `export`, verifying every digest on the way.
 
-        Importing a snapshot that is already stored is a no-op returning it.
+        Every blob the manifest names must be in the file and match its digest, even
+        when the store holds the snapshot already (a manifest alone proves nothing),
+        and the work done is the same either way: an import tells nothing about what
+        the store holds. Importing a stored snapshot again returns it.
 
         Args:
             path: the export file (plain or gzipped tar).
@@ -768,15 +802,13 @@ class SnapshotStore:
 
         Raises:
             InvalidRequest: not a boxd export, or truncated.
-            IntegrityError: a blob or the manifest does not match its digest.
+            CorruptData: a blob is missing from the file, or a blob or the manifest
+                does not match its digest.
             ResourceExhausted: the disk is full.
             InternalError: another I/O error.
         """
         with self.stage() as staging:
-            result = _read_archive(path, self, staging, progress)
-            if isinstance(result, Manifest):
-                return result  # already stored
-            raw, staged = result
+            raw, staged = _read_archive(path, self, staging, progress)
             manifest = self._publish(staging.directory, raw, staged)
         return manifest
 
@@ -841,7 +873,8 @@ def _write_archive(
         counter = _Counter(
             len(raw) + sum(n for *_, regions in fds for _, n in regions), progress
         )
-        with open(tmp, "xb") as rawf:
+        out_fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        with open(out_fd, "wb") as rawf:
             gz = gzip.GzipFile(fileobj=rawf, mode="wb", compresslevel=1, mtime=0) if compress \
                 else None
             out = cast(IO[bytes], gz if gz is not None else rawf)
@@ -918,7 +951,8 @@ def _write_members(
 
 def _read_archive(
     path: Path, store: SnapshotStore, staging: Staging, progress: Progress | None
-) -> Manifest | tuple[bytes, list[tuple[BlobRef, Path | None]]]:
+) -> tuple[bytes, list[tuple[BlobRef, Path]]]:
+    # Messages speak of "the snapshot file": the path is the daemon's spool file.
     try:
         rawf = open(path, "rb")  # noqa: SIM115 - closed below, after tarfile
     except FileNotFoundError:
@@ -928,25 +962,33 @@ def _read_archive(
     try:
         total = os.fstat(rawf.fileno()).st_size
         try:
-            with tarfile.open(fileobj=rawf, mode="r:*") as tf, os_errors("import", path):
-                return _read_members(path, tf, store, staging, lambda: progress and progress(
+            with tarfile.open(fileobj=rawf, mode="r:*") as tf, \
+                    os_errors("import the snapshot file", store.staging_dir):
+                return _read_members(tf, store, staging, lambda: progress and progress(
                     rawf.tell(), total))
         except gzip.BadGzipFile as exc:
-            raise InvalidRequest(f"{path} is not a boxd snapshot export: {exc}",
-                                 hint=_NOT_EXPORT_HINT, field="path") from exc
+            raise InvalidRequest(f"the snapshot file is not a boxd snapshot export: {exc}",
+                                 hint=_NOT_EXPORT_HINT, field="file") from exc
         except _ARCHIVE_ERRORS as exc:
-            raise InvalidRequest(f"{path} is not a complete boxd snapshot export: {exc}",
-                                 hint=_NOT_EXPORT_HINT, field="path") from exc
+            raise InvalidRequest(
+                f"the snapshot file is not a complete boxd snapshot export: {exc}",
+                hint=_NOT_EXPORT_HINT, field="file",
+            ) from exc
     finally:
         rawf.close()
 
 
 def _read_members(
-    path: Path, tf: tarfile.TarFile, store: SnapshotStore, staging: Staging,
-    tick: Callable[[], object],
-) -> Manifest | tuple[bytes, list[tuple[BlobRef, Path | None]]]:
+    tf: tarfile.TarFile, store: SnapshotStore, staging: Staging, tick: Callable[[], object],
+) -> tuple[bytes, list[tuple[BlobRef, Path]]]:
     def invalid(why: str) -> InvalidRequest:
-        return InvalidRequest(f"{path}: {why}", hint=_NOT_EXPORT_HINT, field="path")
+        return InvalidRequest(f"the snapshot file {why}", hint=_NOT_EXPORT_HINT, field="file")
+
+    def corrupt(why: str, digest: str) -> CorruptData:
+        return CorruptData(
+            f"the snapshot file is corrupt: {why}", field="file", digest=digest,
+            hint="export the snapshot again and import the new file",
+        )
 
     first = tf.next()
     match = re.fullmatch(r"manifests/([0-9a-f]{64})\.json", first.name) if first else None
@@ -956,20 +998,14 @@ def _read_members(
     f = tf.extractfile(first)
     raw = f.read() if f is not None else b""
     if len(raw) != first.size:
-        raise invalid("the manifest is truncated")
+        raise invalid("has a truncated manifest")
     if hashlib.sha256(raw).hexdigest() != digest:
-        raise IntegrityError(
-            f"{path}: the manifest does not match its digest {digest[:12]}",
-            hint="the export file is corrupt; export the snapshot again",
-            digest=digest, path=str(path),
-        )
+        raise corrupt(f"the manifest does not match its digest {digest[:12]}", digest)
     manifest = _parse_manifest(raw, digest, store.root)
-    if store.exists(digest) and all(
-        _blob_path(store.root, e.digest).exists() for e in manifest.blobs.values()
-    ):
-        return store.get(digest)
+    # Every blob is read, hashed and staged, stored already or not (the store drops
+    # duplicates when publishing): nothing here depends on what the store holds.
     needed = {e.digest: e.size for e in manifest.blobs.values()}
-    got: dict[str, Path | None] = {}
+    got: dict[str, Path] = {}
     buf = bytearray(_files.CHUNK)
     view = memoryview(buf)
     while (member := tf.next()) is not None:
@@ -980,17 +1016,13 @@ def _read_members(
         if blob not in needed or blob in got:
             raise invalid(f"unexpected blob {blob[:12]}")
         if member.size != needed[blob]:
-            raise invalid(f"blob {blob[:12]} has the wrong size")
-        target = _blob_path(store.root, blob)
-        if target.exists() and target.stat().st_size == needed[blob]:
-            got[blob] = None  # stored already: skip its data
-            continue
+            raise corrupt(f"blob {blob[:12]} has the wrong size", digest)
         src = tf.extractfile(member)
         if src is None:
             raise invalid(f"blob {blob[:12]} has no data")
         dst = staging.directory / f"import-{blob}"
         h = hashlib.sha256()
-        fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             pos = 0
             # TarInfo.sparse is [(offset, length), ...] (typeshed says list[int]).
@@ -1017,19 +1049,17 @@ def _read_members(
         finally:
             os.close(fd)
         if h.hexdigest() != blob:
-            raise IntegrityError(
-                f"{path}: blob {blob[:12]} does not match its digest",
-                hint="the export file is corrupt; export the snapshot again",
-                digest=digest, path=str(path),
-            )
+            raise corrupt(f"blob {blob[:12]} does not match its digest", digest)
         got[blob] = dst
     missing = set(needed) - set(got)
     if missing:
-        raise invalid(f"{len(missing)} blob(s) missing (truncated file?)")
-    staged: list[tuple[BlobRef, Path | None]] = []
+        raise corrupt(
+            f"{len(missing)} of the {len(needed)} blobs its manifest names are not in it",
+            digest,
+        )
+    staged: list[tuple[BlobRef, Path]] = []
     for kind, e in manifest.blobs.items():
         p = got[e.digest]
-        stored = p.stat().st_blocks * 512 if p is not None and p.exists() else 0
-        staged.append((BlobRef(kind, e.digest, e.size, stored), p))
+        staged.append((BlobRef(kind, e.digest, e.size, p.stat().st_blocks * 512), p))
     tick()
     return raw, staged

@@ -58,7 +58,7 @@ async def import_snapshot(
     """Import a file written by export; the body is streamed to disk, not held in memory."""
     check_name(name)
     if upload_dir is not None:
-        upload_dir.mkdir(parents=True, exist_ok=True)
+        upload_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd, tmp = tempfile.mkstemp(prefix="import-", suffix=".boxd", dir=upload_dir)
     path = Path(tmp)
     try:

@@ -239,7 +239,7 @@ class QemuMachine:
         machine mapping a template privately streams its whole RAM (mapped-ram).
         The machine is left paused; call ``resume``.
         """
-        dest_dir.mkdir(parents=True, exist_ok=True)
+        dest_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         if self.run_as is not None:
             # QEMU writes the state file itself, as its unprivileged user.
             os.chown(dest_dir, self.run_as.uid, self.run_as.gid)
@@ -361,7 +361,7 @@ class QemuEngine:
         self, config: MachineConfig, disk: BootDisk, run_dir: Path, log_path: Path
     ) -> QemuMachine:
         """Cold-boot a machine from its image (kernel + initramfs + disk)."""
-        run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         files = _argv.RunFiles(run_dir)
         memory = _argv.Memory(files.mem, shared=True)
         proc = self._spawn(config, disk.path, files, memory, log_path, incoming=False)
@@ -380,7 +380,7 @@ class QemuEngine:
         With ``paused`` the machine is left loaded but stopped; ``resume()`` runs it.
         """
         t0 = time.monotonic()
-        run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         files = _argv.RunFiles(run_dir)
         if image.mem_path is None:
             # RAM is inside the stream: load it into a RAM file of the machine's own.

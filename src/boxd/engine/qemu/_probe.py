@@ -114,6 +114,8 @@ def probe_accelerator(qemu: str, kernel: Path, cache: Path, forced: str = "") ->
         choice = AccelChoice("tcg", f"{why}{extra}: using TCG (software emulation)",
                              probe_seconds=round(elapsed, 2))
     tmp = cache.with_name(cache.name + ".tmp")
-    tmp.write_text(json.dumps({"key": key, "choice": asdict(choice)}))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps({"key": key, "choice": asdict(choice)}))
     os.replace(tmp, cache)
     return choice

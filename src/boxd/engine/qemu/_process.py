@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import re
 import signal
 import subprocess
 import time
@@ -37,6 +38,8 @@ def pid_matches(pid: int, machine_id: str) -> bool:
     return f"boxd-{machine_id},".encode() in cmdline and _proc_state(pid) not in (None, "Z")
 
 
+#: Mode mask of every QEMU process: files it creates are private to its user.
+QEMU_UMASK = 0o077
 _PR_SET_THP_DISABLE = 41
 _thp_disabled = False
 
@@ -83,14 +86,22 @@ class QemuProcess:
             HostSetupError: the QEMU binary is missing.
         """
         _disable_transparent_hugepages()
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "ab") as logf:
+        # The run directory (RAM file, sockets) and the log directory (QEMU and console
+        # logs) are the daemon's alone; QEMU opens all of them before it drops to its
+        # own user. umask 077: everything QEMU creates (RAM file, console log, captured
+        # state, disk layers made by blockdev-snapshot-sync) is born 0600.
+        for d in (qmp_path.parent, log_path.parent):
+            d.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.chmod(d, 0o700)
+        fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        os.fchmod(fd, 0o600)
+        with open(fd, "ab") as logf:
             logf.write(f"--- {time.strftime('%F %T')} {' '.join(argv)}\n".encode())
             logf.flush()
             try:
                 popen = subprocess.Popen(
                     argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
-                    start_new_session=True, close_fds=True,
+                    start_new_session=True, close_fds=True, umask=QEMU_UMASK,
                 )
             except FileNotFoundError as exc:
                 raise HostSetupError(
@@ -115,6 +126,11 @@ class QemuProcess:
                 except ValueError:
                     name = str(-rc)
                 why = f"the QEMU process was killed by {name}"
+                if -rc == signal.SIGBUS:
+                    # Guest RAM is a file on tmpfs: touching a page it has no room for
+                    # raises SIGBUS.
+                    why += (" (its RAM filesystem, BOXD_SHM, is probably full: free "
+                            "memory there or give machines less memory)")
             else:
                 why = f"the QEMU process exited with status {rc}"
         tail = self.log_tail()
@@ -126,7 +142,12 @@ class QemuProcess:
         except OSError:
             return ""
         keep = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("---")]
-        return " | ".join(keep[-lines:])[-400:]
+        tail = " | ".join(keep[-lines:])
+        # QEMU names its files (RAM, disk layers, sockets): these are the daemon's
+        # business, and this text reaches clients in error messages and `machine info`.
+        for d in (self.log_path.parents[2], self.qmp_path.parents[2]):
+            tail = re.sub(re.escape(str(d)) + r"(/[^\s'\"):,]*)?", "<boxd>", tail)
+        return tail[-400:]
 
     async def qmp(self, timeout: float = 10.0) -> QMPClient:
         """The QMP connection, opened on first use (waits for QEMU to create the socket)."""
