@@ -19,7 +19,6 @@ from boxd.api.services.keys import KeyService
 from boxd.config import Paths
 from boxd.control.accounts import Accounts as AccountsService
 from boxd.services import AccountService, HostInfoFn, MachineService, SnapshotService
-from boxd.state import Repos
 
 __all__ = ["create_app"]
 
@@ -72,7 +71,7 @@ def create_app(
         private_dirs = (home, Paths(home).shm) if home is not None else ()
     app.state.private_dirs = tuple(private_dirs)
     if accounts is None and keys is not None:
-        accounts = AccountsService(Repos(keys.db))
+        accounts = AccountsService(keys.repos)
     app.state.accounts = accounts
     install_error_handlers(app)
     for module in (system, machines_routes, snapshots_routes, keys_routes, accounts_routes):

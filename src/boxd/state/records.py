@@ -144,6 +144,21 @@ class AccountRecord:
 
 
 @dataclass(frozen=True)
+class KeyRecord:
+    id: str
+    account_id: str
+    name: str
+    prefix: str
+    created_at: float
+    revoked_at: float | None
+
+    @classmethod
+    def of(cls, row: sqlite3.Row) -> KeyRecord:
+        return cls(row["id"], row["account_id"], row["name"], row["prefix"], row["created_at"],
+                   row["revoked_at"])
+
+
+@dataclass(frozen=True)
 class Garbage:
     """What `Layers.collect` removed from the records: the caller removes the files."""
 
@@ -155,6 +170,7 @@ __all__ = [
     "AccountRecord",
     "CheckpointRecord",
     "Garbage",
+    "KeyRecord",
     "LayerRecord",
     "MachineRecord",
     "SnapshotRecord",

@@ -19,6 +19,7 @@ from boxd.state.records import (
     AccountRecord,
     CheckpointRecord,
     Garbage,
+    KeyRecord,
     LayerRecord,
     MachineRecord,
     SnapshotRecord,
@@ -475,6 +476,72 @@ class Accounts:
                          (max_machines, account_id))
 
 
+class Keys:
+    """The ``api_keys`` table, and accounts by name (keys create accounts on demand)."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    def account_id(self, name: str) -> str | None:
+        row = self._db.one("SELECT id FROM accounts WHERE name = ?", (name,))
+        return str(row["id"]) if row else None
+
+    def account_name(self, account_id: str) -> str | None:
+        row = self._db.one("SELECT name FROM accounts WHERE id = ?", (account_id,))
+        return str(row["name"]) if row else None
+
+    def add_account(self, name: str, max_machines: int) -> str:
+        """Create the account ``name`` unless it exists; return its id either way."""
+        self._db.execute(
+            "INSERT INTO accounts (id, name, created_at, machine_quota) VALUES (?, ?, ?, ?) "
+            "ON CONFLICT(name) DO NOTHING",
+            (new_id("a"), name, time.time(), max_machines),
+        )
+        found = self.account_id(name)
+        assert found is not None  # inserted just above, or by a concurrent caller
+        return found
+
+    def add(
+        self, key_id: str, account_id: str, name: str, prefix: str, secret_hash: str,
+        created_at: float, owner_uid: int | None,
+    ) -> None:
+        self._db.execute(
+            "INSERT INTO api_keys (id, account_id, name, prefix, secret_hash, created_at, "
+            "owner_uid) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (key_id, account_id, name, prefix, secret_hash, created_at, owner_uid),
+        )
+
+    def list(self, account_id: str) -> builtins.list[KeyRecord]:
+        rows = self._db.all(
+            "SELECT * FROM api_keys WHERE account_id = ? ORDER BY created_at, id", (account_id,)
+        )
+        return [KeyRecord.of(r) for r in rows]
+
+    def get(self, account_id: str, key_id: str) -> KeyRecord | None:
+        row = self._db.one(
+            "SELECT * FROM api_keys WHERE id = ? AND account_id = ?", (key_id, account_id)
+        )
+        return KeyRecord.of(row) if row else None
+
+    def by_secret_hash(self, secret_hash: str) -> KeyRecord | None:
+        row = self._db.one("SELECT * FROM api_keys WHERE secret_hash = ?", (secret_hash,))
+        return KeyRecord.of(row) if row else None
+
+    def revoke(self, key_id: str) -> None:
+        self._db.execute(
+            "UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
+            (time.time(), key_id),
+        )
+
+    def revoke_owned(self, account_id: str, uid: int) -> None:
+        """Revoke the default keys an OS user owns in an account."""
+        self._db.execute(
+            "UPDATE api_keys SET revoked_at = ? WHERE account_id = ? AND owner_uid = ? "
+            "AND revoked_at IS NULL",
+            (time.time(), account_id, uid),
+        )
+
+
 class Repos:
     """All repositories over one database."""
 
@@ -485,6 +552,7 @@ class Repos:
         self.checkpoints = Checkpoints(db)
         self.snapshots = Snapshots(db)
         self.accounts = Accounts(db)
+        self.keys = Keys(db)
 
 
-__all__ = ["Checkpoints", "Layers", "Machines", "Repos", "Snapshots"]
+__all__ = ["Accounts", "Checkpoints", "Keys", "Layers", "Machines", "Repos", "Snapshots"]

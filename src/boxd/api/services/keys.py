@@ -11,13 +11,12 @@ from __future__ import annotations
 import builtins
 import hashlib
 import secrets
-import sqlite3
 import time
 
 from boxd import models
 from boxd.config import Settings
 from boxd.errors import AuthError, InvalidRequest, NotFound
-from boxd.state import Database, new_id
+from boxd.state import Database, KeyRecord, Repos, new_id
 
 __all__ = ["LOCAL_ACCOUNT", "SECRET_PREFIX", "KeyService", "hash_secret"]
 
@@ -41,13 +40,10 @@ def _new_secret() -> str:
     return SECRET_PREFIX + secrets.token_urlsafe(24)  # 24 bytes -> 32 characters
 
 
-def _key_from_row(row: sqlite3.Row) -> models.ApiKey:
+def _key_model(rec: KeyRecord) -> models.ApiKey:
     return models.ApiKey(
-        id=row["id"],
-        name=row["name"],
-        prefix=row["prefix"],
-        created_at=row["created_at"],
-        revoked_at=row["revoked_at"],
+        id=rec.id, name=rec.name, prefix=rec.prefix, created_at=rec.created_at,
+        revoked_at=rec.revoked_at,
     )
 
 
@@ -58,11 +54,8 @@ class KeyService:
     """
 
     def __init__(self, db: Database) -> None:
-        self._db = db
-
-    @property
-    def db(self) -> Database:
-        return self._db
+        self.repos = Repos(db)
+        self._keys = self.repos.keys
 
     # -- accounts -----------------------------------------------------------------------
 
@@ -76,18 +69,10 @@ class KeyService:
             raise InvalidRequest(
                 f"invalid account name {name!r}", hint=models.NAME_RULE, field="account"
             )
-        row = self._db.one("SELECT id FROM accounts WHERE name = ?", (name,))
-        if row is not None:
-            return str(row["id"])
-        account_id = new_id("a")
-        self._db.execute(
-            "INSERT INTO accounts (id, name, created_at, machine_quota) VALUES (?, ?, ?, ?) "
-            "ON CONFLICT(name) DO NOTHING",
-            (account_id, name, time.time(), Settings.from_env().default_max_machines),
-        )
-        row = self._db.one("SELECT id FROM accounts WHERE name = ?", (name,))
-        assert row is not None  # inserted just above, or by a concurrent caller
-        return str(row["id"])
+        found = self._keys.account_id(name)
+        if found is not None:
+            return found
+        return self._keys.add_account(name, Settings.from_env().default_max_machines)
 
     def ensure_local_account(self) -> str:
         """Return the id of the ``local`` account (the daemon's admin), creating it if needed.
@@ -103,10 +88,10 @@ class KeyService:
         Raises:
             NotFound: no such account.
         """
-        row = self._db.one("SELECT name FROM accounts WHERE id = ?", (account_id,))
-        if row is None:
+        name = self._keys.account_name(account_id)
+        if name is None:
             raise NotFound(f"no account {account_id!r}", account=account_id)
-        return str(row["name"])
+        return name
 
     # -- keys ---------------------------------------------------------------------------
 
@@ -126,11 +111,8 @@ class KeyService:
         key_id = new_id("k")
         created_at = time.time()
         prefix = secret[:_DISPLAY_PREFIX_LEN]
-        self._db.execute(
-            "INSERT INTO api_keys (id, account_id, name, prefix, secret_hash, created_at, "
-            "owner_uid) VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (key_id, account_id, name, prefix, hash_secret(secret), created_at, owner_uid),
-        )
+        self._keys.add(key_id, account_id, name, prefix, hash_secret(secret), created_at,
+                       owner_uid)
         return models.ApiKeyCreated(
             id=key_id, name=name, prefix=prefix, created_at=created_at, secret=secret
         )
@@ -163,10 +145,7 @@ class KeyService:
 
     def list(self, account_id: str) -> builtins.list[models.ApiKey]:
         """Every key of an account, revoked ones included, oldest first."""
-        rows = self._db.all(
-            "SELECT * FROM api_keys WHERE account_id = ? ORDER BY created_at, id", (account_id,)
-        )
-        return [_key_from_row(r) for r in rows]
+        return [_key_model(k) for k in self._keys.list(account_id)]
 
     def revoke(self, account_id: str, key_id: str) -> None:
         """Revoke a key of this account; revoking twice is harmless.
@@ -174,19 +153,13 @@ class KeyService:
         Raises:
             NotFound: no such key in this account (another account's keys look the same).
         """
-        row = self._db.one(
-            "SELECT revoked_at FROM api_keys WHERE id = ? AND account_id = ?",
-            (key_id, account_id),
-        )
-        if row is None:
+        key = self._keys.get(account_id, key_id)
+        if key is None:
             raise NotFound(
                 f"no API key {key_id!r}", hint="'GET /v1/keys' lists your keys", key=key_id
             )
-        if row["revoked_at"] is None:
-            self._db.execute(
-                "UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
-                (time.time(), key_id),
-            )
+        if key.revoked_at is None:
+            self._keys.revoke(key_id)
 
     def authenticate(self, secret: str | None) -> str:
         """Return the account id a secret belongs to.
@@ -196,15 +169,12 @@ class KeyService:
         """
         if not secret:
             raise AuthError("missing API key", hint=_HOW_TO_GET_A_KEY)
-        row = self._db.one(
-            "SELECT account_id, revoked_at FROM api_keys WHERE secret_hash = ?",
-            (hash_secret(secret),),
-        )
-        if row is None:
+        key = self._keys.by_secret_hash(hash_secret(secret))
+        if key is None:
             raise AuthError("unknown API key", hint=_HOW_TO_GET_A_KEY)
-        if row["revoked_at"] is not None:
+        if key.revoked_at is not None:
             raise AuthError("this API key has been revoked", hint=_HOW_TO_GET_A_KEY)
-        return str(row["account_id"])
+        return key.account_id
 
     def ensure_default_local_key(self, uid: int, current: str | None) -> str:
         """Return a valid secret of the local account's default key for OS user ``uid``.
@@ -223,9 +193,5 @@ class KeyService:
                     return current
             except AuthError:
                 pass
-        self._db.execute(
-            "UPDATE api_keys SET revoked_at = ? WHERE account_id = ? AND owner_uid = ? "
-            "AND revoked_at IS NULL",
-            (time.time(), local, uid),
-        )
+        self._keys.revoke_owned(local, uid)
         return self.create(local, _DEFAULT_LOCAL_KEY_NAME, owner_uid=uid).secret
