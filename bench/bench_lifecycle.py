@@ -25,7 +25,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from _common import Row, qemu_pid, row_from, say, standalone
-
 from boxd import Boxd
 from boxd.config import Paths
 
