@@ -757,3 +757,42 @@ def test_a_failed_snapshot_save_keeps_the_machine_running_and_registers_nothing(
         assert snap.version == 1
 
     run(main())
+
+
+def test_a_gc_during_a_launch_keeps_the_new_layer(world: World) -> None:
+    """A sibling's delete or a background collapse collects garbage while a child's VM
+    starts: the child's new layer, recorded but not yet referenced, must survive."""
+
+    async def main() -> None:
+        src = await running(world)
+        await world.machines.fork(ACCOUNT, src.id, ["warm"])  # the template exists
+        reached, release = world.engine.gate("start_from")
+        fork = asyncio.create_task(world.machines.fork(ACCOUNT, src.id, ["child"]))
+        await reached.wait()
+        world.node.gc()  # e.g. `warm` deleted right now
+        release.set()
+        (child,) = await fork
+        assert isinstance(child, models.Machine), child
+        rec = world.repos.machines.get(child.id)
+        assert rec is not None and rec.layer_id is not None
+        assert world.repos.layers.get(rec.layer_id) is not None
+        assert world.node.layer_path(rec.layer_id).exists()
+
+    run(main())
+
+
+def test_a_gc_during_a_freeze_keeps_the_new_active_layer(world: World) -> None:
+    async def main() -> None:
+        src = await running(world)
+        reached, release = world.engine.gate("freeze_disk")
+        save = asyncio.create_task(world.machines.checkpoint_save(ACCOUNT, src.id, "c"))
+        await reached.wait()
+        world.node.gc()
+        release.set()
+        await save
+        rec = world.repos.machines.get(src.id)
+        assert rec is not None and rec.layer_id is not None
+        assert world.repos.layers.get(rec.layer_id) is not None
+        assert await sh(world, src.id, "echo ok") == "ok\n"
+
+    run(main())

@@ -132,6 +132,9 @@ class NodeRuntime:
         self._active_written: dict[str, float] = {}
         self._idle_ops: set[str] = set()
         self._idle_task: asyncio.Task[None] | None = None
+        # Layers recorded by a launch or freeze in flight that no machine points at yet:
+        # a concurrent gc (a sibling's delete, a background collapse) must keep them.
+        self._unreferenced: set[str] = set()
         self.idle_interval = 1.0
         self.spares = SparePool(self, per_template=settings.fork_spares,
                                 total=settings.fork_spares_total)
@@ -255,6 +258,9 @@ class NodeRuntime:
                 await engine.create_disk(disk, launch.backing, launch.backing_format,
                                          launch.disk_gib)
                 if record_layer:
+                    # Recorded before anything refers to it: gc leaves it alone until
+                    # `_start` has pointed the machine at it (see `_unreferenced`).
+                    self._unreferenced.add(layer_id)
                     self.repos.layers.new(
                         launch.parent_layer,
                         "" if launch.parent_layer else str(launch.backing), layer_id=layer_id,
@@ -276,6 +282,7 @@ class NodeRuntime:
             if layer_id is not None:
                 engine.remove_disk(self.layer_path(layer_id))
                 self.repos.layers.drop(layer_id)
+                self._unreferenced.discard(layer_id)
             raise
         return handle, layer_id
 
@@ -298,6 +305,7 @@ class NodeRuntime:
         try:
             if spare is not None:
                 handle, layer_id = spare.handle, spare.layer_id
+                self._unreferenced.add(layer_id)
                 self.repos.layers.new(launch.parent_layer, "", layer_id=layer_id)
                 self.repos.machines.update(rec.id, vm_id=spare.vm_id, fwd_port=spare.port)
             else:
@@ -312,6 +320,8 @@ class NodeRuntime:
             if layer_id is not None:
                 fields["layer_id"] = layer_id
             self.repos.machines.update(rec.id, **fields)
+            if layer_id is not None:
+                self._unreferenced.discard(layer_id)
             self._install(rec.id, handle)
             if spare is not None:
                 await handle.resume()
@@ -324,6 +334,7 @@ class NodeRuntime:
                 with contextlib.suppress(Exception):
                     await handle.destroy()
             if layer_id is not None:
+                self._unreferenced.discard(layer_id)
                 _, engine = await self.host.ready(rec.engine)
                 engine.remove_disk(self.layer_path(layer_id))
                 if launch.keep_disk is None:
@@ -589,7 +600,7 @@ class NodeRuntime:
 
     def gc(self) -> None:
         """Remove templates and disk layers nothing refers to any more."""
-        garbage = self.repos.layers.collect()
+        garbage = self.repos.layers.collect(keep=self._unreferenced)
         for d in garbage.template_dirs:
             remove_tree(d)
         for lid in garbage.layer_ids:
@@ -609,12 +620,17 @@ class NodeRuntime:
         """
         assert rec.layer_id is not None
         frozen_id = rec.layer_id
-        new_layer = self.repos.layers.new(frozen_id, "")
+        new_layer = new_id("l")
+        self._unreferenced.add(new_layer)
+        self.repos.layers.new(frozen_id, "", layer_id=new_layer)
         t0 = time.monotonic()
         await handle.pause()
         try:
-            await handle.freeze_disk(self.layer_path(new_layer))
-            self.repos.layers.freeze(rec.id, frozen_id, new_layer)
+            try:
+                await handle.freeze_disk(self.layer_path(new_layer))
+                self.repos.layers.freeze(rec.id, frozen_id, new_layer)
+            finally:
+                self._unreferenced.discard(new_layer)
             image = await handle.capture(dest)
         finally:
             if resume and handle.alive():

@@ -270,12 +270,13 @@ class Layers:
                            (template_id,))
         return row is not None
 
-    def collect(self) -> Garbage:
+    def collect(self, keep: Collection[str] = ()) -> Garbage:
         """Drop templates and layers nothing refers to; return what the files were.
 
         A template lives while a child maps it, or while it is its living source's
         current one (the next fork reuses it). A layer lives while a machine writes
-        it, a template or checkpoint froze it, or a living layer is backed by it.
+        it, a template or checkpoint froze it, a living layer is backed by it, or it is
+        in ``keep`` (layers of operations in flight that nothing refers to yet).
         """
         with self._db.transaction() as conn:
             dead_templates = conn.execute(
@@ -293,7 +294,7 @@ class Layers:
             parents: dict[str, str | None] = dict(
                 conn.execute("SELECT id, parent_id FROM layers").fetchall()
             )
-            for (lid,) in roots:
+            for lid in [r[0] for r in roots] + [k for k in keep if k in parents]:
                 while lid is not None and lid not in live:
                     live.add(lid)
                     lid = parents.get(lid)
