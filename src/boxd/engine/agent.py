@@ -192,6 +192,30 @@ class AgentClient:
                 raise
             return client
 
+    @classmethod
+    async def over(
+        cls, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, name: Path, *,
+        timeout: float,
+    ) -> AgentClient:
+        """Handshake over an already open stream (gVisor: the sandbox's stdio FIFOs).
+
+        Args:
+            reader, writer: the stream; the client owns it from now on.
+            name: what log lines call the connection.
+            timeout: seconds to keep re-sending hello.
+
+        Raises:
+            MachineFailed: the agent did not answer within ``timeout``.
+            HostSetupError: the agent speaks an incompatible protocol major version.
+        """
+        client = cls(reader, writer, name)
+        try:
+            await client._hello(time.monotonic() + timeout)
+        except BaseException:
+            await client.close()
+            raise
+        return client
+
     async def _hello(self, deadline: float) -> None:
         # All hellos of this connection share one queue: the first answer wins, late ones are
         # harmless (same nonce, so the agent does not treat them as a new connection).

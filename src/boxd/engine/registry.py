@@ -2,6 +2,12 @@
 
 The node runtime calls `open_engine` once the guest image exists; each engine checks
 its own host requirements here and says what to install when one is missing.
+
+``BOXD_ENGINE=auto`` resolves once per daemon (`resolve_auto`): QEMU where its probe
+says KVM really works (a hardware boundary at full speed); else gVisor where a real
+``runsc`` sandbox starts (near-native speed, a user-space kernel built as a boundary);
+else QEMU under TCG. Both probes are cached per host. `describe_engines` says, for
+``boxd info``, what each engine can do here and why.
 """
 
 from __future__ import annotations
@@ -9,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+from dataclasses import dataclass
+from pathlib import Path
 
 from boxd.config import Paths, Settings
 from boxd.engine.base import Engine
@@ -17,7 +25,18 @@ from boxd.images import GuestImage
 
 log = logging.getLogger("boxd.engine")
 
-ENGINES = ("qemu",)
+ENGINES = ("qemu", "gvisor")
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """One engine on this host: ``status`` is ``ok`` or ``unavailable``, with the reason."""
+
+    name: str
+    status: str
+    reason: str
+    accelerator: str = ""
 
 
 async def open_engine(name: str, settings: Settings, paths: Paths, image: GuestImage) -> Engine:
@@ -28,8 +47,90 @@ async def open_engine(name: str, settings: Settings, paths: Paths, image: GuestI
     """
     if name == "qemu":
         return await asyncio.to_thread(_open_qemu, settings, paths, image)
+    if name == "gvisor":
+        return await asyncio.to_thread(_open_gvisor, settings, paths, image)
+    if name == AUTO:
+        chosen, _ = await asyncio.to_thread(resolve_auto, settings, paths, image)
+        return await open_engine(chosen, settings, paths, image)
     raise HostSetupError(
-        f"unknown engine {name!r}", hint=f"use one of {', '.join(ENGINES)} (BOXD_ENGINE)"
+        f"unknown engine {name!r}",
+        hint=f"use one of {', '.join(ENGINES)} or {AUTO} (BOXD_ENGINE)",
+    )
+
+
+def _gvisor_cache(paths: Paths) -> Path:
+    return paths.host_info.with_name("host-gvisor.json")
+
+
+def _qemu_status(settings: Settings, paths: Paths, image: GuestImage) -> EngineStatus:
+    from boxd.engine.qemu import probe_accelerator
+
+    qemu = shutil.which("qemu-system-x86_64")
+    if qemu is None:
+        return EngineStatus("qemu", "unavailable", "qemu-system-x86_64 is not installed "
+                            "(scripts/setup-host.sh installs it)")
+    paths.ensure()
+    accel = probe_accelerator(qemu, image.kernel, paths.host_info, forced=settings.accel)
+    isolation = ("a hardware VM boundary" if accel.accelerator == "kvm" else
+                 "TCG emulation: not a security boundary in QEMU's own policy")
+    return EngineStatus("qemu", "ok", f"{accel.reason}; {isolation}", accel.accelerator)
+
+
+def _gvisor_status(paths: Paths, image: GuestImage) -> EngineStatus:
+    from boxd.engine.gvisor import probe_runsc
+    from boxd.images import rootfs_tree
+
+    if shutil.which("runsc") is None:
+        return EngineStatus("gvisor", "unavailable", "runsc is not installed (apt-get install "
+                            "-t bookworm-backports runsc; scripts/setup-host.sh does)")
+    try:
+        tree = rootfs_tree(image.rootfs)
+    except HostSetupError as exc:
+        return EngineStatus("gvisor", "unavailable", f"cannot unpack the guest root: {exc}")
+    paths.ensure()
+    choice = probe_runsc(tree, _gvisor_cache(paths))
+    if not choice.ok:
+        return EngineStatus("gvisor", "unavailable", choice.reason)
+    return EngineStatus("gvisor", "ok", f"{choice.reason}; a user-space kernel (gVisor) "
+                        "between guest code and the host", "systrap")
+
+
+def engine_status(name: str, settings: Settings, paths: Paths, image: GuestImage) -> EngineStatus:
+    """What one engine can do on this host, and why.
+
+    Raises:
+        HostSetupError: the engine is unknown.
+    """
+    if name == "qemu":
+        return _qemu_status(settings, paths, image)
+    if name == "gvisor":
+        return _gvisor_status(paths, image)
+    raise HostSetupError(f"unknown engine {name!r}", hint=f"use one of {', '.join(ENGINES)}")
+
+
+def describe_engines(settings: Settings, paths: Paths, image: GuestImage) -> list[EngineStatus]:
+    """What each engine can do on this host, and why (probes are cached)."""
+    return [_qemu_status(settings, paths, image), _gvisor_status(paths, image)]
+
+
+def resolve_auto(settings: Settings, paths: Paths, image: GuestImage) -> tuple[str, str]:
+    """The engine ``BOXD_ENGINE=auto`` means on this host, and why.
+
+    Raises:
+        HostSetupError: neither engine can run here.
+    """
+    qemu = _qemu_status(settings, paths, image)
+    if qemu.status == "ok" and qemu.accelerator == "kvm":
+        return "qemu", f"auto: QEMU with KVM ({qemu.reason})"
+    gvisor = _gvisor_status(paths, image)
+    if gvisor.status == "ok":
+        why = qemu.reason if qemu.status != "ok" else f"QEMU would run under TCG ({qemu.reason})"
+        return "gvisor", f"auto: gVisor, because {why}; {gvisor.reason}"
+    if qemu.status == "ok":
+        return "qemu", f"auto: QEMU under TCG, because gVisor is unavailable: {gvisor.reason}"
+    raise HostSetupError(
+        f"no engine can run here: qemu: {qemu.reason}; gvisor: {gvisor.reason}",
+        hint="run scripts/setup-host.sh (it installs QEMU and runsc)",
     )
 
 
@@ -60,4 +161,23 @@ def _open_qemu(settings: Settings, paths: Paths, image: GuestImage) -> Engine:
     )
 
 
-__all__ = ["ENGINES", "open_engine"]
+def _open_gvisor(settings: Settings, paths: Paths, image: GuestImage) -> Engine:
+    from boxd.engine.gvisor import GvisorEngine
+    from boxd.images import agent_tree
+
+    status = _gvisor_status(paths, image)
+    if status.status != "ok":
+        raise HostSetupError(f"the gvisor engine cannot run here: {status.reason}",
+                             hint="run scripts/setup-host.sh, or use BOXD_ENGINE=qemu")
+    from boxd.engine.gvisor import runsc_version
+
+    runsc = shutil.which("runsc")
+    assert runsc is not None
+    return GvisorEngine(
+        runsc, runsc_version(runsc), state_root=paths.shm / "gvisor",
+        agent_tree=agent_tree(image.dir), reason=status.reason, fallback_rootfs=image.rootfs,
+    )
+
+
+__all__ = ["AUTO", "ENGINES", "EngineStatus", "describe_engines", "engine_status",
+           "open_engine", "resolve_auto"]

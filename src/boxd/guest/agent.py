@@ -105,6 +105,7 @@ class Channel:
 
     def __init__(self) -> None:
         self.fd = -1
+        self.out_fd = -1  # where writes go when not ``fd`` (StdioChannel)
         self.lock = threading.Lock()
         self.broken_line = False  # a message was cut mid-way: start the next on a new line
         self.host_present = False
@@ -153,7 +154,7 @@ class Channel:
         with self.lock:
             if self.broken_line:
                 data = b"\n" + data
-            fd = self.fd
+            fd = self.out_fd if self.out_fd >= 0 else self.fd
             if fd < 0:
                 return False
             view = memoryview(data)
@@ -294,6 +295,18 @@ class RelayChannel(Channel):
     def on_eof(self) -> None:
         log("boxd-init closed the relay; exiting")
         os._exit(1)
+
+
+class StdioChannel(Channel):
+    """stdin/stdout (gVisor: the sandbox's stdio are two host FIFOs, which ``runsc restore``
+    hands to each restored copy). The host opens them O_RDWR for the sandbox, so they never
+    report EOF: a host reconnect is only visible as a hello with a new nonce."""
+
+    def open(self) -> None:
+        for fd in (0, 1):
+            os.set_blocking(fd, False)
+        with self.lock:
+            self.fd, self.out_fd = 0, 1
 
 
 # --------------------------------------------------------------------------- reaping
@@ -966,7 +979,7 @@ class Agent:
             raise RequestError(P.ERR_INVALID, "now must be a number (seconds since the epoch)")
         sysroot = self.args.sysroot  # tests: write files under it, skip kernel calls
         done: list[str] = []
-        if now is not None:
+        if now is not None and not self.args.host_clock:
             if not sysroot:
                 time.clock_settime(time.CLOCK_REALTIME, float(now))
             done.append("clock")
@@ -1045,6 +1058,11 @@ def main(argv: list[str] | None = None) -> None:
         "--relay-fd", type=int, metavar="FD", help="serve behind boxd-init on this socket fd"
     )
     parser.add_argument("--port", default=P.PORT_NAME, help="virtio-serial port name")
+    parser.add_argument("--stdio", action="store_true", help="serve on stdin/stdout (gVisor)")
+    parser.add_argument(
+        "--host-clock", action="store_true",
+        help="the clock is the host's (gVisor): identity leaves it alone",
+    )
     parser.add_argument("--default-cwd", default=P.DEFAULT_CWD)
     parser.add_argument(
         "--sysroot", help="tests: identity writes /etc files here, skips kernel calls"
@@ -1063,6 +1081,8 @@ def main(argv: list[str] | None = None) -> None:
     channel: Channel
     if args.relay_fd is not None:
         channel = RelayChannel(args.relay_fd)
+    elif args.stdio:
+        channel = StdioChannel()
     elif args.connect:
         channel = SocketChannel(args.connect)
     else:

@@ -7,5 +7,16 @@ docs/images.md for the layout, the QEMU flags it boots with and measured timings
 from __future__ import annotations
 
 from ._build import CACHE_ENV, GuestImage, Recipe, cache_dir, ensure_image, list_images
+from ._tree import AGENT_MOUNT, agent_tree, rootfs_tree
 
-__all__ = ["CACHE_ENV", "GuestImage", "Recipe", "cache_dir", "ensure_image", "list_images"]
+__all__ = [
+    "AGENT_MOUNT",
+    "CACHE_ENV",
+    "GuestImage",
+    "Recipe",
+    "agent_tree",
+    "cache_dir",
+    "ensure_image",
+    "list_images",
+    "rootfs_tree",
+]

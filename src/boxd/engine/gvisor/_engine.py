@@ -1,0 +1,623 @@
+"""GvisorEngine and GvisorMachine: machines as gVisor sandboxes (``runsc``, systrap).
+
+A machine is one sandbox started detached (``runsc run --detach``): its PID 1 is the
+guest agent (the same agent and protocol as in a QEMU guest) serving on its stdin and
+stdout, which are two FIFOs in the machine's run directory. The engine opens each FIFO
+read-write for the sandbox, so neither ever reports EOF and the daemon can close and
+reopen its ends at will (a daemon restart reattaches). ``runsc restore`` hands its own
+stdio to the restored process, so a restored copy gets FIFOs of its own.
+
+The filesystem: the image's root tree (unpacked once, read-only on the host) under
+gVisor's in-memory overlay (``--overlay2=root:memory``), so every change lives in the
+sandbox's memory and every checkpoint contains it. A disk layer of this engine is
+therefore a small JSON file naming its backing (the node's chain bookkeeping stays the
+same); the bytes are in the captures.
+
+Capture = ``runsc checkpoint --leave-running --compression=none`` into a directory
+(``checkpoint.img``, ``pages.img``, ``pages_meta.img``); `MemoryImage.mem_path` is
+``pages.img`` and `MemoryImage.state_path` a tar of the other two plus the host trees
+the sandbox was built on (``state.tar``), so a snapshot's two blobs hold everything.
+Start-from = ``runsc restore``. Copies share no memory: each restore reads the image.
+
+Deleting a sandbox (``runsc delete``) takes 1.5-2 s when its parent does not reap it
+promptly: `destroy` kills the sandbox at once and deletes its runsc state in the
+background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+import logging
+import os
+import shutil
+import signal
+import tarfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from boxd.engine.agent import AgentClient
+from boxd.engine.base import BootDisk, EngineInfo, MachineConfig, MemoryImage
+from boxd.engine.gvisor import _spec
+from boxd.engine.gvisor._spec import Roots, RunFiles
+from boxd.errors import InternalError, MachineFailed
+from boxd.guest import protocol as P
+from boxd.images import rootfs_tree
+
+log = logging.getLogger("boxd.engine")
+
+CHECKPOINT = "checkpoint.img"
+PAGES = "pages.img"
+PAGES_META = "pages_meta.img"
+STATE_TAR = "state.tar"
+ROOTS = "roots.json"
+LAYER_KIND = "boxd-gvisor-layer"
+RUNSC_TIMEOUT = 60.0
+
+
+# ----------------------------------------------------------------------- layers
+
+
+def write_layer(path: Path, backing: Path, fmt: str) -> None:
+    """A gVisor disk layer: JSON naming its backing (a raw rootfs image or a layer)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"kind": LAYER_KIND, "backing": str(backing), "format": fmt}))
+    os.replace(tmp, path)
+
+
+def layer_base(path: Path) -> Path:
+    """The raw rootfs image at the bottom of a layer chain.
+
+    Raises:
+        MachineFailed: a layer is missing or is not a gVisor layer (a QEMU qcow2 file).
+    """
+    seen = 0
+    while True:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError, UnicodeDecodeError) as exc:
+            raise MachineFailed(
+                f"{path} is not a disk layer of the gvisor engine ({exc.__class__.__name__})",
+                hint="a machine keeps the engine it was created on; create it again on gvisor",
+            ) from exc
+        if not isinstance(data, dict) or data.get("kind") != LAYER_KIND:
+            raise MachineFailed(f"{path} is not a disk layer of the gvisor engine",
+                                hint="create the machine again on the gvisor engine")
+        backing = Path(str(data["backing"]))
+        if data.get("format") == "raw":
+            return backing
+        path = backing
+        seen += 1
+        if seen > 1000:
+            raise InternalError(f"disk layer chain at {path} loops")
+
+
+# ---------------------------------------------------------------- processes
+
+
+def _proc_state(pid: int) -> str | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[-1].split()[0]
+
+
+def sandbox_matches(pid: int, vm_id: str) -> bool:
+    """True when ``pid`` is the live runsc sandbox process of ``vm_id``."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return (bool(argv) and argv[0].endswith(b"runsc-sandbox") and vm_id.encode() in argv
+            and _proc_state(pid) not in (None, "Z", "X"))
+
+
+async def _gone(pid: int, vm_id: str, timeout: float) -> None:
+    """Wait (briefly) until a killed sandbox has exited."""
+    deadline = time.monotonic() + timeout
+    while sandbox_matches(pid, vm_id) and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+
+
+def _tail(path: Path, n: int = 400) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - n))
+            return f.read().decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+class Runsc:
+    """Runs ``runsc`` subcommands with the engine's global flags."""
+
+    def __init__(self, binary: str, state_root: Path, log_dir: Path) -> None:
+        self.binary = binary
+        self.state_root = state_root
+        self.log_dir = log_dir
+
+    def argv(self, *args: str, log: Path | None = None, network: str = "none") -> list[str]:
+        return [
+            self.binary, f"--root={self.state_root}", "--platform=systrap",
+            f"--network={network}", "--overlay2=root:memory", "--ignore-cgroups",
+            f"--log={log or self.log_dir / 'runsc.log'}", *args,
+        ]
+
+    async def run(
+        self, *args: str, what: str, log: Path | None = None, stdin: int | None = None,
+        stdout: int | None = None, stderr: int | None = None, timeout: float = RUNSC_TIMEOUT,
+        machine: str | None = None,
+    ) -> None:
+        """Run one subcommand to completion.
+
+        Raises:
+            MachineFailed: it failed or timed out; the message has runsc's last words.
+        """
+        argv = self.argv(*args, log=log)
+        errfile: Any = stderr if stderr is not None else asyncio.subprocess.PIPE
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=stdin if stdin is not None else asyncio.subprocess.DEVNULL,
+            stdout=stdout if stdout is not None else asyncio.subprocess.DEVNULL,
+            stderr=errfile, start_new_session=True,
+        )
+        try:
+            _, err = await asyncio.wait_for(proc.communicate(), timeout=timeout)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+            raise MachineFailed(f"runsc {what} did not finish within {timeout:.0f}s",
+                                hint="see the machine's runsc.log", machine=machine) from None
+        if proc.returncode != 0:
+            text = (err or b"").decode(errors="replace").strip()
+            if not text and log is not None:
+                text = _tail(log)
+            raise MachineFailed(
+                f"runsc {what} failed (exit {proc.returncode}): {text[-400:] or 'no output'}",
+                hint="see the machine's runsc.log; `boxd info` shows whether gvisor works here",
+                machine=machine,
+            )
+
+
+# ----------------------------------------------------------------- machines
+
+
+class GvisorMachine:
+    """A live gVisor machine: its sandbox process, runsc id and agent FIFOs."""
+
+    def __init__(
+        self, engine: GvisorEngine, config: MachineConfig, files: RunFiles, pid: int,
+        disk: Path, log_path: Path,
+    ) -> None:
+        self.engine = engine
+        self._config = config
+        self.files = files
+        self._pid = pid
+        self.disk = disk
+        self.log_path = log_path
+        self._agent: AgentClient | None = None
+        self._read_transport: asyncio.ReadTransport | None = None
+        self._agent_lock = asyncio.Lock()
+        self._reason = ""
+
+    @property
+    def config(self) -> MachineConfig:
+        return self._config
+
+    @property
+    def pid(self) -> int:
+        return self._pid
+
+    @property
+    def ram_shared(self) -> bool:
+        # Every capture writes the sandbox's whole memory: there is no RAM file to own.
+        return True
+
+    @property
+    def console_log(self) -> Path:
+        return self.log_path.with_name("console.log")
+
+    def alive(self) -> bool:
+        return sandbox_matches(self._pid, self._config.id)
+
+    def exit_reason(self) -> str:
+        if self.alive():
+            return "running"
+        if self._reason:
+            return self._reason
+        tail = _tail(self.console_log, 300).splitlines()[-2:]
+        last = f" (its console ends: {' | '.join(tail)})" if tail else ""
+        return f"its gVisor sandbox (pid {self._pid}) exited{last}"
+
+    async def wait_exit(self) -> str:
+        try:
+            fd = os.pidfd_open(self._pid)
+        except ProcessLookupError:
+            return self.exit_reason()
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+
+        def exited() -> None:
+            if not done.done():
+                done.set_result(None)
+
+        loop.add_reader(fd, exited)
+        try:
+            await done  # a pidfd becomes readable when its process exits (zombie or not)
+        finally:
+            loop.remove_reader(fd)
+            os.close(fd)
+        return self.exit_reason()
+
+    def _failed(self) -> MachineFailed:
+        return MachineFailed(
+            f"machine {self._config.id} failed: {self.exit_reason()}",
+            hint="delete it and create it again", machine=self._config.id,
+        )
+
+    async def _open_channel(self, timeout: float) -> AgentClient:
+        loop = asyncio.get_running_loop()
+        # The sandbox holds both FIFOs read-write: these opens never block or fail for
+        # want of a peer.
+        rfd = os.open(self.files.stdout, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            wfd = os.open(self.files.stdin, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            os.close(rfd)
+            raise
+        reader = asyncio.StreamReader(limit=P.MAX_LINE)
+        rt, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(rfd, "rb", buffering=0))
+        wt, wp = await loop.connect_write_pipe(
+            lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()),
+            os.fdopen(wfd, "wb", buffering=0))
+        writer = asyncio.StreamWriter(wt, wp, None, loop)
+        self._read_transport = rt
+        try:
+            return await AgentClient.over(reader, writer, self.files.stdin, timeout=timeout)
+        except BaseException:
+            rt.close()
+            self._read_transport = None
+            raise
+
+    def _close_reader(self) -> None:
+        if self._read_transport is not None:
+            self._read_transport.close()
+            self._read_transport = None
+
+    async def agent(self, timeout: float = 60.0) -> AgentClient:
+        """The agent connection, (re)opened when needed.
+
+        Raises:
+            MachineFailed: the sandbox is gone or its agent does not answer in time.
+        """
+        async with self._agent_lock:
+            if self._agent is not None and self._agent.connected:
+                return self._agent
+            if not self.alive():
+                raise self._failed()
+            if self._agent is not None:
+                with contextlib.suppress(Exception):
+                    await self._agent.close()
+                self._agent = None
+            self._close_reader()
+            connect = asyncio.ensure_future(self._open_channel(timeout))
+            while not connect.done():
+                await asyncio.wait({connect}, timeout=0.2)
+                if not connect.done() and not self.alive():
+                    connect.cancel()
+                    with contextlib.suppress(BaseException):
+                        await connect
+                    raise self._failed()
+            try:
+                self._agent = connect.result()
+            except MachineFailed:
+                if not self.alive():
+                    raise self._failed() from None
+                raise
+            except OSError as exc:
+                raise MachineFailed(f"cannot open the agent channel of {self._config.id}: {exc}",
+                                    machine=self._config.id) from exc
+            return self._agent
+
+    async def pause(self) -> None:
+        await self.engine.runsc.run("pause", self._config.id, what="pause",
+                                    machine=self._config.id, log=self.log_path)
+
+    async def resume(self) -> None:
+        await self.engine.runsc.run("resume", self._config.id, what="resume",
+                                    machine=self._config.id, log=self.log_path)
+
+    async def recover(self) -> str | None:
+        """Resume a sandbox a killed daemon left paused (runsc state ``paused``)."""
+        proc = await asyncio.create_subprocess_exec(
+            *self.engine.runsc.argv("state", self._config.id, log=self.log_path),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+            stdin=asyncio.subprocess.DEVNULL,
+        )
+        out, _ = await proc.communicate()
+        try:
+            status = json.loads(out or b"{}").get("status")
+        except ValueError:
+            status = None
+        if status == "paused":
+            await self.resume()
+            return "resumed a sandbox left paused"
+        return None
+
+    async def freeze_disk(self, new_active: Path) -> Path:
+        """The layer bookkeeping only: the filesystem's bytes are in the sandbox's memory."""
+        frozen = self.disk
+        await asyncio.to_thread(write_layer, new_active, frozen, "layer")
+        self.disk = new_active
+        return frozen
+
+    async def collapse_disk(self, base: Path) -> None:
+        await asyncio.to_thread(write_layer, self.disk, base, "layer")
+
+    async def capture(self, dest_dir: Path) -> MemoryImage:
+        """Checkpoint the sandbox (its memory, kernel state and overlay files) to ``dest_dir``.
+
+        The sandbox keeps running (``--leave-running``); the node pauses and resumes it
+        around the call as for any engine.
+        """
+        dest_dir.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        await self.engine.runsc.run(
+            "checkpoint", "--leave-running", "--compression=none",
+            f"--image-path={dest_dir}", self._config.id, what="checkpoint",
+            machine=self._config.id, log=self.log_path,
+        )
+        roots = self.files.roots.read_bytes()
+        await asyncio.to_thread(_pack_state, dest_dir, roots)
+        log.debug("machine=%s event=checkpoint seconds=%.3f", self._config.id,
+                  time.monotonic() - t0)
+        return MemoryImage(mem_path=dest_dir / PAGES, state_path=dest_dir / STATE_TAR,
+                           memory_mib=self._config.memory_mib)
+
+    async def destroy(self) -> None:
+        """Kill the sandbox now; its runsc state is deleted in the background."""
+        await self.detach()
+        self._reason = "destroyed"
+        self.engine.kill(self._config.id, self._pid)
+        await _gone(self._pid, self._config.id, 5.0)
+        shutil.rmtree(self.files.run_dir, ignore_errors=True)
+
+    async def detach(self) -> None:
+        if self._agent is not None:
+            with contextlib.suppress(Exception):
+                await self._agent.close()
+            self._agent = None
+        self._close_reader()
+
+
+def _pack_state(dest: Path, roots: bytes) -> None:
+    """``state.tar``: checkpoint.img, pages_meta.img and the trees the sandbox used."""
+    with tarfile.open(dest / STATE_TAR, "w") as tar:
+        for name in (CHECKPOINT, PAGES_META):
+            tar.add(dest / name, arcname=name)
+        info = tarfile.TarInfo(ROOTS)
+        info.size = len(roots)
+        tar.addfile(info, io.BytesIO(roots))
+
+
+def _image_dir(image: MemoryImage, files: RunFiles) -> tuple[Path, Roots]:
+    """A directory runsc can restore from, and the host trees the sandbox needs.
+
+    A capture of this engine is used in place (a template, a checkpoint); a snapshot's
+    blobs (content-addressed files) are reassembled under the run directory.
+    """
+    if image.mem_path is None:
+        raise MachineFailed("this memory image has no pages file: it was not made by the "
+                            "gvisor engine", hint="start it on the engine that saved it")
+    src = image.state_path.parent
+    if (image.mem_path == src / PAGES and (src / CHECKPOINT).exists()
+            and (src / PAGES_META).exists()):
+        with tarfile.open(image.state_path) as tar:
+            member = tar.extractfile(ROOTS)
+            assert member is not None
+            roots = Roots.from_json(json.loads(member.read()))
+        return src, roots
+    out = files.image
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    try:
+        with tarfile.open(image.state_path) as tar:
+            tar.extractall(out, filter="data")
+    except (OSError, tarfile.TarError) as exc:
+        raise MachineFailed(f"{image.state_path} is not a gvisor checkpoint ({exc})",
+                            hint="start it on the engine that saved it") from exc
+    (out / PAGES).symlink_to(image.mem_path)
+    return out, Roots.from_json(json.loads((out / ROOTS).read_text()))
+
+
+# ------------------------------------------------------------------- engine
+
+
+class GvisorEngine:
+    """Runs machines as gVisor sandboxes (``runsc --platform=systrap``)."""
+
+    name = "gvisor"
+
+    def __init__(
+        self, runsc: str, version: str, state_root: Path, agent_tree: Path, reason: str,
+        fallback_rootfs: Path,
+    ) -> None:
+        self.binary = runsc
+        self.version = version
+        state_root.mkdir(parents=True, exist_ok=True)
+        self.runsc = Runsc(runsc, state_root, state_root)
+        self.agent_tree = agent_tree
+        self.reason = reason
+        self.fallback_rootfs = fallback_rootfs
+        self._deletes: set[asyncio.Task[None]] = set()
+
+    @property
+    def accelerator(self) -> str:
+        return "systrap"
+
+    @property
+    def accelerator_reason(self) -> str:
+        return self.reason
+
+    @property
+    def cpu_model(self) -> str:
+        return "host"
+
+    @property
+    def file_owner(self) -> tuple[int, int] | None:
+        return None
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(name=self.name, binary=self.binary, version=self.version,
+                          accelerator=self.accelerator, accelerator_reason=self.reason,
+                          cpu_model=self.cpu_model)
+
+    # -------------------------------------------------------------- helpers
+
+    def _roots(self, disk: Path) -> Roots:
+        base = layer_base(disk)
+        if not base.exists():
+            log.warning("event=gvisor_base_missing base=%s using=%s", base, self.fallback_rootfs)
+            base = self.fallback_rootfs
+        return Roots(rootfs_tree(base), self.agent_tree)
+
+    def kill(self, vm_id: str, pid: int | None) -> None:
+        """SIGKILL a sandbox now and delete its runsc state in the background."""
+        if pid is not None and sandbox_matches(pid, vm_id):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop (recovery from a thread): the next sweep deletes it
+        task = loop.create_task(self._delete(vm_id), name=f"runsc delete {vm_id}")
+        self._deletes.add(task)
+        task.add_done_callback(self._deletes.discard)
+
+    async def _delete(self, vm_id: str) -> None:
+        try:
+            await self.runsc.run("delete", "-force", vm_id, what="delete", timeout=30)
+        except MachineFailed as exc:
+            if "does not exist" not in exc.message and "not found" not in exc.message:
+                log.warning("machine=%s event=runsc_delete_failed error=%s", vm_id, exc.message)
+
+    async def drain(self) -> None:
+        """Wait for background deletes (tests, shutdown)."""
+        while self._deletes:
+            await asyncio.gather(*list(self._deletes), return_exceptions=True)
+
+    async def _launch(
+        self, config: MachineConfig, disk: Path, run_dir: Path, log_path: Path,
+        args: Sequence[str], roots: Roots, what: str,
+    ) -> GvisorMachine:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        files = RunFiles(run_dir)
+        await asyncio.to_thread(_spec.write_bundle, files, config.hostname, roots,
+                                config.memory_mib)
+        files.make_fifos()
+        files.pidfile.unlink(missing_ok=True)
+        # Stale runsc state of a previous sandbox with this id (a crashed daemon).
+        if (self.runsc.state_root / f"{config.id}_sandbox:{config.id}.state").exists():
+            await self._delete(config.id)
+        fin = os.open(files.stdin, os.O_RDWR | os.O_CLOEXEC)
+        fout = os.open(files.stdout, os.O_RDWR | os.O_CLOEXEC)
+        console = os.open(log_path.with_name("console.log"),
+                          os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o640)
+        try:
+            await self.runsc.run(
+                *args, "--detach", f"--bundle={files.bundle}", f"--pid-file={files.pidfile}",
+                config.id, what=what, log=log_path, stdin=fin, stdout=fout, stderr=console,
+                machine=config.id,
+            )
+        except BaseException:
+            self.kill(config.id, _read_pid(files.pidfile))
+            raise
+        finally:
+            for fd in (fin, fout, console):
+                os.close(fd)
+        pid = _read_pid(files.pidfile)
+        if pid is None:
+            self.kill(config.id, None)
+            raise MachineFailed(f"runsc {what} of {config.id} wrote no pid file",
+                                hint="see the machine's runsc.log", machine=config.id)
+        return GvisorMachine(self, config, files, pid, disk, log_path)
+
+    # ------------------------------------------------------------- protocol
+
+    async def boot(
+        self, config: MachineConfig, disk: BootDisk, run_dir: Path, log_path: Path
+    ) -> GvisorMachine:
+        """Start a fresh sandbox on the image's root tree; its agent answers in ~0.2 s."""
+        roots = await asyncio.to_thread(self._roots, disk.path)
+        return await self._launch(config, disk.path, run_dir, log_path, ["run"], roots, "run")
+
+    async def start_from(
+        self, config: MachineConfig, disk: BootDisk, image: MemoryImage, run_dir: Path,
+        log_path: Path, *, copy_memory: bool, paused: bool = False,
+    ) -> GvisorMachine:
+        """Restore a sandbox from a checkpoint (``copy_memory`` changes nothing here: a
+        restored sandbox always owns its memory). With ``paused`` it is paused right
+        after the restore."""
+        files = RunFiles(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        src, roots = await asyncio.to_thread(_image_dir, image, files)
+        machine = await self._launch(config, disk.path, run_dir, log_path,
+                                     ["restore", f"--image-path={src}"], roots, "restore")
+        if paused:
+            try:
+                await machine.pause()
+            except BaseException:
+                await machine.destroy()
+                raise
+        return machine
+
+    def attach(
+        self, config: MachineConfig, run_dir: Path, pid: int, disk: Path, ram_shared: bool,
+        log_path: Path,
+    ) -> GvisorMachine:
+        if not sandbox_matches(pid, config.id):
+            raise MachineFailed(
+                f"machine {config.id} failed: its gVisor sandbox (pid {pid}) is gone",
+                hint="delete it and create it again", machine=config.id,
+            )
+        return GvisorMachine(self, config, RunFiles(run_dir), pid, disk, log_path)
+
+    def kill_stray(self, vm_id: str, run_dir: Path, pid: int | None = None) -> bool:
+        if pid is None:
+            pid = _read_pid(RunFiles(run_dir).pidfile)
+        if pid is None or not sandbox_matches(pid, vm_id):
+            return False
+        self.kill(vm_id, pid)
+        return True
+
+    async def create_disk(
+        self, path: Path, backing: Path, backing_format: str, size_gib: int
+    ) -> None:
+        fmt = "raw" if backing_format == "raw" else "layer"
+        await asyncio.to_thread(write_layer, path, backing, fmt)
+
+    async def flatten_disk(self, layer: Path, dest: Path) -> None:
+        base = await asyncio.to_thread(layer_base, layer)
+        await asyncio.to_thread(write_layer, dest, base, "raw")
+
+    def remove_disk(self, path: Path) -> None:
+        for p in (path, path.with_name(path.name + ".tmp")):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+
+
+def _read_pid(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,112 @@
+"""The OCI bundle of a gVisor machine and the files of its run directory.
+
+Every machine of one image gets the same spec but for its hostname: the image's root
+tree (read-only on the host; writes go to gVisor's in-memory overlay, which a
+checkpoint includes), the agent tree at ``/opt/boxd`` (read-only), tmpfs on /tmp,
+/run and /dev/shm, and the guest agent as PID 1 on the sandbox's stdio.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from boxd.images import AGENT_MOUNT
+
+# What a root user in a QEMU guest may do that gVisor implements.
+CAPABILITIES = [
+    "CAP_AUDIT_WRITE", "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_DAC_READ_SEARCH", "CAP_FOWNER",
+    "CAP_FSETID", "CAP_IPC_LOCK", "CAP_KILL", "CAP_MKNOD", "CAP_NET_ADMIN",
+    "CAP_NET_BIND_SERVICE", "CAP_NET_RAW", "CAP_SETFCAP", "CAP_SETGID", "CAP_SETPCAP",
+    "CAP_SETUID", "CAP_SYS_ADMIN", "CAP_SYS_CHROOT", "CAP_SYS_NICE", "CAP_SYS_PTRACE",
+    "CAP_SYS_RESOURCE",
+]
+
+ENV = [
+    "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME=/root", "LANG=C.UTF-8", "PYTHONDONTWRITEBYTECODE=1",
+]
+
+
+@dataclass(frozen=True)
+class Roots:
+    """The host trees a sandbox is built on; a restored copy must get the same ones."""
+
+    rootfs: Path
+    agent: Path
+
+    def to_json(self) -> dict[str, str]:
+        return {"rootfs": str(self.rootfs), "agent": str(self.agent)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Roots:
+        return cls(Path(data["rootfs"]), Path(data["agent"]))
+
+
+class RunFiles:
+    """The run directory of one machine (on tmpfs)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.bundle = run_dir / "bundle"
+        self.stdin = run_dir / "agent.in"  # FIFO: host → agent
+        self.stdout = run_dir / "agent.out"  # FIFO: agent → host
+        self.pidfile = run_dir / "sandbox.pid"
+        self.roots = run_dir / "roots.json"
+        self.image = run_dir / "image"  # a snapshot's checkpoint, reassembled
+
+    def make_fifos(self) -> None:
+        for f in (self.stdin, self.stdout):
+            f.unlink(missing_ok=True)
+            os.mkfifo(f, 0o600)
+
+
+def build(hostname: str, roots: Roots, memory_mib: int) -> dict[str, Any]:
+    """config.json of a machine's bundle."""
+    del memory_mib  # gVisor sizes its memory from the host; cgroups are not used here
+    caps = {k: CAPABILITIES for k in ("bounding", "effective", "permitted")}
+    return {
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": False,
+            "user": {"uid": 0, "gid": 0},
+            "args": ["/usr/bin/python3", "-u", f"{AGENT_MOUNT}/agent.py", "--stdio",
+                     "--host-clock"],
+            "env": ENV,
+            "cwd": "/",
+            "capabilities": caps,
+            "noNewPrivileges": False,
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1048576, "soft": 1048576}],
+        },
+        "root": {"path": str(roots.rootfs), "readonly": False},
+        "hostname": hostname,
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+             "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+            {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+             "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
+            {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+             "options": ["nosuid", "nodev", "mode=1777"]},
+            {"destination": "/sys", "type": "sysfs", "source": "sysfs",
+             "options": ["nosuid", "noexec", "nodev", "ro"]},
+            {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
+             "options": ["nosuid", "nodev", "mode=1777"]},
+            {"destination": "/run", "type": "tmpfs", "source": "tmpfs",
+             "options": ["nosuid", "nodev", "mode=755"]},
+            {"destination": AGENT_MOUNT, "type": "bind", "source": str(roots.agent),
+             "options": ["rbind", "ro"]},
+        ],
+        "linux": {
+            "namespaces": [{"type": t} for t in ("pid", "ipc", "uts", "mount", "network")],
+        },
+    }
+
+
+def write_bundle(files: RunFiles, hostname: str, roots: Roots, memory_mib: int) -> None:
+    files.bundle.mkdir(parents=True, exist_ok=True)
+    (files.bundle / "config.json").write_text(json.dumps(build(hostname, roots, memory_mib)))
+    files.roots.write_text(json.dumps(roots.to_json()))
