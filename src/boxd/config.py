@@ -224,7 +224,7 @@ class Settings:
     fork_spares_total: int = 32  # BOXD_FORK_SPARES_TOTAL: standby children per daemon
     log_level: str = "info"  # BOXD_LOG_LEVEL
     image_cache: Path | None = None  # BOXD_IMAGE_CACHE: where guest images are built
-    engine: str = "qemu"  # BOXD_ENGINE: the engine new machines run on
+    engine: str = "qemu"  # BOXD_ENGINE: qemu, gvisor or auto (see engine/registry.py)
     suspend_after: float = 60.0  # BOXD_SUSPEND_AFTER: idle seconds before suspend; 0 never
     hibernate_after: float = 600.0  # BOXD_HIBERNATE_AFTER: idle seconds before hibernate
     default_max_machines: int = 50  # BOXD_DEFAULT_MAX_MACHINES: a new account's quota

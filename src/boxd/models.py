@@ -61,7 +61,8 @@ class MachineCreate(BaseModel):
     from_snapshot: str | None = Field(None, description="NAME, NAME@VERSION or sha256:DIGEST")
     engine: str | None = Field(
         None, pattern=r"^[a-z][a-z0-9-]{0,31}$",
-        description="engine to run it on (qemu); default: the daemon's (BOXD_ENGINE)",
+        description="engine to run it on (qemu or gvisor); default: the daemon's "
+        "(BOXD_ENGINE)",
     )
     suspend_after: float | None = Field(
         None, ge=0, le=10**9,
@@ -89,7 +90,7 @@ class Machine(BaseModel):
     error: str | None = None
     created_at: float
     node: str | None = Field(None, description="id of the node that runs the machine")
-    engine: str | None = Field(None, description="engine that runs it (qemu)")
+    engine: str | None = Field(None, description="engine that runs it (qemu or gvisor)")
     suspend_after: float | None = Field(None, description="its idle timer (None: default)")
     hibernate_after: float | None = Field(None, description="its idle timer (None: default)")
     idle_seconds: float | None = Field(None, description="seconds since a request needed it")
@@ -265,6 +266,16 @@ class Health(BaseModel):
     pid: int
 
 
+class EngineInfo(BaseModel):
+    """One engine on the host: whether it can run machines here, and why."""
+
+    name: str
+    status: str = Field(description="ok or unavailable")
+    reason: str
+    accelerator: str | None = Field(None, description="kvm, tcg (qemu) or systrap (gvisor)")
+    default: bool = Field(False, description="new machines get it unless they ask")
+
+
 class HostInfo(BaseModel):
     version: str
     engine: str
@@ -275,3 +286,5 @@ class HostInfo(BaseModel):
     cpu_model: str
     data_dir: str
     image: str | None = None
+    engines: list[EngineInfo] = Field(default_factory=list)
+    engine_reason: str | None = None  # why BOXD_ENGINE=auto chose the default engine

@@ -119,7 +119,13 @@ def machine() -> None:
 @machine.command("new")
 @click.argument("name")
 @click.option("--from-snapshot", metavar="SNAPSHOT", help="Start from NAME, NAME@N or sha256:...")
-@click.option("--isolated", is_flag=True, help="No network: the machine reaches nothing.")
+@click.option(
+    "--isolated", is_flag=True,
+    help="No network: the machine reaches nothing. The boundary is the engine's "
+    "(`boxd info`): KVM a hardware VM, gvisor a user-space kernel, QEMU/TCG emulation.",
+)
+@click.option("--engine", type=click.Choice(["qemu", "gvisor"]),
+              help="Engine to run it on (default: the daemon's; `boxd info` lists them).")
 @click.option("--vcpus", type=click.IntRange(1), help="Virtual CPUs.")
 @click.option("--memory", "memory_mib", type=click.IntRange(128), metavar="MIB", help="Memory.")
 @click.option("--disk", "disk_gib", type=click.IntRange(1), metavar="GIB", help="Disk size.")
@@ -136,6 +142,7 @@ def machine_new(
     name: str,
     from_snapshot: str | None,
     isolated: bool,
+    engine: str | None,
     vcpus: int | None,
     memory_mib: int | None,
     disk_gib: int | None,
@@ -156,6 +163,7 @@ def machine_new(
         from_snapshot=from_snapshot,
         suspend_after=suspend_after,
         hibernate_after=hibernate_after,
+        engine=engine,
     )
     if wait:
         with _render.activity(f"waiting for {m.name} to boot", as_json=as_json):

@@ -208,6 +208,7 @@ def machine(m: models.Machine) -> None:
             ("memory", f"{m.memory_mib} MiB"),
             ("disk", f"{m.disk_gib} GiB"),
             ("isolated", "yes" if m.isolated else "no"),
+            ("engine", m.engine),
             ("port", m.port),
             ("url", m.url),
             ("parent", m.parent_id),
@@ -286,14 +287,21 @@ def host(info: models.HostInfo) -> None:
     details(
         [
             ("version", info.version),
-            ("engine", info.engine),
+            ("engine", info.engine + (f" ({info.engine_reason})" if info.engine_reason else "")),
             ("accelerator", f"{info.accelerator} ({info.accelerator_reason})"),
-            ("qemu", f"{info.qemu_version} ({info.qemu})"),
+            (info.engine, f"{info.qemu_version} ({info.qemu})"),
             ("cpu model", info.cpu_model),
             ("data dir", info.data_dir),
             ("image", info.image),
         ]
     )
+    if info.engines:
+        table(
+            ["ENGINE", "STATUS", "ACCEL", "WHY"],
+            ([e.name + (" *" if e.default else ""), e.status, e.accelerator or "-", e.reason]
+             for e in info.engines),
+            "no engines",
+        )
 
 
 # --- lineage -------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import logging
 
 from boxd.config import Paths, Settings
 from boxd.engine.base import Engine
-from boxd.engine.registry import open_engine
+from boxd.engine.registry import AUTO, EngineStatus, describe_engines, open_engine, resolve_auto
 from boxd.images import GuestImage, ensure_image
 
 log = logging.getLogger("boxd.node")
@@ -30,6 +30,7 @@ class Host:
         if engine is not None:
             self.engines[engine.name] = engine
         self.default = engine.name if engine is not None else settings.engine
+        self.default_reason: str | None = None  # why, when BOXD_ENGINE=auto chose it
         self.image = image
         self._lock = asyncio.Lock()
 
@@ -46,14 +47,25 @@ class Host:
             HostSetupError: the engine is unknown, or its binaries or an image-building
                 tool are missing.
         """
-        name = engine or self.default
         async with self._lock:
             if self.image is None:
                 self.image = await asyncio.to_thread(ensure_image, self.paths)
+            if self.default == AUTO:
+                self.default, self.default_reason = await asyncio.to_thread(
+                    resolve_auto, self.settings, self.paths, self.image)
+                log.info("event=engine_auto engine=%s reason=%r", self.default,
+                         self.default_reason)
+            name = engine or self.default
             if name not in self.engines:
                 self.engines[name] = await open_engine(name, self.settings, self.paths,
                                                        self.image)
             return self.image, self.engines[name]
+
+
+    async def describe(self) -> list[EngineStatus]:
+        """Every engine's status here (for ``boxd info``)."""
+        image, _ = await self.ready()
+        return await asyncio.to_thread(describe_engines, self.settings, self.paths, image)
 
 
 __all__ = ["Host"]

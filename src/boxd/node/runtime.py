@@ -364,10 +364,16 @@ class NodeRuntime:
     async def host_info(self) -> models.HostInfo:
         image, engine = await self.host.ready()
         info = engine.info()
+        engines = [
+            models.EngineInfo(name=e.name, status=e.status, reason=e.reason,
+                              accelerator=e.accelerator or None, default=e.name == info.name)
+            for e in await self.host.describe()
+        ]
         return models.HostInfo(
             version=__version__, engine=info.name, qemu=info.binary, qemu_version=info.version,
             accelerator=info.accelerator, accelerator_reason=info.accelerator_reason,
             cpu_model=info.cpu_model, data_dir=str(self.paths.home), image=image.key,
+            engines=engines, engine_reason=self.host.default_reason,
         )
 
     async def image_key(self) -> str:

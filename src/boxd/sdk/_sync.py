@@ -199,7 +199,8 @@ class Machines:
             disk_gib: disk size in GiB (daemon default if None).
             isolated: no network at all.
             from_snapshot: start from a snapshot (``NAME``, ``NAME@N`` or ``sha256:...``).
-            engine: the engine to run it on (daemon default if None).
+            engine: ``qemu`` or ``gvisor`` (the daemon's default if None; a snapshot
+                starts on the engine it was saved on). ``info().engines`` lists them.
             suspend_after: idle seconds before its vCPUs stop (0 never; daemon default if
                 None).
             hibernate_after: idle seconds before it goes to disk (0 never; daemon default
