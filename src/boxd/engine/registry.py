@@ -69,7 +69,8 @@ def _qemu_status(settings: Settings, paths: Paths, image: GuestImage) -> EngineS
     if qemu is None:
         return EngineStatus("qemu", "unavailable", "qemu-system-x86_64 is not installed "
                             "(scripts/setup-host.sh installs it)")
-    paths.ensure()
+    # Not paths.ensure(): it would reset the modes `resolve_run_as` gave the data dirs.
+    paths.host_info.parent.mkdir(parents=True, exist_ok=True)
     accel = probe_accelerator(qemu, image.kernel, paths.host_info, forced=settings.accel)
     isolation = ("a hardware VM boundary" if accel.accelerator == "kvm" else
                  "TCG emulation: not a security boundary in QEMU's own policy")
@@ -87,7 +88,7 @@ def _gvisor_status(paths: Paths, image: GuestImage) -> EngineStatus:
         tree = rootfs_tree(image.rootfs)
     except HostSetupError as exc:
         return EngineStatus("gvisor", "unavailable", f"cannot unpack the guest root: {exc}")
-    paths.ensure()
+    paths.host_info.parent.mkdir(parents=True, exist_ok=True)
     choice = probe_runsc(tree, _gvisor_cache(paths))
     if not choice.ok:
         return EngineStatus("gvisor", "unavailable", choice.reason)

@@ -1,0 +1,278 @@
+"""The core of the integration suite on both engines (QEMU and gVisor), through the daemon.
+
+Each test takes ``engine_base``: the session's QEMU base machine, or a gVisor base
+machine made here with ``machines.new(engine="gvisor")`` on the same daemon. gVisor
+tests skip, with the probe's reason, where runsc cannot run sandboxes (``info()``
+says why). Then gVisor-only checks: the engine choice (``auto``), a snapshot refused
+on the other engine, and the spec's RL demo on gVisor forks.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import os
+import runpy
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from boxd import errors
+
+from .test_rl import EXAMPLES, GUEST_WHEELS, _host_wheels, _ok
+
+pytestmark = pytest.mark.vm
+
+ENGINES = ["qemu", "gvisor"]
+
+
+def _gvisor_status(client) -> tuple[str, str]:  # type: ignore[no-untyped-def]
+    info = client.info()
+    e = next((e for e in info.engines if e.name == "gvisor"), None)
+    if e is None:
+        return "unavailable", "the daemon does not list a gvisor engine"
+    return e.status, e.reason
+
+
+@pytest.fixture(scope="module")
+def gvisor_base(client):  # type: ignore[no-untyped-def]
+    status, why = _gvisor_status(client)
+    if status != "ok":
+        pytest.skip(f"gvisor unavailable here: {why}")
+    m = client.machines.new("gbase", engine="gvisor")
+    client.machines.wait_until_ready(m.id, timeout=120)
+    yield client.machines.get(m.id)
+    with contextlib.suppress(errors.NotFound):
+        client.machines.delete(m.id)
+
+
+@pytest.fixture(params=ENGINES)
+def engine_base(request, client):  # type: ignore[no-untyped-def]
+    if request.param == "qemu":
+        return request.getfixturevalue("base")
+    return request.getfixturevalue("gvisor_base")
+
+
+@pytest.fixture
+def fork_of(client) -> Iterator[object]:  # type: ignore[no-untyped-def]
+    made: list[str] = []
+
+    def fork(src, name=None):  # type: ignore[no-untyped-def]
+        m = client.machines.fork(src.id, name)
+        made.append(m.id)
+        return m
+
+    yield fork
+    for mid in made:
+        with contextlib.suppress(Exception):
+            client.machines.delete(mid)
+
+
+def test_machine_exec_and_files(client, engine_base, fork_of) -> None:  # type: ignore[no-untyped-def]
+    assert engine_base.engine in ENGINES
+    m = fork_of(engine_base)
+    assert client.machines.get(m.id).engine == engine_base.engine
+    r = client.machines.exec(m.id, 'python3 -c "print(1+1)"; echo err >&2; exit 3')
+    assert (r.stdout, r.stderr, r.exit_code) == ("2\n", "err\n", 3)
+    data = os.urandom(300_000)
+    info = client.machines.files.upload(m.id, "/home/boxd/blob.bin", data)
+    assert info.size == len(data)
+    assert client.machines.files.download(m.id, "/home/boxd/blob.bin") == data
+    with pytest.raises(errors.NotFound):
+        client.machines.files.download(m.id, "/home/boxd/nope")
+    host, mid = client.machines.exec(m.id, "hostname; cat /etc/machine-id").stdout.split()
+    assert host == m.name and len(mid) == 32
+
+
+def test_fork_keeps_tmpfs_file_and_process(client, engine_base, fork_of) -> None:  # type: ignore[no-untyped-def]
+    """Writes do not cross between source and child."""
+    src = fork_of(engine_base)
+    _ok(client, src.id, "echo marker-$RANDOM > /dev/shm/m; echo disk > /home/boxd/d; "
+                        "nohup sleep 100000 >/dev/null 2>&1 & echo $! > /home/boxd/pid")
+    marker = _ok(client, src.id, "cat /dev/shm/m")
+    pid = _ok(client, src.id, "cat /home/boxd/pid").strip()
+    start = _ok(client, src.id, f"cut -d' ' -f22 /proc/{pid}/stat")
+    child = fork_of(src)
+    client.machines.wait_until_ready(child.id)
+    assert _ok(client, child.id, "cat /dev/shm/m") == marker
+    assert _ok(client, child.id, f"cut -d' ' -f22 /proc/{pid}/stat") == start
+    _ok(client, child.id, "echo child > /home/boxd/d")
+    _ok(client, src.id, "echo parent > /home/boxd/only-parent")
+    assert _ok(client, src.id, "cat /home/boxd/d") == "disk\n"
+    assert client.machines.exec(child.id, "test -e /home/boxd/only-parent").exit_code == 1
+    c_id = _ok(client, child.id, "cat /etc/machine-id")
+    assert c_id != _ok(client, src.id, "cat /etc/machine-id")
+
+
+def test_batch_fork(client, engine_base) -> None:  # type: ignore[no-untyped-def]
+    src = client.machines.fork(engine_base.id)
+    try:
+        results = client.machines.fork(src.id, count=4)
+        assert all(not isinstance(r, errors.BoxdError) for r in results), results
+        ids = [r.id for r in results]
+        try:
+            outs = {client.machines.exec(i, "hostname").stdout.strip() for i in ids}
+            assert len(outs) == 4
+        finally:
+            for i in ids:
+                client.machines.delete(i)
+    finally:
+        client.machines.delete(src.id)
+
+
+def test_checkpoint_restore_in_place(client, engine_base, fork_of) -> None:  # type: ignore[no-untyped-def]
+    m = fork_of(engine_base)
+    _ok(client, m.id, "echo one > /home/boxd/f; echo t1 > /tmp/t")
+    client.machines.checkpoints.save(m.id, "c1")
+    _ok(client, m.id, "echo two > /home/boxd/f; rm /tmp/t; touch /home/boxd/later")
+    client.machines.checkpoints.restore(m.id, "c1")
+    assert _ok(client, m.id, "cat /home/boxd/f /tmp/t") == "one\nt1\n"
+    assert client.machines.exec(m.id, "test -e /home/boxd/later").exit_code == 1
+    after = client.machines.get(m.id)
+    assert (after.name, after.engine) == (m.name, engine_base.engine)
+
+
+def test_snapshot_to_new_machine(client, engine_base, fork_of) -> None:  # type: ignore[no-untyped-def]
+    m = fork_of(engine_base)
+    _ok(client, m.id, "echo snap > /home/boxd/s")
+    name = f"snap-{engine_base.engine}-{os.getpid()}"
+    snap = client.snapshots.save(m.id, name)
+    try:
+        new = client.machines.new(from_snapshot=name)
+        try:
+            client.machines.wait_until_ready(new.id)
+            assert client.machines.get(new.id).engine == engine_base.engine
+            assert _ok(client, new.id, "cat /home/boxd/s") == "snap\n"
+        finally:
+            client.machines.delete(new.id)
+        other = "qemu" if engine_base.engine == "gvisor" else "gvisor"
+        with pytest.raises(errors.InvalidRequest, match=f"saved on the {engine_base.engine}"):
+            client.machines.new(from_snapshot=name, engine=other)
+    finally:
+        client.snapshots.delete(snap.name)
+
+
+def test_isolated_machine_has_no_network(client, engine_base) -> None:  # type: ignore[no-untyped-def]
+    m = client.machines.new(isolated=True, engine=engine_base.engine)
+    try:
+        client.machines.wait_until_ready(m.id, timeout=300)
+        r = client.machines.exec(
+            m.id, "python3 -c \"import socket; s=socket.create_connection(('10.0.2.2', 80), "
+                  "timeout=3)\"", timeout=60)
+        assert r.exit_code != 0
+    finally:
+        client.machines.delete(m.id)
+
+
+# --------------------------------------------------------------- gVisor only
+
+
+def test_info_lists_every_engine(client, gvisor_base) -> None:  # type: ignore[no-untyped-def]
+    info = client.info()
+    by = {e.name: e for e in info.engines}
+    assert set(by) == {"qemu", "gvisor"}
+    assert by["gvisor"].status == "ok" and "user-space kernel" in by["gvisor"].reason
+    assert by["qemu"].accelerator in ("kvm", "tcg")
+    assert gvisor_base.engine == "gvisor"
+
+
+def test_unknown_engine_is_a_clear_error(client) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(errors.InvalidRequest, match="unknown engine"):
+        client.machines.new(engine="firecracker")
+
+
+def test_auto_picks_gvisor_without_kvm(daemon) -> None:  # type: ignore[no-untyped-def]
+    """A daemon with BOXD_ENGINE=auto on this host (no usable KVM) runs machines on gVisor
+    and says why; the answer of both probes is cached."""
+    from boxd import Boxd
+
+    from ..conftest import _shm_of, kill_machines_of, start_daemon
+
+    home = Path(f"/tmp/boxd-auto-{os.getpid()}")
+    old = {k: os.environ.get(k) for k in ("BOXD_ENGINE", "BOXD_HOME")}
+    os.environ["BOXD_ENGINE"] = "auto"
+    home.mkdir(parents=True, exist_ok=True)
+    for cached in ("host.json", "host-gvisor.json"):  # the session daemon's probes
+        if (daemon.home / cached).exists():
+            (home / cached).write_bytes((daemon.home / cached).read_bytes())
+    try:
+        d = start_daemon(home)
+        os.environ["BOXD_HOME"] = str(home)
+        try:
+            with Boxd() as b:
+                info = b.info()
+                by = {e.name: e for e in info.engines}
+                if by["qemu"].accelerator == "kvm":
+                    assert info.engine == "qemu"
+                elif by["gvisor"].status == "ok":
+                    assert info.engine == "gvisor"
+                    assert info.engine_reason and "gVisor" in info.engine_reason
+                    m = b.machines.new("auto-1")
+                    b.machines.wait_until_ready(m.id, timeout=60)
+                    assert b.machines.get(m.id).engine == "gvisor"
+                    assert b.machines.exec(m.id, "echo ok").stdout == "ok\n"
+                    b.machines.delete(m.id)
+                else:
+                    assert info.engine == "qemu" and "unavailable" in (info.engine_reason or "")
+        finally:
+            d.stop()
+            kill_machines_of(home)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        import shutil
+
+        shutil.rmtree(_shm_of(home), ignore_errors=True)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def gvisor_rl_base(client, gvisor_base):  # type: ignore[no-untyped-def]
+    """``rl-base`` on gVisor, prepared like test_rl's (host-downloaded wheels)."""
+    wheels = _host_wheels()
+    m = client.machines.fork(gvisor_base.id, "rl-base")
+    try:
+        client.machines.wait_until_ready(m.id)
+        for whl in wheels:
+            client.machines.files.upload(m.id, f"{GUEST_WHEELS}/{whl.name}", whl.read_bytes())
+        _ok(client, m.id, f"pip install --no-index --find-links {GUEST_WHEELS} gymnasium numpy",
+            timeout=900)
+        client.machines.files.upload(m.id, "/home/boxd/warm_up.py",
+                                     (EXAMPLES / "warm_up.py").read_text())
+        out = _ok(client, m.id, "python3 warm_up.py", timeout=600)
+        assert "warm worker pid" in out
+        yield client.machines.get(m.id)
+    finally:
+        with contextlib.suppress(errors.NotFound):
+            client.machines.delete(m.id)
+
+
+def test_spec_rl_demo_on_gvisor(client, gvisor_rl_base, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The spec's fork-per-rollout loop and same-seed check, verbatim, on gVisor forks."""
+    monkeypatch.chdir(EXAMPLES)
+    t0 = time.monotonic()
+    ns = runpy.run_path(str(EXAMPLES / "train_loop.py"), run_name="__main__")
+    took = time.monotonic() - t0
+    results, a, b = ns["results"], ns["a"], ns["b"]
+    assert a == b
+    records = [json.loads(line) for line in results]
+    assert [r["seed"] for r in records] == list(range(8))
+    assert len({r["actions"] for r in records}) > 1
+    print(f"spec RL demo on gvisor: {took:.2f}s (8 rollouts + 2 checks)")
+    # Same seed on parallel forks: byte-identical trajectories.
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        def one(i: int) -> str:
+            f = client.machines.fork(gvisor_rl_base.id)
+            try:
+                return _ok(client, f.id, "python3 /home/boxd/rollout.py --seed 7").strip()
+            finally:
+                client.machines.delete(f.id)
+
+        outs = set(pool.map(one, range(4)))
+    assert len(outs) == 1
