@@ -82,8 +82,14 @@ def start_daemon(home: Path, *extra: str) -> Daemon:
 
 
 def kill_machines_of(home: Path) -> None:
-    """SIGKILL any QEMU process left by a data directory (test clean-up safety net)."""
+    """SIGKILL any QEMU process or gVisor sandbox (and its gofer) left by a data directory
+    (test clean-up safety net)."""
     out = subprocess.run(["pgrep", "-f", "boxd-m_"], capture_output=True, text=True).stdout
+    gvisor = subprocess.run(["pgrep", "-f", f"--root={_shm_of(home)}/gvisor"],
+                            capture_output=True, text=True).stdout
+    for pid in gvisor.split():
+        with contextlib.suppress(OSError):
+            os.kill(int(pid), signal.SIGKILL)
     for pid in out.split():
         with contextlib.suppress(OSError):
             env = Path(f"/proc/{pid}/cmdline").read_bytes()

@@ -241,7 +241,10 @@ def gvisor_rl_base(client, gvisor_base):  # type: ignore[no-untyped-def]
         client.machines.wait_until_ready(m.id)
         for whl in wheels:
             client.machines.files.upload(m.id, f"{GUEST_WHEELS}/{whl.name}", whl.read_bytes())
-        _ok(client, m.id, f"pip install --no-index --find-links {GUEST_WHEELS} gymnasium numpy",
+        # The wheels and pip's cache would stay in the machine's memory (gVisor keeps a
+        # machine's file changes there) and in every fork's restore.
+        _ok(client, m.id, f"pip install -q --no-cache-dir --no-index --find-links "
+                          f"{GUEST_WHEELS} gymnasium numpy && rm -rf {GUEST_WHEELS}",
             timeout=900)
         client.machines.files.upload(m.id, "/home/boxd/warm_up.py",
                                      (EXAMPLES / "warm_up.py").read_text())
