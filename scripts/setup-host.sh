@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs what boxd needs on a Debian host: QEMU (8.2+ where it can be had), qemu-utils,
+# Installs what boxd needs on a Debian host: QEMU (8.2+ where it can be had), runsc (gVisor,
+# the second engine; optional), qemu-utils,
 # mmdebstrap and the tools the image builder uses, then the Python venv (.venv).
 # Idempotent: a second run only checks. Reads mirrors from the host's own apt sources.
 #
@@ -58,6 +59,20 @@ find_missing
 apt_hint="check the host's apt sources (/etc/apt/sources.list*) and its network or proxy, \
 then run scripts/setup-host.sh again"
 
+# Debian 12: add the bookworm-backports suite with the mirror the host's apt sources use.
+add_backports() {
+  if ! apt-cache policy 2>/dev/null | grep -q 'bookworm-backports'; then
+    step "find the host's Debian mirror (scripts/apt_mirror.py)" \
+      "add a Debian bookworm entry to /etc/apt/sources.list or /etc/apt/sources.list.d/"
+    mirror=$(python3 "$here/scripts/apt_mirror.py")
+    step "add bookworm-backports" "$apt_hint"
+    log "adding bookworm-backports from $mirror"
+    printf 'Types: deb\nURIs: %s\nSuites: bookworm-backports\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
+      "$mirror" | $SUDO tee /etc/apt/sources.list.d/boxd-backports.sources >/dev/null
+    $SUDO apt-get update -qq
+  fi
+}
+
 if ! qemu_ok || [ ${#missing[@]} -gt 0 ]; then
   step "apt-get update" "$apt_hint"
   log "apt-get update"
@@ -70,16 +85,7 @@ if ! qemu_ok; then
   if [ "${ID:-}" = debian ] && [ "${VERSION_CODENAME:-}" = bookworm ]; then
     # Debian 12 ships QEMU 7.2; bookworm-backports has 10.0. Add the backports suite
     # with the same mirror the host's apt sources already use.
-    if ! apt-cache policy 2>/dev/null | grep -q 'bookworm-backports'; then
-      step "find the host's Debian mirror (scripts/apt_mirror.py)" \
-        "add a Debian bookworm entry to /etc/apt/sources.list or /etc/apt/sources.list.d/"
-      mirror=$(python3 "$here/scripts/apt_mirror.py")
-      step "add bookworm-backports" "$apt_hint"
-      log "adding bookworm-backports from $mirror"
-      printf 'Types: deb\nURIs: %s\nSuites: bookworm-backports\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
-        "$mirror" | $SUDO tee /etc/apt/sources.list.d/boxd-backports.sources >/dev/null
-      $SUDO apt-get update -qq
-    fi
+    add_backports
     log "installing QEMU from bookworm-backports"
     $SUDO apt-get install -y -qq -t bookworm-backports qemu-system-x86 qemu-utils >/dev/null \
       || log "WARNING: QEMU from backports unavailable; falling back to the distribution's QEMU"
@@ -89,6 +95,33 @@ if ! qemu_ok; then
     $SUDO apt-get install -y -qq qemu-system-x86 >/dev/null
   fi
   qemu_ok || log "WARNING: $(qemu-system-x86_64 --version | head -1) is older than 8.2: forks cannot map templates read-only and process start-up is slower"
+fi
+
+# gVisor's runsc, the second engine (optional: without it `boxd info` says gvisor is
+# unavailable and why). Debian 12's own runsc (2022) runs only with the ptrace platform and
+# hangs on checkpoint; bookworm-backports has a 2024 snapshot that works with systrap.
+runsc_ok() {
+  command -v runsc >/dev/null 2>&1 || return 1
+  local d
+  d=$(runsc --version 2>/dev/null | grep -o '20[0-9]\{6\}' | head -1)
+  [ "${d:-0}" -ge 20230101 ]
+}
+if ! runsc_ok; then
+  # shellcheck disable=SC1091
+  . /etc/os-release
+  step "install runsc (gVisor)" "$apt_hint"
+  if [ "${ID:-}" = debian ] && [ "${VERSION_CODENAME:-}" = bookworm ]; then
+    add_backports
+    log "installing runsc (gVisor) from bookworm-backports"
+    $SUDO apt-get install -y -qq -t bookworm-backports runsc >/dev/null \
+      || log "WARNING: runsc from bookworm-backports unavailable: the gvisor engine is off"
+  else
+    $SUDO apt-get update -qq
+    log "installing runsc (gVisor)"
+    $SUDO apt-get install -y -qq runsc >/dev/null \
+      || log "WARNING: runsc unavailable from the distribution: the gvisor engine is off"
+  fi
+  runsc_ok || log "WARNING: $(runsc --version 2>/dev/null | head -1 || echo 'no runsc'): the gvisor engine needs a 2023 or later build"
 fi
 
 find_missing
@@ -138,4 +171,5 @@ if [ "$need_install" = 1 ]; then
   "$here/.venv/bin/pip" install -q -e "$spec"
   echo "$all" >"$marker"
 fi
-log "ready: $(qemu-system-x86_64 --version | head -1); .venv has boxd[$(cat "$marker")]"
+runsc_v=$(runsc --version 2>/dev/null | head -1 || true)
+log "ready: $(qemu-system-x86_64 --version | head -1); ${runsc_v:-no runsc}; .venv has boxd[$(cat "$marker")]"
