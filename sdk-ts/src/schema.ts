@@ -619,6 +619,32 @@ export interface components {
             /** Checkpoints */
             checkpoints: components["schemas"]["Checkpoint"][];
         };
+        /**
+         * EngineInfo
+         * @description One engine on the host: whether it can run machines here, and why.
+         */
+        EngineInfo: {
+            /** Name */
+            name: string;
+            /**
+             * Status
+             * @description ok or unavailable
+             */
+            status: string;
+            /** Reason */
+            reason: string;
+            /**
+             * Accelerator
+             * @description kvm, tcg (qemu) or systrap (gvisor)
+             */
+            accelerator?: string | null;
+            /**
+             * Default
+             * @description new machines get it unless they ask
+             * @default false
+             */
+            default: boolean;
+        };
         /** ErrorBody */
         ErrorBody: {
             /** Code */
@@ -764,6 +790,10 @@ export interface components {
             data_dir: string;
             /** Image */
             image?: string | null;
+            /** Engines */
+            engines?: components["schemas"]["EngineInfo"][];
+            /** Engine Reason */
+            engine_reason?: string | null;
         };
         /** Machine */
         Machine: {
@@ -810,7 +840,7 @@ export interface components {
             node?: string | null;
             /**
              * Engine
-             * @description engine that runs it (qemu)
+             * @description engine that runs it (qemu or gvisor)
              */
             engine?: string | null;
             /**

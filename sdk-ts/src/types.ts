@@ -47,7 +47,10 @@ export interface MachineNewOptions {
   isolated?: boolean;
   /** Start from a snapshot: `NAME`, `NAME@N` or `sha256:DIGEST`. */
   fromSnapshot?: string;
-  /** Engine to run it on (daemon default if absent). */
+  /**
+   * Engine to run it on: `qemu` or `gvisor` (daemon default if absent; a snapshot starts
+   * on the engine it was saved on). `info().engines` lists them with their status.
+   */
   engine?: string;
   /** Idle seconds before its vCPUs stop (0 never; daemon default if absent). */
   suspendAfter?: number;
