@@ -228,6 +228,7 @@ class Settings:
     suspend_after: float = 60.0  # BOXD_SUSPEND_AFTER: idle seconds before suspend; 0 never
     hibernate_after: float = 600.0  # BOXD_HIBERNATE_AFTER: idle seconds before hibernate
     default_max_machines: int = 50  # BOXD_DEFAULT_MAX_MACHINES: a new account's quota
+    runsc: str = ""  # BOXD_RUNSC: the runsc binary of the gvisor engine; "" = from PATH
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -244,6 +245,7 @@ class Settings:
             suspend_after=_seconds(e, "BOXD_SUSPEND_AFTER", 60.0),
             hibernate_after=_seconds(e, "BOXD_HIBERNATE_AFTER", 600.0),
             default_max_machines=_int(e, "BOXD_DEFAULT_MAX_MACHINES", DEFAULT_MACHINE_QUOTA),
+            runsc=e.get("BOXD_RUNSC", "").strip(),
         )
 
 

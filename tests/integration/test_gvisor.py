@@ -184,16 +184,17 @@ def test_unknown_engine_is_a_clear_error(client) -> None:  # type: ignore[no-unt
         client.machines.new(engine="firecracker")
 
 
-def test_auto_picks_gvisor_without_kvm(daemon) -> None:  # type: ignore[no-untyped-def]
-    """A daemon with BOXD_ENGINE=auto on this host (no usable KVM) runs machines on gVisor
-    and says why; the answer of both probes is cached."""
+@contextlib.contextmanager
+def _auto_daemon(daemon, **env: str) -> Iterator[object]:  # type: ignore[no-untyped-def]
+    """A second daemon with BOXD_ENGINE=auto (and ``env``), the session's probes copied."""
     from boxd import Boxd
 
     from ..conftest import _shm_of, kill_machines_of, start_daemon
 
     home = Path(f"/tmp/boxd-auto-{os.getpid()}")
-    old = {k: os.environ.get(k) for k in ("BOXD_ENGINE", "BOXD_HOME")}
-    os.environ["BOXD_ENGINE"] = "auto"
+    env = {"BOXD_ENGINE": "auto", **env}
+    old = {k: os.environ.get(k) for k in (*env, "BOXD_HOME")}
+    os.environ.update(env)
     home.mkdir(parents=True, exist_ok=True)
     for cached in ("host.json", "host-gvisor.json"):  # the session daemon's probes
         if (daemon.home / cached).exists():
@@ -203,20 +204,7 @@ def test_auto_picks_gvisor_without_kvm(daemon) -> None:  # type: ignore[no-untyp
         os.environ["BOXD_HOME"] = str(home)
         try:
             with Boxd() as b:
-                info = b.info()
-                by = {e.name: e for e in info.engines}
-                if by["qemu"].accelerator == "kvm":
-                    assert info.engine == "qemu"
-                elif by["gvisor"].status == "ok":
-                    assert info.engine == "gvisor"
-                    assert info.engine_reason and "gVisor" in info.engine_reason
-                    m = b.machines.new("auto-1")
-                    b.machines.wait_until_ready(m.id, timeout=60)
-                    assert b.machines.get(m.id).engine == "gvisor"
-                    assert b.machines.exec(m.id, "echo ok").stdout == "ok\n"
-                    b.machines.delete(m.id)
-                else:
-                    assert info.engine == "qemu" and "unavailable" in (info.engine_reason or "")
+                yield b
         finally:
             d.stop()
             kill_machines_of(home)
@@ -230,6 +218,58 @@ def test_auto_picks_gvisor_without_kvm(daemon) -> None:  # type: ignore[no-untyp
 
         shutil.rmtree(_shm_of(home), ignore_errors=True)
         shutil.rmtree(home, ignore_errors=True)
+
+
+def test_auto_picks_gvisor_without_kvm(daemon) -> None:  # type: ignore[no-untyped-def]
+    """A daemon with BOXD_ENGINE=auto on this host (no usable KVM) runs machines on gVisor
+    and says why."""
+    with _auto_daemon(daemon) as b:
+        info = b.info()
+        by = {e.name: e for e in info.engines}
+        if by["qemu"].accelerator == "kvm":
+            assert info.engine == "qemu"
+            return
+        if by["gvisor"].status != "ok":
+            pytest.skip(f"gvisor unavailable here: {by['gvisor'].reason}")
+        assert info.engine == "gvisor"
+        assert info.engine_reason and "gVisor" in info.engine_reason
+        assert "TCG" in info.engine_reason
+        m = b.machines.new("auto-1")
+        b.machines.wait_until_ready(m.id, timeout=60)
+        assert b.machines.get(m.id).engine == "gvisor"
+        assert b.machines.exec(m.id, "echo ok").stdout == "ok\n"
+        b.machines.delete(m.id)
+
+
+def test_auto_without_runsc_falls_back_to_qemu(daemon) -> None:  # type: ignore[no-untyped-def]
+    """runsc missing (BOXD_RUNSC names no binary): auto runs QEMU and `info` says why."""
+    with _auto_daemon(daemon, BOXD_RUNSC="/nonexistent/runsc") as b:
+        info = b.info()
+        by = {e.name: e for e in info.engines}
+        assert by["gvisor"].status == "unavailable"
+        assert "not an executable" in by["gvisor"].reason
+        if by["qemu"].accelerator != "kvm":
+            assert info.engine == "qemu"
+            assert "gVisor is unavailable" in (info.engine_reason or "")
+        with pytest.raises(errors.BoxdError, match="gvisor engine cannot run here"):
+            b.machines.new("no-gvisor", engine="gvisor")
+        assert not [m for m in b.machines.list() if m.name == "no-gvisor"]
+
+
+def test_gvisor_machine_survives_a_daemon_restart(daemon, client, gvisor_base) -> None:  # type: ignore[no-untyped-def]
+    """The sandbox keeps running; the new daemon reopens its agent FIFOs."""
+    m = client.machines.fork(gvisor_base.id)
+    try:
+        _ok(client, m.id, "echo kept > /tmp/k; nohup sleep 9999 >/dev/null 2>&1 &")
+        daemon.restart()
+        assert _ok(client, m.id, "cat /tmp/k; pgrep -xc sleep") == "kept\n1\n"
+        child = client.machines.fork(m.id)
+        try:
+            assert _ok(client, child.id, "cat /tmp/k") == "kept\n"
+        finally:
+            client.machines.delete(child.id)
+    finally:
+        client.machines.delete(m.id)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,19 +78,28 @@ def _qemu_status(settings: Settings, paths: Paths, image: GuestImage) -> EngineS
     return EngineStatus("qemu", "ok", f"{accel.reason}; {isolation}", accel.accelerator)
 
 
-def _gvisor_status(paths: Paths, image: GuestImage) -> EngineStatus:
+def _runsc(settings: Settings) -> str | None:
+    if settings.runsc:
+        return settings.runsc if os.access(settings.runsc, os.X_OK) else None
+    return shutil.which("runsc")
+
+
+def _gvisor_status(settings: Settings, paths: Paths, image: GuestImage) -> EngineStatus:
     from boxd.engine.gvisor import probe_runsc
     from boxd.images import rootfs_tree
 
-    if shutil.which("runsc") is None:
-        return EngineStatus("gvisor", "unavailable", "runsc is not installed (apt-get install "
-                            "-t bookworm-backports runsc; scripts/setup-host.sh does)")
+    runsc = _runsc(settings)
+    if runsc is None:
+        where = f"BOXD_RUNSC={settings.runsc} is not an executable" if settings.runsc else \
+            "runsc is not installed"
+        return EngineStatus("gvisor", "unavailable", f"{where} (apt-get install -t "
+                            "bookworm-backports runsc; scripts/setup-host.sh does)")
     try:
         tree = rootfs_tree(image.rootfs)
     except HostSetupError as exc:
         return EngineStatus("gvisor", "unavailable", f"cannot unpack the guest root: {exc}")
     paths.host_info.parent.mkdir(parents=True, exist_ok=True)
-    choice = probe_runsc(tree, _gvisor_cache(paths))
+    choice = probe_runsc(tree, _gvisor_cache(paths), runsc)
     if not choice.ok:
         return EngineStatus("gvisor", "unavailable", choice.reason)
     return EngineStatus("gvisor", "ok", f"{choice.reason}; a user-space kernel (gVisor) "
@@ -105,13 +115,13 @@ def engine_status(name: str, settings: Settings, paths: Paths, image: GuestImage
     if name == "qemu":
         return _qemu_status(settings, paths, image)
     if name == "gvisor":
-        return _gvisor_status(paths, image)
+        return _gvisor_status(settings, paths, image)
     raise HostSetupError(f"unknown engine {name!r}", hint=f"use one of {', '.join(ENGINES)}")
 
 
 def describe_engines(settings: Settings, paths: Paths, image: GuestImage) -> list[EngineStatus]:
     """What each engine can do on this host, and why (probes are cached)."""
-    return [_qemu_status(settings, paths, image), _gvisor_status(paths, image)]
+    return [_qemu_status(settings, paths, image), _gvisor_status(settings, paths, image)]
 
 
 def resolve_auto(settings: Settings, paths: Paths, image: GuestImage) -> tuple[str, str]:
@@ -123,7 +133,7 @@ def resolve_auto(settings: Settings, paths: Paths, image: GuestImage) -> tuple[s
     qemu = _qemu_status(settings, paths, image)
     if qemu.status == "ok" and qemu.accelerator == "kvm":
         return "qemu", f"auto: QEMU with KVM ({qemu.reason})"
-    gvisor = _gvisor_status(paths, image)
+    gvisor = _gvisor_status(settings, paths, image)
     if gvisor.status == "ok":
         why = qemu.reason if qemu.status != "ok" else f"QEMU would run under TCG ({qemu.reason})"
         return "gvisor", f"auto: gVisor, because {why}; {gvisor.reason}"
@@ -166,13 +176,13 @@ def _open_gvisor(settings: Settings, paths: Paths, image: GuestImage) -> Engine:
     from boxd.engine.gvisor import GvisorEngine
     from boxd.images import agent_tree
 
-    status = _gvisor_status(paths, image)
+    status = _gvisor_status(settings, paths, image)
     if status.status != "ok":
         raise HostSetupError(f"the gvisor engine cannot run here: {status.reason}",
                              hint="run scripts/setup-host.sh, or use BOXD_ENGINE=qemu")
     from boxd.engine.gvisor import runsc_version
 
-    runsc = shutil.which("runsc")
+    runsc = _runsc(settings)
     assert runsc is not None
     return GvisorEngine(
         runsc, runsc_version(runsc), state_root=paths.shm / "gvisor",

@@ -387,7 +387,11 @@ class NodeRuntime:
 
     async def create(self, machine_id: str, source: Boot | FromSnapshot) -> None:
         rec = self._rec(machine_id)
-        image, _ = await self.host.ready(rec.engine)
+        try:
+            image, _ = await self.host.ready(rec.engine)
+        except BaseException:
+            await self.purge(machine_id)  # its engine cannot run here: no record is left
+            raise
         port = None if rec.isolated else free_port()
         self.repos.machines.update(machine_id, port=port)
         rec = self._rec(machine_id)
