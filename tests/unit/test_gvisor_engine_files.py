@@ -1,0 +1,91 @@
+"""The gvisor engine's own files, without runsc: disk layers, the OCI spec, and how a
+snapshot's two blobs are reassembled into a directory ``runsc restore`` reads."""
+
+from __future__ import annotations
+
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from boxd.engine.base import MemoryImage
+from boxd.engine.gvisor import layer_base, write_layer
+from boxd.engine.gvisor._engine import (
+    CHECKPOINT,
+    PAGES,
+    PAGES_META,
+    STATE_TAR,
+    _image_dir,
+    _pack_state,
+)
+from boxd.engine.gvisor._spec import Roots, RunFiles, build
+from boxd.engine.registry import ENGINES
+from boxd.errors import MachineFailed
+
+
+def test_layer_chain_resolves_to_the_raw_rootfs(tmp_path: Path) -> None:
+    raw = tmp_path / "rootfs.img"
+    write_layer(tmp_path / "a.qcow2", raw, "raw")
+    write_layer(tmp_path / "b.qcow2", tmp_path / "a.qcow2", "layer")
+    write_layer(tmp_path / "c.qcow2", tmp_path / "b.qcow2", "layer")
+    assert layer_base(tmp_path / "c.qcow2") == raw
+
+
+def test_a_qcow2_file_is_not_a_gvisor_layer(tmp_path: Path) -> None:
+    q = tmp_path / "q.qcow2"
+    q.write_bytes(b"QFI\xfb" + b"\0" * 100)
+    with pytest.raises(MachineFailed, match="not a disk layer of the gvisor engine"):
+        layer_base(q)
+
+
+def test_spec_runs_the_agent_on_stdio_over_a_read_only_tree(tmp_path: Path) -> None:
+    spec = build("m1", Roots(tmp_path / "root", tmp_path / "agent"), 512)
+    assert spec["process"]["args"][-3:] == ["/opt/boxd/agent.py", "--stdio", "--host-clock"]
+    assert spec["root"] == {"path": str(tmp_path / "root"), "readonly": False}
+    agent = next(m for m in spec["mounts"] if m["destination"] == "/opt/boxd")
+    assert "ro" in agent["options"]
+    assert {"type": "network"} in spec["linux"]["namespaces"]
+
+
+def _capture(d: Path, roots: Roots) -> MemoryImage:
+    d.mkdir()
+    (d / CHECKPOINT).write_bytes(b"state")
+    (d / PAGES_META).write_bytes(b"meta")
+    (d / PAGES).write_bytes(b"pages")
+    _pack_state(d, json.dumps(roots.to_json()).encode())
+    return MemoryImage(d / PAGES, d / STATE_TAR, 512)
+
+
+def test_a_capture_is_used_in_place(tmp_path: Path) -> None:
+    roots = Roots(tmp_path / "root", tmp_path / "agent")
+    img = _capture(tmp_path / "tpl", roots)
+    src, got = _image_dir(img, RunFiles(tmp_path / "run"))
+    assert src == tmp_path / "tpl" and got == roots
+
+
+def test_snapshot_blobs_are_reassembled(tmp_path: Path) -> None:
+    roots = Roots(tmp_path / "root", tmp_path / "agent")
+    img = _capture(tmp_path / "tpl", roots)
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    (img.mem_path).rename(blobs / "sha-pages")  # type: ignore[union-attr]
+    (img.state_path).rename(blobs / "sha-state")
+    src, got = _image_dir(MemoryImage(blobs / "sha-pages", blobs / "sha-state", 512),
+                          RunFiles(tmp_path / "run"))
+    assert got == roots
+    assert {p.name for p in src.iterdir()} >= {CHECKPOINT, PAGES, PAGES_META}
+    assert (src / PAGES).read_bytes() == b"pages"
+    with tarfile.open(blobs / "sha-state") as tar:
+        assert set(tar.getnames()) == {CHECKPOINT, PAGES_META, "roots.json"}
+
+
+def test_a_qemu_state_is_refused(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.write_bytes(b"QEVM")
+    with pytest.raises(MachineFailed, match="not a gvisor checkpoint"):
+        _image_dir(MemoryImage(tmp_path / "mem", state, 512), RunFiles(tmp_path / "run"))
+
+
+def test_both_engines_are_known() -> None:
+    assert ENGINES == ("qemu", "gvisor")
