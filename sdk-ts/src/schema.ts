@@ -566,6 +566,7 @@ export interface components {
         ApiKeyCreate: {
             /**
              * Name
+             * @description a label: 1-64 printable characters
              * @default default
              */
             name: string;
@@ -672,10 +673,13 @@ export interface components {
         ExecRequest: {
             /**
              * Command
-             * @description shell string (run by /bin/sh -c) or argv
+             * @description shell string (run by /bin/sh -c) or argv; no NUL bytes
              */
             command: string | string[];
-            /** Env */
+            /**
+             * Env
+             * @description variables set for the command; names without '=', no NUL bytes
+             */
             env?: {
                 [key: string]: string;
             };
@@ -683,7 +687,7 @@ export interface components {
             cwd?: string | null;
             /**
              * Timeout
-             * @description seconds; the command is killed after
+             * @description seconds (at most 604800); the command is killed after
              */
             timeout?: number | null;
             /** Stdin */
@@ -894,7 +898,7 @@ export interface components {
             from_snapshot?: string | null;
             /**
              * Engine
-             * @description engine to run it on (qemu); default: the daemon's (BOXD_ENGINE)
+             * @description engine to run it on (qemu or gvisor); default: the daemon's (BOXD_ENGINE)
              */
             engine?: string | null;
             /**
