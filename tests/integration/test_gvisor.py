@@ -105,6 +105,8 @@ def test_fork_keeps_tmpfs_file_and_process(client, engine_base, fork_of) -> None
     assert client.machines.exec(child.id, "test -e /home/boxd/only-parent").exit_code == 1
     c_id = _ok(client, child.id, "cat /etc/machine-id")
     assert c_id != _ok(client, src.id, "cat /etc/machine-id")
+    # The child's wall clock is the host's (QEMU: set by identity; gVisor: the host's own).
+    assert abs(float(_ok(client, child.id, "date +%s.%N")) - time.time()) < 5
 
 
 def test_batch_fork(client, engine_base) -> None:  # type: ignore[no-untyped-def]
