@@ -13,6 +13,7 @@ from boxd.engine.base import MemoryImage
 from boxd.engine.gvisor import layer_base, write_layer
 from boxd.engine.gvisor._engine import (
     CHECKPOINT,
+    MEM,
     PAGES,
     PAGES_META,
     STATE_TAR,
@@ -54,7 +55,8 @@ def _capture(d: Path, roots: Roots) -> MemoryImage:
     (d / PAGES_META).write_bytes(b"meta")
     (d / PAGES).write_bytes(b"pages")
     _pack_state(d, json.dumps(roots.to_json()).encode())
-    return MemoryImage(d / PAGES, d / STATE_TAR, 512)
+    (d / MEM).hardlink_to(d / PAGES)
+    return MemoryImage(d / MEM, d / STATE_TAR, 512)
 
 
 def test_a_capture_is_used_in_place(tmp_path: Path) -> None:

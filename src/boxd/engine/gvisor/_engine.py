@@ -15,8 +15,9 @@ same); the bytes are in the captures.
 
 Capture = ``runsc checkpoint --leave-running --compression=none`` into a directory
 (``checkpoint.img``, ``pages.img``, ``pages_meta.img``); `MemoryImage.mem_path` is
-``pages.img`` and `MemoryImage.state_path` a tar of the other two plus the host trees
-the sandbox was built on (``state.tar``), so a snapshot's two blobs hold everything.
+``mem`` (a hard link to ``pages.img``) and `MemoryImage.state_path` ``state``, a tar of
+the other two plus the host trees the sandbox was built on, so a snapshot's two blobs
+hold everything (and the node finds a hibernation image by the names QEMU uses).
 Start-from = ``runsc restore``. Copies share no memory: each restore reads the image.
 
 Deleting a sandbox (``runsc delete``) takes 1.5-2 s when its parent does not reap it
@@ -53,7 +54,10 @@ log = logging.getLogger("boxd.engine")
 CHECKPOINT = "checkpoint.img"
 PAGES = "pages.img"
 PAGES_META = "pages_meta.img"
-STATE_TAR = "state.tar"
+# The names the node reads a capture back by (QEMU's): a hard link to pages.img, and the
+# tar of the rest.
+MEM = "mem"
+STATE_TAR = "state"
 ROOTS = "roots.json"
 LAYER_KIND = "boxd-gvisor-layer"
 RUNSC_TIMEOUT = 60.0
@@ -378,9 +382,12 @@ class GvisorMachine:
         )
         roots = self.files.roots.read_bytes()
         await asyncio.to_thread(_pack_state, dest_dir, roots)
+        mem = dest_dir / MEM
+        mem.unlink(missing_ok=True)
+        os.link(dest_dir / PAGES, mem)
         log.debug("machine=%s event=checkpoint seconds=%.3f", self._config.id,
                   time.monotonic() - t0)
-        return MemoryImage(mem_path=dest_dir / PAGES, state_path=dest_dir / STATE_TAR,
+        return MemoryImage(mem_path=mem, state_path=dest_dir / STATE_TAR,
                            memory_mib=self._config.memory_mib)
 
     async def destroy(self) -> None:
@@ -419,8 +426,9 @@ def _image_dir(image: MemoryImage, files: RunFiles) -> tuple[Path, Roots]:
         raise MachineFailed("this memory image has no pages file: it was not made by the "
                             "gvisor engine", hint="start it on the engine that saved it")
     src = image.state_path.parent
-    if (image.mem_path == src / PAGES and (src / CHECKPOINT).exists()
-            and (src / PAGES_META).exists()):
+    if ((src / CHECKPOINT).exists() and (src / PAGES_META).exists()
+            and (src / PAGES).exists() and image.mem_path.exists()
+            and os.path.samefile(image.mem_path, src / PAGES)):
         with tarfile.open(image.state_path) as tar:
             member = tar.extractfile(ROOTS)
             assert member is not None
