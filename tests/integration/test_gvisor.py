@@ -274,6 +274,33 @@ def test_gvisor_machine_survives_a_daemon_restart(daemon, client, gvisor_base) -
         client.machines.delete(m.id)
 
 
+def test_killed_sandbox_fails_the_machine(client, daemon, gvisor_base) -> None:  # type: ignore[no-untyped-def]
+    """SIGKILL of the sandbox: the machine is failed with the reason and still deletable."""
+    import signal
+    import sqlite3
+    import subprocess
+
+    from boxd.config import Paths
+
+    m = client.machines.fork(gvisor_base.id)
+    db = Paths(daemon.home.resolve()).db
+    with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+        (vm_id,) = conn.execute("SELECT vm_id FROM machines WHERE id=?", (m.id,)).fetchone()
+    out = subprocess.run(["pgrep", "-f", f"runsc-sandbox .* {vm_id}$"], capture_output=True,
+                         text=True).stdout.split()
+    assert len(out) == 1, out
+    os.kill(int(out[0]), signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while client.machines.get(m.id).state.value != "failed":
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    with pytest.raises(errors.MachineFailed, match="gVisor sandbox"):
+        client.machines.exec(m.id, "true")
+    client.machines.delete(m.id)
+    with pytest.raises(errors.NotFound):
+        client.machines.get(m.id)
+
+
 @pytest.fixture(scope="module")
 def gvisor_rl_base(client, gvisor_base):  # type: ignore[no-untyped-def]
     """``rl-base`` on gVisor, prepared like test_rl's (host-downloaded wheels)."""
