@@ -158,14 +158,28 @@ def test_snapshot_to_new_machine(client, engine_base, fork_of) -> None:  # type:
 
 
 def test_isolated_machine_has_no_network(client, engine_base) -> None:  # type: ignore[no-untyped-def]
+    """Nothing on the host's loopback is reachable (QEMU maps it to 10.0.2.2; under
+    gVisor 127.0.0.1 is the sandbox's own), and no connection reaches the listener."""
+    import socket
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    srv.settimeout(0.5)
+    port = srv.getsockname()[1]
     m = client.machines.new(isolated=True, engine=engine_base.engine)
     try:
         client.machines.wait_until_ready(m.id, timeout=300)
-        r = client.machines.exec(
-            m.id, "python3 -c \"import socket; s=socket.create_connection(('10.0.2.2', 80), "
-                  "timeout=3)\"", timeout=60)
-        assert r.exit_code != 0
+        assert client.machines.get(m.id).url is None
+        for host in ("10.0.2.2", "127.0.0.1"):
+            r = client.machines.exec(
+                m.id, f"python3 -c \"import socket; socket.create_connection(({host!r}, "
+                      f"{port}), timeout=3)\"", timeout=60)
+            assert r.exit_code != 0, (host, r)
+        with pytest.raises(TimeoutError):
+            srv.accept()
     finally:
+        srv.close()
         client.machines.delete(m.id)
 
 
