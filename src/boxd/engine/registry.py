@@ -184,10 +184,13 @@ def _open_gvisor(settings: Settings, paths: Paths, image: GuestImage) -> Engine:
 
     runsc = _runsc(settings)
     assert runsc is not None
-    return GvisorEngine(
+    engine = GvisorEngine(
         runsc, runsc_version(runsc), state_root=paths.shm / "gvisor",
         agent_tree=agent_tree(image.dir), reason=status.reason, fallback_rootfs=image.rootfs,
     )
+    if swept := engine.sweep():
+        log.info("event=gvisor_state_swept sandboxes=%d", len(swept))
+    return engine
 
 
 __all__ = ["AUTO", "ENGINES", "EngineStatus", "describe_engines", "engine_status",

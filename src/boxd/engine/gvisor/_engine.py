@@ -35,6 +35,7 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import tarfile
 import time
 from collections.abc import Sequence
@@ -517,6 +518,31 @@ class GvisorEngine:
         except MachineFailed as exc:
             if "does not exist" not in exc.message and "not found" not in exc.message:
                 log.warning("machine=%s event=runsc_delete_failed error=%s", vm_id, exc.message)
+
+    def sweep(self) -> list[str]:
+        """Delete the runsc state of sandboxes that no longer run (a daemon that stopped
+        before its background deletes finished). Returns their ids."""
+        live: set[bytes] = set()
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                argv = (proc / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if argv and argv[0].endswith(b"runsc-sandbox") and _proc_state(int(proc.name)) \
+                    not in (None, "Z", "X"):
+                live.update(argv)
+        gone = []
+        for state in self.runsc.state_root.glob("*_sandbox:*.state"):
+            vm_id = state.name.split("_sandbox:", 1)[0]
+            if vm_id.encode() in live:
+                continue
+            subprocess.run(self.runsc.argv("delete", "-force", vm_id),
+                           stdin=subprocess.DEVNULL, capture_output=True, timeout=30,
+                           check=False)
+            gone.append(vm_id)
+        return gone
 
     async def drain(self) -> None:
         """Wait for background deletes (tests, shutdown)."""
