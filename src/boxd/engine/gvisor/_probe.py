@@ -112,6 +112,8 @@ def probe_runsc(tree: Path, cache: Path, runsc: str | None = None) -> RunscChoic
     ok, why, elapsed = _run_probe(runsc, tree)
     choice = RunscChoice(ok, why, version, round(elapsed, 2))
     tmp = cache.with_name(cache.name + ".tmp")
-    tmp.write_text(json.dumps({"key": key, "choice": asdict(choice)}))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # like host.json
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps({"key": key, "choice": asdict(choice)}))
     os.replace(tmp, cache)
     return choice
