@@ -19,11 +19,10 @@ import numpy as np
 import pytest
 from gymnasium.utils.env_checker import data_equivalence
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
+from tests.unit import _rl_envs
 
 import boxd.rl as rl
 from boxd import errors
-
-from tests.unit import _rl_envs
 
 MODES = [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP, AutoresetMode.DISABLED]
 
@@ -95,7 +94,7 @@ def test_next_step_ignores_the_action_of_a_finished_sub_env() -> None:
         for _ in range(3):
             obs, rew, term, trunc, _ = ours.step(np.full(3, 2))
         assert term[0]
-        obs, rew, term, trunc, infos = ours.step(np.full(3, 2))
+        obs, rew, term, trunc, _infos = ours.step(np.full(3, 2))
         assert obs[0] == 0 and rew[0] == 0.0 and not term[0] and not trunc[0]
         assert rew[1] == 2.0
     finally:
@@ -210,7 +209,7 @@ def test_step_async_and_wait() -> None:
         env.step_async(np.array([0, 1]))
         with pytest.raises(RuntimeError, match="pending"):
             env.step_async(np.array([0, 1]))
-        obs, rew, term, trunc, _ = env.step_wait(timeout=30)
+        obs, rew, _term, _trunc, _ = env.step_wait(timeout=30)
         assert obs.shape == (2, 4) and obs.dtype == np.float32 and rew.dtype == np.float64
     finally:
         env.close()

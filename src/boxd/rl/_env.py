@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -152,10 +153,8 @@ class Env(gym.Env[Any, Any]):
 
     def __del__(self) -> None:  # pragma: no cover - best effort at interpreter exit
         if not getattr(self, "_closed", True):
-            try:
+            with contextlib.suppress(Exception):
                 self.close()
-            except Exception:
-                pass
 
     def __repr__(self) -> str:
         return f"<boxd.rl.Env {self.machine or 'local'} reset_mode={self.reset_mode}>"

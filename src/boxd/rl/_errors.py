@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from boxd.errors import BoxdError
 
 
@@ -20,7 +22,7 @@ class EnvError(BoxdError):
 
     code = "env_error"
     status = 500
-    _fields = ("index", "remote_type", "traceback", "machine")
+    _fields: ClassVar[tuple[str, ...]] = ("index", "remote_type", "traceback", "machine")
 
 
 class EnvModuleNotFound(EnvError):

@@ -103,10 +103,20 @@ def _enc(v: Any, out: list[bytes], where: str) -> None:
         ds = dt.str.encode()
         raw = v.tobytes()
         out.append(b"g" + bytes([len(ds)]) + ds + _LEN.pack(len(raw)) + raw)
-    elif isinstance(v, tuple | list | dict | int | float | str | bytes):
-        # Subclasses (NamedTuple, OrderedDict, IntEnum...) travel as their base type.
-        base = next(b for b in (bool, int, float, str, bytes, tuple, list, dict) if isinstance(v, b))
-        _enc(base(v) if base is not tuple else tuple(v), out, where)
+    elif isinstance(v, tuple):  # a NamedTuple travels as a tuple
+        _enc(tuple(v), out, where)
+    elif isinstance(v, list):
+        _enc(list(v), out, where)
+    elif isinstance(v, dict):  # OrderedDict, defaultdict...
+        _enc(dict(v), out, where)
+    elif isinstance(v, bool | int):  # IntEnum, IntFlag...
+        _enc(int(v) if not isinstance(v, bool) else bool(v), out, where)
+    elif isinstance(v, float):
+        _enc(float(v), out, where)
+    elif isinstance(v, str):
+        _enc(str(v), out, where)
+    elif isinstance(v, bytes):
+        _enc(bytes(v), out, where)
     else:
         raise WireError(
             f"{where} is a {t.__module__}.{t.__qualname__}, which boxd.rl cannot send "

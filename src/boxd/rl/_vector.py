@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from copy import deepcopy
 from typing import TYPE_CHECKING, Any
@@ -95,7 +96,7 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
             self._pool.close()
             raise
         self._obs: list[Any] = [None] * self.num_envs
-        self._observations = create_empty_array(self.single_observation_space,
+        self._observations: Any = create_empty_array(self.single_observation_space,
                                                 n=self.num_envs, fn=np.zeros)
         self._rewards = np.zeros((self.num_envs,), dtype=np.float64)
         self._terminations = np.zeros((self.num_envs,), dtype=np.bool_)
@@ -224,13 +225,14 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
                 "reset them first with reset(options={'reset_mask': mask})")
         resets = [i for i in range(n) if mode == AutoresetMode.NEXT_STEP
                   and self._autoreset_envs[i]]
-        reset_results = (self._pool.reset(resets, [None] * n, [None] * n) if resets
+        reset_results: list[Any] = (self._pool.reset(resets, [None] * n, [None] * n) if resets
                          else [None] * n)
         step_results = self._pool.step(
             acts, skip=[i in resets for i in range(n)],
             autoreset=(lambda i: (None, None)) if mode == AutoresetMode.SAME_STEP else None,
             timeout=timeout)
-        results = [reset_results[i] if i in resets else step_results[i] for i in range(n)]
+        results: list[Any] = [reset_results[i] if i in resets else step_results[i]
+                              for i in range(n)]
         recovered = self._recover_or_raise(results, list(range(n)))
         for i in range(n):
             if i in recovered:
@@ -336,10 +338,8 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
 
     def __del__(self) -> None:  # pragma: no cover - best effort at interpreter exit
         if not getattr(self, "closed", True) and hasattr(self, "_pool"):
-            try:
+            with contextlib.suppress(Exception):
                 self.close()
-            except Exception:
-                pass
 
     def __repr__(self) -> str:
         return (f"<boxd.rl.VectorEnv num_envs={self.num_envs} "
@@ -354,7 +354,7 @@ def _factories(
             raise errors.InvalidRequest(
                 "give num_envs >= 1 with an env id or a single callable", field="num_envs")
         return [env_fns] * num_envs
-    fns = list(env_fns)
+    fns: list[Callable[..., Any] | str] = list(env_fns)
     if not fns:
         raise errors.InvalidRequest("env_fns is empty", field="env_fns")
     if num_envs is not None and num_envs != len(fns):
