@@ -123,21 +123,38 @@ def test_spawn_frames_round_trip_fork_and_kill(client: Any, rl_warm: Any) -> Non
 # ---------------------------------------------------------------------------- Env
 
 
+def _warnings_of(fn: Any, *args: Any, **kwargs: Any) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn(*args, **kwargs)
+    return sorted({str(w.message) for w in caught})
+
+
 def test_env_passes_gymnasium_and_sb3_checkers(client: Any, rl_warm: Any) -> None:
-    env = rl.Env("CartPole-v1", source=rl_warm.id, boxd=client)
+    import gymnasium as gym
+    from stable_baselines3.common.env_checker import check_env as sb3_check_env
+
+    # An env the checkers find nothing to warn about: through boxd, warnings are errors.
+    env = rl.Env(_rl_envs.BoxEnv, source=rl_warm.id, boxd=client, pickle_by_value=[_rl_envs])
     try:
         assert env.machine is not None and env.machine != rl_warm.id
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             check_env(env, skip_render_check=True)
-        from stable_baselines3.common.env_checker import check_env as sb3_check_env
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
             sb3_check_env(env, warn=True)
     finally:
         env.close()
     assert env.machine not in {m.id for m in client.machines.list()}
+    # CartPole's own -inf bounds make the checkers warn even locally: through boxd the
+    # warnings are exactly the local ones (the proxy adds none).
+    env = rl.Env("CartPole-v1", source=rl_warm.id, boxd=client)
+    try:
+        local = gym.make("CartPole-v1").unwrapped
+        assert _warnings_of(check_env, env, skip_render_check=True) == _warnings_of(
+            check_env, local, skip_render_check=True)
+        assert _warnings_of(sb3_check_env, env) == _warnings_of(sb3_check_env, local)
+    finally:
+        env.close()
 
 
 def test_env_matches_a_local_cartpole_over_200_steps(client: Any, rl_warm: Any) -> None:

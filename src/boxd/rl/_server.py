@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import struct
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any, BinaryIO
@@ -415,11 +416,13 @@ def _error_reply(exc: BaseException) -> tuple[Any, ...]:
 def serve(inp: BinaryIO, out: BinaryIO) -> None:
     """Answer framed requests on ``inp`` until it ends or a ``close`` arrives."""
     server = _Server()
+    stats: dict[str, list[float]] = {}  # op -> [count, seconds inside the op]
     ops: dict[str, Callable[..., Any]] = {
         "make": server.make, "reset": server.reset, "step": server.step,
         "call": server.call, "get_attr": server.get_attr, "set_attr": server.set_attr,
         "has_wrapper": server.has_wrapper, "close": server.close,
         "ping": lambda: PROTOCOL,
+        "stats": lambda: {k: (int(v[0]), v[1]) for k, v in stats.items()},
     }
     while True:
         raw = read_frame(inp)
@@ -432,7 +435,12 @@ def serve(inp: BinaryIO, out: BinaryIO) -> None:
             fn = ops.get(op)
             if fn is None:
                 raise WireError(f"unknown request {op!r}")
-            reply = encode(("ok", fn(*req[1:])))
+            t0 = time.perf_counter()
+            value = fn(*req[1:])
+            st = stats.setdefault(op, [0.0, 0.0])
+            st[0] += 1
+            st[1] += time.perf_counter() - t0
+            reply = encode(("ok", value))
         except Exception as exc:  # every failure goes back to the host, typed
             reply = encode(_error_reply(exc))
         out.write(frame(reply))
