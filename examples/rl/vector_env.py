@@ -34,10 +34,10 @@ def main() -> None:
         autoreset_mode=gym.vector.AutoresetMode.SAME_STEP))
     envs = gym.make_vec("BoxdCartPole-v1", num_envs=args.envs)
     try:
-        obs, _ = envs.reset(seed=42)
+        envs.reset(seed=42)
         episodes, t0 = 0, time.perf_counter()
         for _ in range(args.steps):
-            obs, rewards, terminated, truncated, infos = envs.step(envs.action_space.sample())
+            *_, infos = envs.step(envs.action_space.sample())
             if "_final_obs" in infos:
                 episodes += int(np.sum(infos["_final_obs"]))
         wall = time.perf_counter() - t0

@@ -135,16 +135,20 @@ def test_env_passes_gymnasium_and_sb3_checkers(client: Any, rl_warm: Any) -> Non
     from stable_baselines3.common.env_checker import check_env as sb3_check_env
 
     # An env the checkers find nothing to warn about: through boxd, warnings are errors.
-    env = rl.Env(_rl_envs.BoxEnv, source=rl_warm.id, boxd=client, pickle_by_value=[_rl_envs])
-    try:
-        assert env.machine is not None and env.machine != rl_warm.id
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            check_env(env, skip_render_check=True)
-            sb3_check_env(env, warn=True)
-    finally:
-        env.close()
-    assert env.machine not in {m.id for m in client.machines.list()}
+    # (SB3 supports no Tuple observations: its check runs on the Dict variant.)
+    for tuple_obs in (True, False):
+        env = rl.Env(_rl_envs.BoxEnv, source=rl_warm.id, boxd=client,
+                     pickle_by_value=[_rl_envs], tuple_obs=tuple_obs)
+        try:
+            assert env.machine is not None and env.machine != rl_warm.id
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                check_env(env, skip_render_check=True)
+                if not tuple_obs:
+                    sb3_check_env(env, warn=True)
+        finally:
+            env.close()
+        assert env.machine not in {m.id for m in client.machines.list()}
     # CartPole's own -inf bounds make the checkers warn even locally: through boxd the
     # warnings are exactly the local ones (the proxy adds none).
     env = rl.Env("CartPole-v1", source=rl_warm.id, boxd=client)

@@ -20,7 +20,8 @@ class CountEnv(gym.Env[np.int64, np.int64]):
     metadata = {"render_modes": ["rgb_array"]}
 
     def __init__(self, ends: int = 4, truncate: bool = False,
-                 render_mode: str | None = None) -> None:
+                 render_mode: str | None = None, delay: float = 0.0) -> None:
+        self.delay = delay
         self.observation_space = spaces.Discrete(1000)
         self.action_space = spaces.Discrete(3)
         self.ends = ends
@@ -39,6 +40,8 @@ class CountEnv(gym.Env[np.int64, np.int64]):
         return np.int64(self.count), info
 
     def step(self, action: Any) -> tuple[np.int64, float, bool, bool, dict[str, Any]]:
+        if self.delay:
+            time.sleep(self.delay)
         self.count += 1
         done = self.count % self.ends == 0
         info: dict[str, Any] = {
@@ -59,23 +62,31 @@ class CountEnv(gym.Env[np.int64, np.int64]):
 
 
 class BoxEnv(gym.Env[tuple[Any, ...], np.ndarray[Any, Any]]):
-    """Tuple/Dict observations with float32 and int8 parts (dtype and container checks)."""
+    """Tuple/Dict observations with float32 and int8 parts (dtype and container checks);
+    with ``tuple_obs=False`` a Dict only (what SB3 supports)."""
 
-    def __init__(self) -> None:
-        self.observation_space = spaces.Tuple((
-            spaces.Box(-1.0, 1.0, (3,), dtype=np.float32),
-            spaces.Dict({"k": spaces.Discrete(5), "m": spaces.MultiBinary(4)}),
-        ))
+    def __init__(self, tuple_obs: bool = True) -> None:
+        inner = spaces.Dict({"k": spaces.Discrete(5), "m": spaces.MultiBinary(4)})
+        self.tuple_obs = tuple_obs
+        self.observation_space: spaces.Space[Any] = (
+            spaces.Tuple((spaces.Box(-1.0, 1.0, (3,), dtype=np.float32), inner)) if tuple_obs
+            else inner)
         self.action_space = spaces.Box(-1.0, 1.0, (2,), dtype=np.float32)
 
     def reset(self, *, seed: int | None = None,
               options: dict[str, Any] | None = None) -> tuple[tuple[Any, ...], dict[str, Any]]:
         super().reset(seed=seed)
-        return self.observation_space.sample(), {}
+        return self._obs(), {}
+
+    def _obs(self) -> tuple[Any, ...]:
+        rng = self.np_random  # seeded by reset(seed=...): deterministic, as checkers demand
+        box = rng.uniform(-1, 1, 3).astype(np.float32)
+        inner = {"k": np.int64(rng.integers(5)), "m": rng.integers(0, 2, 4).astype(np.int8)}
+        return (box, inner) if self.tuple_obs else inner  # type: ignore[return-value]
 
     def step(self, action: Any) -> tuple[tuple[Any, ...], float, bool, bool, dict[str, Any]]:
-        obs = self.observation_space.sample()
-        return obs, float(np.sum(action)), bool(self.np_random.random() < 0.1), False, {}
+        reward = float(np.sum(action))
+        return self._obs(), reward, bool(self.np_random.random() < 0.1), False, {}
 
 
 class ClockEnv(gym.Env[np.ndarray[Any, Any], np.int64]):

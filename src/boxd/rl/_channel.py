@@ -308,6 +308,10 @@ class LocalHome:
     """Env servers as local subprocesses (the host's Python): no machine, no isolation."""
 
     def open(self, make: MakeRequest, *, rewindable: bool, index: int | None = None) -> Slot:
+        if rewindable:
+            raise errors.InvalidRequest(
+                'reset_mode="rewind" needs a machine: local env servers cannot rewind',
+                field="reset_mode", hint='use reset_mode="env" or "refork" with boxd.rl.local()')
         return LocalSlot(make, index)
 
     def close(self) -> None:

@@ -11,6 +11,7 @@ import gymnasium as gym
 from boxd import errors
 from boxd.rl import _server as W
 from boxd.rl._channel import Home, MakeRequest, Rpc, Slot
+from boxd.rl._errors import EnvServerLost, EnvTimeout
 
 if TYPE_CHECKING:
     from boxd.sdk._sync import Boxd
@@ -87,6 +88,18 @@ class Env(gym.Env[Any, Any]):
         self.metadata = dict(info.get("metadata") or {})
         self.render_mode = info.get("render_mode")
         self._pristine = True  # the env is as built: no reset or step since
+        self._broken: BaseException | None = None
+
+    def _call(self, op: str, *args: Any, timeout: float | None = None) -> Any:
+        """One request; after a timeout or a lost server every later call fails too (a
+        late reply would otherwise answer the wrong request)."""
+        if self._broken is not None:
+            raise self._broken
+        try:
+            return self._rpc.call(op, *args, timeout=timeout)
+        except (EnvTimeout, EnvServerLost) as exc:
+            self._broken = exc
+            raise
 
     @property
     def machine(self) -> str | None:
@@ -107,7 +120,7 @@ class Env(gym.Env[Any, Any]):
         elif not self._pristine and self.reset_mode == "refork":
             self._slot.refork()
         self._pristine = False
-        obs, info = self._rpc.call("reset", seed, options, timeout=self.step_timeout)
+        obs, info = self._call("reset", seed, options, timeout=self.step_timeout)
         return obs, info
 
     def step(self, action: Any) -> tuple[Any, Any, bool, bool, dict[str, Any]]:
@@ -118,25 +131,25 @@ class Env(gym.Env[Any, Any]):
             EnvTimeout: no answer within ``step_timeout``.
         """
         self._pristine = False
-        obs, reward, terminated, truncated, info, _ = self._rpc.call(
+        obs, reward, terminated, truncated, info, _ = self._call(
             "step", action, None, timeout=self.step_timeout)
         return obs, reward, terminated, truncated, info
 
     def render(self) -> Any:
         """The remote env's ``render()`` (frames travel as numpy arrays)."""
-        return self._rpc.call("call", "render", (), {})
+        return self._call("call", "render", (), {})
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """Call a method of the remote env (or read an attribute when not callable)."""
-        return self._rpc.call("call", name, args, kwargs)
+        return self._call("call", name, args, kwargs)
 
     def get_attr(self, name: str) -> Any:
         """An attribute of the remote env (through its wrappers)."""
-        return self._rpc.call("get_attr", name)
+        return self._call("get_attr", name)
 
     def set_attr(self, name: str, value: Any) -> None:
         """Set an attribute of the remote env (on the wrapper that has it)."""
-        self._rpc.call("set_attr", name, value)
+        self._call("set_attr", name, value)
 
     def close(self) -> None:
         """Close the remote env and delete its machine. Idempotent."""
@@ -144,7 +157,8 @@ class Env(gym.Env[Any, Any]):
             return
         self._closed = True
         try:
-            self._rpc.call("close", timeout=30.0)
+            if self._broken is None:
+                self._rpc.call("close", timeout=30.0)
         except errors.BoxdError:
             pass  # the machine is deleted next anyway
         finally:

@@ -241,7 +241,8 @@ def space_to_wire(space: Any) -> Any:
     if isinstance(space, S.Dict):
         return ("Dict", {k: space_to_wire(s) for k, s in space.spaces.items()})
     if isinstance(space, S.Text):
-        return ("Text", int(space.min_length), int(space.max_length), space.character_set)
+        return ("Text", int(space.min_length), int(space.max_length),
+                "".join(sorted(space.character_set)))
     raise WireError(
         f"boxd.rl cannot carry a {type(space).__name__} space yet "
         "(supported: Box, Discrete, MultiDiscrete, MultiBinary, Tuple, Dict, Text)"
