@@ -137,8 +137,10 @@ class Slot(Protocol):
 class Home(Protocol):
     """Where env servers run."""
 
-    def open(self, make: MakeRequest, *, rewindable: bool, index: int | None = None) -> Slot:
-        """Start a server and build the env in it.
+    def open(self, make: MakeRequest, *, rewindable: bool, index: int | None = None,
+             shared: bool = False) -> Slot:
+        """Start a server and build the env in it (``shared``: the same factory opens
+        again soon, so building it once and copying is worth it).
 
         Raises:
             EnvError, EnvModuleNotFound: building the env failed in the server.
@@ -307,7 +309,8 @@ class LocalSlot:
 class LocalHome:
     """Env servers as local subprocesses (the host's Python): no machine, no isolation."""
 
-    def open(self, make: MakeRequest, *, rewindable: bool, index: int | None = None) -> Slot:
+    def open(self, make: MakeRequest, *, rewindable: bool, index: int | None = None,
+             shared: bool = False) -> Slot:
         if rewindable:
             raise errors.InvalidRequest(
                 'reset_mode="rewind" needs a machine: local env servers cannot rewind',

@@ -80,7 +80,14 @@ class Env(gym.Env[Any, Any]):
         self._closed = False
         self._home = resolve_home(source, boxd)
         make = MakeRequest.of(env, make_kwargs, pickle_by_value)
-        self._slot: Slot = self._home.open(make, rewindable=self.reset_mode == "rewind")
+        self._owns_home = isinstance(source, str)
+        try:
+            self._slot: Slot = self._home.open(make, rewindable=self.reset_mode == "rewind",
+                                               shared=self.reset_mode == "refork")
+        except BaseException:
+            if self._owns_home:
+                self._home.close()
+            raise
         self._rpc = Rpc(self._slot)
         info = self._slot.info
         self.observation_space = W.space_from_wire(info["observation_space"])
@@ -163,6 +170,8 @@ class Env(gym.Env[Any, Any]):
             pass  # the machine is deleted next anyway
         finally:
             self._slot.close()
+            if self._owns_home:
+                self._home.close()
         super().close()
 
     def __del__(self) -> None:  # pragma: no cover - best effort at interpreter exit

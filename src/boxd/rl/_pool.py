@@ -44,7 +44,11 @@ class Pool:
         self.rpcs = [Rpc(s, i) for i, s in enumerate(self.slots)]
 
     def _open(self, i: int) -> Slot:
-        return self.home.open(self.makes[i], rewindable=self.reset_mode == "rewind", index=i)
+        msg = self.makes[i].message()
+        shared = (self.reset_mode == "refork"
+                  or sum(1 for m in self.makes if m.message() == msg) > 1)
+        return self.home.open(self.makes[i], rewindable=self.reset_mode == "rewind", index=i,
+                              shared=shared)
 
     def _open_all(self, indices: Sequence[int] | range) -> list[Slot]:
         indices = list(indices)
