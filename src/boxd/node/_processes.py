@@ -59,6 +59,9 @@ class Relay:
     buffered: int = 0
     sent: int = 0  # frames sent and not yet answered by a frame (idle timers)
     dirty: bool = False  # sent to since the machine's last template (see NodeRuntime)
+    # Every agent exec id this process has had, newest last: a restore brings back the
+    # guest as it was, keyed by the id of that moment (see NodeRuntime re-attach).
+    exec_ids: list[int] = field(default_factory=list)
     task: asyncio.Task[None] | None = None
 
     def model(self) -> pm.Process:
@@ -74,6 +77,8 @@ class Relay:
         """Follow ``process`` (a fresh start, or a re-attach on a new connection)."""
         self.process = process
         self.exec_id = process.exec_id
+        if process.exec_id not in self.exec_ids:
+            self.exec_ids.append(process.exec_id)
         self.state = "running"
         self.failure = ""
         self.task = asyncio.create_task(self._read(process, on_frame),
@@ -240,7 +245,7 @@ class ProcessTable:
                 copies[r.id] = Relay(id=r.id, machine_id=child_id, argv=list(r.argv),
                                      started_at=r.started_at, exec_id=r.exec_id,
                                      state="detached", failure="a fork's copy",
-                                     stderr=bytearray(r.stderr))
+                                     stderr=bytearray(r.stderr), exec_ids=list(r.exec_ids))
         if copies:
             self._by_machine[child_id] = copies
 

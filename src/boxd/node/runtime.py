@@ -620,13 +620,27 @@ class NodeRuntime:
             relay.attached = False
 
     async def _reattach_process(self, relay: Relay) -> None:
-        """Follow a detached process again on the machine's current agent connection."""
+        """Follow a detached process again on the machine's current agent connection.
+
+        The guest keys the process by the exec id it had when the guest's memory was
+        captured (a restore brings back an older one than the last attach), so the ids
+        are tried newest first.
+        """
         async with self._using(relay.machine_id) as (_, _handle, agent):
             attach = getattr(agent, "attach", None)
             if attach is None:
                 raise relay.not_running()
-            proc = await attach(relay.exec_id)
-            relay.bind(proc, lambda: self._touch(relay.machine_id))
+            last: BoxdError | None = None
+            for exec_id in reversed(relay.exec_ids or [relay.exec_id]):
+                try:
+                    proc = await attach(exec_id)
+                except InvalidRequest as exc:  # not this id (or an agent too old)
+                    last = exc
+                    continue
+                relay.bind(proc, lambda: self._touch(relay.machine_id))
+                return
+            relay.failure = last.message if last is not None else "no exec id"
+            raise relay.not_running()
 
     async def process_send(self, relay: Relay, data: bytes) -> None:
         if relay.state == "detached":
