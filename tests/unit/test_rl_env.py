@@ -163,3 +163,32 @@ def test_after_a_timeout_the_env_refuses_rather_than_answer_wrongly() -> None:
             env.get_attr("count")
     finally:
         env.close()
+
+
+def test_sb3_vec_env_locally() -> None:
+    from gymnasium.wrappers import TimeLimit
+
+    from boxd.rl.sb3 import VecEnv
+
+    fns = [functools.partial(_rl_envs.CountEnv, ends=2) for _ in range(2)]
+    venv = VecEnv(fns, source=rl.local(), pickle_by_value=[_rl_envs])
+    wrapped = VecEnv("CartPole-v1", 1, source=rl.local())
+    try:
+        assert venv.env_is_wrapped(_rl_envs.CountEnv) == [False, False]
+        assert wrapped.env_is_wrapped(TimeLimit) == [True]
+        venv.seed(100)
+        assert venv.reset().tolist() == [100, 101]
+        venv.seed(500)
+        venv.set_options({"level": 3})
+        venv.step_async(np.zeros(2, dtype=np.int64))
+        obs, rewards, dones, infos = venv.step_wait()
+        assert dones.tolist() == [False, True] and obs[1] == 501
+        assert infos[1]["terminal_observation"] == 102
+        assert venv.reset_infos[1]["options"] == {"level": 3}
+        venv.step_async(np.zeros(2, dtype=np.int64))
+        obs, _, dones, _ = venv.step_wait()  # sub-env 0 ends: seed 500 was for it too
+        assert dones[0] and obs[0] == 500
+        assert venv.reset_infos[0]["options"] == {"level": 3}
+    finally:
+        venv.close()
+        wrapped.close()

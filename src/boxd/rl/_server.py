@@ -388,12 +388,15 @@ class _Server:
         self._need_env().set_wrapper_attr(name, value)
 
     def has_wrapper(self, qualname: str) -> bool:
+        """SB3's ``env_is_wrapped``: is a wrapper of this class (``module.QualName``, or
+        a subclass of it) around the env? The env itself does not count."""
+        import gymnasium as gym
+
         env = self._need_env()
-        while env is not None:
-            cls = type(env)
-            if f"{cls.__module__}.{cls.__qualname__}" == qualname or cls.__name__ == qualname:
+        while isinstance(env, gym.Wrapper):
+            if any(f"{c.__module__}.{c.__qualname__}" == qualname for c in type(env).__mro__):
                 return True
-            env = getattr(env, "env", None)
+            env = env.env
         return False
 
     def close(self) -> None:
