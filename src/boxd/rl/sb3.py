@@ -108,15 +108,22 @@ class VecEnv(_SB3VecEnv):
 
     # ------------------------------------------------------------------ stepping
 
-    def _next_reset(self, i: int) -> tuple[int | None, Any]:
-        """The seed and options of sub-env ``i``'s next reset (its seed is used up)."""
-        seed = self._seeds[i]
-        self._seeds[i] = None
+    def _reset_args(self, i: int) -> tuple[int | None, Any]:
+        """The seed and options sub-env ``i``'s next reset uses (see `_used`)."""
         opts = self._options[i] or self._persistent_options[i]
+        return self._seeds[i], (opts or None)
+
+    def _used(self, i: int) -> None:
+        """Sub-env ``i`` was reset: its seed is used up, its options stay."""
+        self._seeds[i] = None
         if self._options[i]:
             self._persistent_options[i] = self._options[i]
             self._options[i] = {}
-        return seed, (opts or None)
+
+    def _next_reset(self, i: int) -> tuple[int | None, Any]:
+        args = self._reset_args(i)
+        self._used(i)
+        return args
 
     def reset(self) -> Any:
         """Reset every sub-env; returns the batched observations (infos in
@@ -140,7 +147,7 @@ class VecEnv(_SB3VecEnv):
                                  list[dict[str, Any]]]:
         n = self.num_envs
         actions = [self._actions[i] for i in range(n)]
-        results = self._pool.step(actions, autoreset=self._next_reset)
+        results = self._pool.step(actions, autoreset=self._reset_args)
         recovered = self._recover(results)
         rewards = np.zeros(n, dtype=np.float32)
         dones = np.zeros(n, dtype=np.bool_)
@@ -159,6 +166,7 @@ class VecEnv(_SB3VecEnv):
             rewards[i] = reward
             dones[i] = terminated or truncated
             if final is not None:
+                self._used(i)
                 # The new episode's reset info goes to reset_infos; infos[i] is the
                 # finished step's info with its last observation.
                 self.reset_infos[i] = info
