@@ -181,7 +181,7 @@ def test_sb3_vec_env_locally() -> None:
         venv.seed(500)
         venv.set_options({"level": 3})
         venv.step_async(np.zeros(2, dtype=np.int64))
-        obs, rewards, dones, infos = venv.step_wait()
+        obs, _, dones, infos = venv.step_wait()
         assert dones.tolist() == [False, True] and obs[1] == 501
         assert infos[1]["terminal_observation"] == 102
         assert venv.reset_infos[1]["options"] == {"level": 3}
