@@ -84,6 +84,10 @@ class FakeAgent:
         self._check()
         raise InvalidRequest("the fake engine runs no long-lived processes", field="argv")
 
+    async def attach(self, exec_id: int) -> Process:
+        self._check()
+        raise InvalidRequest("the fake engine runs no long-lived processes", field="process")
+
     async def run(
         self, command: str | list[str], *, env: Mapping[str, str | None] | None = None,
         cwd: str | None = None, timeout: float | None = None, stdin: bytes | None = None,

@@ -627,13 +627,10 @@ class NodeRuntime:
         are tried newest first.
         """
         async with self._using(relay.machine_id) as (_, _handle, agent):
-            attach = getattr(agent, "attach", None)
-            if attach is None:
-                raise relay.not_running()
             last: BoxdError | None = None
             for exec_id in reversed(relay.exec_ids or [relay.exec_id]):
                 try:
-                    proc = await attach(exec_id)
+                    proc = await agent.attach(exec_id)
                 except InvalidRequest as exc:  # not this id (or an agent too old)
                     last = exc
                     continue
