@@ -120,6 +120,35 @@ def test_spawn_frames_round_trip_fork_and_kill(client: Any, rl_warm: Any) -> Non
         client.machines.delete(m.id)
 
 
+def test_a_fork_child_runs_its_own_copy_of_a_running_process(client: Any, rl_warm: Any) -> None:
+    m = client.machines.fork(rl_warm.id, "rl-parent")
+    child = None
+    try:
+        client.machines.files.upload(m.id, "/home/boxd/echo.py", ECHO)
+        proc = client.machines.spawn(m.id, ["python3", "-u", "/home/boxd/echo.py"])
+        proc.send(b"before")
+        assert proc.recv(timeout=60) == b"before"
+        child = client.machines.fork(m.id, "rl-child")
+        listed = client.machines.processes(child.id)
+        assert [p.id for p in listed] == [proc.id] and listed[0].state == "detached"
+        copy = client.machines.attach(child.id, proc.id)
+        copy.send(b"in the child")
+        proc.send(b"in the parent")
+        assert copy.recv(timeout=60) == b"in the child"
+        assert proc.recv(timeout=60) == b"in the parent"
+        assert client.machines.processes(child.id)[0].state == "running"
+        with pytest.raises(errors.Conflict, match="already has a client"):
+            client.machines.attach(child.id, proc.id)
+        copy.kill()
+        proc.send(b"parent lives on")
+        assert proc.recv(timeout=60) == b"parent lives on"
+    finally:
+        for mid in (child.id if child else None, m.id):
+            if mid:
+                with contextlib.suppress(errors.NotFound):
+                    client.machines.delete(mid)
+
+
 # ---------------------------------------------------------------------------- Env
 
 
@@ -206,6 +235,8 @@ def test_reset_modes_give_identical_starts(client: Any, rl_warm: Any, mode: str)
             env.step(1)
         obs2, _ = env.reset(seed=5)
         assert data_equivalence(obs1, obs2, exact=True)
+        # The env server was re-attached, not started again: one process in the machine.
+        assert len(client.machines.processes(str(env.machine))) == 1
         if mode == "rewind":
             assert env.machine == first_machine
         else:
