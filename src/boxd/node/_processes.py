@@ -63,6 +63,7 @@ class Relay:
     # guest as it was, keyed by the id of that moment (see NodeRuntime re-attach).
     exec_ids: list[int] = field(default_factory=list)
     task: asyncio.Task[None] | None = None
+    attaching: asyncio.Lock = field(default_factory=asyncio.Lock)  # one re-attach at a time
 
     def model(self) -> pm.Process:
         return pm.Process(
@@ -114,6 +115,10 @@ class Relay:
                 elif isinstance(chunk, ExecExit):
                     self.exit = chunk
                     self.state = "exited"
+            if self.process is process and self.state == "running":
+                # The output ended without an exit status: the connection closed.
+                self.state = "detached"
+                self.failure = "the agent connection closed"
         except asyncio.CancelledError:
             raise
         except InvalidRequest as exc:
@@ -123,12 +128,14 @@ class Relay:
             self.state = "exited"
         except BoxdError as exc:
             # The agent connection went away: the guest may still run the process (a
-            # VM swap, a restore, a fork) until the host re-attaches.
-            if self.state != "exited":
+            # VM swap, a restore, a fork) until the host re-attaches. A newer binding
+            # (re-attached meanwhile) is left alone.
+            if self.process is process and self.state != "exited":
                 self.state = "detached"
                 self.failure = exc.message
         finally:
-            self.process = None
+            if self.process is process:
+                self.process = None
             self.frames.put_nowait(None)
 
     async def send(self, data: bytes) -> None:
@@ -164,9 +171,13 @@ class Relay:
 class ProcessStream:
     """One client's end of a process's stream (while it is attached)."""
 
-    def __init__(self, relay: Relay, send: Callable[[Relay, bytes], Awaitable[None]]) -> None:
+    def __init__(
+        self, relay: Relay, send: Callable[[Relay, bytes], Awaitable[None]],
+        reattach: Callable[[Relay], Awaitable[None]],
+    ) -> None:
         self._relay = relay
         self._send = send
+        self._reattach = reattach
 
     @property
     def process(self) -> pm.Process:
@@ -198,7 +209,10 @@ class ProcessStream:
             if relay.state == "exited":
                 return None
             if relay.state == "detached":
-                raise relay.not_running()
+                # The machine's VM was replaced under the stream (a RAM swap before a
+                # fork or checkpoint, a restore, a wake from hibernation): follow the
+                # process on the new connection; the client sees nothing of it.
+                await self._reattach(relay)
             # A None from a previous binding (re-attached since): keep reading.
 
 

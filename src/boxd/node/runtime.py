@@ -615,7 +615,7 @@ class NodeRuntime:
             await self._reattach_process(relay)
         relay.attached = True
         try:
-            yield ProcessStream(relay, self.process_send)
+            yield ProcessStream(relay, self.process_send, self._reattach_process)
         finally:
             relay.attached = False
 
@@ -626,7 +626,9 @@ class NodeRuntime:
         captured (a restore brings back an older one than the last attach), so the ids
         are tried newest first.
         """
-        async with self._using(relay.machine_id) as (_, _handle, agent):
+        async with relay.attaching, self._using(relay.machine_id) as (_, _handle, agent):
+            if relay.state == "running" and relay.process is not None:
+                return  # another request re-attached it meanwhile
             last: BoxdError | None = None
             for exec_id in reversed(relay.exec_ids or [relay.exec_id]):
                 try:
