@@ -141,7 +141,6 @@ def _vector(client: Any, source: str, tell: Callable[[str], None]) -> list[Row]:
             actions = np.zeros(n, dtype=np.int64)
             for _ in range(10):
                 env.step(actions)
-            before = [s.info for s in env._pool.slots]  # noqa: F841 - keep the slots warm
             stats0 = env._pool.values(env._pool.broadcast([("stats",)] * n))
             times = []
             for _ in range(VECTOR_STEPS):
