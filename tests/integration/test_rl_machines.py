@@ -13,7 +13,6 @@ import contextlib
 import functools
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -30,6 +29,8 @@ import boxd.rl as rl
 from boxd import errors
 from boxd.rl import _verify
 from tests.unit import _rl_envs
+
+from ._procs import qemu_cmdlines
 
 pytestmark = pytest.mark.vm
 
@@ -278,23 +279,39 @@ def test_vector_env_in_machines_matches_sync_vector_env(
     assert not set(machines) & {m.id for m in client.machines.list()}
 
 
-def _qemu_pid(home: Path, machine_id: str) -> int:
-    with contextlib.closing(sqlite3.connect(home / "state.db")) as db:
-        (pid,) = db.execute("SELECT pid FROM machines WHERE id = ?", (machine_id,)).fetchone()
-    return int(pid)
+def _qemu_pid(home: Path, machine_id: str) -> int | None:
+    """The machine's QEMU process, found by the ``-name boxd-<vm id>`` on its command
+    line; None when its VM id is not its machine id (a standby child, "spare", took its
+    place: only the daemon knows that VM's id)."""
+    for argv in qemu_cmdlines(home):
+        if any(a.startswith(f"boxd-{machine_id},") for a in argv):
+            out = subprocess.run(["pgrep", "-f", f"boxd-{machine_id},"], capture_output=True,
+                                 text=True).stdout.split()
+            return int(out[0]) if out else None
+    return None
+
+
+def _kill_one(home: Path, machines: list[str | None]) -> int:
+    """SIGKILL the QEMU of one sub-env (the last whose process can be found); its index."""
+    for i in reversed(range(len(machines))):
+        pid = _qemu_pid(home, str(machines[i]))
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)
+            return i
+    raise AssertionError(f"no QEMU process found for any of {machines}")
 
 
 def test_killed_sub_env_is_named_or_recovered(client: Any, rl_warm: Any, daemon: Any) -> None:
-    fns = [functools.partial(_rl_envs.CountEnv, ends=1000) for _ in range(2)]
+    fns = [functools.partial(_rl_envs.CountEnv, ends=1000 + i) for i in range(2)]
     env = rl.VectorEnv(fns, source=rl_warm.id, boxd=client, pickle_by_value=[_rl_envs],
                        step_timeout=120)
     try:
         env.reset(seed=0)
         env.step(np.zeros(2, dtype=np.int64))
-        os.kill(_qemu_pid(daemon.home, env.machines[1]), signal.SIGKILL)
+        victim = _kill_one(daemon.home, env.machines)
         with pytest.raises(rl.EnvServerLost) as info:
             env.step(np.zeros(2, dtype=np.int64))
-        assert info.value.index == 1 and "sub-env 1" in str(info.value)
+        assert info.value.index == victim and f"sub-env {victim}" in str(info.value)
     finally:
         env.close()
 
@@ -304,16 +321,18 @@ def test_killed_sub_env_is_named_or_recovered(client: Any, rl_warm: Any, daemon:
         obs, _ = env.reset(seed=[10, 20])
         obs, *_ = env.step(np.zeros(2, dtype=np.int64))
         assert obs.tolist() == [11, 21]
-        dead = env.machines[1]
-        os.kill(_qemu_pid(daemon.home, dead), signal.SIGKILL)
+        before = list(env.machines)
+        victim = _kill_one(daemon.home, before)
+        other = 1 - victim
         obs, _, _, trunc, infos = env.step(np.zeros(2, dtype=np.int64))
-        assert obs[0] == 12  # sub-env 0 kept its episode
-        assert trunc.tolist() == [False, True] and infos["_recovered"].tolist() == [False, True]
-        assert env.machines[1] != dead
+        assert obs[other] == [12, 22][other]  # the other sub-env kept its episode
+        assert trunc[victim] and not trunc[other]
+        assert infos["_recovered"].tolist() == [i == victim for i in range(2)]
+        assert env.machines[victim] != before[victim] and env.machines[other] == before[other]
         obs, *_ = env.step(np.zeros(2, dtype=np.int64))  # NEXT_STEP: the fresh slot resets
-        assert obs.tolist() == [13, 0]
+        assert obs[other] == [13, 23][other] and obs[victim] == 0
         obs, *_ = env.step(np.zeros(2, dtype=np.int64))
-        assert obs.tolist() == [14, 1]
+        assert obs[other] == [14, 24][other] and obs[victim] == 1
     finally:
         env.close()
 
