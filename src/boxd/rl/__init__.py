@@ -11,6 +11,13 @@ codec over a process stream (`boxd.Boxd().machines.spawn`). Needs ``boxd[rl]``
 
 from __future__ import annotations
 
+try:
+    import gymnasium as _gymnasium  # noqa: F401 - fail early, with the fix
+except ImportError as _exc:  # pragma: no cover - depends on the install
+    raise ImportError(
+        f"boxd.rl needs gymnasium, numpy and cloudpickle ({_exc.name} is missing): "
+        "pip install 'boxd[rl]'") from _exc
+
 from boxd.rl._channel import Channel, Home, LocalHome, local
 from boxd.rl._env import DEFAULT_RESET_MODE, RESET_MODES, Env, ResetMode
 from boxd.rl._errors import EnvError, EnvModuleNotFound, EnvServerLost, EnvTimeout
