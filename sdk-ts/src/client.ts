@@ -12,9 +12,11 @@ import {
   isConnectRefused,
   readBody,
   send,
+  USER_AGENT,
   type Endpoint,
   type RequestSpec,
 } from "./_http.js";
+import { UpgradeRefused, WebSocketClient } from "./_ws.js";
 import { dataDir, ensureDaemon, logPath, readLocalKey, socketPath } from "./_local.js";
 import { buildLineage, type Lineage } from "./lineage.js";
 import {
@@ -22,8 +24,10 @@ import {
   ConnectionError,
   InternalError,
   InvalidRequest,
+  NotFound,
   errorFromBody,
 } from "./errors.js";
+import { ProcessHandle } from "./process.js";
 import type { components } from "./schema.js";
 import type {
   Account,
@@ -38,6 +42,7 @@ import type {
   HostInfo,
   Machine,
   MachineNewOptions,
+  Process,
   Snapshot,
 } from "./types.js";
 
@@ -218,6 +223,19 @@ export class Boxd {
   /** @internal A request without a useful body (204). */
   async _void(spec: RequestSpec): Promise<void> {
     await this._bytes(spec);
+  }
+
+  /** @internal Open a WebSocket at `path` (process streams), authenticated. */
+  async _openStream(path: string): Promise<WebSocketClient> {
+    const key = await this.#apiKey();
+    const headers: Record<string, string> = { "User-Agent": USER_AGENT };
+    if (key) headers.Authorization = `Bearer ${key}`;
+    try {
+      return await WebSocketClient.connect(this._target, path, headers, 60_000);
+    } catch (err) {
+      if (err instanceof UpgradeRefused) throw errorFromResponse(err.status, err.body);
+      throw connectionError(err, this.#where(), this.#hint());
+    }
   }
 
   /** @internal For the streaming helpers. */
@@ -441,6 +459,51 @@ export class Machines {
       if (item.error) return errorFromBody({ error: item.error });
       return new InternalError("batch fork returned an empty item");
     });
+  }
+
+  // --- processes with a framed stream (boxd.rl) ------------------------------------
+
+  /**
+   * Start a long-lived process whose stdin and stdout carry framed messages (each a
+   * 4-byte big-endian length and the bytes, on the process's side). The handle's
+   * `send` writes one, `recv` returns the next. A fork of the machine runs its own
+   * copy (same id): `attach(child, handle.id)`.
+   * @throws InvalidRequest, MachineNotFound, MachineFailed
+   */
+  async spawn(
+    ref: string,
+    argv: string[],
+    options: { env?: Record<string, string>; cwd?: string } = {},
+  ): Promise<ProcessHandle> {
+    if (!Array.isArray(argv) || argv.length === 0) {
+      throw new InvalidRequest("argv must be a non-empty list of strings", { details: { field: "argv" } });
+    }
+    const body: Record<string, unknown> = { argv, env: options.env ?? {} };
+    if (options.cwd !== undefined) body.cwd = options.cwd;
+    const info = await this.c._json<Process>({
+      method: "POST",
+      path: `/v1/machines/${seg(ref)}/processes`,
+      json: body,
+    });
+    return new ProcessHandle(this.c, ref, info);
+  }
+
+  /** The machine's processes (a fork child lists its copies of its source's). */
+  async processes(ref: string): Promise<Process[]> {
+    const out = await this.c._json<{ processes: Process[] }>({
+      method: "GET",
+      path: `/v1/machines/${seg(ref)}/processes`,
+    });
+    return out.processes;
+  }
+
+  /** A handle on a process of `ref` (e.g. a fork child's copy), its stream open. */
+  async attach(ref: string, processId: string): Promise<ProcessHandle> {
+    const found = (await this.processes(ref)).find((p) => p.id === processId);
+    if (!found) throw new NotFound(`no process ${JSON.stringify(processId)} in machine ${JSON.stringify(ref)}`);
+    const handle = new ProcessHandle(this.c, ref, found);
+    await handle.attach();
+    return handle;
   }
 }
 

@@ -24,6 +24,7 @@ export {
   type Target,
 } from "./client.js";
 export { dataDir } from "./_local.js";
+export { ProcessHandle } from "./process.js";
 export { buildLineage, digestKey, type Lineage, type MachineNode, type SnapshotNode } from "./lineage.js";
 export * from "./errors.js";
 export type * from "./types.js";

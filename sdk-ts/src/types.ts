@@ -34,6 +34,8 @@ export type Account = Camel<Schemas["Account"]>;
 export type HostInfo = Camel<Schemas["HostInfo"]>;
 export type Health = Camel<Schemas["Health"]>;
 export type ErrorBody = Schemas["ErrorBody"];
+/** A process started with `machines.spawn` (a long-lived command with framed messages). */
+export type Process = Camel<Schemas["Process"]>;
 
 /** Options of `machines.new`. */
 export interface MachineNewOptions {

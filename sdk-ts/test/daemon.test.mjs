@@ -368,4 +368,28 @@ describe("against a real daemon", LONG, () => {
     assert.ok(!left.some((n) => n.startsWith("rollout-")), `forks left behind: ${left}`);
     await destroy(rl.name);
   });
+
+  // --- machines.spawn: a process with framed messages (boxd.rl's step channel) ---------
+
+  test("spawn: framed messages both ways, list, kill, exit as Conflict", async () => {
+    const echo = [
+      "import sys",
+      "r, w = sys.stdin.buffer, sys.stdout.buffer",
+      "while True:",
+      "    h = r.read(4)",
+      "    if len(h) < 4: break",
+      "    w.write(h + r.read(int.from_bytes(h, 'big'))); w.flush()",
+    ].join("\n");
+    const proc = await boxd.machines.spawn(base.id, ["python3", "-u", "-c", echo]);
+    assert.equal(proc.info.state, "running");
+    for (const msg of [Buffer.alloc(0), Buffer.from("x".repeat(100)), Buffer.alloc(200_000, 7)]) {
+      await proc.send(msg);
+      assert.ok((await proc.recv({ timeout: 60_000 })).equals(msg));
+    }
+    await assert.rejects(proc.recv({ timeout: 50 }), { name: "TimeoutError" });
+    assert.deepEqual((await boxd.machines.processes(base.id)).map((p) => p.id), [proc.id]);
+    await proc.kill();
+    await assert.rejects(proc.recv({ timeout: 60_000 }), sdk.Conflict);
+    await assert.rejects(boxd.machines.attach(base.id, "p-nope"), sdk.NotFound);
+  });
 });

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Protocol
 
 from boxd import models
+from boxd import process_models as pm
 
 HostInfoFn = Callable[[], models.HostInfo | Awaitable[models.HostInfo]]
 
@@ -151,4 +153,42 @@ class AccountService(Protocol):
         ...
 
 
-__all__ = ["AccountService", "HostInfoFn", "MachineService", "SnapshotService"]
+class ProcessStream(Protocol):
+    """A client's end of a process's frame stream (see `ProcessService.attach`)."""
+
+    @property
+    def process(self) -> pm.Process: ...
+
+    async def send(self, data: bytes) -> None: ...
+
+    async def recv(self) -> bytes | None:
+        """The next frame, or None once the process has exited."""
+        ...
+
+
+class ProcessService(Protocol):
+    """Long-lived processes in machines with a framed message stream (boxd.rl)."""
+
+    async def spawn(self, account: str, ref: str, req: pm.SpawnRequest) -> pm.Process:
+        """Raises: MachineNotFound, MachineFailed, InvalidRequest, GuestFileNotFound."""
+        ...
+
+    async def processes(self, account: str, ref: str) -> list[pm.Process]:
+        ...
+
+    async def process_kill(
+        self, account: str, ref: str, process_id: str, signal: int
+    ) -> pm.Process:
+        ...
+
+    def process_attach(
+        self, account: str, ref: str, process_id: str
+    ) -> AbstractAsyncContextManager[ProcessStream]:
+        """Raises: MachineNotFound, NotFound (process), Conflict (already attached)."""
+        ...
+
+
+__all__ = [
+    "AccountService", "HostInfoFn", "MachineService", "ProcessService", "ProcessStream",
+    "SnapshotService",
+]

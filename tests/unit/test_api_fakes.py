@@ -5,12 +5,16 @@ They respect accounts: another account's machines and snapshots are invisible.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 from boxd import models
+from boxd import process_models as pm
 from boxd.api.services.keys import KeyService
 from boxd.errors import (
     AlreadyExists,
@@ -20,6 +24,7 @@ from boxd.errors import (
     InvalidRequest,
     MachineFailed,
     MachineNotFound,
+    NotFound,
     SnapshotNotFound,
 )
 from boxd.services import MachineService, SnapshotService
@@ -32,6 +37,7 @@ class FakeMachines(MachineService):
         self.files: dict[tuple[str, str], bytes] = {}
         self.checkpoints: dict[tuple[str, str], models.Checkpoint] = {}
         self.closed = False
+        self.procs: dict[str, tuple[str, pm.Process, Any]] = {}  # id -> (account, p, queue)
         # (account, snapshot ref) -> bare digest; FakeSnapshots installs its lookup
         self.snapshot_digest: Callable[[str, str], str] | None = None
 
@@ -171,6 +177,66 @@ class FakeMachines(MachineService):
 
     async def close(self) -> None:
         self.closed = True
+
+    # --- processes: an echo process (every frame comes back; b"exit" ends it) --------
+
+    async def spawn(self, account: str, ref: str, req: pm.SpawnRequest) -> pm.Process:
+        m = self._find(account, ref)
+        p = pm.Process(id=new_id("p"), machine=m.id, argv=req.argv, state="running",
+                       started_at=time.time())
+        self.procs[p.id] = (account, p, asyncio.Queue())
+        return p
+
+    async def processes(self, account: str, ref: str) -> list[pm.Process]:  # type: ignore[valid-type]
+        m = self._find(account, ref)
+        return [p for o, p, _ in self.procs.values() if o == account and p.machine == m.id]
+
+    def _proc(self, account: str, ref: str, process_id: str) -> tuple[str, pm.Process, Any]:
+        m = self._find(account, ref)
+        entry = self.procs.get(process_id)
+        if entry is None or entry[0] != account or entry[1].machine != m.id:
+            raise NotFound(f"no process {process_id!r}")
+        return entry
+
+    async def process_kill(
+        self, account: str, ref: str, process_id: str, signal: int
+    ) -> pm.Process:
+        o, p, q = self._proc(account, ref, process_id)
+        p = p.model_copy(update={"state": "exited", "exit_code": 128 + signal,
+                                 "signal": signal})
+        self.procs[process_id] = (o, p, q)
+        q.put_nowait(None)
+        return p
+
+    @contextlib.asynccontextmanager
+    async def process_attach(
+        self, account: str, ref: str, process_id: str
+    ) -> AsyncIterator[_EchoStream]:
+        self._proc(account, ref, process_id)
+        yield _EchoStream(self, process_id)
+
+
+class _EchoStream:
+    def __init__(self, fake: FakeMachines, process_id: str) -> None:
+        self.fake = fake
+        self.id = process_id
+
+    @property
+    def process(self) -> pm.Process:
+        return self.fake.procs[self.id][1]
+
+    async def send(self, data: bytes) -> None:
+        o, p, q = self.fake.procs[self.id]
+        if data == b"exit":
+            self.fake.procs[self.id] = (o, p.model_copy(update={"state": "exited",
+                                                                "exit_code": 0}), q)
+            q.put_nowait(None)
+        else:
+            q.put_nowait(data)
+
+    async def recv(self) -> bytes | None:
+        data: bytes | None = await self.fake.procs[self.id][2].get()
+        return data
 
 
 class FakeSnapshots(SnapshotService):

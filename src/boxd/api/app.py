@@ -13,6 +13,7 @@ from boxd.api.errors import install_error_handlers
 from boxd.api.routes import accounts as accounts_routes
 from boxd.api.routes import keys as keys_routes
 from boxd.api.routes import machines as machines_routes
+from boxd.api.routes import processes as processes_routes
 from boxd.api.routes import snapshots as snapshots_routes
 from boxd.api.routes import system
 from boxd.api.services.keys import KeyService
@@ -74,7 +75,8 @@ def create_app(
         accounts = AccountsService(keys.repos)
     app.state.accounts = accounts
     install_error_handlers(app)
-    for module in (system, machines_routes, snapshots_routes, keys_routes, accounts_routes):
+    for module in (system, machines_routes, snapshots_routes, keys_routes, accounts_routes,
+                   processes_routes):
         app.include_router(module.router, prefix=API_PREFIX)
     _document_400_not_422(app)
     return app

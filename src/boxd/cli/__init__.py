@@ -671,6 +671,13 @@ def _show(obj: Any, as_json: bool, render: Any) -> None:
         render(obj)
 
 
+# --- rl (boxd.rl; gymnasium is imported only when a command runs) -------------------
+
+from boxd.cli._rl import rl as _rl_group  # noqa: E402 - after main, to register on it
+
+main.add_command(_rl_group)
+
+
 def run(argv: Sequence[str] | None = None) -> None:
     """Entry point for embedding: ``run(["machine", "list"])``."""
     main.main(args=list(argv) if argv is not None else None, prog_name="boxd")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import logging
 import secrets
 import time
@@ -17,11 +18,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from boxd import models
+from boxd import process_models as pm
 from boxd.config import DEFAULT_MACHINE_QUOTA
 from boxd.engine.registry import ENGINES
 from boxd.errors import InvalidRequest, MachineNotFound, SnapshotNotFound
 from boxd.models import NAME_RE, NAME_RULE, MachineState
-from boxd.node.base import Boot, FromSnapshot, Node
+from boxd.node.base import Boot, FromSnapshot, Node, ProcessStream
 from boxd.state import MachineRecord, Repos, SnapshotRecord, new_id
 from boxd.storage import SnapshotStore
 
@@ -278,6 +280,30 @@ class Machines:
         rec = self._find(account, ref)
         await self._node(rec).resume(rec.id)
         return await self.get(account, rec.id)
+
+    # -------------------------------------------------- processes (boxd.rl)
+
+    async def spawn(self, account: str, ref: str, req: pm.SpawnRequest) -> pm.Process:
+        rec = self._find(account, ref)
+        return await self._node(rec).spawn(rec.id, req)
+
+    async def processes(self, account: str, ref: str) -> builtins.list[pm.Process]:
+        rec = self._find(account, ref)
+        return await self._node(rec).processes(rec.id)
+
+    async def process_kill(
+        self, account: str, ref: str, process_id: str, signal: int
+    ) -> pm.Process:
+        rec = self._find(account, ref)
+        return await self._node(rec).process_kill(rec.id, process_id, signal)
+
+    @contextlib.asynccontextmanager
+    async def process_attach(
+        self, account: str, ref: str, process_id: str
+    ) -> AsyncIterator[ProcessStream]:
+        rec = self._find(account, ref)
+        async with self._node(rec).process_attach(rec.id, process_id) as stream:
+            yield stream
 
     # ---------------------------------------------------------------- delete
 

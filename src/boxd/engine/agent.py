@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 REQUEST_TIMEOUT = 30.0
 #: Seconds a streaming read or a file write may go without any message from the agent.
 STREAM_IDLE_TIMEOUT = 120.0
+#: The protocol minor version from which the agent can re-attach an exec (``attach``).
+ATTACH_MINOR = 2
 #: How often `connect` re-sends hello while the guest agent is not up yet.
 HELLO_RETRY = 0.25
 
@@ -715,6 +717,43 @@ class AgentClient:
                 return False
             raise
         return bool(reply.get("delivered"))
+
+    def supports(self, minor: int) -> bool:
+        """True when the agent speaks at least protocol ``1.minor``."""
+        m = self.agent_version.partition(".")[2]
+        return m.isdigit() and int(m) >= minor
+
+    async def attach(self, exec_id: int) -> ExecProcess:
+        """Follow a running exec of the guest on this connection (after a fork, restore
+        or reconnect): its output from now on, its stdin, its exit.
+
+        Raises:
+            InvalidRequest: no such running exec (``errno`` ESRCH), or an agent too old
+                to re-attach.
+            MachineFailed: the connection was lost.
+        """
+        if not self.supports(ATTACH_MINOR):
+            raise InvalidRequest(
+                f"the guest agent (protocol {self.agent_version}) cannot re-attach a process",
+                hint="boot the machine from an image built by this version of boxd")
+        req_id, q, msg = self._open(P.OP_ATTACH, exec_id=exec_id)
+        try:
+            await self._send(msg)
+            first = await self._next(q, REQUEST_TIMEOUT, "attach")
+        except BaseException:
+            self._pending.pop(req_id, None)
+            raise
+        if first.get("ev") == P.EV_ERROR:
+            self._pending.pop(req_id, None)
+            raise self._error(first)
+        if first.get("ev") != P.EV_STARTED:
+            # Output overtook the answer: keep it, in order, ahead of what follows.
+            fresh: _Queue = asyncio.Queue()
+            fresh.put_nowait(first)
+            while not q.empty():
+                fresh.put_nowait(q.get_nowait())
+            self._pending[req_id] = q = fresh
+        return ExecProcess(self, req_id, self._exec_events(req_id, q, None))
 
     async def _stdin(self, exec_id: int, data: bytes, eof: bool) -> None:
         await self._call(P.OP_STDIN, exec_id=exec_id, data=_b64(data), eof=eof)

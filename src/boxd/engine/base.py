@@ -71,6 +71,23 @@ class EngineInfo:
     cpu_model: str
 
 
+class Process(Protocol):
+    """A long-lived command started with `Agent.start` (stdin stays open): iterate it
+    once for its output chunks and its exit."""
+
+    exec_id: int
+
+    def __aiter__(self) -> AsyncIterator[ExecChunk]: ...
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def close_stdin(self) -> None: ...
+
+    async def kill(self, signal: int = 9) -> bool: ...
+
+    async def aclose(self) -> None: ...
+
+
 class Agent(Protocol):
     """The in-guest agent channel (one connection): the same protocol on every engine."""
 
@@ -86,6 +103,18 @@ class Agent(Protocol):
         self, command: str | list[str], *, env: Mapping[str, str | None] | None = None,
         cwd: str | None = None, timeout: float | None = None, stdin: bytes | None = None,
     ) -> ExecOutcome: ...
+
+    async def start(
+        self, command: str | list[str], *, env: Mapping[str, str | None] | None = None,
+        cwd: str | None = None, timeout: float | None = None,
+    ) -> Process:
+        """A long-lived command whose stdin stays open (``machines.spawn``)."""
+        ...
+
+    async def attach(self, exec_id: int) -> Process:
+        """Follow a running long-lived command again on this connection (after a fork,
+        restore or reconnect). Raises InvalidRequest when there is no such command."""
+        ...
 
     async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> FileStat: ...
 
@@ -247,4 +276,5 @@ __all__ = [
     "MachineConfig",
     "MachineHandle",
     "MemoryImage",
+    "Process",
 ]

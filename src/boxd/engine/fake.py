@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from boxd.engine.agent import ExecChunk, ExecExit, ExecOutcome, ExecOutput, FileStat
-from boxd.engine.base import BootDisk, EngineInfo, MachineConfig, MemoryImage
-from boxd.errors import BoxdError, GuestFileNotFound, InternalError, MachineFailed
+from boxd.engine.base import BootDisk, EngineInfo, MachineConfig, MemoryImage, Process
+from boxd.errors import BoxdError, GuestFileNotFound, InternalError, InvalidRequest, MachineFailed
 
 _pids = itertools.count(100_000)
 
@@ -75,6 +75,18 @@ class FakeAgent:
         if out:
             yield ExecOutput("stdout", out.encode())
         yield ExecExit(exit_code=code, signal=None, timed_out=False, duration=0.0)
+
+    async def start(
+        self, command: str | list[str], *, env: Mapping[str, str | None] | None = None,
+        cwd: str | None = None, timeout: float | None = None,
+    ) -> Process:
+        # The fake guest runs no programs: process streams are tested on real machines.
+        self._check()
+        raise InvalidRequest("the fake engine runs no long-lived processes", field="argv")
+
+    async def attach(self, exec_id: int) -> Process:
+        self._check()
+        raise InvalidRequest("the fake engine runs no long-lived processes", field="process")
 
     async def run(
         self, command: str | list[str], *, env: Mapping[str, str | None] | None = None,

@@ -768,6 +768,22 @@ class Agent:
             raise RequestError(P.ERR_NO_EXEC, f"no running exec with id {exec_id!r}")
         return ex
 
+    def op_attach(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
+        """Follow a running exec again, on this connection and under this request's id.
+
+        After a fork, a restore or a reconnect the exec still runs (the memory is the
+        same) but its output goes to a connection that is gone; from now on it goes to
+        ``req_id`` here (stdin and kill use ``req_id`` as the exec id).
+        """
+        ex = self.find_exec(msg)
+        with self.lock:
+            self.execs.pop(ex.id, None)
+            ex.id = req_id
+            ex.conn = conn
+            self.execs[req_id] = ex
+        pid = ex.proc.pid if ex.proc is not None else 0
+        self.send({"id": req_id, "ev": P.EV_STARTED, "pid": pid, "attached": True}, conn)
+
     def op_stdin(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
         ex = self.find_exec(msg)
         if not ex.stream_stdin:

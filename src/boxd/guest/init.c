@@ -46,7 +46,7 @@
 #include <unistd.h>
 
 #define PROTOCOL_MAJOR "1"
-#define PROTOCOL_VERSION "1.1"
+#define PROTOCOL_VERSION "1.2"
 #define PORT_NAME "boxd.agent"
 #define IDENTITY_DIR "run/boxd"
 #define MAX_LINE (64L * 1024 * 1024)

@@ -8,7 +8,7 @@ backward-compatible additions and ``PROTOCOL_MAJOR`` for anything else.
 from __future__ import annotations
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 1
+PROTOCOL_MINOR = 2
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
 
 #: Name of the virtio-serial port (``-device virtserialport,name=...``).
@@ -45,6 +45,7 @@ OP_WRITE = "write"
 OP_READ = "read"
 OP_STAT = "stat"
 OP_IDENTITY = "identity"
+OP_ATTACH = "attach"  # 1.2: follow a running exec again on this connection
 OP_SYNC = "sync"  # 1.1: flush the guest page cache to disk (in the agent, no process)
 
 # Events (agent -> host, field "ev"). RESULT and ERROR end a request.

@@ -11,11 +11,13 @@ the same protocol. Batches return per-item results.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from boxd import models
+from boxd import process_models as pm
 from boxd.state import CheckpointRecord
 
 
@@ -105,5 +107,40 @@ class Node(Protocol):
         """Wake a suspended or hibernated machine."""
         ...
 
+    # Processes with a framed stream (``machines.spawn``, boxd.rl).
 
-__all__ = ["Boot", "FromSnapshot", "Node"]
+    async def spawn(self, machine_id: str, req: pm.SpawnRequest) -> pm.Process:
+        """Start a long-lived process whose stdin/stdout carry frames."""
+        ...
+
+    async def processes(self, machine_id: str) -> list[pm.Process]:
+        """The machine's processes (a fork child lists its copies of its source's)."""
+        ...
+
+    async def process_kill(self, machine_id: str, process_id: str, signal: int) -> pm.Process:
+        ...
+
+    def process_attach(
+        self, machine_id: str, process_id: str
+    ) -> AbstractAsyncContextManager[ProcessStream]:
+        """Hold the process's stream (one client at a time); re-attaches a detached one.
+
+        Raises: NotFound (no such process), Conflict (another client holds it).
+        """
+        ...
+
+
+class ProcessStream(Protocol):
+    """A client's end of a process's frame stream."""
+
+    @property
+    def process(self) -> pm.Process: ...
+
+    async def send(self, data: bytes) -> None: ...
+
+    async def recv(self) -> bytes | None:
+        """The next frame, or None once the process has exited."""
+        ...
+
+
+__all__ = ["Boot", "FromSnapshot", "Node", "ProcessStream"]

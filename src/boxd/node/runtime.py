@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from boxd import models
+from boxd import process_models as pm
 from boxd._version import __version__
 from boxd.config import Paths, Settings
 from boxd.engine.base import (
@@ -62,6 +63,7 @@ from boxd.errors import (
 )
 from boxd.models import MachineState
 from boxd.node._host import Host
+from boxd.node._processes import ProcessStream, ProcessTable, Relay
 from boxd.node._proxy import PortProxy
 from boxd.node._spares import Spare, SparePool
 from boxd.node.base import Boot, FromSnapshot
@@ -136,6 +138,7 @@ class NodeRuntime:
         # a concurrent gc (a sibling's delete, a background collapse) must keep them.
         self._unreferenced: set[str] = set()
         self.idle_interval = 1.0
+        self.procs = ProcessTable()  # spawned processes (boxd.rl): see "processes" below
         self.spares = SparePool(self, per_template=settings.fork_spares,
                                 total=settings.fork_spares_total)
         self.proxy = PortProxy(self.connect)
@@ -202,6 +205,7 @@ class NodeRuntime:
 
     def _install(self, machine_id: str, handle: MachineHandle) -> None:
         """Make ``handle`` the machine's VM and watch its process."""
+        self.procs.detach_all(machine_id, "its VM process was replaced")
         self.live[machine_id] = handle
         old = self._watchers.pop(machine_id, None)
         if old is not None:
@@ -576,6 +580,91 @@ class NodeRuntime:
             data: bytes = await agent.read_file(path)
         return data
 
+    # ---------------------------------------------------- processes (boxd.rl)
+    # A spawned process keeps running between requests; its frames are relayed by
+    # `boxd.node._processes`. Sends go through `_using` (they wake a sleeping machine
+    # and count as activity); a frame sent and not yet answered keeps the idle timers
+    # off. The first send after a template was taken bumps the generation, so a later
+    # fork never reuses a template from before the process changed the guest.
+
+    async def spawn(self, machine_id: str, req: pm.SpawnRequest) -> pm.Process:
+        if req.cwd is not None and not req.cwd.startswith("/"):
+            raise InvalidRequest(f"cwd must be absolute: {req.cwd!r}", field="cwd")
+        async with self._using(machine_id) as (_, _handle, agent):
+            self._changed(machine_id)
+            proc = await agent.start(req.argv, env=req.env or None, cwd=req.cwd)
+            relay = self.procs.add(machine_id, list(req.argv), proc,
+                                   lambda: self._touch(machine_id))
+        relay.dirty = True
+        log.info("machine=%s event=spawned process=%s argv0=%s", machine_id, relay.id,
+                 req.argv[0])
+        return relay.model()
+
+    async def processes(self, machine_id: str) -> list[pm.Process]:
+        self._rec(machine_id)
+        return [r.model() for r in self.procs.list(machine_id)]
+
+    async def process_kill(self, machine_id: str, process_id: str, signal: int) -> pm.Process:
+        relay = self.procs.get(machine_id, process_id)
+        if relay.state == "detached":
+            await self._reattach_process(relay)
+        if relay.process is not None:
+            async with self._using(machine_id):
+                await relay.process.kill(signal)
+        return relay.model()
+
+    @contextlib.asynccontextmanager
+    async def process_attach(
+        self, machine_id: str, process_id: str
+    ) -> AsyncIterator[ProcessStream]:
+        relay = self.procs.get(machine_id, process_id)
+        if relay.attached:
+            raise Conflict(f"process {process_id} already has a client attached",
+                           machine=machine_id, hint="close the other handle first")
+        if relay.state == "detached":
+            await self._reattach_process(relay)
+        relay.attached = True
+        try:
+            yield ProcessStream(relay, self.process_send, self._reattach_process)
+        finally:
+            relay.attached = False
+
+    async def _reattach_process(self, relay: Relay) -> None:
+        """Follow a detached process again on the machine's current agent connection.
+
+        The guest keys the process by the exec id it had when the guest's memory was
+        captured (a restore brings back an older one than the last attach), so the ids
+        are tried newest first.
+        """
+        async with relay.attaching, self._using(relay.machine_id) as (_, _handle, agent):
+            if relay.state == "running" and relay.process is not None:
+                return  # another request re-attached it meanwhile
+            last: BoxdError | None = None
+            for exec_id in reversed(relay.exec_ids or [relay.exec_id]):
+                try:
+                    proc = await agent.attach(exec_id)
+                except InvalidRequest as exc:  # not this id (or an agent too old)
+                    last = exc
+                    continue
+                relay.bind(proc, lambda: self._touch(relay.machine_id))
+                return
+            relay.failure = last.message if last is not None else "no exec id"
+            raise relay.not_running()
+
+    async def process_send(self, relay: Relay, data: bytes) -> None:
+        if relay.state == "detached":
+            await self._reattach_process(relay)
+        async with self._using(relay.machine_id):
+            if not relay.dirty:
+                self._changed(relay.machine_id)
+                relay.dirty = True
+            await relay.send(data)
+
+    def _processes_captured(self, machine_id: str) -> None:
+        """A template of the machine is being taken: the next send changes it again."""
+        for r in self.procs.list(machine_id):
+            r.dirty = False
+
     # ------------------------------------------------------------------ delete
 
     async def delete(self, machine_id: str) -> None:
@@ -606,6 +695,7 @@ class NodeRuntime:
         remove_tree(self.paths.hibernated / machine_id)
         self._leases.pop(machine_id, None)
         self._active.pop(machine_id, None)
+        await self.procs.drop(machine_id)
         self.gc()
 
     def gc(self) -> None:
@@ -729,6 +819,7 @@ class NodeRuntime:
                 rec = await self._awake(self._rec(source_id))
                 handle = await self._own_ram(rec)
                 rec = self._rec(source_id)
+                self._processes_captured(source_id)
                 await self._flush_page_cache(handle)
                 template_id = new_id("t")
                 frozen_id, image = await self._freeze_and_capture(
@@ -782,10 +873,12 @@ class NodeRuntime:
         )
         self.spares.want(source_id, tpl, len(child_ids))
         out: list[Exception | None] = []
-        for r in results:
+        for cid, r in zip(child_ids, results, strict=True):
             if isinstance(r, BaseException) and not isinstance(r, Exception):
                 raise r
             out.append(r if isinstance(r, Exception) else None)
+            if r is None:
+                self.procs.inherit(source_id, cid)
         return out
 
     async def _start_child(self, src: MachineRecord, tpl: TemplateRecord, child_id: str) -> None:
@@ -1128,7 +1221,7 @@ class NodeRuntime:
         now = time.time() if now is None else now
         for rec in self.repos.machines.in_states((S.RUNNING, S.SUSPENDED), self._id):
             lease = self.lease(rec.id)
-            if rec.id in self._idle_ops or lease.busy or lease.users:
+            if rec.id in self._idle_ops or lease.busy or lease.users or self.procs.busy(rec.id):
                 continue
             idle = now - self.last_active(rec)
             sus, hib = self.timers(rec)
@@ -1261,6 +1354,7 @@ class NodeRuntime:
             self._idle_task.cancel()
             self._idle_task = None
         await self.spares.close()
+        await self.procs.close()
         for task in list(self._background):
             task.cancel()
         for mid in list(self.live):

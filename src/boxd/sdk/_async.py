@@ -21,9 +21,11 @@ import httpx
 from boxd import errors
 from boxd._lazy import LazyModule
 from boxd.sdk import _base, _lineage, _local
+from boxd.sdk._process_async import AsyncProcessHandle
 
 if TYPE_CHECKING:
     from boxd import models
+    from boxd import process_models as pm
 else:  # built on first use: see boxd._lazy
     models = LazyModule("boxd.models")
 
@@ -409,6 +411,57 @@ class AsyncMachines:
             models.ForkResult, _base.machine_fork_batch(src, count, names)
         )
         return _base.fork_items(result)
+
+
+    # --- processes with a framed stream (boxd.rl) ------------------------------------
+
+    async def spawn(
+        self,
+        ref: str,
+        argv: builtins.list[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> AsyncProcessHandle:
+        """Start a long-lived process whose stdin and stdout carry framed messages.
+
+        Each message is one frame on the process's side: a 4-byte big-endian length,
+        then that many bytes. The handle's ``send(bytes)`` writes one, ``recv()``
+        returns the next one the process wrote. A fork of the machine runs its own
+        copy of the process (same id): ``attach`` the child's with ``processes`` or
+        ``attach(child, handle.id)``.
+
+        Raises:
+            InvalidRequest, MachineNotFound, MachineFailed, GuestFileNotFound (cwd).
+        """
+        from boxd import process_models as pm
+
+        info = await self._c._parse(pm.Process, _base.machine_spawn(ref, argv, env, cwd))
+        return AsyncProcessHandle(self._c, ref, info)
+
+    async def processes(self, ref: str) -> builtins.list[pm.Process]:
+        """The machine's processes (a fork child lists its copies of its source's).
+
+        Raises:
+            MachineNotFound.
+        """
+        from boxd import process_models as pm
+
+        return (await self._c._parse(pm.ProcessList, _base.machine_processes(ref))).processes
+
+    async def attach(self, ref: str, process_id: str) -> AsyncProcessHandle:
+        """A handle on a process of ``ref`` (e.g. a fork child's copy), its stream open.
+
+        Raises:
+            MachineNotFound, NotFound (no such process), Conflict (already attached).
+        """
+        found = [p for p in await self.processes(ref) if p.id == process_id]
+        if not found:
+            raise errors.NotFound(f"no process {process_id!r} in machine {ref!r}",
+                                  hint="machines.processes(ref) lists them")
+        handle = AsyncProcessHandle(self._c, ref, found[0])
+        await handle.attach()
+        return handle
 
 
 class AsyncFiles:

@@ -503,3 +503,67 @@ def headers(api_key: str | None) -> dict[str, str]:
 
 def limits() -> httpx.Limits:
     return httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=MAX_KEEPALIVE)
+
+
+# --- processes with a framed stream (machines.spawn; boxd.rl) ---------------------------
+
+#: The largest message a process stream carries (a frame on the process's side).
+MAX_MESSAGE: Final = 256 << 20
+#: Seconds to open a process stream and get the daemon's "attached" answer.
+STREAM_OPEN_TIMEOUT: Final = 60.0
+
+
+def machine_spawn(
+    ref: str, argv: list[str], env: Mapping[str, str] | None, cwd: str | None
+) -> Req:
+    if isinstance(argv, str) or not argv:
+        raise errors.InvalidRequest("argv must be a non-empty list of strings", field="argv")
+    body: dict[str, Any] = {"argv": list(argv), "env": dict(env or {})}
+    if cwd is not None:
+        body["cwd"] = cwd
+    return Req("POST", f"/v1/machines/{seg(ref)}/processes", json=body)
+
+
+def machine_processes(ref: str) -> Req:
+    return Req("GET", f"/v1/machines/{seg(ref)}/processes")
+
+
+def process_kill(ref: str, process_id: str, signal: int) -> Req:
+    return Req("POST", f"/v1/machines/{seg(ref)}/processes/{seg(process_id)}/kill",
+               json={"signal": signal})
+
+
+def stream_url(target: Target, ref: str, process_id: str) -> str:
+    """The WebSocket URL of a process's stream (ws://boxd/... on the local socket)."""
+    path = f"/v1/machines/{seg(ref)}/processes/{seg(process_id)}/stream"
+    base = target.base_url.rstrip("/")
+    if base.startswith("https://"):
+        return "wss://" + base[len("https://"):] + path
+    return "ws://" + base.split("://", 1)[-1] + path
+
+
+def stream_control(text: str | bytes) -> dict[str, Any]:
+    """A control message of a process stream (JSON text)."""
+    try:
+        msg = json.loads(text)
+    except ValueError as exc:
+        raise errors.InternalError(f"malformed process stream message: {exc}") from exc
+    if not isinstance(msg, dict):
+        raise errors.InternalError(f"malformed process stream message: {msg!r}"[:200])
+    return msg
+
+
+def stream_error(msg: Mapping[str, Any]) -> errors.BoxdError:
+    """The typed error of an ``error`` control message."""
+    return errors.error_from_body({"error": msg.get("error")})
+
+
+def process_exited(process_id: str, msg: Mapping[str, Any]) -> errors.Conflict:
+    """What `recv` raises once the process has exited (``exit_code`` in the details)."""
+    code, signal = msg.get("exit_code"), msg.get("signal")
+    status = f"killed by signal {signal}" if signal else f"exit status {code}"
+    tail = str(msg.get("stderr_tail") or "").strip()[-600:]
+    return errors.Conflict(
+        f"process {process_id} has exited ({status})"
+        + (f"; its stderr ends with: {tail}" if tail else ""),
+        hint="spawn it again", exit_code=code, signal=signal, process=process_id)

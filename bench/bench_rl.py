@@ -1,0 +1,258 @@
+"""boxd.rl: the step channel, vector env throughput, reset cost per mode, PPO wall time.
+
+    python bench/bench_rl.py            # this module alone (bench/run.py runs them all)
+
+Needs ``boxd[sb3]`` on the host. A warm source machine is prepared once (a cold boot,
+then gymnasium, numpy and cloudpickle installed from wheels the host downloads), or
+taken from ``BOXD_BENCH_RL_SOURCE`` (a machine name that already has them). Figures:
+
+- channel: a 100-byte message through ``machines.spawn`` to a framed echo process in
+  the guest and back (SDK, WebSocket, daemon, agent, guest pipe), against the daemon's
+  own HTTP round trip without the guest (``wait`` on a running machine) and a whole
+  ``exec`` of ``true``;
+- vector: ``boxd.rl.VectorEnv`` steps/s for 1, 4 and 8 CartPole sub-envs against
+  Gymnasium's ``AsyncVectorEnv`` on the host in the same run, with a breakdown per
+  vector step of the time inside the guests' ``env.step`` (the env server's own
+  clock) and the rest (channel, daemon, agent);
+- reset: ``boxd.rl.Env.reset`` per reset mode (env, rewind, refork), after 10 steps;
+- ppo: PPO wall time over ``boxd.rl.sb3.VecEnv`` against a local ``DummyVecEnv``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import Row, row_from, say, standalone
+
+GROUP = "rl"
+REPO = Path(__file__).resolve().parents[1]
+WHEELS = REPO / ".cache" / "wheels-rl"
+PACKAGES = ["gymnasium", "numpy", "cloudpickle"]
+ECHO = (
+    "import sys\n"
+    "r, w = sys.stdin.buffer, sys.stdout.buffer\n"
+    "while True:\n"
+    "    h = r.read(4)\n"
+    "    if len(h) < 4: break\n"
+    "    body = r.read(int.from_bytes(h, 'big'))\n"
+    "    w.write(h + body); w.flush()\n"
+)
+VECTOR_SIZES = (1, 4, 8)
+VECTOR_STEPS = 100
+RESETS = 5
+
+
+def _accel(client: Any, machine: str) -> str:
+    return str(client.machines.get(machine).accelerator or "?")
+
+
+def _prepare_source(client: Any, tell: Callable[[str], None]) -> tuple[str, bool]:
+    """A warm source machine; True when this run made it (and must delete it)."""
+    name = os.environ.get("BOXD_BENCH_RL_SOURCE")
+    if name:
+        return name, False
+    tell("bench_rl: preparing a warm source (cold boot + pip install, minutes under TCG)")
+    if not all(any(p.name.lower().startswith(k) for p in WHEELS.glob("*.whl"))
+               for k in PACKAGES):
+        WHEELS.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:",
+                        "-d", str(WHEELS), *PACKAGES], check=True)
+    m = client.machines.new("bench-rl-source")
+    client.machines.wait_until_ready(m.id, timeout=600)
+    for whl in WHEELS.glob("*.whl"):
+        client.machines.files.upload(m.id, f"/root/wheels-rl/{whl.name}", whl.read_bytes())
+    r = client.machines.exec(m.id, "pip install -q --no-index --find-links /root/wheels-rl "
+                             + " ".join(PACKAGES), timeout=1800)
+    assert r.exit_code == 0, r.stderr[-800:]
+    client.machines.exec(m.id, "python3 -c 'import gymnasium, numpy, cloudpickle'",
+                         timeout=600)
+    return m.id, True
+
+
+def _channel(client: Any, source: str, tell: Callable[[str], None]) -> list[Row]:
+    tell("bench_rl: channel round trips")
+    m = client.machines.fork(source, "bench-rl-echo")
+    try:
+        client.machines.wait_until_ready(m.id)
+        accel = _accel(client, m.id)
+        client.machines.files.upload(m.id, "/home/boxd/echo.py", ECHO)
+        proc = client.machines.spawn(m.id, ["python3", "-u", "/home/boxd/echo.py"])
+        msg = b"x" * 100
+
+        def rt() -> None:
+            proc.send(msg)
+            proc.recv(timeout=60)
+
+        for _ in range(50):
+            rt()
+        chan: list[float] = []
+        http: list[float] = []
+        for _ in range(300):  # interleaved, so load on the shared host hits both alike
+            t = time.perf_counter()
+            rt()
+            chan.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            client.machines.wait_until_ready(m.id)
+            http.append(time.perf_counter() - t)
+        execs = []
+        for _ in range(20):
+            t = time.perf_counter()
+            client.machines.exec(m.id, "true")
+            execs.append(time.perf_counter() - t)
+        proc.kill()
+        return [
+            row_from(GROUP, "channel round trip, 100 B (SDK -> guest -> SDK)", chan,
+                     accel=accel, note="target p50 <= 1 ms", baseline="daemon HTTP, no guest",
+                     baseline_values=http),
+            row_from(GROUP, "daemon HTTP round trip (wait, running machine)", http,
+                     accel=accel, note="SDK -> daemon -> SDK, no guest"),
+            row_from(GROUP, "exec `true` (SDK)", execs, accel=accel,
+                     note="a whole command, for comparison", baseline="channel round trip",
+                     baseline_values=chan),
+        ]
+    finally:
+        client.machines.delete(m.id)
+
+
+def _vector(client: Any, source: str, tell: Callable[[str], None]) -> list[Row]:
+    import gymnasium as gym
+    import numpy as np
+
+    import boxd.rl as rl
+
+    rows: list[Row] = []
+    for n in VECTOR_SIZES:
+        tell(f"bench_rl: VectorEnv of {n} CartPole envs")
+        t0 = time.perf_counter()
+        env = rl.VectorEnv("CartPole-v1", n, source=source, boxd=client)
+        build = time.perf_counter() - t0
+        try:
+            accel = _accel(client, str(env.machines[0]))
+            env.reset(seed=0)
+            actions = np.zeros(n, dtype=np.int64)
+            for _ in range(10):
+                env.step(actions)
+            stats0 = env._pool.values(env._pool.broadcast([("stats",)] * n))
+            times = []
+            for _ in range(VECTOR_STEPS):
+                t = time.perf_counter()
+                env.step(actions)
+                times.append(time.perf_counter() - t)
+            stats1 = env._pool.values(env._pool.broadcast([("stats",)] * n))
+        finally:
+            env.close()
+        # Guest compute per vector step: the slowest sub-env's time inside step/reset.
+        inside = []
+        for a, b in zip(stats0, stats1, strict=True):
+            secs = sum(b.get(op, (0, 0.0))[1] - a.get(op, (0, 0.0))[1] for op in ("step", "reset"))
+            inside.append(secs / VECTOR_STEPS)
+        ref = gym.vector.AsyncVectorEnv([lambda: gym.make("CartPole-v1")] * n)
+        try:
+            ref.reset(seed=0)
+            for _ in range(10):
+                ref.step(actions)
+            host = []
+            for _ in range(VECTOR_STEPS):
+                t = time.perf_counter()
+                ref.step(actions)
+                host.append(time.perf_counter() - t)
+        finally:
+            ref.close()
+        per_step = sorted(times)[len(times) // 2]
+        rows.append(row_from(
+            GROUP, f"VectorEnv step, {n} envs (s per vector step)", times, accel=accel,
+            note=(f"{n / per_step:.0f} env steps/s; guest env.step {max(inside) * 1e3:.2f} ms, "
+                  f"channel+daemon {(per_step - max(inside)) * 1e3:.2f} ms; "
+                  f"build {build:.1f} s"),
+            baseline="AsyncVectorEnv (host)", baseline_values=host))
+    return rows
+
+
+def _resets(client: Any, source: str, tell: Callable[[str], None]) -> list[Row]:
+    import boxd.rl as rl
+
+    rows = []
+    for mode in ("env", "rewind", "refork"):
+        tell(f"bench_rl: reset mode {mode}")
+        env = rl.Env("CartPole-v1", source=source, boxd=client, reset_mode=mode)  # type: ignore[arg-type]
+        try:
+            accel = _accel(client, str(env.machine))
+            env.reset(seed=0)
+            times = []
+            for i in range(RESETS):
+                for _ in range(10):
+                    env.step(0)
+                t = time.perf_counter()
+                env.reset(seed=i)
+                times.append(time.perf_counter() - t)
+        finally:
+            env.close()
+        rows.append(row_from(GROUP, f"Env.reset, reset_mode={mode!r}", times, accel=accel,
+                             note="after 10 steps"))
+    return rows
+
+
+def _ppo(client: Any, source: str, tell: Callable[[str], None]) -> list[Row]:
+    tell("bench_rl: PPO over boxd vs DummyVecEnv")
+    import gymnasium as gym
+    import torch
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.vec_env import DummyVecEnv
+
+    from boxd.rl.sb3 import VecEnv
+
+    torch.set_num_threads(1)
+    steps = 1024
+
+    def train(venv: Any) -> float:
+        model = PPO("MlpPolicy", venv, n_steps=256, batch_size=64, n_epochs=2, seed=0,
+                    device="cpu")
+        t = time.perf_counter()
+        model.learn(total_timesteps=steps)
+        return time.perf_counter() - t
+
+    local = DummyVecEnv([lambda: gym.make("CartPole-v1")] * 2)
+    base = [train(local)]
+    venv = VecEnv("CartPole-v1", 2, source=source, boxd=client)
+    try:
+        accel = _accel(client, str(venv.machines[0]))
+        ours = [train(venv)]
+    finally:
+        venv.close()
+    return [row_from(GROUP, f"PPO {steps} steps, 2 envs over boxd.rl.sb3.VecEnv", ours,
+                     accel=accel, baseline="DummyVecEnv (host)", baseline_values=base)]
+
+
+def run(client: Any | None = None, log: Callable[[str], None] | None = None) -> list[Row]:
+    """Every figure of the module docstring, against one warm source machine."""
+    from boxd import Boxd
+
+    tell = log or say
+    own_client = client is None
+    c = client if client is not None else Boxd()
+    source, made = _prepare_source(c, tell)
+    try:
+        rows = _channel(c, source, tell)
+        rows += _vector(c, source, tell)
+        rows += _resets(c, source, tell)
+        rows += _ppo(c, source, tell)
+        return rows
+    finally:
+        if made:
+            with contextlib.suppress(Exception):
+                c.machines.delete(source)
+        if own_client:
+            c.close()
+
+
+if __name__ == "__main__":
+    standalone(run)

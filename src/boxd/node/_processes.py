@@ -1,0 +1,282 @@
+"""Long-lived processes of machines (``machines.spawn``): the node's relay of frames.
+
+A spawned process's stdin and stdout carry frames (a 4-byte big-endian length, then
+the bytes). The relay writes each message the client sends as one frame and cuts the
+process's stdout into frames as the agent delivers it: one slice per frame, no work
+per byte. Frames wait in a queue bounded in bytes (`MAX_BUFFERED`); a process that
+outruns its reader that far is killed, and says so. The last few KiB of stderr are
+kept for error messages.
+
+The table outlives a machine's VM process: when the VM is replaced (checkpoint
+restore, a wake from hibernation, a RAM swap) or forked, the guest still runs the
+process (same memory) but the host's connection to its stream is gone, so the relay is
+``detached`` until it is re-attached on the new agent connection. A fork child
+inherits its source's table (its copies of the processes, same ids).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from boxd import process_models as pm
+from boxd.engine.base import ExecExit, ExecOutput, Process
+from boxd.errors import BoxdError, Conflict, InvalidRequest, MachineFailed, NotFound
+
+log = logging.getLogger("boxd.node")
+
+#: Bytes of frames a process may have waiting for its reader before it is killed.
+MAX_BUFFERED = 64 << 20
+#: The largest frame a process may write (larger is a protocol error).
+MAX_FRAME = 256 << 20
+#: Bytes of stderr kept per process.
+STDERR_TAIL = 8 << 10
+#: Exited processes kept in the table (for their exit status) per machine.
+KEEP_EXITED = 32
+
+
+@dataclass
+class Relay:
+    """One spawned process as the node sees it."""
+
+    id: str
+    machine_id: str
+    argv: list[str]
+    started_at: float
+    exec_id: int
+    state: str = "running"  # running | detached | exited
+    exit: ExecExit | None = None
+    failure: str = ""
+    attached: bool = False
+    stderr: bytearray = field(default_factory=bytearray)
+    process: Process | None = None
+    frames: asyncio.Queue[bytes | None] = field(default_factory=asyncio.Queue)
+    buffered: int = 0
+    sent: int = 0  # frames sent and not yet answered by a frame (idle timers)
+    dirty: bool = False  # sent to since the machine's last template (see NodeRuntime)
+    # Every agent exec id this process has had, newest last: a restore brings back the
+    # guest as it was, keyed by the id of that moment (see NodeRuntime re-attach).
+    exec_ids: list[int] = field(default_factory=list)
+    task: asyncio.Task[None] | None = None
+    attaching: asyncio.Lock = field(default_factory=asyncio.Lock)  # one re-attach at a time
+
+    def model(self) -> pm.Process:
+        return pm.Process(
+            id=self.id, machine=self.machine_id, argv=self.argv, state=self.state,
+            attached=self.attached,
+            exit_code=self.exit.exit_code if self.exit else None,
+            signal=self.exit.signal if self.exit else None, started_at=self.started_at,
+            stderr_tail=self.stderr.decode(errors="replace"),
+        )
+
+    def bind(self, process: Process, on_frame: Callable[[], None]) -> None:
+        """Follow ``process`` (a fresh start, or a re-attach on a new connection)."""
+        self.process = process
+        self.exec_id = process.exec_id
+        if process.exec_id not in self.exec_ids:
+            self.exec_ids.append(process.exec_id)
+        self.state = "running"
+        self.failure = ""
+        self.task = asyncio.create_task(self._read(process, on_frame),
+                                        name=f"process {self.machine_id}/{self.id}")
+
+    async def _read(self, process: Process, on_frame: Callable[[], None]) -> None:
+        buf = bytearray()
+        try:
+            async for chunk in process:
+                if isinstance(chunk, ExecOutput):
+                    if chunk.stream == "stderr":
+                        self.stderr += chunk.data
+                        del self.stderr[:-STDERR_TAIL]
+                        continue
+                    buf += chunk.data
+                    while len(buf) >= 4:
+                        n = int.from_bytes(buf[:4], "big")
+                        if n > MAX_FRAME:
+                            raise InvalidRequest(f"process wrote a {n}-byte frame header "
+                                                 f"(limit {MAX_FRAME}): not framed output?")
+                        if len(buf) < 4 + n:
+                            break
+                        frame = bytes(buf[4 : 4 + n])
+                        del buf[: 4 + n]
+                        self.buffered += len(frame)
+                        if self.buffered > MAX_BUFFERED:
+                            raise InvalidRequest(
+                                f"process has {self.buffered} bytes of frames nobody reads "
+                                f"(limit {MAX_BUFFERED}); it was killed")
+                        self.sent = max(0, self.sent - 1)
+                        self.frames.put_nowait(frame)
+                        on_frame()
+                elif isinstance(chunk, ExecExit):
+                    self.exit = chunk
+                    self.state = "exited"
+            if self.process is process and self.state == "running":
+                # The output ended without an exit status: the connection closed.
+                self.state = "detached"
+                self.failure = "the agent connection closed"
+        except asyncio.CancelledError:
+            raise
+        except InvalidRequest as exc:
+            self.failure = exc.message
+            with contextlib.suppress(BoxdError):
+                await process.kill(9)
+            self.state = "exited"
+        except BoxdError as exc:
+            # The agent connection went away: the guest may still run the process (a
+            # VM swap, a restore, a fork) until the host re-attaches. A newer binding
+            # (re-attached meanwhile) is left alone.
+            if self.process is process and self.state != "exited":
+                self.state = "detached"
+                self.failure = exc.message
+        finally:
+            if self.process is process:
+                self.process = None
+            self.frames.put_nowait(None)
+
+    async def send(self, data: bytes) -> None:
+        """Raises: Conflict: the process is not running (exited or detached)."""
+        process = self.process
+        if process is None or self.state != "running":
+            raise self.not_running()
+        self.sent += 1
+        await process.write(len(data).to_bytes(4, "big") + data)
+
+    def not_running(self) -> BoxdError:
+        if self.state == "exited":
+            status = (f"exit status {self.exit.exit_code}" if self.exit else "no exit status")
+            why = f": {self.failure}" if self.failure else ""
+            tail = self.stderr[-600:].decode(errors="replace").strip()
+            return Conflict(
+                f"process {self.id} has exited ({status}){why}"
+                + (f"; its stderr ends with: {tail}" if tail else ""),
+                machine=self.machine_id, process=self.id,
+                hint="spawn it again (`machines.spawn`)")
+        why = self.failure or "the machine was restored, forked or woken"
+        return MachineFailed(
+            f"process {self.id} is detached from its stream ({why})", machine=self.machine_id,
+            hint="re-attach it: machines.processes(ref) lists it, attach(id) reconnects")
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(BaseException):
+                await self.task
+
+
+class ProcessStream:
+    """One client's end of a process's stream (while it is attached)."""
+
+    def __init__(
+        self, relay: Relay, send: Callable[[Relay, bytes], Awaitable[None]],
+        reattach: Callable[[Relay], Awaitable[None]],
+    ) -> None:
+        self._relay = relay
+        self._send = send
+        self._reattach = reattach
+
+    @property
+    def process(self) -> pm.Process:
+        return self._relay.model()
+
+    async def send(self, data: bytes) -> None:
+        """One message to the process (one frame on its stdin).
+
+        Raises:
+            Conflict: it has exited; MachineFailed: it is detached and cannot be re-attached.
+        """
+        await self._send(self._relay, data)
+
+    async def recv(self) -> bytes | None:
+        """The next frame the process wrote, or None once it has exited.
+
+        Raises:
+            MachineFailed: the stream was lost (the machine's VM was replaced and the
+                process could not be re-attached).
+        """
+        relay = self._relay
+        while True:
+            if relay.frames.empty() and relay.state == "exited":
+                return None
+            frame = await relay.frames.get()
+            if frame is not None:
+                relay.buffered -= len(frame)
+                return frame
+            if relay.state == "exited":
+                return None
+            if relay.state == "detached":
+                # The machine's VM was replaced under the stream (a RAM swap before a
+                # fork or checkpoint, a restore, a wake from hibernation): follow the
+                # process on the new connection; the client sees nothing of it.
+                await self._reattach(relay)
+            # A None from a previous binding (re-attached since): keep reading.
+
+
+class ProcessTable:
+    """Every machine's processes on this node."""
+
+    def __init__(self) -> None:
+        self._by_machine: dict[str, dict[str, Relay]] = {}
+
+    def add(self, machine_id: str, argv: list[str], process: Process,
+            on_frame: Callable[[], None]) -> Relay:
+        relay = Relay(id=f"p-{secrets.token_hex(6)}", machine_id=machine_id, argv=argv,
+                      started_at=time.time(), exec_id=process.exec_id)
+        table = self._by_machine.setdefault(machine_id, {})
+        exited = [r for r in table.values() if r.state == "exited" and not r.attached]
+        for old in exited[: max(0, len(exited) + 1 - KEEP_EXITED)]:
+            table.pop(old.id, None)
+        table[relay.id] = relay
+        relay.bind(process, on_frame)
+        return relay
+
+    def get(self, machine_id: str, process_id: str) -> Relay:
+        relay = self._by_machine.get(machine_id, {}).get(process_id)
+        if relay is None:
+            raise NotFound(
+                f"no process {process_id!r} in this machine", machine=machine_id,
+                process=process_id, hint="machines.processes(ref) lists its processes")
+        return relay
+
+    def list(self, machine_id: str) -> list[Relay]:
+        return list(self._by_machine.get(machine_id, {}).values())
+
+    def busy(self, machine_id: str) -> bool:
+        """A frame was sent and its answer has not come yet (keeps the machine awake)."""
+        return any(r.sent > 0 and r.state == "running"
+                   for r in self._by_machine.get(machine_id, {}).values())
+
+    def inherit(self, source_id: str, child_id: str) -> None:
+        """A fork child runs copies of its source's running processes: same ids, to be
+        re-attached on the child's own connection."""
+        copies = {}
+        for r in self.list(source_id):
+            if r.state != "exited":
+                copies[r.id] = Relay(id=r.id, machine_id=child_id, argv=list(r.argv),
+                                     started_at=r.started_at, exec_id=r.exec_id,
+                                     state="detached", failure="a fork's copy",
+                                     stderr=bytearray(r.stderr), exec_ids=list(r.exec_ids))
+        if copies:
+            self._by_machine[child_id] = copies
+
+    def detach_all(self, machine_id: str, why: str) -> None:
+        """The machine's VM process was replaced: every live relay loses its stream."""
+        for r in self.list(machine_id):
+            if r.state == "running":
+                r.state = "detached"
+                r.failure = why
+
+    async def drop(self, machine_id: str) -> None:
+        for r in self._by_machine.pop(machine_id, {}).values():
+            await r.stop()
+
+    async def close(self) -> None:
+        for machine_id in list(self._by_machine):
+            await self.drop(machine_id)
+
+
+__all__ = ["MAX_BUFFERED", "ProcessStream", "ProcessTable", "Relay"]

@@ -1,0 +1,378 @@
+"""`boxd.rl.VectorEnv`: a Gymnasium 1.x vector env whose sub-envs run in machines."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from copy import deepcopy
+from typing import TYPE_CHECKING, Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium.vector import AutoresetMode
+from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
+
+from boxd import errors
+from boxd.rl import _server as W
+from boxd.rl._channel import Home, MakeRequest
+from boxd.rl._env import DEFAULT_RESET_MODE, ResetMode, check_reset_mode, resolve_home
+from boxd.rl._pool import RECOVERABLE, Pool
+
+if TYPE_CHECKING:
+    from boxd.sdk._sync import Boxd
+
+#: The info key (with its ``_recovered`` mask) that reports a replaced sub-env.
+RECOVERED = "recovered"
+
+
+class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
+    """A `gymnasium.vector.VectorEnv` whose sub-envs each run in their own fork of
+    ``source``, stepped concurrently.
+
+    Gymnasium 1.x semantics: ``autoreset_mode`` NEXT_STEP (a finished sub-env resets on
+    the next ``step``, which ignores its action and returns reward 0 and no flags),
+    SAME_STEP (it resets inside the finishing step; ``infos["final_obs"]`` and
+    ``infos["final_info"]`` with their ``_final_obs``/``_final_info`` masks hold what
+    the episode ended with) or DISABLED (reset it with ``options={"reset_mask": ...}``).
+    ``reset(seed=s)`` seeds sub-env ``i`` with ``s + i`` (or takes a list); autoresets
+    are unseeded. Infos are a dict of arrays with a ``_key`` bool mask per key.
+
+    Args:
+        env_fns: callables that build the sub-envs (as for `SyncVectorEnv`; each is
+            shipped to its machine with cloudpickle and called there), or a Gymnasium
+            id / ``"module:function"`` with ``num_envs``.
+        num_envs: the number of sub-envs when ``env_fns`` is an id or one callable.
+        source: the machine to fork (name or id), or a `Home` such as `boxd.rl.local()`.
+        autoreset_mode: an `AutoresetMode` or its string value.
+        reset_mode: how an explicit reset or an autoreset happens: ``"env"``,
+            ``"rewind"`` or ``"refork"`` (see `boxd.rl.Env`).
+        recover: when a sub-env's machine dies or does not answer within
+            ``step_timeout``, refork that slot from ``source`` and keep the others'
+            episodes; the step reports the slot ``truncated`` with
+            ``infos["recovered"]`` set (without it the failure is raised, naming the
+            sub-env's index).
+        step_timeout: seconds a step may take (None: no limit).
+        boxd: the client (``Boxd()`` if None).
+        pickle_by_value: modules whose code travels with the factories.
+        copy: return copies of the batched observations (as `SyncVectorEnv`).
+        **make_kwargs: keyword arguments for every sub-env's constructor.
+
+    Raises:
+        InvalidRequest: bad arguments.
+        EnvError, EnvModuleNotFound: a sub-env could not be built (``index`` says which).
+        RuntimeError: the sub-envs' spaces differ.
+    """
+
+    def __init__(
+        self,
+        env_fns: Sequence[Callable[..., Any]] | Callable[..., Any] | str,
+        num_envs: int | None = None,
+        *,
+        source: str | Home,
+        autoreset_mode: AutoresetMode | str = AutoresetMode.NEXT_STEP,
+        reset_mode: ResetMode = DEFAULT_RESET_MODE,
+        recover: bool = False,
+        step_timeout: float | None = None,
+        boxd: Boxd | None = None,
+        pickle_by_value: Sequence[Any] = (),
+        copy: bool = True,
+        **make_kwargs: Any,
+    ) -> None:
+        super().__init__()
+        self.autoreset_mode = (autoreset_mode if isinstance(autoreset_mode, AutoresetMode)
+                               else AutoresetMode(autoreset_mode))
+        self.reset_mode: ResetMode = check_reset_mode(reset_mode)
+        self.recover = recover
+        self.step_timeout = step_timeout
+        self.copy = copy
+        factories = _factories(env_fns, num_envs)
+        makes = [MakeRequest.of(f, make_kwargs, pickle_by_value) for f in factories]
+        self.num_envs = len(makes)
+        self._pool = Pool(resolve_home(source, boxd), makes, reset_mode=self.reset_mode,
+                          step_timeout=step_timeout)
+        try:
+            self._init_spaces()
+        except BaseException:
+            self._pool.close()
+            raise
+        self._obs: list[Any] = [None] * self.num_envs
+        self._observations: Any = create_empty_array(self.single_observation_space,
+                                                n=self.num_envs, fn=np.zeros)
+        self._rewards = np.zeros((self.num_envs,), dtype=np.float64)
+        self._terminations = np.zeros((self.num_envs,), dtype=np.bool_)
+        self._truncations = np.zeros((self.num_envs,), dtype=np.bool_)
+        self._autoreset_envs = np.zeros((self.num_envs,), dtype=np.bool_)
+        self._pending: Any = None
+
+    def _init_spaces(self) -> None:
+        infos = [s.info for s in self._pool.slots]
+        first = infos[0]
+        self.single_observation_space = W.space_from_wire(first["observation_space"])
+        self.single_action_space = W.space_from_wire(first["action_space"])
+        for i, info in enumerate(infos[1:], start=1):
+            if (W.space_from_wire(info["observation_space"]) != self.single_observation_space
+                    or W.space_from_wire(info["action_space"]) != self.single_action_space):
+                raise RuntimeError(
+                    f"sub-env {i}'s spaces differ from sub-env 0's: boxd.rl.VectorEnv "
+                    "batches sub-envs with identical observation and action spaces")
+        self.observation_space = batch_space(self.single_observation_space, self.num_envs)
+        self.action_space = batch_space(self.single_action_space, self.num_envs)
+        self.metadata = dict(first.get("metadata") or {})
+        self.metadata["autoreset_mode"] = self.autoreset_mode
+        self.render_mode = first.get("render_mode")
+
+    @property
+    def machines(self) -> list[str | None]:
+        """The id of each sub-env's machine (None for local servers)."""
+        return self._pool.machines
+
+    # ------------------------------------------------------------------ reset
+
+    def reset(
+        self, *, seed: int | Sequence[int | None] | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> tuple[Any, dict[str, Any]]:
+        """Reset all sub-envs (or those in ``options["reset_mask"]``).
+
+        Raises:
+            TypeError, ValueError: a bad seed list or reset mask (as Gymnasium's).
+            EnvError, EnvServerLost, EnvTimeout: a sub-env failed (``index`` says which).
+        """
+        self._check_open()
+        if isinstance(seed, int) and not isinstance(seed, bool):
+            super().reset(seed=seed)
+        seeds = _seeds(seed, self.num_envs)
+        options = dict(options) if options is not None else None
+        mask = self._reset_mask(options)
+        indices = [i for i in range(self.num_envs) if mask is None or mask[i]]
+        results = self._pool.reset(indices, seeds, [options] * self.num_envs)
+        recovered = self._recover_or_raise(results, indices)
+        if recovered:  # fresh slots: reset them as asked (a second failure is raised)
+            again = self._pool.reset(sorted(recovered), seeds, [options] * self.num_envs)
+            self._pool.values([again[i] for i in recovered])
+            for i in recovered:
+                results[i] = again[i]
+        infos: dict[str, Any] = {}
+        for i in indices:
+            obs, info = results[i]
+            self._obs[i] = obs
+            infos = self._add_info(infos, info, i)
+            self._terminations[i] = self._truncations[i] = self._autoreset_envs[i] = False
+        self._observations = concatenate(self.single_observation_space, self._obs,
+                                         self._observations)
+        return (deepcopy(self._observations) if self.copy else self._observations), infos
+
+    def _reset_mask(self, options: dict[str, Any] | None) -> np.ndarray[Any, Any] | None:
+        if options is None or "reset_mask" not in options:
+            return None
+        mask = options.pop("reset_mask")
+        if not isinstance(mask, np.ndarray):
+            raise TypeError(f"`options['reset_mask']` must be a numpy array, got {type(mask)}")
+        if mask.shape != (self.num_envs,):
+            raise ValueError(f"`options['reset_mask']` must have shape `({self.num_envs},)`, "
+                             f"got {mask.shape}")
+        if mask.dtype != np.bool_:
+            raise TypeError(f"`options['reset_mask']` must have `dtype=np.bool_`, "
+                            f"got {mask.dtype}")
+        if not np.any(mask):
+            raise ValueError("`options['reset_mask']` must contain a boolean array with at "
+                             f"least one True value, got reset_mask={mask}")
+        return mask
+
+    # ------------------------------------------------------------------ step
+
+    def step(self, actions: Any) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+        """Step every sub-env concurrently (see the class docstring for autoresets).
+
+        Raises:
+            EnvError, EnvServerLost, EnvTimeout: a sub-env failed (``index`` says which).
+        """
+        self.step_async(actions)
+        return self.step_wait()
+
+    def step_async(self, actions: Any) -> None:
+        """Send the actions; `step_wait` collects the results.
+
+        Raises:
+            RuntimeError: a step is already pending.
+            ValueError: the batch does not hold ``num_envs`` actions.
+        """
+        self._check_open()
+        if self._pending is not None:
+            raise RuntimeError("step_async called while a step is pending: call step_wait")
+        acts = list(iterate(self.action_space, actions))
+        if len(acts) != self.num_envs:
+            raise ValueError(f"expected {self.num_envs} actions, got {len(acts)}")
+        self._pending = acts
+
+    def step_wait(self, timeout: float | None = None) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+        """Collect the step sent by `step_async` (``timeout`` overrides ``step_timeout``).
+
+        Raises:
+            RuntimeError: no step is pending.
+            EnvError, EnvServerLost, EnvTimeout: a sub-env failed (``index`` says which).
+        """
+        if self._pending is None:
+            raise RuntimeError("step_wait called without a pending step_async")
+        acts, self._pending = self._pending, None
+        n = self.num_envs
+        mode = self.autoreset_mode
+        infos: dict[str, Any] = {}
+        if mode == AutoresetMode.DISABLED and np.any(self._autoreset_envs):
+            bad = [int(i) for i in np.flatnonzero(self._autoreset_envs)]
+            raise RuntimeError(
+                f"sub-envs {bad} finished their episodes: with autoreset_mode DISABLED "
+                "reset them first with reset(options={'reset_mask': mask})")
+        resets = [i for i in range(n) if mode == AutoresetMode.NEXT_STEP
+                  and self._autoreset_envs[i]]
+        reset_results: list[Any] = (self._pool.reset(resets, [None] * n, [None] * n) if resets
+                         else [None] * n)
+        step_results = self._pool.step(
+            acts, skip=[i in resets for i in range(n)],
+            autoreset=(lambda i: (None, None)) if mode == AutoresetMode.SAME_STEP else None,
+            timeout=timeout)
+        results: list[Any] = [reset_results[i] if i in resets else step_results[i]
+                              for i in range(n)]
+        recovered = self._recover_or_raise(results, list(range(n)))
+        for i in range(n):
+            if i in recovered:
+                # The episode was cut short by the machine: report it truncated with the
+                # last observation; the fresh slot starts its episode on the next reset.
+                self._rewards[i] = 0.0
+                self._terminations[i] = False
+                self._truncations[i] = True
+                infos = self._add_info(infos, {RECOVERED: True}, i)
+                if mode == AutoresetMode.SAME_STEP:
+                    infos = self._add_info(
+                        infos, {"final_obs": self._obs[i], "final_info": {}}, i)
+                    fresh = self._pool.reset([i], [None] * n, [None] * n)[i]
+                    if isinstance(fresh, BaseException):
+                        raise fresh
+                    self._obs[i], info = fresh
+                    infos = self._add_info(infos, info, i)
+                continue
+            if i in resets:
+                self._obs[i], info = results[i]
+                self._rewards[i] = 0.0
+                self._terminations[i] = self._truncations[i] = False
+            else:
+                obs, reward, terminated, truncated, info, final = results[i]
+                self._obs[i] = obs
+                self._rewards[i] = reward
+                self._terminations[i] = terminated
+                self._truncations[i] = truncated
+                if final is not None:
+                    infos = self._add_info(
+                        infos, {"final_obs": final[0], "final_info": final[1]}, i)
+            infos = self._add_info(infos, info, i)
+        self._observations = concatenate(self.single_observation_space, self._obs,
+                                         self._observations)
+        self._autoreset_envs = np.logical_or(self._terminations, self._truncations)
+        if mode == AutoresetMode.NEXT_STEP:
+            # A recovered slot is fresh (built, not reset): the next step resets it.
+            for i in recovered:
+                self._autoreset_envs[i] = True
+        return (deepcopy(self._observations) if self.copy else self._observations,
+                np.copy(self._rewards), np.copy(self._terminations),
+                np.copy(self._truncations), infos)
+
+    def _recover_or_raise(self, results: list[Any], indices: Sequence[int]) -> set[int]:
+        """Replace failed slots when ``recover`` allows it; else raise the first failure."""
+        failed = [i for i in indices if isinstance(results[i], BaseException)]
+        if not failed:
+            return set()
+        if not self.recover or any(not isinstance(results[i], RECOVERABLE) for i in failed):
+            first = next(results[i] for i in failed
+                         if not self.recover or not isinstance(results[i], RECOVERABLE))
+            raise first
+        for i in failed:
+            self._pool.replace(i)
+        return set(failed)
+
+    # ------------------------------------------------------------------ the rest
+
+    def render(self) -> tuple[Any, ...] | None:
+        """Every sub-env's ``render()``."""
+        return tuple(self.call("render"))
+
+    def call(self, name: str, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        """Call a method (or read an attribute) of every sub-env.
+
+        Raises:
+            EnvError: a sub-env raised (``index`` says which).
+        """
+        self._check_open()
+        results = self._pool.broadcast([("call", name, args, kwargs)] * self.num_envs)
+        return tuple(self._pool.values(results))
+
+    def get_attr(self, name: str) -> tuple[Any, ...]:
+        """An attribute of every sub-env."""
+        self._check_open()
+        results = self._pool.broadcast([("get_attr", name)] * self.num_envs)
+        return tuple(self._pool.values(results))
+
+    def set_attr(self, name: str, values: list[Any] | tuple[Any, ...] | Any) -> None:
+        """Set an attribute of every sub-env: one value per sub-env if ``values`` is a
+        list or tuple, else the same value for all.
+
+        Raises:
+            ValueError: the number of values is not ``num_envs``.
+        """
+        self._check_open()
+        if not isinstance(values, list | tuple):
+            values = [values] * self.num_envs
+        if len(values) != self.num_envs:
+            raise ValueError("Values must be a list or tuple with length equal to the number "
+                             f"of environments. Got `{len(values)}` values for "
+                             f"{self.num_envs} environments.")
+        self._pool.values(self._pool.broadcast(
+            [("set_attr", name, v) for v in values]))
+
+    def close_extras(self, **kwargs: Any) -> None:
+        """Close every sub-env and delete its machine."""
+        self._pool.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise errors.StateError("this VectorEnv is closed", hint="make a new one")
+
+    def __del__(self) -> None:  # pragma: no cover - best effort at interpreter exit
+        if not getattr(self, "closed", True) and hasattr(self, "_pool"):
+            with contextlib.suppress(Exception):
+                self.close()
+
+    def __repr__(self) -> str:
+        return (f"<boxd.rl.VectorEnv num_envs={self.num_envs} "
+                f"autoreset_mode={self.autoreset_mode.value} reset_mode={self.reset_mode}>")
+
+
+def _factories(
+    env_fns: Sequence[Callable[..., Any]] | Callable[..., Any] | str, num_envs: int | None
+) -> list[Callable[..., Any] | str]:
+    if isinstance(env_fns, str) or callable(env_fns):
+        if num_envs is None or num_envs < 1:
+            raise errors.InvalidRequest(
+                "give num_envs >= 1 with an env id or a single callable", field="num_envs")
+        return [env_fns] * num_envs
+    fns: list[Callable[..., Any] | str] = list(env_fns)
+    if not fns:
+        raise errors.InvalidRequest("env_fns is empty", field="env_fns")
+    if num_envs is not None and num_envs != len(fns):
+        raise errors.InvalidRequest(
+            f"num_envs={num_envs} but {len(fns)} env_fns were given", field="num_envs")
+    return fns
+
+
+def _seeds(seed: int | Sequence[int | None] | None, n: int) -> list[int | None]:
+    if seed is None:
+        return [None] * n
+    if isinstance(seed, int):
+        return [seed + i for i in range(n)]
+    seeds = list(seed)
+    if len(seeds) != n:
+        raise ValueError(f"If seeds are passed as a list the length must match num_envs={n} "
+                         f"but got length={len(seeds)}.")
+    return seeds
+
+
+__all__ = ["RECOVERED", "VectorEnv"]
