@@ -57,9 +57,10 @@ def test_wheel_carries_the_package_data(wheel: Path) -> None:
     text = zipfile.ZipFile(wheel).read(meta).decode()
     requires = [line for line in text.splitlines() if line.startswith("Requires-Dist:")]
     base = sorted(r.split()[1].split(">")[0] for r in requires if "extra ==" not in r)
-    assert base == ["click", "httpx", "pydantic", "rich"], requires
+    # websockets: the SDK's process streams (machines.spawn); imported only when used
+    assert base == ["click", "httpx", "pydantic", "rich", "websockets"], requires
     server = {r.split()[1].split(">")[0] for r in requires if "extra == \"server\"" in r}
-    assert server == {"fastapi", "uvicorn", "qemu.qmp"}, requires
+    assert server == {"fastapi", "uvicorn", "qemu.qmp", "websockets"}, requires
 
 
 def test_clean_venv_with_client_dependencies_only(wheel: Path, tmp_path: Path) -> None:
