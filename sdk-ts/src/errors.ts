@@ -4,6 +4,7 @@
  * ```
  * BoxdError                      every error boxd raises; .code, .message, .hint, .details
  * ├── InvalidRequest             malformed input (bad name, bad size, bad path)     400
+ * │   └── CorruptData            client data failing an integrity check             400
  * ├── AuthError                  missing, unknown or revoked API key                401
  * ├── NotFound                   no such resource for this account                  404
  * │   ├── MachineNotFound        .machine
@@ -90,6 +91,15 @@ export class InvalidRequest extends BoxdError {
   /** The offending field, when known. */
   get field(): string | undefined {
     return this.detail("field");
+  }
+}
+
+/** Data the client sent (an imported snapshot file) fails an integrity check: a 4xx. */
+export class CorruptData extends InvalidRequest {
+  static override readonly code: string = "corrupt_data";
+  /** What failed its check, when known. */
+  get digest(): string | undefined {
+    return this.detail("digest");
   }
 }
 
@@ -248,6 +258,7 @@ export class InternalError extends BoxdError {
 export const ERROR_CLASSES: readonly (typeof BoxdError)[] = [
   BoxdError,
   InvalidRequest,
+  CorruptData,
   AuthError,
   NotFound,
   MachineNotFound,

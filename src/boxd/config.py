@@ -29,6 +29,7 @@ and on tmpfs (``/dev/shm/boxd-<hash of data dir>``)::
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from collections.abc import Mapping
@@ -159,16 +160,23 @@ class Paths:
 
 
 def _make_private(path: Path, *, create: bool = False) -> None:
-    """Make ``path`` readable and writable by its owner only (created empty if asked)."""
-    flags = os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+    """Make ``path`` readable and writable by its owner only (created empty if asked).
+
+    By path (``chmod``), never by opening the file: SQLite holds POSIX advisory locks
+    on the database and its -wal/-shm files, and a process loses them all as soon as it
+    closes *any* descriptor of such a file; other processes then read the database
+    without the daemon's newest commits.
+    """
     try:
-        fd = os.open(path, flags, 0o600)
+        os.chmod(path, 0o600)
     except FileNotFoundError:
-        return
-    try:
-        os.fchmod(fd, 0o600)
-    finally:
-        os.close(fd)
+        if create:
+            # O_EXCL: only a file made right here, which nobody holds locks on yet.
+            with contextlib.suppress(FileExistsError):
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                                 0o600))
+                return
+            os.chmod(path, 0o600)
 
 
 # Machine sizing defaults (documented in docs/design.md).

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sqlite3
 import stat
 import subprocess
 from pathlib import Path
@@ -79,14 +80,17 @@ def test_another_local_user_reads_nothing_of_a_machine(daemon, client, machine) 
     snap = client.snapshots.save(machine.id, "private-snap")
     try:
         paths = Paths(daemon.home.resolve())
-        ram = paths.run_dir(machine.id) / "mem"
+        # The VM's files are named by its VM id (a claimed standby child keeps its own).
+        with sqlite3.connect(f"file:{paths.db}?mode=ro", uri=True) as db:
+            (vm,) = db.execute("SELECT vm_id FROM machines WHERE id=?", (machine.id,)).fetchone()
+        ram = paths.run_dir(vm) / "mem"
         assert ram.exists()
         assert SECRET.encode() in ram.read_bytes(), "the test should look at the right file"
-        console = paths.machines / machine.id / "console.log"
+        console = paths.machines / vm / "console.log"
         must_hide = [
             ("file", str(ram)), ("file", str(paths.db)), ("file", str(paths.log)),
             ("file", str(console)), ("dir", str(paths.shm / "machines")),
-            ("dir", str(paths.machines)), ("dir", str(paths.run_dir(machine.id))),
+            ("dir", str(paths.machines)), ("dir", str(paths.run_dir(vm))),
             ("dir", str(paths.snapshots)), ("dir", str(paths.templates)),
             ("dir", str(paths.checkpoints)), ("dir", str(paths.disks)),
         ]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import sqlite3
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -112,19 +111,16 @@ def test_keys_and_accounts(daemon, client, base) -> None:  # type: ignore[no-unt
 
 
 def test_quota_is_enforced(daemon, client, base) -> None:  # type: ignore[no-untyped-def]
-    db = sqlite3.connect(daemon.home / "state.db")
-    used = len(client.machines.list())
-    db.execute("UPDATE accounts SET machine_quota=? WHERE name='local'", (used,))
-    db.commit()
+    # What counts is the account's own tally: hibernated machines do not count.
+    used = client.accounts.get("local").machines
+    client.accounts.update("local", max_machines=used)
     try:
         with pytest.raises(errors.QuotaExceeded) as info:
             client.machines.fork(base.id, "over-quota")
         assert info.value.limit == used
         assert "over-quota" not in [m.name for m in client.machines.list()]
     finally:
-        db.execute("UPDATE accounts SET machine_quota=50 WHERE name='local'")
-        db.commit()
-        db.close()
+        client.accounts.update("local", max_machines=50)
 
 
 def test_machines_survive_daemon_kill_and_restart(daemon, client, machine) -> None:  # type: ignore[no-untyped-def]
