@@ -1111,7 +1111,6 @@ class NodeRuntime:
         mem = image_dir / "mem"
         image = MemoryImage(mem if mem.is_file() else None, image_dir / "state", rec.memory_mib)
         assert rec.layer_id is not None
-        assert rec.layer_id is not None
         try:
             handle = await self._start(
                 rec, Launch(image, keep_disk=self.layer_path(rec.layer_id), copy_memory=True,
