@@ -6,6 +6,7 @@ import * as sdk from "@boxd-sh/sdk";
 
 const CODES = {
   invalid_request: "InvalidRequest",
+  corrupt_data: "CorruptData",
   unauthorized: "AuthError",
   not_found: "NotFound",
   machine_not_found: "MachineNotFound",

@@ -538,8 +538,8 @@ def test_suspend_then_exec_wakes_with_memory_and_clock_step(world: World) -> Non
         await sh(world, m.id, "write /dev/shm/counter 7")
         got = await world.machines.suspend(ACCOUNT, m.id)
         assert got.state == S.SUSPENDED and world.vm(m.id).paused
-        assert await world.machines.suspend(ACCOUNT, m.id) == await world.machines.get(
-            ACCOUNT, m.id)  # idempotent
+        again = await world.machines.suspend(ACCOUNT, m.id)  # idempotent
+        assert again.state == S.SUSPENDED and world.vm(m.id).paused
         steps = world.vm(m.id).guest.clock_steps
         assert await sh(world, m.id, "cat /dev/shm/counter") == "7"  # woke transparently
         assert world.state(m.id) == S.RUNNING and not world.vm(m.id).paused

@@ -451,6 +451,11 @@ class NodeRuntime:
                     agent = await handle.agent(timeout=timeout)
                     yield rec, handle, agent
                 except MachineFailed as exc:
+                    # A dying VM closes its sockets before it is gone: give it a moment,
+                    # so the answer says why it died, not only that the channel broke.
+                    if handle.alive():
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(handle.wait_exit(), timeout=2.0)
                     if not handle.alive():
                         self._on_exit(machine_id, handle, handle.exit_reason())
                         raise self.failed_error(rec, handle.exit_reason()) from exc
