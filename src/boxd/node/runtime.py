@@ -84,6 +84,11 @@ HOST_GRACE = 30.0
 SWAP_DRAIN = 30.0
 
 
+def _in_flight(rec: MachineRecord) -> Conflict:
+    return Conflict(f"machine {rec.name!r} has requests in flight",
+                    hint="retry when they have finished")
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -451,14 +456,7 @@ class NodeRuntime:
                     agent = await handle.agent(timeout=timeout)
                     yield rec, handle, agent
                 except MachineFailed as exc:
-                    # A dying VM closes its sockets before it is gone: give it a moment,
-                    # so the answer says why it died, not only that the channel broke.
-                    if handle.alive():
-                        with contextlib.suppress(TimeoutError):
-                            await asyncio.wait_for(handle.wait_exit(), timeout=2.0)
-                    if not handle.alive():
-                        self._on_exit(machine_id, handle, handle.exit_reason())
-                        raise self.failed_error(rec, handle.exit_reason()) from exc
+                    await self._raise_if_died(rec, handle, exc)
                     raise
                 finally:
                     self._touch(machine_id)
@@ -486,6 +484,21 @@ class NodeRuntime:
             raise self.failed_error(fresh, fresh.error)
         return require(fresh, S.RUNNING)
 
+    async def _raise_if_died(
+        self, rec: MachineRecord, handle: MachineHandle, exc: MachineFailed
+    ) -> None:
+        """After the agent channel broke: if the VM died, fail the machine and say why.
+
+        A dying VM closes its sockets before it is gone: give it a moment, so the answer
+        names the cause (a signal, the log's last lines), not only the broken channel.
+        """
+        if handle.alive():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(handle.wait_exit(), timeout=2.0)
+        if not handle.alive():
+            self._on_exit(rec.id, handle, handle.exit_reason())
+            raise self.failed_error(rec, handle.exit_reason()) from exc
+
     async def _first_answer(self, rec: MachineRecord, timeout: float) -> None:
         """A cold-booted machine's agent answered: its own machine-id, a reseeded RNG
         and the host's wall clock (the RTC only has seconds); then it is running."""
@@ -495,9 +508,7 @@ class NodeRuntime:
         try:
             await self._set_identity(rec.name, handle, timeout)
         except MachineFailed as exc:
-            if not handle.alive():
-                self._on_exit(rec.id, handle, handle.exit_reason())
-                raise self.failed_error(rec, handle.exit_reason()) from exc
+            await self._raise_if_died(rec, handle, exc)
             raise
         self.lifecycle.move(rec.id, S.RUNNING, expect=(S.STARTING,))
 
@@ -1151,9 +1162,7 @@ class NodeRuntime:
                 if lease.users:
                     if idle:
                         return  # a request slipped in: not idle after all
-                    raise Conflict(
-                        f"machine {rec.name!r} has requests in flight",
-                        hint="retry when they have finished")
+                    raise _in_flight(rec)
                 handle = self.live.get(machine_id)
                 if handle is None:
                     raise self.failed_error(rec, "its VM process is not running")
@@ -1182,9 +1191,7 @@ class NodeRuntime:
                 if lease.users:
                     if idle:
                         return
-                    raise Conflict(
-                        f"machine {rec.name!r} has requests in flight",
-                        hint="retry when they have finished")
+                    raise _in_flight(rec)
                 handle = self.live.get(machine_id)
                 if handle is None:
                     raise self.failed_error(rec, "its VM process is not running")
