@@ -228,6 +228,7 @@ class Settings:
 
     accel: str = ""  # BOXD_ACCEL: "kvm" or "tcg" forces the accelerator; else probed
     qemu_user: str = "boxd-qemu"  # BOXD_QEMU_USER: user QEMU drops to (root daemon); "" off
+    net_user: str = "boxd-net"  # BOXD_NET_USER: user passt runs as (root daemon)
     fork_spares: int = 8  # BOXD_FORK_SPARES: standby children per template; 0 off
     fork_spares_total: int = 32  # BOXD_FORK_SPARES_TOTAL: standby children per daemon
     log_level: str = "info"  # BOXD_LOG_LEVEL
@@ -245,6 +246,7 @@ class Settings:
         return cls(
             accel=e.get("BOXD_ACCEL", "").strip().lower(),
             qemu_user=e.get("BOXD_QEMU_USER", "boxd-qemu"),
+            net_user=e.get("BOXD_NET_USER", "boxd-net") or "boxd-net",
             fork_spares=_int(e, "BOXD_FORK_SPARES", 8),
             fork_spares_total=_int(e, "BOXD_FORK_SPARES_TOTAL", 32),
             log_level=e.get("BOXD_LOG_LEVEL", "info").strip().lower() or "info",

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from boxd import config as cfg
 from boxd.engine.base import MachineConfig
 
 QBOOT = Path("/usr/share/qemu/qboot.rom")
@@ -82,8 +81,13 @@ def build(
     sandbox: bool = True,
     readonly_rom_supported: bool = True,
     run_as: str | None = None,
+    net_fd: int | None = None,
 ) -> list[str]:
-    """The full argv of one machine's QEMU process."""
+    """The full argv of one machine's QEMU process.
+
+    A non-isolated machine's NIC is attached to passt through ``net_fd`` (QEMU's end of
+    a socketpair, see ``_net``); an isolated machine has no NIC.
+    """
     mem_opts = [
         "memory-backend-file",
         "id=ram",
@@ -124,9 +128,10 @@ def build(
     if QBOOT.exists():
         argv += ["-bios", str(QBOOT)]
     if not config.isolated:
-        fwd = f",hostfwd=tcp:127.0.0.1:{config.port}-:{cfg.GUEST_HTTP_PORT}" if config.port else ""
+        if net_fd is None:
+            raise ValueError("a machine with a network needs passt's socket (net_fd)")
         argv += [
-            "-netdev", f"user,id=net0{fwd}",
+            "-netdev", f"stream,id=net0,server=off,addr.type=fd,addr.str={net_fd}",
             "-device", "virtio-net-device,netdev=net0",
         ]
     if incoming:

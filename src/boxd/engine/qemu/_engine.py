@@ -22,7 +22,7 @@ from pathlib import Path
 
 from boxd.engine.agent import AgentClient
 from boxd.engine.base import BootDisk, EngineInfo, MachineConfig, MemoryImage
-from boxd.engine.qemu import _argv
+from boxd.engine.qemu import _argv, _net
 from boxd.engine.qemu._probe import AccelChoice
 from boxd.engine.qemu._process import QemuProcess, pid_matches
 from boxd.errors import InternalError, MachineFailed
@@ -80,6 +80,28 @@ def resolve_run_as(
         os.chown(d, 0, pw.pw_gid)
         os.chmod(d, 0o2770)
     return RunAs(name, pw.pw_uid, pw.pw_gid)
+
+
+@dataclass(frozen=True)
+class NetSetup:
+    """How non-isolated machines get their network: passt, as ``user`` (root daemon)."""
+
+    passt: str
+    user: _net.NetUser | None
+    filtered: bool
+
+    @classmethod
+    def detect(cls, user_name: str = "boxd-net") -> NetSetup:
+        """Find passt; as root, resolve its user and install the egress filter.
+
+        Raises:
+            HostSetupError: passt, nft or the user are missing, or the filter failed.
+        """
+        passt = _net.passt_binary()
+        user = _net.resolve_net_user(user_name)
+        if user is not None:
+            _net.install_filter(user.uid)
+        return cls(passt, user, filtered=user is not None)
 
 
 class QemuMachine:
@@ -280,13 +302,30 @@ class QemuEngine:
 
     def __init__(
         self, qemu: str, accel: AccelChoice, *, readonly_rom: bool = True,
-        run_as: RunAs | None = None, version: str = "",
+        run_as: RunAs | None = None, version: str = "", net: NetSetup | None = None,
+        net_user: str = "boxd-net",
     ) -> None:
+        self._net = net
+        self._net_user = net_user
         self.qemu = qemu
         self.accel = accel
         self.readonly_rom = readonly_rom
         self.run_as = run_as
         self.version = version
+
+    @property
+    def net(self) -> NetSetup:
+        """passt and its filter, set up by the first machine that has a network.
+
+        Raises:
+            HostSetupError: passt, nft or passt's user are missing (isolated machines
+                need none of them).
+        """
+        if self._net is None:
+            self._net = NetSetup.detect(self._net_user)
+            log.info("event=machine_network passt=%s user=%s filtered=%s", self._net.passt,
+                     self._net.user.name if self._net.user else "-", self._net.filtered)
+        return self._net
 
     @property
     def file_owner(self) -> tuple[int, int] | None:
@@ -347,15 +386,29 @@ class QemuEngine:
         self, config: MachineConfig, disk: Path, files: _argv.RunFiles, memory: _argv.Memory,
         log_path: Path, *, incoming: bool,
     ) -> QemuProcess:
-        argv = _argv.build(
-            qemu=self.qemu, config=config, accel=self.accel.accelerator, files=files,
-            disk=disk, memory=memory, console_log=log_path.with_name("console.log"),
-            incoming=incoming, readonly_rom_supported=self.readonly_rom,
-            run_as=self.run_as.user if self.run_as else None,
-        )
-        for stale in (files.qmp, files.agent, files.pidfile):
-            stale.unlink(missing_ok=True)
-        return QemuProcess.spawn(config.id, argv, files.qmp, log_path)
+        net_fd: int | None = None
+        if not config.isolated:
+            # Its own passt per QEMU process, a fork child's and a restore's too: the
+            # migration stream carries the NIC's state, not its backend.
+            _, net_fd = _net.spawn_passt(
+                self.net.passt, port=config.port, user=self.net.user,
+                log_file=log_path.with_name("passt.log"),
+            )
+        try:
+            argv = _argv.build(
+                qemu=self.qemu, config=config, accel=self.accel.accelerator, files=files,
+                disk=disk, memory=memory, console_log=log_path.with_name("console.log"),
+                incoming=incoming, readonly_rom_supported=self.readonly_rom,
+                run_as=self.run_as.user if self.run_as else None, net_fd=net_fd,
+            )
+            for stale in (files.qmp, files.agent, files.pidfile):
+                stale.unlink(missing_ok=True)
+            return QemuProcess.spawn(config.id, argv, files.qmp, log_path,
+                                     pass_fds=() if net_fd is None else (net_fd,))
+        finally:
+            # QEMU holds its own copy now; if QEMU never started, passt sees EOF and quits.
+            if net_fd is not None:
+                os.close(net_fd)
 
     async def boot(
         self, config: MachineConfig, disk: BootDisk, run_dir: Path, log_path: Path

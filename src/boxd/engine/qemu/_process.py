@@ -79,8 +79,13 @@ class QemuProcess:
         self._qmp_lock = asyncio.Lock()
 
     @classmethod
-    def spawn(cls, machine_id: str, argv: list[str], qmp_path: Path, log_path: Path) -> QemuProcess:
+    def spawn(
+        cls, machine_id: str, argv: list[str], qmp_path: Path, log_path: Path,
+        pass_fds: tuple[int, ...] = (),
+    ) -> QemuProcess:
         """Start QEMU in its own session (it outlives a daemon restart).
+
+        ``pass_fds`` stay open in QEMU under their numbers (passt's socket).
 
         Raises:
             HostSetupError: the QEMU binary is missing.
@@ -102,6 +107,7 @@ class QemuProcess:
                 popen = subprocess.Popen(
                     argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
                     start_new_session=True, close_fds=True, umask=QEMU_UMASK,
+                    pass_fds=pass_fds,
                 )
             except FileNotFoundError as exc:
                 raise HostSetupError(
