@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what boxd needs on a Debian host: QEMU (8.2+ where it can be had), runsc (gVisor,
-# the second engine; optional), qemu-utils,
-# mmdebstrap and the tools the image builder uses, then the Python venv (.venv).
+# the second engine; optional), qemu-utils, passt and nftables (machines' network and its
+# filter), mmdebstrap and the tools the image builder uses, then the Python venv (.venv).
 # Idempotent: a second run only checks. Reads mirrors from the host's own apt sources.
 #
 # Usage: scripts/setup-host.sh [EXTRAS]
@@ -44,8 +44,10 @@ qemu_ok() {
 }
 
 # gcc + libc6-dev: the guest's boxd-init (guest/init.c) is compiled, statically, at image build.
+# passt + nftables: a machine's network (engine/qemu/_net.py) and the filter that keeps it
+# off the host and private ranges.
 need_pkgs=(qemu-utils mmdebstrap e2fsprogs cpio kmod xz-utils zstd ca-certificates python3-venv
-           gcc libc6-dev)
+           gcc libc6-dev passt nftables)
 find_missing() {
   missing=()
   for p in "${need_pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
@@ -138,6 +140,15 @@ if ! id boxd-qemu >/dev/null 2>&1; then
   log "adding the system user boxd-qemu (QEMU processes run as it)"
   $SUDO useradd --system --no-create-home --home-dir /nonexistent \
     --shell /usr/sbin/nologin boxd-qemu
+fi
+
+# The unprivileged user passt runs as (root daemon); the egress filter matches its uid.
+if ! id boxd-net >/dev/null 2>&1; then
+  step "add the system user boxd-net" \
+    "run as root (or with sudo), or set BOXD_NET_USER to another unprivileged user"
+  log "adding the system user boxd-net (machines' network, passt, runs as it)"
+  $SUDO useradd --system --no-create-home --home-dir /nonexistent \
+    --shell /usr/sbin/nologin boxd-net
 fi
 
 # The Python environment: a venv in .venv with boxd installed editable and $extras.

@@ -204,6 +204,12 @@ def test_setup_host_on_a_pristine_debian_root(suite: str) -> None:
             if suite == "bookworm":  # Debian 12's own QEMU is 7.2: backports were added
                 assert (root / "etc/apt/sources.list.d/boxd-backports.sources").exists()
             assert "version 7." not in qemu.stdout, qemu.stdout
+            # A machine's network: passt, the nftables filter and passt's own user.
+            for tool in ("passt", "nft"):
+                found = in_root(root, "sh", "-c", f"command -v {tool}")
+                assert found.returncode == 0, f"{tool} is not installed: {found.stderr}"
+            net_user = in_root(root, "id", "-u", "boxd-net")
+            assert net_user.returncode == 0, net_user.stderr
 
             again = in_root(root, "bash", f"{CLONE}/scripts/setup-host.sh", timeout=300)
             assert again.returncode == 0, again.stderr

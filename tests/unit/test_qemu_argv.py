@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from boxd.engine.base import MachineConfig
-from boxd.engine.qemu import _argv
+from boxd.engine.qemu import _argv, _net
 
 
 def _config(isolated: bool = False) -> MachineConfig:
@@ -20,7 +22,7 @@ def _build(**kw):  # type: ignore[no-untyped-def]
         "qemu": "qemu", "config": _config(), "accel": "tcg",
         "files": _argv.RunFiles(Path("/run/m")), "disk": Path("/d.qcow2"),
         "memory": _argv.Memory(Path("/run/m/mem"), shared=True),
-        "console_log": Path("/c.log"), "incoming": False,
+        "console_log": Path("/c.log"), "incoming": False, "net_fd": 7,
     }
     args.update(kw)
     return _argv.build(**args)
@@ -57,9 +59,55 @@ def test_template_memory_is_mapped_private_and_read_only() -> None:
 
 def test_isolated_machines_have_no_network_device() -> None:
     assert "-netdev" in _build()
-    argv = _build(config=_config(isolated=True))
+    argv = _build(config=_config(isolated=True), net_fd=None)
     assert "-netdev" not in argv
     assert not any("virtio-net" in a for a in argv)
+
+
+def test_the_nic_is_passt_on_an_inherited_socket_never_user_networking() -> None:
+    (netdev,) = _opt(_build(), "-netdev")
+    assert netdev == "stream,id=net0,server=off,addr.type=fd,addr.str=7"
+    assert "user" not in netdev and "hostfwd" not in netdev
+    with pytest.raises(ValueError):
+        _build(net_fd=None)
+
+
+def test_passt_never_maps_the_gateway_to_the_host_and_forwards_only_the_url() -> None:
+    user = _net.NetUser("boxd-net", 995)
+    argv = _net.passt_argv("passt", fd=5, port=4000, user=user, log_file=Path("/l"))
+    assert "--no-map-gw" in argv and "--one-off" in argv
+    assert argv[argv.index("--fd") + 1] == "5"
+    assert argv[argv.index("--tcp-ports") + 1] == "127.0.0.1/4000:8080"
+    assert argv[argv.index("--udp-ports") + 1] == "none"
+    assert argv[argv.index("--runas") + 1] == "boxd-net"
+    bare = _net.passt_argv("passt", fd=5, port=None, user=None, log_file=Path("/l"))
+    assert bare[bare.index("--tcp-ports") + 1] == "none" and "--runas" not in bare
+
+
+def test_the_filter_rejects_new_connections_of_passts_user_only() -> None:
+    rules = _net.ruleset(995, ["10.255.255.53"])
+    lines = [ln.strip() for ln in rules.splitlines()]
+    # The table is replaced atomically (create-if-missing, delete, create).
+    assert lines[:2] == [f"table inet {_net.TABLE} {{}}", f"delete table inet {_net.TABLE}"]
+    order = [next(i for i, ln in enumerate(lines) if ln.startswith(p)) for p in (
+        "meta skuid != 995 accept", "ct state established,related accept",
+        "ip daddr { 10.255.255.53 } meta l4proto { tcp, udp } th dport 53 accept",
+        "fib daddr type local reject", "ip daddr { 0.0.0.0/8", "ip6 daddr {")]
+    assert order == sorted(order)
+    for net in ("10.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
+                "192.168.0.0/16", "100.64.0.0/10"):
+        assert net in rules
+    for net in ("::ffff:0:0/96", "fc00::/7", "fe80::/10"):
+        assert net in rules
+    assert "th dport 53" not in _net.ruleset(995, [])
+
+
+def test_resolvers_reads_ipv4_name_servers(tmp_path: Path) -> None:
+    conf = tmp_path / "resolv.conf"
+    conf.write_text("# x\nnameserver 10.255.255.53\nnameserver ::1\nnameserver 1.1.1.1\n"
+                    "nameserver 10.255.255.53\nsearch example\n")
+    assert _net.resolvers(conf) == ["10.255.255.53", "1.1.1.1"]
+    assert _net.resolvers(tmp_path / "missing") == []
 
 
 def test_named_cpu_model_and_tcg_cache() -> None:

@@ -4,8 +4,8 @@ A machine's URL (``http://127.0.0.1:PORT``) is a listening socket of the daemon,
 of QEMU, so it stays the same while the VM process comes and goes (checkpoint restore,
 hibernate and wake, a daemon restart). Each connection wakes a suspended or hibernated
 machine first (the node's ``connect``), counts as activity, keeps the machine awake
-while it is open, and is relayed byte for byte to the forward QEMU gives the guest's
-port 8080. Plain TCP: HTTP, WebSockets and anything else pass unchanged.
+while it is open, and is relayed byte for byte to the forward the machine's passt process gives
+the guest's port 8080. Plain TCP: HTTP, WebSockets and anything else pass unchanged.
 """
 
 from __future__ import annotations
