@@ -238,6 +238,9 @@ class Settings:
     hibernate_after: float = 600.0  # BOXD_HIBERNATE_AFTER: idle seconds before hibernate
     default_max_machines: int = 50  # BOXD_DEFAULT_MAX_MACHINES: a new account's quota
     runsc: str = ""  # BOXD_RUNSC: the runsc binary of the gvisor engine; "" = from PATH
+    ray_address: str = ""  # BOXD_RAY_ADDRESS: serve a Ray cluster ("auto": the local one)
+    node_max_machines: int = 0  # BOXD_NODE_MAX_MACHINES: machines per cluster node; 0 auto
+    node_root: Path | None = None  # BOXD_NODE_ROOT: where cluster nodes keep data/nodes/<id>
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -256,6 +259,10 @@ class Settings:
             hibernate_after=_seconds(e, "BOXD_HIBERNATE_AFTER", 600.0),
             default_max_machines=_int(e, "BOXD_DEFAULT_MAX_MACHINES", DEFAULT_MACHINE_QUOTA),
             runsc=e.get("BOXD_RUNSC", "").strip(),
+            ray_address=e.get("BOXD_RAY_ADDRESS", "").strip(),
+            node_max_machines=_int(e, "BOXD_NODE_MAX_MACHINES", 0),
+            node_root=Path(e["BOXD_NODE_ROOT"]).expanduser() if e.get("BOXD_NODE_ROOT")
+            else None,
         )
 
 

@@ -17,6 +17,7 @@
     ├── QuotaExceeded              .limit, .used                                      429
     ├── ExecTimeout                a command ran past its timeout and was killed      408
     ├── MachineFailed              the machine's VM died or stopped answering         503
+    │   └── NodeLost               its cluster node is gone; .machine, .node
     ├── IntegrityError             a stored blob does not match its digest            500
     ├── ResourceExhausted          host disk or memory is full; .needed, .free        507
     ├── HostSetupError             QEMU, an image or another host prerequisite is missing  500
@@ -47,6 +48,7 @@ __all__ = [
     "InvalidRequest",
     "MachineFailed",
     "MachineNotFound",
+    "NodeLost",
     "NotFound",
     "QuotaExceeded",
     "ResourceExhausted",
@@ -79,6 +81,10 @@ class BoxdError(Exception):
 
     def __str__(self) -> str:
         return f"{self.message} ({self.hint})" if self.hint else self.message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled whole (a cluster node's errors cross processes): message, hint, details.
+        return (_rebuild, (type(self), self.message, self.hint, self.details))
 
     def to_body(self) -> dict[str, Any]:
         """The JSON error body the API sends for this error."""
@@ -194,7 +200,14 @@ class MachineFailed(BoxdError):
 
     code = "machine_failed"
     status = 503
-    _fields = ("machine",)
+    _fields: ClassVar[tuple[str, ...]] = ("machine",)
+
+
+class NodeLost(MachineFailed):
+    """The cluster node that ran the machine is gone; only delete applies."""
+
+    code = "node_lost"
+    _fields = ("machine", "node")
 
 
 class IntegrityError(BoxdError):
@@ -242,6 +255,10 @@ def _all_subclasses(cls: type[BoxdError]) -> list[type[BoxdError]]:
 
 
 _BY_CODE: dict[str, type[BoxdError]] = {c.code: c for c in _all_subclasses(BoxdError)}
+
+
+def _rebuild(cls: type[BoxdError], message: str, hint: str, details: dict[str, Any]) -> BoxdError:
+    return cls(message, hint=hint, **details)
 
 
 def error_from_body(body: Any, status: int = 500) -> BoxdError:

@@ -49,6 +49,7 @@ class MachineState(StrEnum):
     SWAPPING = "swapping"
     RESTORING = "restoring"
     FAILED = "failed"
+    LOST = "lost"
     DELETING = "deleting"
 
 
@@ -71,6 +72,11 @@ class MachineCreate(BaseModel):
     hibernate_after: float | None = Field(
         None, ge=0, le=10**9,
         description="idle seconds before it goes to disk; 0 never; default BOXD_HIBERNATE_AFTER",
+    )
+    node: str | None = Field(
+        None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$",
+        description="id of the cluster node to place it on (`boxd nodes list`); default: "
+        "the node with the most free memory",
     )
 
 
@@ -274,6 +280,24 @@ class EngineInfo(BaseModel):
     reason: str
     accelerator: str | None = Field(None, description="kvm, tcg (qemu) or systrap (gvisor)")
     default: bool = Field(False, description="new machines get it unless they ask")
+
+
+class NodeInfo(BaseModel):
+    """One node that runs machines: this host, or a Ray node (``boxd serve --ray``)."""
+
+    id: str
+    address: str = Field(description="the node's address (Ray's node IP; 127.0.0.1 locally)")
+    health: str = Field(description="alive, or dead (its machines are lost)")
+    machines: int = Field(description="machines placed on it (every state)")
+    max_machines: int = Field(description="cap on its machines (BOXD_NODE_MAX_MACHINES)")
+    memory_total_mib: int
+    memory_free_mib: int = Field(description="host memory available for more guests")
+    engine: str | None = None
+    error: str | None = Field(None, description="why it is dead")
+
+
+class NodeList(BaseModel):
+    nodes: list[NodeInfo]
 
 
 class HostInfo(BaseModel):

@@ -24,6 +24,10 @@ HostInfoFn = Callable[[], models.HostInfo | Awaitable[models.HostInfo]]
 class MachineService(Protocol):
     """Create, inspect, run commands in, fork, checkpoint and delete machines."""
 
+    async def nodes_list(self) -> list[models.NodeInfo]:
+        """The nodes machines run on (one on a single host; each Ray node of a cluster)."""
+        ...
+
     async def create(self, account: str, req: models.MachineCreate) -> models.Machine:
         """Create and boot a machine; returns once the QEMU process runs (state starting).
 

@@ -41,6 +41,11 @@ class FakeMachines(MachineService):
         # (account, snapshot ref) -> bare digest; FakeSnapshots installs its lookup
         self.snapshot_digest: Callable[[str, str], str] | None = None
 
+    async def nodes_list(self) -> list[models.NodeInfo]:
+        return [models.NodeInfo(id="local", address="127.0.0.1", health="alive",
+                                machines=len(self.machines), max_machines=8,
+                                memory_total_mib=4096, memory_free_mib=2048)]
+
     def _find(self, account: str, ref: str) -> models.Machine:
         for owner, m in self.machines.values():
             if owner == account and ref in (m.id, m.name):

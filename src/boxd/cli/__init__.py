@@ -6,6 +6,7 @@ stderr and exits 1; usage errors exit 2; ``machine exec`` exits with the command
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -133,6 +134,7 @@ def machine() -> None:
               help="Suspend after this long idle (60s, 10m, 1h; 0 never). Default: daemon's.")
 @click.option("--hibernate-after", type=_DURATION, metavar="DURATION",
               help="Hibernate after this long idle (0 never). Default: daemon's.")
+@click.option("--node", metavar="ID", help="Cluster node to place it on (`boxd nodes list`).")
 @click.option("--wait/--no-wait", default=True, show_default=True, help="Wait until ready.")
 @click.option("--timeout", type=float, default=120.0, show_default=True, help="Seconds to wait.")
 @json_option
@@ -148,6 +150,7 @@ def machine_new(
     disk_gib: int | None,
     suspend_after: float | None,
     hibernate_after: float | None,
+    node: str | None,
     wait: bool,
     timeout: float,
     as_json: bool,
@@ -164,6 +167,7 @@ def machine_new(
         suspend_after=suspend_after,
         hibernate_after=hibernate_after,
         engine=engine,
+        node=node,
     )
     if wait:
         with _render.activity(f"waiting for {m.name} to boot", as_json=as_json):
@@ -576,17 +580,35 @@ def demo(state: _State, reuse: bool, keep: bool) -> None:
 
 @main.command("serve")
 @click.option("--listen", metavar="HOST:PORT", help="Also serve HTTP on TCP (e.g. 127.0.0.1:7070).")
-def serve(listen: str | None) -> None:
+@click.option("--ray", "ray_address", metavar="ADDRESS",
+              help="Run the machines on a Ray cluster's boxd nodes (ADDRESS of its head, or "
+              "auto); env BOXD_RAY_ADDRESS. See docs/cluster.md.")
+def serve(listen: str | None, ray_address: str | None) -> None:
     """Run the daemon in the foreground (clients start one on demand otherwise).
 
-    Needs the server extra: pip install 'boxd[server]'.
+    Needs the server extra: pip install 'boxd[server]' (and 'boxd[ray]' for --ray).
     """
     from boxd._server_deps import require_server
 
     require_server()  # a light install gets one line naming the extra, not a traceback
     from boxd.api.server import serve as run  # heavy: FastAPI, engine
 
+    if ray_address:
+        os.environ["BOXD_RAY_ADDRESS"] = ray_address
     run(Paths.default(), listen=listen)
+
+
+@main.group(context_settings=_CONTEXT)
+def nodes() -> None:
+    """The nodes machines run on (one on a single host; each boxd node of a Ray cluster)."""
+
+
+@nodes.command("list")
+@json_option
+@pass_state
+def nodes_list(state: _State, as_json: bool) -> None:
+    """List nodes: id, address, health, machines, cap and free memory."""
+    _show(state.boxd.nodes.list(), as_json, _render.nodes)
 
 
 @main.group(context_settings=_CONTEXT)

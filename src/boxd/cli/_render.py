@@ -283,6 +283,15 @@ def accounts(items: Sequence[models.Account]) -> None:
     )
 
 
+def nodes(items: Sequence[models.NodeInfo]) -> None:
+    table(
+        ["ID", "ADDRESS", "HEALTH", "MACHINES", "MAX", "FREE MEM", "ENGINE"],
+        ([n.id, n.address, n.health + (f" ({n.error})" if n.error else ""), str(n.machines),
+          str(n.max_machines), f"{n.memory_free_mib} MiB", n.engine or "-"] for n in items),
+        "no nodes",
+    )
+
+
 def host(info: models.HostInfo) -> None:
     details(
         [

@@ -21,9 +21,16 @@ from boxd import models
 from boxd import process_models as pm
 from boxd.config import DEFAULT_MACHINE_QUOTA
 from boxd.engine.registry import ENGINES
-from boxd.errors import InvalidRequest, MachineNotFound, SnapshotNotFound
+from boxd.errors import (
+    InvalidRequest,
+    MachineNotFound,
+    NodeLost,
+    ResourceExhausted,
+    SnapshotNotFound,
+)
 from boxd.models import NAME_RE, NAME_RULE, MachineState
 from boxd.node.base import Boot, FromSnapshot, Node, ProcessStream
+from boxd.node.cluster import RayCluster, RayNode
 from boxd.state import MachineRecord, Repos, SnapshotRecord, new_id
 from boxd.storage import SnapshotStore
 
@@ -61,22 +68,80 @@ class Machines:
 
     def __init__(
         self, repos: Repos, nodes: dict[str, Node], store: SnapshotStore, *,
-        default_quota: int = DEFAULT_MACHINE_QUOTA,
+        default_quota: int = DEFAULT_MACHINE_QUOTA, cluster: RayCluster | None = None,
     ) -> None:
         self.repos = repos
         self.nodes = nodes
         self.store = store
         self.default_quota = default_quota
         self.snapshots: Snapshots | None = None
+        self.cluster = cluster  # nodes on Ray (`boxd serve --ray`); None: this host only
 
     # ------------------------------------------------------------- placement
 
     def _node(self, rec: MachineRecord) -> Node:
-        return self.nodes[rec.node_id]
+        node = self.nodes.get(rec.node_id)
+        if rec.state == MachineState.LOST or node is None or not _alive(node):
+            raise NodeLost(
+                f"machine {rec.name!r} is lost: {rec.error or f'its node {rec.node_id} is gone'}",
+                machine=rec.name, node=rec.node_id,
+                hint=f"delete it (`boxd machine delete {rec.name}`) and create or fork again",
+            )
+        return node
 
-    def _place(self) -> Node:
-        """The node a new machine goes to (one local node today)."""
-        return next(iter(self.nodes.values()))
+    def quota_of(self, account: str) -> int:
+        acct = self.repos.accounts.get(account)
+        return acct.max_machines if acct is not None else self.default_quota
+
+    async def _room(self) -> dict[str, tuple[int, int]]:
+        """Per live node: (free slots under its cap, free memory MiB)."""
+        counts = self.repos.machines.count_by_node()
+        out: dict[str, tuple[int, int]] = {}
+        for nid, node in self.nodes.items():
+            if not _alive(node):
+                continue
+            info = await node.info()
+            out[nid] = (info.max_machines - counts.get(nid, 0), info.memory_free_mib)
+        return out
+
+    async def _place(
+        self, hint: str | None = None, prefer: set[str] | None = None, count: int = 1
+    ) -> builtins.list[Node]:
+        """The nodes ``count`` new machines go to.
+
+        One host: its node. On a cluster: ``hint`` if given (it must be alive and under
+        its cap); else the nodes in ``prefer`` (they hold the template or snapshot)
+        first, then those with the most free memory, each up to its cap.
+
+        Raises:
+            InvalidRequest: ``hint`` names no node.
+            ResourceExhausted: every node is at its cap (BOXD_NODE_MAX_MACHINES).
+        """
+        if hint is not None and hint not in self.nodes:
+            raise InvalidRequest(f"no node {hint!r}", field="node",
+                                 hint="`boxd nodes list` shows the nodes")
+        if self.cluster is None:
+            return [self.nodes[hint] if hint else next(iter(self.nodes.values()))] * count
+        room = await self._room()
+        if hint is not None:
+            order = [hint] if hint in room else []
+        else:
+            order = sorted(room, key=lambda n: (n not in (prefer or set()), -room[n][1]))
+        out: builtins.list[Node] = []
+        for nid in order:
+            free = max(0, room[nid][0])
+            out += [self.nodes[nid]] * min(free, count - len(out))
+        if len(out) < count:
+            raise ResourceExhausted(
+                f"no node has room for {count - len(out)} more machine(s)"
+                + (f" on node {hint}" if hint else ""),
+                hint="delete machines, add a node (`ray start --resources '{\"boxd\": 1}'`), "
+                "or raise BOXD_NODE_MAX_MACHINES", needed=count, free=len(out),
+            )
+        return out
+
+    async def nodes_list(self) -> builtins.list[models.NodeInfo]:
+        return [await node.info() for node in self.nodes.values()]
 
     def _find(self, account: str, ref: str) -> MachineRecord:
         rec = self.repos.machines.find(account, ref)
@@ -112,9 +177,9 @@ class Machines:
         if req.engine is not None and req.engine not in ENGINES:
             raise InvalidRequest(f"unknown engine {req.engine!r}", field="engine",
                                  hint=f"use one of {', '.join(ENGINES)}")
-        node = self._place()
         if req.from_snapshot:
-            return await self._create_from_snapshot(account, req, node)
+            return await self._create_from_snapshot(account, req)
+        node = (await self._place(req.node))[0]
         rec = await self._claim(
             account, req.name, node, vcpus=req.vcpus, memory_mib=req.memory_mib,
             disk_gib=req.disk_gib, isolated=req.isolated, engine=req.engine,
@@ -124,12 +189,24 @@ class Machines:
         return await self.get(account, rec.id)
 
     async def _create_from_snapshot(
-        self, account: str, req: models.MachineCreate, node: Node
+        self, account: str, req: models.MachineCreate
     ) -> models.Machine:
         assert self.snapshots is not None and req.from_snapshot is not None
         snap = self.snapshots.resolve(account, req.from_snapshot)
         manifest = self.store.get(snap.digest)
-        await asyncio.to_thread(self.store.ensure_verified, manifest.digest)
+        holders: dict[str, Node] = {}
+        if self.cluster is None:
+            await asyncio.to_thread(self.store.ensure_verified, manifest.digest)
+        else:  # the blobs are on the nodes that saved or received it
+            for nid, n in self.nodes.items():
+                if _alive(n) and manifest.digest in await _digests(n):
+                    holders[nid] = n
+            if not holders:
+                raise SnapshotNotFound(
+                    f"snapshot {req.from_snapshot!r} is on no live node", snapshot=snap.name,
+                    hint="the nodes that held it are gone; import it again",
+                )
+        node = (await self._place(req.node, prefer=set(holders)))[0]
         meta = manifest.meta
         engine = str(meta.get("engine") or "qemu")
         if req.engine is not None and req.engine != engine:
@@ -147,10 +224,16 @@ class Machines:
             snapshot=manifest.digest, engine=engine,
             suspend_after=req.suspend_after, hibernate_after=req.hibernate_after,
         )
-        await node.create(rec.id, FromSnapshot(
+        source = FromSnapshot(
             manifest.digest, manifest.blob_path("memory"), manifest.blob_path("state"),
             manifest.blob_path("disk"),
-        ))
+        )
+        if isinstance(node, RayNode):
+            holder = holders.get(node.id) or next(iter(holders.values()))
+            assert isinstance(holder, RayNode)
+            await node.create(rec.id, source, holder=None if holder is node else holder)
+        else:
+            await node.create(rec.id, source)
         return await self.get(account, rec.id)
 
     # ------------------------------------------------------------ inspection
@@ -203,34 +286,82 @@ class Machines:
             if n is not None:
                 validate_name(n)
         node = self._node(src)
+        targets = await self._fork_targets(src, node, len(names))
         # Claim every child's name and quota slot first: one that fails is that item's
         # error and the others go on.
         claimed: builtins.list[MachineRecord | Exception] = []
-        for n in names:
+        for n, target in zip(names, targets, strict=True):
+            if isinstance(target, Exception):
+                claimed.append(target)
+                continue
             try:
                 claimed.append(await self._claim(
                     account, n if n is not None else f"{src.name[:48]}-{secrets.token_hex(3)}",
-                    node, vcpus=src.vcpus, memory_mib=src.memory_mib, disk_gib=src.disk_gib,
+                    target, vcpus=src.vcpus, memory_mib=src.memory_mib, disk_gib=src.disk_gib,
                     isolated=src.isolated, parent_id=src.id, snapshot=src.snapshot,
                     image=src.image, engine=src.engine, suspend_after=src.suspend_after,
                     hibernate_after=src.hibernate_after,
                 ))
             except Exception as exc:
                 claimed.append(exc)
-        ids = [c.id for c in claimed if isinstance(c, MachineRecord)]
-        try:
-            results = iter(await node.fork(src.id, ids) if ids else [])
-        except BaseException:
-            for cid in ids:  # the source could not be forked at all
-                await self._forget(cid, node)
-            raise
+        by_node: dict[str, builtins.list[str]] = {}
+        for c in claimed:
+            if isinstance(c, MachineRecord):
+                by_node.setdefault(c.node_id, []).append(c.id)
+        results: dict[str, Exception | None] = {}
+        # The source's node first: it makes the template the other nodes then fetch. If
+        # the source cannot be forked at all, the request fails and no child is left.
+        if node.id in by_node:
+            ids = by_node.pop(node.id)
+            try:
+                results.update(zip(ids, await node.fork(src.id, ids), strict=True))
+            except BaseException:
+                for c in claimed:
+                    if isinstance(c, MachineRecord):
+                        await self._forget(c.id, self.nodes[c.node_id])
+                raise
+
+        async def remote(nid: str, ids: builtins.list[str]) -> None:
+            target = self.nodes[nid]
+            assert isinstance(target, RayNode) and isinstance(node, RayNode)
+            try:
+                results.update(zip(ids, await target.fork_from(node, src.id, ids), strict=True))
+            except Exception as exc:  # that node's children failed; the others go on
+                for cid in ids:
+                    await self._forget(cid, target)
+                    results[cid] = exc
+
+        await asyncio.gather(*(remote(nid, ids) for nid, ids in by_node.items()))
         out: builtins.list[models.Machine | Exception] = []
         for c in claimed:
             if isinstance(c, Exception):
                 out.append(c)
                 continue
-            err = next(results)
+            err = results[c.id]
             out.append(err if err is not None else machine_model(self._find(account, c.id)))
+        return out
+
+    async def _fork_targets(
+        self, src: MachineRecord, node: Node, count: int
+    ) -> builtins.list[Node | Exception]:
+        """Where each of ``count`` children goes: the source's node while it has room
+        (copy-on-write there), then the other nodes (the template streams to them)."""
+        if self.cluster is None or src.engine != "qemu":
+            return [node] * count
+        room = await self._room()
+        here = max(0, room.get(node.id, (0, 0))[0])
+        out: builtins.list[Node | Exception] = [node] * min(here, count)
+        if len(out) < count:
+            others = {k: v for k, v in room.items() if k != node.id}
+            ranked = sorted(others, key=lambda n: -others[n][1])
+            for nid in ranked:
+                out += [self.nodes[nid]] * min(max(0, others[nid][0]), count - len(out))
+        while len(out) < count:
+            out.append(ResourceExhausted(
+                "no node has room for another fork child",
+                hint="delete machines, add a node, or raise BOXD_NODE_MAX_MACHINES",
+                needed=count, free=count - 1,
+            ))
         return out
 
     async def _forget(self, machine_id: str, node: Node) -> None:
@@ -257,7 +388,7 @@ class Machines:
         return [
             models.Checkpoint(id=ck.id, name=ck.name, machine_id=ck.machine_id,
                               created_at=ck.created_at)
-            for ck in self.repos.checkpoints.list(rec.id)
+            for ck in await self._node(rec).checkpoint_list(rec.id)
         ]
 
     async def checkpoint_delete(self, account: str, ref: str, name: str) -> None:
@@ -309,9 +440,15 @@ class Machines:
 
     async def delete(self, account: str, ref: str) -> None:
         rec = self._find(account, ref)
-        await self._node(rec).delete(rec.id)
+        node = self.nodes.get(rec.node_id)
+        if rec.state == MachineState.LOST or node is None or not _alive(node):
+            self.repos.machines.delete(rec.id)  # its node and VM are gone: only the record
+            return
+        await node.delete(rec.id)
 
     async def recover(self) -> None:
+        if self.cluster is not None:
+            await self.cluster.start()  # joins Ray; nodes recover their machines
         for node in self.nodes.values():
             await node.recover()
         if self.snapshots is not None:
@@ -320,8 +457,20 @@ class Machines:
             log.info("event=snapshot_store_gc report=%s", report)
 
     async def close(self) -> None:
+        if self.cluster is not None:
+            await self.cluster.close()
         for node in self.nodes.values():
             await node.close()
+
+
+def _alive(node: Node) -> bool:
+    return bool(getattr(node, "alive", True))
+
+
+async def _digests(node: Node) -> set[str]:
+    if isinstance(node, RayNode):
+        return await node.snapshot_digests()
+    return set()
 
 
 class Snapshots:
@@ -386,6 +535,10 @@ class Snapshots:
             "created_at": time.time(), "memory_mib": rec.memory_mib, "vcpus": rec.vcpus,
             "disk_gib": rec.disk_gib, "isolated": rec.isolated,
         })
+        node = self.machines._node(rec)
+        if isinstance(node, RayNode):  # the registry keeps the manifest; blobs stay there
+            raw = await node.manifest(digest)
+            await asyncio.to_thread(self.store.add_manifest, raw, digest)
         snap = self.repos.snapshots.add(account, name, digest, new_version=new_version)
         log.info("snapshot=%s event=saved name=%s digest=%s", snap.id, name, digest[:12])
         return self._model(snap)

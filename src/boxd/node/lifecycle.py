@@ -16,6 +16,7 @@ so two operations racing on one machine cannot both win and a read never writes.
        │              hibernating ──▶ hibernated ──wake──▶ waking ──▶ running
        ▼                               any state ─────▶ failed (process exit, failed op)
     failed ──checkpoint restore──▶ restoring            failed/any ──▶ deleting ──▶ gone
+                                   any state ──its cluster node died──▶ lost ──▶ deleting
 
 A `Lease` serialises the operations that change a machine's process, disk chain or
 memory (fork template, checkpoint save/restore, snapshot capture, RAM swap, collapse,
@@ -48,8 +49,14 @@ TRANSITIONS: dict[MachineState, frozenset[MachineState]] = {
     S.SWAPPING: frozenset({S.RUNNING, S.FAILED, S.DELETING}),
     S.RESTORING: frozenset({S.RUNNING, S.FAILED, S.DELETING}),
     S.FAILED: frozenset({S.RESTORING, S.DELETING}),
+    # The control plane's copy only: the machine's cluster node is gone.
+    S.LOST: frozenset({S.DELETING}),
     S.DELETING: frozenset(),
 }
+# Any state but these may become LOST (its node died).
+for _st in S:
+    if _st not in (S.LOST, S.DELETING):
+        TRANSITIONS[_st] = TRANSITIONS[_st] | {S.LOST}
 
 # States in which the VM process may be talked to (exec, files, capture).
 LIVE = (S.STARTING, S.RUNNING)

@@ -41,7 +41,7 @@ from typing import Any
 from boxd import models
 from boxd import process_models as pm
 from boxd._version import __version__
-from boxd.config import Paths, Settings
+from boxd.config import DEFAULT_MEMORY_MIB, Paths, Settings
 from boxd.engine.base import (
     Agent,
     BootDisk,
@@ -57,15 +57,19 @@ from boxd.errors import (
     CheckpointNotFound,
     Conflict,
     ExecTimeout,
+    HostSetupError,
     InvalidRequest,
     MachineFailed,
     MachineNotFound,
+    NotFound,
 )
 from boxd.models import MachineState
+from boxd.node import _transfer as transfer
 from boxd.node._host import Host
 from boxd.node._processes import ProcessStream, ProcessTable, Relay
 from boxd.node._proxy import PortProxy
 from boxd.node._spares import Spare, SparePool
+from boxd.node._transfer import Fetch, FileOffer, LayerOffer, TemplateOffer
 from boxd.node.base import Boot, FromSnapshot
 from boxd.node.lifecycle import ASLEEP, HAS_VM, LIVE, TRANSIENT, Lease, Lifecycle, require
 from boxd.state import CheckpointRecord, MachineRecord, Repos, TemplateRecord, new_id
@@ -87,6 +91,28 @@ SWAP_DRAIN = 30.0
 def _in_flight(rec: MachineRecord) -> Conflict:
     return Conflict(f"machine {rec.name!r} has requests in flight",
                     hint="retry when they have finished")
+
+
+def host_memory_mib() -> tuple[int, int]:
+    """This host's memory: (total, available) MiB, from /proc/meminfo."""
+    fields: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                fields[key] = int(rest.split()[0]) // 1024
+    except (OSError, ValueError, IndexError):
+        return 0, 0
+    return fields.get("MemTotal", 0), fields.get("MemAvailable", 0)
+
+
+def node_cap(settings: Settings, total_mib: int) -> int:
+    """Machines a cluster node takes: BOXD_NODE_MAX_MACHINES, else one per default-sized
+    guest that fits in host memory (fork children share their template's pages, so
+    this is conservative)."""
+    if settings.node_max_machines > 0:
+        return settings.node_max_machines
+    return max(1, total_mib // DEFAULT_MEMORY_MIB)
 
 
 def free_port() -> int:
@@ -142,6 +168,11 @@ class NodeRuntime:
         # Layers recorded by a launch or freeze in flight that no machine points at yet:
         # a concurrent gc (a sibling's delete, a background collapse) must keep them.
         self._unreferenced: set[str] = set()
+        # Templates other nodes sent (cross-node forks): source id -> template id. Kept
+        # while current, so further forks of that source here are copy-on-write again.
+        self._received: dict[str, str] = {}
+        self._receiving: dict[str, asyncio.Future[TemplateRecord]] = {}
+        self._offered: dict[str, TemplateRecord] = {}  # templates peers may fetch
         self.idle_interval = 1.0
         self.procs = ProcessTable()  # spawned processes (boxd.rl): see "processes" below
         self.spares = SparePool(self, per_template=settings.fork_spares,
@@ -383,6 +414,15 @@ class NodeRuntime:
             accelerator=info.accelerator, accelerator_reason=info.accelerator_reason,
             cpu_model=info.cpu_model, data_dir=str(self.paths.home), image=image.key,
             engines=engines, engine_reason=self.host.default_reason,
+        )
+
+    async def info(self) -> models.NodeInfo:
+        total, free = host_memory_mib()
+        return models.NodeInfo(
+            id=self.id, address="127.0.0.1", health="alive",
+            machines=len(self.repos.machines.on_node(self.id)),
+            max_machines=node_cap(self.settings, total), memory_total_mib=total,
+            memory_free_mib=free, engine=self.settings.engine, error=None,
         )
 
     async def image_key(self) -> str:
@@ -716,7 +756,11 @@ class NodeRuntime:
 
     def gc(self) -> None:
         """Remove templates and disk layers nothing refers to any more."""
-        garbage = self.repos.layers.collect(keep=self._unreferenced)
+        garbage = self.repos.layers.collect(
+            keep=self._unreferenced, keep_templates=set(self._received.values())
+        )
+        for tid in [t for t in self._offered if self.repos.layers.template(t) is None]:
+            del self._offered[tid]
         for d in garbage.template_dirs:
             remove_tree(d)
         for lid in garbage.layer_ids:
@@ -870,7 +914,8 @@ class NodeRuntime:
     def template_image(self, tpl: TemplateRecord, memory_mib: int) -> MemoryImage:
         return MemoryImage(tpl.mem_path, tpl.state_path, memory_mib)
 
-    async def fork(self, source_id: str, child_ids: list[str]) -> list[Exception | None]:
+    async def _fork_source(self, source_id: str) -> tuple[MachineRecord, TemplateRecord]:
+        """Check a fork's source, wake it if needed, and get its template."""
         src = self._rec(source_id)
         if src.state == S.FAILED:
             raise self.failed_error(src, src.error)
@@ -883,7 +928,10 @@ class NodeRuntime:
             await self.wait_until_ready(source_id, timeout=120)
         self._touch(source_id)
         tpl = await self._template(source_id)
-        src = self._rec(source_id)
+        return self._rec(source_id), tpl
+
+    async def fork(self, source_id: str, child_ids: list[str]) -> list[Exception | None]:
+        src, tpl = await self._fork_source(source_id)
         results = await asyncio.gather(
             *(self._start_child(src, tpl, cid) for cid in child_ids), return_exceptions=True
         )
@@ -947,6 +995,169 @@ class NodeRuntime:
     def template_is_current(self, template_id: str) -> bool:
         return self.repos.layers.template_is_current(template_id)
 
+    # ------------------------------------------- cross-node transfer (boxd.node.ray)
+
+    async def offer_template(self, source_id: str) -> TemplateOffer:
+        """The source's template (made if needed), described for a peer node to fetch
+        (see `boxd.node._transfer`). A cross-node fork writes nothing else here."""
+        src, tpl = await self._fork_source(source_id)
+        if src.engine != "qemu":
+            raise InvalidRequest(
+                f"machine {src.name!r} runs on the {src.engine} engine; only qemu machines "
+                "fork across nodes", field="node",
+                hint="fork it on its own node (leave the node out)",
+            )
+        self._offered[tpl.id] = tpl
+
+        def describe() -> TemplateOffer:
+            layers = tuple(
+                LayerOffer(layer.id, layer.parent_id,
+                           transfer.offer("layer", layer.id, self.layer_path(layer.id)))
+                for layer in self.repos.layers.chain(tpl.layer_id)
+            )
+            return TemplateOffer(
+                template_id=tpl.id, source_id=src.id, generation=tpl.generation,
+                image=src.image, engine=src.engine, memory_mib=src.memory_mib,
+                mem=transfer.offer("mem", tpl.id, tpl.mem_path),
+                state=transfer.offer("state", tpl.id, tpl.state_path), layers=layers,
+            )
+
+        return await asyncio.to_thread(describe)
+
+    def _offered_path(self, kind: str, key: str) -> Path:
+        tpl = self._offered.get(key)
+        if kind in ("mem", "state") and tpl is not None:
+            return tpl.mem_path if kind == "mem" else tpl.state_path
+        if kind == "layer":
+            layer = self.repos.layers.get(key)
+            if layer is not None and layer.frozen:
+                return self.layer_path(key)
+        if kind == "blob" and self.store.has_blob(key):
+            return self.store.blob_path(key)
+        raise NotFound(f"this node offers no {kind} {key!r}",
+                       hint="the source changed or was deleted meanwhile; fork again")
+
+    async def read_chunk(self, kind: str, key: str, offset: int, length: int) -> bytes:
+        """A chunk of a file this node offered (a template's, a frozen layer, a blob)."""
+        return await asyncio.to_thread(
+            transfer.read_chunk, self._offered_path(kind, key), offset, length
+        )
+
+    async def receive_template(self, tpl_offer: TemplateOffer, fetch: Fetch) -> TemplateRecord:
+        """Make another node's template a local one (once per template; kept while its
+        source is unchanged, so later forks here map it copy-on-write)."""
+        existing = self.repos.layers.template(tpl_offer.template_id)
+        if existing is not None and existing.mem_path.exists():
+            return existing
+        pending = self._receiving.get(tpl_offer.template_id)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        fut: asyncio.Future[TemplateRecord] = asyncio.get_running_loop().create_future()
+        self._receiving[tpl_offer.template_id] = fut
+        try:
+            tpl = await self._receive_template(tpl_offer, fetch)
+            fut.set_result(tpl)
+            return tpl
+        except BaseException as exc:
+            fut.set_exception(exc)
+            fut.exception()
+            raise
+        finally:
+            self._receiving.pop(tpl_offer.template_id, None)
+
+    async def _receive_template(self, o: TemplateOffer, fetch: Fetch) -> TemplateRecord:
+        image, engine = await self.host.ready(o.engine)
+        if image.key != o.image:
+            raise HostSetupError(
+                f"node {self.id} runs guest image {image.key}, the source runs {o.image}",
+                hint="run the same boxd version (and image recipe) on every node",
+            )
+        ensure_space(self.paths.shm, o.mem.data_bytes + o.state.size)
+        t0 = time.monotonic()
+        dest = self.paths.templates / o.template_id
+        dest.mkdir(parents=True, exist_ok=True, mode=0o700)
+        made: list[str] = []
+        try:
+            received = await transfer.receive(fetch, o.mem, dest / "mem")
+            received += await transfer.receive(fetch, o.state, dest / "state")
+            if engine.file_owner is not None:
+                # As a template made here: QEMU reads the state file as its own user.
+                for p in (dest, dest / "mem", dest / "state"):
+                    os.chown(p, *engine.file_owner)
+            for layer in reversed(o.layers):  # the base image's layer first
+                if self.repos.layers.get(layer.id) is not None:
+                    continue  # sent before, with an earlier template of this source
+                path = self.layer_path(layer.id)
+                received += await transfer.receive(fetch, layer.file, path)
+                made.append(layer.id)
+                backing = image.rootfs if layer.parent is None else self.layer_path(layer.parent)
+                await disks.retarget(path, backing, "raw" if layer.parent is None else "qcow2")
+                if engine.file_owner is not None:
+                    os.chown(path, *engine.file_owner)
+                self.repos.layers.received(
+                    layer.id, layer.parent, str(image.rootfs) if layer.parent is None else ""
+                )
+            tpl = self.repos.layers.add_template(
+                o.source_id, o.layers[0].id, dest / "mem", dest / "state", o.generation,
+                template_id=o.template_id,
+            )
+        except BaseException:
+            remove_tree(dest)
+            for lid in made:
+                disks.remove(self.layer_path(lid))
+            self._sweep_received(made)
+            raise
+        self._received[o.source_id] = tpl.id  # an older one of that source may go now
+        self.gc()
+        log.info("template=%s event=received source=%s bytes=%d seconds=%.3f", tpl.id,
+                 o.source_id, received, time.monotonic() - t0)
+        return tpl
+
+    def _sweep_received(self, layer_ids: list[str]) -> None:
+        for lid in reversed(layer_ids):  # children first
+            self.repos.layers.drop(lid)
+
+    async def fork_received(
+        self, src: MachineRecord, tpl: TemplateRecord, child_ids: list[str]
+    ) -> list[Exception | None]:
+        """Start recorded children of another node's machine ``src`` from ``tpl``."""
+        results = await asyncio.gather(
+            *(self._start_child(src, tpl, cid) for cid in child_ids), return_exceptions=True
+        )
+        out: list[Exception | None] = []
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, Exception):
+                raise r
+            out.append(r if isinstance(r, Exception) else None)
+        return out
+
+    async def receive_snapshot(self, digest: str, raw: bytes, offers: list[FileOffer],
+                               fetch: Fetch) -> Manifest:
+        """Store another node's snapshot here: fetch the blobs this store lacks (by
+        digest) and verify them. A no-op when every blob is here."""
+        if self.store.exists(digest):
+            return self.store.get(digest)
+        missing = {e.digest for e in self.store.missing(raw, digest)}
+        work = Path(tempfile.mkdtemp(prefix="recv-", dir=self.store.staging_dir))
+        try:
+            files: dict[str, Path] = {}
+            for o in offers:
+                if o.key in missing:
+                    files[o.key] = work / o.key
+                    await transfer.receive(fetch, o, files[o.key])
+            return await asyncio.to_thread(self.store.receive, raw, digest, files)
+        finally:
+            remove_tree(work)
+
+    async def offer_snapshot(self, digest: str) -> tuple[bytes, list[FileOffer]]:
+        """A stored snapshot's manifest and its blobs, for a peer node to fetch."""
+        manifest = self.store.get(digest)
+        raw = self.store.manifest_bytes(digest)
+        offers = [await asyncio.to_thread(transfer.offer, "blob", e.digest,
+                                          self.store.blob_path(e.digest))
+                  for e in manifest.blobs.values()]
+        return raw, offers
+
     # ------------------------------------------------------------- checkpoints
 
     def _checkpoint(self, rec: MachineRecord, name: str) -> CheckpointRecord:
@@ -1008,6 +1219,9 @@ class NodeRuntime:
                 self.repos.machines.update(rec.id, error=None)
             self.gc()
         log.info("machine=%s event=restored checkpoint=%s", machine_id, name)
+
+    async def checkpoint_list(self, machine_id: str) -> list[CheckpointRecord]:
+        return self.repos.checkpoints.list(self._rec(machine_id).id)
 
     async def checkpoint_delete(self, machine_id: str, name: str) -> None:
         async with self.lease(machine_id).op():
@@ -1374,4 +1588,5 @@ class NodeRuntime:
                 await handle.detach()
 
 
-__all__ = ["HOST_GRACE", "MAX_CHAIN", "Launch", "NodeRuntime", "free_port"]
+__all__ = ["HOST_GRACE", "MAX_CHAIN", "Launch", "NodeRuntime", "free_port", "host_memory_mib",
+           "node_cap"]

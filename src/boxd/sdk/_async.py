@@ -70,6 +70,7 @@ class AsyncBoxd:
         self.snapshots = AsyncSnapshots(self)
         self.keys = AsyncKeys(self)
         self.accounts = AsyncAccounts(self)
+        self.nodes = AsyncNodes(self)
 
     async def info(self) -> models.HostInfo:
         """Describe the host: engine, QEMU version, accelerator and why, data directory.
@@ -202,6 +203,7 @@ class AsyncMachines:
         engine: str | None = None,
         suspend_after: float | None = None,
         hibernate_after: float | None = None,
+        node: str | None = None,
     ) -> models.Machine:
         """Create and boot a machine; returns while it starts (see ``wait_until_ready``).
 
@@ -218,6 +220,8 @@ class AsyncMachines:
                 None).
             hibernate_after: idle seconds before it goes to disk (0 never; daemon default
                 if None).
+            node: the cluster node to place it on (``nodes.list()``); None lets the
+                daemon place it (the node with the most free memory).
 
         Raises:
             InvalidRequest, AlreadyExists, QuotaExceeded, SnapshotNotFound, HostSetupError.
@@ -225,7 +229,7 @@ class AsyncMachines:
         return await self._c._parse(
             models.Machine,
             _base.machine_create(name, vcpus, memory_mib, disk_gib, isolated, from_snapshot,
-                                 engine, suspend_after, hibernate_after),
+                                 engine, suspend_after, hibernate_after, node),
         )
 
     async def get(self, ref: str) -> models.Machine:
@@ -697,6 +701,17 @@ class AsyncKeys:
             NotFound: no such key.
         """
         await self._c._call(_base.key_revoke(key_id))
+
+
+class AsyncNodes:
+    """The nodes machines run on (``boxd.nodes``): this host, or a Ray cluster's."""
+
+    def __init__(self, client: AsyncBoxd) -> None:
+        self._c = client
+
+    async def list(self) -> list[models.NodeInfo]:
+        """Each node: id, address, health, machines, cap and free memory."""
+        return (await self._c._parse(models.NodeList, _base.node_list())).nodes
 
 
 class AsyncAccounts:

@@ -193,6 +193,7 @@ def machine_create(
     engine: str | None = None,
     suspend_after: float | None = None,
     hibernate_after: float | None = None,
+    node: str | None = None,
 ) -> Req:
     body: dict[str, Any] = {"isolated": bool(isolated)}
     for k, v in (
@@ -204,6 +205,7 @@ def machine_create(
         ("engine", engine),
         ("suspend_after", suspend_after),
         ("hibernate_after", hibernate_after),
+        ("node", node),
     ):
         if v is not None:  # absent fields take the daemon's defaults
             body[k] = v
@@ -374,6 +376,10 @@ def key_create(name: str, account: str | None) -> Req:
     if account is not None:
         body["account"] = account
     return Req("POST", "/v1/keys", json=body)
+
+
+def node_list() -> Req:
+    return Req("GET", "/v1/nodes")
 
 
 def account_list() -> Req:

@@ -63,6 +63,7 @@ class Boxd:
         self.snapshots = Snapshots(self)
         self.keys = Keys(self)
         self.accounts = Accounts(self)
+        self.nodes = Nodes(self)
 
     def info(self) -> models.HostInfo:
         """Describe the host: engine, QEMU version, accelerator and why, data directory.
@@ -191,6 +192,7 @@ class Machines:
         engine: str | None = None,
         suspend_after: float | None = None,
         hibernate_after: float | None = None,
+        node: str | None = None,
     ) -> models.Machine:
         """Create and boot a machine; returns while it starts (see ``wait_until_ready``).
 
@@ -207,6 +209,8 @@ class Machines:
                 None).
             hibernate_after: idle seconds before it goes to disk (0 never; daemon default
                 if None).
+            node: the cluster node to place it on (``nodes.list()``); None lets the
+                daemon place it (the node with the most free memory).
 
         Raises:
             InvalidRequest, AlreadyExists, QuotaExceeded, SnapshotNotFound, HostSetupError.
@@ -214,7 +218,7 @@ class Machines:
         return self._c._parse(
             models.Machine,
             _base.machine_create(name, vcpus, memory_mib, disk_gib, isolated, from_snapshot,
-                                 engine, suspend_after, hibernate_after),
+                                 engine, suspend_after, hibernate_after, node),
         )
 
     def get(self, ref: str) -> models.Machine:
@@ -679,6 +683,17 @@ class Keys:
             NotFound: no such key.
         """
         self._c._call(_base.key_revoke(key_id))
+
+
+class Nodes:
+    """The nodes machines run on (``boxd.nodes``): this host, or a Ray cluster's."""
+
+    def __init__(self, client: Boxd) -> None:
+        self._c = client
+
+    def list(self) -> list[models.NodeInfo]:
+        """Each node: id, address, health, machines, cap and free memory."""
+        return (self._c._parse(models.NodeList, _base.node_list())).nodes
 
 
 class Accounts:

@@ -154,6 +154,59 @@ class Machines:
     def delete(self, machine_id: str) -> None:
         self._db.execute("DELETE FROM machines WHERE id=?", (machine_id,))
 
+    def on_node(self, node_id: str) -> builtins.list[MachineRecord]:
+        """Every machine placed on ``node_id`` (deleting ones included)."""
+        rows = self._db.all("SELECT * FROM machines WHERE node_id=? ORDER BY created_at",
+                            (node_id,))
+        return [MachineRecord.of(r) for r in rows]
+
+    def count_by_node(self) -> dict[str, int]:
+        rows = self._db.all("SELECT node_id, COUNT(*) AS n FROM machines GROUP BY node_id")
+        return {r["node_id"]: r["n"] for r in rows}
+
+    def adopt(self, rec: MachineRecord, quota: int) -> None:
+        """Insert a record the control plane made (a cluster node's own database; its
+        account row carries the account's quota, which the node applies to wakes)."""
+        with self._db.transaction() as conn:
+            conn.execute(
+                "INSERT INTO accounts (id, name, machine_quota, created_at) VALUES (?,?,?,?)"
+                " ON CONFLICT(id) DO UPDATE SET machine_quota=excluded.machine_quota",
+                (rec.account_id, rec.account_id, quota, time.time()),
+            )
+            conn.execute(
+                "INSERT OR REPLACE INTO machines (id, account_id, name, state, vcpus, memory_mib,"
+                " disk_gib, isolated, image, parent_id, snapshot, created_at, node_id, engine,"
+                " vm_id, last_active, suspend_after, hibernate_after, port)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (rec.id, rec.account_id, rec.name, rec.state.value, rec.vcpus, rec.memory_mib,
+                 rec.disk_gib, int(rec.isolated), rec.image, rec.parent_id, rec.snapshot,
+                 rec.created_at, rec.node_id, rec.engine, rec.vm_id, rec.last_active,
+                 rec.suspend_after, rec.hibernate_after, rec.port),
+            )
+
+    def mirror(self, rec: MachineRecord) -> bool:
+        """Copy a cluster node's view of a machine (state and runtime columns; its disk
+        layers and templates are the node's alone) into the control plane's record;
+        False if the record is gone or being deleted here."""
+        return self._db.execute(
+            "UPDATE machines SET state=?, error=?, port=?, fwd_port=?, pid=?, vm_id=?, accel=?,"
+            " last_active=?, ram_shared=?, generation=?"
+            " WHERE id=? AND state NOT IN ('deleting','lost')",
+            (rec.state.value, rec.error, rec.port, rec.fwd_port, rec.pid, rec.vm_id, rec.accel,
+             rec.last_active, int(rec.ram_shared), rec.generation, rec.id),
+        ) == 1
+
+    def mark_lost(self, node_id: str, error: str) -> builtins.list[str]:
+        """Every machine of a dead node becomes ``lost``; returns their ids."""
+        with self._db.transaction() as conn:
+            ids = [r[0] for r in conn.execute(
+                "SELECT id FROM machines WHERE node_id=? AND state NOT IN ('deleting','lost')",
+                (node_id,)).fetchall()]
+            conn.execute(
+                "UPDATE machines SET state='lost', error=? WHERE node_id=?"
+                " AND state NOT IN ('deleting','lost')", (error, node_id))
+        return ids
+
     def snapshot_digests(self) -> set[str]:
         rows = self._db.all("SELECT DISTINCT snapshot FROM machines WHERE snapshot IS NOT NULL")
         return {r["snapshot"] for r in rows}
@@ -221,6 +274,13 @@ class Layers:
             conn.execute("UPDATE layers SET frozen=1 WHERE id=?", (frozen_id,))
             conn.execute("UPDATE machines SET layer_id=? WHERE id=?", (new_active, machine_id))
 
+    def received(self, layer_id: str, parent_id: str | None, base: str) -> None:
+        """Record a frozen layer another node sent (a cross-node fork's template)."""
+        self._db.execute(
+            "INSERT OR IGNORE INTO layers (id, parent_id, base, frozen, created_at)"
+            " VALUES (?,?,?,1,?)", (layer_id, parent_id, base, time.time()),
+        )
+
     def rebase(self, layer_id: str, base: str) -> None:
         """After a collapse: ``layer_id`` sits directly on the base image."""
         self._db.execute("UPDATE layers SET parent_id=NULL, base=? WHERE id=?", (base, layer_id))
@@ -270,13 +330,16 @@ class Layers:
                            (template_id,))
         return row is not None
 
-    def collect(self, keep: Collection[str] = ()) -> Garbage:
+    def collect(
+        self, keep: Collection[str] = (), keep_templates: Collection[str] = ()
+    ) -> Garbage:
         """Drop templates and layers nothing refers to; return what the files were.
 
         A template lives while a child maps it, or while it is its living source's
         current one (the next fork reuses it). A layer lives while a machine writes
         it, a template or checkpoint froze it, a living layer is backed by it, or it is
         in ``keep`` (layers of operations in flight that nothing refers to yet).
+        Templates in ``keep_templates`` live too (templates received from another node).
         """
         with self._db.transaction() as conn:
             dead_templates = conn.execute(
@@ -284,6 +347,7 @@ class Layers:
                 " NOT EXISTS (SELECT 1 FROM machines m WHERE m.template_id=t.id)"
                 f" AND NOT {self._CURRENT}"
             ).fetchall()
+            dead_templates = [t for t in dead_templates if t["id"] not in keep_templates]
             for t in dead_templates:
                 conn.execute("DELETE FROM templates WHERE id=?", (t["id"],))
             live: set[str] = set()

@@ -85,6 +85,13 @@ async def flatten(src: Path, dest: Path) -> None:
     os.replace(tmp, dest)
 
 
+async def retarget(path: Path, backing: Path, backing_format: str) -> None:
+    """Point a layer received from another node at this node's copy of its backing file
+    (same content, another path): ``qemu-img rebase -u`` rewrites the header only."""
+    await _run(QEMU_IMG, "rebase", "-q", "-u", "-b", str(backing), "-F", backing_format,
+               "-f", "qcow2", str(path))
+
+
 def remove(path: Path) -> None:
     for p in (path, path.with_name(path.name + ".tmp")):
         with contextlib.suppress(FileNotFoundError):

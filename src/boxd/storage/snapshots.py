@@ -413,6 +413,9 @@ class SnapshotStore:
         """Path of a blob by digest (it may not exist)."""
         return _blob_path(self.root, _check_digest(digest))
 
+    def has_blob(self, digest: str) -> bool:
+        return bool(_DIGEST_RE.fullmatch(digest)) and _blob_path(self.root, digest).exists()
+
     def manifest_path(self, digest: str) -> Path:
         """Path of a manifest by snapshot digest (it may not exist)."""
         return self.manifests_dir / f"{_check_digest(digest)}.json"
@@ -472,6 +475,75 @@ class SnapshotStore:
                 os.replace(tmp_manifest, self.manifests_dir / f"{digest}.json")
                 _files.fsync_dir(self.manifests_dir)
         log.info("snapshot %s saved blobs=%s", digest[:12], sorted(manifest.blobs))
+        return manifest
+
+    def manifest_bytes(self, digest: str) -> bytes:
+        """The manifest file as stored (a peer store checks it against ``digest``)."""
+        return self._read_manifest_bytes(_check_digest(digest))
+
+    def missing(self, raw: bytes, digest: str) -> builtins.list[BlobEntry]:
+        """The blobs of the manifest ``raw`` this store does not hold."""
+        manifest = self._parse_received(raw, digest)
+        out = []
+        for entry in manifest.blobs.values():
+            try:
+                present = os.stat(_blob_path(self.root, entry.digest)).st_size == entry.size
+            except FileNotFoundError:
+                present = False
+            if not present and entry not in out:
+                out.append(entry)
+        return out
+
+    def _parse_received(self, raw: bytes, digest: str) -> Manifest:
+        _check_digest(digest)
+        if hashlib.sha256(raw).hexdigest() != digest:
+            raise CorruptData(f"snapshot {digest[:12]}: the manifest sent does not match its "
+                              "digest", digest=digest)
+        return _parse_manifest(raw, digest, self.root)
+
+    def receive(self, raw: bytes, digest: str, files: Mapping[str, Path]) -> Manifest:
+        """Store a snapshot another store holds: its manifest and the missing blobs.
+
+        ``files`` maps blob digests to received files (see `missing`); each is hashed
+        and must match, or nothing is stored. Blobs held already are not sent again.
+
+        Raises:
+            CorruptData: the manifest or a received blob does not match its digest,
+                or a missing blob was not sent.
+        """
+        manifest = self._parse_received(raw, digest)
+        with self.stage() as staging:
+            staged: builtins.list[tuple[BlobRef, Path | None]] = []
+            checked: builtins.list[tuple[str, int]] = []
+            for kind, entry in manifest.blobs.items():
+                src = files.get(entry.digest)
+                if src is None:
+                    if entry in self.missing(raw, digest):
+                        raise CorruptData(f"snapshot {digest[:12]}: blob {entry.digest[:12]} "
+                                          "was not sent", digest=entry.digest)
+                    staged.append((BlobRef(kind, entry.digest, entry.size, 0), None))
+                    continue
+                dst = staging.directory / f"blob-{kind}"
+                with os_errors("receive the snapshot", dst):
+                    os.replace(src, dst)
+                checked.append((entry.digest, time.time_ns()))
+                got, size = _files.hash_file(dst)
+                if got != entry.digest or size != entry.size:
+                    raise CorruptData(f"snapshot {digest[:12]}: blob {entry.digest[:12]} "
+                                      "arrived corrupt", digest=entry.digest)
+                staged.append((BlobRef(kind, got, size, os.stat(dst).st_blocks * 512), dst))
+            out = self._publish(staging.directory, raw, staged)
+            for blob, started in checked:  # hashed just now: no need to hash again at start
+                self._remember_verified(blob, os.stat(_blob_path(self.root, blob)), started)
+            return out
+
+    def add_manifest(self, raw: bytes, digest: str) -> Manifest:
+        """Record a snapshot's manifest without its blobs (a cluster's registry: the
+        blobs stay on the nodes that hold them)."""
+        manifest = self._parse_received(raw, digest)
+        path = self.manifests_dir / f"{digest}.json"
+        if not path.exists():
+            _files.write_atomic(path, raw, mode=0o400)
         return manifest
 
     # ---- reading -----------------------------------------------------------------

@@ -12,6 +12,7 @@ from boxd import models
 from boxd._version import __version__
 from boxd.api.auth import Account
 from boxd.api.errors import ERROR_RESPONSES
+from boxd.api.routes._deps import Machines
 
 if TYPE_CHECKING:
     from boxd.services import HostInfoFn
@@ -38,3 +39,9 @@ async def info(request: Request, account: Account) -> models.HostInfo:
     if inspect.isawaitable(result):
         result = await result
     return result
+
+
+@router.get("/nodes", response_model=models.NodeList, responses=ERROR_RESPONSES)
+async def nodes(account: Account, machines: Machines) -> models.NodeList:
+    """The nodes that run machines: this host, or each boxd node of a Ray cluster."""
+    return models.NodeList(nodes=await machines.nodes_list())

@@ -1,0 +1,140 @@
+"""Files sent from one node runtime to another: a template, disk layers, snapshot blobs.
+
+A cross-node fork streams the source's template (its RAM file, its device state and
+the frozen disk layers under it) from the source's node to the receiving node, which
+keeps it as a template of its own; a snapshot started on a node that lacks its blobs
+fetches the missing ones by digest. Both go chunk by chunk over the nodes' own channel
+(`boxd.node.ray`: Ray actor calls), a few chunks in flight, holes skipped: guest RAM
+files are mostly holes, so only the pages the guest touched cross the network.
+
+The sender names files by what they are (``mem``/``state`` of a template, ``layer`` by
+id, ``blob`` by digest), never by path: a peer can read exactly what it was offered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from boxd.storage._files import data_regions, os_errors
+
+#: Bytes per chunk: big enough that per-call overhead is small, small enough that a
+#: few in flight stay well under the memory budget.
+CHUNK = 8 << 20
+#: Chunks in flight per file.
+WINDOW = 4
+
+
+@dataclass(frozen=True)
+class FileOffer:
+    """One file a node offers: how to ask for it, its size and its data regions."""
+
+    kind: str  # "mem", "state", "layer" or "blob"
+    key: str  # template id, layer id or blob digest
+    size: int
+    regions: tuple[tuple[int, int], ...]
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(n for _, n in self.regions)
+
+
+@dataclass(frozen=True)
+class LayerOffer:
+    """A frozen disk layer and what it sits on (``parent`` None: the base image)."""
+
+    id: str
+    parent: str | None
+    file: FileOffer
+
+
+@dataclass(frozen=True)
+class TemplateOffer:
+    """What a cross-node fork sends: a source's template as of ``generation``."""
+
+    template_id: str
+    source_id: str
+    generation: int
+    image: str  # the guest image key the bottom layer sits on
+    engine: str
+    memory_mib: int
+    mem: FileOffer
+    state: FileOffer
+    layers: tuple[LayerOffer, ...]  # the frozen layer first, down to the base image
+
+    @property
+    def data_bytes(self) -> int:
+        return (self.mem.data_bytes + self.state.data_bytes
+                + sum(layer.file.data_bytes for layer in self.layers))
+
+
+def offer(kind: str, key: str, path: Path) -> FileOffer:
+    """Describe ``path`` for a peer (its size and data regions)."""
+    with os_errors("read", path):
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            regions = tuple(_split(data_regions(fd, size)))
+        finally:
+            os.close(fd)
+    return FileOffer(kind, key, size, regions)
+
+
+def _split(regions: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for off, length in regions:
+        while length > 0:
+            n = min(length, CHUNK)
+            out.append((off, n))
+            off, length = off + n, length - n
+    return out
+
+
+def read_chunk(path: Path, offset: int, length: int) -> bytes:
+    """One chunk of an offered file (at most `CHUNK` bytes)."""
+    with os_errors("read", path), open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(min(length, CHUNK))
+
+
+Fetch = Callable[[FileOffer, int, int], Awaitable[bytes]]
+
+
+async def receive(fetch: Fetch, file: FileOffer, dest: Path, *, mode: int = 0o600) -> int:
+    """Write the offered file to ``dest`` (holes stay holes); return the bytes received.
+
+    Written to a temporary name first: ``dest`` appears whole or not at all.
+    """
+    tmp = dest.with_name(dest.name + ".part")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    received = 0
+    pending: list[tuple[int, asyncio.Future[bytes]]] = []
+    regions = list(file.regions)
+    try:
+        os.ftruncate(fd, file.size)
+        while regions or pending:
+            while regions and len(pending) < WINDOW:
+                off, n = regions.pop(0)
+                pending.append((off, asyncio.ensure_future(fetch(file, off, n))))
+            off, task = pending.pop(0)
+            data = await task
+            await asyncio.to_thread(os.pwrite, fd, data, off)
+            received += len(data)
+        os.fsync(fd)
+    except BaseException:
+        for _, task in pending:
+            task.cancel()
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    os.replace(tmp, dest)
+    return received
+
+
+__all__ = [
+    "CHUNK", "Fetch", "FileOffer", "LayerOffer", "TemplateOffer", "offer", "read_chunk", "receive",
+]
