@@ -42,6 +42,7 @@ import type {
   HostInfo,
   Machine,
   MachineNewOptions,
+  NodeInfo,
   Process,
   Snapshot,
 } from "./types.js";
@@ -107,6 +108,7 @@ export class Boxd {
   readonly snapshots: Snapshots;
   readonly keys: Keys;
   readonly accounts: Accounts;
+  readonly nodes: Nodes;
   /** @internal */
   readonly _target: Target;
   #timeout: number | null;
@@ -120,6 +122,7 @@ export class Boxd {
     this.snapshots = new Snapshots(this);
     this.keys = new Keys(this);
     this.accounts = new Accounts(this);
+    this.nodes = new Nodes(this);
   }
 
   /** Describe the host: engine, QEMU version, accelerator and why, data directory. */
@@ -293,6 +296,7 @@ export class Machines {
       ["engine", options.engine],
       ["suspend_after", options.suspendAfter],
       ["hibernate_after", options.hibernateAfter],
+      ["node", options.node],
     ];
     for (const [k, v] of fields) if (v !== undefined && v !== null) body[k] = v; // daemon defaults
     return this.c._json({ method: "POST", path: "/v1/machines", json: body });
@@ -714,6 +718,17 @@ export class Keys {
   /** Revoke a key; requests with it fail from now on. @throws NotFound */
   async revoke(keyId: string): Promise<void> {
     await this.c._void({ method: "DELETE", path: `/v1/keys/${seg(keyId)}` });
+  }
+}
+
+/** The nodes machines run on (`boxd.nodes`): this host, or each boxd node of a Ray cluster. */
+export class Nodes {
+  constructor(private readonly c: Boxd) {}
+
+  /** Each node: id, address, health, machines, cap and free memory. */
+  async list(): Promise<NodeInfo[]> {
+    const out = await this.c._json<{ nodes: NodeInfo[] }>({ method: "GET", path: "/v1/nodes" });
+    return out.nodes;
   }
 }
 

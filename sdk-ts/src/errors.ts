@@ -17,6 +17,7 @@
  * ├── QuotaExceeded              .limit, .used                                      429
  * ├── ExecTimeout                .timeout, .stdout, .stderr (partial output)        408
  * ├── MachineFailed              the machine's VM died or stopped answering         503
+ * │   └── NodeLost               its cluster node is gone; .machine, .node
  * ├── IntegrityError             a stored blob does not match its digest            500
  * ├── ResourceExhausted          host disk or memory is full                        507
  * ├── HostSetupError             QEMU, an image or another host prerequisite is missing  500
@@ -218,6 +219,14 @@ export class MachineFailed extends BoxdError {
   }
 }
 
+/** The cluster node that ran the machine is gone; only delete applies. */
+export class NodeLost extends MachineFailed {
+  static override readonly code: string = "node_lost";
+  get node(): string | undefined {
+    return this.detail("node");
+  }
+}
+
 /** A stored blob does not match its recorded digest. */
 export class IntegrityError extends BoxdError {
   static override readonly code: string = "integrity_error";
@@ -271,6 +280,7 @@ export const ERROR_CLASSES: readonly (typeof BoxdError)[] = [
   QuotaExceeded,
   ExecTimeout,
   MachineFailed,
+  NodeLost,
   IntegrityError,
   ResourceExhausted,
   HostSetupError,

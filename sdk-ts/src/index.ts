@@ -15,6 +15,7 @@ export {
   Files,
   Keys,
   Machines,
+  Nodes,
   Snapshots,
   parseEvent,
   resolveTarget,

@@ -41,6 +41,26 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/nodes": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * Nodes
+         * @description The nodes that run machines: this host, or each boxd node of a Ray cluster.
+         */
+        get: operations["nodes_v1_nodes_get"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/machines": {
         parameters: {
             query?: never;
@@ -955,6 +975,11 @@ export interface components {
              * @description idle seconds before it goes to disk; 0 never; default BOXD_HIBERNATE_AFTER
              */
             hibernate_after?: number | null;
+            /**
+             * Node
+             * @description id of the cluster node to place it on (`boxd nodes list`); default: the node with the most free memory
+             */
+            node?: string | null;
         };
         /** MachineList */
         MachineList: {
@@ -971,7 +996,54 @@ export interface components {
          *     machine wait for them to finish (and wake a suspended or hibernated machine).
          * @enum {string}
          */
-        MachineState: "starting" | "running" | "suspended" | "hibernating" | "hibernated" | "waking" | "swapping" | "restoring" | "failed" | "deleting";
+        MachineState: "starting" | "running" | "suspended" | "hibernating" | "hibernated" | "waking" | "swapping" | "restoring" | "failed" | "lost" | "deleting";
+        /**
+         * NodeInfo
+         * @description One node that runs machines: this host, or a Ray node (``boxd serve --ray``).
+         */
+        NodeInfo: {
+            /** Id */
+            id: string;
+            /**
+             * Address
+             * @description the node's address (Ray's node IP; 127.0.0.1 locally)
+             */
+            address: string;
+            /**
+             * Health
+             * @description alive, or dead (its machines are lost)
+             */
+            health: string;
+            /**
+             * Machines
+             * @description machines placed on it (every state)
+             */
+            machines: number;
+            /**
+             * Max Machines
+             * @description cap on its machines (BOXD_NODE_MAX_MACHINES)
+             */
+            max_machines: number;
+            /** Memory Total Mib */
+            memory_total_mib: number;
+            /**
+             * Memory Free Mib
+             * @description host memory available for more guests
+             */
+            memory_free_mib: number;
+            /** Engine */
+            engine?: string | null;
+            /**
+             * Error
+             * @description why it is dead
+             */
+            error?: string | null;
+        };
+        /** NodeList */
+        NodeList: {
+            /** Nodes */
+            nodes: components["schemas"]["NodeInfo"][];
+        };
         /**
          * Process
          * @description A process started with ``machines.spawn``.
@@ -1183,6 +1255,98 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["HostInfo"];
+                };
+            };
+            /** @description invalid_request: malformed input */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description unauthorized: missing, unknown or revoked API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description not found for this account */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description conflict: duplicate name or wrong machine state */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description quota_exceeded */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description internal_error, integrity_error or host_setup */
+            500: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description machine_failed */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description resource_exhausted */
+            507: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+        };
+    };
+    nodes_v1_nodes_get: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["NodeList"];
                 };
             };
             /** @description invalid_request: malformed input */

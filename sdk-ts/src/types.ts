@@ -31,6 +31,7 @@ export type ApiKey = Camel<Schemas["ApiKey"]>;
 /** A new API key; its `secret` is shown only here. */
 export type ApiKeyCreated = Camel<Schemas["ApiKeyCreated"]>;
 export type Account = Camel<Schemas["Account"]>;
+export type NodeInfo = Camel<Schemas["NodeInfo"]>;
 export type HostInfo = Camel<Schemas["HostInfo"]>;
 export type Health = Camel<Schemas["Health"]>;
 export type ErrorBody = Schemas["ErrorBody"];
@@ -58,6 +59,8 @@ export interface MachineNewOptions {
   suspendAfter?: number;
   /** Idle seconds before it goes to disk (0 never; daemon default if absent). */
   hibernateAfter?: number;
+  /** Cluster node to place it on (`nodes.list()`); the daemon places it if absent. */
+  node?: string;
 }
 
 /** What `machines.exec` and `machines.execStream` run. */

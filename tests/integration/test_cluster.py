@@ -9,141 +9,36 @@ must spread over all three nodes.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import secrets
 import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import IMAGE_CACHE, kill_machines_of
+from tests.conftest import REPO
 
 pytest.importorskip("ray", reason="the cluster tests need Ray (pip install 'boxd[ray]')")
 if os.geteuid() != 0 or shutil.which("ip") is None:
     pytest.skip("the cluster tests make a network namespace: they need root and `ip`",
                 allow_module_level=True)
 
-HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(REPO / "bench"))
+from _cluster import LocalCluster, local_cluster, qemu_pids
+
 CAP = 2  # BOXD_NODE_MAX_MACHINES for this cluster
 
 
-@dataclass
-class ClusterUnderTest:
-    netns: str
-    home: Path
-    ray: subprocess.Popen[str]
-    daemon: subprocess.Popen[bytes]
-    node_ids: list[str]
-    client: Any
-
-    def command(self, line: str) -> dict[str, Any]:
-        assert self.ray.stdin is not None and self.ray.stdout is not None
-        self.ray.stdin.write(line + "\n")
-        self.ray.stdin.flush()
-        out: dict[str, Any] = json.loads(self.ray.stdout.readline())
-        return out
-
-    def node_home(self, node_id: str) -> Path:
-        return self.home / "nodes" / node_id
-
-    def node_shm(self, node_id: str) -> Path:
-        from boxd.config import Paths
-
-        return Paths(self.node_home(node_id)).shm
-
-
-def _qemu_of(marker: Path) -> list[int]:
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            with contextlib.suppress(OSError):
-                cmd = (proc / "cmdline").read_bytes()
-                if b"qemu-system" in cmd[:64] and str(marker).encode() + b"/" in cmd:
-                    pids.append(int(proc.name))
-    return pids
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    with local_cluster(nodes=3, cap=CAP) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[ClusterUnderTest]:
-    netns = f"boxd-t{secrets.token_hex(3)}"
-    subprocess.run(["ip", "netns", "add", netns], check=True)
-    subprocess.run(["ip", "netns", "exec", netns, "ip", "link", "set", "lo", "up"], check=True)
-    home = Path(tempfile.mkdtemp(prefix="boxd-cluster-", dir="/tmp"))
-    os.chmod(home, 0o755)  # QEMU's own user reopens disk layers below it
-    inns = ["ip", "netns", "exec", netns]
-    ray = subprocess.Popen(
-        [*inns, sys.executable, str(HERE / "_ray_cluster.py"), "3"], stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE, stderr=open(home / "ray.err", "wb"), text=True,  # noqa: SIM115
-        start_new_session=True,
-    )
-    daemon: subprocess.Popen[bytes] | None = None
-    try:
-        assert ray.stdout is not None
-        up = json.loads(ray.stdout.readline() or "{}")
-        assert "address" in up, (home / "ray.err").read_text()[-3000:]
-        env = {**os.environ, "BOXD_HOME": str(home), "BOXD_IMAGE_CACHE": str(IMAGE_CACHE),
-               "BOXD_NODE_MAX_MACHINES": str(CAP), "BOXD_FORK_SPARES": "0",
-               "BOXD_SUSPEND_AFTER": "0", "BOXD_HIBERNATE_AFTER": "0"}
-        daemon = subprocess.Popen(
-            [*inns, sys.executable, "-m", "boxd", "serve", "--ray", up["address"]], env=env,
-            stdout=open(home / "serve.out", "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
-            stdin=subprocess.DEVNULL, start_new_session=True,
-        )
-        from boxd import Boxd
-        from boxd.sdk._local import is_healthy
-
-        deadline = time.monotonic() + 180
-        while not (is_healthy(home / "boxd.sock") and (home / "local.key").exists()):
-            assert daemon.poll() is None and time.monotonic() < deadline, (
-                (home / "serve.out").read_text(errors="replace")[-3000:])
-            time.sleep(0.2)
-        old = os.environ.get("BOXD_HOME")
-        os.environ["BOXD_HOME"] = str(home)
-        try:
-            client = Boxd(timeout=300)
-        finally:
-            if old is None:
-                os.environ.pop("BOXD_HOME")
-            else:
-                os.environ["BOXD_HOME"] = old
-        while len([n for n in client.nodes.list() if n.health == "alive"]) < 3:
-            assert time.monotonic() < deadline, "the three nodes did not join"
-            time.sleep(0.5)
-        yield ClusterUnderTest(netns, home, ray, daemon, up["nodes"], client)
-        client.close()
-    finally:
-        with contextlib.suppress(Exception):
-            assert ray.stdin is not None
-            ray.stdin.write("quit\n")
-            ray.stdin.close()
-            ray.wait(60)
-        if ray.poll() is None:
-            os.killpg(ray.pid, 9)
-        if daemon is not None:
-            daemon.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                daemon.wait(30)
-        for nid in os.listdir(home / "nodes") if (home / "nodes").exists() else []:
-            kill_machines_of(home / "nodes" / nid)
-        subprocess.run(["ip", "netns", "delete", netns], check=False)
-        from boxd.config import Paths
-
-        for nid in os.listdir(home / "nodes") if (home / "nodes").exists() else []:
-            shutil.rmtree(Paths(home / "nodes" / nid).shm, ignore_errors=True)
-        shutil.rmtree(home, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def base(cluster: ClusterUnderTest) -> Any:
+def base(cluster: LocalCluster) -> Any:
     """A booted machine running a process that holds a random value in its memory and
     keeps writing it to /dev/shm/value."""
     b = cluster.client
@@ -167,7 +62,7 @@ def _value_from_memory(b: Any, machine_id: str) -> str:
     return str(r.stdout.strip())
 
 
-def test_control_plane_sees_three_nodes_with_their_own_data(cluster: ClusterUnderTest) -> None:
+def test_control_plane_sees_three_nodes_with_their_own_data(cluster: LocalCluster) -> None:
     nodes = cluster.client.nodes.list()
     assert sorted(n.id for n in nodes) == sorted(cluster.node_ids)
     assert all(n.health == "alive" and n.max_machines == CAP for n in nodes)
@@ -176,7 +71,7 @@ def test_control_plane_sees_three_nodes_with_their_own_data(cluster: ClusterUnde
 
 
 def test_batch_fork_spreads_over_nodes_with_the_same_memory(
-    cluster: ClusterUnderTest, base: Any
+    cluster: LocalCluster, base: Any
 ) -> None:
     b = cluster.client
     want = _value_from_memory(b, base.id)
@@ -199,7 +94,7 @@ def test_batch_fork_spreads_over_nodes_with_the_same_memory(
 
 
 def test_snapshot_taken_on_one_node_starts_on_another(
-    cluster: ClusterUnderTest, base: Any
+    cluster: LocalCluster, base: Any
 ) -> None:
     b = cluster.client
     snap = b.snapshots.save(base.id, "warm")
@@ -211,7 +106,7 @@ def test_snapshot_taken_on_one_node_starts_on_another(
     b.machines.delete(m.id)
 
 
-def test_losing_a_node_marks_exactly_its_machines(cluster: ClusterUnderTest, base: Any) -> None:
+def test_losing_a_node_marks_exactly_its_machines(cluster: LocalCluster, base: Any) -> None:
     from boxd import errors
 
     b = cluster.client
@@ -219,7 +114,7 @@ def test_losing_a_node_marks_exactly_its_machines(cluster: ClusterUnderTest, bas
                 if not isinstance(c, Exception)]
     victim = next(n for n in cluster.node_ids if n != base.node)  # the head is not a node
     on_victim = {c.id for c in children if c.node == victim}
-    assert on_victim and _qemu_of(cluster.node_shm(victim))
+    assert on_victim and qemu_pids(cluster.node_shm(victim))
     removed = cluster.command(f"remove {cluster.node_ids.index(victim)}")
     assert removed["removed"] == victim
     deadline = time.monotonic() + 60
@@ -227,10 +122,10 @@ def test_losing_a_node_marks_exactly_its_machines(cluster: ClusterUnderTest, bas
         assert time.monotonic() < deadline, [(m.name, m.state) for m in b.machines.list()]
         time.sleep(0.5)
     for _ in range(50):  # the node's reaper kills its VMs once the node runtime is gone
-        if not _qemu_of(cluster.node_shm(victim)):
+        if not qemu_pids(cluster.node_shm(victim)):
             break
         time.sleep(0.2)
-    assert not _qemu_of(cluster.node_shm(victim)), "QEMU outlived its node runtime"
+    assert not qemu_pids(cluster.node_shm(victim)), "QEMU outlived its node runtime"
     dead = next(n for n in b.nodes.list() if n.id == victim)
     assert dead.health == "dead"
     lost = next(iter(on_victim))

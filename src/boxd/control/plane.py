@@ -96,13 +96,10 @@ class Machines:
     async def _room(self) -> dict[str, tuple[int, int]]:
         """Per live node: (free slots under its cap, free memory MiB)."""
         counts = self.repos.machines.count_by_node()
-        out: dict[str, tuple[int, int]] = {}
-        for nid, node in self.nodes.items():
-            if not _alive(node):
-                continue
-            info = await node.info()
-            out[nid] = (info.max_machines - counts.get(nid, 0), info.memory_free_mib)
-        return out
+        live = [n for n in self.nodes.values() if _alive(n)]
+        infos = await asyncio.gather(*(n.info() for n in live))
+        return {n.id: (i.max_machines - counts.get(n.id, 0), i.memory_free_mib)
+                for n, i in zip(live, infos, strict=True)}
 
     async def _place(
         self, hint: str | None = None, prefer: set[str] | None = None, count: int = 1
@@ -558,12 +555,33 @@ class Snapshots:
 
     async def export(self, account: str, ref: str) -> Path:
         rec = self.resolve(account, ref)
+        if self.machines.cluster is not None:
+            await self._fetch_blobs(rec.digest)
         out = self.store.root / "staging" / f"export-{secrets.token_hex(6)}.boxd"
         out.parent.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(self.store.export, rec.digest, out)
         return out
 
+    async def _fetch_blobs(self, digest: str) -> None:
+        """On a cluster: copy a snapshot's blobs from a node that holds them into the
+        control plane's store (which holds manifests only until then)."""
+        raw = self.store.manifest_bytes(digest)
+        if not self.store.missing(raw, digest):
+            return
+        for node in self.machines.nodes.values():
+            if isinstance(node, RayNode) and node.alive and digest in await _digests(node):
+                await node.fetch_snapshot(digest, self.store)
+                return
+        raise SnapshotNotFound(f"snapshot {digest[:12]} is on no live node",
+                               snapshot=digest, hint="the nodes that held it are gone")
+
     async def import_(self, account: str, path: Path, name: str | None = None) -> models.Snapshot:
+        if self.machines.cluster is not None:
+            raise InvalidRequest(
+                "snapshot import is not available on a cluster yet", field="file",
+                hint="import it on a single-host daemon, start a machine from it there, "
+                "or save the snapshot from a machine on the cluster",
+            )
         manifest = await asyncio.to_thread(self.store.import_, path)
         name = name or str(manifest.meta.get("name") or "")
         if not name:

@@ -28,8 +28,10 @@ import contextlib
 import logging
 import os
 import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
@@ -40,6 +42,7 @@ from boxd import models
 from boxd import process_models as pm
 from boxd.config import Paths, Settings
 from boxd.errors import BoxdError, HostSetupError, InternalError, MachineNotFound, NodeLost
+from boxd.node import _transfer as transfer
 from boxd.node._host import Host
 from boxd.node._transfer import FileOffer, TemplateOffer
 from boxd.node.base import Boot, FromSnapshot, ProcessStream
@@ -54,6 +57,8 @@ NAMESPACE = "boxd"
 RESOURCE = "boxd"
 #: Seconds between the control plane's refreshes of nodes and machine records.
 POLL = 1.0
+#: Seconds a node's capacity figures (free memory) are reused for placement.
+INFO_TTL = 2.0
 
 _REAPER = r"""
 import os, signal, sys
@@ -212,10 +217,14 @@ class NodeActor:
 
     # -------------------------------------------------- calls by machine id
 
-    async def call(self, method: str, *args: Any) -> Any:
+    async def call(self, method: str, machine_id: str, *args: Any
+                   ) -> tuple[Any, MachineRecord | None]:
+        """Run a node call on a machine; its answer and the machine's record after it
+        (one round trip: the control plane mirrors the record)."""
         if method not in _CALLS:
             raise InternalError(f"not a node call: {method!r}")
-        return await getattr(self.rt, method)(*args)
+        out = await getattr(self.rt, method)(machine_id, *args)
+        return out, self.rt.repos.machines.get(machine_id)
 
     async def exec_stream(self, machine_id: str, req: models.ExecRequest
                           ) -> AsyncIterator[models.ExecEvent]:
@@ -288,6 +297,7 @@ class RayNode:
         self.alive = True
         self.error: str | None = None
         self.last_info: models.NodeInfo | None = None
+        self._info_at = 0.0
 
     @property
     def id(self) -> str:
@@ -310,11 +320,15 @@ class RayNode:
 
     async def _call(self, method: str, machine_id: str, *args: Any) -> Any:
         try:
-            return await self._ask(self.actor.call.remote(method, machine_id, *args))
-        finally:
-            if self.alive:
+            out, rec = await self._ask(self.actor.call.remote(method, machine_id, *args))
+        except BaseException:
+            if self.alive:  # a failed call may have changed the machine (failed, gone)
                 with contextlib.suppress(BoxdError):
                     await self.sync([machine_id])
+            raise
+        if rec is not None:
+            self.repos.machines.mirror(rec)
+        return out
 
     # --------------------------------------------------------------- Node
 
@@ -330,8 +344,11 @@ class RayNode:
             return base.model_copy(update={
                 "health": "dead", "error": self.error,
                 "machines": len(self.repos.machines.on_node(self._id))})
+        if self.last_info is not None and time.monotonic() - self._info_at < INFO_TTL:
+            return self.last_info.model_copy(
+                update={"machines": len(self.repos.machines.on_node(self._id))})
         info: models.NodeInfo = await self._ask(self.actor.info.remote())
-        self.last_info = info
+        self.last_info, self._info_at = info, time.monotonic()
         return info
 
     async def image_key(self) -> str:
@@ -440,6 +457,22 @@ class RayNode:
         raw, _ = await self._ask(self.actor.offer_snapshot.remote(digest))
         out: bytes = raw
         return out
+
+    async def fetch_snapshot(self, digest: str, store: SnapshotStore) -> None:
+        """Copy a snapshot this node holds into ``store`` (blobs it lacks, verified)."""
+        raw, offers = await self._ask(self.actor.offer_snapshot.remote(digest))
+        missing = {e.digest for e in store.missing(raw, digest)}
+        work = Path(tempfile.mkdtemp(prefix="fetch-", dir=store.staging_dir))
+        try:
+            files: dict[str, Path] = {}
+            fetch = _fetcher(self.actor)
+            for o in offers:
+                if o.key in missing and o.key not in files:
+                    files[o.key] = work / o.key
+                    await transfer.receive(fetch, o, files[o.key])
+            await asyncio.to_thread(store.receive, raw, digest, files)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
 
     async def snapshot_digests(self) -> set[str]:
         return set(await self._ask(self.actor.snapshot_digests.remote()))
@@ -576,7 +609,8 @@ class RayCluster:
             if node.alive:
                 try:
                     await node.sync()
-                    node.last_info = await node.info()
+                    node._info_at = 0.0
+                    await node.info()
                 except NodeLost as exc:
                     self.lose(node, exc.message)
                 except BoxdError as exc:

@@ -173,6 +173,7 @@ class NodeRuntime:
         self._received: dict[str, str] = {}
         self._receiving: dict[str, asyncio.Future[TemplateRecord]] = {}
         self._offered: dict[str, TemplateRecord] = {}  # templates peers may fetch
+        self._offers: dict[str, TemplateOffer] = {}  # ... and how they were described
         self.idle_interval = 1.0
         self.procs = ProcessTable()  # spawned processes (boxd.rl): see "processes" below
         self.spares = SparePool(self, per_template=settings.fork_spares,
@@ -761,6 +762,7 @@ class NodeRuntime:
         )
         for tid in [t for t in self._offered if self.repos.layers.template(t) is None]:
             del self._offered[tid]
+            self._offers.pop(tid, None)
         for d in garbage.template_dirs:
             remove_tree(d)
         for lid in garbage.layer_ids:
@@ -1008,6 +1010,9 @@ class NodeRuntime:
                 hint="fork it on its own node (leave the node out)",
             )
         self._offered[tpl.id] = tpl
+        cached = self._offers.get(tpl.id)
+        if cached is not None:
+            return cached
 
         def describe() -> TemplateOffer:
             layers = tuple(
@@ -1022,7 +1027,8 @@ class NodeRuntime:
                 state=transfer.offer("state", tpl.id, tpl.state_path), layers=layers,
             )
 
-        return await asyncio.to_thread(describe)
+        self._offers[tpl.id] = await asyncio.to_thread(describe)
+        return self._offers[tpl.id]
 
     def _offered_path(self, kind: str, key: str) -> Path:
         tpl = self._offered.get(key)
