@@ -34,6 +34,7 @@ class LocalCluster:
     ray: subprocess.Popen[str]
     daemon: subprocess.Popen[bytes]
     client: Any = field(repr=False)
+    env: dict[str, str] = field(default_factory=dict, repr=False)
 
     def command(self, line: str) -> dict[str, Any]:
         """Tell the Ray cluster script ``remove I`` or ``add``; its JSON answer."""
@@ -50,6 +51,15 @@ class LocalCluster:
         from boxd.config import Paths
 
         return Paths(self.node_home(node_id)).shm
+
+    def restart_control_plane(self) -> None:
+        """Stop the control plane (node actors and machines keep running) and start
+        another on the same data directory."""
+        self.daemon.terminate()
+        self.daemon.wait(60)
+        self.client.close()
+        self.daemon = _start_control_plane(self.netns, self.home, self.address, self.env)
+        self.client = _client(self.home)
 
     def in_netns(self, *argv: str, **kw: Any) -> subprocess.CompletedProcess[str]:
         """Run a command inside the cluster's namespace (e.g. a Ray driver)."""
@@ -73,7 +83,6 @@ def qemu_pids(marker: Path) -> list[int]:
 def local_cluster(nodes: int = 3, cap: int = 2, **env: str) -> Iterator[LocalCluster]:
     """Start it; on exit stop Ray (node runtimes' reapers kill their VMs) and clean up."""
     from boxd.config import Paths
-    from boxd.sdk._local import is_healthy
 
     netns = f"boxd-c{secrets.token_hex(3)}"
     subprocess.run(["ip", "netns", "add", netns], check=True)
@@ -95,23 +104,19 @@ def local_cluster(nodes: int = 3, cap: int = 2, **env: str) -> Iterator[LocalClu
         denv = {**os.environ, "BOXD_HOME": str(home), "BOXD_IMAGE_CACHE": str(IMAGE_CACHE),
                 "BOXD_NODE_MAX_MACHINES": str(cap), "BOXD_FORK_SPARES": "0",
                 "BOXD_SUSPEND_AFTER": "0", "BOXD_HIBERNATE_AFTER": "0", **env}
-        with open(home / "serve.out", "wb") as out:
-            daemon = subprocess.Popen(
-                [*inns, sys.executable, "-m", "boxd", "serve", "--ray", up["address"]],
-                env=denv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        deadline = time.monotonic() + 180
-        while not (is_healthy(home / "boxd.sock") and (home / "local.key").exists()):
-            assert daemon.poll() is None and time.monotonic() < deadline, (
-                (home / "serve.out").read_text(errors="replace")[-3000:])
-            time.sleep(0.2)
+        daemon = _start_control_plane(netns, home, up["address"], denv)
         client = _client(home)
+        deadline = time.monotonic() + 180
         while len([n for n in client.nodes.list() if n.health == "alive"]) < nodes:
             assert time.monotonic() < deadline, "the nodes did not join"
             time.sleep(0.5)
-        yield LocalCluster(netns, home, up["address"], up["nodes"], ray, daemon, client)
-        client.close()
+        cluster = LocalCluster(netns, home, up["address"], up["nodes"], ray, daemon, client,
+                               denv)
+        try:
+            yield cluster
+        finally:
+            daemon = cluster.daemon  # (a restart replaced it)
+            cluster.client.close()
     finally:
         with contextlib.suppress(Exception):
             assert ray.stdin is not None
@@ -133,6 +138,26 @@ def local_cluster(nodes: int = 3, cap: int = 2, **env: str) -> Iterator[LocalClu
             shutil.rmtree(Paths(nh).shm, ignore_errors=True)
         subprocess.run(["ip", "netns", "delete", netns], check=False)
         shutil.rmtree(home, ignore_errors=True)
+
+
+def _start_control_plane(
+    netns: str, home: Path, address: str, env: dict[str, str]
+) -> subprocess.Popen[bytes]:
+    """`boxd serve --ray` in the namespace; returns once it answers on its socket."""
+    from boxd.sdk._local import is_healthy
+
+    with open(home / "serve.out", "ab") as out:
+        daemon = subprocess.Popen(
+            ["ip", "netns", "exec", netns, sys.executable, "-m", "boxd", "serve", "--ray",
+             address], env=env, stdout=out, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+    deadline = time.monotonic() + 180
+    while not (is_healthy(home / "boxd.sock") and (home / "local.key").exists()):
+        assert daemon.poll() is None and time.monotonic() < deadline, (
+            (home / "serve.out").read_text(errors="replace")[-3000:])
+        time.sleep(0.2)
+    return daemon
 
 
 def _client(home: Path) -> Any:

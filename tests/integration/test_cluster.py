@@ -106,6 +106,20 @@ def test_snapshot_taken_on_one_node_starts_on_another(
     b.machines.delete(m.id)
 
 
+def test_a_restarted_control_plane_finds_its_nodes_and_machines(
+    cluster: LocalCluster, base: Any
+) -> None:
+    (kid,) = cluster.client.machines.fork(base.id, count=1)
+    before = {m.id: m.node for m in cluster.client.machines.list()}
+    cluster.restart_control_plane()
+    b = cluster.client
+    assert {m.id: m.node for m in b.machines.list()} == before
+    assert sorted(n.id for n in b.nodes.list() if n.health == "alive") == sorted(cluster.node_ids)
+    assert b.machines.exec(kid.id, "echo ok").stdout == "ok\n"  # its VM kept running
+    assert _value_from_memory(b, kid.id) == _value_from_memory(b, base.id)
+    b.machines.delete(kid.id)
+
+
 def test_losing_a_node_marks_exactly_its_machines(cluster: LocalCluster, base: Any) -> None:
     from boxd import errors
 
