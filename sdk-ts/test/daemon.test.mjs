@@ -87,6 +87,15 @@ describe("against a real daemon", LONG, () => {
     assert.equal(typeof health.pid, "number");
   });
 
+  test("nodes: one host is one alive node, camelCase fields", async () => {
+    const nodes = await boxd.nodes.list();
+    assert.equal(nodes.length, 1);
+    assert.equal(nodes[0].id, "local");
+    assert.equal(nodes[0].health, "alive");
+    assert.equal(typeof nodes[0].memoryFreeMib, "number");
+    assert.ok(nodes[0].maxMachines >= 1);
+  });
+
   test("machines: get, list, camelCase fields, over TCP too", async () => {
     const got = await boxd.machines.get("ts-base");
     assert.equal(got.id, base.id);

@@ -131,3 +131,17 @@ def test_machines_survive_daemon_kill_and_restart(daemon, client, machine) -> No
     assert machine.name in names
     assert client.machines.get(machine.id).state.value == "running"
     assert client.machines.exec(machine.id, "cat /root/kept").stdout == "kept\n"
+
+
+def test_one_host_is_one_node(daemon, client, machine) -> None:  # type: ignore[no-untyped-def]
+    # Without --ray the daemon is its own single node: no caps, placement unchanged.
+    (node,) = client.nodes.list()
+    assert node.id == "local" and node.health == "alive" and node.address == "127.0.0.1"
+    assert node.machines == len(client.machines.list()) and node.memory_free_mib > 0
+    assert client.machines.get(machine.id).node == "local"
+    out = cli(daemon, "nodes", "list", "--json")
+    assert out.returncode == 0, out.stderr
+    assert '"local"' in out.stdout
+    with pytest.raises(errors.InvalidRequest) as bad:
+        client.machines.new("placed", node="elsewhere")
+    assert bad.value.details["field"] == "node"
