@@ -104,6 +104,16 @@ export class CorruptData extends InvalidRequest {
   }
 }
 
+/** A request body over the daemon's limit (`limit` bytes): a 413. */
+export class PayloadTooLarge extends InvalidRequest {
+  static override readonly code: string = "payload_too_large";
+  static override readonly status: number = 413;
+  /** The limit in bytes. */
+  get limit(): number | undefined {
+    return this.detail("limit");
+  }
+}
+
 /** The API key is missing, unknown or revoked. */
 export class AuthError extends BoxdError {
   static override readonly code: string = "unauthorized";
@@ -268,6 +278,7 @@ export const ERROR_CLASSES: readonly (typeof BoxdError)[] = [
   BoxdError,
   InvalidRequest,
   CorruptData,
+  PayloadTooLarge,
   AuthError,
   NotFound,
   MachineNotFound,

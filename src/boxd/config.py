@@ -215,6 +215,31 @@ def parse_duration(text: str) -> float:
     return value
 
 
+_SIZE_UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``1048576``, ``512k``, ``16M`` or ``2G`` (powers of 1024).
+
+    Raises:
+        ValueError: not a positive whole number with an optional k, m or g.
+    """
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = _SIZE_UNITS.get(t[-1:])
+    number = t[:-1] if unit is not None else t
+    value = int(number) * (unit or 1)
+    if value <= 0:
+        raise ValueError(f"not a size: {text!r}")
+    return value
+
+
+def _size(env: Mapping[str, str], name: str, default: int) -> int:
+    try:
+        return parse_size(env[name]) if name in env else default
+    except ValueError:
+        return default
+
+
 def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
     try:
         return parse_duration(env[name]) if name in env else default
@@ -241,6 +266,9 @@ class Settings:
     ray_address: str = ""  # BOXD_RAY_ADDRESS: serve a Ray cluster ("auto": the local one)
     node_max_machines: int = 0  # BOXD_NODE_MAX_MACHINES: machines per cluster node; 0 auto
     node_root: Path | None = None  # BOXD_NODE_ROOT: where cluster nodes keep data/nodes/<id>
+    max_body: int = 16 << 20  # BOXD_MAX_BODY: bytes of a JSON request body
+    max_upload: int = 64 << 30  # BOXD_MAX_UPLOAD: bytes of a file upload or snapshot import
+    max_exec_output: int = 16 << 20  # BOXD_MAX_EXEC_OUTPUT: bytes kept per stream of an exec
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -263,6 +291,9 @@ class Settings:
             node_max_machines=_int(e, "BOXD_NODE_MAX_MACHINES", 0),
             node_root=Path(e["BOXD_NODE_ROOT"]).expanduser() if e.get("BOXD_NODE_ROOT")
             else None,
+            max_body=_size(e, "BOXD_MAX_BODY", 16 << 20),
+            max_upload=_size(e, "BOXD_MAX_UPLOAD", 64 << 30),
+            max_exec_output=_size(e, "BOXD_MAX_EXEC_OUTPUT", 16 << 20),
         )
 
 

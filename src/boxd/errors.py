@@ -4,7 +4,8 @@
 
     BoxdError                      every error boxd raises; .code, .message, .hint
     ├── InvalidRequest             malformed input (bad name, bad size, bad path)     400
-    │   └── CorruptData            data the client sent fails a digest or size check  400
+    │   ├── CorruptData            data the client sent fails a digest or size check  400
+    │   └── PayloadTooLarge        a request body over its limit; .limit (bytes)      413
     ├── AuthError                  missing, unknown or revoked API key                401
     ├── NotFound                   no such resource for this account                  404
     │   ├── MachineNotFound        .machine
@@ -50,6 +51,7 @@ __all__ = [
     "MachineNotFound",
     "NodeLost",
     "NotFound",
+    "PayloadTooLarge",
     "QuotaExceeded",
     "ResourceExhausted",
     "SnapshotNotFound",
@@ -114,6 +116,15 @@ class CorruptData(InvalidRequest):
 
     code = "corrupt_data"
     _fields = ("field", "digest")
+
+
+class PayloadTooLarge(InvalidRequest):
+    """A request body is larger than the daemon accepts (``limit`` bytes; its settings
+    ``BOXD_MAX_BODY`` for JSON, ``BOXD_MAX_UPLOAD`` for files and snapshot imports)."""
+
+    code = "payload_too_large"
+    status = 413
+    _fields = ("field", "limit")
 
 
 class AuthError(BoxdError):

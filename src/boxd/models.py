@@ -159,6 +159,10 @@ class ExecResult(BaseModel):
     signal: int | None = Field(None, description="signal that killed the command, if any")
     timed_out: bool = False
     duration: float
+    stdout_truncated: bool = Field(
+        False, description="stdout was cut at the daemon's limit (BOXD_MAX_EXEC_OUTPUT, "
+        "16 MiB by default); the command ran to its end. Stream the exec for all of it")
+    stderr_truncated: bool = Field(False, description="stderr was cut, as stdout_truncated")
 
 
 class ExecEvent(BaseModel):

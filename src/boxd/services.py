@@ -10,7 +10,7 @@ HTTP types here.
 from __future__ import annotations
 
 import builtins
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Protocol
@@ -62,13 +62,17 @@ class MachineService(Protocol):
         ...
 
     async def upload(
-        self, account: str, ref: str, path: str, data: bytes, mode: int = 0o644
+        self, account: str, ref: str, path: str, data: bytes | AsyncIterable[bytes],
+        mode: int = 0o644,
     ) -> models.FileInfo:
-        """Write a file in the guest (parents created). Raises: MachineNotFound, InvalidRequest."""
+        """Write a file in the guest from bytes or streamed chunks (parents created).
+        Raises: MachineNotFound, InvalidRequest."""
         ...
 
-    async def download(self, account: str, ref: str, path: str) -> bytes:
-        """Read a file from the guest. Raises: MachineNotFound, GuestFileNotFound."""
+    def download(self, account: str, ref: str, path: str) -> AsyncIterator[bytes]:
+        """A regular file's chunks, streamed (closing the iterator stops the read).
+        Raises: MachineNotFound, GuestFileNotFound, InvalidRequest (a directory, device
+        or fifo)."""
         ...
 
     async def fork(

@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import hashlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -109,9 +109,12 @@ class FakeMachines(MachineService):
         yield models.ExecEvent(type="exit", exit_code=0, duration=0.01)
 
     async def upload(
-        self, account: str, ref: str, path: str, data: bytes, mode: int = 0o644
+        self, account: str, ref: str, path: str, data: bytes | AsyncIterable[bytes],
+        mode: int = 0o644,
     ) -> models.FileInfo:
         m = self._find(account, ref)
+        if not isinstance(data, bytes):
+            data = b"".join([chunk async for chunk in data])
         self.files[(m.id, path)] = data
         import hashlib
 
@@ -119,12 +122,14 @@ class FakeMachines(MachineService):
             path=path, size=len(data), mode=mode, sha256=hashlib.sha256(data).hexdigest()
         )
 
-    async def download(self, account: str, ref: str, path: str) -> bytes:
+    async def download(self, account: str, ref: str, path: str) -> AsyncIterator[bytes]:
         m = self._find(account, ref)
         try:
-            return self.files[(m.id, path)]
+            data = self.files[(m.id, path)]
         except KeyError:
             raise GuestFileNotFound(f"no file {path}", path=path) from None
+        for i in range(0, len(data), 1 << 16):
+            yield data[i : i + (1 << 16)]
 
     async def fork(  # type: ignore[valid-type]
         self, account: str, ref: str, names: list[str | None]

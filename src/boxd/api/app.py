@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from boxd import models
+from boxd.api._limits import BodyLimit
 from boxd.api.errors import install_error_handlers
 from boxd.api.routes import accounts as accounts_routes
 from boxd.api.routes import keys as keys_routes
@@ -17,7 +18,7 @@ from boxd.api.routes import processes as processes_routes
 from boxd.api.routes import snapshots as snapshots_routes
 from boxd.api.routes import system
 from boxd.api.services.keys import KeyService
-from boxd.config import Paths
+from boxd.config import Paths, Settings
 from boxd.control.accounts import Accounts as AccountsService
 from boxd.services import AccountService, HostInfoFn, MachineService, SnapshotService
 
@@ -38,6 +39,8 @@ def create_app(
     upload_dir: Path | None = None,
     private_dirs: Sequence[Path] | None = None,
     accounts: AccountService | None = None,
+    max_body: int = Settings.max_body,
+    max_upload: int = Settings.max_upload,
 ) -> FastAPI:
     """Build the boxd HTTP API over the given services.
 
@@ -51,6 +54,8 @@ def create_app(
         private_dirs: folders whose paths never appear in an error body (default:
             the data directory holding ``upload_dir`` and its tmpfs folder).
         accounts: accounts and limits (default: over the keys' database).
+        max_body: bytes a JSON request body may have (``BOXD_MAX_BODY``); more is a 413.
+        max_upload: bytes a file upload or snapshot import may have (``BOXD_MAX_UPLOAD``).
 
     Returns:
         The ASGI app. Its lifespan does not close the services: whoever built them does.
@@ -75,6 +80,7 @@ def create_app(
         accounts = AccountsService(keys.repos)
     app.state.accounts = accounts
     install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_body=max_body, max_upload=max_upload)
     for module in (system, machines_routes, snapshots_routes, keys_routes, accounts_routes,
                    processes_routes):
         app.include_router(module.router, prefix=API_PREFIX)

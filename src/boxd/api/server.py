@@ -221,6 +221,7 @@ class Daemon:
             self._log_handler = setup_logging(paths.log)
             self.db = Database(paths.db)
             self.keys = KeyService(self.db)
+            settings = Settings.from_env()
             if machines is None or snapshots is None:
                 built_m, built_s, built_info = build_services(paths, self.db)
                 machines = machines or built_m
@@ -238,6 +239,8 @@ class Daemon:
                 host_info=host_info or _fallback_host_info(paths),
                 upload_dir=paths.home / "uploads",
                 private_dirs=(paths.home, paths.shm),
+                max_body=settings.max_body,
+                max_upload=settings.max_upload,
             )
             self.server = _Server(
                 uvicorn.Config(

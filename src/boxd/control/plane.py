@@ -14,7 +14,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
 from pathlib import Path
 
 from boxd import models
@@ -260,18 +260,21 @@ class Machines:
             yield event
 
     async def upload(
-        self, account: str, ref: str, path: str, data: bytes, mode: int = 0o644
+        self, account: str, ref: str, path: str, data: bytes | AsyncIterable[bytes],
+        mode: int = 0o644,
     ) -> models.FileInfo:
         if not path.startswith("/"):
             raise InvalidRequest(f"guest path must be absolute: {path!r}", field="path")
         rec = self._find(account, ref)
         return await self._node(rec).upload(rec.id, path, data, mode)
 
-    async def download(self, account: str, ref: str, path: str) -> bytes:
+    async def download(self, account: str, ref: str, path: str) -> AsyncIterator[bytes]:
         if not path.startswith("/"):
             raise InvalidRequest(f"guest path must be absolute: {path!r}", field="path")
         rec = self._find(account, ref)
-        return await self._node(rec).download(rec.id, path)
+        async with contextlib.aclosing(self._node(rec).download(rec.id, path)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     # ------------------------------------------------------------------ fork
 

@@ -21,7 +21,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -57,6 +57,8 @@ STREAM_IDLE_TIMEOUT = 120.0
 ATTACH_MINOR = 2
 #: How often `connect` re-sends hello while the guest agent is not up yet.
 HELLO_RETRY = 0.25
+#: The protocol minor version from which reads and execs take a flow-control ``window``.
+WINDOW_MINOR = 3
 
 
 class ExecOutput(NamedTuple):
@@ -81,7 +83,8 @@ ExecChunk = ExecOutput | ExecExit
 
 @dataclass(frozen=True)
 class ExecOutcome:
-    """A finished command with its whole output."""
+    """A finished command with its output (cut at ``max_output`` bytes per stream, if
+    given: ``stdout_truncated`` / ``stderr_truncated`` say so)."""
 
     stdout: bytes
     stderr: bytes
@@ -89,6 +92,8 @@ class ExecOutcome:
     signal: int | None
     timed_out: bool
     duration: float
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,23 @@ def _unb64(msg: _Msg) -> bytes:
         return base64.b64decode(text)
     except (ValueError, TypeError) as exc:
         raise MachineFailed(f"agent sent corrupt data: {exc}") from exc
+
+
+async def _chunks(data: bytes | AsyncIterable[bytes], size: int) -> AsyncGenerator[bytes, None]:
+    """``data`` cut into pieces of at most ``size`` bytes (empty pieces skipped)."""
+    if isinstance(data, bytes | bytearray | memoryview):
+        view = memoryview(data)
+        for i in range(0, len(view), size):
+            yield bytes(view[i : i + size])
+        return
+    pending = bytearray()
+    async for piece in data:
+        pending += piece
+        while len(pending) >= size:
+            yield bytes(pending[:size])
+            del pending[:size]
+    if pending:
+        yield bytes(pending)
 
 
 class AgentClient:
@@ -451,10 +473,25 @@ class AgentClient:
         fields = self._exec_fields(command, env, cwd, timeout)
         if stdin is not None:
             fields["stdin"] = _b64(stdin)
+        window = self._window()
+        if window:
+            fields["window"] = window
         req_id, q, msg = self._open(P.OP_EXEC, **fields)
-        async with contextlib.aclosing(self._exec_events(req_id, q, msg)) as events:
+        async with contextlib.aclosing(self._exec_events(req_id, q, msg, window)) as events:
             async for item in events:
                 yield item
+
+    def _window(self) -> int:
+        """The flow-control window to ask for (0 with an agent older than 1.3)."""
+        return P.DEFAULT_WINDOW if self.supports(WINDOW_MINOR) else 0
+
+    async def _ack(self, req: int, total: int) -> None:
+        """Tell the agent ``total`` bytes of request ``req``'s output were consumed.
+
+        Its answer is not awaited (it arrives under an id nobody waits for and is
+        dropped): an ack only lets the agent send more.
+        """
+        await self._send({"id": self._new_id(), "op": P.OP_ACK, "req": req, "bytes": total})
 
     async def start(
         self,
@@ -499,9 +536,10 @@ class AgentClient:
         return fields
 
     async def _exec_events(
-        self, req_id: int, q: _Queue, msg: _Msg | None
+        self, req_id: int, q: _Queue, msg: _Msg | None, window: int = 0
     ) -> AsyncGenerator[ExecChunk, None]:
         finished = False
+        consumed = acked = 0
         try:
             if msg is not None:
                 await self._send(msg)
@@ -510,10 +548,16 @@ class AgentClient:
                 # agent enforces ``timeout``; a lost connection ends the wait.
                 reply = await self._next(q, None, "exec")
                 ev = reply.get("ev")
-                if ev == P.EV_STDOUT:
-                    yield ExecOutput("stdout", _unb64(reply))
-                elif ev == P.EV_STDERR:
-                    yield ExecOutput("stderr", _unb64(reply))
+                if ev in (P.EV_STDOUT, P.EV_STDERR):
+                    data = _unb64(reply)
+                    yield ExecOutput("stdout" if ev == P.EV_STDOUT else "stderr", data)
+                    # Acknowledge what the consumer took (half a window at a time): the
+                    # agent sends at most a window ahead, so a slow consumer holds the
+                    # command, not this process's memory.
+                    consumed += len(data)
+                    if window and consumed - acked >= window // 2:
+                        acked = consumed
+                        await self._ack(req_id, consumed)
                 elif ev == P.EV_RESULT:
                     finished = True
                     yield ExecExit(
@@ -540,76 +584,96 @@ class AgentClient:
         cwd: str | None = None,
         timeout: float | None = None,
         stdin: bytes | None = None,
+        max_output: int | None = None,
     ) -> ExecOutcome:
         """Run a command to completion and return its buffered output.
 
-        A timeout is reported in the outcome (``timed_out``), not raised.
+        A timeout is reported in the outcome (``timed_out``), not raised. With
+        ``max_output``, each stream keeps its first ``max_output`` bytes and the rest is
+        read and dropped (the command still runs to its end); the outcome's
+        ``stdout_truncated`` / ``stderr_truncated`` say when that happened.
 
         Raises:
             MachineFailed: the connection was lost.
             GuestFileNotFound: ``cwd`` does not exist.
             InvalidRequest: the agent rejected the request.
         """
-        out: list[bytes] = []
-        err: list[bytes] = []
+        kept: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
+        size = {"stdout": 0, "stderr": 0}
+        cut = {"stdout": False, "stderr": False}
         result: ExecExit | None = None
         async for item in self.exec(command, env=env, cwd=cwd, timeout=timeout, stdin=stdin):
             if isinstance(item, ExecExit):
                 result = item
-            elif item.stream == "stdout":
-                out.append(item.data)
-            else:
-                err.append(item.data)
+                continue
+            data = item.data
+            if max_output is not None and size[item.stream] + len(data) > max_output:
+                data = data[: max(0, max_output - size[item.stream])]
+                cut[item.stream] = True
+            if data:
+                kept[item.stream].append(data)
+                size[item.stream] += len(data)
         if result is None:  # pragma: no cover - exec() always ends with an exit or raises
             raise MachineFailed("exec ended without an exit status")
         return ExecOutcome(
-            stdout=b"".join(out),
-            stderr=b"".join(err),
+            stdout=b"".join(kept["stdout"]),
+            stderr=b"".join(kept["stderr"]),
             exit_code=result.exit_code,
             signal=result.signal,
             timed_out=result.timed_out,
             duration=result.duration,
+            stdout_truncated=cut["stdout"],
+            stderr_truncated=cut["stderr"],
         )
 
-    async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> FileStat:
+    async def write_file(
+        self, path: str, data: bytes | AsyncIterable[bytes], mode: int = 0o644
+    ) -> FileStat:
         """Write ``data`` to ``path`` in the guest atomically (temp file, fsync, rename).
 
-        Parent directories are created. The agent's sha256 is checked against ours.
+        ``data`` is bytes or an async iterable of chunks (streamed: at most a chunk or
+        two are held here, the socket's back-pressure paces the source). Parent
+        directories are created. The agent's sha256 is checked against ours.
 
         Raises:
             InvalidRequest: the path is a directory, not absolute, or not writable.
             IntegrityError: the guest's copy does not match.
             MachineFailed: the connection was lost.
         """
-        digest = hashlib.sha256(data).hexdigest()
+        sha = hashlib.sha256()
         req_id, q, first = self._open(P.OP_WRITE, path=path, mode=mode)
+        offset = 0
         try:
-            view = memoryview(data)
-            offset = 0
-            while True:
-                chunk = bytes(view[offset : offset + P.FILE_CHUNK])
-                eof = offset + len(chunk) >= len(data)
-                msg: _Msg = first if offset == 0 else {"id": req_id, "op": P.OP_WRITE}
-                msg.update(offset=offset, data=_b64(chunk), eof=eof)
-                await self._send(msg)
-                offset += len(chunk)
-                if eof or not q.empty():  # an early error: stop sending
-                    break
+            async with contextlib.aclosing(_chunks(data, P.FILE_CHUNK)) as chunks:
+                chunk = await anext(chunks, b"")
+                while True:
+                    following = await anext(chunks, None) if q.empty() else None
+                    eof = following is None
+                    msg: _Msg = first if offset == 0 else {"id": req_id, "op": P.OP_WRITE}
+                    msg.update(offset=offset, data=_b64(chunk), eof=eof)
+                    sha.update(chunk)
+                    await self._send(msg)
+                    offset += len(chunk)
+                    if eof or not q.empty():  # an early error: stop sending
+                        break
+                    chunk = following or b""
             reply = await self._next(q, STREAM_IDLE_TIMEOUT, "write")
         finally:
             self._pending.pop(req_id, None)
         if reply.get("ev") == P.EV_ERROR:
             raise self._error(reply)
+        digest = sha.hexdigest()
+        size = offset
         stat = FileStat(
             path=str(reply.get("path", path)),
             size=int(reply["size"]),
             mode=int(reply["mode"]),
             sha256=str(reply["sha256"]),
         )
-        if stat.size != len(data) or stat.sha256 != digest:
+        if stat.size != size or stat.sha256 != digest:
             raise IntegrityError(
                 f"guest file {path} does not match what was sent "
-                f"({stat.size} bytes, sha256 {stat.sha256}; sent {len(data)}, {digest})",
+                f"({stat.size} bytes, sha256 {stat.sha256}; sent {size}, {digest})",
                 digest=digest,
                 path=path,
             )
@@ -620,14 +684,35 @@ class AgentClient:
 
         Raises:
             GuestFileNotFound: no such file.
-            InvalidRequest: the path is a directory or not readable.
+            InvalidRequest: the path is a directory, a device or fifo, or not readable.
             IntegrityError: the data does not match the agent's digest.
             MachineFailed: the connection was lost.
         """
-        req_id, q, msg = self._open(P.OP_READ, path=path)
-        parts: list[bytes] = []
-        size = 0
+        parts = [chunk async for chunk in self.read_stream(path)]
+        return b"".join(parts)
+
+    async def read_stream(self, path: str) -> AsyncGenerator[bytes, None]:
+        """Read a guest file chunk by chunk, as the consumer takes them.
+
+        The agent stays at most a window (8 MiB) ahead of the consumer; closing the
+        iterator early stops the read in the guest. The digest is checked at the end:
+        a corrupted transfer raises after the last chunk, so a consumer writing a file
+        must not trust it until the iterator finished.
+
+        Raises:
+            GuestFileNotFound: no such file.
+            InvalidRequest: the path is a directory, a device or fifo, or not readable.
+            IntegrityError: the data does not match the agent's digest.
+            MachineFailed: the connection was lost.
+        """
+        window = self._window()
+        fields: _Msg = {"path": path}
+        if window:
+            fields["window"] = window
+        req_id, q, msg = self._open(P.OP_READ, **fields)
+        size = acked = 0
         sha = hashlib.sha256()
+        finished = False
         try:
             await self._send(msg)
             while True:
@@ -641,15 +726,23 @@ class AgentClient:
                             f"expected {size}",
                             path=path,
                         )
-                    parts.append(chunk)
                     sha.update(chunk)
                     size += len(chunk)
+                    yield chunk
+                    if window and size - acked >= window // 2:
+                        acked = size
+                        await self._ack(req_id, size)
                 elif ev == P.EV_ERROR:
+                    finished = True
                     raise self._error(reply)
                 elif ev == P.EV_RESULT:
+                    finished = True
                     break
         finally:
             self._pending.pop(req_id, None)
+            if not finished and window and not self._closed:
+                # The consumer went away: the guest stops reading the file.
+                self._spawn(self._quiet(P.OP_CANCEL, req=req_id))
         if reply.get("size") != size or reply.get("sha256") != sha.hexdigest():
             raise IntegrityError(
                 f"guest file {path} arrived corrupted ({size} bytes, sha256 {sha.hexdigest()}; "
@@ -657,7 +750,6 @@ class AgentClient:
                 digest=str(reply.get("sha256")),
                 path=path,
             )
-        return b"".join(parts)
 
     async def stat(self, path: str) -> dict[str, Any]:
         """``lstat`` a guest path: type ("file", "dir", "symlink", "other"), size, mode, mtime.

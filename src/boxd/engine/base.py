@@ -11,7 +11,7 @@ both to these protocols so ``mypy --strict`` proves they satisfy them.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -102,7 +102,10 @@ class Agent(Protocol):
     async def run(
         self, command: str | list[str], *, env: Mapping[str, str | None] | None = None,
         cwd: str | None = None, timeout: float | None = None, stdin: bytes | None = None,
-    ) -> ExecOutcome: ...
+        max_output: int | None = None,
+    ) -> ExecOutcome:
+        """Run to the end; each stream keeps its first ``max_output`` bytes (None: all)."""
+        ...
 
     async def start(
         self, command: str | list[str], *, env: Mapping[str, str | None] | None = None,
@@ -116,9 +119,17 @@ class Agent(Protocol):
         restore or reconnect). Raises InvalidRequest when there is no such command."""
         ...
 
-    async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> FileStat: ...
+    async def write_file(
+        self, path: str, data: bytes | AsyncIterable[bytes], mode: int = 0o644
+    ) -> FileStat:
+        """Write a file from bytes or streamed chunks (atomic, digest checked)."""
+        ...
 
     async def read_file(self, path: str) -> bytes: ...
+
+    def read_stream(self, path: str) -> AsyncGenerator[bytes, None]:
+        """A regular file's chunks as the consumer takes them (closing it stops the read)."""
+        ...
 
     async def identity(
         self, *, hostname: str, machine_id: str, seed: bytes, now: float

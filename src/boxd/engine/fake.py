@@ -17,7 +17,7 @@ import asyncio
 import itertools
 import json
 import shutil
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -91,6 +91,7 @@ class FakeAgent:
     async def run(
         self, command: str | list[str], *, env: Mapping[str, str | None] | None = None,
         cwd: str | None = None, timeout: float | None = None, stdin: bytes | None = None,
+        max_output: int | None = None,
     ) -> ExecOutcome:
         out = b""
         code = 0
@@ -99,14 +100,26 @@ class FakeAgent:
                 code = item.exit_code
             else:
                 out += item.data
-        return ExecOutcome(out, b"", code, None, False, 0.0)
+        cut = max_output is not None and len(out) > max_output
+        if max_output is not None:
+            out = out[:max_output]
+        return ExecOutcome(out, b"", code, None, False, 0.0, stdout_truncated=cut)
 
-    async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> FileStat:
+    async def write_file(
+        self, path: str, data: bytes | AsyncIterable[bytes], mode: int = 0o644
+    ) -> FileStat:
         self._check()
+        if not isinstance(data, bytes):
+            data = b"".join([chunk async for chunk in data])
         self._m.guest.files[path] = data.decode()
         import hashlib
 
         return FileStat(path, len(data), mode, hashlib.sha256(data).hexdigest())
+
+    async def read_stream(self, path: str) -> AsyncGenerator[bytes, None]:
+        data = await self.read_file(path)
+        for i in range(0, len(data), 1 << 20):
+            yield data[i : i + (1 << 20)]
 
     async def read_file(self, path: str) -> bytes:
         self._check()

@@ -380,6 +380,45 @@ class Exec:
         self.stdin_q: queue.Queue[bytes | None] = queue.Queue()
         self.stream_stdin = False
         self.done = False
+        self.window = Window(0)
+
+
+class Window:
+    """Flow control of one streamed reply (1.3): at most ``size`` bytes sent and not yet
+    acknowledged by the host (``size`` 0: no limit, the host did not ask for it)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.sent = 0
+        self.acked = 0
+        self.cancelled = False
+        self.cond = threading.Condition()
+
+    def full(self) -> bool:
+        return self.size > 0 and self.sent - self.acked >= self.size
+
+    def wait(self, timeout: float) -> None:
+        """Sleep until an ack (or cancel) arrives, at most ``timeout`` seconds."""
+        with self.cond:
+            if self.full() and not self.cancelled:
+                self.cond.wait(timeout)
+
+    def ack(self, total: int) -> None:
+        with self.cond:
+            self.acked = max(self.acked, total)
+            self.cond.notify_all()
+
+    def cancel(self) -> None:
+        with self.cond:
+            self.cancelled = True
+            self.cond.notify_all()
+
+
+def window_arg(msg: dict[str, Any]) -> Window:
+    size = msg.get("window") or 0
+    if not isinstance(size, int) or size < 0:
+        raise RequestError(P.ERR_INVALID, "window must be a non-negative integer")
+    return Window(size)
 
 
 class FileWrite:
@@ -404,6 +443,7 @@ class Agent:
         self.lock = threading.Lock()
         self.execs: dict[int, Exec] = {}
         self.writes: dict[int, FileWrite] = {}
+        self.reads: dict[int, Window] = {}
 
     # ---- output
 
@@ -577,6 +617,7 @@ class Agent:
         if timeout is not None and (not isinstance(timeout, int | float) or timeout <= 0):
             raise RequestError(P.ERR_INVALID, "timeout must be a positive number")
         ex = Exec(req_id, conn)
+        ex.window = window_arg(msg)
         ex.stream_stdin = bool(msg.get("stdin_stream"))
         stdin_data = msg.get("stdin")
         if stdin_data is not None:
@@ -692,6 +733,19 @@ class Agent:
                 timed_out = True
                 self.killpg(ex.pgid, signal.SIGKILL)
             wait = 0.05 if exited_at is not None or deadline is not None else 0.2
+            if ex.window.full():
+                # The host has not taken what was sent: stop reading the pipes (the
+                # command blocks on a full pipe) until it acknowledges. A pause is not
+                # silence: the drain limits after the exit count from its end.
+                ex.window.wait(wait)
+                last_data = time.monotonic()
+                if exited_at is not None:
+                    exited_at = last_data
+                if ex.conn != self.conn:
+                    # Its host is gone: nobody will acknowledge. Stop waiting for acks
+                    # (output is dropped from now on, as for any gone connection).
+                    ex.window.size = 0
+                continue
             for fd, _ in poller.poll(wait * 1000):
                 try:
                     data = os.read(fd, P.EXEC_CHUNK)
@@ -704,6 +758,7 @@ class Agent:
                     del pipes[fd]
                     continue
                 last_data = time.monotonic()
+                ex.window.sent += len(data)
                 self.send({"id": ex.id, "ev": pipes[fd], "data": b64e(data)}, ex.conn)
         # Pipes closed (or given up on): now wait for the exit status, still honouring timeout.
         while not done_event.wait(0.05):
@@ -806,6 +861,27 @@ class Agent:
                 ex.pending_signal = sig  # delivered as soon as the process exists
         delivered = self.killpg(pgid, sig) if pgid else True
         self.reply(req_id, conn, delivered=delivered)
+
+    def op_ack(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
+        """The host consumed ``bytes`` bytes of request ``req``'s output (1.3)."""
+        target, total = msg.get("req"), msg.get("bytes")
+        if not isinstance(target, int) or not isinstance(total, int):
+            raise RequestError(P.ERR_INVALID, "ack needs integer req and bytes")
+        with self.lock:
+            ex = self.execs.get(target)
+            window = ex.window if ex is not None else self.reads.get(target)
+        if window is not None:
+            window.ack(total)
+        self.reply(req_id, conn, known=window is not None)
+
+    def op_cancel(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
+        """Stop the read ``req``: its host went away (1.3)."""
+        target = msg.get("req")
+        with self.lock:
+            window = self.reads.get(target) if isinstance(target, int) else None
+        if window is not None:
+            window.cancel()
+        self.reply(req_id, conn, cancelled=window is not None)
 
     # ---- files
 
@@ -932,16 +1008,39 @@ class Agent:
                 with contextlib.suppress(OSError):
                     os.unlink(w.tmp)
 
+    @staticmethod
+    def check_regular(path: str, st: os.stat_result) -> None:
+        if stat.S_ISDIR(st.st_mode):
+            raise RequestError(P.ERR_IS_DIR, f"Is a directory: {path}", path=path)
+        if not stat.S_ISREG(st.st_mode):
+            kind = ("a character device" if stat.S_ISCHR(st.st_mode) else
+                    "a block device" if stat.S_ISBLK(st.st_mode) else
+                    "a fifo" if stat.S_ISFIFO(st.st_mode) else
+                    "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
+            raise RequestError(
+                P.ERR_INVALID, f"{path} is {kind}: only regular files can be read", path=path)
+
     def op_read(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
         path = self.path_arg(msg)
+        window = window_arg(msg)
         try:
-            f = open(path, "rb")  # noqa: SIM115 - handed to the reader thread, closed there
-            st = os.fstat(f.fileno())
+            # Refuse devices and fifos before opening them: /dev/zero never ends, and
+            # opening a fifo blocks until a writer comes. O_NONBLOCK covers a swap
+            # between the stat and the open; fstat checks what was opened.
+            self.check_regular(path, os.stat(path))
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as exc:
             raise os_error(exc, path) from exc
-        if stat.S_ISDIR(st.st_mode):
-            f.close()
-            raise RequestError(P.ERR_IS_DIR, f"Is a directory: {path}", path=path)
+        try:
+            st = os.fstat(fd)
+            self.check_regular(path, st)
+            os.set_blocking(fd, True)
+        except BaseException:
+            os.close(fd)
+            raise
+        f = os.fdopen(fd, "rb")
+        with self.lock:
+            self.reads[req_id] = window
         self.spawn_thread(f"read-{req_id}", self.stream_file, req_id, conn, path, f, st)
 
     def stream_file(
@@ -949,21 +1048,29 @@ class Agent:
     ) -> None:
         sha = hashlib.sha256()
         size = 0
+        with self.lock:
+            window = self.reads.get(req_id) or Window(0)
         try:
             with f:
                 while True:
+                    while window.full() and not window.cancelled and conn == self.conn:
+                        window.wait(0.5)  # the host has not taken what was sent yet
+                    if window.cancelled or conn != self.conn:
+                        return  # the host that asked is gone: read no further
                     chunk = f.read(P.FILE_CHUNK)
                     if not chunk:
                         break
                     sha.update(chunk)
                     msg = {"id": req_id, "ev": P.EV_DATA, "offset": size, "data": b64e(chunk)}
                     size += len(chunk)
-                    if conn != self.conn:
-                        return  # the host that asked is gone
+                    window.sent = size
                     self.send(msg, conn)
         except OSError as exc:
             self.fail(req_id, conn, os_error(exc, path))
             return
+        finally:
+            with self.lock:
+                self.reads.pop(req_id, None)
         self.reply(
             req_id,
             conn,

@@ -46,7 +46,7 @@
 #include <unistd.h>
 
 #define PROTOCOL_MAJOR "1"
-#define PROTOCOL_VERSION "1.2"
+#define PROTOCOL_VERSION "1.3"
 #define PORT_NAME "boxd.agent"
 #define IDENTITY_DIR "run/boxd"
 #define MAX_LINE (64L * 1024 * 1024)
@@ -80,6 +80,7 @@ struct exec {
     int exited, status, timed_out;
     double start;
     long long deadline, exited_at, last_data; /* monotonic ms; deadline 0 = none */
+    long long window, sent, acked; /* 1.3 flow control: window 0 = none */
     struct exec *next;
 };
 static struct exec *execs;
@@ -995,6 +996,7 @@ static void op_identity(long long id, const struct jfield *f, int n) {
 static void exec_event(struct exec *x, const char *ev, const unsigned char *d, size_t n) {
     static struct buf b;
     if (strcmp(x->nonce, cur_nonce)) return; /* its connection is gone: drop */
+    x->sent += (long long)n;
     reply_start(&b, x->id, ev);
     buf_add(&b, ",\"data\":\"", 9);
     put_b64(&b, d, n);
@@ -1077,7 +1079,10 @@ static void mkdirs(const char *path) {
 /* Run an exec request without stdin. Returns 0 if handled, -1 to relay it instead. */
 static int op_exec(long long id, const struct jfield *f, int n) {
     const struct jfield *cmd = field(f, n, "cmd"), *cwdf = field(f, n, "cwd");
-    const struct jfield *tf = field(f, n, "timeout");
+    const struct jfield *tf = field(f, n, "timeout"), *wf = field(f, n, "window");
+    long long window = 0;
+    if (wf && wf->type != J_NULL && (!is_int(wf, &window) || window < 0))
+        return -1; /* agent.py answers with the exact error */
     char **argv = NULL, **envp = NULL, cwd[1024];
     int argc = 0;
     if (!cmd) return -1;
@@ -1212,6 +1217,7 @@ static int op_exec(long long id, const struct jfield *f, int n) {
     x->start = start;
     x->deadline = timeout > 0 ? start_ms + (long long)(timeout * 1000) : 0;
     x->last_data = start_ms;
+    x->window = window;
     x->next = execs;
     execs = x;
     static struct buf b;
@@ -1237,9 +1243,24 @@ static void exec_read(struct exec *x, int k) {
     exec_event(x, k ? "stderr" : "stdout", data, (size_t)r);
 }
 
+/* The host has not acknowledged a window of output: stop reading the pipes (the command
+   then blocks on a full pipe) until it does, or until its connection is gone. */
+static int exec_paused(struct exec *x) {
+    if (!x->window || x->sent - x->acked < x->window) return 0;
+    if (strcmp(x->nonce, cur_nonce)) {
+        x->window = 0; /* nobody will acknowledge: its output is dropped from now on */
+        return 0;
+    }
+    return 1;
+}
+
 /* Advance one exec: its timeout, the drain after exit, its result. Returns 1 when done. */
 static int exec_step(struct exec *x) {
     long long t = now_ms();
+    if (exec_paused(x)) { /* a pause is not silence: the drain limits count from its end */
+        x->last_data = t;
+        if (x->exited) x->exited_at = t;
+    }
     if (x->deadline && !x->timed_out && t >= x->deadline) {
         x->timed_out = 1;
         kill(-x->pid, SIGKILL);
@@ -1319,6 +1340,20 @@ static int op_kill(long long id, const struct jfield *f, int n) {
     return 0;
 }
 
+/* 1.3: the host consumed `bytes` of exec `req`'s output. Others' acks go to agent.py. */
+static int op_ack(long long id, const struct jfield *f, int n) {
+    long long req, total;
+    if (!is_int(field(f, n, "req"), &req) || !is_int(field(f, n, "bytes"), &total)) return -1;
+    struct exec *x = find_exec(req);
+    if (!x) return -1;
+    if (total > x->acked) x->acked = total;
+    static struct buf b;
+    reply_start(&b, id, "result");
+    put(&b, ",\"known\":true");
+    reply_end(&b);
+    return 0;
+}
+
 static int op_stdin(long long id, const struct jfield *f, int n) {
     long long exec_id;
     if (!is_int(field(f, n, "exec_id"), &exec_id) || !find_exec(exec_id)) return -1;
@@ -1358,6 +1393,7 @@ static void host_line(const char *line, size_t n) {
             if (!strcmp(name, "exec") && no_stdin && op_exec(id, f, nf) == 0) return;
             if (!strcmp(name, "kill") && op_kill(id, f, nf) == 0) return;
             if (!strcmp(name, "stdin") && op_stdin(id, f, nf) == 0) return;
+            if (!strcmp(name, "ack") && op_ack(id, f, nf) == 0) return;
         }
     }
     /* Everything else (and anything malformed: agent.py logs it) goes to agent.py. */
@@ -1508,9 +1544,11 @@ int main(int argc, char **argv) {
         int xw = execs_timeout();
         if (xw >= 0) timeout = timeout < 0 || xw < timeout ? xw : timeout;
         int ix = np;
-        for (struct exec *x = execs; x; x = x->next)
-            for (int k = 0; k < 2; k++)
-                p[np++] = (struct pollfd){x->fd[k], POLLIN, 0}; /* fd -1 is ignored */
+        for (struct exec *x = execs; x; x = x->next) {
+            int paused = exec_paused(x);
+            for (int k = 0; k < 2; k++) /* fd -1 is ignored */
+                p[np++] = (struct pollfd){paused ? -1 : x->fd[k], POLLIN, 0};
+        }
         if (poll(p, (nfds_t)np, timeout) < 0) {
             if (errno != EINTR) logf_("poll: %s", strerror(errno));
             continue;

@@ -8,7 +8,7 @@ backward-compatible additions and ``PROTOCOL_MAJOR`` for anything else.
 from __future__ import annotations
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 2
+PROTOCOL_MINOR = 3
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
 
 #: Name of the virtio-serial port (``-device virtserialport,name=...``).
@@ -20,6 +20,9 @@ MAX_LINE = 64 * 1024 * 1024
 
 EXEC_CHUNK = 64 * 1024  # bytes read from a command's stdout/stderr at a time
 FILE_CHUNK = 1024 * 1024  # bytes per file chunk, both directions
+#: 1.3: a read or exec asking for flow control carries ``window``: the agent keeps at most
+#: that many bytes of output sent and not yet acknowledged (``ack``), then waits.
+DEFAULT_WINDOW = 8 * 1024 * 1024
 
 DEFAULT_CWD = "/home/boxd"
 #: Per-instance identity files (hostname, machine-id) live on tmpfs; the guest's init links
@@ -47,6 +50,8 @@ OP_STAT = "stat"
 OP_IDENTITY = "identity"
 OP_ATTACH = "attach"  # 1.2: follow a running exec again on this connection
 OP_SYNC = "sync"  # 1.1: flush the guest page cache to disk (in the agent, no process)
+OP_ACK = "ack"  # 1.3: the host consumed N bytes of a read's or exec's output (flow control)
+OP_CANCEL = "cancel"  # 1.3: stop a read (the host no longer wants it)
 
 # Events (agent -> host, field "ev"). RESULT and ERROR end a request.
 EV_STARTED = "started"  # exec: the process is running (pid)

@@ -10,7 +10,7 @@ the same protocol. Batches return per-item results.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,10 +71,14 @@ class Node(Protocol):
         self, machine_id: str, req: models.ExecRequest
     ) -> AsyncIterator[models.ExecEvent]: ...
 
-    async def upload(self, machine_id: str, path: str, data: bytes, mode: int) -> models.FileInfo:
+    async def upload(
+        self, machine_id: str, path: str, data: bytes | AsyncIterable[bytes], mode: int
+    ) -> models.FileInfo:
         ...
 
-    async def download(self, machine_id: str, path: str) -> bytes: ...
+    def download(self, machine_id: str, path: str) -> AsyncGenerator[bytes, None]:
+        """The file's chunks as the consumer takes them (closing stops the guest's read)."""
+        ...
 
     async def checkpoint_save(self, machine_id: str, name: str) -> CheckpointRecord: ...
 

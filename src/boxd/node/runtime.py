@@ -33,7 +33,7 @@ import secrets
 import socket
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -585,7 +585,9 @@ class NodeRuntime:
             deadline = req.timeout + HOST_GRACE if req.timeout else None
             try:
                 out = await asyncio.wait_for(
-                    agent.run(req.command, **self._exec_kwargs(req)), timeout=deadline
+                    agent.run(req.command, **self._exec_kwargs(req),
+                              max_output=self.settings.max_exec_output),
+                    timeout=deadline,
                 )
             except TimeoutError as exc:
                 raise MachineFailed(
@@ -596,7 +598,8 @@ class NodeRuntime:
         result = models.ExecResult(
             stdout=out.stdout.decode(errors="replace"), stderr=out.stderr.decode(errors="replace"),
             exit_code=out.exit_code, signal=out.signal, timed_out=out.timed_out,
-            duration=out.duration,
+            duration=out.duration, stdout_truncated=out.stdout_truncated,
+            stderr_truncated=out.stderr_truncated,
         )
         if result.timed_out:
             raise ExecTimeout(
@@ -622,7 +625,9 @@ class NodeRuntime:
                         timed_out=item.timed_out, duration=item.duration, error=None,
                     )
 
-    async def upload(self, machine_id: str, path: str, data: bytes, mode: int) -> models.FileInfo:
+    async def upload(
+        self, machine_id: str, path: str, data: bytes | AsyncIterable[bytes], mode: int
+    ) -> models.FileInfo:
         if not path.startswith("/"):
             raise InvalidRequest(f"guest path must be absolute: {path!r}", field="path")
         async with self._using(machine_id) as (_, _handle, agent):
@@ -630,12 +635,17 @@ class NodeRuntime:
             st = await agent.write_file(path, data, mode)
         return models.FileInfo(path=path, size=st.size, mode=st.mode, sha256=st.sha256)
 
-    async def download(self, machine_id: str, path: str) -> bytes:
+    async def download(self, machine_id: str, path: str) -> AsyncGenerator[bytes, None]:
         if not path.startswith("/"):
             raise InvalidRequest(f"guest path must be absolute: {path!r}", field="path")
-        async with self._using(machine_id) as (_, _handle, agent):
-            data: bytes = await agent.read_file(path)
-        return data
+        # The machine stays awake (and leased) while the consumer reads; closing this
+        # iterator stops the read in the guest.
+        async with (
+            self._using(machine_id) as (_, _handle, agent),
+            contextlib.aclosing(agent.read_stream(path)) as chunks,
+        ):
+            async for chunk in chunks:
+                yield chunk
 
     # ---------------------------------------------------- processes (boxd.rl)
     # A spawned process keeps running between requests; its frames are relayed by

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Annotated, cast
 
 from fastapi import APIRouter, Query, Request, Response, status
@@ -121,10 +121,10 @@ async def exec_stream(
         first = None
 
     async def lines() -> AsyncIterator[bytes]:
-        if first is None:
-            return
-        yield _line(first)
         try:
+            if first is None:
+                return
+            yield _line(first)
             async for event in events:
                 yield _line(event)
         except BoxdError as exc:
@@ -132,6 +132,11 @@ async def exec_stream(
         except Exception as exc:
             log.exception("exec stream failed", exc_info=exc)
             yield _line(models.ExecEvent(type="error", error=error_body(exc)))
+        finally:
+            # The client may be gone (this generator is closed or cancelled): closing the
+            # events now kills the command in the guest, instead of whenever the
+            # generator is collected.
+            await cast("AsyncGenerator[models.ExecEvent, None]", events).aclose()
 
     return StreamingResponse(lines(), media_type=NDJSON)
 
@@ -158,22 +163,46 @@ async def upload_file(
     mode: Annotated[int, Query(ge=0, le=0o7777, description="permission bits, decimal "
                                                                "(420 = 0o644)")] = 0o644,
 ) -> models.FileInfo:
-    """Write the request body to a file in the machine (parents are created)."""
+    """Write the request body to a file in the machine (parents are created).
+
+    The body is streamed to the guest as it arrives (at most BOXD_MAX_UPLOAD bytes)."""
     _check_path(path)
-    data = await request.body()
-    return await machines.upload(account, ref, path, data, mode)
+    return await machines.upload(account, ref, path, request.stream(), mode)
 
 
 @router.get(
-    "/{ref}/files", response_class=Response, responses={200: BINARY_RESPONSE}
+    "/{ref}/files", response_class=StreamingResponse, responses={200: BINARY_RESPONSE}
 )
 async def download_file(
     ref: str, path: Path_, account: Account, machines: Machines
-) -> Response:
-    """Read a file from the machine."""
+) -> StreamingResponse:
+    """Read a regular file from the machine, streamed as the client reads it.
+
+    Devices and fifos are refused (400). A transfer that fails midway (the machine died,
+    the data failed its digest) ends the connection before the body's end."""
     _check_path(path)
-    data = await machines.download(account, ref, path)
-    return Response(content=data, media_type="application/octet-stream")
+    chunks = aiter(machines.download(account, ref, path))
+    # Pull the first chunk before answering, so a missing file, a directory or a device
+    # gets its status instead of a 200 with an empty body.
+    try:
+        first: bytes | None = await anext(chunks)
+    except StopAsyncIteration:
+        first = None
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            if first is None:
+                return
+            yield first
+            async for chunk in chunks:
+                yield chunk
+        except Exception as exc:
+            log.warning("download of %s from %s failed midway: %s", path, ref, exc)
+            raise
+        finally:
+            await cast("AsyncGenerator[bytes, None]", chunks).aclose()
+
+    return StreamingResponse(body(), media_type="application/octet-stream")
 
 
 def _items(result: object) -> list[models.Machine | Exception]:

@@ -1,0 +1,122 @@
+"""Request body limits, enforced before any route reads a byte.
+
+A JSON body larger than ``max_body`` (``BOXD_MAX_BODY``) and a streamed upload (a guest
+file, a snapshot import) larger than ``max_upload`` (``BOXD_MAX_UPLOAD``) are answered
+with 413 ``payload_too_large`` naming the limit. A declared ``Content-Length`` over the
+limit is refused at once, unread; a body without one (chunked) is counted as it arrives
+and cut off when it passes the limit, so nothing ever parses or spools more than that.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from fastapi.encoders import jsonable_encoder
+
+from boxd.errors import PayloadTooLarge
+
+__all__ = ["BodyLimit", "is_upload"]
+
+_Scope = MutableMapping[str, Any]
+_Message = MutableMapping[str, Any]
+_Receive = Callable[[], Awaitable[_Message]]
+_Send = Callable[[_Message], Awaitable[None]]
+_App = Callable[[_Scope, _Receive, _Send], Awaitable[None]]
+
+# The routes whose body is raw bytes streamed somewhere, not parsed.
+_UPLOADS = (
+    ("PUT", re.compile(r"^/v1/machines/[^/]+/files$")),
+    ("POST", re.compile(r"^/v1/snapshots/import$")),
+)
+
+
+def is_upload(method: str, path: str) -> bool:
+    """True for the streamed-upload routes (file upload, snapshot import)."""
+    return any(method == m and pattern.match(path) for m, pattern in _UPLOADS)
+
+
+def _too_large(limit: int, setting: str, size: int | None) -> PayloadTooLarge:
+    what = f"a request body of {size} bytes" if size is not None else "the request body"
+    return PayloadTooLarge(
+        f"{what} is over this daemon's limit of {limit} bytes ({setting})",
+        hint=f"send at most {limit} bytes, or raise {setting} on the daemon",
+        field="body", limit=limit,
+    )
+
+
+class BodyLimit:
+    """ASGI middleware capping request bodies (see the module docstring)."""
+
+    def __init__(self, app: _App, *, max_body: int, max_upload: int) -> None:
+        self.app = app
+        self.max_body = max_body
+        self.max_upload = max_upload
+
+    async def __call__(self, scope: _Scope, receive: _Receive, send: _Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if is_upload(scope["method"], scope["path"]):
+            limit, setting = self.max_upload, "BOXD_MAX_UPLOAD"
+        else:
+            limit, setting = self.max_body, "BOXD_MAX_BODY"
+        declared = _content_length(scope)
+        if declared is not None and declared > limit:
+            await _answer(send, _too_large(limit, setting, declared))
+            return
+        received = 0
+        over: PayloadTooLarge | None = None
+        started = False
+
+        async def limited_receive() -> _Message:
+            nonlocal received, over
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    over = _too_large(limit, setting, None)
+                    raise over  # stops the route; the answer is replaced below
+            return message
+
+        async def guarded_send(message: _Message) -> None:
+            nonlocal started
+            if over is not None:
+                # Whatever the route made of the cut body (a parse error, a failed
+                # import), the answer is the limit.
+                if message["type"] == "http.response.start" and not started:
+                    started = True
+                    await _answer(send, over)
+                return
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        except PayloadTooLarge:
+            if not started:
+                await _answer(send, over or _too_large(limit, setting, None))
+
+
+def _content_length(scope: _Scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+async def _answer(send: _Send, exc: PayloadTooLarge) -> None:
+    body = json.dumps(jsonable_encoder(exc.to_body())).encode()
+    await send({
+        "type": "http.response.start", "status": exc.status,
+        "headers": [(b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close")],
+    })
+    await send({"type": "http.response.body", "body": body})
