@@ -57,9 +57,9 @@ def run(client: Boxd | None = None, log: Callable[[str], None] | None = None) ->
     tell = log or say
     boxd = client or Boxd()
     paths = Paths.default()
+    accel = boxd.info().accelerator  # starts the local daemon if it is not running
     pid = int(paths.lock.read_text().split()[0])
     key = (paths.home / "local.key").read_text().strip()
-    accel = boxd.info().accelerator
     m = boxd.machines.new(f"bench-mem-{int(time.time()) % 100000}")
     rows: list[Row] = []
     try:
