@@ -82,6 +82,11 @@ def test_batch_fork_spreads_over_nodes_with_the_same_memory(
     for c in children:
         assert c.node is not None and c.state == "running"
         assert _value_from_memory(b, c.id) == want, f"child on node {c.node[:8]}"
+    # Files go both ways on a child of another node (streamed through its node actor).
+    far = next(c for c in children if c.node != base.node)
+    blob = os.urandom(3 << 20)
+    assert b.machines.files.upload(far.id, "/tmp/blob", blob).size == len(blob)
+    assert b.machines.files.download(far.id, "/tmp/blob") == blob
     # The receiving nodes keep the template: a second fork there is copy-on-write again.
     for c in children:
         b.machines.delete(c.id)

@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,7 @@ from boxd.errors import BoxdError, HostSetupError, InternalError, MachineNotFoun
 from boxd.node import _transfer as transfer
 from boxd.node._host import Host
 from boxd.node._transfer import FileOffer, TemplateOffer
-from boxd.node.base import Boot, FromSnapshot, ProcessStream
+from boxd.node.base import Boot, FromSnapshot, Node, ProcessStream
 from boxd.node.runtime import NodeRuntime
 from boxd.state import CheckpointRecord, Database, MachineRecord, Repos
 from boxd.storage import SnapshotStore
@@ -105,6 +105,8 @@ class NodeActor:
         self.settings = Settings.from_env(env)
         self.runtime: NodeRuntime | None = None
         self._sessions: dict[str, tuple[AsyncExitStack, ProcessStream]] = {}
+        self._uploads: dict[str, tuple[asyncio.Queue[bytes | None],
+                                       asyncio.Task[models.FileInfo]]] = {}
         self._started: asyncio.Future[None] | None = None
 
     async def start(self) -> str:
@@ -231,6 +233,44 @@ class NodeActor:
         async for event in self.rt.exec_stream(machine_id, req):
             yield event
 
+    async def download(self, machine_id: str, path: str) -> AsyncIterator[bytes]:
+        async with contextlib.aclosing(self.rt.download(machine_id, path)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def upload_begin(self, machine_id: str, path: str, mode: int) -> str:
+        """Start writing a guest file fed by `upload_chunk` calls; `upload_end` answers."""
+        queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=4)
+
+        async def chunks() -> AsyncIterator[bytes]:
+            while (item := await queue.get()) is not None:
+                yield item
+
+        task = asyncio.create_task(self.rt.upload(machine_id, path, chunks(), mode))
+        sid = secrets.token_hex(8)
+        self._uploads[sid] = (queue, task)
+        return sid
+
+    async def upload_chunk(self, sid: str, data: bytes) -> None:
+        queue, task = self._uploads[sid]
+        put = asyncio.ensure_future(queue.put(data))
+        done, _ = await asyncio.wait({put, task}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done and put not in done:  # the write failed: say why
+            put.cancel()
+            self._uploads.pop(sid, None)
+            task.result()
+
+    async def upload_end(self, sid: str) -> models.FileInfo:
+        queue, task = self._uploads.pop(sid)
+        if not task.done():
+            await queue.put(None)
+        return await task
+
+    async def upload_abort(self, sid: str) -> None:
+        entry = self._uploads.pop(sid, None)
+        if entry is not None:
+            entry[1].cancel()
+
     async def attach(self, machine_id: str, process_id: str) -> tuple[str, pm.Process]:
         stack = AsyncExitStack()
         stream = await stack.enter_async_context(self.rt.process_attach(machine_id, process_id))
@@ -258,8 +298,7 @@ class NodeActor:
 
 # Methods of NodeRuntime a control plane calls by machine id (everything else is above).
 _CALLS = frozenset({
-    "wait_until_ready", "exec", "upload", "download", "checkpoint_save", "checkpoint_restore",
-    "checkpoint_list",
+    "wait_until_ready", "exec", "checkpoint_save", "checkpoint_restore", "checkpoint_list",
     "checkpoint_delete", "save_snapshot", "delete", "suspend", "hibernate", "resume", "spawn",
     "processes", "process_kill",
 })
@@ -427,13 +466,49 @@ class RayNode:
         except Exception as exc:
             raise _unwrap(exc, self._id) from None
 
-    async def upload(self, machine_id: str, path: str, data: bytes, mode: int) -> models.FileInfo:
-        out: models.FileInfo = await self._call("upload", machine_id, path, data, mode)
+    async def upload(
+        self, machine_id: str, path: str, data: bytes | AsyncIterable[bytes], mode: int
+    ) -> models.FileInfo:
+        """Chunks go to the node one actor call each (the node writes them to the guest
+        as they come; a few in flight at most)."""
+        sid: str = await self._ask(self.actor.upload_begin.remote(machine_id, path, mode))
+        try:
+            if isinstance(data, bytes):
+                for off in range(0, len(data), transfer.CHUNK):
+                    await self._ask(self.actor.upload_chunk.remote(
+                        sid, data[off:off + transfer.CHUNK]))
+            else:
+                async for chunk in data:
+                    await self._ask(self.actor.upload_chunk.remote(sid, chunk))
+            out: models.FileInfo = await self._ask(self.actor.upload_end.remote(sid))
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self.actor.upload_abort.remote(sid)
+            raise
+        with contextlib.suppress(BoxdError):
+            await self.sync([machine_id])
         return out
 
-    async def download(self, machine_id: str, path: str) -> bytes:
-        out: bytes = await self._call("download", machine_id, path)
-        return out
+    async def download(self, machine_id: str, path: str) -> AsyncGenerator[bytes, None]:
+        """The node's chunks as a Ray streaming generator with back-pressure (a few
+        chunks ahead of the consumer); closing it cancels the read on the node."""
+        if not self.alive:
+            await self._ask(None)  # raises NodeLost
+        gen = self.actor.download.options(
+            num_returns="streaming", _generator_backpressure_num_objects=4,
+        ).remote(machine_id, path)
+        try:
+            async for ref in gen:
+                yield await self._ask(ref)
+        except BoxdError:
+            raise
+        except Exception as exc:
+            raise _unwrap(exc, self._id) from None
+        finally:
+            import ray
+
+            with contextlib.suppress(Exception):
+                ray.cancel(gen)
 
     async def checkpoint_save(self, machine_id: str, name: str) -> CheckpointRecord:
         out: CheckpointRecord = await self._call("checkpoint_save", machine_id, name)
@@ -642,6 +717,10 @@ class RayCluster:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+
+
+def _conforms(node: RayNode) -> Node:
+    return node  # mypy proves RayNode implements the Node protocol
 
 
 __all__ = ["NAMESPACE", "RESOURCE", "NodeActor", "RayCluster", "RayNode"]
