@@ -197,6 +197,7 @@ def _int(env: Mapping[str, str], name: str, default: int) -> int:
         return default
 
 
+_OFF = ("off", "0", "no", "false")
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
 
 
@@ -269,6 +270,7 @@ class Settings:
     max_body: int = 16 << 20  # BOXD_MAX_BODY: bytes of a JSON request body
     max_upload: int = 64 << 30  # BOXD_MAX_UPLOAD: bytes of a file upload or snapshot import
     max_exec_output: int = 16 << 20  # BOXD_MAX_EXEC_OUTPUT: bytes kept per stream of an exec
+    cgroups: str = "auto"  # BOXD_CGROUPS: auto (a cgroup per QEMU process if possible), off
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -294,6 +296,7 @@ class Settings:
             max_body=_size(e, "BOXD_MAX_BODY", 16 << 20),
             max_upload=_size(e, "BOXD_MAX_UPLOAD", 64 << 30),
             max_exec_output=_size(e, "BOXD_MAX_EXEC_OUTPUT", 16 << 20),
+            cgroups="off" if e.get("BOXD_CGROUPS", "").strip().lower() in _OFF else "auto",
         )
 
 

@@ -316,3 +316,4 @@ class HostInfo(BaseModel):
     image: str | None = None
     engines: list[EngineInfo] = Field(default_factory=list)
     engine_reason: str | None = None  # why BOXD_ENGINE=auto chose the default engine
+    limits: str | None = None  # per-machine resource limits (cgroups), or why there are none

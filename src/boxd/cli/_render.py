@@ -302,6 +302,7 @@ def host(info: models.HostInfo) -> None:
             ("cpu model", info.cpu_model),
             ("data dir", info.data_dir),
             ("image", info.image),
+            ("limits", info.limits),
         ]
     )
     if info.engines:

@@ -69,6 +69,7 @@ class EngineInfo:
     accelerator: str
     accelerator_reason: str
     cpu_model: str
+    limits: str = ""  # per-machine resource limits here (cgroups), or why there are none
 
 
 class Process(Protocol):

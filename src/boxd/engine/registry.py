@@ -146,6 +146,7 @@ def resolve_auto(settings: Settings, paths: Paths, image: GuestImage) -> tuple[s
 
 
 def _open_qemu(settings: Settings, paths: Paths, image: GuestImage) -> Engine:
+    from boxd.engine.cgroups import Cgroups
     from boxd.engine.qemu import QemuEngine, probe_accelerator, qemu_version, resolve_run_as
 
     qemu = shutil.which("qemu-system-x86_64")
@@ -166,9 +167,16 @@ def _open_qemu(settings: Settings, paths: Paths, image: GuestImage) -> Engine:
                   paths.shm / "tmp"),
         listable=(paths.home, paths.shm),
     )
+    cgroups = Cgroups.open(paths.shm.name, settings.cgroups)
+    if cgroups.available:
+        swept = cgroups.sweep()  # nothing runs yet in a cgroup this daemon will make
+        log.info("event=cgroups limits=%r swept=%d", cgroups.summary(), len(swept))
+    else:
+        log.warning("event=cgroups_unavailable reason=%r", cgroups.summary())
     return QemuEngine(
         qemu, accel, readonly_rom=version >= (8, 2, 0), run_as=run_as,
         version=".".join(map(str, version)), net_user=settings.net_user,
+        cgroups=cgroups,
     )
 
 

@@ -415,6 +415,7 @@ class NodeRuntime:
             accelerator=info.accelerator, accelerator_reason=info.accelerator_reason,
             cpu_model=info.cpu_model, data_dir=str(self.paths.home), image=image.key,
             engines=engines, engine_reason=self.host.default_reason,
+            limits=info.limits or None,
         )
 
     async def info(self) -> models.NodeInfo:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from boxd.engine.agent import AgentClient
 from boxd.engine.base import BootDisk, EngineInfo, MachineConfig, MemoryImage
+from boxd.engine.cgroups import Cgroups, Limits, memory_limit
 from boxd.engine.qemu import _argv, _net
 from boxd.engine.qemu._probe import AccelChoice
 from boxd.engine.qemu._process import QemuProcess, pid_matches
@@ -303,7 +304,7 @@ class QemuEngine:
     def __init__(
         self, qemu: str, accel: AccelChoice, *, readonly_rom: bool = True,
         run_as: RunAs | None = None, version: str = "", net: NetSetup | None = None,
-        net_user: str = "boxd-net",
+        net_user: str = "boxd-net", cgroups: Cgroups | None = None,
     ) -> None:
         self._net = net
         self._net_user = net_user
@@ -312,6 +313,7 @@ class QemuEngine:
         self.readonly_rom = readonly_rom
         self.run_as = run_as
         self.version = version
+        self.cgroups = cgroups or Cgroups.off("not set up")
 
     @property
     def net(self) -> NetSetup:
@@ -335,14 +337,15 @@ class QemuEngine:
         return EngineInfo(
             name=self.name, binary=self.qemu, version=self.version,
             accelerator=self.accelerator, accelerator_reason=self.accelerator_reason,
-            cpu_model=self.cpu_model,
+            cpu_model=self.cpu_model, limits=self.cgroups.summary(),
         )
 
     def attach(
         self, config: MachineConfig, run_dir: Path, pid: int, disk: Path, ram_shared: bool,
         log_path: Path,
     ) -> QemuMachine:
-        return attach(config, run_dir, pid, disk, ram_shared, log_path, run_as=self.run_as)
+        return attach(config, run_dir, pid, disk, ram_shared, log_path, run_as=self.run_as,
+                      cgroups=self.cgroups)
 
     def kill_stray(self, vm_id: str, run_dir: Path, pid: int | None = None) -> bool:
         """SIGKILL the QEMU process of ``vm_id`` if it still runs (pids recycle: the
@@ -356,6 +359,7 @@ class QemuEngine:
             return False
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+        self.cgroups.release_now(self.cgroups.of(vm_id))
         return True
 
     async def create_disk(
@@ -403,8 +407,16 @@ class QemuEngine:
             )
             for stale in (files.qmp, files.agent, files.pidfile):
                 stale.unlink(missing_ok=True)
-            return QemuProcess.spawn(config.id, argv, files.qmp, log_path,
-                                     pass_fds=() if net_fd is None else (net_fd,))
+            cgroup = self.cgroups.create(
+                config.id, Limits(memory_limit(config.memory_mib, ram_shared=memory.shared))
+            )
+            try:
+                return QemuProcess.spawn(config.id, argv, files.qmp, log_path,
+                                         pass_fds=() if net_fd is None else (net_fd,),
+                                         cgroup=cgroup, cgroups=self.cgroups)
+            except BaseException:
+                self.cgroups.release_now(cgroup)
+                raise
         finally:
             # QEMU holds its own copy now; if QEMU never started, passt sees EOF and quits.
             if net_fd is not None:
@@ -477,7 +489,7 @@ class QemuEngine:
 
 def attach(
     config: MachineConfig, run_dir: Path, pid: int, disk: Path, ram_shared: bool,
-    log_path: Path, run_as: RunAs | None = None,
+    log_path: Path, run_as: RunAs | None = None, cgroups: Cgroups | None = None,
 ) -> QemuMachine:
     """Find a machine's QEMU process again after a daemon restart (no engine needed).
 
@@ -490,5 +502,6 @@ def attach(
             f"machine {config.id} failed: its QEMU process (pid {pid}) is gone",
             hint="delete it and create it again", machine=config.id,
         )
-    proc = QemuProcess(config.id, pid, files.qmp, log_path)
+    proc = QemuProcess(config.id, pid, files.qmp, log_path,
+                       cgroup=cgroups.of(config.id) if cgroups else None, cgroups=cgroups)
     return QemuMachine(config, proc, files, disk, ram_shared=ram_shared, run_as=run_as)

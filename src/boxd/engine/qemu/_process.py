@@ -16,6 +16,7 @@ from typing import Any
 
 from qemu.qmp import ConnectError, ExecuteError, QMPClient
 
+from boxd.engine.cgroups import Cgroups, VmCgroup
 from boxd.errors import HostSetupError, InternalError, MachineFailed
 
 log = logging.getLogger("boxd.engine")
@@ -68,22 +69,30 @@ class QemuProcess:
 
     def __init__(
         self, machine_id: str, pid: int, qmp_path: Path, log_path: Path,
-        popen: subprocess.Popen[bytes] | None = None,
+        popen: subprocess.Popen[bytes] | None = None, *,
+        cgroup: VmCgroup | None = None, cgroups: Cgroups | None = None,
     ) -> None:
         self.machine_id = machine_id
         self.pid = pid
         self.qmp_path = qmp_path
         self.log_path = log_path
         self.popen = popen
+        self.cgroup = cgroup  # its own cgroup (see boxd.engine.cgroups), if any
+        self._cgroups = cgroups
+        # Read from the cgroup before it is removed, for exit_reason.
+        self._oom: bool | None = None
+        self._limit: int | None = None
         self._qmp: QMPClient | None = None
         self._qmp_lock = asyncio.Lock()
 
     @classmethod
     def spawn(
         cls, machine_id: str, argv: list[str], qmp_path: Path, log_path: Path,
-        pass_fds: tuple[int, ...] = (),
+        pass_fds: tuple[int, ...] = (), *,
+        cgroup: VmCgroup | None = None, cgroups: Cgroups | None = None,
     ) -> QemuProcess:
-        """Start QEMU in its own session (it outlives a daemon restart).
+        """Start QEMU in its own session (it outlives a daemon restart), inside
+        ``cgroup`` from its first instruction when one is given.
 
         ``pass_fds`` stay open in QEMU under their numbers (passt's socket).
 
@@ -108,13 +117,18 @@ class QemuProcess:
                     argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
                     start_new_session=True, close_fds=True, umask=QEMU_UMASK,
                     pass_fds=pass_fds,
+                    preexec_fn=cgroup.join() if cgroup is not None else None,
                 )
             except FileNotFoundError as exc:
                 raise HostSetupError(
                     f"QEMU binary {argv[0]!r} not found",
                     hint="run scripts/setup-host.sh to install QEMU",
                 ) from exc
-        return cls(machine_id, popen.pid, qmp_path, log_path, popen)
+        if cgroup is not None and not cgroup.contains(popen.pid):
+            log.warning("machine=%s event=cgroup_not_joined pid=%d: it runs without limits",
+                        machine_id, popen.pid)
+        return cls(machine_id, popen.pid, qmp_path, log_path, popen, cgroup=cgroup,
+                   cgroups=cgroups)
 
     def alive(self) -> bool:
         if self.popen is not None:
@@ -132,7 +146,12 @@ class QemuProcess:
                 except ValueError:
                     name = str(-rc)
                 why = f"the QEMU process was killed by {name}"
-                if -rc == signal.SIGBUS:
+                if -rc == signal.SIGKILL and self.oom_killed():
+                    limit = self._limit if self.cgroup is None else self.cgroup.memory_limit
+                    why += (" by the kernel's OOM killer: it reached its memory limit"
+                            + (f" of {limit >> 20} MiB" if limit else "")
+                            + " (guest RAM + QEMU's overhead; docs/security.md)")
+                elif -rc == signal.SIGBUS:
                     # Guest RAM is a file on tmpfs: touching a page it has no room for
                     # raises SIGBUS.
                     why += (" (its RAM filesystem, BOXD_SHM, is probably full: free "
@@ -141,6 +160,22 @@ class QemuProcess:
                 why = f"the QEMU process exited with status {rc}"
         tail = self.log_tail()
         return f"{why}: {tail}" if tail else why
+
+    def oom_killed(self) -> bool:
+        if self._oom is None:
+            return self.cgroup is not None and self.cgroup.oom_killed()
+        return self._oom
+
+    async def release_cgroup(self) -> None:
+        """Remove the process's cgroup (it has ended); its OOM verdict is kept."""
+        cg, self.cgroup = self.cgroup, None
+        if cg is None:
+            return
+        self._oom, self._limit = cg.oom_killed(), cg.memory_limit
+        if self._cgroups is not None:
+            await self._cgroups.release(cg)
+        else:
+            cg.remove()
 
     def log_tail(self, lines: int = 3) -> str:
         try:
@@ -249,10 +284,12 @@ class QemuProcess:
         for a process re-attached after a daemon restart alike.
         """
         if not self.alive():
+            await self.release_cgroup()
             return
         try:
             fd = os.pidfd_open(self.pid)
         except OSError:
+            await self.release_cgroup()
             return  # gone already
         loop = asyncio.get_running_loop()
         ended: asyncio.Future[None] = loop.create_future()
@@ -270,6 +307,8 @@ class QemuProcess:
         finally:
             loop.remove_reader(fd)
             os.close(fd)
+        if not self.alive():
+            await self.release_cgroup()
 
     async def kill(self) -> None:
         """SIGKILL the process and reap it."""
@@ -286,3 +325,5 @@ class QemuProcess:
                 if _proc_state(self.pid) in (None, "Z"):
                     break
                 await asyncio.sleep(0.01)
+        if not self.alive():
+            await self.release_cgroup()
