@@ -862,6 +862,8 @@ export interface components {
             engines?: components["schemas"]["EngineInfo"][];
             /** Engine Reason */
             engine_reason?: string | null;
+            /** Limits */
+            limits?: string | null;
         };
         /** Machine */
         Machine: {

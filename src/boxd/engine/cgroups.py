@@ -49,7 +49,7 @@ log = logging.getLogger("boxd.engine")
 #: disk layers' page cache, which is reclaimed first). Measured peaks are in
 #: docs/security.md; this leaves room over the largest of them.
 QEMU_OVERHEAD_MIB = 384
-#: Tasks one QEMU process may run (measured: 5-75 threads; see docs/security.md).
+#: Tasks one QEMU process may run (measured: 6-31 threads; see docs/security.md).
 PIDS_MAX = 512
 CPU_SHARES = 1024  # v1 default and the weight of every machine
 CPU_WEIGHT = 100  # v2 default
@@ -71,7 +71,8 @@ class Limits:
 
 
 def _write(path: Path, value: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    # (O_CREAT: cgroupfs refuses new files anyway; plain directories in tests need it.)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
         os.write(fd, value.encode())
     finally:
