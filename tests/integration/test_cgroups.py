@@ -9,8 +9,7 @@ latency: on this host (2 cores shared with other jobs, load 5-25 while measured)
 guest spinning on all 8 vCPUs did not starve a 1-vCPU machine without cgroups either
 (TCG's vCPU threads got about twice the CPU of the other machine's one, not eight
 times), and the latency of the other machine's exec varied 0.1-1.3 s with the host's
-load either way; `bench/bench_cgroups.py` measures both and docs/benchmarks.md
-records the numbers.
+load either way (the figures are in docs/security.md).
 """
 
 from __future__ import annotations
