@@ -97,6 +97,17 @@ def kill_machines_of(home: Path) -> None:
                 os.kill(int(pid), signal.SIGKILL)
 
 
+def remove_cgroups_of(home: Path) -> None:
+    """Remove the per-machine cgroups of a data directory whose VMs are gone (a daemon
+    removes them itself; one stopped before its machines were killed cannot)."""
+    name = _shm_of(home).name  # the cgroup parent is named like the tmpfs folder
+    for parent in Path("/sys/fs/cgroup").glob(f"**/{name}"):
+        for d in [*parent.glob("*/"), parent]:
+            with contextlib.suppress(OSError):
+                if d.is_dir() and not (d / "cgroup.procs").read_text().strip():
+                    d.rmdir()
+
+
 def _shm_of(home: Path) -> Path:
     from boxd.config import Paths
 
@@ -123,6 +134,8 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     finally:
         d.stop()
         kill_machines_of(home)
+        time.sleep(0.2)  # the killed VMs leave their cgroups
+        remove_cgroups_of(home)
         import shutil
 
         shutil.rmtree(_shm_of(home), ignore_errors=True)
