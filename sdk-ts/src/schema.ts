@@ -238,12 +238,17 @@ export interface paths {
         };
         /**
          * Download File
-         * @description Read a file from the machine.
+         * @description Read a regular file from the machine, streamed as the client reads it.
+         *
+         *     Devices and fifos are refused (400). A transfer that fails midway (the machine died,
+         *     the data failed its digest) ends the connection before the body's end.
          */
         get: operations["download_file_v1_machines__ref__files_get"];
         /**
          * Upload File
          * @description Write the request body to a file in the machine (parents are created).
+         *
+         *     The body is streamed to the guest as it arrives (at most BOXD_MAX_UPLOAD bytes).
          */
         put: operations["upload_file_v1_machines__ref__files_put"];
         post?: never;
@@ -780,6 +785,18 @@ export interface components {
             timed_out: boolean;
             /** Duration */
             duration: number;
+            /**
+             * Stdout Truncated
+             * @description stdout was cut at the daemon's limit (BOXD_MAX_EXEC_OUTPUT, 16 MiB by default); the command ran to its end. Stream the exec for all of it
+             * @default false
+             */
+            stdout_truncated: boolean;
+            /**
+             * Stderr Truncated
+             * @description stderr was cut, as stdout_truncated
+             * @default false
+             */
+            stderr_truncated: boolean;
         };
         /** FileInfo */
         FileInfo: {
