@@ -22,6 +22,7 @@ from boxd import process_models as pm
 from boxd.config import DEFAULT_MACHINE_QUOTA
 from boxd.engine.registry import ENGINES
 from boxd.errors import (
+    BoxdError,
     InvalidRequest,
     MachineNotFound,
     NodeLost,
@@ -555,6 +556,12 @@ class Snapshots:
         self.repos.snapshots.delete(rec.id)
         if not self.repos.snapshots.digest_used(rec.digest):
             await asyncio.to_thread(self.store.delete, rec.digest, in_use=self.in_use)
+            for node in self.machines.nodes.values():  # a cluster's nodes hold the blobs
+                if isinstance(node, RayNode) and node.alive:
+                    try:
+                        await node.drop_snapshot(rec.digest)
+                    except BoxdError as exc:  # its store collects them later
+                        log.warning("node=%s event=snapshot_drop_failed error=%s", node.id, exc)
 
     async def export(self, account: str, ref: str) -> Path:
         rec = self.resolve(account, ref)

@@ -217,6 +217,23 @@ class NodeActor:
     async def read_chunk(self, kind: str, key: str, offset: int, length: int) -> bytes:
         return await self.rt.read_chunk(kind, key, offset, length)
 
+    async def drop_snapshot(self, digest: str) -> bool:
+        """Remove a snapshot the registry no longer has (blobs machines here map stay);
+        False if a machine here runs from it (its store keeps it)."""
+        store, rt = self.rt.store, self.rt
+        if not store.exists(digest) or digest in rt.snapshot_digests_in_use():
+            return False
+
+        def in_use() -> set[str]:
+            used: set[str] = set()
+            for d in rt.snapshot_digests_in_use():
+                if store.exists(d):
+                    used |= {b.digest for b in store.get(d).blobs.values()}
+            return used
+
+        await asyncio.to_thread(store.delete, digest, in_use=in_use)
+        return True
+
     # -------------------------------------------------- calls by machine id
 
     async def call(self, method: str, machine_id: str, *args: Any
@@ -548,6 +565,9 @@ class RayNode:
             await asyncio.to_thread(store.receive, raw, digest, files)
         finally:
             shutil.rmtree(work, ignore_errors=True)
+
+    async def drop_snapshot(self, digest: str) -> None:
+        await self._ask(self.actor.drop_snapshot.remote(digest))
 
     async def snapshot_digests(self) -> set[str]:
         return set(await self._ask(self.actor.snapshot_digests.remote()))
