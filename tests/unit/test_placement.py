@@ -98,6 +98,10 @@ def test_fork_children_fill_the_source_node_first_then_spread(tmp_path: Path) ->
     targets = asyncio.run(plane._fork_targets(src, cast(Node, a), 7))
     assert _ids(targets) == ["a", "a", "b", "b", "c", "c", "ResourceExhausted"]
     assert _ids(asyncio.run(plane._fork_targets(src, cast(Node, a), 2))) == ["a", "a"]
+    # a node that received this source's template before comes before free memory
+    plane._received[src.id] = {"c"}
+    assert _ids(asyncio.run(plane._fork_targets(src, cast(Node, a), 5))) == [
+        "a", "a", "c", "c", "b"]
 
 
 def test_dead_nodes_take_nothing_and_their_machines_are_lost(tmp_path: Path) -> None:

@@ -77,6 +77,8 @@ class Machines:
         self.default_quota = default_quota
         self.snapshots: Snapshots | None = None
         self.cluster = cluster  # nodes on Ray (`boxd serve --ray`); None: this host only
+        # source machine id -> nodes that received its template (placement prefers them)
+        self._received: dict[str, set[str]] = {}
 
     # ------------------------------------------------------------- placement
 
@@ -327,6 +329,7 @@ class Machines:
             assert isinstance(target, RayNode) and isinstance(node, RayNode)
             try:
                 results.update(zip(ids, await target.fork_from(node, src.id, ids), strict=True))
+                self._received.setdefault(src.id, set()).add(nid)
             except Exception as exc:  # that node's children failed; the others go on
                 for cid in ids:
                     await self._forget(cid, target)
@@ -354,7 +357,10 @@ class Machines:
         out: builtins.list[Node | Exception] = [node] * min(here, count)
         if len(out) < count:
             others = {k: v for k, v in room.items() if k != node.id}
-            ranked = sorted(others, key=lambda n: -others[n][1])
+            # nodes that received this source's template before first (copy-on-write
+            # there again, if the source is unchanged), then by free memory
+            had = self._received.get(src.id, set())
+            ranked = sorted(others, key=lambda n: (n not in had, -others[n][1]))
             for nid in ranked:
                 out += [self.nodes[nid]] * min(max(0, others[nid][0]), count - len(out))
         while len(out) < count:
@@ -442,6 +448,7 @@ class Machines:
     async def delete(self, account: str, ref: str) -> None:
         rec = self._find(account, ref)
         node = self.nodes.get(rec.node_id)
+        self._received.pop(rec.id, None)
         if rec.state == MachineState.LOST or node is None or not _alive(node):
             self.repos.machines.delete(rec.id)  # its node and VM are gone: only the record
             return
