@@ -30,6 +30,15 @@ sys.path.insert(0, str(REPO / "bench"))
 from _cluster import LocalCluster, local_cluster, qemu_pids
 
 CAP = 2  # BOXD_NODE_MAX_MACHINES for this cluster
+ECHO = (  # a process that sends back every frame it gets (4-byte length, then the body)
+    "import sys\n"
+    "r, w = sys.stdin.buffer, sys.stdout.buffer\n"
+    "while True:\n"
+    "    h = r.read(4)\n"
+    "    if len(h) < 4: break\n"
+    "    body = r.read(int.from_bytes(h, 'big'))\n"
+    "    w.write(h + body); w.flush()\n"
+)
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +75,7 @@ def _value_from_memory(b: Any, machine_id: str) -> str:
 def test_control_plane_sees_three_nodes_with_their_own_data(cluster: LocalCluster) -> None:
     nodes = cluster.client.nodes.list()
     assert sorted(n.id for n in nodes) == sorted(cluster.node_ids)
+    assert all(n.address == "127.0.0.1" for n in nodes)  # the namespace has only lo
     assert all(n.health == "alive" and n.max_machines == CAP for n in nodes)
     for nid in cluster.node_ids:  # each node runtime has a directory (and database) of its own
         assert (cluster.node_home(nid) / "state.db").exists()
@@ -133,6 +143,14 @@ def test_a_restarted_control_plane_finds_its_nodes_and_machines(
     assert {m.id: m.node for m in b.machines.list()} == before
     assert sorted(n.id for n in b.nodes.list() if n.health == "alive") == sorted(cluster.node_ids)
     assert b.machines.exec(kid.id, "echo ok").stdout == "ok\n"  # its VM kept running
+    # a process's framed channel works through the control plane and the node actor
+    b.machines.files.upload(kid.id, "/home/boxd/echo.py", ECHO)
+    proc = b.machines.spawn(kid.id, ["python3", "-u", "/home/boxd/echo.py"])
+    for payload in (b"", b"x" * 100, os.urandom(200_000)):
+        proc.send(payload)
+        assert proc.recv(timeout=120) == payload
+    assert [p.id for p in b.machines.processes(kid.id)] == [proc.id]
+    proc.kill()
     assert _value_from_memory(b, kid.id) == _value_from_memory(b, base.id)
     b.machines.delete(kid.id)
 

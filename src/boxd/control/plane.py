@@ -52,11 +52,12 @@ def validate_name(name: str, kind: str = "machine") -> str:
     return name
 
 
-def machine_model(rec: MachineRecord) -> models.Machine:
+def machine_model(rec: MachineRecord, host: str = "127.0.0.1") -> models.Machine:
+    """The API's view of a record; ``host`` serves its URL (its node's address)."""
     return models.Machine(
         id=rec.id, name=rec.name, state=rec.state, vcpus=rec.vcpus, memory_mib=rec.memory_mib,
         disk_gib=rec.disk_gib, isolated=rec.isolated, port=rec.port,
-        url=f"http://127.0.0.1:{rec.port}" if rec.port else None, parent_id=rec.parent_id,
+        url=f"http://{host}:{rec.port}" if rec.port else None, parent_id=rec.parent_id,
         snapshot=rec.snapshot, accelerator=rec.accel, error=rec.error,
         created_at=rec.created_at, node=rec.node_id, engine=rec.engine,
         suspend_after=rec.suspend_after, hibernate_after=rec.hibernate_after,
@@ -91,6 +92,11 @@ class Machines:
                 hint=f"delete it (`boxd machine delete {rec.name}`) and create or fork again",
             )
         return node
+
+    def _model(self, rec: MachineRecord) -> models.Machine:
+        node = self.nodes.get(rec.node_id)
+        address = getattr(node, "address", "") if isinstance(node, RayNode) else ""
+        return machine_model(rec, address or "127.0.0.1")
 
     def quota_of(self, account: str) -> int:
         acct = self.repos.accounts.get(account)
@@ -239,10 +245,10 @@ class Machines:
     # ------------------------------------------------------------ inspection
 
     async def get(self, account: str, ref: str) -> models.Machine:
-        return machine_model(self._find(account, ref))
+        return self._model(self._find(account, ref))
 
     async def list(self, account: str) -> builtins.list[models.Machine]:
-        return [machine_model(r) for r in self.repos.machines.list(account)]
+        return [self._model(r) for r in self.repos.machines.list(account)]
 
     async def wait_until_ready(self, account: str, ref: str, timeout: float) -> models.Machine:
         rec = self._find(account, ref)
@@ -342,7 +348,7 @@ class Machines:
                 out.append(c)
                 continue
             err = results[c.id]
-            out.append(err if err is not None else machine_model(self._find(account, c.id)))
+            out.append(err if err is not None else self._model(self._find(account, c.id)))
         return out
 
     async def _fork_targets(
