@@ -191,7 +191,11 @@ class NodeActor:
                    quota: int) -> list[Exception | None]:
         for c in children:
             self.rt.repos.machines.adopt(c, quota)
-        return await self.rt.fork(source_id, [c.id for c in children])
+        try:
+            return await self.rt.fork(source_id, [c.id for c in children])
+        except BaseException:
+            await self._drop(children)  # the source could not be forked: no child is left
+            raise
 
     async def fork_from(self, peer: Any, src: MachineRecord, children: list[MachineRecord],
                         quota: int) -> list[Exception | None]:
@@ -203,10 +207,20 @@ class NodeActor:
         t2 = time.monotonic()
         for c in children:
             self.rt.repos.machines.adopt(c, quota)
-        out = await self.rt.fork_received(src, tpl, [c.id for c in children])
+        try:
+            out = await self.rt.fork_received(src, tpl, [c.id for c in children])
+        except BaseException:
+            await self._drop(children)
+            raise
         log.info("source=%s event=fork_from children=%d offer=%.3f receive=%.3f start=%.3f",
                  src.id, len(children), t1 - t0, t2 - t1, time.monotonic() - t2)
         return out
+
+    async def _drop(self, children: list[MachineRecord]) -> None:
+        for c in children:
+            if self.rt.repos.machines.get(c.id) is not None:
+                with contextlib.suppress(Exception):
+                    await self.rt.purge(c.id)
 
     async def offer_template(self, source_id: str) -> TemplateOffer:
         return await self.rt.offer_template(source_id)
@@ -454,9 +468,7 @@ class RayNode:
                 results = await self._ask(
                     self.actor.fork_from.remote(source.actor, src, children, quota))
         except BaseException:
-            self._forget(child_ids)
-            with contextlib.suppress(BaseException):
-                await self._ask(self.actor.records.remote(child_ids))
+            self._forget(child_ids)  # the node dropped its copies too
             raise
         self._forget([c for c, r in zip(child_ids, results, strict=True) if r is not None])
         await self.sync([c for c, r in zip(child_ids, results, strict=True) if r is None])
