@@ -127,9 +127,14 @@ class NodeActor:
                     store, node_id=self.node_id,
                 )
                 await self.runtime.recover()
-                # Warm up now (guest image, engine probe: seconds on a new node), not on
-                # the first create or fork placed here.
-                self._warm = asyncio.create_task(self.runtime.host.ready(), name="warm up")
+                # Warm up before joining (guest image, accelerator probe: seconds on a new
+                # node), not on the first create or fork placed here, and not while a
+                # machine of a node that joined earlier boots (a probe boots a guest).
+                try:
+                    await self.runtime.host.ready()
+                except BoxdError as exc:  # it joins; requests then say what is missing
+                    logging.getLogger("boxd.cluster").warning(
+                        "node=%s event=warm_up_failed error=%s", self.node_id, exc)
                 self._started.set_result(None)
             except BaseException as exc:
                 self._started.set_exception(exc)
@@ -665,6 +670,7 @@ class RayCluster:
         self.quota = quota
         self.nodes: dict[str, Any] = {}
         self._task: asyncio.Task[None] | None = None
+        self._joining: set[str] = set()
         self._env = {k: v for k, v in os.environ.items()
                      if k.startswith("BOXD_") and k not in ("BOXD_HOME", "BOXD_RAY_ADDRESS")}
 
@@ -685,6 +691,7 @@ class RayCluster:
 
         seen = await asyncio.to_thread(ray.nodes)
         root = str(self.settings.node_root or self.paths.home)
+        joining: list[RayNode] = []
         for n in seen:
             nid = n["NodeID"]
             if not n.get("Resources", {}).get(RESOURCE) and nid not in self.nodes:
@@ -702,16 +709,10 @@ class RayCluster:
                     max_concurrency=1000, max_restarts=0,
                     scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False),
                 ).remote(nid, root, self._env)
-                node = RayNode(nid, actor, n.get("NodeManagerAddress", ""), self.repos,
-                               self.quota)
-                try:
-                    await node._ask(actor.start.remote())
-                except BoxdError as exc:
-                    log.warning("node=%s event=start_failed error=%s", nid, exc)
-                    continue
-                self.nodes[nid] = node
-                await node.sync()
-                log.info("node=%s event=joined address=%s", nid, node.address)
+                joining.append(RayNode(nid, actor, n.get("NodeManagerAddress", ""),
+                                       self.repos, self.quota))
+        # New nodes start (recover, warm up) side by side, and join once ready.
+        await asyncio.gather(*(self._join(node) for node in joining))
         for node in list(self.nodes.values()):
             if node.alive:
                 try:
@@ -722,6 +723,21 @@ class RayCluster:
                     self.lose(node, exc.message)
                 except BoxdError as exc:
                     log.warning("node=%s event=sync_failed error=%s", node.id, exc)
+
+    async def _join(self, node: RayNode) -> None:
+        if node.id in self._joining:
+            return  # still starting from an earlier refresh
+        self._joining.add(node.id)
+        try:
+            await node._ask(node.actor.start.remote())
+            await node.sync()
+        except BoxdError as exc:
+            log.warning("node=%s event=start_failed error=%s", node.id, exc)
+            return
+        finally:
+            self._joining.discard(node.id)
+        self.nodes[node.id] = node
+        log.info("node=%s event=joined address=%s", node.id, node.address)
 
     def lose(self, node: RayNode, why: str) -> None:
         node.alive = False

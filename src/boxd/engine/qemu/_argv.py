@@ -102,7 +102,7 @@ def build(
     argv = [
         qemu,
         "-name", f"boxd-{config.id},debug-threads=off",
-        "-machine", "microvm,memory-backend=ram,x-option-roms=off,pit=off,pic=off,rtc=on",
+        "-machine", "microvm,memory-backend=ram,x-option-roms=off,pit=on,pic=off,rtc=on",
         "-accel", accel_arg,
         "-cpu", CPU_MODELS[accel],
         "-smp", str(config.vcpus),
