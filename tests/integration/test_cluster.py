@@ -67,7 +67,8 @@ def base(cluster: LocalCluster) -> Any:
 def _value_from_memory(b: Any, machine_id: str) -> str:
     """The value the base's process holds in memory (the file is removed first, so only
     the running process can write it back)."""
-    r = b.machines.exec(machine_id, "rm -f /dev/shm/value; sleep 1; cat /dev/shm/value")
+    r = b.machines.exec(machine_id, "rm -f /dev/shm/value; sleep 1; cat /dev/shm/value",
+                        timeout=120)
     assert r.exit_code == 0, r.stderr
     return str(r.stdout.strip())
 
