@@ -9,6 +9,7 @@ import asyncio
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -123,3 +124,130 @@ async def _capture_restore(engine: Engine, paths: Paths, image: GuestImage) -> N
     for m in (src, *children):
         await m.destroy()
     assert restore_s < 20
+
+
+# ------------------------------------------------------------------ network
+
+INDEX_HOST = "pypi.org"
+# Run in the sandbox: try each host:port; print {"host:port": "connected" | error}.
+PROBE = """
+import json, socket, sys
+out = {}
+for target in sys.argv[1:]:
+    host, port = target.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+        out[target] = "connected"
+    except OSError as e:
+        out[target] = repr(e)
+print(json.dumps(out))
+"""
+RESOLVE = f"import socket; print(socket.gethostbyname({INDEX_HOST!r}))"
+
+
+def _host_addresses() -> list[str]:
+    import json
+    import subprocess
+
+    out = subprocess.run(["ip", "-j", "-4", "addr"], capture_output=True, text=True,
+                         check=True).stdout
+    return [a["local"] for link in json.loads(out) for a in link.get("addr_info", [])]
+
+
+def _ends(pid: int, timeout: float = 5.0) -> bool:
+    """True once ``pid`` is gone or a zombie."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return True
+        if stat.rsplit(")", 1)[-1].split()[0] in ("Z", "X"):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def _index_unreachable() -> str | None:
+    import socket
+
+    try:
+        with socket.create_connection((INDEX_HOST, 443), timeout=10):
+            return None
+    except OSError as exc:
+        return f"this host has no route to the package index ({INDEX_HOST}): {exc}"
+
+
+def test_network_reaches_nothing_on_the_host_and_forks_get_their_own(
+    env: tuple[Paths, GuestImage],
+) -> None:
+    """A non-isolated sandbox has a network namespace of its own behind pasta: a listener
+    on the host (127.0.0.1 and every other address of the host) is unreachable, from the
+    machine and from a restored copy; DNS of the package index resolves where the host
+    has a route to it."""
+    import json
+    import socket
+    import threading
+
+    server = socket.create_server(("0.0.0.0", 0))
+    port = server.getsockname()[1]
+    accepted: list[object] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, peer = server.accept()
+            except OSError:
+                return
+            accepted.append(peer)
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    targets = [f"{a}:{port}" for a in ["127.0.0.1", "10.0.2.2", *_host_addresses()]]
+    no_index = _index_unreachable()
+
+    async def body(engine: Engine, paths: Paths, image: GuestImage) -> None:
+        disk = paths.disks / "m_gvnet0.qcow2"
+        await engine.create_disk(disk, image.rootfs, "raw", 8)
+        cfg = replace(_config("m_gvnet0"), isolated=False)
+        m = await engine.boot(cfg, BootDisk(disk), paths.run_dir("m_gvnet0"),
+                              paths.machines / "m_gvnet0" / "qemu.log")
+        machines = [m]
+        try:
+            agent = await m.agent(timeout=30)
+            addr = await agent.run("ip -4 addr; cat /etc/resolv.conf")
+            assert b"10.0.2.15" in addr.stdout and b"nameserver 10.0.2.3" in addr.stdout
+            await m.pause()
+            img = await m.capture(paths.templates / "t_gvnet")
+            await m.resume()
+            cdisk = paths.disks / "m_gvnet1.qcow2"
+            await engine.create_disk(cdisk, m.disk, "layer", 8)
+            child = await engine.start_from(
+                replace(cfg, id="m_gvnet1"), BootDisk(cdisk), img, paths.run_dir("m_gvnet1"),
+                paths.machines / "m_gvnet1" / "qemu.log", copy_memory=False)
+            machines.append(child)
+            for a in (agent, await child.agent(timeout=30)):
+                r = await a.run(["python3", "-c", PROBE, *targets], timeout=120)
+                assert r.exit_code == 0, r
+                result = json.loads(r.stdout)
+                assert all(v != "connected" for v in result.values()), result
+                if no_index is None:
+                    dns = await a.run(["python3", "-c", RESOLVE], timeout=60)
+                    assert dns.exit_code == 0 and dns.stdout.strip(), dns
+            assert accepted == []
+        finally:
+            for x in machines:
+                await x.destroy()
+        # The namespace and pasta end with the machine.
+        for x in machines:
+            ns = x.netns  # type: ignore[attr-defined]
+            assert ns is not None
+            for pid in (ns.holder_pid, ns.pasta_pid):
+                assert _ends(pid), f"process {pid} of {x.config.id}'s namespace still runs"
+
+    try:
+        run_with_engine(env, body)
+    finally:
+        server.close()
+    if no_index is not None:
+        pytest.skip(f"host reachability checked; DNS not: {no_index}")

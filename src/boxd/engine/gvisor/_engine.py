@@ -44,7 +44,7 @@ from typing import Any
 
 from boxd.engine.agent import AgentClient
 from boxd.engine.base import BootDisk, EngineInfo, MachineConfig, MemoryImage
-from boxd.engine.gvisor import _spec
+from boxd.engine.gvisor import _net, _spec
 from boxd.engine.gvisor._spec import Roots, RunFiles
 from boxd.errors import InternalError, MachineFailed
 from boxd.guest import protocol as P
@@ -159,7 +159,7 @@ class Runsc:
     async def run(
         self, *args: str, what: str, log: Path | None = None, stdin: int | None = None,
         stdout: int | None = None, stderr: int | None = None, timeout: float = RUNSC_TIMEOUT,
-        machine: str | None = None,
+        machine: str | None = None, netns: _net.Namespace | None = None,
     ) -> None:
         """Run one subcommand to completion.
 
@@ -167,6 +167,9 @@ class Runsc:
             MachineFailed: it failed or timed out; the message has runsc's last words.
         """
         argv = self.argv(*args, log=log)
+        if netns is not None:
+            # Its own network namespace and runsc's user-space network stack (see _net).
+            argv = [*netns.runsc_prefix(), *self.argv(*args, log=log, network="sandbox")]
         errfile: Any = stderr if stderr is not None else asyncio.subprocess.PIPE
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=stdin if stdin is not None else asyncio.subprocess.DEVNULL,
@@ -200,9 +203,10 @@ class GvisorMachine:
 
     def __init__(
         self, engine: GvisorEngine, config: MachineConfig, files: RunFiles, pid: int,
-        disk: Path, log_path: Path,
+        disk: Path, log_path: Path, netns: _net.Namespace | None = None,
     ) -> None:
         self.engine = engine
+        self.netns = netns
         self._config = config
         self.files = files
         self._pid = pid
@@ -397,6 +401,8 @@ class GvisorMachine:
         self._reason = "destroyed"
         self.engine.kill(self._config.id, self._pid)
         await _gone(self._pid, self._config.id, 5.0)
+        if self.netns is not None:
+            self.netns.kill()
         shutil.rmtree(self.files.run_dir, ignore_errors=True)
 
     async def detach(self) -> None:
@@ -458,7 +464,7 @@ class GvisorEngine:
 
     def __init__(
         self, runsc: str, version: str, state_root: Path, agent_tree: Path, reason: str,
-        fallback_rootfs: Path,
+        fallback_rootfs: Path, net_user: str = "boxd-net",
     ) -> None:
         self.binary = runsc
         self.version = version
@@ -468,6 +474,23 @@ class GvisorEngine:
         self.reason = reason
         self.fallback_rootfs = fallback_rootfs
         self._deletes: set[asyncio.Task[None]] = set()
+        self._net_user = net_user
+        self._net: _net.GvisorNet | None = None
+
+    @property
+    def net(self) -> _net.GvisorNet:
+        """pasta and its filter, set up by the first machine that has a network.
+
+        Raises:
+            HostSetupError: pasta, nft or pasta's user are missing (isolated machines
+                need none of them).
+        """
+        if self._net is None:
+            self._net = _net.GvisorNet.detect(self._net_user)
+            log.info("event=machine_network engine=gvisor pasta=%s user=%s filtered=%s",
+                     self._net.pasta, self._net.user.name if self._net.user else "-",
+                     self._net.filtered)
+        return self._net
 
     @property
     def accelerator(self) -> str:
@@ -556,8 +579,22 @@ class GvisorEngine:
         run_dir.mkdir(parents=True, exist_ok=True)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         files = RunFiles(run_dir)
-        await asyncio.to_thread(_spec.write_bundle, files, config.hostname, roots,
-                                config.memory_mib)
+        netns = None
+        if not config.isolated:
+            netns = await asyncio.to_thread(_net.start, self.net, run_dir, config.id)
+        try:
+            await asyncio.to_thread(_spec.write_bundle, files, config.hostname, roots,
+                                    config.memory_mib, netns.path if netns else None)
+            return await self._launch_in(config, disk, files, log_path, args, what, netns)
+        except BaseException:
+            if netns is not None:
+                netns.kill()
+            raise
+
+    async def _launch_in(
+        self, config: MachineConfig, disk: Path, files: RunFiles, log_path: Path,
+        args: Sequence[str], what: str, netns: _net.Namespace | None,
+    ) -> GvisorMachine:
         files.make_fifos()
         files.pidfile.unlink(missing_ok=True)
         # Stale runsc state of a previous sandbox with this id (a crashed daemon).
@@ -571,7 +608,7 @@ class GvisorEngine:
             await self.runsc.run(
                 *args, "--detach", f"--bundle={files.bundle}", f"--pid-file={files.pidfile}",
                 config.id, what=what, log=log_path, stdin=fin, stdout=fout, stderr=console,
-                machine=config.id,
+                machine=config.id, netns=netns,
             )
         except BaseException:
             self.kill(config.id, _read_pid(files.pidfile))
@@ -584,7 +621,7 @@ class GvisorEngine:
             self.kill(config.id, None)
             raise MachineFailed(f"runsc {what} of {config.id} wrote no pid file",
                                 hint="see the machine's runsc.log", machine=config.id)
-        return GvisorMachine(self, config, files, pid, disk, log_path)
+        return GvisorMachine(self, config, files, pid, disk, log_path, netns)
 
     # ------------------------------------------------------------- protocol
 
@@ -624,11 +661,15 @@ class GvisorEngine:
                 f"machine {config.id} failed: its gVisor sandbox (pid {pid}) is gone",
                 hint="delete it and create it again", machine=config.id,
             )
-        return GvisorMachine(self, config, RunFiles(run_dir), pid, disk, log_path)
+        return GvisorMachine(self, config, RunFiles(run_dir), pid, disk, log_path,
+                             _net.load(run_dir))
 
     def kill_stray(self, vm_id: str, run_dir: Path, pid: int | None = None) -> bool:
         if pid is None:
             pid = _read_pid(RunFiles(run_dir).pidfile)
+        netns = _net.load(run_dir)
+        if netns is not None:
+            netns.kill()
         if pid is None or not sandbox_matches(pid, vm_id):
             return False
         self.kill(vm_id, pid)

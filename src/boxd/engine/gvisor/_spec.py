@@ -25,6 +25,9 @@ CAPABILITIES = [
     "CAP_SYS_RESOURCE",
 ]
 
+#: pasta's DNS forwarder in a machine's namespace (the address a QEMU guest uses too).
+DNS = "10.0.2.3"
+
 ENV = [
     "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
     "HOME=/root", "LANG=C.UTF-8", "PYTHONDONTWRITEBYTECODE=1",
@@ -64,11 +67,24 @@ class RunFiles:
             os.mkfifo(f, 0o600)
 
 
-def build(hostname: str, roots: Roots, memory_mib: int) -> dict[str, Any]:
-    """config.json of a machine's bundle."""
+def build(hostname: str, roots: Roots, memory_mib: int, netns: str | None = None,
+          resolv_conf: Path | None = None) -> dict[str, Any]:
+    """config.json of a machine's bundle.
+
+    ``netns`` is the network namespace a non-isolated machine runs in (see ``_net``),
+    with ``resolv_conf`` naming pasta's DNS forwarder; None: an empty one (no network).
+    """
     del memory_mib  # gVisor sizes its memory from the host; cgroups are not used here
     caps = {k: CAPABILITIES for k in ("bounding", "effective", "permitted")}
-    return {
+    namespaces: list[dict[str, str]] = [
+        {"type": t} for t in ("pid", "ipc", "uts", "mount", "network")]
+    if netns is not None:
+        namespaces[-1]["path"] = netns
+    extra: list[dict[str, Any]] = []
+    if resolv_conf is not None:
+        extra.append({"destination": "/etc/resolv.conf", "type": "bind",
+                      "source": str(resolv_conf), "options": ["rbind", "ro"]})
+    spec: dict[str, Any] = {
         "ociVersion": "1.0.2",
         "process": {
             "terminal": False,
@@ -99,14 +115,20 @@ def build(hostname: str, roots: Roots, memory_mib: int) -> dict[str, Any]:
              "options": ["nosuid", "nodev", "mode=755"]},
             {"destination": AGENT_MOUNT, "type": "bind", "source": str(roots.agent),
              "options": ["rbind", "ro"]},
+            *extra,
         ],
-        "linux": {
-            "namespaces": [{"type": t} for t in ("pid", "ipc", "uts", "mount", "network")],
-        },
+        "linux": {"namespaces": namespaces},
     }
+    return spec
 
 
-def write_bundle(files: RunFiles, hostname: str, roots: Roots, memory_mib: int) -> None:
+def write_bundle(files: RunFiles, hostname: str, roots: Roots, memory_mib: int,
+                 netns: str | None = None) -> None:
     files.bundle.mkdir(parents=True, exist_ok=True)
-    (files.bundle / "config.json").write_text(json.dumps(build(hostname, roots, memory_mib)))
+    resolv = None
+    if netns is not None:
+        resolv = files.bundle / "resolv.conf"
+        resolv.write_text(f"nameserver {DNS}\n")
+    (files.bundle / "config.json").write_text(
+        json.dumps(build(hostname, roots, memory_mib, netns, resolv)))
     files.roots.write_text(json.dumps(roots.to_json()))

@@ -1,0 +1,74 @@
+"""The pieces of a gVisor machine's network that need no sandbox (see engine/gvisor/_net)."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import stat
+from pathlib import Path
+
+import pytest
+
+from boxd.engine.gvisor import _net, _spec
+from boxd.engine.gvisor._spec import Roots, RunFiles
+from boxd.engine.qemu._net import NetUser
+
+
+def test_an_isolated_machine_gets_an_empty_namespace_and_the_image_resolv_conf() -> None:
+    spec = _spec.build("h", Roots(Path("/r"), Path("/a")), 256)
+    assert {"type": "network"} in spec["linux"]["namespaces"]
+    assert all(m["destination"] != "/etc/resolv.conf" for m in spec["mounts"])
+
+
+def test_a_networked_machine_joins_its_namespace_and_uses_pasta_dns(tmp_path: Path) -> None:
+    files = RunFiles(tmp_path)
+    _spec.write_bundle(files, "h", Roots(Path("/r"), Path("/a")), 256, "/proc/42/ns/net")
+    import json
+
+    spec = json.loads((files.bundle / "config.json").read_text())
+    assert {"type": "network", "path": "/proc/42/ns/net"} in spec["linux"]["namespaces"]
+    mount = next(m for m in spec["mounts"] if m["destination"] == "/etc/resolv.conf")
+    assert Path(mount["source"]).read_text() == "nameserver 10.0.2.3\n"
+
+
+def test_pasta_does_not_map_the_gateway_to_the_host_and_forwards_nothing() -> None:
+    argv = _net.pasta_argv("/usr/bin/pasta")
+    assert "--no-map-gw" in argv
+    for flag in ("--tcp-ports", "--udp-ports", "--tcp-ns", "--udp-ns"):
+        assert argv[argv.index(flag) + 1] == "none"
+    assert argv[-3:] == ["--", *_net.HOLDER]
+
+
+def test_runsc_runs_in_the_namespace_with_net_core_hidden() -> None:
+    ns = _net.Namespace(pasta_pid=10, holder_pid=11)
+    prefix = ns.runsc_prefix()
+    assert prefix[:2] == ["nsenter", "--net=/proc/11/ns/net"]
+    assert "/proc/sys/net/core" in " ".join(prefix)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown of a file to another group needs root")
+def test_the_tap_device_is_opened_to_the_net_users_group_only(tmp_path: Path) -> None:
+    tun = tmp_path / "tun"
+    tun.write_bytes(b"")
+    os.chmod(tun, 0o600)
+    pw = pwd.getpwnam("nobody")
+    _net.ensure_tun_access(NetUser("nobody", pw.pw_uid), tun)
+    st = tun.stat()
+    assert stat.S_IMODE(st.st_mode) == 0o660
+    assert st.st_gid == pw.pw_gid
+    os.chmod(tun, 0o666)  # already open to all: left alone
+    _net.ensure_tun_access(NetUser("nobody", pw.pw_uid), tun)
+    assert stat.S_IMODE(tun.stat().st_mode) == 0o666
+
+
+def test_a_missing_tap_device_is_a_host_setup_error(tmp_path: Path) -> None:
+    from boxd.errors import HostSetupError
+
+    with pytest.raises(HostSetupError, match="missing"):
+        _net.ensure_tun_access(NetUser("nobody", 65534), tmp_path / "none")
+
+
+def test_a_run_directory_without_a_namespace_loads_none(tmp_path: Path) -> None:
+    assert _net.load(tmp_path) is None
+    (tmp_path / "net.json").write_text('{"pasta": 5, "holder": 6}')
+    assert _net.load(tmp_path) == _net.Namespace(5, 6)
