@@ -6,6 +6,7 @@
  * ├── InvalidRequest             malformed input (bad name, bad size, bad path)     400
  * │   └── CorruptData            client data failing an integrity check             400
  * ├── AuthError                  missing, unknown or revoked API key                401
+ * │   └── Forbidden              the key is valid but may not do this               403
  * ├── NotFound                   no such resource for this account                  404
  * │   ├── MachineNotFound        .machine
  * │   ├── CheckpointNotFound     .machine, .checkpoint
@@ -118,6 +119,12 @@ export class PayloadTooLarge extends InvalidRequest {
 export class AuthError extends BoxdError {
   static override readonly code: string = "unauthorized";
   static override readonly status: number = 401;
+}
+
+/** The API key is valid, but its account may not do this. */
+export class Forbidden extends AuthError {
+  static override readonly code: string = "forbidden";
+  static override readonly status: number = 403;
 }
 
 /** No such resource for this account (another account's resources look the same). */
@@ -280,6 +287,7 @@ export const ERROR_CLASSES: readonly (typeof BoxdError)[] = [
   CorruptData,
   PayloadTooLarge,
   AuthError,
+  Forbidden,
   NotFound,
   MachineNotFound,
   CheckpointNotFound,

@@ -7,6 +7,7 @@
     │   ├── CorruptData            data the client sent fails a digest or size check  400
     │   └── PayloadTooLarge        a request body over its limit; .limit (bytes)      413
     ├── AuthError                  missing, unknown or revoked API key                401
+    │   └── Forbidden              the key is valid but may not do this               403
     ├── NotFound                   no such resource for this account                  404
     │   ├── MachineNotFound        .machine
     │   ├── CheckpointNotFound     .machine, .checkpoint
@@ -42,6 +43,7 @@ __all__ = [
     "ConnectionError",
     "CorruptData",
     "ExecTimeout",
+    "Forbidden",
     "GuestFileNotFound",
     "HostSetupError",
     "IntegrityError",
@@ -132,6 +134,14 @@ class AuthError(BoxdError):
 
     code = "unauthorized"
     status = 401
+
+
+class Forbidden(AuthError):
+    """The API key is valid, but its account may not do this (e.g. a key of an account
+    other than ``local`` creating keys for another account)."""
+
+    code = "forbidden"
+    status = 403
 
 
 class NotFound(BoxdError):

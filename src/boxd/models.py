@@ -10,12 +10,22 @@ import re
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import BaseModel, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, WithJsonSchema
 
 from boxd import config
 
-NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+#: The name rule (machines, checkpoints, snapshots, accounts), as the OpenAPI schema
+#: states it (ECMA-262 syntax).
+NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
+#: The same rule for Python: ``\Z``, because ``$`` would also match before a final "\n".
+NAME_RE = re.compile(NAME_PATTERN.removesuffix("$") + r"\Z")
 NAME_RULE = "1-63 lowercase letters, digits or '-', starting and ending with a letter or digit"
+NAME_SCHEMA = {"type": "string", "pattern": NAME_PATTERN, "minLength": 1, "maxLength": 63}
+#: A name checked by the routes (`check_name`, whose 400 names the rule); the schema
+#: carries the rule so that clients and fuzzers know it.
+Name = Annotated[str, WithJsonSchema(NAME_SCHEMA)]
+#: An absolute path inside a machine: what the file routes accept.
+GUEST_PATH_PATTERN = r"^/[^\x00]*$"
 
 #: Longest exec timeout, in seconds (7 days). Longer ones would overflow the host's
 #: deadline arithmetic; a command that must run longer needs no timeout at all.
@@ -27,6 +37,13 @@ _NO_NUL = r"^[^\x00]*$"
 NoNul = Annotated[str, StringConstraints(pattern=_NO_NUL)]
 EnvName = Annotated[str, StringConstraints(min_length=1, max_length=4096,
                                            pattern=r"^[^=\x00]+$")]
+# pydantic states the key rule as patternProperties, which leaves any other name
+# allowed in JSON Schema terms: state it as propertyNames.
+_ENV_SCHEMA = {
+    "type": "object",
+    "propertyNames": {"minLength": 1, "maxLength": 4096, "pattern": r"^[^=\x00]+$"},
+    "additionalProperties": {"type": "string", "pattern": _NO_NUL},
+}
 #: An API key's label: 1-64 printable characters (no control characters).
 KEY_NAME_RE = r"^[^\x00-\x1f\x7f]{1,64}$"
 
@@ -54,7 +71,8 @@ class MachineState(StrEnum):
 
 
 class MachineCreate(BaseModel):
-    name: str | None = Field(None, description="DNS label, unique per account; generated if absent")
+    name: Name | None = Field(
+        None, description=f"unique per account; generated if absent. {NAME_RULE}")
     vcpus: int = Field(config.DEFAULT_VCPUS, ge=1, le=config.MAX_VCPUS)
     memory_mib: int = Field(config.DEFAULT_MEMORY_MIB, ge=128, le=config.MAX_MEMORY_MIB)
     disk_gib: int = Field(config.DEFAULT_DISK_GIB, ge=1, le=config.MAX_DISK_GIB)
@@ -107,13 +125,22 @@ class MachineList(BaseModel):
 
 
 class ForkRequest(BaseModel):
-    name: str | None = Field(None, description="name of the child; generated if absent")
+    name: Name | None = Field(None, description="name of the child; generated if absent")
 
 
 class ForkBatchRequest(BaseModel):
+    # One of the two is needed (the route answers 400 otherwise); when both are given,
+    # count must equal len(names), which JSON Schema cannot state.
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"required": ["count"], "properties": {"count": {"type": "integer"}}},
+        {"required": ["names"], "properties": {"names": {"type": "array"}}},
+    ]})
+
     count: int | None = Field(None, ge=1, le=64, description="number of children")
-    names: list[str] | None = Field(
-        None, description="names of the children (count may be omitted)"
+    # The route checks the list (its 400 says what is wrong); the schema states it.
+    names: list[Name] | None = Field(
+        None, description="names of the children, each once (count may be omitted)",
+        json_schema_extra={"minItems": 1, "maxItems": 64, "uniqueItems": True},
     )
 
 
@@ -139,7 +166,7 @@ class ExecRequest(BaseModel):
     command: NoNul | Annotated[list[NoNul], Field(min_length=1)] = Field(
         ..., description="shell string (run by /bin/sh -c) or argv; no NUL bytes"
     )
-    env: dict[EnvName, NoNul] = Field(
+    env: Annotated[dict[EnvName, NoNul], WithJsonSchema(_ENV_SCHEMA)] = Field(
         default_factory=dict,
         description="variables set for the command; names without '=', no NUL bytes",
     )
@@ -187,7 +214,7 @@ class FileInfo(BaseModel):
 
 
 class CheckpointCreate(BaseModel):
-    name: str
+    name: Name
 
 
 class Checkpoint(BaseModel):
@@ -203,7 +230,7 @@ class CheckpointList(BaseModel):
 
 class SnapshotCreate(BaseModel):
     machine: str = Field(..., description="machine name or id")
-    name: str
+    name: Name
     new_version: bool = Field(False, description="add a version to an existing name")
 
 
@@ -241,7 +268,7 @@ class ApiKeyCreated(ApiKey):
 class ApiKeyCreate(BaseModel):
     name: str = Field("default", pattern=KEY_NAME_RE,
                       description="a label: 1-64 printable characters")
-    account: str | None = Field(
+    account: Name | None = Field(
         None,
         description="account name to create the key for (created if new); only the local "
         "account's keys may name another account",

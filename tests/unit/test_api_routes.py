@@ -271,7 +271,7 @@ def test_accounts_are_isolated(env: Env) -> None:
     assert [k["name"] for k in alice.get("/v1/keys").json()["keys"]] == ["alice-key"]
     # ...nor create keys for another account; for her own account by name is fine.
     r = alice.post("/v1/keys", json={"name": "x", "account": "local"})
-    assert r.status_code == 400 and _error(r)["details"]["field"] == "account"  # type: ignore[index]
+    assert r.status_code == 403 and _error(r)["details"]["field"] == "account"  # type: ignore[index]
     assert alice.post("/v1/keys", json={"name": "x", "account": "alice"}).status_code == 201
     # The admin may add keys to an existing account too; a bad account name is 400.
     assert c.post("/v1/keys", json={"name": "y", "account": "alice"}).status_code == 201

@@ -24,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from boxd import models
 from boxd.errors import BoxdError, InternalError, InvalidRequest
@@ -54,6 +55,7 @@ def _doc(description: str) -> dict[str, Any]:
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: _doc("invalid_request: malformed input"),
     401: _doc("unauthorized: missing, unknown or revoked API key"),
+    403: _doc("forbidden: the key's account may not do this"),
     404: _doc("not found for this account"),
     409: _doc("conflict: duplicate name or wrong machine state"),
     429: _doc("quota_exceeded"),
@@ -141,8 +143,30 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
         exc.status_code, "invalid_request" if exc.status_code < 500 else "internal_error"
     )
     message = scrub(str(exc.detail), _private_dirs(request))
-    body = {"error": {"code": code, "message": message, "hint": "", "details": {}}}
-    return JSONResponse(status_code=exc.status_code, content=body, headers=exc.headers)
+    hint, headers = "", exc.headers
+    if exc.status_code == 405:
+        # Starlette's Allow names the methods of the first route matching the path;
+        # a path served by several routes (GET and DELETE /v1/machines/{ref}) needs all.
+        allowed = _allowed_methods(request)
+        headers = {**(headers or {}), "Allow": ", ".join(allowed)}
+        hint = f"{request.url.path} answers {', '.join(allowed)}"
+    body = {"error": {"code": code, "message": message, "hint": hint, "details": {}}}
+    return JSONResponse(status_code=exc.status_code, content=body, headers=headers)
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves on the request's path.
+
+    Asked of the routes themselves (``matches`` is the public routing interface, and sees
+    through included routers), one method at a time.
+    """
+    scope = {**request.scope, "type": "http"}
+    return [m for m in _METHODS
+            if any(route.matches({**scope, "method": m})[0] is Match.FULL
+                   for route in request.app.router.routes)]
+
+
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

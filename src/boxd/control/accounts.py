@@ -5,7 +5,7 @@ from __future__ import annotations
 import builtins
 
 from boxd import models
-from boxd.errors import AuthError, NotFound
+from boxd.errors import Forbidden, NotFound
 from boxd.state import AccountRecord, Repos
 
 OPERATOR = "local"
@@ -46,11 +46,11 @@ class Accounts:
         return account_model(self._visible(self._caller(account), name))
 
     async def update(self, account: str, name: str, req: models.AccountUpdate) -> models.Account:
-        """Raises: AuthError: only the operator changes limits; NotFound."""
+        """Raises: Forbidden: only the operator changes limits; NotFound."""
         caller = self._caller(account)
         rec = self._visible(caller, name)
         if caller.name != OPERATOR:
-            raise AuthError(
+            raise Forbidden(
                 "only the operator (the local account) changes account limits",
                 hint="ask the operator of this daemon to raise it: "
                 f"`boxd accounts update {rec.name} --max-machines N`",

@@ -26,6 +26,7 @@ from boxd.errors import (
     InvalidRequest,
     MachineNotFound,
     NodeLost,
+    NotFound,
     ResourceExhausted,
     SnapshotNotFound,
 )
@@ -120,12 +121,12 @@ class Machines:
         first, then those with the most free memory, each up to its cap.
 
         Raises:
-            InvalidRequest: ``hint`` names no node.
+            NotFound: ``hint`` names no node.
             ResourceExhausted: every node is at its cap (BOXD_NODE_MAX_MACHINES).
         """
         if hint is not None and hint not in self.nodes:
-            raise InvalidRequest(f"no node {hint!r}", field="node",
-                                 hint="`boxd nodes list` shows the nodes")
+            raise NotFound(f"no node {hint!r}", field="node",
+                           hint="`boxd nodes list` shows the nodes")
         if self.cluster is None:
             return [self.nodes[hint] if hint else next(iter(self.nodes.values()))] * count
         room = await self._room()

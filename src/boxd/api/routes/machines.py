@@ -7,6 +7,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Annotated, cast
 
 from fastapi import APIRouter, Query, Request, Response, status
+from fastapi import Path as PathParam
 from fastapi.responses import StreamingResponse
 
 from boxd import models
@@ -141,8 +142,13 @@ async def exec_stream(
     return StreamingResponse(lines(), media_type=NDJSON)
 
 
+# _check_path enforces the pattern (its 400 says "must be absolute"); the schema states it.
 Path_ = Annotated[
-    str, Query(min_length=1, max_length=4096, description="absolute path in the machine")
+    str, Query(min_length=1, max_length=4096, description="absolute path in the machine",
+               json_schema_extra={"pattern": models.GUEST_PATH_PATTERN})
+]
+CheckpointName = Annotated[
+    str, PathParam(description="checkpoint name", json_schema_extra=models.NAME_SCHEMA)
 ]
 
 
@@ -283,7 +289,7 @@ async def list_checkpoints(
 
 @router.post("/{ref}/checkpoints/{name}/restore", response_model=models.Machine)
 async def restore_checkpoint(
-    ref: str, name: str, account: Account, machines: Machines
+    ref: str, name: CheckpointName, account: Account, machines: Machines
 ) -> models.Machine:
     """Rewind the machine in place to a checkpoint."""
     return await machines.checkpoint_restore(account, ref, name)
@@ -293,7 +299,7 @@ async def restore_checkpoint(
     "/{ref}/checkpoints/{name}", status_code=status.HTTP_204_NO_CONTENT, response_class=Response
 )
 async def delete_checkpoint(
-    ref: str, name: str, account: Account, machines: Machines
+    ref: str, name: CheckpointName, account: Account, machines: Machines
 ) -> Response:
     """Delete a checkpoint."""
     await machines.checkpoint_delete(account, ref, name)

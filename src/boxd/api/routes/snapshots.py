@@ -53,7 +53,8 @@ async def import_snapshot(
     snapshots: Snapshots,
     upload_dir: UploadDir,
     name: Annotated[str | None, Query(description="name to import under (default: the "
-                                                   "name in the file)")] = None,
+                                                   "name in the file)",
+                                       json_schema_extra=models.NAME_SCHEMA)] = None,
 ) -> models.Snapshot:
     """Import a file written by export; the body is streamed to disk, not held in memory."""
     check_name(name)

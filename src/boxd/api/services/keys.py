@@ -15,7 +15,7 @@ import time
 
 from boxd import models
 from boxd.config import Settings
-from boxd.errors import AuthError, InvalidRequest, NotFound
+from boxd.errors import AuthError, Forbidden, InvalidRequest, NotFound
 from boxd.state import Database, KeyRecord, Repos, new_id
 
 __all__ = ["LOCAL_ACCOUNT", "SECRET_PREFIX", "KeyService", "hash_secret"]
@@ -126,8 +126,9 @@ class KeyService:
         the ``local`` account may name an account other than their own.
 
         Raises:
-            InvalidRequest: another account was named by a non-admin caller
-                (``field="account"``), or a name is invalid.
+            Forbidden: another account was named by a non-admin caller
+                (``field="account"``).
+            InvalidRequest: a name is invalid.
         """
         if account is None:
             return self.create(caller_account_id, name)
@@ -135,7 +136,7 @@ class KeyService:
         if account == caller_name:
             return self.create(caller_account_id, name)
         if caller_name != LOCAL_ACCOUNT:
-            raise InvalidRequest(
+            raise Forbidden(
                 f"account {caller_name!r} may not create keys for account {account!r}",
                 hint="omit 'account' to create a key for your own account; only keys of the "
                 "local account may create keys for other accounts",
