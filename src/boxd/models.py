@@ -24,6 +24,9 @@ NAME_SCHEMA = {"type": "string", "pattern": NAME_PATTERN, "minLength": 1, "maxLe
 #: A name checked by the routes (`check_name`, whose 400 names the rule); the schema
 #: carries the rule so that clients and fuzzers know it.
 Name = Annotated[str, WithJsonSchema(NAME_SCHEMA)]
+#: The engines a machine can ask for (``boxd.engine.registry.ENGINES``, which a unit
+#: test keeps equal); the plane answers 400 naming them for any other.
+ENGINE_NAMES = ("qemu", "gvisor")
 #: An absolute path inside a machine: what the file routes accept.
 GUEST_PATH_PATTERN = r"^/[^\x00]*$"
 
@@ -78,7 +81,8 @@ class MachineCreate(BaseModel):
     disk_gib: int = Field(config.DEFAULT_DISK_GIB, ge=1, le=config.MAX_DISK_GIB)
     isolated: bool = Field(False, description="no network device at all")
     from_snapshot: str | None = Field(None, description="NAME, NAME@VERSION or sha256:DIGEST")
-    engine: str | None = Field(
+    engine: Annotated[str, WithJsonSchema({"type": "string", "enum": list(ENGINE_NAMES)})] \
+        | None = Field(
         None, pattern=r"^[a-z][a-z0-9-]{0,31}$",
         description="engine to run it on (qemu or gvisor); default: the daemon's "
         "(BOXD_ENGINE)",

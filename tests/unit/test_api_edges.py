@@ -102,3 +102,9 @@ def test_key_for_another_account_is_forbidden_not_malformed(api: Env) -> None:
     r = api.client.patch("/v1/accounts/alice", json={"max_machines": 9},
                          headers={"Authorization": f"Bearer {alice}"})
     assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden"
+
+
+def test_schema_engine_names_are_the_registry_s() -> None:
+    from boxd.engine.registry import ENGINES
+
+    assert models.ENGINE_NAMES == ENGINES
