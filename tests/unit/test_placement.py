@@ -12,7 +12,7 @@ import pytest
 
 from boxd import models
 from boxd.control.plane import Machines
-from boxd.errors import InvalidRequest, NodeLost, ResourceExhausted
+from boxd.errors import NodeLost, NotFound, ResourceExhausted
 from boxd.models import MachineState
 from boxd.node.base import Node
 from boxd.node.cluster import RayCluster
@@ -74,7 +74,7 @@ def test_a_new_machine_goes_to_the_node_with_most_free_memory_under_its_cap(
 def test_a_hint_names_a_node_that_has_room(tmp_path: Path) -> None:
     plane = _plane(tmp_path, [NumbersNode("a", 1, 100), NumbersNode("b", 1, 900)])
     assert _ids(asyncio.run(plane._place("a"))) == ["a"]
-    with pytest.raises(InvalidRequest) as bad:
+    with pytest.raises(NotFound) as bad:
         asyncio.run(plane._place("nope"))
     assert bad.value.details["field"] == "node"
     _put(plane, "a", 1)
