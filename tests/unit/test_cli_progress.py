@@ -89,3 +89,15 @@ def test_progress_on_a_terminal(daemon: Daemon, paths: Paths, tmp_path: Path) ->
     # --json stays quiet even on a terminal
     code, text = on_a_terminal(paths, "snapshots", "import", str(out), "--json")
     assert code == 0 and "kB" not in text and '"digest"' in text, text
+
+
+def test_a_piped_table_keeps_whole_columns(capsys) -> None:  # type: ignore[no-untyped-def]
+    # Not a terminal: rich would cut every row to 80 columns ("b790e4f3b4acb6a1896e…").
+    from boxd.cli import _render
+
+    long_id = "b790e4f3b4acb6a1896ea2fcc23e55dea5d92e66222088ae1127e393"
+    _render.table(["ID", "ADDRESS", "HEALTH", "NOTE"],
+                  [[long_id, "127.0.0.1", "alive", "x" * 60]], "none")
+    out = capsys.readouterr().out
+    assert long_id in out and "x" * 60 in out
+    assert "…" not in out

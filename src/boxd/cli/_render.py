@@ -160,6 +160,11 @@ def table(columns: Sequence[str], rows: Iterable[Sequence[str]], empty: str) -> 
         t.add_column(c, no_wrap=True)
     for r in rows:
         t.add_row(*r)
+    if not out.is_terminal:
+        # Piped (`boxd machine list | grep`): never cut a column to a guessed width of
+        # 80; the table is as wide as its widest row.
+        wide = Console(width=1 << 16, highlight=False, soft_wrap=False)
+        out = Console(highlight=False, soft_wrap=False, width=wide.measure(t).maximum)
     out.print(t)
 
 
