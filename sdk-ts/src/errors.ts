@@ -116,6 +116,15 @@ export class PayloadTooLarge extends InvalidRequest {
 }
 
 /** The API key is missing, unknown or revoked. */
+/** The request body stopped arriving before it was complete (`BOXD_BODY_TIMEOUT`). */
+export class BodyTimeout extends InvalidRequest {
+  static override readonly code: string = "body_timeout";
+  static override readonly status: number = 408;
+  get seconds(): number | undefined {
+    return this.detail("seconds");
+  }
+}
+
 export class AuthError extends BoxdError {
   static override readonly code: string = "unauthorized";
   static override readonly status: number = 401;
@@ -286,6 +295,7 @@ export const ERROR_CLASSES: readonly (typeof BoxdError)[] = [
   InvalidRequest,
   CorruptData,
   PayloadTooLarge,
+  BodyTimeout,
   AuthError,
   Forbidden,
   NotFound,

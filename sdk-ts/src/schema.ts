@@ -818,9 +818,13 @@ export interface components {
             count?: number | null;
             /**
              * Names
-             * @description names of the children (count may be omitted)
+             * @description names of the children, each once (count may be omitted)
              */
             names?: string[] | null;
+        } | {
+            count: number;
+        } | {
+            names: unknown[];
         };
         /**
          * ForkItem
@@ -950,7 +954,7 @@ export interface components {
         MachineCreate: {
             /**
              * Name
-             * @description DNS label, unique per account; generated if absent
+             * @description unique per account; generated if absent. 1-63 lowercase letters, digits or '-', starting and ending with a letter or digit
              */
             name?: string | null;
             /**
@@ -983,7 +987,7 @@ export interface components {
              * Engine
              * @description engine to run it on (qemu or gvisor); default: the daemon's (BOXD_ENGINE)
              */
-            engine?: string | null;
+            engine?: ("qemu" | "gvisor") | null;
             /**
              * Suspend After
              * @description idle seconds before its vCPUs stop; 0 never; default BOXD_SUSPEND_AFTER
@@ -1294,6 +1298,15 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
+            /** @description forbidden: the key's account may not do this */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
             /** @description not found for this account */
             404: {
                 headers: {
@@ -1386,6 +1399,15 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
+            /** @description forbidden: the key's account may not do this */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
             /** @description not found for this account */
             404: {
                 headers: {
@@ -1471,6 +1493,15 @@ export interface operations {
             };
             /** @description unauthorized: missing, unknown or revoked API key */
             401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description forbidden: the key's account may not do this */
+            403: {
                 headers: {
                     [name: string]: unknown;
                 };
@@ -1574,6 +1605,15 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
+            /** @description forbidden: the key's account may not do this */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
             /** @description not found for this account */
             404: {
                 headers: {
@@ -1668,6 +1708,15 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
+            /** @description forbidden: the key's account may not do this */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
             /** @description not found for this account */
             404: {
                 headers: {
@@ -1753,6 +1802,15 @@ export interface operations {
             };
             /** @description unauthorized: missing, unknown or revoked API key */
             401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description forbidden: the key's account may not do this */
+            403: {
                 headers: {
                     [name: string]: unknown;
                 };
@@ -1854,6 +1912,15 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
+            /** @description forbidden: the key's account may not do this */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
             /** @description not found for this account */
             404: {
                 headers: {
@@ -1948,6 +2015,15 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
+            /** @description forbidden: the key's account may not do this */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
             /** @description not found for this account */
             404: {
                 headers: {
@@ -2035,6 +2111,15 @@ export interface operations {
             };
             /** @description unauthorized: missing, unknown or revoked API key */
             401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description forbidden: the key's account may not do this */
+            403: {
                 headers: {
                     [name: string]: unknown;
                 };
@@ -2139,6 +2224,15 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
+            /** @description forbidden: the key's account may not do this */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
             /** @description not found for this account */
             404: {
                 headers: {
@@ -2230,6 +2324,15 @@ export interface operations {
             };
             /** @description unauthorized: missing, unknown or revoked API key */
             401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description forbidden: the key's account may not do this */
+            403: {
                 headers: {
                     [name: string]: unknown;
                 };
@@ -2344,6 +2447,15 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
+            /** @description forbidden: the key's account may not do this */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
             /** @description not found for this account */
             404: {
                 headers: {
@@ -2434,6 +2546,15 @@ export interface operations {
             };
             /** @description unauthorized: missing, unknown or revoked API key */
             401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description forbidden: the key's account may not do this */
+            403: {
                 headers: {
                     [name: string]: unknown;
                 };
@@ -2544,6 +2665,15 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
+            /** @description forbidden: the key's account may not do this */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
             /** @description not found for this account */
             404: {
                 headers: {
@@ -2635,6 +2765,15 @@ export interface operations {
             };
             /** @description unauthorized: missing, unknown or revoked API key */
             401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description forbidden: the key's account may not do this */
+            403: {
                 headers: {
                     [name: string]: unknown;
                 };
@@ -2740,6 +2879,15 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
+            /** @description forbidden: the key's account may not do this */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
             /** @description not found for this account */
             404: {
                 headers: {
@@ -2827,6 +2975,15 @@ export interface operations {
             };
             /** @description unauthorized: missing, unknown or revoked API key */
             401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description forbidden: the key's account may not do this */
+            403: {
                 headers: {
                     [name: string]: unknown;
                 };
@@ -2932,6 +3089,15 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
+            /** @description forbidden: the key's account may not do this */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
             /** @description not found for this account */
             404: {
                 headers: {
@@ -2994,6 +3160,7 @@ export interface operations {
             header?: never;
             path: {
                 ref: string;
+                /** @description checkpoint name */
                 name: string;
             };
             cookie?: never;
@@ -3020,6 +3187,15 @@ export interface operations {
             };
             /** @description unauthorized: missing, unknown or revoked API key */
             401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description forbidden: the key's account may not do this */
+            403: {
                 headers: {
                     [name: string]: unknown;
                 };
@@ -3089,6 +3265,7 @@ export interface operations {
             header?: never;
             path: {
                 ref: string;
+                /** @description checkpoint name */
                 name: string;
             };
             cookie?: never;
@@ -3113,6 +3290,15 @@ export interface operations {
             };
             /** @description unauthorized: missing, unknown or revoked API key */
             401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description forbidden: the key's account may not do this */
+            403: {
                 headers: {
                     [name: string]: unknown;
                 };
@@ -3212,6 +3398,15 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
+            /** @description forbidden: the key's account may not do this */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
             /** @description not found for this account */
             404: {
                 headers: {
@@ -3301,6 +3496,15 @@ export interface operations {
             };
             /** @description unauthorized: missing, unknown or revoked API key */
             401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description forbidden: the key's account may not do this */
+            403: {
                 headers: {
                     [name: string]: unknown;
                 };
@@ -3407,6 +3611,15 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
+            /** @description forbidden: the key's account may not do this */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
             /** @description not found for this account */
             404: {
                 headers: {
@@ -3501,6 +3714,15 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
+            /** @description forbidden: the key's account may not do this */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
             /** @description not found for this account */
             404: {
                 headers: {
@@ -3586,6 +3808,15 @@ export interface operations {
             };
             /** @description unauthorized: missing, unknown or revoked API key */
             401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description forbidden: the key's account may not do this */
+            403: {
                 headers: {
                     [name: string]: unknown;
                 };
@@ -3687,6 +3918,15 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
+            /** @description forbidden: the key's account may not do this */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
             /** @description not found for this account */
             404: {
                 headers: {
@@ -3772,6 +4012,15 @@ export interface operations {
             };
             /** @description unauthorized: missing, unknown or revoked API key */
             401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description forbidden: the key's account may not do this */
+            403: {
                 headers: {
                     [name: string]: unknown;
                 };
@@ -3875,6 +4124,15 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
+            /** @description forbidden: the key's account may not do this */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
             /** @description not found for this account */
             404: {
                 headers: {
@@ -3960,6 +4218,15 @@ export interface operations {
             };
             /** @description unauthorized: missing, unknown or revoked API key */
             401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description forbidden: the key's account may not do this */
+            403: {
                 headers: {
                     [name: string]: unknown;
                 };
@@ -4059,6 +4326,15 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
+            /** @description forbidden: the key's account may not do this */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
             /** @description not found for this account */
             404: {
                 headers: {
@@ -4146,6 +4422,15 @@ export interface operations {
             };
             /** @description unauthorized: missing, unknown or revoked API key */
             401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description forbidden: the key's account may not do this */
+            403: {
                 headers: {
                     [name: string]: unknown;
                 };
@@ -4251,6 +4536,15 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
+            /** @description forbidden: the key's account may not do this */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
             /** @description not found for this account */
             404: {
                 headers: {
@@ -4338,6 +4632,15 @@ export interface operations {
             };
             /** @description unauthorized: missing, unknown or revoked API key */
             401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description forbidden: the key's account may not do this */
+            403: {
                 headers: {
                     [name: string]: unknown;
                 };
@@ -4443,6 +4746,15 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
+            /** @description forbidden: the key's account may not do this */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
             /** @description not found for this account */
             404: {
                 headers: {
@@ -4535,6 +4847,15 @@ export interface operations {
             };
             /** @description unauthorized: missing, unknown or revoked API key */
             401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description forbidden: the key's account may not do this */
+            403: {
                 headers: {
                     [name: string]: unknown;
                 };

@@ -7,7 +7,10 @@ import * as sdk from "@boxd-sh/sdk";
 const CODES = {
   invalid_request: "InvalidRequest",
   corrupt_data: "CorruptData",
+  payload_too_large: "PayloadTooLarge",
+  body_timeout: "BodyTimeout",
   unauthorized: "AuthError",
+  forbidden: "Forbidden",
   not_found: "NotFound",
   machine_not_found: "MachineNotFound",
   checkpoint_not_found: "CheckpointNotFound",
@@ -19,6 +22,7 @@ const CODES = {
   quota_exceeded: "QuotaExceeded",
   exec_timeout: "ExecTimeout",
   machine_failed: "MachineFailed",
+  node_lost: "NodeLost",
   integrity_error: "IntegrityError",
   resource_exhausted: "ResourceExhausted",
   host_setup: "HostSetupError",

@@ -16,6 +16,7 @@ from boxd._version import __version__
 from boxd.errors import (
     AlreadyExists,
     AuthError,
+    BodyTimeout,
     BoxdError,
     CheckpointNotFound,
     Conflict,
@@ -97,6 +98,7 @@ __all__ = [
     "ApiKeyCreated",
     "AsyncBoxd",
     "AuthError",
+    "BodyTimeout",
     "Boxd",
     "BoxdError",
     "Checkpoint",

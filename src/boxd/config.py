@@ -270,6 +270,7 @@ class Settings:
     max_body: int = 16 << 20  # BOXD_MAX_BODY: bytes of a JSON request body
     max_upload: int = 64 << 30  # BOXD_MAX_UPLOAD: bytes of a file upload or snapshot import
     max_exec_output: int = 16 << 20  # BOXD_MAX_EXEC_OUTPUT: bytes kept per stream of an exec
+    body_timeout: float = 60.0  # BOXD_BODY_TIMEOUT: seconds a request body may stall
     cgroups: str = "auto"  # BOXD_CGROUPS: auto (a cgroup per QEMU process if possible), off
 
     @classmethod
@@ -296,6 +297,7 @@ class Settings:
             max_body=_size(e, "BOXD_MAX_BODY", 16 << 20),
             max_upload=_size(e, "BOXD_MAX_UPLOAD", 64 << 30),
             max_exec_output=_size(e, "BOXD_MAX_EXEC_OUTPUT", 16 << 20),
+            body_timeout=_seconds(e, "BOXD_BODY_TIMEOUT", 60.0) or 60.0,
             cgroups="off" if e.get("BOXD_CGROUPS", "").strip().lower() in _OFF else "auto",
         )
 

@@ -37,6 +37,7 @@ from typing import Any, ClassVar
 __all__ = [
     "AlreadyExists",
     "AuthError",
+    "BodyTimeout",
     "BoxdError",
     "CheckpointNotFound",
     "Conflict",
@@ -127,6 +128,15 @@ class PayloadTooLarge(InvalidRequest):
     code = "payload_too_large"
     status = 413
     _fields = ("field", "limit")
+
+
+class BodyTimeout(InvalidRequest):
+    """The client stopped sending its request body (``seconds`` without a byte, the
+    daemon's ``BOXD_BODY_TIMEOUT``) before it was complete."""
+
+    code = "body_timeout"
+    status = 408
+    _fields = ("field", "seconds")
 
 
 class AuthError(BoxdError):

@@ -142,3 +142,41 @@ def test_serve_exits_cleanly_on_sigterm(paths: Paths, tmp_path: Path) -> None:
     assert out == b"" and err == b""  # nothing on the terminal; it all goes to the log
     assert not paths.socket.exists()
     assert "daemon stopped" in paths.log.read_text()
+
+
+@pytest.mark.parametrize("path", ["/v1/snapshots/import", "/v1/machines"])
+def test_a_stalled_body_is_answered(  # every request gets an answer
+    paths: Paths, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    import socket
+
+    monkeypatch.setenv("BOXD_BODY_TIMEOUT", "1")
+    machines = FakeMachines()
+    d = Daemon(paths, machines=machines, snapshots=FakeSnapshots(machines, tmp_path))
+    thread = threading.Thread(target=d.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not (d.server.started and paths.socket.exists()):
+            assert time.monotonic() < deadline, "daemon did not start"
+            time.sleep(0.02)
+        key = local_key_path(paths).read_text().strip()
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(30)
+            s.connect(str(paths.socket))
+            # declares 100000 bytes, sends 1000, then waits (it used to wait forever)
+            s.sendall(f"POST {path} HTTP/1.1\r\nHost: boxd\r\nAuthorization: Bearer {key}\r\n"
+                      "Content-Type: application/octet-stream\r\nContent-Length: 100000\r\n"
+                      "\r\n".encode() + b"x" * 1000)
+            t0 = time.monotonic()
+            data = b""
+            while chunk := s.recv(65536):  # the answer closes the connection
+                data += chunk
+            reply = data.decode(errors="replace")
+        assert time.monotonic() - t0 < 15
+        assert reply.startswith("HTTP/1.1 408"), reply[:200]
+        assert "body_timeout" in reply and "BOXD_BODY_TIMEOUT" in reply
+        assert not list((paths.home / "uploads").glob("import-*"))  # no spool file left
+    finally:
+        d.stop()
+        thread.join(10)

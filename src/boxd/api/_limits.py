@@ -5,10 +5,17 @@ file, a snapshot import) larger than ``max_upload`` (``BOXD_MAX_UPLOAD``) are an
 with 413 ``payload_too_large`` naming the limit. A declared ``Content-Length`` over the
 limit is refused at once, unread; a body without one (chunked) is counted as it arrives
 and cut off when it passes the limit, so nothing ever parses or spools more than that.
+
+A body that stops arriving before it is complete (a client that declared more bytes
+than it sends, or stalled) is answered with 408 ``body_timeout`` after ``body_timeout``
+seconds without a byte (``BOXD_BODY_TIMEOUT``): every request gets an answer, and the
+route's spool file goes with it. Once the body is complete, waiting on ``receive`` (a
+streaming response listening for the client to go away) has no deadline.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -16,7 +23,7 @@ from typing import Any
 
 from fastapi.encoders import jsonable_encoder
 
-from boxd.errors import PayloadTooLarge
+from boxd.errors import BodyTimeout, BoxdError, PayloadTooLarge
 
 __all__ = ["BodyLimit", "is_upload"]
 
@@ -50,10 +57,13 @@ def _too_large(limit: int, setting: str, size: int | None) -> PayloadTooLarge:
 class BodyLimit:
     """ASGI middleware capping request bodies (see the module docstring)."""
 
-    def __init__(self, app: _App, *, max_body: int, max_upload: int) -> None:
+    def __init__(
+        self, app: _App, *, max_body: int, max_upload: int, body_timeout: float = 60.0
+    ) -> None:
         self.app = app
         self.max_body = max_body
         self.max_upload = max_upload
+        self.body_timeout = body_timeout
 
     async def __call__(self, scope: _Scope, receive: _Receive, send: _Send) -> None:
         if scope["type"] != "http":
@@ -68,17 +78,32 @@ class BodyLimit:
             await _answer(send, _too_large(limit, setting, declared))
             return
         received = 0
-        over: PayloadTooLarge | None = None
+        over: BoxdError | None = None
         started = False
+        complete = False
 
         async def limited_receive() -> _Message:
-            nonlocal received, over
-            message = await receive()
+            nonlocal received, over, complete
+            if complete:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout)
+            except TimeoutError:
+                over = BodyTimeout(
+                    f"the request body stopped arriving: no byte for {self.body_timeout:g} s"
+                    f" after {received} bytes", field="body", seconds=self.body_timeout,
+                    hint="send the whole body (its Content-Length), or raise "
+                    "BOXD_BODY_TIMEOUT on the daemon",
+                )
+                raise over from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                complete = not message.get("more_body", False)
                 if received > limit:
                     over = _too_large(limit, setting, None)
                     raise over  # stops the route; the answer is replaced below
+            else:
+                complete = True  # http.disconnect
             return message
 
         async def guarded_send(message: _Message) -> None:
@@ -96,7 +121,7 @@ class BodyLimit:
 
         try:
             await self.app(scope, limited_receive, guarded_send)
-        except PayloadTooLarge:
+        except (PayloadTooLarge, BodyTimeout):
             if not started:
                 await _answer(send, over or _too_large(limit, setting, None))
 
@@ -111,7 +136,7 @@ def _content_length(scope: _Scope) -> int | None:
     return None
 
 
-async def _answer(send: _Send, exc: PayloadTooLarge) -> None:
+async def _answer(send: _Send, exc: BoxdError) -> None:
     body = json.dumps(jsonable_encoder(exc.to_body())).encode()
     await send({
         "type": "http.response.start", "status": exc.status,

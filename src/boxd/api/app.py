@@ -41,6 +41,7 @@ def create_app(
     accounts: AccountService | None = None,
     max_body: int = Settings.max_body,
     max_upload: int = Settings.max_upload,
+    body_timeout: float = Settings.body_timeout,
 ) -> FastAPI:
     """Build the boxd HTTP API over the given services.
 
@@ -56,6 +57,7 @@ def create_app(
         accounts: accounts and limits (default: over the keys' database).
         max_body: bytes a JSON request body may have (``BOXD_MAX_BODY``); more is a 413.
         max_upload: bytes a file upload or snapshot import may have (``BOXD_MAX_UPLOAD``).
+        body_timeout: seconds a request body may stall before a 408 (``BOXD_BODY_TIMEOUT``).
 
     Returns:
         The ASGI app. Its lifespan does not close the services: whoever built them does.
@@ -80,7 +82,8 @@ def create_app(
         accounts = AccountsService(keys.repos)
     app.state.accounts = accounts
     install_error_handlers(app)
-    app.add_middleware(BodyLimit, max_body=max_body, max_upload=max_upload)
+    app.add_middleware(BodyLimit, max_body=max_body, max_upload=max_upload,
+                       body_timeout=body_timeout)
     for module in (system, machines_routes, snapshots_routes, keys_routes, accounts_routes,
                    processes_routes):
         app.include_router(module.router, prefix=API_PREFIX)

@@ -241,6 +241,7 @@ class Daemon:
                 private_dirs=(paths.home, paths.shm),
                 max_body=settings.max_body,
                 max_upload=settings.max_upload,
+                body_timeout=settings.body_timeout,
             )
             self.server = _Server(
                 uvicorn.Config(
