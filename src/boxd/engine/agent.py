@@ -55,6 +55,8 @@ REQUEST_TIMEOUT = 30.0
 STREAM_IDLE_TIMEOUT = 120.0
 #: The protocol minor version from which the agent can re-attach an exec (``attach``).
 ATTACH_MINOR = 2
+#: From this minor version ``stdin`` takes ``"reply": false``: no reply unless it fails.
+UNACKED_STDIN_MINOR = 4
 #: How often `connect` re-sends hello while the guest agent is not up yet.
 HELLO_RETRY = 0.25
 #: The protocol minor version from which reads and execs take a flow-control ``window``.
@@ -848,7 +850,16 @@ class AgentClient:
         return ExecProcess(self, req_id, self._exec_events(req_id, q, None))
 
     async def _stdin(self, exec_id: int, data: bytes, eof: bool) -> None:
-        await self._call(P.OP_STDIN, exec_id=exec_id, data=_b64(data), eof=eof)
+        if not self.supports(UNACKED_STDIN_MINOR):
+            await self._call(P.OP_STDIN, exec_id=exec_id, data=_b64(data), eof=eof)
+            return
+        # The hot path of a process's stream: no answer to wait for. The request goes
+        # under the exec's own id, so an error (the agent cannot take the bytes) ends the
+        # exec's events with it; an exec that has ended was seen to end on this side.
+        if exec_id not in self._pending:
+            raise InvalidRequest(f"no running exec with id {exec_id}", errno=P.ERR_NO_EXEC)
+        await self._send({"id": exec_id, "op": P.OP_STDIN, "exec_id": exec_id,
+                          "data": _b64(data), "eof": eof, "reply": False})
 
     def __repr__(self) -> str:
         state = "connected" if self.connected else f"closed ({self._failure})"

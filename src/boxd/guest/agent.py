@@ -732,6 +732,12 @@ class Agent:
             if deadline is not None and not timed_out and now >= deadline:
                 timed_out = True
                 self.killpg(ex.pgid, signal.SIGKILL)
+            if ex.stream_stdin and ex.conn != self.conn:
+                # Nobody follows it (a fork child, a restore, a reconnect): its output
+                # waits in the pipes for the host that re-attaches (1.4; the command
+                # waits too once a pipe is full). Other execs are read and dropped.
+                done_event.wait(0.05)
+                continue
             wait = 0.05 if exited_at is not None or deadline is not None else 0.2
             if ex.window.full():
                 # The host has not taken what was sent: stop reading the pipes (the
@@ -835,6 +841,7 @@ class Agent:
             self.execs.pop(ex.id, None)
             ex.id = req_id
             ex.conn = conn
+            ex.window.size = 0  # the new host acknowledges nothing it asked no window for
             self.execs[req_id] = ex
         pid = ex.proc.pid if ex.proc is not None else 0
         self.send({"id": req_id, "ev": P.EV_STARTED, "pid": pid, "attached": True}, conn)
@@ -848,7 +855,8 @@ class Agent:
             ex.stdin_q.put(data)
         if msg.get("eof"):
             ex.stdin_q.put(None)
-        self.reply(req_id, conn, size=len(data))
+        if msg.get("reply") is not False:  # 1.4: "reply": false is answered only on error
+            self.reply(req_id, conn, size=len(data))
 
     def op_kill(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
         ex = self.find_exec(msg)

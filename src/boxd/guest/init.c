@@ -2,17 +2,21 @@
  * boxd-init: PID 1 of a boxd guest, in front of the Python agent (agent.py).
  *
  * It owns the host connection (the virtio-serial port "boxd.agent") and answers the
- * protocol's hot operations itself: hello, ping, identity, sync, and exec without
- * stdin (the RL rollout path: fork, run a command, read its output), with kill for
- * those execs. Everything else (exec with stdin or streamed stdin, files, stat, stdin)
- * is relayed, line by line, to the Python agent over a socketpair (agent.py
- * --relay-fd 3), and the agent's lines are relayed back.
+ * protocol's hot operations itself: hello, ping, identity, sync, exec without stdin
+ * (the RL rollout path: fork, run a command, read its output) and exec with streamed
+ * stdin (machines.spawn's processes: boxd.rl's step channel, one stdin message in and
+ * one stdout message out per frame), with kill, stdin and attach for those execs.
+ * Everything else (exec with one-shot stdin, files, stat) is relayed, line by line, to
+ * the Python agent over a socketpair (agent.py --relay-fd 3), and the agent's lines
+ * are relayed back.
  *
  * Why: a fork child is a new QEMU process, and under TCG it must translate every guest
  * code path it runs before running it. Answering hello + identity in CPython costs
  * ~7k translation blocks (~0.1 s) on each child's critical path, and a first exec
  * through subprocess.Popen ~12k more; here they cost a few hundred. With KVM the gain
- * is smaller but real (no interpreter on the fork path).
+ * is smaller but real (no interpreter on the fork path). A frame relayed through
+ * agent.py (JSON, base64, a thread hand-off each way) cost ~3 ms of the step channel's
+ * round trip under TCG; here it costs a few syscalls (docs/benchmarks.md, "rl").
  *
  * Protocol: docs/agent-protocol.md. Wire constants mirror src/boxd/guest/protocol.py
  * (tests/unit/test_agent.py runs the agent test-suite against both front ends).
@@ -46,7 +50,7 @@
 #include <unistd.h>
 
 #define PROTOCOL_MAJOR "1"
-#define PROTOCOL_VERSION "1.3"
+#define PROTOCOL_VERSION "1.4"
 #define PORT_NAME "boxd.agent"
 #define IDENTITY_DIR "run/boxd"
 #define MAX_LINE (64L * 1024 * 1024)
@@ -72,6 +76,11 @@ static const char *const DEFAULT_ENV[] = {
     "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root",
     "LANG=C.UTF-8", "TERM=xterm-256color", "USER=root", NULL};
 
+struct buf {
+    char *p;
+    size_t start, len, cap; /* data is p[start .. start+len) */
+};
+
 struct exec {
     long long id;
     char nonce[256]; /* events go only to the connection that asked */
@@ -81,6 +90,11 @@ struct exec {
     double start;
     long long deadline, exited_at, last_data; /* monotonic ms; deadline 0 = none */
     long long window, sent, acked; /* 1.3 flow control: window 0 = none */
+    /* stdin_stream execs (machines.spawn's processes, boxd.rl's env servers): */
+    int stream;      /* stdin stays open for stdin requests */
+    int in_fd;       /* the write end of its stdin pipe (-1: none, or closed) */
+    int in_eof;      /* close in_fd once inq is written */
+    struct buf inq;  /* stdin bytes the command has not taken yet */
     struct exec *next;
 };
 static struct exec *execs;
@@ -121,10 +135,6 @@ static void inflight_remove(long long id) {
         }
 }
 
-struct buf {
-    char *p;
-    size_t start, len, cap; /* data is p[start .. start+len) */
-};
 static struct buf hbuf, pybuf, pyq;
 
 static void logf_(const char *fmt, ...) {
@@ -1004,6 +1014,8 @@ static void exec_event(struct exec *x, const char *ev, const unsigned char *d, s
     reply_end(&b);
 }
 
+static void exec_feed(struct exec *x);
+
 static struct exec *find_exec(long long id) {
     for (struct exec *x = execs; x; x = x->next)
         if (x->id == id) return x;
@@ -1076,8 +1088,10 @@ static void mkdirs(const char *path) {
     mkdir(tmp, 0755);
 }
 
-/* Run an exec request without stdin. Returns 0 if handled, -1 to relay it instead. */
-static int op_exec(long long id, const struct jfield *f, int n) {
+/* Run an exec request without stdin, or with stdin_stream (then its stdin is a pipe fed
+   by stdin requests, starting with the request's own "stdin" bytes if any). Returns 0 if
+   handled, -1 to relay it instead. */
+static int op_exec(long long id, const struct jfield *f, int n, int stream) {
     const struct jfield *cmd = field(f, n, "cmd"), *cwdf = field(f, n, "cwd");
     const struct jfield *tf = field(f, n, "timeout"), *wf = field(f, n, "window");
     long long window = 0;
@@ -1153,10 +1167,22 @@ static int op_exec(long long id, const struct jfield *f, int n) {
         rc = 0;
         goto out;
     }
+    struct buf first_in = {0};
+    const struct jfield *inf = field(f, n, "stdin");
+    if (stream && inf && inf->type == J_STR) {
+        buf_reserve(&first_in, inf->vlen / 4 * 3 + 3);
+        long got_in = b64decode(inf->val, inf->vlen, (unsigned char *)first_in.p,
+                                first_in.cap);
+        first_in.len = got_in > 0 ? (size_t)got_in : 0;
+    } else if (stream && inf && inf->type != J_NULL) {
+        goto out; /* not base64 text: agent.py answers */
+    }
     rc = 0;
-    int out_p[2], err_p[2], sync_p[2];
-    if (pipe2(out_p, O_CLOEXEC) || pipe2(err_p, O_CLOEXEC) || pipe2(sync_p, O_CLOEXEC)) {
+    int out_p[2], err_p[2], sync_p[2], in_p[2] = {-1, -1};
+    if (pipe2(out_p, O_CLOEXEC) || pipe2(err_p, O_CLOEXEC) || pipe2(sync_p, O_CLOEXEC) ||
+        (stream && pipe2(in_p, O_CLOEXEC))) {
         fail_errno(id, "pipe");
+        free(first_in.p);
         goto out;
     }
     double start = mono();
@@ -1168,9 +1194,13 @@ static int op_exec(long long id, const struct jfield *f, int n) {
         sigprocmask(SIG_SETMASK, &none, NULL);
         signal(SIGPIPE, SIG_DFL);
         setsid();
-        int null = open("/dev/null", O_RDONLY);
-        dup2(null, 0);
-        if (null > 2) close(null);
+        if (stream) {
+            dup2(in_p[0], 0);
+        } else {
+            int null = open("/dev/null", O_RDONLY);
+            dup2(null, 0);
+            if (null > 2) close(null);
+        }
         dup2(out_p[1], 1);
         dup2(err_p[1], 2);
         if (chdir(cwd) == 0) {
@@ -1185,6 +1215,7 @@ static int op_exec(long long id, const struct jfield *f, int n) {
     close(out_p[1]);
     close(err_p[1]);
     close(sync_p[1]);
+    if (stream) close(in_p[0]);
     int child_errno = 0;
     ssize_t got = pid > 0 ? read(sync_p[0], &child_errno, sizeof child_errno) : -1;
     close(sync_p[0]);
@@ -1203,6 +1234,8 @@ static int op_exec(long long id, const struct jfield *f, int n) {
         reply_end(&b);
         close(out_p[0]);
         close(err_p[0]);
+        if (stream) close(in_p[1]);
+        free(first_in.p);
         /* the failed child is reaped by reap() (no exec owns it) */
         goto out;
     }
@@ -1214,6 +1247,10 @@ static int op_exec(long long id, const struct jfield *f, int n) {
     x->fd[1] = err_p[0];
     fcntl(x->fd[0], F_SETFL, O_NONBLOCK);
     fcntl(x->fd[1], F_SETFL, O_NONBLOCK);
+    x->stream = stream;
+    x->in_fd = in_p[1];
+    x->inq = first_in;
+    if (stream) fcntl(x->in_fd, F_SETFL, O_NONBLOCK);
     x->start = start;
     x->deadline = timeout > 0 ? start_ms + (long long)(timeout * 1000) : 0;
     x->last_data = start_ms;
@@ -1224,10 +1261,42 @@ static int op_exec(long long id, const struct jfield *f, int n) {
     reply_start(&b, id, "started");
     put(&b, ",\"pid\":%d", (int)pid);
     if (!strcmp(x->nonce, cur_nonce)) reply_end(&b);
+    exec_feed(x);
 out:
     free_strings(argv);
     free_strings(envp);
     return rc;
+}
+
+static void exec_close_stdin(struct exec *x) {
+    if (x->in_fd >= 0) close(x->in_fd);
+    x->in_fd = -1;
+    free(x->inq.p);
+    x->inq = (struct buf){0};
+}
+
+/* Write what the command's stdin can take now (its pipe is non-blocking). */
+static void exec_feed(struct exec *x) {
+    while (x->in_fd >= 0 && x->inq.len) {
+        ssize_t w = write(x->in_fd, x->inq.p + x->inq.start, x->inq.len);
+        if (w > 0) {
+            buf_drop(&x->inq, (size_t)w);
+            continue;
+        }
+        if (w < 0 && errno == EINTR) continue;
+        if (w < 0 && errno == EAGAIN) return; /* full: poll for POLLOUT */
+        exec_close_stdin(x); /* EPIPE: the command closed its stdin or exited */
+        return;
+    }
+    if (x->in_fd >= 0 && x->in_eof) exec_close_stdin(x);
+}
+
+/* A stream exec nobody follows (its connection is gone: a fork child, a restore, a
+   reconnect) is not read: its output waits in its pipes for the host that re-attaches
+   (when the pipe is full, the command waits too). Other execs are read and dropped, so
+   they run to their end. */
+static int exec_followed(const struct exec *x) {
+    return !x->stream || !strcmp(x->nonce, cur_nonce);
 }
 
 static void exec_read(struct exec *x, int k) {
@@ -1271,6 +1340,7 @@ static int exec_step(struct exec *x) {
                 close(x->fd[k]);
                 x->fd[k] = -1;
             }
+    if (x->exited && x->in_fd >= 0) exec_close_stdin(x);
     if (!x->exited || x->fd[0] >= 0 || x->fd[1] >= 0) return 0;
     if (x->timed_out) kill(-x->pid, SIGKILL); /* the whole group, not only the leader */
     static struct buf b;
@@ -1298,6 +1368,7 @@ static void execs_step(void) {
         struct exec *x = *pp;
         if (exec_step(x)) {
             *pp = x->next;
+            exec_close_stdin(x);
             free(x);
         } else {
             pp = &x->next;
@@ -1356,9 +1427,78 @@ static int op_ack(long long id, const struct jfield *f, int n) {
 
 static int op_stdin(long long id, const struct jfield *f, int n) {
     long long exec_id;
-    if (!is_int(field(f, n, "exec_id"), &exec_id) || !find_exec(exec_id)) return -1;
-    fail(id, "EINVAL", "exec was not started with stdin_stream");
+    struct exec *x;
+    if (!is_int(field(f, n, "exec_id"), &exec_id) || !(x = find_exec(exec_id))) return -1;
+    if (!x->stream) {
+        fail(id, "EINVAL", "exec was not started with stdin_stream");
+        return 0;
+    }
+    const struct jfield *d = field(f, n, "data"), *eof = field(f, n, "eof");
+    if (d && d->type != J_STR && d->type != J_NULL) {
+        fail(id, "EINVAL", "data must be base64 text");
+        return 0;
+    }
+    size_t max = d && d->type == J_STR ? d->vlen / 4 * 3 + 3 : 0;
+    if (x->inq.len + max > (size_t)QUEUE_MAX) {
+        char msg[200];
+        snprintf(msg, sizeof msg, "stdin not taken: the command has not read the %zu bytes "
+                 "sent before (limit %ld)", x->inq.len, (long)QUEUE_MAX);
+        fail(id, "ENOBUFS", msg);
+        return 0;
+    }
+    long size = 0;
+    if (max) {
+        buf_reserve(&x->inq, max);
+        size = b64decode(d->val, d->vlen, (unsigned char *)x->inq.p + x->inq.start + x->inq.len,
+                         max);
+        if (size < 0) size = 0;
+        /* Bytes for a stdin that is closed already are dropped, as agent.py does. */
+        if (x->in_fd >= 0 && !x->in_eof) x->inq.len += (size_t)size;
+    }
+    if (eof && eof->vlen == 4 && !memcmp(eof->val, "true", 4)) x->in_eof = 1;
+    exec_feed(x);
+    const struct jfield *reply = field(f, n, "reply");
+    if (reply && reply->vlen == 5 && !memcmp(reply->val, "false", 5)) return 0; /* 1.4 */
+    static struct buf b;
+    reply_start(&b, id, "result");
+    put(&b, ",\"size\":%ld", size);
+    reply_end(&b);
     return 0;
+}
+
+/* Follow a running exec of ours again, on this connection and under this request's id
+   (a fork child, a restored machine, a reconnect). Returns -1 for agent.py's execs. */
+static int op_attach(long long id, const struct jfield *f, int n) {
+    long long exec_id;
+    struct exec *x;
+    if (!is_int(field(f, n, "exec_id"), &exec_id) || !(x = find_exec(exec_id))) return -1;
+    if (exec_id != id && find_exec(id)) {
+        fail(id, "EINVAL", "this request id is an exec's already");
+        return 0;
+    }
+    x->id = id;
+    snprintf(x->nonce, sizeof x->nonce, "%s", cur_nonce);
+    x->window = 0; /* the new host acknowledges nothing it did not ask a window for */
+    static struct buf b;
+    reply_start(&b, id, "started");
+    put(&b, ",\"pid\":%d,\"attached\":true", (int)x->pid);
+    reply_end(&b);
+    return 0;
+}
+
+/* Whether agent.py answers this relayed request with a result or an error of its own:
+   only those are tracked in `inflight` (an id tracked and never ended would stay there
+   for the connection's life, and be "failed" if agent.py restarts). A write's later
+   chunks are answered under the first chunk's id (once, at the end, or at once on an
+   error: the chunks after an error get nothing); a stdin with "reply": false is
+   answered only on an error, under its exec's id, which is tracked already. */
+static int answered(const char *name, const struct jfield *f, int nf) {
+    if (!strcmp(name, "write")) return field(f, nf, "path") != NULL;
+    if (!strcmp(name, "stdin")) {
+        const struct jfield *reply = field(f, nf, "reply");
+        return !(reply && reply->vlen == 5 && !memcmp(reply->val, "false", 5));
+    }
+    return 1;
 }
 
 static void host_line(const char *line, size_t n) {
@@ -1366,9 +1506,9 @@ static void host_line(const char *line, size_t n) {
     int nf = json_fields(line, n, f);
     long long id = 0;
     int has_id = nf >= 0 && is_int(field(f, nf, "id"), &id);
+    char name[32] = "";
     if (has_id) {
         const struct jfield *op = field(f, nf, "op");
-        char name[32];
         if (op && op->type == J_STR && json_str(op, name, sizeof name) > 0) {
             if (!strcmp(name, "hello")) {
                 op_hello(id, f, nf);
@@ -1390,10 +1530,16 @@ static void host_line(const char *line, size_t n) {
             int no_stdin = (!in || in->type == J_NULL) &&
                            (!st || (st->vlen == 5 && !memcmp(st->val, "false", 5)) ||
                             st->type == J_NULL);
-            if (!strcmp(name, "exec") && no_stdin && op_exec(id, f, nf) == 0) return;
+            int stream = st && st->vlen == 4 && !memcmp(st->val, "true", 4);
+            if (!strcmp(name, "exec") && (no_stdin || stream) &&
+                op_exec(id, f, nf, stream) == 0)
+                return;
             if (!strcmp(name, "kill") && op_kill(id, f, nf) == 0) return;
             if (!strcmp(name, "stdin") && op_stdin(id, f, nf) == 0) return;
             if (!strcmp(name, "ack") && op_ack(id, f, nf) == 0) return;
+            if (!strcmp(name, "attach") && op_attach(id, f, nf) == 0) return;
+        } else {
+            name[0] = 0; /* json_str may have left part of a name */
         }
     }
     /* Everything else (and anything malformed: agent.py logs it) goes to agent.py. */
@@ -1402,7 +1548,10 @@ static void host_line(const char *line, size_t n) {
         return;
     }
     py_sync_nonce();
-    if (has_id) inflight_add(id);
+    if (has_id && answered(name, f, nf)) inflight_add(id);
+    long long old_id;
+    if (has_id && !strcmp(name, "attach") && is_int(field(f, nf, "exec_id"), &old_id))
+        inflight_remove(old_id); /* agent.py's exec goes by the attach's id from now on */
     py_send(line, n);
     py_send("\n", 1);
 }
@@ -1513,7 +1662,7 @@ int main(int argc, char **argv) {
         if (py_fd < 0 && py_pid < 0 && t >= py_restart_at) py_spawn();
         if (host_fd < 0 && t >= host_retry_at) host_open();
         int nx = 0;
-        for (struct exec *x = execs; x; x = x->next) nx += 2;
+        for (struct exec *x = execs; x; x = x->next) nx += 3;
         static struct pollfd *p;
         static int pcap;
         if (pcap < nx + 3) {
@@ -1544,10 +1693,11 @@ int main(int argc, char **argv) {
         int xw = execs_timeout();
         if (xw >= 0) timeout = timeout < 0 || xw < timeout ? xw : timeout;
         int ix = np;
-        for (struct exec *x = execs; x; x = x->next) {
-            int paused = exec_paused(x);
-            for (int k = 0; k < 2; k++) /* fd -1 is ignored */
-                p[np++] = (struct pollfd){paused ? -1 : x->fd[k], POLLIN, 0};
+        for (struct exec *x = execs; x; x = x->next) { /* an fd of -1 is ignored */
+            int read_it = exec_followed(x) && !exec_paused(x);
+            for (int k = 0; k < 2; k++)
+                p[np++] = (struct pollfd){read_it ? x->fd[k] : -1, POLLIN, 0};
+            p[np++] = (struct pollfd){x->inq.len ? x->in_fd : -1, POLLOUT, 0};
         }
         if (poll(p, (nfds_t)np, timeout) < 0) {
             if (errno != EINTR) logf_("poll: %s", strerror(errno));
@@ -1556,9 +1706,11 @@ int main(int argc, char **argv) {
         if (p[0].revents) reap(sfd);
         {
             int j = ix;
-            for (struct exec *x = execs; x && j < np; x = x->next)
+            for (struct exec *x = execs; x && j < np; x = x->next, j++) {
                 for (int k = 0; k < 2; k++, j++)
                     if (x->fd[k] >= 0 && p[j].fd == x->fd[k] && p[j].revents) exec_read(x, k);
+                if (x->in_fd >= 0 && p[j].fd == x->in_fd && p[j].revents) exec_feed(x);
+            }
         }
         if (ip >= 0 && py_fd >= 0) {
             if (p[ip].revents & POLLIN) py_readable();
