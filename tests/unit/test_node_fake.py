@@ -796,3 +796,40 @@ def test_a_gc_during_a_freeze_keeps_the_new_active_layer(world: World) -> None:
         assert await sh(world, src.id, "echo ok") == "ok\n"
 
     run(main())
+
+
+# ----------------------------------------------------- process streams (boxd.rl)
+
+
+def test_process_frames_read_no_record_while_running_and_still_wake_a_machine(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hot path of a step channel: a frame to a running machine reads nothing from
+    the database; a suspended one is still woken by the next frame."""
+    from boxd import process_models as pm
+
+    reads: list[str] = []
+    get = world.repos.machines.get
+
+    def counting_get(machine_id: str):  # type: ignore[no-untyped-def]
+        reads.append(machine_id)
+        return get(machine_id)
+
+    async def main() -> None:
+        m = await running(world)
+        p = await world.machines.spawn(ACCOUNT, m.id, pm.SpawnRequest(argv=["cat"]))
+        async with world.machines.process_attach(ACCOUNT, m.id, p.id) as stream:
+            await stream.send(b"warm")
+            assert await stream.recv() == b"warm"
+            monkeypatch.setattr(world.repos.machines, "get", counting_get)
+            for i in range(20):
+                await stream.send(b"%d" % i)
+                assert await stream.recv() == b"%d" % i
+            assert reads == []
+            monkeypatch.setattr(world.repos.machines, "get", get)
+            await world.machines.suspend(ACCOUNT, m.id)
+            await stream.send(b"wake up")
+            assert await stream.recv() == b"wake up"
+            assert world.state(m.id) == S.RUNNING and not world.vm(m.id).paused
+
+    run(main())

@@ -4,7 +4,8 @@ A fake machine's "memory" is a dict of guest files; capture writes it (as JSON) 
 the image directory, and a machine started from an image reads it back, so fork,
 checkpoint and snapshot semantics (a child sees its source's files; a restore rewinds)
 are observable without QEMU. Its agent runs a few commands (``echo``, ``cat``,
-``write PATH TEXT``, ``hostname``) and reports the rest as exit 0.
+``write PATH TEXT``, ``hostname``) and reports the rest as exit 0; its one long-lived
+process is ``cat`` (``start(["cat"])``: what it is sent, it writes back).
 
 Failures are injected by name (`FakeEngine.fail`), processes are killed by hand
 (`FakeMachine.kill`), and `FakeEngine.gate` parks an operation at a chosen step so a
@@ -36,6 +37,49 @@ class FakeGuest:
     hostname: str = ""
     identities: int = 0  # how many times identity was set
     clock_steps: int = 0  # how many times the clock was stepped (wakes)
+
+
+class FakeProcess:
+    """``cat`` in a fake machine: each write comes back as stdout; ``kill`` ends it."""
+
+    def __init__(self, agent: FakeAgent) -> None:
+        self._agent = agent
+        self.exec_id = next(_pids)
+        self._out: asyncio.Queue[ExecChunk] = asyncio.Queue()
+        self._ended = False
+
+    def __aiter__(self) -> AsyncIterator[ExecChunk]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[ExecChunk]:
+        while True:
+            item = await self._out.get()
+            yield item
+            if isinstance(item, ExecExit):
+                return
+
+    def _end(self, code: int, sig: int | None) -> None:
+        if not self._ended:
+            self._ended = True
+            self._out.put_nowait(ExecExit(exit_code=code, signal=sig, timed_out=False,
+                                          duration=0.0))
+
+    async def write(self, data: bytes) -> None:
+        self._agent._check()
+        if self._ended:
+            raise InvalidRequest(f"no running exec with id {self.exec_id}", errno="ESRCH")
+        self._out.put_nowait(ExecOutput("stdout", data))
+
+    async def close_stdin(self) -> None:
+        self._end(0, None)
+
+    async def kill(self, signal: int = 9) -> bool:
+        ended = self._ended
+        self._end(128 + signal, signal)
+        return not ended
+
+    async def aclose(self) -> None:
+        self._end(137, 9)
 
 
 class FakeAgent:
@@ -80,9 +124,13 @@ class FakeAgent:
         self, command: str | list[str], *, env: Mapping[str, str | None] | None = None,
         cwd: str | None = None, timeout: float | None = None,
     ) -> Process:
-        # The fake guest runs no programs: process streams are tested on real machines.
+        # The fake guest runs no programs but ``cat``: process streams (forks, re-attach)
+        # are tested on real machines.
         self._check()
-        raise InvalidRequest("the fake engine runs no long-lived processes", field="argv")
+        if command != ["cat"]:
+            raise InvalidRequest("the fake engine runs no long-lived processes but cat",
+                                 field="argv")
+        return FakeProcess(self)
 
     async def attach(self, exec_id: int) -> Process:
         self._check()

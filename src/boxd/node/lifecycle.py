@@ -100,10 +100,27 @@ def _hint(machine: MachineRecord) -> str:
 
 
 class Lifecycle:
-    """The one writer of machine states."""
+    """The one writer of machine states.
+
+    It also remembers which machines it last saw ``running`` (its own moves, and records
+    read while nothing can move them), so the hot path of a process's stream can skip
+    reading the database for every frame: `is_running`.
+    """
 
     def __init__(self, machines: Machines) -> None:
         self._machines = machines
+        self._running: set[str] = set()
+
+    def is_running(self, machine_id: str) -> bool:
+        """True when this node's last word on the machine's state is ``running``."""
+        return machine_id in self._running
+
+    def saw(self, machine: MachineRecord) -> None:
+        """``machine`` was just read (no move can have come between the read and now)."""
+        if machine.state == S.RUNNING:
+            self._running.add(machine.id)
+        else:
+            self._running.discard(machine.id)
 
     def move(
         self, machine_id: str, dst: MachineState, *, expect: tuple[MachineState, ...] | None = None,
@@ -126,7 +143,12 @@ class Lifecycle:
                     f"illegal transition {src.value} -> {dst.value}", machine=machine_id,
                     state=src.value, required=[s.value for s in TRANSITIONS if allowed(s, dst)],
                 )
-        return self._machines.compare_and_set(machine_id, sources, dst, error, quota=quota)
+        moved = self._machines.compare_and_set(machine_id, sources, dst, error, quota=quota)
+        if moved and dst == S.RUNNING:
+            self._running.add(machine_id)
+        else:  # moved elsewhere, or not moved: in a state this call did not see
+            self._running.discard(machine_id)
+        return moved
 
     def fail(self, machine_id: str, reason: str) -> bool:
         """Mark a machine failed (from any non-terminal state) with the reason."""

@@ -488,6 +488,7 @@ class NodeRuntime:
                     await self._awake(self._rec(machine_id), timeout)
             async with lease.use():
                 rec = self._rec(machine_id)
+                self.lifecycle.saw(rec)
                 if rec.state != S.RUNNING:
                     continue  # suspended or replaced between the wake and the gate
                 handle = self.live.get(machine_id)
@@ -722,7 +723,22 @@ class NodeRuntime:
     async def process_send(self, relay: Relay, data: bytes) -> None:
         if relay.state == "detached":
             await self._reattach_process(relay)
-        async with self._using(relay.machine_id):
+        machine_id = relay.machine_id
+        if relay.dirty and self.lifecycle.is_running(machine_id):
+            # The hot path (boxd.rl's steps): a running machine as this node last saw it,
+            # so no database read per frame; the lease still holds it against a swap.
+            async with self.lease(machine_id).use():
+                if self.lifecycle.is_running(machine_id) and relay.state == "running":
+                    self._touch(machine_id)
+                    try:
+                        await relay.send(data)
+                    except MachineFailed as exc:
+                        handle = self.live.get(machine_id)
+                        if handle is not None:
+                            await self._raise_if_died(self._rec(machine_id), handle, exc)
+                        raise
+                    return
+        async with self._using(machine_id):
             if not relay.dirty:
                 self._changed(relay.machine_id)
                 relay.dirty = True
