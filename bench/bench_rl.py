@@ -7,9 +7,11 @@ then gymnasium, numpy and cloudpickle installed from wheels the host downloads),
 taken from ``BOXD_BENCH_RL_SOURCE`` (a machine name that already has them). Figures:
 
 - channel: a 100-byte message through ``machines.spawn`` to a framed echo process in
-  the guest and back (SDK, WebSocket, daemon, agent, guest pipe), against the daemon's
-  own HTTP round trip without the guest (``wait`` on a running machine) and a whole
-  ``exec`` of ``true``;
+  the guest and back (SDK, WebSocket, daemon, agent, guest pipe), against an agent
+  ``ping`` (the guest channel's floor); the breakdown: the same echo driven by the
+  engine's own ``AgentClient`` on a machine booted without the daemon (agent channel,
+  boxd-init, the echo process: the guest side) and the daemon's own HTTP round trip
+  without the guest (``wait`` on a running machine); and a whole ``exec`` of ``true``;
 - vector: ``boxd.rl.VectorEnv`` steps/s for 1, 4 and 8 CartPole sub-envs against
   Gymnasium's ``AsyncVectorEnv`` on the host in the same run, with a breakdown per
   vector step of the time inside the guests' ``env.step`` (the env server's own
@@ -20,6 +22,7 @@ taken from ``BOXD_BENCH_RL_SOURCE`` (a machine name that already has them). Figu
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import subprocess
@@ -46,6 +49,7 @@ ECHO = (
     "    body = r.read(int.from_bytes(h, 'big'))\n"
     "    w.write(h + body); w.flush()\n"
 )
+CHANNEL_N = 300
 VECTOR_SIZES = (1, 4, 8)
 VECTOR_STEPS = 100
 RESETS = 5
@@ -78,7 +82,42 @@ def _prepare_source(client: Any, tell: Callable[[str], None]) -> tuple[str, bool
     return m.id, True
 
 
+async def _agent_level(accel: str, reason: str, n: int) -> tuple[list[float], list[float]]:
+    """Agent pings and 100-byte echo round trips through the engine's own AgentClient
+    (no daemon, WebSocket or SDK), interleaved, on a machine booted for it."""
+    from bench_runtime import engine_machine
+
+    async with engine_machine(accel, reason, "bench-rl-agent") as agent:
+        await agent.write_file("/home/boxd/echo.py", ECHO.encode())
+        proc = await agent.start(["python3", "-u", "/home/boxd/echo.py"])
+        events = aiter(proc)
+        frame = (100).to_bytes(4, "big") + b"x" * 100
+
+        async def rt() -> None:
+            await proc.write(frame)
+            got = 0
+            while got < len(frame):
+                item = await asyncio.wait_for(anext(events), 60)
+                got += len(item.data)
+
+        for _ in range(50):
+            await rt()
+            await agent.ping()
+        pings, stream = [], []
+        for _ in range(n):
+            t = time.perf_counter()
+            await rt()
+            stream.append(time.perf_counter() - t)
+            pings.append(await agent.ping())
+        await proc.kill()
+        return pings, stream
+
+
 def _channel(client: Any, source: str, tell: Callable[[str], None]) -> list[Row]:
+    tell("bench_rl: agent ping and echo through the engine's AgentClient (own machine)")
+    info = client.info()
+    pings, agent_rt = asyncio.run(_agent_level(info.accelerator, info.accelerator_reason,
+                                               CHANNEL_N))
     tell("bench_rl: channel round trips")
     m = client.machines.fork(source, "bench-rl-echo")
     try:
@@ -96,7 +135,7 @@ def _channel(client: Any, source: str, tell: Callable[[str], None]) -> list[Row]
             rt()
         chan: list[float] = []
         http: list[float] = []
-        for _ in range(300):  # interleaved, so load on the shared host hits both alike
+        for _ in range(CHANNEL_N):  # interleaved, so load on the shared host hits both alike
             t = time.perf_counter()
             rt()
             chan.append(time.perf_counter() - t)
@@ -111,8 +150,13 @@ def _channel(client: Any, source: str, tell: Callable[[str], None]) -> list[Row]
         proc.kill()
         return [
             row_from(GROUP, "channel round trip, 100 B (SDK -> guest -> SDK)", chan,
-                     accel=accel, note="target p50 <= 1 ms", baseline="daemon HTTP, no guest",
-                     baseline_values=http),
+                     accel=accel, note="target p50 <= 1 ms", baseline="agent ping",
+                     baseline_values=pings),
+            row_from(GROUP, "agent ping (engine AgentClient, no daemon)", pings, accel=accel,
+                     note="the guest channel's floor"),
+            row_from(GROUP, "echo round trip, 100 B (engine AgentClient -> guest -> back)",
+                     agent_rt, accel=accel, baseline="agent ping", baseline_values=pings,
+                     note="the guest side of the channel: agent channel, boxd-init, echo"),
             row_from(GROUP, "daemon HTTP round trip (wait, running machine)", http,
                      accel=accel, note="SDK -> daemon -> SDK, no guest"),
             row_from(GROUP, "exec `true` (SDK)", execs, accel=accel,

@@ -23,14 +23,16 @@ baseline taken in the same run (see ``_common`` for the Row/run() convention):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -105,6 +107,20 @@ async def _echo_baseline(n: int) -> list[float]:
 
 async def _agent_pings(accelerator: str, reason: str, n: int) -> list[float]:
     """Boot one isolated machine with the engine directly and ping its agent ``n`` times."""
+    async with engine_machine(accelerator, reason, "bench-ping") as agent:
+        for _ in range(5):  # warm-up: first answers pay for cold guest code paths
+            await agent.ping()
+        return [await agent.ping() for _ in range(n)]
+
+
+@contextlib.asynccontextmanager
+async def engine_machine(accelerator: str, reason: str, hostname: str) -> AsyncIterator[Any]:
+    """One isolated machine booted with the engine directly (no daemon): its agent.
+
+    The daemon's agent socket takes one client, so this is how a benchmark reaches an
+    agent without the daemon in between. ``accelerator``/``reason``: the daemon's
+    choice (``boxd info``), so there is no second probe.
+    """
     from boxd.config import Paths
     from boxd.engine.base import BootDisk, MachineConfig
     from boxd.engine.qemu import QemuEngine, qemu_version
@@ -129,15 +145,12 @@ async def _agent_pings(accelerator: str, reason: str, n: int) -> list[float]:
         disk = disks.layer_path(paths.disks, mid)
         await disks.create_overlay(disk, image.rootfs, "raw", 8)
         config = MachineConfig(
-            id=mid, hostname="bench-ping", vcpus=1, memory_mib=1024, isolated=True,
+            id=mid, hostname=hostname, vcpus=1, memory_mib=1024, isolated=True,
             port=None, kernel=image.kernel, initrd=image.initrd, cmdline=image.cmdline_hint,
         )
         handle = await engine.boot(config, BootDisk(disk), paths.run_dir(mid),
                                    paths.machines / mid / "qemu.log")
-        agent = await handle.agent(timeout=READY_TIMEOUT)
-        for _ in range(5):  # warm-up: first answers pay for cold guest code paths
-            await agent.ping()
-        return [await agent.ping() for _ in range(n)]
+        yield await handle.agent(timeout=READY_TIMEOUT)
     finally:
         if handle is not None:
             await handle.destroy()
