@@ -18,6 +18,8 @@ taken from ``BOXD_BENCH_RL_SOURCE`` (a machine name that already has them). Figu
   clock) and the rest (channel, daemon, agent);
 - reset: ``boxd.rl.Env.reset`` per reset mode (env, rewind, refork), after 10 steps;
 - ppo: PPO wall time over ``boxd.rl.sb3.VecEnv`` against a local ``DummyVecEnv``.
+
+``BENCH_RL_PARTS=channel,vector`` measures only those parts (default: all four).
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ ECHO = (
     "    w.write(h + body); w.flush()\n"
 )
 CHANNEL_N = 300
+BLOCK = 25
+PARTS = [p.strip() for p in os.environ.get("BENCH_RL_PARTS", "").split(",") if p.strip()]
 VECTOR_SIZES = (1, 4, 8)
 VECTOR_STEPS = 100
 RESETS = 5
@@ -135,13 +139,17 @@ def _channel(client: Any, source: str, tell: Callable[[str], None]) -> list[Row]
             rt()
         chan: list[float] = []
         http: list[float] = []
-        for _ in range(CHANNEL_N):  # interleaved, so load on the shared host hits both alike
-            t = time.perf_counter()
-            rt()
-            chan.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            client.machines.wait_until_ready(m.id)
-            http.append(time.perf_counter() - t)
+        # In alternating blocks, so load on the shared host hits both alike while each
+        # runs back to back, as an RL loop's steps do.
+        for _ in range(CHANNEL_N // BLOCK):
+            for _ in range(BLOCK):
+                t = time.perf_counter()
+                rt()
+                chan.append(time.perf_counter() - t)
+            for _ in range(BLOCK):
+                t = time.perf_counter()
+                client.machines.wait_until_ready(m.id)
+                http.append(time.perf_counter() - t)
         execs = []
         for _ in range(20):
             t = time.perf_counter()
@@ -285,10 +293,14 @@ def run(client: Any | None = None, log: Callable[[str], None] | None = None) -> 
     c = client if client is not None else Boxd()
     source, made = _prepare_source(c, tell)
     try:
-        rows = _channel(c, source, tell)
-        rows += _vector(c, source, tell)
-        rows += _resets(c, source, tell)
-        rows += _ppo(c, source, tell)
+        parts = {"channel": _channel, "vector": _vector, "reset": _resets, "ppo": _ppo}
+        unknown = set(PARTS) - set(parts)
+        if unknown:
+            raise SystemExit(f"BENCH_RL_PARTS: no part {sorted(unknown)}; parts: {list(parts)}")
+        rows: list[Row] = []
+        for name, part in parts.items():
+            if not PARTS or name in PARTS:
+                rows += part(c, source, tell)
         return rows
     finally:
         if made:
