@@ -6,7 +6,6 @@ The same path over real machines and the guest agent: tests/integration/test_rl_
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import test_sdk_support as support
@@ -63,24 +62,16 @@ def test_stream_errors_are_typed(daemon: Daemon) -> None:
         bad.machines.spawn("a", ["cat"])
 
 
-def test_round_trip_latency_through_the_daemon(daemon: Daemon) -> None:
-    """The host side of the hot path alone (echo fake, no guest): far below 1 ms."""
+def test_many_round_trips_through_the_daemon_stay_in_order(daemon: Daemon) -> None:
+    """The host side of the hot path alone (echo fake, no guest). Its speed is measured
+    in bench/bench_rl.py, not asserted here; here every frame comes back, in order."""
     with Boxd() as b:
         b.machines.new("a")
         proc = b.machines.spawn("a", ["cat"])
-        msg = b"x" * 100
-        for _ in range(50):
+        for i in range(300):
+            msg = i.to_bytes(4, "big") * 25
             proc.send(msg)
-            proc.recv()
-        times = []
-        for _ in range(300):
-            t = time.perf_counter()
-            proc.send(msg)
-            proc.recv()
-            times.append(time.perf_counter() - t)
-        times.sort()
-        print(f"host-only round trip p50 {times[len(times) // 2] * 1e3:.3f} ms")
-        assert times[len(times) // 2] < 0.005, f"p50 {times[len(times) // 2] * 1e3:.2f} ms"
+            assert proc.recv() == msg
 
 
 def test_async_handle(daemon: Daemon) -> None:
