@@ -12,6 +12,7 @@ from __future__ import annotations
 import builtins
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -19,6 +20,37 @@ from boxd import models
 from boxd import process_models as pm
 
 HostInfoFn = Callable[[], models.HostInfo | Awaitable[models.HostInfo]]
+
+
+class ByteStream(Protocol):
+    """A two-way byte stream (a guest process's connection to its in-guest API socket)."""
+
+    async def read(self) -> bytes:
+        """The next bytes; ``b""`` at the end."""
+        ...
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def write_eof(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class GuestCaller:
+    """Who is on the other end of a relayed in-guest API connection (docs/lifecycle.md).
+
+    ``key_hash()`` is the sha256 of the one credential such a connection accepts, the
+    machine's current one (None once the machine is deleted or has no VM).
+    """
+
+    machine_id: str
+    account_id: str
+    key_hash: Callable[[], str | None]
+
+
+GuestApi = Callable[[GuestCaller, ByteStream], Awaitable[None]]
+"""Serves one relayed in-guest API connection (the daemon's HTTP app behind it)."""
 
 
 class MachineService(Protocol):
@@ -197,6 +229,7 @@ class ProcessService(Protocol):
 
 
 __all__ = [
-    "AccountService", "HostInfoFn", "MachineService", "ProcessService", "ProcessStream",
+    "AccountService", "ByteStream", "GuestApi", "GuestCaller", "HostInfoFn", "MachineService",
+    "ProcessService", "ProcessStream",
     "SnapshotService",
 ]

@@ -26,7 +26,7 @@ from typing import TypeVar
 import pytest
 
 import boxd.guest.agent as agent_module
-from boxd.engine.agent import AgentClient, ExecExit, ExecOutput
+from boxd.engine.agent import AgentClient, ExecExit, ExecOutput, GuestStream
 from boxd.errors import (
     GuestFileNotFound,
     HostSetupError,
@@ -761,4 +761,153 @@ def test_streamed_stdin_worker(guest: Guest) -> None:
         assert isinstance(last, ExecExit), last
         assert last.signal == signal.SIGTERM, last
 
+    with_client(guest, body)
+
+
+# ------------------------------------------------------------- the in-guest API (1.3)
+
+
+async def _echo(stream: GuestStream) -> None:
+    """The daemon's side of a relayed stream, for tests: answers each chunk upper-cased."""
+    while data := await stream.read():
+        await stream.write(data.upper())
+
+
+def _guest_connect(g: Guest) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(str(g.sysroot / "run/boxd/boxd.sock"))
+    return s
+
+
+async def _roundtrip(s: socket.socket, data: bytes) -> bytes:
+    def go() -> bytes:
+        s.sendall(data)
+        return s.recv(1 << 16)
+
+    return await asyncio.to_thread(go)
+
+
+def test_relay_serves_the_api_socket_with_a_fresh_key(guest: Guest) -> None:
+    async def body() -> None:
+        first = await guest.client()
+        started = asyncio.Event()
+        relay = asyncio.create_task(first.serve_relay("boxdm_one", _echo,
+                                                      on_started=started.set))
+        await asyncio.wait_for(started.wait(), 10)
+        key = guest.sysroot / "run/boxd/key"
+        sock = guest.sysroot / "run/boxd/boxd.sock"
+        assert key.read_text() == "boxdm_one\n"
+        assert key.stat().st_mode & 0o777 == 0o600 and sock.stat().st_mode & 0o777 == 0o600
+        a = _guest_connect(guest)
+        assert await _roundtrip(a, b"hello") == b"HELLO"
+        b = _guest_connect(guest)  # streams are independent
+        assert await _roundtrip(b, b"two") == b"TWO"
+        assert await _roundtrip(a, b"again") == b"AGAIN"
+        # A new connection (a fork child's or a restored guest's host) with a new key: the
+        # streams of the old one end in the guest (the copy of a call in flight is cut).
+        await first.close()
+        await relay
+        second = await guest.client()
+        started = asyncio.Event()
+        relay = asyncio.create_task(second.serve_relay("boxdm_two", _echo,
+                                                       on_started=started.set))
+        await asyncio.wait_for(started.wait(), 10)
+        assert key.read_text() == "boxdm_two\n"
+        assert await asyncio.to_thread(a.recv, 100) == b""
+        c = _guest_connect(guest)
+        assert await _roundtrip(c, b"fresh") == b"FRESH"
+        for s in (a, b, c):
+            s.close()
+        await second.close()
+        await relay
+
+    run(body())
+
+
+def test_relayed_streams_move_to_the_next_connection(guest: Guest) -> None:
+    """A RAM swap: the same guest under a new connection keeps its calls in flight."""
+
+    async def body() -> None:
+        streams: dict[int, GuestStream] = {}
+        first = await guest.client()
+        started = asyncio.Event()
+        relay = asyncio.create_task(first.serve_relay("boxdm_a", _echo, streams=streams,
+                                                      on_started=started.set))
+        await asyncio.wait_for(started.wait(), 10)
+        a = _guest_connect(guest)
+        assert await _roundtrip(a, b"before") == b"BEFORE"
+        await first.close()
+        await relay
+        assert len(streams) == 1  # orphaned, not ended: the caller decides
+        second = await guest.client()
+        started = asyncio.Event()
+        relay = asyncio.create_task(second.serve_relay("boxdm_b", _echo, streams=streams,
+                                                       on_started=started.set))
+        await asyncio.wait_for(started.wait(), 10)
+        assert await _roundtrip(a, b"after") == b"AFTER"  # the same guest connection
+        a.close()
+        await second.close()
+        await relay
+
+    run(body())
+
+
+def test_relay_needs_a_sane_key(guest: Guest) -> None:
+    async def body(c: AgentClient) -> None:
+        with pytest.raises(InvalidRequest):
+            await c.serve_relay("bad\nkey", _echo)
+        assert not (guest.sysroot / "run/boxd/key").exists()
+
+    with_client(guest, body)
+
+
+def test_a_guest_connection_made_before_the_relay_is_served_by_it(guest: Guest) -> None:
+    """A fork child's processes may connect before its new host serves the socket: their
+    connections are served by the new relay, not cut (only calls already in flight are)."""
+
+    async def body() -> None:
+        first = await guest.client()
+        started = asyncio.Event()
+        relay = asyncio.create_task(first.serve_relay("boxdm_a", _echo,
+                                                      on_started=started.set))
+        await asyncio.wait_for(started.wait(), 10)
+        inflight = _guest_connect(guest)
+        assert await _roundtrip(inflight, b"x") == b"X"
+        await first.close()
+        await relay
+        second = await guest.client()
+        assert await second.ping() > 0
+        early = _guest_connect(guest)
+        early.sendall(b"early")
+        await asyncio.sleep(0.3)
+        started = asyncio.Event()
+        relay = asyncio.create_task(second.serve_relay("boxdm_b", _echo,
+                                                       on_started=started.set))
+        await asyncio.wait_for(started.wait(), 10)
+        assert await asyncio.to_thread(early.recv, 100) == b"EARLY"
+        assert await asyncio.to_thread(inflight.recv, 100) == b""  # cut
+        for s in (early, inflight):
+            s.close()
+        await second.close()
+        await relay
+
+    run(body())
+
+
+def test_identity_writes_the_api_key(guest: Guest) -> None:
+    async def body(c: AgentClient) -> None:
+        await c.identity(hostname="k", machine_id="ef" * 16, seed=b"", now=time.time(),
+                         api_key="boxdm_" + "k" * 32)
+        key = guest.sysroot / "run/boxd/key"
+        assert key.read_text() == "boxdm_" + "k" * 32 + "\n"
+        assert key.stat().st_mode & 0o777 == 0o600
+        await c.set_api_key("boxdm_" + "j" * 32)  # the same op with only the key
+        assert key.read_text() == "boxdm_" + "j" * 32 + "\n"
+        with pytest.raises(InvalidRequest):
+            await c.set_api_key("two words")
+        assert key.read_text() == "boxdm_" + "j" * 32 + "\n"
+
+    for d in ("run/boxd", "etc"):
+        (guest.sysroot / d).mkdir(parents=True)
     with_client(guest, body)

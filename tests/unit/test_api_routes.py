@@ -349,3 +349,31 @@ def test_openapi_carries_the_exec_rules(env: Env) -> None:
     schema = env.client.get("/openapi.json").json()["components"]["schemas"]["ExecRequest"]
     text = json.dumps(schema)
     assert "\\\\x00" in text and "propertyNames" in text and "604800" in text
+
+
+def test_a_machine_credential_counts_only_on_its_own_relayed_connection(env: Env) -> None:
+    import hashlib
+
+    from boxd.api.guest import _with_caller
+    from boxd.services import GuestCaller
+
+    secret = "boxdm_" + "x" * 32
+    current: list[str | None] = [hashlib.sha256(secret.encode()).hexdigest()]
+    caller = GuestCaller("m_1", env.local, lambda: current[0])
+    other = GuestCaller("m_2", env.local, lambda: hashlib.sha256(b"boxdm_other").hexdigest())
+    auth = {"Authorization": f"Bearer {secret}"}
+    inside = TestClient(_with_caller(env.app, caller), raise_server_exceptions=False)
+    assert inside.get("/v1/machines", headers=auth).status_code == 200
+    # The daemon's own socket (no relayed caller) refuses it ...
+    r = TestClient(env.app).get("/v1/machines", headers=auth)
+    assert r.status_code == 401 and "own API socket" in str(_error(r)["message"])
+    # ... and so does another machine's socket.
+    r = TestClient(_with_caller(env.app, other)).get("/v1/machines", headers=auth)
+    assert r.status_code == 401 and "current credential" in str(_error(r)["message"])
+    # An account key still works from inside (BOXD_API_KEY in a guest wins).
+    r = inside.get("/v1/machines", headers={"Authorization": f"Bearer {env.secret}"})
+    assert r.status_code == 200
+    for now in ("0" * 64, None):  # replaced (fork, restore, wake), revoked (delete)
+        current[0] = now
+        r = inside.get("/v1/machines", headers=auth)
+        assert r.status_code == 401 and "current credential" in str(_error(r)["message"])

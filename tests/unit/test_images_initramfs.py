@@ -5,6 +5,7 @@ from __future__ import annotations
 import lzma
 import stat
 import struct
+from pathlib import Path
 
 from boxd.images import _initramfs, _kernel
 
@@ -83,3 +84,31 @@ def test_extract_vmlinux_finds_xz_payload() -> None:
     bzimage = b"\x00" * 700 + b"HdrS" + b"\x00" * 50 + lzma.compress(elf) + b"\xff" * 30
     assert _kernel.extract_vmlinux(bzimage) == elf
     assert _kernel.extract_vmlinux(b"\x00" * 100) is None
+
+
+def test_the_client_files_are_a_whole_client(tmp_path: Path) -> None:
+    """What the initramfs carries for `from boxd import Boxd` in a guest imports alone:
+    every boxd module the client loads comes from those files (no daemon code)."""
+    import subprocess
+    import sys
+
+    from boxd.images._initramfs import client_files, guest_files
+
+    files = client_files()
+    assert set(files) <= set(guest_files(Path(__file__).parents[2] / "src/boxd/guest"))
+    for name, data in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(data)
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1] + '/py')\n"
+        "from boxd import Boxd, AsyncBoxd, errors, models\n"
+        "import boxd.process_models, boxd.sdk._lineage\n"
+        "Boxd(api_key='boxd_x', base_url='http://127.0.0.1:9').close()\n"
+        "bad = [m for m, mod in sys.modules.items() if m.startswith('boxd') and not "
+        "str(getattr(mod, '__file__', '') or '').startswith(sys.argv[1])]\n"
+        "assert not bad, bad\n"
+        "assert not {'fastapi', 'uvicorn', 'qemu'} & set(sys.modules)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                       text=True, check=False)
+    assert r.returncode == 0, r.stderr

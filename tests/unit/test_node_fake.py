@@ -832,4 +832,52 @@ def test_process_frames_read_no_record_while_running_and_still_wake_a_machine(
             assert await stream.recv() == b"wake up"
             assert world.state(m.id) == S.RUNNING and not world.vm(m.id).paused
 
+
+# ------------------------------------------------------------- the in-guest API
+
+
+def test_each_vm_process_gets_its_own_guest_credential_and_delete_revokes_it(
+    world: World,
+) -> None:
+    import hashlib
+
+    async def no_streams(caller: object, stream: object) -> None:
+        raise AssertionError("the fake guest never connects")
+
+    world.node.serve_guests(no_streams)
+
+    def key(machine_id: str) -> str:
+        keys = world.vm(machine_id).guest.api_keys
+        assert keys, "no credential was delivered"
+        digest = world.node.guest_key_hash(machine_id)
+        assert digest == hashlib.sha256(keys[-1].encode()).hexdigest()  # the current one
+        return keys[-1]
+
+    async def main() -> None:
+        src = await running(world)  # a cold boot: delivered before it is ready
+        first = key(src.id)
+        (child,) = await world.machines.fork(ACCOUNT, src.id, ["child"])
+        assert isinstance(child, models.Machine)
+        assert key(child.id) != first  # a fork child never holds its parent's
+        assert key(src.id) == first
+        await world.machines.checkpoint_save(ACCOUNT, src.id, "ck")
+        await world.machines.checkpoint_restore(ACCOUNT, src.id, "ck")
+        restored = key(src.id)
+        assert restored != first
+        await world.machines.suspend(ACCOUNT, src.id)
+        await world.machines.resume(ACCOUNT, src.id)
+        assert key(src.id) == restored  # same VM process, same connection: kept
+        await world.machines.hibernate(ACCOUNT, src.id)
+        assert world.node.guest_key_hash(src.id) is None  # no VM, no credential
+        await world.machines.resume(ACCOUNT, src.id)
+        assert key(src.id) != restored  # a wake is a new VM process
+        await world.machines.delete(ACCOUNT, child.id)
+        assert world.node.guest_key_hash(child.id) is None
+        iso = await world.machines.create(ACCOUNT, models.MachineCreate(name="iso",
+                                                                        isolated=True))
+        await world.machines.wait_until_ready(ACCOUNT, iso.id, timeout=5)
+        assert world.vm(iso.id).guest.api_keys == []
+        assert world.node.guest_key_hash(iso.id) is None
+        await world.node.close()
+
     run(main())

@@ -234,3 +234,35 @@ def test_a_daemon_holding_the_lock_is_never_started_twice(tmp_path) -> None:  # 
     finally:
         os.close(fd)
     assert not daemon_holds_lock(paths)
+
+
+def test_inside_a_machine_the_target_is_its_api_socket(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import httpx
+
+    sock, key = tmp_path / "boxd.sock", tmp_path / "key"
+    monkeypatch.setattr(_base, "GUEST_SOCKET", sock)
+    monkeypatch.setattr(_base, "GUEST_KEY", key)
+    assert not _base.resolve_target(environ={}).guest  # no socket: not in a machine
+    sock.touch()
+    t = _base.resolve_target(environ={})
+    assert t.guest and not t.local and t.uds == sock and t.api_key is None
+    assert "this machine's API socket" in t.where
+    auth = t.auth()
+    assert isinstance(auth, _base.GuestKeyAuth)
+
+    def header() -> str | None:
+        flow = auth.auth_flow(httpx.Request("GET", "http://boxd/v1/machines"))
+        return next(flow).headers.get("Authorization")
+
+    assert header() is None  # no credential yet
+    key.write_text("boxdm_one\n")
+    assert header() == "Bearer boxdm_one"
+    key.write_text("boxdm_two\n")  # rotated (a fork child, a restore): read per request
+    assert header() == "Bearer boxdm_two"
+    # The environment wins: a key of its own over the socket, or another daemon.
+    t = _base.resolve_target(environ={"BOXD_API_KEY": "boxd_env"})
+    assert t.guest and t.api_key == "boxd_env" and t.auth() is None
+    t = _base.resolve_target(environ={"BOXD_URL": "http://127.0.0.1:7070"})
+    assert not t.guest and t.uds is None

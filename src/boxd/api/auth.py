@@ -10,7 +10,14 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from boxd.api.services.keys import KeyService
+from boxd.api.guest import SCOPE_KEY
+from boxd.api.services.keys import KeyService, hash_secret
+from boxd.errors import AuthError
+from boxd.services import GuestCaller
+
+#: Machine credentials (made by the node, never stored) start so; account keys with "boxd_".
+MACHINE_KEY_PREFIX = "boxdm_"
+GUEST_KEY_HINT = "/run/boxd/key"
 
 __all__ = ["Account", "bearer", "current_account", "key_service"]
 
@@ -38,7 +45,25 @@ def current_account(
         AuthError: the key is missing, unknown or revoked.
     """
     secret = credentials.credentials if credentials is not None else None
-    account = key_service(request).authenticate(secret)
+    caller = request.scope.get(SCOPE_KEY)
+    guest = isinstance(caller, GuestCaller) and bool(secret)
+    if guest and secret and secret.startswith(MACHINE_KEY_PREFIX):
+        assert isinstance(caller, GuestCaller)
+        if hash_secret(secret) != caller.key_hash():
+            raise AuthError(
+                "not this machine's current credential: a machine's credential is accepted "
+                "only on its own machine's API socket, until it is replaced or revoked",
+                hint=f"read the current one from {GUEST_KEY_HINT} (a fork child, a restored "
+                "or woken machine has a new one)")
+        account = caller.account_id
+    elif secret and secret.startswith(MACHINE_KEY_PREFIX):
+        raise AuthError(
+            "a machine's credential is accepted only on that machine's own API socket",
+            hint="outside it use an API key (the local one is in <data dir>/local.key); "
+            f"inside a machine, use its current credential from {GUEST_KEY_HINT}",
+        )
+    else:
+        account = key_service(request).authenticate(secret)
     request.state.account = account
     return account
 

@@ -25,6 +25,7 @@ import uvicorn
 
 from boxd import models
 from boxd.api.app import create_app
+from boxd.api.guest import GuestRelay
 from boxd.api.routes.system import version
 from boxd.api.services.keys import KeyService
 from boxd.config import Paths, Settings
@@ -249,6 +250,10 @@ class Daemon:
                     timeout_graceful_shutdown=10,
                 )
             )
+            # Each non-isolated machine's /run/boxd/boxd.sock, relayed to this app.
+            serve_guests = getattr(machines, "serve_guests", None)
+            if serve_guests is not None:
+                serve_guests(GuestRelay(self.server))
         except BaseException:
             self._unlock()
             raise

@@ -33,6 +33,7 @@ from boxd.errors import (
 from boxd.models import NAME_RE, NAME_RULE, MachineState
 from boxd.node.base import Boot, FromSnapshot, Node, ProcessStream
 from boxd.node.cluster import RayCluster, RayNode
+from boxd.services import GuestApi
 from boxd.state import MachineRecord, Repos, SnapshotRecord, new_id
 from boxd.storage import SnapshotStore
 
@@ -476,6 +477,14 @@ class Machines:
             await self.cluster.close()
         for node in self.nodes.values():
             await node.close()
+
+    def serve_guests(self, handler: GuestApi) -> None:
+        """Serve in-guest API sockets with ``handler`` on every node that can: the local
+        node (a remote node's machines have no route to this daemon's app yet)."""
+        for node in self.nodes.values():
+            serve = getattr(node, "serve_guests", None)
+            if serve is not None:
+                serve(handler)
 
 
 def _alive(node: Node) -> bool:

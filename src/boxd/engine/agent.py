@@ -21,7 +21,14 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Mapping
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Mapping,
+)
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -45,6 +52,7 @@ __all__ = [
     "ExecOutput",
     "ExecProcess",
     "FileStat",
+    "GuestStream",
 ]
 
 log = logging.getLogger(__name__)
@@ -57,6 +65,8 @@ STREAM_IDLE_TIMEOUT = 120.0
 ATTACH_MINOR = 2
 #: From this minor version ``stdin`` takes ``"reply": false``: no reply unless it fails.
 UNACKED_STDIN_MINOR = 4
+#: The protocol minor version from which the agent serves the in-guest API socket.
+RELAY_MINOR = 5
 #: How often `connect` re-sends hello while the guest agent is not up yet.
 HELLO_RETRY = 0.25
 #: The protocol minor version from which reads and execs take a flow-control ``window``.
@@ -169,6 +179,11 @@ class AgentClient:
         self._failure = ""
         self._tasks: set[asyncio.Task[Any]] = set()
         self._read_task = asyncio.create_task(self._read_loop(), name=f"agent-reader {socket_path}")
+        # Relay events under an id this connection does not know: a guest process that
+        # connected before this connection served the socket (a fresh fork child or
+        # restored guest). `serve_relay` takes them over (bounded; oldest dropped).
+        self._stray_relay: list[_Msg] = []
+        self._on_stray: Callable[[], None] | None = None
         self.agent_version = ""
         self.agent_pid = 0
         self.agent_started = 0.0
@@ -352,6 +367,12 @@ class AgentClient:
                     log.debug("agent %s: malformed line dropped: %.80r", self._path, line)
                     continue
                 q = self._pending.get(req_id) if isinstance(req_id, int) else None
+                if q is None and msg.get("ev") in _RELAY_EVENTS:
+                    self._stray_relay.append(msg)
+                    del self._stray_relay[:-_STRAY_MAX]
+                    if self._on_stray is not None:
+                        self._on_stray()
+                    continue
                 if q is None:
                     log.debug("agent %s: stale reply for id %r dropped", self._path, req_id)
                     continue
@@ -764,20 +785,34 @@ class AgentClient:
         reply = await self._call(P.OP_STAT, path=path)
         return {k: v for k, v in reply.items() if k not in ("id", "ev")}
 
-    async def identity(self, *, hostname: str, machine_id: str, seed: bytes, now: float) -> None:
+    async def identity(self, *, hostname: str, machine_id: str, seed: bytes, now: float,
+                       api_key: str | None = None) -> None:
         """Give the machine a new identity (after a fork or restore).
 
         Sets the hostname, /etc/machine-id (32 lowercase hex digits), mixes ``seed`` into
-        (and credits) the kernel RNG and sets the wall clock to ``now``. No user-space
-        process is touched.
+        (and credits) the kernel RNG and sets the wall clock to ``now``; writes ``api_key``
+        to ``/run/boxd/key`` (1.5 agents; older ones ignore it). No user-space process is
+        touched.
 
         Raises:
             InvalidRequest: a bad value, or the agent lacks the privilege.
             MachineFailed: the connection was lost.
         """
+        extra: dict[str, Any] = {"api_key": api_key} if api_key is not None else {}
         await self._call(
-            P.OP_IDENTITY, hostname=hostname, machine_id=machine_id, seed=_b64(seed), now=now
+            P.OP_IDENTITY, hostname=hostname, machine_id=machine_id, seed=_b64(seed), now=now,
+            **extra,
         )
+
+    async def set_api_key(self, api_key: str) -> None:
+        """Write the machine's in-guest API credential (``identity`` with only that field:
+        answered by boxd-init, no Python in the guest). No-op on agents before 1.5.
+
+        Raises:
+            InvalidRequest: a bad key. MachineFailed: the connection was lost.
+        """
+        if self.supports(RELAY_MINOR):
+            await self._call(P.OP_IDENTITY, api_key=api_key)
 
     async def clock(self, now: float) -> None:
         """Step the guest's wall clock to ``now`` (after a wake); nothing else changes.
@@ -849,6 +884,102 @@ class AgentClient:
             self._pending[req_id] = q = fresh
         return ExecProcess(self, req_id, self._exec_events(req_id, q, None))
 
+    async def serve_relay(
+        self, key: str, on_stream: Callable[[GuestStream], Awaitable[None]], *,
+        streams: dict[int, GuestStream] | None = None,
+        on_started: Callable[[], None] | None = None,
+    ) -> None:
+        """Serve the guest's API socket (``/run/boxd/boxd.sock``) until this connection ends.
+
+        The agent writes ``key`` to ``/run/boxd/key`` (tmpfs). Each guest connection
+        becomes a `GuestStream` in ``streams`` (keyed by the guest's stream id), handed to
+        ``on_stream`` in a task of its own that outlives this connection. Streams already
+        in ``streams`` (the same guest under a new VM process: a RAM swap) move to this
+        connection; without any, the agent ends those of an earlier relay (a fork
+        child's or a restored guest's copies of calls in flight). ``on_started`` is
+        called once the agent serves the socket. When the connection is lost the streams
+        stay in ``streams``, waiting (`GuestStream.orphan`); the caller moves them to the
+        next relay or ends them (`GuestStream.end`).
+
+        Raises:
+            InvalidRequest: the agent is too old (protocol < 1.5) or refused the key.
+        """
+        if not self.supports(RELAY_MINOR):
+            raise InvalidRequest(
+                f"the guest agent (protocol {self.agent_version}) has no API socket",
+                hint="boot the machine from an image built by this version of boxd")
+        streams = {} if streams is None else streams
+        strays = {m["stream"] for m in self._stray_relay
+                  if m.get("ev") == P.EV_RELAY_OPEN and isinstance(m.get("stream"), int)}
+        keep = sorted(set(streams) | strays)
+        req_id, q, msg = self._open(P.OP_RELAY_LISTEN, key=key, keep=keep)
+        for stream in streams.values():
+            stream._bind(self, req_id)
+        try:
+            await self._send(msg)
+            first = await self._next(q, REQUEST_TIMEOUT, "relay_listen")
+            if first.get("ev") == P.EV_ERROR:
+                raise self._error(first)
+            if on_started is not None:
+                on_started()
+            # Guest connections made before: served as if they had come on this relay.
+            backlog: list[_Msg | None] = [
+                m for m in self._stray_relay if m.get("stream") in strays]
+            self._stray_relay.clear()
+            while not q.empty():  # what came on this relay since goes after them
+                backlog.append(q.get_nowait())
+            for m in backlog:
+                q.put_nowait(m)
+            while True:
+                event = await q.get()
+                if event is None or event.get("ev") in P.TERMINAL_EVENTS:
+                    return
+                sid = event.get("stream")
+                if not isinstance(sid, int):
+                    continue
+                ev = event.get("ev")
+                if ev == P.EV_RELAY_OPEN:
+                    stream = streams[sid] = GuestStream(self, req_id, sid)
+                    task = asyncio.ensure_future(self._run_stream(stream, on_stream, streams))
+                    _STREAM_TASKS.add(task)
+                    task.add_done_callback(_STREAM_TASKS.discard)
+                elif (stream_ := streams.get(sid)) is not None:
+                    if ev == P.EV_RELAY_DATA:
+                        stream_._incoming.put_nowait(_unb64(event))
+                    elif ev == P.EV_RELAY_EOF:
+                        stream_._incoming.put_nowait(b"")
+        except MachineFailed:
+            return  # the connection is gone; its streams wait for the caller's decision
+        finally:
+            self._pending.pop(req_id, None)
+            for stream in streams.values():
+                stream.orphan(self)
+
+    def on_guest_connect(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when a guest process connects to the API socket while this
+        connection does not serve it yet (at once if one did already)."""
+        self._on_stray = callback
+        if self._stray_relay:
+            callback()
+
+    async def _run_stream(
+        self, stream: GuestStream, on_stream: Callable[[GuestStream], Awaitable[None]],
+        streams: dict[int, GuestStream],
+    ) -> None:
+        try:
+            await on_stream(stream)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("agent %s: guest API stream %d failed", self._path, stream.id)
+        finally:
+            if streams.get(stream.id) is stream:
+                del streams[stream.id]
+            await stream.close()
+
+    async def _relay_send(self, relay_id: int, stream_id: int, **fields: Any) -> None:
+        await self._send({"id": relay_id, "op": P.OP_RELAY_SEND, "stream": stream_id, **fields})
+
     async def _stdin(self, exec_id: int, data: bytes, eof: bool) -> None:
         if not self.supports(UNACKED_STDIN_MINOR):
             await self._call(P.OP_STDIN, exec_id=exec_id, data=_b64(data), eof=eof)
@@ -864,6 +995,90 @@ class AgentClient:
     def __repr__(self) -> str:
         state = "connected" if self.connected else f"closed ({self._failure})"
         return f"<AgentClient {os.fspath(self._path)} {state}>"
+
+
+_RELAY_EVENTS = frozenset({P.EV_RELAY_OPEN, P.EV_RELAY_DATA, P.EV_RELAY_EOF})
+_STRAY_MAX = 1024
+# Tasks serving guest streams: they may outlive the agent connection they came on.
+_STREAM_TASKS: set[asyncio.Task[None]] = set()
+#: Seconds a guest stream whose connection was lost waits to be moved to the next one.
+STREAM_MOVE_WAIT = 30.0
+
+
+class GuestStream:
+    """One guest process's connection to the in-guest API socket (`AgentClient.serve_relay`).
+
+    `read` returns ``b""`` once the guest side shut down its sending half or the stream
+    ended; `write` and `close` after that are ignored. While its agent connection is
+    replaced (a RAM swap), writes wait for the next one (up to `STREAM_MOVE_WAIT`).
+    """
+
+    def __init__(self, client: AgentClient, relay_id: int, stream_id: int) -> None:
+        self._client = client
+        self._relay_id = relay_id
+        self.id = stream_id
+        self._incoming: asyncio.Queue[bytes] = asyncio.Queue()
+        self._bound = asyncio.Event()
+        self._bound.set()
+        self._eof = False
+        self._closed = False
+
+    def _bind(self, client: AgentClient, relay_id: int) -> None:
+        self._client, self._relay_id = client, relay_id
+        self._bound.set()
+
+    def orphan(self, client: AgentClient) -> None:
+        """Its connection ``client`` is gone: wait for the next (unless moved already)."""
+        if self._client is client:
+            self._bound.clear()
+
+    def end(self) -> None:
+        """End it without a word to the guest (its connection is gone for good)."""
+        self._closed = True
+        self._bound.set()
+        self._incoming.put_nowait(b"")
+
+    async def _send(self, **fields: Any) -> None:
+        while not self._closed:
+            if not self._bound.is_set():
+                try:
+                    await asyncio.wait_for(self._bound.wait(), STREAM_MOVE_WAIT)
+                except TimeoutError:
+                    self.end()
+                    return
+                continue
+            client = self._client
+            try:
+                await client._relay_send(self._relay_id, self.id, **fields)
+                return
+            except MachineFailed:
+                self.orphan(client)
+
+    async def read(self) -> bytes:
+        """The next bytes the guest sent; ``b""`` at its end."""
+        if self._eof:
+            return b""
+        data = await self._incoming.get()
+        if not data:
+            self._eof = True
+        return data
+
+    async def write(self, data: bytes) -> None:
+        """Send bytes to the guest process (in chunks the agent channel carries well)."""
+        for i in range(0, len(data), P.EXEC_CHUNK):
+            await self._send(data=_b64(data[i:i + P.EXEC_CHUNK]))
+
+    async def write_eof(self) -> None:
+        """Shut down the guest process's reading half."""
+        await self._send(eof=True)
+
+    async def close(self) -> None:
+        """End the stream on both sides."""
+        if not self._closed:
+            if self._bound.is_set():
+                with contextlib.suppress(MachineFailed):
+                    await self._client._relay_send(self._relay_id, self.id, close=True)
+            self.end()
 
 
 class ExecProcess:

@@ -11,12 +11,26 @@ both to these protocols so ``mypy --strict`` proves they satisfy them.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Mapping
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Mapping,
+)
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from boxd.engine.agent import ExecChunk, ExecExit, ExecOutcome, ExecOutput, FileStat
+from boxd.engine.agent import (
+    ExecChunk,
+    ExecExit,
+    ExecOutcome,
+    ExecOutput,
+    FileStat,
+    GuestStream,
+)
 
 
 @dataclass(frozen=True)
@@ -133,13 +147,37 @@ class Agent(Protocol):
         ...
 
     async def identity(
-        self, *, hostname: str, machine_id: str, seed: bytes, now: float
+        self, *, hostname: str, machine_id: str, seed: bytes, now: float,
+        api_key: str | None = None,
     ) -> None: ...
+
+    async def set_api_key(self, api_key: str) -> None:
+        """Write the in-guest API credential (protocol 1.5; cheap: boxd-init answers)."""
+        ...
+
+    def on_guest_connect(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when a guest process connects to the API socket before this
+        connection serves it."""
+        ...
 
     async def sync(self, timeout: float = 60.0) -> None: ...
 
     async def clock(self, now: float) -> None:
         """Step the guest's wall clock to ``now`` (after a wake)."""
+        ...
+
+    def supports(self, minor: int) -> bool:
+        """True when the agent speaks at least protocol ``1.minor``."""
+        ...
+
+    async def serve_relay(
+        self, key: str, on_stream: Callable[[GuestStream], Awaitable[None]], *,
+        streams: dict[int, GuestStream] | None = None,
+        on_started: Callable[[], None] | None = None,
+    ) -> None:
+        """Serve the in-guest API socket with credential ``key`` until the connection
+        ends, handing each guest connection to ``on_stream`` (protocol 1.5); streams
+        already in ``streams`` move to this connection (see `boxd.engine.agent`)."""
         ...
 
     async def close(self) -> None: ...
@@ -285,6 +323,7 @@ __all__ = [
     "ExecOutcome",
     "ExecOutput",
     "FileStat",
+    "GuestStream",
     "MachineConfig",
     "MachineHandle",
     "MemoryImage",

@@ -18,12 +18,26 @@ import asyncio
 import itertools
 import json
 import shutil
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Mapping
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Mapping,
+)
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from boxd.engine.agent import ExecChunk, ExecExit, ExecOutcome, ExecOutput, FileStat
-from boxd.engine.base import BootDisk, EngineInfo, MachineConfig, MemoryImage, Process
+from boxd.engine.base import (
+    BootDisk,
+    EngineInfo,
+    GuestStream,
+    MachineConfig,
+    MemoryImage,
+    Process,
+)
 from boxd.errors import BoxdError, GuestFileNotFound, InternalError, InvalidRequest, MachineFailed
 
 _pids = itertools.count(100_000)
@@ -37,6 +51,7 @@ class FakeGuest:
     hostname: str = ""
     identities: int = 0  # how many times identity was set
     clock_steps: int = 0  # how many times the clock was stepped (wakes)
+    api_keys: list[str] = field(default_factory=list)  # credentials delivered (serve_relay)
 
 
 class FakeProcess:
@@ -175,8 +190,11 @@ class FakeAgent:
             raise GuestFileNotFound(f"no file {path!r} in the machine", path=path)
         return self._m.guest.files[path].encode()
 
-    async def identity(self, *, hostname: str, machine_id: str, seed: bytes, now: float) -> None:
+    async def identity(self, *, hostname: str, machine_id: str, seed: bytes, now: float,
+                       api_key: str | None = None) -> None:
         self._check()
+        if api_key is not None:
+            self._m.guest.api_keys.append(api_key)
         await self._m.engine._step("identity")
         self._check()
         self._m.guest.hostname = hostname
@@ -188,6 +206,30 @@ class FakeAgent:
     async def clock(self, now: float) -> None:
         self._check()
         self._m.guest.clock_steps += 1
+
+    def supports(self, minor: int) -> bool:
+        return True
+
+    async def set_api_key(self, api_key: str) -> None:
+        self._check()
+        self._m.guest.api_keys.append(api_key)
+
+    def on_guest_connect(self, callback: Callable[[], None]) -> None:
+        return None  # no guest process ever connects
+
+    async def serve_relay(
+        self, key: str, on_stream: Callable[[GuestStream], Awaitable[None]], *,
+        streams: dict[int, GuestStream] | None = None,
+        on_started: Callable[[], None] | None = None,
+    ) -> None:
+        """Take the credential; no guest process ever connects. Ends with the machine."""
+        self._check()
+        if self._m.guest.api_keys[-1:] != [key]:
+            self._m.guest.api_keys.append(key)
+        if on_started is not None:
+            on_started()
+        while self._m.alive():
+            await asyncio.sleep(0.05)
 
     async def close(self) -> None:
         return None

@@ -52,6 +52,7 @@ WRITE_STALL_LIMIT = 30.0  # seconds a connected but non-reading host may stall o
 EXIT_DRAIN_IDLE = 0.25  # after the command exits, stop reading its pipes after this much quiet
 EXIT_DRAIN_MAX = 2.0  # ... or after this long (background children may hold the pipes)
 UNCLAIMED_TTL = 120.0
+RELAY_MOVE_WAIT = 10.0  # seconds a relayed stream waits for its relay to come back
 IDLE_WAIT = 60.0  # seconds an idle loop sleeps between checks (it is woken for real work)
 RNDADDENTROPY = 0x40085203
 PR_SET_CHILD_SUBREAPER = 36
@@ -433,6 +434,32 @@ class FileWrite:
         self.failed = False
 
 
+class RelayStream:
+    """One connection to the in-guest API socket, relayed to the host (``relay_listen``)."""
+
+    def __init__(self, relay_id: int, conn: str | None, stream_id: int,
+                 sock: socket.socket) -> None:
+        # The relay carrying it; a relay_listen with ``keep`` (the same guest under a new
+        # VM process: a RAM swap) moves it to the new one.
+        self.relay_id = relay_id
+        self.conn = conn
+        self.id = stream_id
+        self.sock = sock
+        self.outbox: queue.Queue[bytes | None] = queue.Queue()  # host -> guest; None: EOF
+        self.closed = False
+        self.announced = False  # a host saw its relay_open
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.outbox.put(None)
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
 class Agent:
     def __init__(self, channel: Channel, args: argparse.Namespace) -> None:
         self.channel = channel
@@ -444,6 +471,12 @@ class Agent:
         self.execs: dict[int, Exec] = {}
         self.writes: dict[int, FileWrite] = {}
         self.reads: dict[int, Window] = {}
+        # The in-guest API socket (1.5): the current relay request (id, connection), the
+        # listening socket and the relayed streams of the current relay.
+        self.relay: tuple[int, str | None] | None = None
+        self.relay_listener: socket.socket | None = None
+        self.relay_streams: dict[int, RelayStream] = {}
+        self.relay_next = 1
 
     # ---- output
 
@@ -1108,6 +1141,9 @@ class Agent:
             raise RequestError(P.ERR_INVALID, "machine_id must be 32 lowercase hex digits")
         if now is not None and not isinstance(now, int | float):
             raise RequestError(P.ERR_INVALID, "now must be a number (seconds since the epoch)")
+        api_key = msg.get("api_key")
+        if api_key is not None:
+            self.write_api_key(api_key)  # 1.5: validated first, so nothing half-applied
         sysroot = self.args.sysroot  # tests: write files under it, skip kernel calls
         done: list[str] = []
         if now is not None and not self.args.host_clock:
@@ -1125,7 +1161,162 @@ class Agent:
         if machine_id is not None:
             self.write_identity(sysroot, "machine-id", machine_id + "\n", 0o444)
             done.append("machine_id")
+        if api_key is not None:
+            done.append("api_key")
         self.reply(req_id, conn, applied=done)
+
+    # ---- the in-guest API socket (1.5)
+
+    def relay_dir(self) -> str:
+        return os.path.join(self.args.sysroot or "/", P.IDENTITY_DIR.lstrip("/"))
+
+    def write_api_key(self, key: Any) -> None:
+        if not isinstance(key, str) or not key or not key.isprintable() or len(key) > 256 \
+                or " " in key:
+            raise RequestError(P.ERR_INVALID, "the key must be a short printable string")
+        base = self.relay_dir()
+        os.makedirs(base, exist_ok=True)
+        path = os.path.join(base, P.API_KEY_FILE)
+        tmp = path + ".boxd-tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, (key + "\n").encode())
+            os.fchmod(fd, 0o600)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+
+    def op_relay_listen(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
+        """Serve the API socket for this connection, with a new credential (docs/lifecycle.md).
+
+        Writes the key to tmpfs, (re)binds the socket once, ends every stream of an earlier
+        relay (a fork child's or restored guest's copy of a call in flight) — or, with
+        ``keep``, moves them to this one (the host replaced the VM process under the same
+        guest) — and answers ``started``; the request then lasts as long as the host
+        connection.
+        """
+        base = self.relay_dir()
+        self.write_api_key(msg.get("key"))
+        keep = msg.get("keep") or []
+        if not isinstance(keep, list) or not all(isinstance(i, int) for i in keep):
+            raise RequestError(P.ERR_INVALID, "keep must be a list of stream ids")
+        with self.lock:
+            # Kept: those the host names (it saw them open) and those no host has seen (a
+            # guest process that connected while no host served the socket).
+            old = [st for st in self.relay_streams.values()
+                   if st.id not in keep and st.announced]
+            for stream in old:
+                del self.relay_streams[stream.id]
+            for stream in self.relay_streams.values():
+                stream.relay_id, stream.conn = req_id, conn
+            self.relay = (req_id, conn)
+        for stream in old:
+            stream.close()
+        if self.relay_listener is None:
+            sock_path = os.path.join(base, P.API_SOCKET)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(sock_path)
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            old_umask = os.umask(0o177)  # born 0600: the guest's root only, like the key
+            try:
+                listener.bind(sock_path)
+            finally:
+                os.umask(old_umask)
+            listener.listen(64)
+            self.relay_listener = listener
+            self.spawn_thread("relay-accept", self.relay_accept, listener)
+        self.send({"id": req_id, "ev": P.EV_STARTED}, conn)
+
+    def relay_accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                sock, _ = listener.accept()
+            except OSError as exc:
+                log(f"API socket accept failed: {exc}")
+                time.sleep(0.1)
+                continue
+            with self.lock:
+                relay = self.relay
+                stream: RelayStream | None = None
+                if relay is not None:
+                    stream = RelayStream(relay[0], relay[1], self.relay_next, sock)
+                    self.relay_next += 1
+                    self.relay_streams[stream.id] = stream
+            if stream is None:
+                sock.close()
+                continue
+            if not self.relay_event(stream, {"ev": P.EV_RELAY_OPEN}):
+                self.relay_end(stream)
+                continue
+            stream.announced = True
+            self.spawn_thread("relay-in", self.relay_reader, stream)
+            self.spawn_thread("relay-out", self.relay_writer, stream)
+
+    def relay_event(self, stream: RelayStream, msg: dict[str, Any]) -> bool:
+        """Send one event of a stream on its relay's connection. While that connection is
+        gone (a RAM swap: the host moves the stream to its next relay), wait a little."""
+        deadline = time.monotonic() + RELAY_MOVE_WAIT
+        while not stream.closed:
+            if self.send({"id": stream.relay_id, "stream": stream.id, **msg}, stream.conn):
+                return True
+            if time.monotonic() > deadline:
+                break
+            time.sleep(RETRY_SLEEP)
+        return False
+
+    def relay_reader(self, stream: RelayStream) -> None:
+        """Guest client -> host: ``relay_data`` events, then ``relay_eof``."""
+        while True:
+            try:
+                data = stream.sock.recv(P.EXEC_CHUNK)
+            except OSError:
+                data = b""
+            if stream.closed:
+                return
+            if not data:
+                self.relay_event(stream, {"ev": P.EV_RELAY_EOF})
+                return
+            if not self.relay_event(stream, {"ev": P.EV_RELAY_DATA, "data": b64e(data)}):
+                self.relay_end(stream)
+                return
+
+    def relay_writer(self, stream: RelayStream) -> None:
+        """Host -> guest client, off the serve loop (a client that stops reading blocks
+        only its own stream)."""
+        while True:
+            data = stream.outbox.get()
+            if data is None or stream.closed:
+                return
+            if not data:  # the host's end of the request stream
+                with contextlib.suppress(OSError):
+                    stream.sock.shutdown(socket.SHUT_WR)
+                continue
+            try:
+                stream.sock.sendall(data)
+            except OSError:
+                self.relay_end(stream)
+                return
+
+    def relay_end(self, stream: RelayStream) -> None:
+        with self.lock:
+            if self.relay_streams.get(stream.id) is stream:
+                del self.relay_streams[stream.id]
+        stream.close()
+
+    def op_relay_send(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
+        """Host -> guest bytes of one stream (``data``), its EOF (``eof``) or its end
+        (``close``). Carries the relay request's id; never answered."""
+        with self.lock:
+            stream = self.relay_streams.get(msg.get("stream"))  # type: ignore[arg-type]
+        if stream is None or stream.relay_id != req_id:
+            return  # a stream that ended meanwhile, or of an older relay
+        data = b64d(msg.get("data"))
+        if data:
+            stream.outbox.put(data)
+        if msg.get("eof"):
+            stream.outbox.put(b"")
+        if msg.get("close"):
+            self.relay_end(stream)
 
     @staticmethod
     def reseed(seed: bytes, *, real: bool) -> None:

@@ -50,7 +50,7 @@
 #include <unistd.h>
 
 #define PROTOCOL_MAJOR "1"
-#define PROTOCOL_VERSION "1.4"
+#define PROTOCOL_VERSION "1.5"
 #define PORT_NAME "boxd.agent"
 #define IDENTITY_DIR "run/boxd"
 #define MAX_LINE (64L * 1024 * 1024)
@@ -920,11 +920,41 @@ static void reseed(const unsigned char *seed, size_t n) {
     if (write(fd, seed, n) < 0) logf_("writing /dev/urandom: %s", strerror(errno));
 }
 
+/* The machine's in-guest API credential (1.5): IDENTITY_DIR/key, 0600, rewritten in place
+ * like the identity files (keys have one length, so a racing reader sees old or new). */
+static int write_api_key(const char *key, char *what, size_t wcap) {
+    const char *root = opt_sysroot ? opt_sysroot : "";
+    snprintf(what, wcap, "%s/%s/key", root, IDENTITY_DIR);
+    int fd = open(what, O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
+    if (fd < 0) return -1;
+    size_t len = strlen(key);
+    struct stat st;
+    int ok = pwrite(fd, key, len, 0) == (ssize_t)len && ftruncate(fd, (off_t)len) == 0 &&
+             fstat(fd, &st) == 0 && ((st.st_mode & 07777) == 0600 || fchmod(fd, 0600) == 0);
+    int e = errno;
+    close(fd);
+    errno = ok ? 0 : (e ? e : EIO);
+    return ok ? 0 : -1;
+}
+
 static void op_identity(long long id, const struct jfield *f, int n) {
     static struct buf b;
     const struct jfield *h = field(f, n, "hostname"), *m = field(f, n, "machine_id");
     const struct jfield *s = field(f, n, "seed"), *t = field(f, n, "now");
-    char host[256], mid[64], what[600];
+    const struct jfield *k = field(f, n, "api_key");
+    char host[256], mid[64], what[600], key[264];
+    int have_key = k && k->type != J_NULL;
+    if (have_key) {
+        long kl = k->type == J_STR ? json_str(k, key, sizeof key - 2) : -1;
+        int ok = kl > 0 && kl <= 256;
+        for (long i = 0; ok && i < kl; i++) ok = key[i] > ' ' && key[i] < 0x7f;
+        if (!ok) {
+            fail(id, "EINVAL", "api_key must be a short printable string");
+            return;
+        }
+        key[kl] = '\n';
+        key[kl + 1] = 0;
+    }
     unsigned char seed[256];
     long seed_len = 0;
     double now = 0;
@@ -995,6 +1025,13 @@ static void op_identity(long long id, const struct jfield *f, int n) {
             return;
         }
         strcat(applied, applied[0] ? ",\"machine_id\"" : "\"machine_id\"");
+    }
+    if (have_key) {
+        if (write_api_key(key, what, sizeof what) != 0) {
+            fail_errno(id, what);
+            return;
+        }
+        strcat(applied, applied[0] ? ",\"api_key\"" : "\"api_key\"");
     }
     reply_start(&b, id, "result");
     put(&b, ",\"applied\":[%s]", applied);

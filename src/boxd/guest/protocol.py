@@ -8,7 +8,7 @@ backward-compatible additions and ``PROTOCOL_MAJOR`` for anything else.
 from __future__ import annotations
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 4
+PROTOCOL_MINOR = 5
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
 
 #: Name of the virtio-serial port (``-device virtserialport,name=...``).
@@ -29,6 +29,10 @@ DEFAULT_CWD = "/home/boxd"
 #: /etc/hostname and /etc/machine-id to them (1.1). Writing them costs no disk I/O, which
 #: matters on a fork's critical path, and every start (boot, fork, restore) sets them anew.
 IDENTITY_DIR = "/run/boxd"
+#: The in-guest API (1.5): the socket a guest's ``Boxd()`` connects to and the machine's
+#: credential, both under IDENTITY_DIR (tmpfs: never on the disk image).
+API_SOCKET = "boxd.sock"
+API_KEY_FILE = "key"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DEFAULT_ENV = {
     "PATH": DEFAULT_PATH,
@@ -52,6 +56,8 @@ OP_ATTACH = "attach"  # 1.2: follow a running exec again on this connection
 OP_SYNC = "sync"  # 1.1: flush the guest page cache to disk (in the agent, no process)
 OP_ACK = "ack"  # 1.3: the host consumed N bytes of a read's or exec's output (flow control)
 OP_CANCEL = "cancel"  # 1.3: stop a read (the host no longer wants it)
+OP_RELAY_LISTEN = "relay_listen"  # 1.5: serve the in-guest API socket, with a new key
+OP_RELAY_SEND = "relay_send"  # 1.5: bytes for one relayed stream (no reply)
 
 # Events (agent -> host, field "ev"). RESULT and ERROR end a request.
 EV_STARTED = "started"  # exec: the process is running (pid)
@@ -59,6 +65,9 @@ EV_STDOUT = "stdout"
 EV_STDERR = "stderr"
 EV_DATA = "data"  # read: one chunk of the file
 EV_RESULT = "result"
+EV_RELAY_OPEN = "relay_open"  # 1.5: a guest process connected to the API socket
+EV_RELAY_DATA = "relay_data"  # 1.5: bytes it sent
+EV_RELAY_EOF = "relay_eof"  # 1.5: it shut down its sending side (or went away)
 EV_ERROR = "error"
 TERMINAL_EVENTS = frozenset({EV_RESULT, EV_ERROR})
 

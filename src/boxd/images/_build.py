@@ -33,7 +33,7 @@ from boxd.storage._files import fsync_dir, write_atomic
 from . import _apt, _initramfs, _kernel, _rootfs
 from ._util import Progress, fsync_tree
 
-BUILDER_VERSION = "1"
+BUILDER_VERSION = "2"  # 2: the boxd client's dependencies and its .pth (in-machine Boxd())
 CACHE_ENV = IMAGE_CACHE_ENV
 GUEST_DIR = Path(__file__).resolve().parent.parent / "guest"
 RECIPE_FILE = "recipe.json"
@@ -67,7 +67,8 @@ class Recipe:
 
     def key(self) -> str:
         """Short hex sha256 of the canonical recipe and the builder version."""
-        blob = json.dumps({"builder": BUILDER_VERSION, **self.canonical()},
+        blob = json.dumps({"builder": BUILDER_VERSION, "client": list(_rootfs.CLIENT_PIP),
+                           **self.canonical()},
                           sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -248,15 +249,15 @@ def _build_into(out: Path, recipe: Recipe, report: Progress) -> dict[str, object
             "".join(n + "\n" for n, _ in mods.modules))
         shutil.copyfile(busybox, out / "busybox")
 
-        wheels: Path | None = None
-        if recipe.pip:
-            report("download pip wheels on the host", 0.14)
-            wheels = scratch / "wheels"
-            _rootfs.download_wheels(recipe.pip, wheels)
+        # The in-machine client's dependencies come with every image (docs/images.md).
+        pip = tuple(dict.fromkeys((*_rootfs.CLIENT_PIP, *recipe.pip)))
+        report("download pip wheels on the host", 0.14)
+        wheels = scratch / "wheels"
+        _rootfs.download_wheels(pip, wheels)
         report(f"mmdebstrap {recipe.suite} (about a minute)", 0.2)
         rootdir = scratch / "rootfs"
         rootdir.mkdir()
-        _rootfs.mmdebstrap(recipe.suite, rootdir, recipe.apt, recipe.pip, wheels)
+        _rootfs.mmdebstrap(recipe.suite, rootdir, recipe.apt, pip, wheels)
         report("configure rootfs (CA bundle, pip.conf)", 0.85)
         _rootfs.customize(rootdir, _rootfs.host_pip_config())
         report("pack rootfs into ext4", 0.9)

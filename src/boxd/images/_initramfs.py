@@ -104,6 +104,8 @@ if [ "$disk_bytes" -gt "$fs_bytes" ]; then
 fi
 
 cp /boxd/*.py $R/run/boxd/ 2>/dev/null
+# The boxd client for the guest's python3 (the rootfs has a .pth naming /run/boxd/py).
+[ -d /boxd/py ] && cp -r /boxd/py $R/run/boxd/
 [ -f $R/run/boxd/agent.py ] || die "no agent in the initramfs"
 [ -x /boxd/boxd-init ] && cp /boxd/boxd-init $R/run/boxd/
 
@@ -154,14 +156,36 @@ def write_cpio(entries: Iterable[CpioEntry]) -> bytes:
     return buf.getvalue()
 
 
+#: The modules of the boxd package the in-machine client imports (``from boxd import
+#: Boxd``): the SDK and the shared modules, no daemon code (the import-linter contract "The
+#: SDK is a light client" keeps it so; tests/unit/test_initramfs.py checks the list).
+CLIENT_MODULES = (
+    "__init__.py", "_lazy.py", "_server_deps.py", "_version.py", "config.py", "errors.py",
+    "models.py", "process_models.py", "py.typed", "sdk/*.py",
+)
+#: The package the client comes from.
+PACKAGE_DIR = Path(__file__).resolve().parent.parent
+
+
+def client_files(package_dir: Path = PACKAGE_DIR) -> dict[str, bytes]:
+    """The boxd client's files, by path under ``py/`` in the initramfs's ``/boxd``."""
+    files: dict[str, bytes] = {}
+    for pattern in CLIENT_MODULES:
+        for p in sorted(package_dir.glob(pattern)):
+            files[f"py/boxd/{p.relative_to(package_dir)}"] = p.read_bytes()
+    return files
+
+
 def guest_files(guest_dir: Path | None) -> dict[str, bytes]:
-    """The agent's sources (``*.py`` and ``init.c`` of ``guest_dir``), by file name."""
+    """The agent's sources (``*.py`` and ``init.c`` of ``guest_dir``) by file name, and the
+    boxd client's files (``py/boxd/...``)."""
     if guest_dir is None or not guest_dir.is_dir():
         return {}
     files = {p.name: p.read_bytes() for p in sorted(guest_dir.glob("*.py"))}
     init = guest_dir / INIT_SOURCE
     if init.exists():
         files[INIT_SOURCE] = init.read_bytes()
+    files.update(client_files())
     return files
 
 
@@ -228,6 +252,9 @@ def build_initramfs(busybox: bytes, modules: list[tuple[str, bytes]],
     order = "".join(name + "\n" for name, _ in modules)
     entries.append(CpioEntry("lib/modules/load-order", f, order.encode()))
     entries += [CpioEntry(f"lib/modules/{name}.ko", f, data) for name, data in modules]
+    dirs = sorted({"/".join(parts[:i]) for parts in (n.split("/") for n in agent)
+                   for i in range(1, len(parts))})
+    entries += [CpioEntry(f"boxd/{name}", d) for name in dirs]
     entries += [
         CpioEntry(f"boxd/{name}", x if name == INIT_BINARY else f, data)
         for name, data in sorted(agent.items())

@@ -26,6 +26,15 @@ BASE_PACKAGES = (
     "netbase",
 )
 
+#: What the in-machine boxd client (``from boxd import Boxd`` in a guest) needs besides the
+#: stdlib, installed from wheels into every image. The client's own files come with the
+#: initramfs (``_initramfs.client_files``), so changing them costs no rootfs rebuild.
+CLIENT_PIP = ("httpx>=0.27,<1", "pydantic>=2.6,<3")
+#: Where the initramfs puts the client in a running guest (tmpfs), and the .pth that puts
+#: it on the system python3's path.
+GUEST_CLIENT_DIR = "/run/boxd/py"
+CLIENT_PTH = "usr/lib/python3/dist-packages/boxd-client.pth"
+
 HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 GUEST_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 GUEST_PYTHON = ("3.11", "cp311")
@@ -95,6 +104,15 @@ def host_pip_config() -> dict[str, list[str]]:
     return parse_pip_config(out)
 
 
+def _platform_args() -> list[str]:
+    # pip takes --platform tags literally (no manylinux_2_36 -> 2_17 compatibility), so
+    # name every glibc the guest's (2.36, Debian 12) runs: most compiled wheels
+    # (pydantic-core) are tagged manylinux2014 / manylinux_2_17.
+    tags = [f"manylinux_2_{minor}_x86_64" for minor in range(36, 16, -1)]
+    tags += ["manylinux2014_x86_64", "linux_x86_64"]
+    return [arg for tag in tags for arg in ("--platform", tag)]
+
+
 def download_wheels(packages: Sequence[str], dest: Path) -> None:
     """Download wheels for the guest's CPython on the host, with the host's pip config.
 
@@ -106,8 +124,7 @@ def download_wheels(packages: Sequence[str], dest: Path) -> None:
     run([sys.executable, "-m", "pip", "download", "-q", "-d", dest,
          "--only-binary=:all:", "--python-version", ver, "--implementation", "cp",
          "--abi", impl_abi, "--abi", "abi3", "--abi", "none",
-         "--platform", "manylinux_2_36_x86_64", "--platform", "linux_x86_64",
-         *packages],
+         *_platform_args(), *packages],
         "pip download " + " ".join(packages),
         hint="check the package names and the host's pip configuration; only wheels "
              "(no source builds) can be installed into the image")
@@ -147,7 +164,8 @@ def _shell_quote(s: str) -> str:
 
 
 def customize(root: Path, host_pip: dict[str, list[str]]) -> None:
-    """Host CA bundle, pip.conf, no EXTERNALLY-MANAGED, /home/boxd, empty machine-id."""
+    """Host CA bundle, pip.conf, no EXTERNALLY-MANAGED, /home/boxd, empty machine-id,
+    the boxd client's .pth."""
     if HOST_CA_BUNDLE.exists():
         dst = root / GUEST_CA_BUNDLE.lstrip("/")
         dst.parent.mkdir(parents=True, exist_ok=True)
@@ -169,6 +187,9 @@ def customize(root: Path, host_pip: dict[str, list[str]]) -> None:
                 elif p.name != "lock":
                     p.unlink()
     (root / "etc/hostname").write_text("boxd\n")
+    pth = root / CLIENT_PTH
+    pth.parent.mkdir(parents=True, exist_ok=True)
+    pth.write_text(GUEST_CLIENT_DIR + "\n")
 
 
 def tree_size(root: Path) -> tuple[int, int]:

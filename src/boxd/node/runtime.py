@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import hashlib
 import logging
 import os
 import secrets
@@ -47,6 +49,7 @@ from boxd.engine.base import (
     BootDisk,
     Engine,
     ExecOutput,
+    GuestStream,
     MachineConfig,
     MachineHandle,
     MemoryImage,
@@ -72,6 +75,7 @@ from boxd.node._spares import Spare, SparePool
 from boxd.node._transfer import Fetch, FileOffer, LayerOffer, TemplateOffer
 from boxd.node.base import Boot, FromSnapshot
 from boxd.node.lifecycle import ASLEEP, HAS_VM, LIVE, TRANSIENT, Lease, Lifecycle, require
+from boxd.services import GuestApi, GuestCaller
 from boxd.state import CheckpointRecord, MachineRecord, Repos, TemplateRecord, new_id
 from boxd.storage import Manifest, SnapshotStore, disks
 from boxd.storage.memory import ensure_space, is_sealed, remove_tree, seal
@@ -86,6 +90,16 @@ MAX_CHAIN = 8
 HOST_GRACE = 30.0
 # Seconds a RAM swap waits for requests in flight on the machine to finish.
 SWAP_DRAIN = 30.0
+# The agent protocol minor version that serves the in-guest API socket.
+GUEST_API_MINOR = 5
+# A machine's in-guest API credential (docs/lifecycle.md#in-machine-auth): told apart from
+# account keys, which are "boxd_" + 32 characters.
+GUEST_KEY_PREFIX = "boxdm_"
+# Seconds a cold boot waits for the in-guest API socket before it answers.
+GUEST_API_WAIT = 30.0
+# Seconds a fork child, restored or woken machine waits before serving its API socket
+# unless a guest process connects sooner (`_serve_guest_api`).
+GUEST_API_DELAY = 2.0
 
 
 def _in_flight(rec: MachineRecord) -> Conflict:
@@ -179,6 +193,15 @@ class NodeRuntime:
         self.spares = SparePool(self, per_template=settings.fork_spares,
                                 total=settings.fork_spares_total)
         self.proxy = PortProxy(self.connect)
+        # The in-guest API (`serve_guests`): the handler the daemon serves relayed guest
+        # connections with, each machine's current credential (sha256) and relay task.
+        self.guest_api: GuestApi | None = None
+        self._guest_keys: dict[str, str] = {}
+        self._guest_relays: dict[str, asyncio.Task[None]] = {}
+        # Relayed guest connections by machine; a RAM swap (`_own_ram`) moves them to the
+        # new VM process (`_guest_keep`): the guest, the fork call it made included, runs on.
+        self._guest_streams: dict[str, dict[int, GuestStream]] = {}
+        self._guest_keep: set[str] = set()
 
     @property
     def id(self) -> str:
@@ -253,6 +276,7 @@ class NodeRuntime:
 
     def _retire(self, machine_id: str) -> MachineHandle | None:
         """Take the machine's VM out of service (before a deliberate destroy)."""
+        self._stop_guest_api(machine_id)
         watcher = self._watchers.pop(machine_id, None)
         if watcher is not None:
             watcher.cancel()
@@ -271,6 +295,7 @@ class NodeRuntime:
         """The VM process of a machine ended: failed, unless it was replaced meanwhile."""
         if self.live.get(machine_id) is not handle:
             return  # replaced or retired on purpose: not a failure
+        self._stop_guest_api(machine_id)
         self.live.pop(machine_id, None)
         self._watchers.pop(machine_id, None)
         if self.lifecycle.fail(machine_id, reason):
@@ -366,8 +391,13 @@ class NodeRuntime:
             self._install(rec.id, handle)
             if spare is not None:
                 await handle.resume()
+            # A new VM process, a new in-guest credential, in place before it answers:
+            # in identity for a fork child or a snapshot start; else one cheap op.
+            key = self._new_guest_key(rec) if identity or to_running else None
             if identity:
-                await self._set_identity(rec.name, handle)
+                await self._set_identity(rec.name, handle, api_key=key)
+            elif key is not None:
+                await (await handle.agent(timeout=60.0)).set_api_key(key)
         except BaseException as exc:
             reason = exc.message if isinstance(exc, BoxdError) else repr(exc)
             if handle is not None:
@@ -388,16 +418,19 @@ class NodeRuntime:
             raise self.failed_error(fresh, fresh.error)
         if rec.port and not self.proxy.is_open(rec.id):
             await self.proxy.open(rec.id, rec.port)
+        self._serve_guest_api(rec, handle, key, lazy=True)  # a cold boot's: its first answer
         return handle
 
     async def _set_identity(
-        self, hostname: str, handle: MachineHandle, timeout: float = 60.0
+        self, hostname: str, handle: MachineHandle, timeout: float = 60.0,
+        api_key: str | None = None,
     ) -> None:
-        """A new machine-id, a reseeded RNG and the host's clock (and the hostname)."""
+        """A new machine-id, a reseeded RNG and the host's clock (and the hostname; and
+        the in-guest API credential when given)."""
         agent = await handle.agent(timeout=timeout)
         await agent.identity(
             hostname=hostname, machine_id=secrets.token_hex(16), seed=os.urandom(64),
-            now=time.time(),
+            now=time.time(), api_key=api_key,
         )
 
     # ------------------------------------------------------------------ create
@@ -549,11 +582,123 @@ class NodeRuntime:
         if handle is None:
             raise self.failed_error(rec, "its VM process is not running")
         try:
-            await self._set_identity(rec.name, handle, timeout)
+            key = self._new_guest_key(rec)
+            await self._set_identity(rec.name, handle, timeout, api_key=key)
         except MachineFailed as exc:
             await self._raise_if_died(rec, handle, exc)
             raise
         self.lifecycle.move(rec.id, S.RUNNING, expect=(S.STARTING,))
+        # Not on a hot path: `wait_until_ready` answers once the socket is served.
+        await self._guest_api_started(self._serve_guest_api(rec, handle, key))
+
+    # ------------------------------------------------------- the in-guest API
+
+    def serve_guests(self, handler: GuestApi) -> None:
+        """Serve each non-isolated machine's in-guest API socket with ``handler``.
+
+        Every VM process (boot, fork child, restore, wake, a RAM swap, a daemon restart)
+        gets its own credential, in the guest before the start answers; nothing is
+        served without a handler.
+        """
+        self.guest_api = handler
+
+    def guest_key_hash(self, machine_id: str) -> str | None:
+        """The sha256 of a machine's current in-guest credential (None: it has none)."""
+        return self._guest_keys.get(machine_id)
+
+    def _new_guest_key(self, rec: MachineRecord) -> str | None:
+        """A new credential for the machine's new VM process (None: it gets none)."""
+        if self.guest_api is None or rec.isolated:
+            return None  # an isolated machine gets no credential and no route
+        secret = GUEST_KEY_PREFIX + secrets.token_urlsafe(24)
+        self._guest_keys[rec.id] = hashlib.sha256(secret.encode()).hexdigest()
+        return secret
+
+    def _serve_guest_api(
+        self, rec: MachineRecord, handle: MachineHandle, secret: str | None, *,
+        lazy: bool = False,
+    ) -> asyncio.Future[None] | None:
+        """Serve the machine's API socket on its (new) VM process, in the background; the
+        future is done once the agent serves it.
+
+        ``lazy`` (a fork child, a restore, a wake): the guest holds its credential
+        already; serving the socket runs Python in the guest, which a fresh VM process
+        under TCG pays for in translation, so it waits until a guest process connects or
+        `GUEST_API_DELAY` has passed (which also cuts copies of calls in flight then)."""
+        if secret is None or self.guest_api is None:
+            return None
+        task = self._guest_relays.pop(rec.id, None)
+        if task is not None:
+            task.cancel()
+        if rec.id in self._guest_keep:
+            self._guest_keep.discard(rec.id)
+            lazy = not self._guest_streams.get(rec.id)  # calls in flight wait for it
+        else:
+            self._end_guest_streams(rec.id)
+        started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._guest_relays[rec.id] = asyncio.create_task(
+            self._guest_relay(rec.id, rec.account_id, handle, started, secret,
+                              GUEST_API_DELAY if lazy else 0.0),
+            name=f"guest-api {rec.id}")
+        return started
+
+    async def _guest_api_started(self, started: asyncio.Future[None] | None) -> None:
+        """Wait (briefly) until the agent serves the socket."""
+        if started is not None:
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(started), GUEST_API_WAIT)
+
+    def _stop_guest_api(self, machine_id: str) -> None:
+        """Revoke the machine's credential and stop serving its socket."""
+        self._guest_keys.pop(machine_id, None)
+        task = self._guest_relays.pop(machine_id, None)
+        if task is not None:
+            task.cancel()
+        if machine_id not in self._guest_keep:
+            self._end_guest_streams(machine_id)
+
+    def _end_guest_streams(self, machine_id: str) -> None:
+        for stream in self._guest_streams.pop(machine_id, {}).values():
+            stream.end()
+
+    async def _guest_relay(self, machine_id: str, account_id: str, handle: MachineHandle,
+                           started: asyncio.Future[None], secret: str, delay: float) -> None:
+        """Serve one VM's API socket, with its credential, on each of its agent
+        connections while that VM is the machine's (after ``delay``, or sooner when a
+        guest process connects)."""
+        if delay > 0:
+            wanted = asyncio.Event()
+            try:
+                (await handle.agent(timeout=60.0)).on_guest_connect(wanted.set)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wanted.wait(), delay)
+            except BoxdError:
+                pass  # the loop below finds out
+        streams = self._guest_streams.setdefault(machine_id, {})
+        caller = GuestCaller(machine_id, account_id,
+                             functools.partial(self.guest_key_hash, machine_id))
+
+        def on_started() -> None:
+            if not started.done():
+                started.set_result(None)
+
+        try:
+            while self.live.get(machine_id) is handle and self.guest_api is not None:
+                try:
+                    agent = await handle.agent(timeout=60.0)
+                    if not agent.supports(GUEST_API_MINOR):
+                        log.info("machine=%s event=no_guest_api reason=old_agent", machine_id)
+                        return
+                    await agent.serve_relay(secret, functools.partial(self.guest_api, caller),
+                                            streams=streams, on_started=on_started)
+                except BoxdError as exc:
+                    log.info("machine=%s event=guest_api_stopped reason=%r", machine_id,
+                             exc.message)
+                    if not handle.alive():
+                        return
+                await asyncio.sleep(0.5)  # the connection broke: serve the next one
+        finally:
+            on_started()  # nobody waits for a relay that is not coming
 
     @contextlib.asynccontextmanager
     async def connect(self, machine_id: str) -> AsyncIterator[tuple[str, int]]:
@@ -880,6 +1025,7 @@ class NodeRuntime:
                         await handle.resume()
                     self.lifecycle.move(rec.id, S.RUNNING, expect=(S.SWAPPING,))
                     raise
+                self._guest_keep.add(rec.id)  # the same guest runs on: so do its calls
                 self._retire(rec.id)
                 await handle.destroy()
                 new = await self._start(
@@ -889,6 +1035,9 @@ class NodeRuntime:
                 )
             finally:
                 remove_tree(tmp)
+                if rec.id in self._guest_keep:  # the new process did not start
+                    self._guest_keep.discard(rec.id)
+                    self._end_guest_streams(rec.id)
         self.gc()
         return new
 
@@ -1575,6 +1724,9 @@ class NodeRuntime:
         elif rec.state in TRANSIENT:
             remove_tree(self.paths.hibernated / rec.id)  # the VM ran on: drop a half image
             self.lifecycle.move(rec.id, S.RUNNING, expect=(rec.state,))
+        if self._rec(rec.id).state in (S.RUNNING, S.SUSPENDED):
+            # A new daemon: a new credential (relay_listen writes it).
+            self._serve_guest_api(rec, handle, self._new_guest_key(rec))
 
     async def _sweep(self) -> None:
         """Remove run directories, templates and checkpoints no record knows."""
@@ -1613,8 +1765,13 @@ class NodeRuntime:
             self._idle_task = None
         await self.spares.close()
         await self.procs.close()
-        for task in list(self._background):
+        for task in list(self._background) + list(self._guest_relays.values()):
             task.cancel()
+        self._guest_relays.clear()
+        self._guest_keys.clear()
+        self._guest_keep.clear()
+        for mid in list(self._guest_streams):
+            self._end_guest_streams(mid)
         for mid in list(self.live):
             handle = self._retire(mid)
             if handle is not None:

@@ -115,7 +115,7 @@ class AsyncBoxd:
                 t = self._target
                 if t.local:
                     await asyncio.to_thread(_local.ensure_daemon, t.paths)
-                key = t.api_key or _local.read_local_key(t.paths)
+                key = t.api_key or (None if t.guest else _local.read_local_key(t.paths))
                 transport = httpx.AsyncHTTPTransport(
                     uds=str(t.uds) if t.uds is not None else None, limits=_base.limits()
                 )
@@ -123,6 +123,7 @@ class AsyncBoxd:
                     base_url=t.base_url,
                     transport=transport,
                     headers=_base.headers(key),
+                    auth=t.auth(),
                     timeout=_base.timeout_for(self._timeout, _base.DEFAULT),
                 )
             return self._http

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, TypeVar
@@ -79,6 +79,29 @@ def content_length(headers: Mapping[str, str]) -> int | None:
     return value if value >= 0 else None
 
 
+#: Inside a (non-isolated) machine: the daemon's API, relayed by the guest agent, and the
+#: machine's own credential, rotated on fork, restore and wake (docs/lifecycle.md).
+GUEST_SOCKET = Path("/run/boxd/boxd.sock")
+GUEST_KEY = Path("/run/boxd/key")
+
+
+class GuestKeyAuth(httpx.Auth):
+    """The machine's credential, read from `GUEST_KEY` for every request: a fork child or
+    a restored machine has a new one, and a client made before still works."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        try:
+            key = self.path.read_text().strip()
+        except OSError:
+            key = ""
+        if key:
+            request.headers["Authorization"] = f"Bearer {key}"
+        yield request
+
+
 def local_key_path(paths: Paths) -> Path:
     """The key file the local daemon writes for its OS user (mode 0600)."""
     return paths.home / "local.key"
@@ -94,22 +117,31 @@ class Target:
         api_key: explicit key (argument or ``BOXD_API_KEY``), or None to use the local key
             file once the daemon is known to run.
         paths: the local data directory (socket, key file, log, spawn lock).
+        guest: True inside a machine: ``uds`` is its API socket (`GUEST_SOCKET`) and,
+            without ``api_key``, every request carries the machine's credential.
     """
 
     base_url: str
     uds: Path | None
     api_key: str | None
     paths: Paths
+    guest: bool = False
 
     @property
     def local(self) -> bool:
         """True when the client talks to (and may start) the local daemon."""
-        return self.uds is not None
+        return self.uds is not None and not self.guest
 
     @property
     def where(self) -> str:
         """Human description of the endpoint, for error messages."""
+        if self.guest:
+            return f"this machine's API socket {self.uds}"
         return f"unix socket {self.uds}" if self.uds is not None else self.base_url
+
+    def auth(self) -> httpx.Auth | None:
+        """Inside a machine without an explicit key: its credential, read per request."""
+        return GuestKeyAuth(GUEST_KEY) if self.guest and not self.api_key else None
 
 
 def resolve_target(
@@ -120,9 +152,10 @@ def resolve_target(
 ) -> Target:
     """Decide the endpoint and key from arguments, then the environment.
 
-    Order: ``base_url`` argument, ``BOXD_URL``, else the local daemon's unix socket.
-    ``api_key`` argument, ``BOXD_API_KEY``, else (resolved later, after the daemon runs)
-    the local key file.
+    Order: ``base_url`` argument, ``BOXD_URL``, else inside a machine its API socket
+    (`GUEST_SOCKET`, when it exists), else the local daemon's unix socket. ``api_key``
+    argument, ``BOXD_API_KEY``, else inside a machine its credential (`GUEST_KEY`, read
+    per request), else (resolved later, after the daemon runs) the local key file.
 
     Raises:
         InvalidRequest: the base URL is not an ``http(s)://host[:port]`` URL.
@@ -133,6 +166,8 @@ def resolve_target(
     key = api_key or client.api_key
     url = base_url or client.url
     if url is None:
+        if GUEST_SOCKET.exists():
+            return Target(LOCAL_BASE_URL, GUEST_SOCKET, key, paths, guest=True)
         return Target(LOCAL_BASE_URL, paths.socket, key, paths)
     url = url.strip().rstrip("/")
     parts = urlsplit(url)
@@ -490,11 +525,13 @@ def map_transport_error(exc: Exception, target: Target) -> errors.ConnectionErro
         hint = "the daemon may be overloaded; raise Boxd(timeout=...)"
     else:
         what = f"cannot reach boxd at {target.where}: {exc or type(exc).__name__}"
-        hint = (
-            f"is the daemon running? its log is {target.paths.log}"
-            if target.local
-            else "check BOXD_URL and that the daemon is running"
-        )
+        if target.guest:
+            hint = ("the machine may have been forked or restored during this call (the "
+                    "new copy's calls in flight are cut), or the daemon is not running")
+        elif target.local:
+            hint = f"is the daemon running? its log is {target.paths.log}"
+        else:
+            hint = "check BOXD_URL and that the daemon is running"
     return errors.ConnectionError(what, hint=hint)
 
 

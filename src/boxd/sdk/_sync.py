@@ -108,7 +108,7 @@ class Boxd:
                 t = self._target
                 if t.local:
                     _local.ensure_daemon(t.paths)
-                key = t.api_key or _local.read_local_key(t.paths)
+                key = t.api_key or (None if t.guest else _local.read_local_key(t.paths))
                 transport = httpx.HTTPTransport(
                     uds=str(t.uds) if t.uds is not None else None, limits=_base.limits()
                 )
@@ -116,6 +116,7 @@ class Boxd:
                     base_url=t.base_url,
                     transport=transport,
                     headers=_base.headers(key),
+                    auth=t.auth(),
                     timeout=_base.timeout_for(self._timeout, _base.DEFAULT),
                 )
             return self._http
