@@ -147,11 +147,14 @@ def test_interrupted_save_leaves_nothing_after_restart(daemon, client, machine) 
         with Boxd() as c, contextlib.suppress(Exception):
             c.snapshots.save(machine.id, "interrupted")
 
+    staged_before = set((store / "staging").iterdir())
     saver = threading.Thread(target=save)
     saver.start()
-    # kill the daemon while the save is under way (staging or capture has begun)
+    # kill the daemon while the save is under way (its own staging has begun: an entry
+    # left by an earlier test must not end the wait before the save was even sent, or
+    # the client starts a daemon and sends it again, and the save completes)
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not any((store / "staging").iterdir()):
+    while time.monotonic() < deadline and not set((store / "staging").iterdir()) - staged_before:
         time.sleep(0.01)
     daemon.stop(signal.SIGKILL)
     saver.join(120)
