@@ -142,6 +142,6 @@ def test_one_host_is_one_node(daemon, client, machine) -> None:  # type: ignore[
     out = cli(daemon, "nodes", "list", "--json")
     assert out.returncode == 0, out.stderr
     assert '"local"' in out.stdout
-    with pytest.raises(errors.InvalidRequest) as bad:
+    with pytest.raises(errors.NotFound) as bad:
         client.machines.new("placed", node="elsewhere")
     assert bad.value.details["field"] == "node"
