@@ -73,7 +73,9 @@ def agent_tree(image_dir: Path, guest_dir: Path | None = None) -> Path:
     Raises:
         HostSetupError: the agent sources are missing.
     """
-    files = {n: b for n, b in guest_files(guest_dir or GUEST_DIR).items() if n.endswith(".py")}
+    # The agent's own modules (the in-machine client under py/ is QEMU's initramfs only).
+    files = {n: b for n, b in guest_files(guest_dir or GUEST_DIR).items()
+             if n.endswith(".py") and "/" not in n}
     if "agent.py" not in files:
         raise HostSetupError(f"no guest agent in {guest_dir or GUEST_DIR}",
                              hint="reinstall boxd")
