@@ -881,3 +881,12 @@ def test_each_vm_process_gets_its_own_guest_credential_and_delete_revokes_it(
         await world.node.close()
 
     run(main())
+
+
+def test_free_ports_are_never_handed_out_twice_in_a_row() -> None:
+    # A URL port and a forward port picked a moment apart must differ (a VM's forward
+    # bound to the URL's port left the URL answering 502).
+    from boxd.node.runtime import free_port
+
+    ports = [free_port() for _ in range(2000)]
+    assert len(set(ports)) == len(ports)

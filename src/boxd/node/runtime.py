@@ -26,6 +26,7 @@ the quota slot is free again.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import hashlib
@@ -129,11 +130,21 @@ def node_cap(settings: Settings, total_mib: int) -> int:
     return max(1, total_mib // DEFAULT_MEMORY_MIB)
 
 
+_GIVEN: collections.deque[int] = collections.deque(maxlen=4096)
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A free loopback port, never one handed out recently: a machine's URL port and
+    its VM's forward port are bound by different processes a moment after they are
+    picked, and the same port given to both left the URL answering 502."""
+    for _ in range(64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port: int = s.getsockname()[1]
+        if port not in _GIVEN:
+            break
+    _GIVEN.append(port)
+    return port
 
 
 @dataclass(frozen=True)
