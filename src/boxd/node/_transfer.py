@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import tempfile
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from boxd.storage import Manifest, SnapshotStore
 from boxd.storage._files import data_regions, os_errors
 
 #: Bytes per chunk: big enough that per-call overhead is small, small enough that a
@@ -135,6 +138,25 @@ async def receive(fetch: Fetch, file: FileOffer, dest: Path, *, mode: int = 0o60
     return received
 
 
+async def receive_snapshot(
+    store: SnapshotStore, digest: str, raw: bytes, offers: list[FileOffer], fetch: Fetch
+) -> Manifest:
+    """Put a peer's snapshot into ``store``: fetch each blob it lacks once (staged in its
+    staging area), then let the store hash and publish them with the manifest ``raw``."""
+    missing = {e.digest for e in store.missing(raw, digest)}
+    work = Path(tempfile.mkdtemp(prefix="recv-", dir=store.staging_dir))
+    try:
+        files: dict[str, Path] = {}
+        for o in offers:
+            if o.key in missing and o.key not in files:
+                files[o.key] = work / o.key
+                await receive(fetch, o, files[o.key])
+        return await asyncio.to_thread(store.receive, raw, digest, files)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 __all__ = [
     "CHUNK", "Fetch", "FileOffer", "LayerOffer", "TemplateOffer", "offer", "read_chunk", "receive",
+    "receive_snapshot",
 ]

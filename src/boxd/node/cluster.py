@@ -28,10 +28,8 @@ import contextlib
 import logging
 import os
 import secrets
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
@@ -486,12 +484,14 @@ class RayNode:
         out: models.ExecResult = await self._call("exec", machine_id, req)
         return out
 
-    async def exec_stream(
-        self, machine_id: str, req: models.ExecRequest
-    ) -> AsyncIterator[models.ExecEvent]:
+    async def _stream(self, method: str, *args: Any) -> AsyncGenerator[Any, None]:
+        """A node's async generator as a Ray streaming generator, a few items ahead of
+        the consumer (back-pressure); closing it cancels the generator on the node."""
         if not self.alive:
-            await self._ask(None)
-        gen = self.actor.exec_stream.options(num_returns="streaming").remote(machine_id, req)
+            await self._ask(None)  # raises NodeLost
+        gen = getattr(self.actor, method).options(
+            num_returns="streaming", _generator_backpressure_num_objects=4,
+        ).remote(*args)
         try:
             async for ref in gen:
                 yield await self._ask(ref)
@@ -499,6 +499,18 @@ class RayNode:
             raise
         except Exception as exc:
             raise _unwrap(exc, self._id) from None
+        finally:
+            import ray
+
+            with contextlib.suppress(Exception):
+                ray.cancel(gen)
+
+    async def exec_stream(
+        self, machine_id: str, req: models.ExecRequest
+    ) -> AsyncIterator[models.ExecEvent]:
+        async with contextlib.aclosing(self._stream("exec_stream", machine_id, req)) as events:
+            async for event in events:
+                yield event
 
     async def upload(
         self, machine_id: str, path: str, data: bytes | AsyncIterable[bytes], mode: int
@@ -524,25 +536,10 @@ class RayNode:
         return out
 
     async def download(self, machine_id: str, path: str) -> AsyncGenerator[bytes, None]:
-        """The node's chunks as a Ray streaming generator with back-pressure (a few
-        chunks ahead of the consumer); closing it cancels the read on the node."""
-        if not self.alive:
-            await self._ask(None)  # raises NodeLost
-        gen = self.actor.download.options(
-            num_returns="streaming", _generator_backpressure_num_objects=4,
-        ).remote(machine_id, path)
-        try:
-            async for ref in gen:
-                yield await self._ask(ref)
-        except BoxdError:
-            raise
-        except Exception as exc:
-            raise _unwrap(exc, self._id) from None
-        finally:
-            import ray
-
-            with contextlib.suppress(Exception):
-                ray.cancel(gen)
+        """The node's chunks as the consumer takes them; closing stops the read there."""
+        async with contextlib.aclosing(self._stream("download", machine_id, path)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def checkpoint_save(self, machine_id: str, name: str) -> CheckpointRecord:
         out: CheckpointRecord = await self._call("checkpoint_save", machine_id, name)
@@ -570,18 +567,7 @@ class RayNode:
     async def fetch_snapshot(self, digest: str, store: SnapshotStore) -> None:
         """Copy a snapshot this node holds into ``store`` (blobs it lacks, verified)."""
         raw, offers = await self._ask(self.actor.offer_snapshot.remote(digest))
-        missing = {e.digest for e in store.missing(raw, digest)}
-        work = Path(tempfile.mkdtemp(prefix="fetch-", dir=store.staging_dir))
-        try:
-            files: dict[str, Path] = {}
-            fetch = _fetcher(self.actor)
-            for o in offers:
-                if o.key in missing and o.key not in files:
-                    files[o.key] = work / o.key
-                    await transfer.receive(fetch, o, files[o.key])
-            await asyncio.to_thread(store.receive, raw, digest, files)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+        await transfer.receive_snapshot(store, digest, raw, offers, _fetcher(self.actor))
 
     async def drop_snapshot(self, digest: str) -> None:
         await self._ask(self.actor.drop_snapshot.remote(digest))

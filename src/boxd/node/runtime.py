@@ -1330,17 +1330,7 @@ class NodeRuntime:
         digest) and verify them. A no-op when every blob is here."""
         if self.store.exists(digest):
             return self.store.get(digest)
-        missing = {e.digest for e in self.store.missing(raw, digest)}
-        work = Path(tempfile.mkdtemp(prefix="recv-", dir=self.store.staging_dir))
-        try:
-            files: dict[str, Path] = {}
-            for o in offers:
-                if o.key in missing:
-                    files[o.key] = work / o.key
-                    await transfer.receive(fetch, o, files[o.key])
-            return await asyncio.to_thread(self.store.receive, raw, digest, files)
-        finally:
-            remove_tree(work)
+        return await transfer.receive_snapshot(self.store, digest, raw, offers, fetch)
 
     async def offer_snapshot(self, digest: str) -> tuple[bytes, list[FileOffer]]:
         """A stored snapshot's manifest and its blobs, for a peer node to fetch."""
