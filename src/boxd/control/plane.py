@@ -507,12 +507,9 @@ class Snapshots:
 
     def in_use(self) -> set[str]:
         """Blob digests that machines started from snapshots still map or back onto."""
-        used: set[str] = set()
-        for node in self.machines.nodes.values():
-            for digest in node.snapshot_digests_in_use():
-                if self.store.exists(digest):
-                    used |= {b.digest for b in self.store.get(digest).blobs.values()}
-        return used
+        return self.store.blobs_of(
+            d for node in self.machines.nodes.values() for d in node.snapshot_digests_in_use()
+        )
 
     def resolve(self, account: str, ref: str) -> SnapshotRecord:
         """Find a snapshot by NAME, NAME@N or sha256:HEX.

@@ -242,11 +242,7 @@ class NodeActor:
             return False
 
         def in_use() -> set[str]:
-            used: set[str] = set()
-            for d in rt.snapshot_digests_in_use():
-                if store.exists(d):
-                    used |= {b.digest for b in store.get(d).blobs.values()}
-            return used
+            return store.blobs_of(rt.snapshot_digests_in_use())
 
         await asyncio.to_thread(store.delete, digest, in_use=in_use)
         return True

@@ -413,6 +413,15 @@ class SnapshotStore:
         """Path of a blob by digest (it may not exist)."""
         return _blob_path(self.root, _check_digest(digest))
 
+    def blobs_of(self, snapshots: Iterable[str]) -> set[str]:
+        """The blob digests of the stored ones among ``snapshots`` (machines started from
+        them map or back onto these blobs)."""
+        used: set[str] = set()
+        for digest in snapshots:
+            if self.exists(digest):
+                used |= {b.digest for b in self.get(digest).blobs.values()}
+        return used
+
     def has_blob(self, digest: str) -> bool:
         return bool(_DIGEST_RE.fullmatch(digest)) and _blob_path(self.root, digest).exists()
 
