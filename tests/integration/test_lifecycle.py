@@ -224,6 +224,9 @@ def _get(url: str, timeout: float = 120) -> str:
         try:
             with urllib.request.urlopen(url, timeout=60) as resp:
                 return str(resp.read().decode())
+        except urllib.error.HTTPError as exc:  # the daemon's proxy says why (502, 503)
+            last = f"{exc}: {exc.read().decode(errors='replace').strip()}"
+            time.sleep(0.5)
         except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
             last = exc
             time.sleep(0.5)

@@ -886,7 +886,28 @@ def test_each_vm_process_gets_its_own_guest_credential_and_delete_revokes_it(
 def test_free_ports_are_never_handed_out_twice_in_a_row() -> None:
     # A URL port and a forward port picked a moment apart must differ (a VM's forward
     # bound to the URL's port left the URL answering 502).
-    from boxd.node.runtime import free_port
+    from boxd.node._ports import free_port
 
     ports = [free_port() for _ in range(2000)]
     assert len(set(ports)) == len(ports)
+
+
+def test_free_ports_stay_outside_the_kernels_ephemeral_range() -> None:
+    # Another process's bind(0), or an outgoing connection's source port, is drawn from
+    # the ephemeral range: a port picked there could be taken before passt binds it
+    # (passt then exits and the machine has no network).
+    from boxd.node._ports import bands, ephemeral_range, free_port
+
+    lo, hi = ephemeral_range()
+    assert all(not lo <= free_port() <= hi for _ in range(500))
+    assert bands((32768, 60999)) == [range(20000, 32768), range(61000, 65536)]
+    assert bands((1024, 65535)) == []  # nothing outside: the kernel picks
+    assert bands((40000, 65535)) == [range(20000, 40000)]
+
+
+def test_ephemeral_range_falls_back_to_linuxs_default(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from boxd.node._ports import ephemeral_range
+
+    (tmp_path / "r").write_text("10000\t20000\n")
+    assert ephemeral_range(tmp_path / "r") == (10000, 20000)
+    assert ephemeral_range(tmp_path / "missing") == (32768, 60999)

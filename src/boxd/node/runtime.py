@@ -26,14 +26,12 @@ the quota slot is free again.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import functools
 import hashlib
 import logging
 import os
 import secrets
-import socket
 import tempfile
 import time
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
@@ -70,6 +68,7 @@ from boxd.errors import (
 from boxd.models import MachineState
 from boxd.node import _transfer as transfer
 from boxd.node._host import Host
+from boxd.node._ports import free_port
 from boxd.node._processes import ProcessStream, ProcessTable, Relay
 from boxd.node._proxy import PortProxy
 from boxd.node._spares import Spare, SparePool
@@ -128,23 +127,6 @@ def node_cap(settings: Settings, total_mib: int) -> int:
     if settings.node_max_machines > 0:
         return settings.node_max_machines
     return max(1, total_mib // DEFAULT_MEMORY_MIB)
-
-
-_GIVEN: collections.deque[int] = collections.deque(maxlen=4096)
-
-
-def free_port() -> int:
-    """A free loopback port, never one handed out recently: a machine's URL port and
-    its VM's forward port are bound by different processes a moment after they are
-    picked, and the same port given to both left the URL answering 502."""
-    for _ in range(64):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port: int = s.getsockname()[1]
-        if port not in _GIVEN:
-            break
-    _GIVEN.append(port)
-    return port
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import pwd
 import shutil
 import signal
 import stat
+import subprocess
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -389,15 +390,21 @@ class QemuEngine:
     def _spawn(
         self, config: MachineConfig, disk: Path, files: _argv.RunFiles, memory: _argv.Memory,
         log_path: Path, *, incoming: bool,
-    ) -> QemuProcess:
+    ) -> tuple[QemuProcess, _Forward | None]:
+        """Start QEMU (and its passt); the caller checks the forward with `_Forward.wait`
+        once QEMU answers, so passt binds its port while QEMU starts."""
         net_fd: int | None = None
+        forward: _Forward | None = None
         if not config.isolated:
             # Its own passt per QEMU process, a fork child's and a restore's too: the
             # migration stream carries the NIC's state, not its backend.
-            _, net_fd = _net.spawn_passt(
+            passt, net_fd = _net.spawn_passt(
                 self.net.passt, port=config.port, user=self.net.user,
                 log_file=log_path.with_name("passt.log"),
             )
+            if config.port is not None:
+                forward = _Forward(passt, config.port, log_path.with_name("passt.log"),
+                                   config.id)
         try:
             argv = _argv.build(
                 qemu=self.qemu, config=config, accel=self.accel.accelerator, files=files,
@@ -411,9 +418,10 @@ class QemuEngine:
                 config.id, Limits(memory_limit(config.memory_mib, ram_shared=memory.shared))
             )
             try:
-                return QemuProcess.spawn(config.id, argv, files.qmp, log_path,
+                proc = QemuProcess.spawn(config.id, argv, files.qmp, log_path,
                                          pass_fds=() if net_fd is None else (net_fd,),
                                          cgroup=cgroup, cgroups=self.cgroups)
+                return proc, forward
             except BaseException:
                 self.cgroups.release_now(cgroup)
                 raise
@@ -429,11 +437,18 @@ class QemuEngine:
         run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         files = _argv.RunFiles(run_dir)
         memory = _argv.Memory(files.mem, shared=True)
-        proc = self._spawn(config, disk.path, files, memory, log_path, incoming=False)
+        proc, forward = self._spawn(config, disk.path, files, memory, log_path,
+                                    incoming=False)
         machine = QemuMachine(
             config, proc, files, disk.path, ram_shared=True, run_as=self.run_as
         )
-        await proc.qmp()
+        try:
+            await proc.qmp()
+            if forward is not None:
+                await forward.wait()
+        except BaseException:
+            await machine.destroy()
+            raise
         return machine
 
     async def start_from(
@@ -458,7 +473,8 @@ class QemuEngine:
         else:
             memory = _argv.Memory(image.mem_path, shared=False, readonly=True)
             caps = [{"capability": "x-ignore-shared", "state": True}]
-        proc = self._spawn(config, disk.path, files, memory, log_path, incoming=True)
+        proc, forward = self._spawn(config, disk.path, files, memory, log_path,
+                                    incoming=True)
         machine = QemuMachine(
             config, proc, files, disk.path, ram_shared=memory.shared, run_as=self.run_as
         )
@@ -473,6 +489,8 @@ class QemuEngine:
             await proc.execute("migrate-set-parameters", {"announce-rounds": 0})
             await proc.execute("migrate-incoming", {"uri": f"file:{image.state_path}"})
             await proc.wait_migration()
+            if forward is not None:
+                await forward.wait()  # bound long since, as a rule: one read of a table
             t3 = time.monotonic()
             if not paused:
                 await proc.execute("cont")
@@ -485,6 +503,19 @@ class QemuEngine:
             raise
         log.debug("machine=%s started from image in %.3fs", config.id, time.monotonic() - t0)
         return machine
+
+
+@dataclass(frozen=True)
+class _Forward:
+    """A VM's passt and the host port it forwards to the guest's HTTP port."""
+
+    passt: subprocess.Popen[bytes]
+    port: int
+    log_file: Path
+    machine: str
+
+    async def wait(self) -> None:
+        await _net.wait_forward(self.passt, self.port, self.log_file, self.machine)
 
 
 def attach(

@@ -25,6 +25,8 @@ virtio-net device's state, not its backend, and a fork child gets its own passt.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ipaddress
 import logging
 import os
@@ -32,11 +34,12 @@ import pwd
 import shutil
 import socket
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from boxd import config as cfg
-from boxd.errors import HostSetupError
+from boxd.errors import HostSetupError, MachineFailed
 
 log = logging.getLogger("boxd.engine")
 
@@ -207,6 +210,10 @@ def passt_argv(passt: str, *, fd: int, port: int | None, user: NetUser | None,
     return argv
 
 
+def _stderr_file(log_file: Path) -> Path:
+    return log_file.with_name(log_file.name + ".stderr")
+
+
 def spawn_passt(passt: str, *, port: int | None, user: NetUser | None,
                 log_file: Path) -> tuple[subprocess.Popen[bytes], int]:
     """Start passt on one end of a new socketpair; returns it and QEMU's end (an fd the
@@ -215,17 +222,23 @@ def spawn_passt(passt: str, *, port: int | None, user: NetUser | None,
     Raises:
         HostSetupError: passt could not be started.
     """
+    # passt opens its log at once: the machine's log directory must exist before it
+    # starts (QEMU's start creates it too, a moment later: passt lost that race now and
+    # then and quit, leaving a running machine with no network and a URL answering 502).
+    log_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     qemu_end, passt_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         log_file.unlink(missing_ok=True)
         argv = passt_argv(passt, fd=passt_end.fileno(), port=port, user=user,
                           log_file=log_file)
         try:
-            popen = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL, start_new_session=True,
-                pass_fds=(passt_end.fileno(),),
-            )
+            # What passt says before its log is open (a bad option, the user switch) goes
+            # to stderr: keep it beside the log.
+            with open(_stderr_file(log_file), "wb") as err:
+                popen = subprocess.Popen(
+                    argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                    stderr=err, start_new_session=True, pass_fds=(passt_end.fileno(),),
+                )
         except OSError as exc:
             raise HostSetupError(f"cannot start passt: {exc}",
                                  hint="run scripts/setup-host.sh") from exc
@@ -237,6 +250,68 @@ def spawn_passt(passt: str, *, port: int | None, user: NetUser | None,
     return popen, qemu_end.detach()
 
 
+def _listeners(port: int, table: Path = Path("/proc/net/tcp")) -> set[str]:
+    """The socket inodes listening on 127.0.0.1:``port`` (or on any address)."""
+    want = (f"0100007F:{port:04X}", f"00000000:{port:04X}")
+    found: set[str] = set()
+    with contextlib.suppress(OSError), open(table) as f:
+        next(f, None)  # the header
+        for line in f:
+            fields = line.split()
+            if len(fields) > 9 and fields[1] in want and fields[3] == "0A":  # LISTEN
+                found.add(fields[9])
+    return found
+
+
+def _holds(pid: int, inodes: set[str]) -> bool:
+    """True when process ``pid`` holds one of the socket ``inodes``."""
+    fds = Path(f"/proc/{pid}/fd")
+    with contextlib.suppress(OSError):
+        for fd in fds.iterdir():
+            with contextlib.suppress(OSError):
+                link = os.readlink(fd)
+                if link.startswith("socket:[") and link[8:-1] in inodes:
+                    return True
+    return False
+
+
+async def wait_forward(popen: subprocess.Popen[bytes], port: int, log_file: Path,
+                       machine: str, timeout: float = 20.0) -> None:
+    """Wait until passt listens on the machine's forward port.
+
+    passt exits when it cannot bind the port (another process took it after it was
+    picked); the machine would then run with no network at all, and its URL answer 502
+    for ever, so that is a launch failure.
+
+    Raises:
+        MachineFailed: passt exited, or did not listen within ``timeout``.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        code = popen.poll()
+        if code is not None:
+            tail: list[str] = []
+            for f in (log_file, _stderr_file(log_file)):
+                with contextlib.suppress(OSError):
+                    tail += [line for line in f.read_text(errors="replace").splitlines()
+                             if line.strip() and "syslog" not in line][-2:]
+            raise MachineFailed(
+                f"the machine's network did not start: passt exited with status {code}"
+                + (f" ({' | '.join(tail)})" if tail else ""),
+                hint="try again (another process may have taken its forward port "
+                     f"{port}); see {log_file}", machine=machine,
+            )
+        inodes = _listeners(port)
+        if inodes and _holds(popen.pid, inodes):  # passt's own socket, not another's
+            return
+        if time.monotonic() > deadline:
+            raise MachineFailed(
+                f"the machine's network did not start: passt did not listen on port {port} "
+                f"within {timeout:.0f} s", hint=f"see {log_file}", machine=machine,
+            )
+        await asyncio.sleep(0.002)
+
+
 __all__ = ["BLOCKED_V4", "BLOCKED_V6", "NetUser", "filter_installed", "install_filter",
            "passt_argv", "passt_binary", "resolve_net_user", "resolvers", "ruleset",
-           "spawn_passt"]
+           "spawn_passt", "wait_forward"]

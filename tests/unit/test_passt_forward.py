@@ -1,0 +1,77 @@
+"""A VM's forward port: passt must hold it, or the launch fails with a clear error.
+
+Real passt processes on loopback ports (no guest: passt forwards nothing until QEMU
+connects, and it quits when its socket's other end closes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from boxd.engine.qemu import _net
+from boxd.errors import MachineFailed
+from boxd.node._ports import free_port
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("passt") is None,
+    reason="passt is not installed (scripts/setup-host.sh installs it; the integration "
+           "network tests cover the same path through real machines)",
+)
+
+
+@pytest.fixture
+def passt(tmp_path: Path) -> Iterator[list[object]]:
+    started: list[object] = []
+    yield started
+    for item in started:
+        if isinstance(item, int):
+            os.close(item)
+        else:
+            item.kill()  # type: ignore[attr-defined]
+            item.wait()  # type: ignore[attr-defined]
+
+
+def _spawn(port: int, log: Path, started: list[object]):  # type: ignore[no-untyped-def]
+    popen, fd = _net.spawn_passt(shutil.which("passt") or "passt", port=port, user=None,
+                                 log_file=log)
+    started += [popen, fd]
+    return popen
+
+
+def test_the_forward_is_ready_once_passt_itself_listens(tmp_path: Path, passt) -> None:  # type: ignore[no-untyped-def]
+    port = free_port()
+    popen = _spawn(port, tmp_path / "passt.log", passt)
+    asyncio.run(_net.wait_forward(popen, port, tmp_path / "passt.log", "m_test"))
+    assert _net._holds(popen.pid, _net._listeners(port))
+
+
+def test_a_forward_port_taken_by_another_process_fails_the_launch(tmp_path: Path, passt) -> None:  # type: ignore[no-untyped-def]
+    port = free_port()
+    with socket.socket() as other:  # someone else listens there before passt starts
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        other.bind(("127.0.0.1", port))
+        other.listen()
+        popen = _spawn(port, tmp_path / "passt.log", passt)
+        with pytest.raises(MachineFailed) as info:
+            asyncio.run(_net.wait_forward(popen, port, tmp_path / "passt.log", "m_test"))
+    # not mistaken for passt's: the message says what happened and names the port
+    assert "network did not start" in info.value.message
+    assert str(port) in (info.value.hint or "") and info.value.machine == "m_test"
+
+
+def test_passt_starts_in_a_machine_folder_that_does_not_exist_yet(tmp_path: Path, passt) -> None:  # type: ignore[no-untyped-def]
+    # passt opens its log first thing: a new machine's folder (created by QEMU's start a
+    # moment later) must exist before passt runs, or passt quits and the machine has no
+    # network (its URL answered 502).
+    port = free_port()
+    log = tmp_path / "machines" / "m_new" / "passt.log"
+    popen = _spawn(port, log, passt)
+    asyncio.run(_net.wait_forward(popen, port, log, "m_new"))
+    assert log.parent.stat().st_mode & 0o777 == 0o700
