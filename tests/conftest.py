@@ -48,14 +48,54 @@ class Daemon:
         self.stop()
         self.proc = start_daemon(self.home).proc
 
+    def server_pid(self) -> int | None:
+        """The pid of the process that serves this data directory (holds its lock).
+
+        Usually ``proc``; but a client that found no daemon answering (one was being
+        restarted) starts one itself, as the SDK does, and that one may win the lock.
+        """
+        return _lock_holder(self.home / "daemon.lock")
+
     def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Stop whichever process serves the data directory (and ours, if it is not)."""
+        pids = {p for p in (self.server_pid(),) if p is not None}
         if self.proc.poll() is None:
-            self.proc.send_signal(sig)
+            pids.add(self.proc.pid)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        if self.proc.poll() is None:
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        deadline = time.monotonic() + 30
+        while (pid := self.server_pid()) is not None:  # a daemon started by a client
+            if time.monotonic() > deadline:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.05)
+
+
+def _lock_holder(lock: Path) -> int | None:
+    """The pid written in a daemon lock file while a process holds the lock."""
+    import fcntl
+
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        return int(text) if text.isdigit() else None
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
 
 
 def start_daemon(home: Path, *extra: str) -> Daemon:
@@ -78,7 +118,14 @@ def start_daemon(home: Path, *extra: str) -> Daemon:
         time.sleep(0.1)
     while not (home / "local.key").exists():
         time.sleep(0.05)
-    return Daemon(home, proc)
+    d = Daemon(home, proc)
+    holder = d.server_pid()
+    if holder is not None and holder != proc.pid:
+        # A client started a daemon on this home meanwhile (it found none answering):
+        # tests stop and kill "the daemon", so it must be this one.
+        d.stop()
+        return start_daemon(home, *extra)
+    return d
 
 
 def kill_machines_of(home: Path) -> None:

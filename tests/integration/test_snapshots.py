@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import socket
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from boxd import Boxd
+from boxd import Boxd, errors
 from boxd.errors import AlreadyExists, IntegrityError, SnapshotNotFound
 
 from ..conftest import kill_machines_of, start_daemon
@@ -143,9 +142,14 @@ def test_interrupted_save_leaves_nothing_after_restart(daemon, client, machine) 
     snapshots_before = [s.digest for s in client.snapshots.list()]
     client.machines.exec(machine.id, "head -c 50000000 /dev/urandom > /root/big")
 
+    outcome: list[object] = []
+
     def save() -> None:
-        with Boxd() as c, contextlib.suppress(Exception):
-            c.snapshots.save(machine.id, "interrupted")
+        with Boxd() as c:
+            try:
+                outcome.append(c.snapshots.save(machine.id, "interrupted"))
+            except Exception as exc:  # the daemon died under it: what the test wants
+                outcome.append(exc)
 
     staged_before = set((store / "staging").iterdir())
     saver = threading.Thread(target=save)
@@ -158,8 +162,11 @@ def test_interrupted_save_leaves_nothing_after_restart(daemon, client, machine) 
         p.name.startswith("save-") for p in set((store / "staging").iterdir()) - staged_before
     ):  # the save's own work folder (`NodeRuntime.save_snapshot`): the request is in
         time.sleep(0.01)
+    assert daemon.server_pid() == daemon.proc.pid  # the kill hits the daemon that saves
     daemon.stop(signal.SIGKILL)
     saver.join(120)
+    # the save was cut off, not finished before the kill came
+    assert outcome and isinstance(outcome[0], errors.BoxdError), outcome
     daemon.restart()
 
     assert [s.digest for s in client.snapshots.list()] == snapshots_before
