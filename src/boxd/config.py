@@ -272,6 +272,7 @@ class Settings:
     max_exec_output: int = 16 << 20  # BOXD_MAX_EXEC_OUTPUT: bytes kept per stream of an exec
     body_timeout: float = 60.0  # BOXD_BODY_TIMEOUT: seconds a request body may stall
     cgroups: str = "auto"  # BOXD_CGROUPS: auto (a cgroup per QEMU process if possible), off
+    event_loop: str = "auto"  # BOXD_EVENT_LOOP: auto (uvloop if installed), uvloop, asyncio
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -299,6 +300,7 @@ class Settings:
             max_exec_output=_size(e, "BOXD_MAX_EXEC_OUTPUT", 16 << 20),
             body_timeout=_seconds(e, "BOXD_BODY_TIMEOUT", 60.0) or 60.0,
             cgroups="off" if e.get("BOXD_CGROUPS", "").strip().lower() in _OFF else "auto",
+            event_loop=e.get("BOXD_EVENT_LOOP", "auto").strip().lower() or "auto",
         )
 
 

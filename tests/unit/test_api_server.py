@@ -180,3 +180,38 @@ def test_a_stalled_body_is_answered(  # every request gets an answer
     finally:
         d.stop()
         thread.join(10)
+
+
+def test_the_daemon_runs_on_uvloop_unless_told_otherwise() -> None:
+    import asyncio
+
+    import uvloop
+
+    from boxd.api.server import event_loop_runner
+    from boxd.errors import InvalidRequest
+
+    with event_loop_runner({}) as r:
+        assert isinstance(r.get_loop(), uvloop.Loop)
+    with event_loop_runner({"BOXD_EVENT_LOOP": "asyncio"}) as r:
+        assert not isinstance(r.get_loop(), uvloop.Loop)
+        assert isinstance(r.get_loop(), asyncio.AbstractEventLoop)
+    with pytest.raises(InvalidRequest, match="BOXD_EVENT_LOOP"):
+        event_loop_runner({"BOXD_EVENT_LOOP": "trio"})
+
+
+def test_websockets_are_not_pinged_by_the_daemon(daemon: Daemon) -> None:
+    # The sync SDK answers pings only while it reads; an RL env idle for a minute (a
+    # training update) must keep its stream. A dead TCP peer is found by keepalive.
+    import socket
+
+    from boxd.api.server import _tcp_socket
+
+    config = daemon.server.config
+    assert config.ws_ping_interval is None and config.ws == "websockets-sansio"
+    assert config.http == "h11"
+    sock = _tcp_socket("127.0.0.1", 0)
+    try:
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 30
+    finally:
+        sock.close()

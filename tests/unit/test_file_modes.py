@@ -59,6 +59,19 @@ def test_processes_and_copies_create_private_files(tmp_path: Path) -> None:
     assert _mode(tmp_path / "layer.qcow2") == 0o600
 
 
+def test_disk_layers_are_made_on_the_daemons_own_event_loop(tmp_path: Path) -> None:
+    # The daemon runs on uvloop (api.server.event_loop_runner), whose subprocesses take
+    # no umask: qemu-img must still make private layers there.
+    from boxd.api.server import event_loop_runner
+
+    base = tmp_path / "base.raw"
+    base.write_bytes(bytes(1 << 20))
+    with event_loop_runner({}) as runner:
+        runner.run(disks.create_overlay(tmp_path / "layer.qcow2", base, "raw", 1))
+        assert type(runner.get_loop()).__module__.startswith("uvloop")
+    assert _mode(tmp_path / "layer.qcow2") == 0o600
+
+
 def test_ensure_space_names_needed_and_free(tmp_path: Path) -> None:
     from boxd.errors import ResourceExhausted
     from boxd.storage.memory import ensure_space

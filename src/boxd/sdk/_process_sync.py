@@ -6,7 +6,6 @@ each binary message is one frame of the process's stdin or stdout.
 
 from __future__ import annotations
 
-import inspect
 import threading
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -14,9 +13,8 @@ from boxd import errors
 from boxd.sdk import _base, _local
 
 if TYPE_CHECKING:
-    from websockets.sync.client import ClientConnection
-
     from boxd import process_models as pm
+    from boxd.sdk._ws_sync import SyncWebSocket
 
 __all__ = ["ProcessHandle"]
 
@@ -41,7 +39,7 @@ class ProcessHandle:
         self._c = client
         self._ref = ref
         self.info = info
-        self._ws: ClientConnection | None = None
+        self._ws: SyncWebSocket | None = None
         self._exit: dict[str, Any] | None = None
         self._lock = threading.Lock()
 
@@ -69,7 +67,7 @@ class ProcessHandle:
         """
         self._conn()
 
-    def _conn(self) -> ClientConnection:
+    def _conn(self) -> SyncWebSocket:
         ws = self._ws
         if ws is not None:
             return ws
@@ -78,27 +76,22 @@ class ProcessHandle:
                 self._ws = self._open()
             return self._ws
 
-    def _open(self) -> ClientConnection:
+    def _open(self) -> SyncWebSocket:
         from websockets.exceptions import InvalidHandshake, WebSocketException
-        from websockets.sync.client import connect, unix_connect
+
+        from boxd.sdk._ws_sync import SyncWebSocket
 
         t = self._c._target
         if t.local:
             _local.ensure_daemon(t.paths)
         key = t.api_key or _local.read_local_key(t.paths)
         url = _base.stream_url(t, self._ref, self.id)
-        opts: dict[str, Any] = {
-            "additional_headers": _base.headers(key), "compression": None,
-            "max_size": _base.MAX_MESSAGE + 1024, "open_timeout": _base.STREAM_OPEN_TIMEOUT,
-            "ping_interval": None, "max_queue": None,
-        }
-        if "legacy" in inspect.signature(connect).parameters:
-            opts["legacy"] = True  # websockets >= 17: return the connection itself
         try:
-            if t.uds is not None:
-                ws: ClientConnection = unix_connect(str(t.uds), url, **opts)
-            else:
-                ws = connect(url, proxy=None, **opts)
+            ws = SyncWebSocket.connect(
+                url, uds=str(t.uds) if t.uds is not None else None,
+                headers=_base.headers(key), max_size=_base.MAX_MESSAGE + 1024,
+                timeout=_base.STREAM_OPEN_TIMEOUT,
+            )
             first = ws.recv(timeout=_base.STREAM_OPEN_TIMEOUT)
         except (OSError, InvalidHandshake, WebSocketException, TimeoutError) as exc:
             raise errors.ConnectionError(

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import subprocess
 from pathlib import Path
 
 from boxd.errors import HostSetupError, InternalError, ResourceExhausted
@@ -22,15 +23,17 @@ log = logging.getLogger("boxd.storage")
 
 async def _run(*argv: str) -> str:
     try:
-        # umask 077: disk layers hold guest data; they are born 0600.
-        proc = await asyncio.create_subprocess_exec(
-            *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, umask=0o077
+        # umask 077: disk layers hold guest data; they are born 0600. In a thread with
+        # the stdlib's subprocess: the event loop's own (uvloop's) has no umask.
+        proc = await asyncio.to_thread(
+            subprocess.run, argv, stdin=subprocess.DEVNULL, capture_output=True, umask=0o077,
+            check=False,
         )
     except FileNotFoundError as exc:
         raise HostSetupError(
             f"{argv[0]} not found", hint="run scripts/setup-host.sh to install qemu-utils"
         ) from exc
-    out, err = await proc.communicate()
+    out, err = proc.stdout, proc.stderr
     if proc.returncode != 0:
         text = err.decode(errors="replace").strip()
         # qemu-img names the layer files: its words go to the log, not to the client.
