@@ -6,7 +6,8 @@ OLD_SRC and NEW_SRC are the ``src`` folders of two checkouts (e.g. a ``git workt
 of an older commit). Each gets its own daemon (started with that ``src`` first on
 ``PYTHONPATH``, on a fresh data directory) and its own cold-booted machine; then every
 figure is measured on A and B in turn (A B A B ...), so host load drifts hit both.
-Prints a table: median and p90 of each, and the ratio B/A pair by pair (median).
+Prints a table: median and p90 of each, and the ratio B/A pair by pair (median). The
+channel figure is a 100-byte frame through a spawned echo process (the step channel).
 The client is this checkout's SDK against both daemons (the HTTP API is the same).
 """
 
@@ -22,11 +23,22 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 from _common import p90  # noqa: E402
 from boxd import Boxd  # noqa: E402
+
+ECHO = (
+    "import sys\n"
+    "r, w = sys.stdin.buffer, sys.stdout.buffer\n"
+    "while True:\n"
+    "    h = r.read(4)\n"
+    "    if len(h) < 4: break\n"
+    "    body = r.read(int.from_bytes(h, 'big'))\n"
+    "    w.write(h + body); w.flush()\n"
+)
 
 
 def start(src: Path) -> tuple[Path, subprocess.Popen[bytes]]:
@@ -71,6 +83,7 @@ def main() -> int:
     daemons = [start(args.old.resolve()), start(args.new.resolve())]
     clients = [client(h) for h, _ in daemons]
     rows: list[tuple[str, list[float], list[float]]] = []
+    handles: list[Any] = []
     try:
         boots: list[list[float]] = [[], []]
         srcs = []
@@ -96,8 +109,23 @@ def main() -> int:
         for i in (0, 1):  # the first fork makes the template; spares fill after it
             fork_ready(i)
         time.sleep(5)
+        for i, c in enumerate(clients):  # a framed echo: the step channel's round trip
+            c.machines.files.upload(srcs[i], "/home/boxd/echo.py", ECHO)
+            h = c.machines.spawn(srcs[i], ["python3", "-u", "/home/boxd/echo.py"])
+            for _ in range(50):
+                h.send(b"x" * 100)
+                h.recv(timeout=60)
+            handles.append(h)
+
+        def channel(i: int) -> float:
+            t = time.perf_counter()
+            handles[i].send(b"x" * 100)
+            handles[i].recv(timeout=60)
+            return time.perf_counter() - t
+
         forks: list[list[float]] = [[], []]
         execs: list[list[float]] = [[], []]
+        chans: list[list[float]] = [[], []]
         ck_save: list[list[float]] = [[], []]
         ck_restore: list[list[float]] = [[], []]
         for r in range(args.n):
@@ -108,6 +136,9 @@ def main() -> int:
                 c = clients[i]
                 execs[i].extend(timed(lambda c=c, i=i: c.machines.exec(srcs[i], "true"))
                                 for _ in range(3))
+            for _ in range(4):  # blocks of 25, alternating
+                for i in (0, 1):
+                    chans[i].extend(channel(i) for _ in range(25))
             for i in (0, 1):
                 c = clients[i]
                 name = f"ab-{r}"
@@ -119,10 +150,13 @@ def main() -> int:
         rows += [
             ("fork → exec-ready (template reused, spare)", forks[0], forks[1]),
             ("exec true round trip", execs[0], execs[1]),
+            ("channel round trip, 100 B (spawn, framed echo)", chans[0], chans[1]),
             ("checkpoint save", ck_save[0], ck_save[1]),
             ("checkpoint restore", ck_restore[0], ck_restore[1]),
         ]
     finally:
+        for h in handles:
+            h.close()
         for c in clients:
             c.close()
         for home, proc in daemons:
