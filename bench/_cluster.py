@@ -1,7 +1,9 @@
 """A boxd control plane on a Ray cluster of N boxd nodes on this machine (bench and tests).
 
-Everything runs in a network namespace of its own that has only ``lo``: Ray then
-advertises 127.0.0.1 and no traffic leaves the machine. Clients reach the control
+Everything runs in a network namespace of its own that has only ``lo`` and a veth pair
+with both ends inside, on a TEST-NET-2 address with the default route into it: Ray
+advertises that address, passt has a route to start on, and no traffic leaves the
+namespace. Clients reach the control
 plane over its unix socket (a network namespace does not fence the file system).
 """
 
@@ -87,6 +89,14 @@ def local_cluster(nodes: int = 3, cap: int = 2, **env: str) -> Iterator[LocalClu
     netns = f"boxd-c{secrets.token_hex(3)}"
     subprocess.run(["ip", "netns", "add", netns], check=True)
     subprocess.run(["ip", "netns", "exec", netns, "ip", "link", "set", "lo", "up"], check=True)
+    # passt needs a routable interface to start (machines have a network): a veth pair
+    # with both ends in here and a default route into it, on a documentation range
+    # (TEST-NET-2). What a guest sends there goes nowhere; nothing leaves the namespace.
+    for cmd in (["link", "add", "bx0", "type", "veth", "peer", "name", "bx1"],
+                ["addr", "add", "198.51.100.1/24", "dev", "bx0"],
+                ["link", "set", "bx0", "up"], ["link", "set", "bx1", "up"],
+                ["route", "add", "default", "via", "198.51.100.2", "dev", "bx0"]):
+        subprocess.run(["ip", "netns", "exec", netns, "ip", *cmd], check=True)
     home = Path(tempfile.mkdtemp(prefix="boxd-cluster-", dir="/tmp"))
     os.chmod(home, 0o755)  # QEMU's own user reopens disk layers below it
     inns = ["ip", "netns", "exec", netns]

@@ -1,8 +1,9 @@
 """boxd on a Ray cluster: three Ray nodes on this machine, one boxd control plane.
 
 Ray, its nodes, the control plane and every VM run in a network namespace of the
-test's own that has only ``lo`` (Ray then advertises 127.0.0.1 and nothing leaves the
-machine); the test talks to the control plane over its unix socket, which a network
+test's own that has only ``lo`` and a veth pair with both ends inside (Ray advertises
+its TEST-NET-2 address, passt has a route to start on, and nothing leaves the
+namespace); the test talks to the control plane over its unix socket, which a network
 namespace does not fence. Each node caps at two machines, so a batch of five forks
 must spread over all three nodes.
 """
@@ -76,7 +77,8 @@ def _value_from_memory(b: Any, machine_id: str) -> str:
 def test_control_plane_sees_three_nodes_with_their_own_data(cluster: LocalCluster) -> None:
     nodes = cluster.client.nodes.list()
     assert sorted(n.id for n in nodes) == sorted(cluster.node_ids)
-    assert all(n.address == "127.0.0.1" for n in nodes)  # the namespace has only lo
+    # the namespace's one address (bench/_cluster.py): Ray's node address, and the URLs'
+    assert all(n.address == cluster.address.rsplit(":", 1)[0] for n in nodes)
     assert all(n.health == "alive" and n.max_machines == CAP for n in nodes)
     for nid in cluster.node_ids:  # each node runtime has a directory (and database) of its own
         assert (cluster.node_home(nid) / "state.db").exists()

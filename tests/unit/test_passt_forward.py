@@ -75,3 +75,29 @@ def test_passt_starts_in_a_machine_folder_that_does_not_exist_yet(tmp_path: Path
     popen = _spawn(port, log, passt)
     asyncio.run(_net.wait_forward(popen, port, log, "m_new"))
     assert log.parent.stat().st_mode & 0o777 == 0o700
+
+
+def test_a_host_without_a_route_is_told_so(tmp_path: Path) -> None:
+    # In a network namespace with only loopback, passt has no interface to use: the
+    # launch fails saying so, not "try again".
+    import subprocess
+    import sys
+
+    code = (
+        "import asyncio, shutil, sys\n"
+        "from pathlib import Path\n"
+        "from boxd.engine.qemu import _net\n"
+        "from boxd.errors import MachineFailed\n"
+        f"log = Path({str(tmp_path / 'm' / 'passt.log')!r})\n"
+        "p, fd = _net.spawn_passt(shutil.which('passt'), port=25000, user=None, log_file=log)\n"
+        "try:\n"
+        "    asyncio.run(_net.wait_forward(p, 25000, log, 'm_x'))\n"
+        "except MachineFailed as e:\n"
+        "    print(e.hint)\n"
+    )
+    out = subprocess.run(["unshare", "-n", sys.executable, "-c", code], capture_output=True,
+                         text=True, timeout=60)
+    if "unshare failed" in out.stderr or "Operation not permitted" in out.stderr:
+        pytest.skip(f"cannot make a network namespace here: {out.stderr.strip()[:200]} "
+                    "(the cluster tests run machines in one)")
+    assert "no default route" in out.stdout, out.stdout + out.stderr

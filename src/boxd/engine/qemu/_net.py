@@ -295,11 +295,17 @@ async def wait_forward(popen: subprocess.Popen[bytes], port: int, log_file: Path
                 with contextlib.suppress(OSError):
                     tail += [line for line in f.read_text(errors="replace").splitlines()
                              if line.strip() and "syslog" not in line][-2:]
+            said = " | ".join(dict.fromkeys(tail))  # its log and stderr say it twice
+            if "routable interface" in said or "interface not usable" in said:
+                hint = ("the host has no default route for passt to use: create the "
+                        "machine --isolated, or give the host a route")
+            elif "bind" in said:
+                hint = f"another process took its forward port {port}: try again"
+            else:
+                hint = f"see {log_file}"
             raise MachineFailed(
                 f"the machine's network did not start: passt exited with status {code}"
-                + (f" ({' | '.join(tail)})" if tail else ""),
-                hint="try again (another process may have taken its forward port "
-                     f"{port}); see {log_file}", machine=machine,
+                + (f" ({said})" if said else ""), hint=hint, machine=machine,
             )
         inodes = _listeners(port)
         if inodes and _holds(popen.pid, inodes):  # passt's own socket, not another's
