@@ -31,7 +31,7 @@ from boxd.errors import HostSetupError
 from boxd.storage._files import fsync_dir, write_atomic
 
 from . import _apt, _initramfs, _kernel, _rootfs
-from ._util import Progress, fsync_tree
+from ._util import Progress, fsync_tree, remove_build_tree
 
 BUILDER_VERSION = "2"  # 2: the boxd client's dependencies and its .pth (in-machine Boxd())
 CACHE_ENV = IMAGE_CACHE_ENV
@@ -190,7 +190,7 @@ def ensure_image(
 
 def _build_base(root: Path, key: str, recipe: Recipe, report: Progress) -> None:
     for stale in root.glob(f"{key}.tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
+        remove_build_tree(stale)
     tmp = root / f"{key}.tmp-{os.getpid()}"
     tmp.mkdir(parents=True)
     started = time.monotonic()
@@ -210,7 +210,7 @@ def _build_base(root: Path, key: str, recipe: Recipe, report: Progress) -> None:
             os.replace(tmp, final)
         fsync_dir(root)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_build_tree(tmp)
         raise
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from boxd.errors import HostSetupError
 
 from . import _apt
-from ._util import need_tool, run
+from ._util import need_tool, private_mounts, run
 
 BASE_PACKAGES = (
     "python3",
@@ -154,7 +154,7 @@ def mmdebstrap(suite: str, target: Path, apt: Sequence[str], pip: Sequence[str],
             f"--customize-hook=rm -rf \"$1/tmp/{wheels.name}\"",
         ]
     argv += [suite, target, *mirror_lines(suite)]
-    run(argv, "mmdebstrap",
+    run(private_mounts(argv), "mmdebstrap",
         hint="check the package names and the host's apt sources; scripts/setup-host.sh "
              "installs mmdebstrap")
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Callable, Sequence
@@ -14,6 +16,7 @@ from boxd.storage._files import fsync_dir, fsync_path
 Progress = Callable[[str, float | None], None]
 
 SETUP_HINT = "run scripts/setup-host.sh"
+log = logging.getLogger("boxd.images")
 
 
 def need_tool(name: str, step: str) -> str:
@@ -77,3 +80,55 @@ def fsync_tree(root: Path) -> None:
                 continue
             fsync_path(p)
         fsync_dir(Path(dirpath))
+
+
+def private_mounts(argv: Sequence[str | os.PathLike[str]]) -> list[str | os.PathLike[str]]:
+    """``argv`` run in a mount namespace of its own, when we are root.
+
+    mmdebstrap (root mode) mounts proc, sys and binds of the host's /dev entries, the
+    host's /dev/shm included, inside the tree it builds. Killed mid-build, it leaves them
+    mounted there, and a later ``rm -rf`` of the tree empties the host's /dev/shm (every
+    machine's RAM file, template and socket). In a private mount namespace its mounts
+    die with it.
+    """
+    unshare = shutil.which("unshare") or shutil.which("unshare", path="/usr/bin:/bin")
+    if os.geteuid() != 0 or unshare is None:
+        return list(argv)
+    return [unshare, "--mount", "--propagation", "private", *argv]
+
+
+_ESCAPE = re.compile(r"\\([0-7]{3})")
+
+
+def mounts_below(path: Path, mountinfo: Path = Path("/proc/self/mountinfo")) -> list[str]:
+    """Mount points at or below ``path``, deepest first."""
+    root = os.path.realpath(path)
+    found: list[str] = []
+    try:
+        text = mountinfo.read_text()
+    except OSError:
+        return found
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) < 5:
+            continue
+        point = _ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), fields[4])
+        if point == root or point.startswith(root + "/"):
+            found.append(point)
+    return sorted(found, key=len, reverse=True)
+
+
+def remove_build_tree(path: Path) -> None:
+    """``rm -rf`` a build directory without ever descending into a mount below it.
+
+    A build that older code (or a crash) left with mounts inside is unmounted first
+    (lazily, deepest first); if one stays mounted, the tree is left and logged.
+    """
+    for point in mounts_below(path):
+        subprocess.run(["umount", "-l", point], stdin=subprocess.DEVNULL,
+                       capture_output=True, check=False)
+    left = mounts_below(path)
+    if left:
+        log.warning("event=build_tree_kept path=%s reason=%r", path, f"{left[0]} is mounted")
+        return
+    shutil.rmtree(path, ignore_errors=True)
