@@ -169,6 +169,38 @@ def test_boot_under_kvm_reads_the_console(
     assert needle in why
 
 
+def test_the_probe_qemu_dies_at_its_deadline_even_without_its_daemon(tmp_path: Path) -> None:
+    # A daemon killed while it probes KVM used to leave the probe's QEMU running for ever
+    # (a guest that never finishes booting under a broken KVM).
+    import signal
+    import sys
+    import time
+
+    fake = tmp_path / "fake-qemu"
+    fake.write_text("#!/bin/sh\nsleep 60\n")
+    fake.chmod(0o755)
+    code = ("import os\nfrom pathlib import Path\nfrom boxd.engine.qemu import _probe\n"
+            "_probe.PROBE_DEADLINE = 1.0\n"
+            "_probe._boot_under_kvm(os.environ['FAKE_QEMU'], Path('/nonexistent'))\n")
+    # the path in the environment, not on the command line: pgrep finds only the fake
+    daemon = subprocess.Popen([sys.executable, "-c", code],
+                              env={**os.environ, "FAKE_QEMU": str(fake)})
+    deadline = time.monotonic() + 20
+    while not _running(fake) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _running(fake)
+    daemon.send_signal(signal.SIGKILL)  # the "daemon" dies mid-probe
+    daemon.wait()
+    while _running(fake) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _running(fake)
+
+
+def _running(marker: Path) -> bool:
+    out = subprocess.run(["pgrep", "-f", str(marker)], capture_output=True, text=True)
+    return bool(out.stdout.strip())
+
+
 # ------------------------------------------------------------------- real daemons
 
 

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import tempfile
 import time
@@ -64,12 +65,20 @@ def _boot_under_kvm(qemu: str, kernel: Path) -> tuple[bool, str, float]:
     ]
     if QBOOT.exists():
         argv += ["-bios", str(QBOOT)]
+    # Under coreutils' timeout: the probe QEMU (a guest that may never finish booting)
+    # is killed at the deadline even if the daemon dies first (killed during its start,
+    # it used to leave the probe spinning for ever).
+    watchdog = shutil.which("timeout")
+    if watchdog is not None:
+        argv = [watchdog, "-s", "KILL", f"{PROBE_DEADLINE:.0f}", *argv]
     t0 = time.monotonic()
     with tempfile.TemporaryFile() as out:
         try:
             proc = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT,
-                                  timeout=PROBE_DEADLINE, stdin=subprocess.DEVNULL)
+                                  timeout=PROBE_DEADLINE + 5, stdin=subprocess.DEVNULL)
             rc: int | None = proc.returncode
+            if watchdog is not None and rc == 128 + 9:  # the watchdog's kill: the deadline
+                rc = None
         except subprocess.TimeoutExpired:
             rc = None
         except OSError as exc:
