@@ -166,6 +166,10 @@ class NodeRuntime:
         self._leases: dict[str, Lease] = {}
         self._watchers: dict[str, asyncio.Task[None]] = {}
         self._preparing: dict[str, asyncio.Future[TemplateRecord]] = {}
+        # Fork children being started per template right now: N one-child forks in
+        # flight together (the spec's rollout threads) ask for N standby children, as
+        # one fork of count N does.
+        self._forking: dict[str, int] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._recovered = False
         self._active: dict[str, float] = {}  # machine id -> last activity (seconds)
@@ -1103,10 +1107,17 @@ class NodeRuntime:
 
     async def fork(self, source_id: str, child_ids: list[str]) -> list[Exception | None]:
         src, tpl = await self._fork_source(source_id)
-        results = await asyncio.gather(
-            *(self._start_child(src, tpl, cid) for cid in child_ids), return_exceptions=True
-        )
-        self.spares.want(source_id, tpl, len(child_ids))
+        demand = self._forking[tpl.id] = self._forking.get(tpl.id, 0) + len(child_ids)
+        try:
+            results = await asyncio.gather(
+                *(self._start_child(src, tpl, cid) for cid in child_ids),
+                return_exceptions=True,
+            )
+        finally:
+            self._forking[tpl.id] -= len(child_ids)
+            if not self._forking[tpl.id]:
+                del self._forking[tpl.id]
+        self.spares.want(source_id, tpl, demand)
         out: list[Exception | None] = []
         for cid, r in zip(child_ids, results, strict=True):
             if isinstance(r, BaseException) and not isinstance(r, Exception):
