@@ -14,7 +14,8 @@ After each fork the pool is refilled, in the background (two spares at a time), 
 the largest number of children forked from that template at once: one fork of count N,
 or N one-child forks in flight together (at most ``BOXD_FORK_SPARES``, default 8; 0
 turns spares off), and never beyond ``BOXD_FORK_SPARES_TOTAL`` (default 32) across the
-daemon.
+daemon. A fork that finds no ready spare while some are being prepared waits for one of
+them (one fork per spare coming) rather than starting its child from scratch.
 Spares live only while their template is the one the next fork would use: when the
 source changes, is deleted or its template is collected, they are killed. They are
 never in the database (a claimed spare's VM id becomes the record's ``vm_id``); a
@@ -74,6 +75,9 @@ class SparePool:
         self._target: dict[str, int] = {}
         self._refilling: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._making: dict[str, int] = {}  # spares being prepared right now, per template
+        # Forks waiting for a spare being prepared (see `claim`), per template.
+        self._waiters: dict[str, list[asyncio.Future[Spare | None]]] = {}
 
     def count(self, template_id: str) -> int:
         return len(self._spares.get(template_id, []))
@@ -89,6 +93,31 @@ class SparePool:
                         spare.handle.exit_reason())
             self._background(self._discard(spare))
         return None
+
+    async def claim(self, template_id: str, timeout: float) -> Spare | None:
+        """A live spare of this template: a ready one, else one being prepared that no
+        other fork waits for (it is closer to done than a start from scratch, which
+        would also compete with it for the CPU), waited for up to ``timeout`` seconds;
+        None when there is neither."""
+        spare = self.take(template_id)
+        if spare is not None:
+            return spare
+        waiters = self._waiters.setdefault(template_id, [])
+        if self._making.get(template_id, 0) <= len(waiters):
+            return None
+        fut: asyncio.Future[Spare | None] = asyncio.get_running_loop().create_future()
+        waiters.append(fut)
+        try:
+            await asyncio.wait({fut}, timeout=timeout)
+        except BaseException:
+            if fut.done() and (given := fut.result()) is not None:
+                self._keep(template_id, given)  # handed over as we were cancelled
+            raise
+        finally:
+            waiters.remove(fut)
+            if not fut.done():
+                fut.cancel()
+        return None if fut.cancelled() else fut.result()
 
     def want(self, source_id: str, tpl: TemplateRecord, batch: int) -> None:
         """After a fork of ``batch`` children: keep that many spares (capped) ready."""
@@ -128,9 +157,13 @@ class SparePool:
                            self.total - sum(map(len, self._spares.values())), self.parallel)
                 if room <= 0:
                     break
-                made = await asyncio.gather(
-                    *(self._maker.prepare_spare(source_id, tpl) for _ in range(room)),
-                    return_exceptions=True)
+                self._making[tpl.id] = room
+                try:
+                    made = await asyncio.gather(
+                        *(self._maker.prepare_spare(source_id, tpl) for _ in range(room)),
+                        return_exceptions=True)
+                finally:
+                    self._making.pop(tpl.id, None)
                 failed = [r for r in made if not isinstance(r, Spare)]
                 spares = [r for r in made if isinstance(r, Spare)]
                 if not self._maker.template_is_current(tpl.id):
@@ -138,8 +171,7 @@ class SparePool:
                         await self._discard(spare)
                     break
                 for spare in spares:
-                    self._spares.setdefault(tpl.id, []).append(spare)
-                    log.info("machine=%s event=spare_ready template=%s", spare.vm_id, tpl.id)
+                    self._give(tpl.id, spare)
                 for exc in failed:
                     if not isinstance(exc, Exception):
                         raise exc  # cancelled
@@ -153,6 +185,21 @@ class SparePool:
             log.warning("event=spare_failed template=%s error=%r", tpl.id, exc)
         finally:
             self._refilling.discard(tpl.id)
+            for fut in self._waiters.get(tpl.id, []):
+                if not fut.done():
+                    fut.set_result(None)  # no more spares coming: start from scratch
+
+    def _give(self, template_id: str, spare: Spare) -> None:
+        """A new spare: to the first fork waiting for one, else into the pool."""
+        log.info("machine=%s event=spare_ready template=%s", spare.vm_id, template_id)
+        for fut in self._waiters.get(template_id, []):
+            if not fut.done():
+                fut.set_result(spare)
+                return
+        self._keep(template_id, spare)
+
+    def _keep(self, template_id: str, spare: Spare) -> None:
+        self._spares.setdefault(template_id, []).append(spare)
 
     async def _discard(self, spare: Spare) -> None:
         with contextlib.suppress(Exception):

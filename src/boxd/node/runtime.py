@@ -100,6 +100,9 @@ GUEST_API_WAIT = 30.0
 # Seconds a fork child, restored or woken machine waits before serving its API socket
 # unless a guest process connects sooner (`_serve_guest_api`).
 GUEST_API_DELAY = 2.0
+# How long a fork waits for a standby child that is being prepared (a gVisor restore
+# takes ~0.3-0.7 s here) before it starts its child from scratch.
+SPARE_WAIT = 5.0
 
 
 def _in_flight(rec: MachineRecord) -> Conflict:
@@ -1131,8 +1134,8 @@ class NodeRuntime:
         if not src.isolated:
             self.repos.machines.update(child_id, port=free_port())  # its URL
         rec = self._rec(child_id)
-        spare = self.spares.take(tpl.id)
         t0 = time.monotonic()
+        spare = await self.spares.claim(tpl.id, timeout=SPARE_WAIT)
         launch = Launch(
             self.template_image(tpl, src.memory_mib), backing=self.layer_path(tpl.layer_id),
             parent_layer=tpl.layer_id, disk_gib=src.disk_gib,
