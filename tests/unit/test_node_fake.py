@@ -290,6 +290,14 @@ def test_one_child_forks_in_flight_together_ask_for_as_many_standby_children(
         return await real(*args, **kw)
 
     monkeypatch.setattr(w.engine, "start_from", start_from)
+    real_resume = FakeMachine.resume
+
+    async def resume(self: FakeMachine) -> None:  # the claim of a spare: held likewise
+        waiting.append(self)
+        await release.wait()
+        await real_resume(self)
+
+    monkeypatch.setattr(FakeMachine, "resume", resume)
 
     async def main() -> None:
         src = await running(w)
@@ -301,7 +309,7 @@ def test_one_child_forks_in_flight_together_ask_for_as_many_standby_children(
         release.clear()
         waiting.clear()
         forks = asyncio.gather(*(w.machines.fork(ACCOUNT, src.id, [None]) for _ in range(8)))
-        while len(waiting) < 7:  # on demand; the eighth claimed the spare
+        while len(waiting) < 8:  # 7 started on demand, one claimed the spare: all held
             await asyncio.sleep(0.001)
         release.set()
         assert all(isinstance(m, models.Machine) for (m,) in await forks)
