@@ -315,6 +315,64 @@ def test_killed_sandbox_fails_the_machine(client, daemon, gvisor_base) -> None: 
         client.machines.get(m.id)
 
 
+def _nices(pid: int) -> set[int]:
+    """The niceness of every thread of ``pid`` and of its descendants (systrap stubs)."""
+    out: set[int] = set()
+    todo, seen = [pid], set()
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        for task in Path(f"/proc/{p}/task").iterdir():
+            with contextlib.suppress(OSError):
+                out.add(int((task / "stat").read_text().rsplit(")", 1)[1].split()[16]))
+                todo += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def test_a_standby_copy_restores_at_low_priority_and_runs_at_full_once_claimed(  # type: ignore[no-untyped-def]
+    client, daemon, gvisor_base,
+) -> None:
+    """A standby copy's CPU-bound restore yields to running machines (niceness 19); the
+    fork that claims it gives every thread of its sandbox the daemon's niceness."""
+    import sqlite3
+    import subprocess
+
+    from boxd.config import Paths
+
+    db = Paths(daemon.home.resolve()).db
+
+    def vm_ids() -> set[str]:
+        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+            return {r[0] for r in conn.execute("SELECT vm_id FROM machines")}
+
+    def sandboxes() -> dict[str, int]:
+        out = subprocess.run(["pgrep", "-af", "runsc-sandbox"], capture_output=True,
+                             text=True).stdout.splitlines()
+        home = str(Paths(daemon.home.resolve()).shm)
+        return {line.split()[-1]: int(line.split()[0]) for line in out if home in line}
+
+    first = client.machines.fork(gvisor_base.id)  # the template; one standby copy follows
+    try:
+        deadline = time.monotonic() + 60
+        while not (spares := {v: p for v, p in sandboxes().items() if v not in vm_ids()
+                              and f"machine={v} event=spare_ready" in daemon.log.read_text()}):
+            assert time.monotonic() < deadline, "no standby copy was made"
+            time.sleep(0.1)
+        assert all(_nices(p) == {19} for p in spares.values()), spares
+        daemon_nice = os.getpriority(os.PRIO_PROCESS, daemon.proc.pid)
+        child = client.machines.fork(gvisor_base.id)
+        try:
+            (claimed,) = set(spares) & vm_ids()
+            assert _nices(spares[claimed]) == {daemon_nice}
+            assert _ok(client, child.id, "echo ok") == "ok\n"
+        finally:
+            client.machines.delete(child.id)
+    finally:
+        client.machines.delete(first.id)
+
+
 @pytest.fixture(scope="module")
 def gvisor_rl_base(client, gvisor_base):  # type: ignore[no-untyped-def]
     """``rl-base`` on gVisor, prepared like test_rl's (host-downloaded wheels)."""

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -269,6 +270,58 @@ def test_fork_children_continue_from_the_source_and_the_template_is_reused(
         assert await sh(world, "a", "cat /root/a") == "1"  # children are independent
 
     run(main())
+
+
+def test_one_child_forks_in_flight_together_ask_for_as_many_standby_children(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The spec's rollout loop forks one child per thread, 8 at once: the pool then keeps
+    8 standby children of the template, as one fork of count 8 would."""
+    w = make_world(tmp_path, monkeypatch, spares=8)
+    real = w.engine.start_from
+    release = asyncio.Event()
+    release.set()
+    waiting: list[object] = []
+
+    async def start_from(*args: Any, **kw: Any) -> Any:
+        if not kw.get("paused"):  # an on-demand child: hold it until all 8 are in flight
+            waiting.append(args[0])
+            await release.wait()
+        return await real(*args, **kw)
+
+    monkeypatch.setattr(w.engine, "start_from", start_from)
+    real_resume = FakeMachine.resume
+
+    async def resume(self: FakeMachine) -> None:  # the claim of a spare: held likewise
+        waiting.append(self)
+        await release.wait()
+        await real_resume(self)
+
+    monkeypatch.setattr(FakeMachine, "resume", resume)
+
+    async def main() -> None:
+        src = await running(w)
+        await w.machines.fork(ACCOUNT, src.id, [None])  # the template, and one spare
+        while w.node.spares._tasks:
+            await asyncio.gather(*list(w.node.spares._tasks))
+        (tpl_id,) = {r.template_id for r in w.repos.machines.list(ACCOUNT) if r.template_id}
+        assert w.node.spares.count(tpl_id) == 1
+        release.clear()
+        waiting.clear()
+        forks = asyncio.gather(*(w.machines.fork(ACCOUNT, src.id, [None]) for _ in range(8)))
+        while len(waiting) < 8:  # 7 started on demand, one claimed the spare: all held
+            await asyncio.sleep(0.001)
+        release.set()
+        assert all(isinstance(m, models.Machine) for (m,) in await forks)
+        while w.node.spares._tasks:
+            await asyncio.gather(*list(w.node.spares._tasks))
+        assert w.node.spares.count(tpl_id) == 8
+        await w.node.spares.close()
+
+    try:
+        run(main())
+    finally:
+        w.repos.db.close()
 
 
 def test_a_failed_fork_child_is_its_own_error_and_leaves_nothing(world: World) -> None:

@@ -38,8 +38,11 @@ class FakeMaker:
         self.removed: list[str] = []
         self.made = 0
         self.after_prepare: Any = None
+        self.gate: asyncio.Event | None = None  # when set: prepare waits for it
 
     async def prepare_spare(self, source_id: str, tpl: Any) -> Spare:
+        if self.gate is not None:
+            await self.gate.wait()
         self.made += 1
         spare = Spare(f"m_{self.made}", f"l_{self.made}", 10000 + self.made,
                       FakeHandle())  # type: ignore[arg-type]
@@ -143,6 +146,44 @@ def test_a_spare_made_for_a_template_that_went_stale_meanwhile_is_discarded() ->
         await settle(pool)
         assert pool.count("t1") == 0
         assert m.removed == ["m_1"]
+
+    asyncio.run(main())
+
+
+def test_a_fork_waits_for_a_spare_being_prepared_instead_of_starting_from_scratch() -> None:
+    async def main() -> None:
+        pool, m = make_pool()
+        m.current.add("t1")
+        assert await pool.claim("t1", timeout=5) is None  # nothing ready or coming: at once
+        m.gate = asyncio.Event()
+        pool.want("a", tpl("t1"), 3)  # two being prepared (two at a time)
+        await asyncio.sleep(0)
+        waiting = [asyncio.create_task(pool.claim("t1", timeout=5)) for _ in range(3)]
+        await asyncio.sleep(0.01)
+        assert [w.done() for w in waiting] == [False, False, True]  # one per spare coming
+        assert waiting[2].result() is None
+        m.gate.set()
+        got = [await w for w in waiting[:2]]
+        assert all(isinstance(g, Spare) for g in got) and got[0] is not got[1]
+        await settle(pool)
+        assert pool.count("t1") == 3 and m.made == 5  # handed out two, then refilled
+        await pool.close()
+
+    asyncio.run(main())
+
+
+def test_a_fork_waiting_for_a_spare_gives_up_after_its_timeout() -> None:
+    async def main() -> None:
+        pool, m = make_pool()
+        m.current.add("t1")
+        m.gate = asyncio.Event()
+        pool.want("a", tpl("t1"), 1)
+        await asyncio.sleep(0)
+        assert await pool.claim("t1", timeout=0.01) is None
+        m.gate.set()
+        await settle(pool)
+        assert pool.count("t1") == 1  # kept for the next fork
+        await pool.close()
 
     asyncio.run(main())
 

@@ -100,6 +100,9 @@ GUEST_API_WAIT = 30.0
 # Seconds a fork child, restored or woken machine waits before serving its API socket
 # unless a guest process connects sooner (`_serve_guest_api`).
 GUEST_API_DELAY = 2.0
+# How long a fork waits for a standby child that is being prepared (a gVisor restore
+# takes ~0.3-0.7 s here) before it starts its child from scratch.
+SPARE_WAIT = 5.0
 
 
 def _in_flight(rec: MachineRecord) -> Conflict:
@@ -166,6 +169,10 @@ class NodeRuntime:
         self._leases: dict[str, Lease] = {}
         self._watchers: dict[str, asyncio.Task[None]] = {}
         self._preparing: dict[str, asyncio.Future[TemplateRecord]] = {}
+        # Fork children being started per template right now: N one-child forks in
+        # flight together (the spec's rollout threads) ask for N standby children, as
+        # one fork of count N does.
+        self._forking: dict[str, int] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._recovered = False
         self._active: dict[str, float] = {}  # machine id -> last activity (seconds)
@@ -1103,10 +1110,17 @@ class NodeRuntime:
 
     async def fork(self, source_id: str, child_ids: list[str]) -> list[Exception | None]:
         src, tpl = await self._fork_source(source_id)
-        results = await asyncio.gather(
-            *(self._start_child(src, tpl, cid) for cid in child_ids), return_exceptions=True
-        )
-        self.spares.want(source_id, tpl, len(child_ids))
+        demand = self._forking[tpl.id] = self._forking.get(tpl.id, 0) + len(child_ids)
+        try:
+            results = await asyncio.gather(
+                *(self._start_child(src, tpl, cid) for cid in child_ids),
+                return_exceptions=True,
+            )
+        finally:
+            self._forking[tpl.id] -= len(child_ids)
+            if not self._forking[tpl.id]:
+                del self._forking[tpl.id]
+        self.spares.want(source_id, tpl, demand)
         out: list[Exception | None] = []
         for cid, r in zip(child_ids, results, strict=True):
             if isinstance(r, BaseException) and not isinstance(r, Exception):
@@ -1120,8 +1134,8 @@ class NodeRuntime:
         if not src.isolated:
             self.repos.machines.update(child_id, port=free_port())  # its URL
         rec = self._rec(child_id)
-        spare = self.spares.take(tpl.id)
         t0 = time.monotonic()
+        spare = await self.spares.claim(tpl.id, timeout=SPARE_WAIT)
         launch = Launch(
             self.template_image(tpl, src.memory_mib), backing=self.layer_path(tpl.layer_id),
             parent_layer=tpl.layer_id, disk_gib=src.disk_gib,

@@ -62,6 +62,10 @@ STATE_TAR = "state"
 ROOTS = "roots.json"
 LAYER_KIND = "boxd-gvisor-layer"
 RUNSC_TIMEOUT = 60.0
+# A standby copy is restored at this niceness (on top of the daemon's): its CPU-bound
+# restore then yields to machines that are running an exec (the rollouts that claimed
+# the previous standby copies). Claiming it raises it back to the daemon's priority.
+BACKGROUND_NICE = 19
 
 
 # ----------------------------------------------------------------------- layers
@@ -130,6 +134,51 @@ async def _gone(pid: int, vm_id: str, timeout: float) -> None:
         await asyncio.sleep(0.01)
 
 
+def _tasks_of(pids: list[int]) -> list[int]:
+    """Every thread of ``pids`` and of their descendants (a sandbox's systrap stubs)."""
+    seen: set[int] = set()
+    tasks: list[int] = []
+    todo = list(pids)
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        tasks += tids
+        for tid in tids:
+            with contextlib.suppress(OSError, ValueError):
+                todo += [int(c) for c in
+                         Path(f"/proc/{pid}/task/{tid}/children").read_text().split()]
+    return tasks
+
+
+def gofer_of(bundle: Path) -> int | None:
+    """The pid of the gofer process serving the sandbox started from ``bundle``."""
+    want = f"--bundle={bundle}".encode()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"runsc-gofer") and want in argv:
+            return int(proc.name)
+    return None
+
+
+def set_priority(pids: list[int], nice: int) -> None:
+    """Set the niceness of every thread of ``pids`` and their descendants (Linux
+    applies a niceness per thread)."""
+    for tid in _tasks_of(pids):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+
+
 def _tail(path: Path, n: int = 400) -> str:
     try:
         with open(path, "rb") as f:
@@ -160,8 +209,10 @@ class Runsc:
         self, *args: str, what: str, log: Path | None = None, stdin: int | None = None,
         stdout: int | None = None, stderr: int | None = None, timeout: float = RUNSC_TIMEOUT,
         machine: str | None = None, netns: _net.Namespace | None = None,
+        background: bool = False,
     ) -> None:
-        """Run one subcommand to completion.
+        """Run one subcommand to completion; with ``background`` at the lowest CPU
+        priority (and so the sandbox it starts, until `set_priority` raises it).
 
         Raises:
             MachineFailed: it failed or timed out; the message has runsc's last words.
@@ -170,6 +221,8 @@ class Runsc:
         if netns is not None:
             # Its own network namespace and runsc's user-space network stack (see _net).
             argv = [*netns.runsc_prefix(), *self.argv(*args, log=log, network="sandbox")]
+        if background:
+            argv = ["nice", "-n", str(BACKGROUND_NICE), *argv]
         errfile: Any = stderr if stderr is not None else asyncio.subprocess.PIPE
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=stdin if stdin is not None else asyncio.subprocess.DEVNULL,
@@ -216,6 +269,8 @@ class GvisorMachine:
         self._read_transport: asyncio.ReadTransport | None = None
         self._agent_lock = asyncio.Lock()
         self._reason = ""
+        # Restored at the lowest priority (a standby copy) until its first resume.
+        self.background = False
 
     @property
     def config(self) -> MachineConfig:
@@ -342,6 +397,14 @@ class GvisorMachine:
                                     machine=self._config.id, log=self.log_path)
 
     async def resume(self) -> None:
+        if self.background:
+            # A claimed standby copy: from now on it runs at the daemon's priority.
+            pids = [self._pid]
+            gofer = await asyncio.to_thread(gofer_of, self.files.bundle)
+            if gofer is not None:
+                pids.append(gofer)
+            await asyncio.to_thread(set_priority, pids, os.getpriority(os.PRIO_PROCESS, 0))
+            self.background = False
         await self.engine.runsc.run("resume", self._config.id, what="resume",
                                     machine=self._config.id, log=self.log_path)
 
@@ -574,7 +637,7 @@ class GvisorEngine:
 
     async def _launch(
         self, config: MachineConfig, disk: Path, run_dir: Path, log_path: Path,
-        args: Sequence[str], roots: Roots, what: str,
+        args: Sequence[str], roots: Roots, what: str, background: bool = False,
     ) -> GvisorMachine:
         run_dir.mkdir(parents=True, exist_ok=True)
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -585,7 +648,8 @@ class GvisorEngine:
         try:
             await asyncio.to_thread(_spec.write_bundle, files, config.hostname, roots,
                                     config.memory_mib, netns.path if netns else None)
-            return await self._launch_in(config, disk, files, log_path, args, what, netns)
+            return await self._launch_in(config, disk, files, log_path, args, what, netns,
+                                         background)
         except BaseException:
             if netns is not None:
                 netns.kill()
@@ -594,6 +658,7 @@ class GvisorEngine:
     async def _launch_in(
         self, config: MachineConfig, disk: Path, files: RunFiles, log_path: Path,
         args: Sequence[str], what: str, netns: _net.Namespace | None,
+        background: bool = False,
     ) -> GvisorMachine:
         files.make_fifos()
         files.pidfile.unlink(missing_ok=True)
@@ -608,7 +673,7 @@ class GvisorEngine:
             await self.runsc.run(
                 *args, "--detach", f"--bundle={files.bundle}", f"--pid-file={files.pidfile}",
                 config.id, what=what, log=log_path, stdin=fin, stdout=fout, stderr=console,
-                machine=config.id, netns=netns,
+                machine=config.id, netns=netns, background=background,
             )
         except BaseException:
             self.kill(config.id, _read_pid(files.pidfile))
@@ -621,7 +686,9 @@ class GvisorEngine:
             self.kill(config.id, None)
             raise MachineFailed(f"runsc {what} of {config.id} wrote no pid file",
                                 hint="see the machine's runsc.log", machine=config.id)
-        return GvisorMachine(self, config, files, pid, disk, log_path, netns)
+        machine = GvisorMachine(self, config, files, pid, disk, log_path, netns)
+        machine.background = background
+        return machine
 
     # ------------------------------------------------------------- protocol
 
@@ -637,13 +704,15 @@ class GvisorEngine:
         log_path: Path, *, copy_memory: bool, paused: bool = False,
     ) -> GvisorMachine:
         """Restore a sandbox from a checkpoint (``copy_memory`` changes nothing here: a
-        restored sandbox always owns its memory). With ``paused`` it is paused right
-        after the restore."""
+        restored sandbox always owns its memory). With ``paused`` (a standby copy) the
+        restore runs at the lowest CPU priority and the sandbox is paused right after it;
+        its first `resume` gives it the daemon's priority."""
         files = RunFiles(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         src, roots = await asyncio.to_thread(_image_dir, image, files)
         machine = await self._launch(config, disk.path, run_dir, log_path,
-                                     ["restore", f"--image-path={src}"], roots, "restore")
+                                     ["restore", f"--image-path={src}"], roots, "restore",
+                                     background=paused)
         if paused:
             try:
                 await machine.pause()
