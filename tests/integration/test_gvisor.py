@@ -22,6 +22,7 @@ import pytest
 
 from boxd import errors
 
+from .test_lifecycle import _get, _vm_id
 from .test_rl import EXAMPLES, GUEST_WHEELS, _host_wheels, _ok
 
 pytestmark = pytest.mark.vm
@@ -371,6 +372,59 @@ def test_a_standby_copy_restores_at_low_priority_and_runs_at_full_once_claimed( 
             client.machines.delete(child.id)
     finally:
         client.machines.delete(first.id)
+
+
+def _sandbox_pids(vm_id: str) -> list[int]:
+    import subprocess
+
+    out = subprocess.run(["pgrep", "-f", f"runsc-sandbox .* {vm_id}$"], capture_output=True,
+                         text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _forwards(vm_id: str) -> list[int]:
+    import subprocess
+
+    out = subprocess.run(["pgrep", "-f", f"port-forward --stream=.* {vm_id} "],
+                         capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def test_url_on_gvisor_across_restore_suspend_and_hibernate(client, daemon, gvisor_base,  # type: ignore[no-untyped-def]
+                                                           fork_of) -> None:
+    """A gVisor machine's URL reaches its port 8080 (the daemon's proxy, then runsc's
+    port forward into the sandbox's network stack), stays the same across restore and
+    hibernate, and a request wakes a suspended or hibernated machine."""
+    m = fork_of(gvisor_base)
+    client.machines.files.upload(m.id, "/srv/www/index.html", "v1")
+    r = client.machines.exec(
+        m.id, "cd /srv/www && nohup python3 -m http.server 8080 >/tmp/http.log 2>&1 &")
+    assert r.exit_code == 0, r.stderr
+    url = client.machines.get(m.id).url
+    assert url and _get(url + "/", timeout=30) == "v1"
+    # Each connection's forward ends with it.
+    deadline = time.monotonic() + 10
+    while _forwards(_vm_id(daemon, m.id)):
+        assert time.monotonic() < deadline, "a runsc port-forward outlived its connection"
+        time.sleep(0.1)
+    client.machines.checkpoints.save(m.id, "serving")
+    client.machines.files.upload(m.id, "/srv/www/index.html", "v2")
+    assert _get(url + "/", timeout=30) == "v2"
+    restored = client.machines.checkpoints.restore(m.id, "serving")
+    assert restored.url == url and _get(url + "/", timeout=30) == "v1"
+    client.machines.suspend(m.id)
+    assert client.machines.get(m.id).state.value == "suspended"
+    assert _get(url + "/", timeout=30) == "v1"  # the request woke it
+    assert client.machines.get(m.id).state.value == "running"
+    client.machines.hibernate(m.id)
+    assert _sandbox_pids(_vm_id(daemon, m.id)) == []
+    assert _get(url + "/", timeout=60) == "v1"
+    got = client.machines.get(m.id)
+    assert got.state.value == "running" and got.url == url
+    # A fork child has a URL of its own, to its own copy of the server.
+    child = fork_of(m)
+    assert child.url and child.url != url
+    assert _get(child.url + "/", timeout=30) == "v1"
 
 
 @pytest.fixture(scope="module")

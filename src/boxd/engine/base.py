@@ -11,6 +11,7 @@ both to these protocols so ``mypy --strict`` proves they satisfy them.
 
 from __future__ import annotations
 
+from asyncio import StreamReader, StreamWriter
 from collections.abc import (
     AsyncGenerator,
     AsyncIterable,
@@ -241,6 +242,14 @@ class MachineHandle(Protocol):
 
     async def detach(self) -> None:
         """Drop host-side connections; the VM keeps running (daemon restart)."""
+        ...
+
+    async def open_http(self) -> tuple[StreamReader, StreamWriter]:
+        """A new connection to the guest's HTTP port (8080), for the machine's URL.
+
+        Raises:
+            OSError: the machine has no network, or the engine's forward does not answer.
+        """
         ...
 
 

@@ -4,8 +4,10 @@ A machine's URL (``http://127.0.0.1:PORT``) is a listening socket of the daemon,
 of QEMU, so it stays the same while the VM process comes and goes (checkpoint restore,
 hibernate and wake, a daemon restart). Each connection wakes a suspended or hibernated
 machine first (the node's ``connect``), counts as activity, keeps the machine awake
-while it is open, and is relayed byte for byte to the forward the machine's passt process gives
-the guest's port 8080. Plain TCP: HTTP, WebSockets and anything else pass unchanged.
+while it is open, and is relayed byte for byte to a connection the engine opens to the
+guest's port 8080 (QEMU: the forward its passt process gives; gVisor: one ``runsc
+port-forward`` per connection). Plain TCP: HTTP, WebSockets and anything else pass
+unchanged.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 
 from boxd.errors import BoxdError
@@ -22,11 +24,14 @@ log = logging.getLogger("boxd.node")
 
 _CHUNK = 64 * 1024
 
-Connect = Callable[[str], AbstractAsyncContextManager[tuple[str, int]]]
+#: Opens one connection to the machine's port 8080 (OSError: it does not answer).
+Upstream = Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
+Connect = Callable[[str], AbstractAsyncContextManager[Upstream]]
 
 
 class PortProxy:
-    """Listening sockets per machine; ``connect(machine_id)`` yields the upstream."""
+    """Listening sockets per machine; ``connect(machine_id)`` yields how to open the
+    upstream."""
 
     def __init__(self, connect: Connect) -> None:
         self._connect = connect
@@ -65,9 +70,9 @@ class PortProxy:
         self, machine_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         try:
-            async with self._connect(machine_id) as (host, port):
+            async with self._connect(machine_id) as upstream:
                 try:
-                    up_r, up_w = await asyncio.open_connection(host, port)
+                    up_r, up_w = await upstream()
                 except OSError as exc:
                     await _refuse(writer, 502, f"the machine's port 8080 does not answer: {exc}")
                     return
@@ -107,4 +112,4 @@ async def _refuse(writer: asyncio.StreamWriter, status: int, message: str) -> No
         await writer.drain()
 
 
-__all__ = ["Connect", "PortProxy"]
+__all__ = ["Connect", "PortProxy", "Upstream"]

@@ -70,7 +70,7 @@ from boxd.node import _transfer as transfer
 from boxd.node._host import Host
 from boxd.node._ports import free_port
 from boxd.node._processes import ProcessStream, ProcessTable, Relay
-from boxd.node._proxy import PortProxy
+from boxd.node._proxy import PortProxy, Upstream
 from boxd.node._spares import Spare, SparePool
 from boxd.node._transfer import Fetch, FileOffer, LayerOffer, TemplateOffer
 from boxd.node.base import Boot, FromSnapshot
@@ -701,12 +701,13 @@ class NodeRuntime:
             on_started()  # nobody waits for a relay that is not coming
 
     @contextlib.asynccontextmanager
-    async def connect(self, machine_id: str) -> AsyncIterator[tuple[str, int]]:
-        """For the URL proxy: wake the machine, hold it awake, yield its forward."""
-        async with self._using(machine_id) as (rec, _handle, _agent):
+    async def connect(self, machine_id: str) -> AsyncIterator[Upstream]:
+        """For the URL proxy: wake the machine, hold it awake, yield how to open a
+        connection to its port 8080 (the engine's forward)."""
+        async with self._using(machine_id) as (rec, handle, _agent):
             if rec.fwd_port is None:
                 raise InvalidRequest(f"machine {rec.name!r} has no network (isolated)")
-            yield "127.0.0.1", rec.fwd_port
+            yield handle.open_http
 
     async def wait_until_ready(self, machine_id: str, timeout: float) -> None:
         async with self._using(machine_id, timeout=timeout):

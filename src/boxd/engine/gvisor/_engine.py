@@ -42,9 +42,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from boxd.config import GUEST_HTTP_PORT
 from boxd.engine.agent import AgentClient
 from boxd.engine.base import BootDisk, EngineInfo, MachineConfig, MemoryImage
-from boxd.engine.gvisor import _net, _spec
+from boxd.engine.gvisor import _forward, _net, _spec
 from boxd.engine.gvisor._spec import Roots, RunFiles
 from boxd.errors import InternalError, MachineFailed
 from boxd.guest import protocol as P
@@ -467,6 +468,16 @@ class GvisorMachine:
         if self.netns is not None:
             self.netns.kill()
         shutil.rmtree(self.files.run_dir, ignore_errors=True)
+
+    async def open_http(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """The guest's port 8080 through ``runsc port-forward`` (see `_forward`)."""
+        if self.netns is None:
+            raise OSError(f"machine {self._config.id} has no network (isolated)")
+        vm_id = self._config.id
+        return await _forward.open_port(
+            lambda sock: _forward.argv(self.engine.runsc.argv, sock, vm_id, GUEST_HTTP_PORT,
+                                       self.log_path),
+            vm_id, self.files.run_dir)
 
     async def detach(self) -> None:
         if self._agent is not None:

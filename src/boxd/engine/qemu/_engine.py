@@ -296,6 +296,12 @@ class QemuMachine:
             self._agent = None
         await self.process.disconnect()
 
+    async def open_http(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """passt's forward: the host's 127.0.0.1:``config.port`` to the guest's 8080."""
+        if self.config.port is None:
+            raise OSError(f"machine {self.config.id} has no network (isolated)")
+        return await asyncio.open_connection("127.0.0.1", self.config.port)
+
 
 class QemuEngine:
     """Boots QEMU microVMs with the accelerator chosen by the probe."""

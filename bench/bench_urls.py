@@ -1,0 +1,122 @@
+"""Machine URLs per engine: a GET through ``Machine.url`` on a new connection each time
+and on one keep-alive connection (docs/lifecycle.md#urls).
+
+The daemon's proxy is the same for both engines; behind it QEMU's passt forwards a
+loopback port, gVisor starts one ``runsc port-forward --stream`` per connection. A
+request on a kept-alive connection pays neither forward's set-up, so it is the
+baseline of the new-connection figure in the same run. The guest serves a 2-byte page
+over HTTP/1.1 (keep-alive) from Python's http.server.
+
+``BENCH_URLS_ENGINES`` (default ``gvisor,qemu``) picks the engines; an engine the
+daemon cannot run is skipped with a note.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+from _common import Row, row_from, say, standalone
+
+GROUP = "urls"
+N_NEW = 30
+N_KEPT = 100
+
+SERVER = """
+import http.server
+class H(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("content-length", "2")
+        self.end_headers()
+        self.wfile.write(b"ok")
+    def log_message(self, *a):
+        pass
+http.server.ThreadingHTTPServer(("0.0.0.0", 8080), H).serve_forever()
+"""
+
+
+def _get(conn: http.client.HTTPConnection) -> None:
+    conn.request("GET", "/")
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.read() == b"ok", resp.status
+
+
+def _wait_up(host: str, port: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        conn = http.client.HTTPConnection(host, port, timeout=30)
+        try:
+            _get(conn)
+            return
+        except (OSError, http.client.HTTPException, AssertionError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.3)
+        finally:
+            conn.close()
+
+
+def _one_engine(b: Any, engine: str, tell: Callable[[str], None]) -> list[Row]:
+    tell(f"bench_urls: a {engine} machine serving 8080")
+    m = b.machines.new(f"bench-urls-{engine}-{int(time.time())}", engine=engine)
+    try:
+        b.machines.wait_until_ready(m.id, timeout=600)
+        accel = next(e.accelerator for e in b.info().engines if e.name == engine) or engine
+        b.machines.files.upload(m.id, "/root/server.py", SERVER)
+        r = b.machines.exec(m.id, "nohup python3 /root/server.py >/tmp/server.log 2>&1 &")
+        assert r.exit_code == 0, r.stderr
+        url = urlsplit(b.machines.get(m.id).url)
+        host, port = url.hostname or "127.0.0.1", int(url.port or 80)
+        _wait_up(host, port)
+        fresh = []
+        for _ in range(N_NEW):
+            t = time.perf_counter()
+            conn = http.client.HTTPConnection(host, port, timeout=60)
+            _get(conn)
+            conn.close()
+            fresh.append(time.perf_counter() - t)
+        conn = http.client.HTTPConnection(host, port, timeout=60)
+        _get(conn)
+        kept = []
+        for _ in range(N_KEPT):
+            t = time.perf_counter()
+            _get(conn)
+            kept.append(time.perf_counter() - t)
+        conn.close()
+        return [
+            row_from(GROUP, f"{engine}: GET on a new connection", fresh, accel=accel,
+                     note="proxy + the engine's forward set up per connection",
+                     baseline=f"{engine}: GET on a kept-alive connection",
+                     baseline_values=kept),
+            row_from(GROUP, f"{engine}: GET on a kept-alive connection", kept, accel=accel,
+                     note="one connection, HTTP/1.1"),
+        ]
+    finally:
+        b.machines.delete(m.id)
+
+
+def run(client: Any | None = None, log: Callable[[str], None] | None = None) -> list[Row]:
+    from boxd import Boxd
+
+    tell = log or say
+    b = client or Boxd()
+    wanted = os.environ.get("BENCH_URLS_ENGINES", "gvisor,qemu").split(",")
+    status = {e.name: e for e in b.info().engines}
+    rows: list[Row] = []
+    for engine in (e.strip() for e in wanted if e.strip()):
+        e = status.get(engine)
+        if e is None or e.status != "ok":
+            tell(f"bench_urls: {engine} skipped ({e.reason if e else 'not listed'})")
+            continue
+        rows += _one_engine(b, engine, tell)
+    return rows
+
+
+if __name__ == "__main__":
+    standalone(run)
