@@ -12,17 +12,26 @@ On real machines:
   that call fails with ConnectionError;
 * an isolated machine has no credential and no socket;
 * ``BOXD_URL`` / ``BOXD_API_KEY`` in the guest still win.
+
+Each test runs on both engines: QEMU forks of the session's base, gVisor forks of a
+gVisor base made here (skipped, with the probe's reason, where runsc cannot run).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
 
 import pytest
 
+from boxd import errors
+
+from .test_gvisor import _gvisor_status
+
 pytestmark = pytest.mark.vm
+ENGINES = ["qemu", "gvisor"]
 
 KEY = "/run/boxd/key"
 SOCKET = "/run/boxd/boxd.sock"
@@ -62,6 +71,51 @@ print(json.dumps(out))
 """
 
 
+@pytest.fixture(scope="module")
+def gvisor_api_base(client):  # type: ignore[no-untyped-def]
+    status, why = _gvisor_status(client)
+    if status != "ok":
+        pytest.skip(f"gvisor unavailable here: {why}")
+    m = client.machines.new(f"gapi-{uuid.uuid4().hex[:6]}", engine="gvisor")
+    client.machines.wait_until_ready(m.id, timeout=120)
+    yield client.machines.get(m.id)
+    with contextlib.suppress(errors.NotFound):
+        client.machines.delete(m.id)
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request) -> str:  # type: ignore[no-untyped-def]
+    return str(request.param)
+
+
+@pytest.fixture
+def factory(request, client, engine):  # type: ignore[no-untyped-def]
+    """Forks of the engine's base machine, deleted after the test."""
+    if engine == "qemu":
+        return request.getfixturevalue("machine_factory")
+    base = request.getfixturevalue("gvisor_api_base")
+    made: list[str] = []
+
+    def make(name: str | None = None):  # type: ignore[no-untyped-def]
+        m = client.machines.fork(base.id, name)
+        made.append(m.id)
+        return m
+
+    def clean() -> None:
+        for mid in made:
+            with contextlib.suppress(Exception):
+                client.machines.delete(mid)
+
+    request.addfinalizer(clean)
+    return make
+
+
+@pytest.fixture
+def one(factory):  # type: ignore[no-untyped-def]
+    """A fresh fork of the engine's base machine."""
+    return factory()
+
+
 def _call(client, mid: str, how: str = "list", key: str | None = None,  # type: ignore[no-untyped-def]
           env: dict[str, str] | None = None) -> dict[str, object]:
     argv = ["python3", "-c", CALL, how, *([key] if key else [])]
@@ -88,10 +142,12 @@ def _new_key(client, mid: str, old: str, timeout: float = 60.0) -> str:  # type:
         time.sleep(0.2)
 
 
-def test_list_from_inside_with_no_env(client, machine) -> None:  # type: ignore[no-untyped-def]
+def test_list_from_inside_with_no_env(client, one) -> None:  # type: ignore[no-untyped-def]
+    machine = one
     out = _call(client, machine.id)
     assert "ok" in out, out
-    assert machine.name in out["ok"] and "base" in out["ok"]  # type: ignore[operator]
+    base = client.machines.get(machine.parent_id).name
+    assert machine.name in out["ok"] and base in out["ok"]  # type: ignore[operator]
     # The credential and the socket are the guest root's, on tmpfs (not the disk image).
     r = client.machines.exec(machine.id, f"stat -c '%a %U' {KEY} {SOCKET}; "
                              f"stat -f -c %T {KEY}; env | grep ^BOXD_ || true")
@@ -102,9 +158,9 @@ def test_list_from_inside_with_no_env(client, machine) -> None:  # type: ignore[
 
 
 def test_credential_rotates_on_fork_and_restore_and_old_ones_are_refused(  # type: ignore[no-untyped-def]
-    client, machine_factory
+    client, factory
 ) -> None:
-    parent = machine_factory()
+    parent = factory()
     assert "ok" in _call(client, parent.id)
     parent_key = _key(client, parent.id)
     child = client.machines.fork(parent.id, f"child-{uuid.uuid4().hex[:6]}")
@@ -128,10 +184,10 @@ def test_credential_rotates_on_fork_and_restore_and_old_ones_are_refused(  # typ
         client.machines.delete(child.id)
 
 
-def test_a_deleted_machines_credential_is_refused(client, machine_factory) -> None:  # type: ignore[no-untyped-def]
-    from boxd import Boxd, errors
+def test_a_deleted_machines_credential_is_refused(client, factory) -> None:  # type: ignore[no-untyped-def]
+    from boxd import Boxd
 
-    gone, other = machine_factory(), machine_factory()
+    gone, other = factory(), factory()
     key = _key(client, gone.id)
     assert "ok" in _call(client, gone.id, key=key)
     client.machines.delete(gone.id)
@@ -152,7 +208,8 @@ def _wait_for_file(client, mid: str, path: str, timeout: float) -> str:  # type:
         time.sleep(0.3)
 
 
-def test_a_machine_forks_itself(client, machine) -> None:  # type: ignore[no-untyped-def]
+def test_a_machine_forks_itself(client, one) -> None:  # type: ignore[no-untyped-def]
+    machine = one
     # A process of its own (not an exec: a fork of a fork child first gives it RAM of its
     # own, which waits for the requests in flight on the machine). That swap replaces the
     # VM process under the call: the call still gets its answer.
@@ -178,7 +235,8 @@ def test_a_machine_forks_itself(client, machine) -> None:  # type: ignore[no-unt
                 client.machines.delete(m.id)
 
 
-def test_env_vars_in_the_guest_win(client, machine) -> None:  # type: ignore[no-untyped-def]
+def test_env_vars_in_the_guest_win(client, one) -> None:  # type: ignore[no-untyped-def]
+    machine = one
     out = _call(client, machine.id, how="where", env={"BOXD_URL": "http://127.0.0.1:9"})
     assert out == {"ok": "Boxd('http://127.0.0.1:9')"}, out
     out = _call(client, machine.id, env={"BOXD_URL": "http://127.0.0.1:9"})
@@ -191,8 +249,12 @@ def test_env_vars_in_the_guest_win(client, machine) -> None:  # type: ignore[no-
     assert "ok" in out, out
 
 
-def test_isolated_machine_has_no_credential_and_no_route(client) -> None:  # type: ignore[no-untyped-def]
-    m = client.machines.new(f"iso-{uuid.uuid4().hex[:6]}", isolated=True)
+def test_isolated_machine_has_no_credential_and_no_route(client, engine) -> None:  # type: ignore[no-untyped-def]
+    if engine == "gvisor":
+        status, why = _gvisor_status(client)
+        if status != "ok":
+            pytest.skip(f"gvisor unavailable here: {why}")
+    m = client.machines.new(f"iso-{uuid.uuid4().hex[:6]}", isolated=True, engine=engine)
     try:
         client.machines.wait_until_ready(m.id, timeout=300)
         r = client.machines.exec(m.id, f"ls {KEY} {SOCKET} 2>&1; ls /run/boxd")

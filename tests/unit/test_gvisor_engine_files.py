@@ -91,3 +91,27 @@ def test_a_qemu_state_is_refused(tmp_path: Path) -> None:
 
 def test_both_engines_are_known() -> None:
     assert ENGINES == ("qemu", "gvisor")
+
+
+def test_the_in_machine_client_is_bound_where_the_images_pth_looks(tmp_path: Path) -> None:
+    from boxd.images import agent_tree
+
+    tree = agent_tree(tmp_path)
+    assert (tree / "agent.py").is_file()
+    assert (tree / "py" / "boxd" / "__init__.py").is_file()
+    assert (tree / "py" / "boxd" / "sdk" / "_sync.py").is_file()
+    assert not list((tree / "py" / "boxd").glob("node*")), "no daemon code in the client"
+    spec = build("m1", Roots(tmp_path / "root", tree), 512)
+    client = next(m for m in spec["mounts"] if m["destination"] == "/run/boxd/py")
+    assert client["source"] == str(tree / "py") and "ro" in client["options"]
+    # /run is a tmpfs: the bind comes after it.
+    dests = [m["destination"] for m in spec["mounts"]]
+    assert dests.index("/run") < dests.index("/run/boxd/py")
+
+
+def test_an_agent_tree_without_the_client_gets_no_client_mount(tmp_path: Path) -> None:
+    """A checkpoint made before the client was in the agent tree restores with the
+    mounts it was checkpointed with."""
+    (tmp_path / "agent").mkdir()
+    spec = build("m1", Roots(tmp_path / "root", tmp_path / "agent"), 512)
+    assert "/run/boxd/py" not in [m["destination"] for m in spec["mounts"]]

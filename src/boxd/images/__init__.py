@@ -7,11 +7,14 @@ docs/images.md for the layout, the QEMU flags it boots with and measured timings
 from __future__ import annotations
 
 from ._build import CACHE_ENV, GuestImage, Recipe, cache_dir, ensure_image, list_images
-from ._tree import AGENT_MOUNT, agent_tree, rootfs_tree
+from ._rootfs import GUEST_CLIENT_DIR
+from ._tree import AGENT_MOUNT, CLIENT_DIR, agent_tree, rootfs_tree
 
 __all__ = [
     "AGENT_MOUNT",
     "CACHE_ENV",
+    "CLIENT_DIR",
+    "GUEST_CLIENT_DIR",
     "GuestImage",
     "Recipe",
     "agent_tree",

@@ -10,7 +10,10 @@ agent gets a new tree and never changes files under a running or checkpointed sa
 Layout, inside the recipe's cache directory::
 
     rootfs.tree/          the unpacked rootfs.img (read-only to sandboxes)
-    agent-<key>/          agent.py + protocol.py of one version of the agent
+    agent-<key>/          agent.py + protocol.py of one version of the agent, and
+      py/boxd/...         the in-machine client (``from boxd import Boxd``), which
+                          each sandbox sees at /run/boxd/py (where the image's .pth
+                          looks, as in a QEMU guest)
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from ._util import need_tool, run
 
 TREE_DIR = "rootfs.tree"
 AGENT_MOUNT = "/opt/boxd"
+#: The client's folder in an agent tree; sandboxes see it at ``GUEST_CLIENT_DIR``.
+CLIENT_DIR = "py"
 _COMPLETE = ".boxd-complete"
 
 
@@ -68,14 +73,15 @@ def rootfs_tree(rootfs_img: Path) -> Path:
 
 
 def agent_tree(image_dir: Path, guest_dir: Path | None = None) -> Path:
-    """A read-only directory with this version's agent files (``agent.py``, ``protocol.py``).
+    """A read-only directory with this version's agent files (``agent.py``, ``protocol.py``)
+    and the in-machine client under `CLIENT_DIR` (``py/boxd/...``).
 
     Raises:
         HostSetupError: the agent sources are missing.
     """
-    # The agent's own modules (the in-machine client under py/ is QEMU's initramfs only).
+    # The agent's own modules (not init.c: boxd-init is QEMU's) and the client's files.
     files = {n: b for n, b in guest_files(guest_dir or GUEST_DIR).items()
-             if n.endswith(".py") and "/" not in n}
+             if (n.endswith(".py") and "/" not in n) or n.startswith(f"{CLIENT_DIR}/")}
     if "agent.py" not in files:
         raise HostSetupError(f"no guest agent in {guest_dir or GUEST_DIR}",
                              hint="reinstall boxd")
@@ -89,6 +95,7 @@ def agent_tree(image_dir: Path, guest_dir: Path | None = None) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     for name, data in files.items():
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp / name).write_bytes(data)
         (tmp / name).chmod(0o644)
     (tmp / _COMPLETE).write_text("")
@@ -99,4 +106,4 @@ def agent_tree(image_dir: Path, guest_dir: Path | None = None) -> Path:
     return final
 
 
-__all__ = ["AGENT_MOUNT", "agent_tree", "rootfs_tree"]
+__all__ = ["AGENT_MOUNT", "CLIENT_DIR", "agent_tree", "rootfs_tree"]

@@ -2,8 +2,10 @@
 
 Every machine of one image gets the same spec but for its hostname: the image's root
 tree (read-only on the host; writes go to gVisor's in-memory overlay, which a
-checkpoint includes), the agent tree at ``/opt/boxd`` (read-only), tmpfs on /tmp,
-/run and /dev/shm, and the guest agent as PID 1 on the sandbox's stdio.
+checkpoint includes), the agent tree at ``/opt/boxd`` (read-only) and its in-machine
+client at ``/run/boxd/py`` (read-only; where the image's .pth puts it on the system
+python3's path, as in a QEMU guest), tmpfs on /tmp, /run and /dev/shm, and the guest
+agent as PID 1 on the sandbox's stdio.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from boxd.images import AGENT_MOUNT
+from boxd.images import AGENT_MOUNT, CLIENT_DIR, GUEST_CLIENT_DIR
 
 # What a root user in a QEMU guest may do that gVisor implements.
 CAPABILITIES = [
@@ -81,6 +83,11 @@ def build(hostname: str, roots: Roots, memory_mib: int, netns: str | None = None
     if netns is not None:
         namespaces[-1]["path"] = netns
     extra: list[dict[str, Any]] = []
+    # An agent tree made before the client was in it (a checkpoint's) has none: a
+    # restore must get the mounts its sandbox was checkpointed with.
+    if (roots.agent / CLIENT_DIR).is_dir():
+        extra.append({"destination": GUEST_CLIENT_DIR, "type": "bind",
+                      "source": str(roots.agent / CLIENT_DIR), "options": ["rbind", "ro"]})
     if resolv_conf is not None:
         extra.append({"destination": "/etc/resolv.conf", "type": "bind",
                       "source": str(resolv_conf), "options": ["rbind", "ro"]})
