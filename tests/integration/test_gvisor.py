@@ -22,6 +22,7 @@ import pytest
 
 from boxd import errors
 
+from .test_cgroups import _cgroups_of, _gone, _limit, _require_cgroups
 from .test_lifecycle import _get, _vm_id
 from .test_rl import EXAMPLES, GUEST_WHEELS, _host_wheels, _ok
 
@@ -425,6 +426,69 @@ def test_url_on_gvisor_across_restore_suspend_and_hibernate(client, daemon, gvis
     child = fork_of(m)
     assert child.url and child.url != url
     assert _get(child.url + "/", timeout=30) == "v1"
+
+
+# In the guest: touch memory 16 MiB at a time, printing how much so far.
+HOG = """
+import sys
+chunks = []
+for i in range(int(sys.argv[1]) // 16):
+    chunks.append(bytearray(16 << 20))
+    print((i + 1) * 16, flush=True)
+"""
+
+
+def test_a_sandbox_is_bounded_by_its_cgroup_and_memory_hogs_are_contained(  # type: ignore[no-untyped-def]
+    client, daemon, gvisor_base, fork_of
+) -> None:
+    """Each sandbox (its Sentry, gofer and systrap stubs) runs in a cgroup of its own:
+    memory twice its memory_mib plus the Sentry's overhead, an equal CPU share, a tasks
+    limit. Past the memory limit the host's OOM killer picks the largest process there:
+    a guest process's stub (that process dies, the machine runs on), or, when the memory
+    is the guest's files (tmpfs), the Sentry (the machine fails, saying so). Other
+    machines run on either way."""
+    from boxd.engine.cgroups import GVISOR_OVERHEAD_MIB, GVISOR_PIDS_MAX
+
+    _require_cgroups(client)
+    limit_mib = 2 * 256 + GVISOR_OVERHEAD_MIB
+    other = fork_of(gvisor_base)
+    m = client.machines.new("gv-hog", engine="gvisor", memory_mib=256)
+    try:
+        client.machines.wait_until_ready(m.id, timeout=120)
+        vm_id = _vm_id(daemon, m.id)
+        (pid,) = _sandbox_pids(vm_id)
+        dirs = _cgroups_of(pid)
+        assert set(dirs) == {"memory", "cpu", "pids"}, dirs
+        for d in dirs.values():
+            assert d.name == vm_id and d.parent.name.startswith("boxd-"), d
+        assert _limit(dirs) == limit_mib << 20
+        assert int((dirs["pids"] / "pids.max").read_text()) == GVISOR_PIDS_MAX
+        names = {Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0].rsplit(b"/")[-1]
+                 for p in (dirs["memory"] / "cgroup.procs").read_text().split()}
+        assert {b"runsc-sandbox", b"runsc-gofer"} <= names, names
+
+        # A guest process allocating past the limit: killed; the machine runs on.
+        client.machines.files.upload(m.id, "/root/hog.py", HOG)
+        r = client.machines.exec(m.id, "python3 /root/hog.py 2048", timeout=120)
+        assert r.exit_code != 0, r
+        assert "2048" not in r.stdout.split()
+        assert int(r.stdout.split()[-1]) < limit_mib, r.stdout[-200:]
+        oom = (dirs["memory"] / "memory.oom_control").read_text()
+        assert "oom_kill 0" not in oom, oom
+        assert _ok(client, m.id, "echo alive") == "alive\n"
+        assert client.machines.get(m.id).state.value == "running"
+
+        # The guest's files past the limit: the sandbox is killed, the machine fails.
+        with pytest.raises(errors.MachineFailed, match="OOM killer"):
+            client.machines.exec(m.id, "dd if=/dev/zero of=/dev/shm/fill bs=1M count=2048",
+                                 timeout=120)
+        got = client.machines.get(m.id)
+        assert got.state.value == "failed", got
+        assert f"OOM killer: it reached its memory limit of {limit_mib} MiB" in (got.error or "")
+        assert _gone(dirs), "the dead sandbox's cgroup (its gofer ended with it)"
+        assert _ok(client, other.id, "echo alive") == "alive\n"
+    finally:
+        client.machines.delete(m.id)
 
 
 @pytest.fixture(scope="module")

@@ -188,3 +188,47 @@ def test_an_oom_kill_is_named_in_the_exit_reason(tmp_path: Path) -> None:
     assert not any(d.exists() for d in vm.paths)
     why = proc.exit_reason()  # the verdict outlives the cgroup
     assert "SIGKILL" in why and "OOM" in why and "640 MiB" in why, why
+
+
+def test_a_gvisor_sandbox_gets_twice_its_memory_plus_the_sentrys_and_more_tasks() -> None:
+    from boxd.engine.cgroups import GVISOR_OVERHEAD_MIB, GVISOR_PIDS_MAX, sandbox_memory_limit
+
+    # The guest's memory, files and a capture written to tmpfs are all charged to it.
+    assert sandbox_memory_limit(256) == (512 + GVISOR_OVERHEAD_MIB) * MIB
+    assert GVISOR_PIDS_MAX > PIDS_MAX  # systrap: a host stub per guest process
+
+
+def test_a_gvisor_sandboxs_oom_kill_is_named_and_outlives_its_cgroup(tmp_path: Path) -> None:
+    from boxd.engine.base import MachineConfig
+    from boxd.engine.gvisor import GvisorEngine, GvisorMachine
+    from boxd.engine.gvisor._spec import RunFiles
+
+    mounts, self_cg = _v1(tmp_path)
+    cg = Cgroups.open("boxd-abc", mounts=mounts, self_cgroup=self_cg)
+    vm = cg.create("m_1", Limits(640 * MIB))
+    assert vm is not None
+    (vm.dirs["memory"] / "memory.oom_control").write_text(
+        "oom_kill_disable 0\nunder_oom 0\noom_kill 1\n")
+    engine = GvisorEngine("runsc", "0", tmp_path / "state", tmp_path / "agent", "ok",
+                          tmp_path / "rootfs.img", cgroups=cg)
+    assert "twice memory_mib" in (engine.info().limits or "")
+    dead = 2 ** 22 + 1  # above pid_max here: no such process
+    config = MachineConfig(id="m_1", hostname="h", vcpus=1, memory_mib=256, isolated=True,
+                           port=None, kernel=Path(), initrd=Path(), cmdline="")
+    machine = GvisorMachine(engine, config, RunFiles(tmp_path / "run"), dead,
+                            tmp_path / "disk", tmp_path / "log" / "qemu.log", cgroup=vm)
+    why = machine.exit_reason()
+    assert "OOM killer" in why and "640 MiB" in why, why
+    real_remove = vm.remove
+
+    def kernel_rmdir() -> bool:  # cgroupfs drops a cgroup's files with it
+        for d in vm.paths:
+            for f in d.iterdir():
+                f.unlink()
+        return real_remove()
+
+    vm.remove = kernel_rmdir  # type: ignore[method-assign]
+    asyncio.run(machine.release_cgroup())
+    assert not any(d.exists() for d in vm.paths) and machine.cgroup is None
+    why = machine.exit_reason()
+    assert "OOM killer" in why and "640 MiB" in why, why

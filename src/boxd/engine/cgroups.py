@@ -2,7 +2,9 @@
 
 Every QEMU process a daemon starts is placed, before it runs QEMU's first instruction
 (in the forked child, between fork and exec), in a cgroup of its own under one parent
-per data directory::
+per data directory (a gVisor sandbox likewise: ``runsc run``/``restore`` joins it
+before exec, so the sandbox, its gofer and systrap's stub processes start in it; see
+`sandbox_memory_limit`)::
 
     <the daemon's own cgroup>/boxd-<hash of the data dir>/<vm id>
 
@@ -51,6 +53,13 @@ log = logging.getLogger("boxd.engine")
 QEMU_OVERHEAD_MIB = 384
 #: Tasks one QEMU process may run (measured: 6-31 threads; see docs/security.md).
 PIDS_MAX = 512
+#: Host memory a gVisor sandbox may use beyond twice its machine's memory: the Sentry
+#: and gofer themselves (Go runtimes, page tables). Measured: ~20 MiB over the guest's
+#: own use (docs/security.md).
+GVISOR_OVERHEAD_MIB = 128
+#: Tasks one gVisor sandbox may run: systrap gives every guest process a host stub
+#: process, and guest threads host threads, so a guest's own tasks count here.
+GVISOR_PIDS_MAX = 4096
 CPU_SHARES = 1024  # v1 default and the weight of every machine
 CPU_WEIGHT = 100  # v2 default
 CONTROLLERS = ("memory", "cpu", "pids")
@@ -60,6 +69,18 @@ def memory_limit(memory_mib: int, *, ram_shared: bool) -> int:
     """Bytes of host memory a machine's QEMU process may use."""
     guest = memory_mib if ram_shared else 2 * memory_mib
     return (guest + QEMU_OVERHEAD_MIB) << 20
+
+
+def sandbox_memory_limit(memory_mib: int) -> int:
+    """Bytes of host memory a machine's gVisor sandbox may use.
+
+    Everything of the guest is in the Sentry's memory file: its processes' memory, its
+    file changes (the root overlay is in memory) and its tmpfs. A capture (fork
+    template, checkpoint) is written by the Sentry to tmpfs and those pages are charged
+    to the sandbox too, as with a QEMU process that maps its image privately: hence
+    twice the machine's memory, plus the Sentry's and gofer's own.
+    """
+    return (2 * memory_mib + GVISOR_OVERHEAD_MIB) << 20
 
 
 @dataclass(frozen=True)
@@ -203,14 +224,15 @@ class Cgroups:
     def off(cls, reason: str) -> Cgroups:
         return cls(0, {}, reason)
 
-    def summary(self) -> str:
-        """One line for ``boxd info`` and the log."""
+    def summary(self, memory: str = f"guest RAM + {QEMU_OVERHEAD_MIB} MiB",
+                pids: int = PIDS_MAX) -> str:
+        """One line for ``boxd info`` and the log (``memory``: how the limit is sized)."""
         if not self.available:
             return f"none ({self.reason}): machines run without per-machine limits"
         where = ", ".join(f"{c} {p}" for c, p in sorted(self.parents.items()))
         missing = [c for c in CONTROLLERS if c not in self.parents]
-        text = (f"cgroup v{self.version} per machine (memory: guest RAM + "
-                f"{QEMU_OVERHEAD_MIB} MiB; an equal CPU share; {PIDS_MAX} tasks) under {where}")
+        text = (f"cgroup v{self.version} per machine (memory: {memory}; an equal CPU "
+                f"share; {pids} tasks) under {where}")
         if missing:
             text += f"; without {', '.join(missing)} ({self.reason})"
         return text
@@ -429,5 +451,6 @@ def _own_cgroups(self_cgroup: Path) -> dict[str, str]:
     return own
 
 
-__all__ = ["CONTROLLERS", "PIDS_MAX", "QEMU_OVERHEAD_MIB", "Cgroups", "Limits", "VmCgroup",
-           "memory_limit"]
+__all__ = ["CONTROLLERS", "GVISOR_OVERHEAD_MIB", "GVISOR_PIDS_MAX", "PIDS_MAX",
+           "QEMU_OVERHEAD_MIB", "Cgroups", "Limits", "VmCgroup", "memory_limit",
+           "sandbox_memory_limit"]

@@ -181,6 +181,7 @@ def _open_qemu(settings: Settings, paths: Paths, image: GuestImage) -> Engine:
 
 
 def _open_gvisor(settings: Settings, paths: Paths, image: GuestImage) -> Engine:
+    from boxd.engine.cgroups import Cgroups
     from boxd.engine.gvisor import GvisorEngine
     from boxd.images import agent_tree
 
@@ -192,10 +193,16 @@ def _open_gvisor(settings: Settings, paths: Paths, image: GuestImage) -> Engine:
 
     runsc = _runsc(settings)
     assert runsc is not None
+    # The same parent as QEMU's cgroups (one per data directory). No sweep here: one
+    # QEMU just made may be empty for a moment; the engine's own sweep removes its
+    # dead sandboxes' cgroups.
+    cgroups = Cgroups.open(paths.shm.name, settings.cgroups)
+    if not cgroups.available:
+        log.warning("event=cgroups_unavailable engine=gvisor reason=%r", cgroups.summary())
     engine = GvisorEngine(
         runsc, runsc_version(runsc), state_root=paths.shm / "gvisor",
         agent_tree=agent_tree(image.dir), reason=status.reason, fallback_rootfs=image.rootfs,
-        net_user=settings.net_user,
+        net_user=settings.net_user, cgroups=cgroups,
     )
     if swept := engine.sweep():
         log.info("event=gvisor_state_swept sandboxes=%d", len(swept))

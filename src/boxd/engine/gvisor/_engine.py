@@ -23,6 +23,14 @@ Start-from = ``runsc restore``. Copies share no memory: each restore reads the i
 Deleting a sandbox (``runsc delete``) takes 1.5-2 s when its parent does not reap it
 promptly: `destroy` kills the sandbox at once and deletes its runsc state in the
 background.
+
+Limits: each sandbox runs in a cgroup of its own (`boxd.engine.cgroups`, the same
+layout as QEMU's): ``runsc run``/``restore`` joins it before exec (runsc itself is told
+``--ignore-cgroups``), so the sandbox, its gofer and systrap's stub processes are in it.
+Memory is bounded by `sandbox_memory_limit`; a guest that allocates past it gets the
+whole sandbox OOM-killed by the host kernel, and the machine fails with that reason
+(gVisor has no OOM killer of its own, and the guest's /proc/meminfo shows the host's
+memory).
 """
 
 from __future__ import annotations
@@ -38,13 +46,21 @@ import signal
 import subprocess
 import tarfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from boxd.config import GUEST_HTTP_PORT
 from boxd.engine.agent import AgentClient
 from boxd.engine.base import BootDisk, EngineInfo, MachineConfig, MemoryImage
+from boxd.engine.cgroups import (
+    GVISOR_OVERHEAD_MIB,
+    GVISOR_PIDS_MAX,
+    Cgroups,
+    Limits,
+    VmCgroup,
+    sandbox_memory_limit,
+)
 from boxd.engine.gvisor import _forward, _net, _spec
 from boxd.engine.gvisor._spec import Roots, RunFiles
 from boxd.errors import InternalError, MachineFailed
@@ -210,10 +226,11 @@ class Runsc:
         self, *args: str, what: str, log: Path | None = None, stdin: int | None = None,
         stdout: int | None = None, stderr: int | None = None, timeout: float = RUNSC_TIMEOUT,
         machine: str | None = None, netns: _net.Namespace | None = None,
-        background: bool = False,
+        background: bool = False, preexec_fn: Callable[[], None] | None = None,
     ) -> None:
         """Run one subcommand to completion; with ``background`` at the lowest CPU
-        priority (and so the sandbox it starts, until `set_priority` raises it).
+        priority (and so the sandbox it starts, until `set_priority` raises it);
+        ``preexec_fn`` runs in the child before exec (joining the sandbox's cgroup).
 
         Raises:
             MachineFailed: it failed or timed out; the message has runsc's last words.
@@ -228,7 +245,7 @@ class Runsc:
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=stdin if stdin is not None else asyncio.subprocess.DEVNULL,
             stdout=stdout if stdout is not None else asyncio.subprocess.DEVNULL,
-            stderr=errfile, start_new_session=True,
+            stderr=errfile, start_new_session=True, preexec_fn=preexec_fn,
         )
         try:
             _, err = await asyncio.wait_for(proc.communicate(), timeout=timeout)
@@ -258,9 +275,12 @@ class GvisorMachine:
     def __init__(
         self, engine: GvisorEngine, config: MachineConfig, files: RunFiles, pid: int,
         disk: Path, log_path: Path, netns: _net.Namespace | None = None,
+        cgroup: VmCgroup | None = None,
     ) -> None:
         self.engine = engine
         self.netns = netns
+        self.cgroup = cgroup
+        self._oom: tuple[bool, int | None] | None = None  # kept once the cgroup is gone
         self._config = config
         self.files = files
         self._pid = pid
@@ -298,9 +318,24 @@ class GvisorMachine:
             return "running"
         if self._reason:
             return self._reason
+        oom, limit = self.oom_verdict()
+        if oom:
+            return (f"its gVisor sandbox (pid {self._pid}) was killed by the kernel's OOM "
+                    f"killer: it reached its memory limit"
+                    + (f" of {limit >> 20} MiB" if limit else "")
+                    + f" (twice the machine's memory_mib + {GVISOR_OVERHEAD_MIB} MiB; "
+                    "docs/security.md)")
         tail = _tail(self.console_log, 300).splitlines()[-2:]
         last = f" (its console ends: {' | '.join(tail)})" if tail else ""
         return f"its gVisor sandbox (pid {self._pid}) exited{last}"
+
+    def oom_verdict(self) -> tuple[bool, int | None]:
+        """Whether the host's OOM killer killed a task of the sandbox, and its limit."""
+        if self._oom is not None:
+            return self._oom
+        if self.cgroup is None:
+            return False, None
+        return self.cgroup.oom_killed(), self.cgroup.memory_limit
 
     async def wait_exit(self) -> str:
         try:
@@ -320,6 +355,7 @@ class GvisorMachine:
         finally:
             loop.remove_reader(fd)
             os.close(fd)
+        await self.release_cgroup()  # its gofer and stubs end with it
         return self.exit_reason()
 
     def _failed(self) -> MachineFailed:
@@ -467,7 +503,18 @@ class GvisorMachine:
         await _gone(self._pid, self._config.id, 5.0)
         if self.netns is not None:
             self.netns.kill()
+        await self.release_cgroup()
         shutil.rmtree(self.files.run_dir, ignore_errors=True)
+
+    async def release_cgroup(self) -> None:
+        """End what is left in the sandbox's cgroup (its gofer, stub processes) and
+        remove it; the OOM verdict is kept for `exit_reason`."""
+        cg, self.cgroup = self.cgroup, None
+        if cg is None:
+            return
+        self._oom = (cg.oom_killed(), cg.memory_limit)
+        _kill_all(cg)
+        await self.engine.cgroups.release(cg)
 
     async def open_http(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """The guest's port 8080 through ``runsc port-forward`` (see `_forward`)."""
@@ -485,6 +532,13 @@ class GvisorMachine:
                 await self._agent.close()
             self._agent = None
         self._close_reader()
+
+
+def _kill_all(cg: VmCgroup) -> None:
+    """SIGKILL every process in a sandbox's cgroup (only that sandbox's are in it)."""
+    for pid in cg.pids():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _pack_state(dest: Path, roots: bytes) -> None:
@@ -538,9 +592,10 @@ class GvisorEngine:
 
     def __init__(
         self, runsc: str, version: str, state_root: Path, agent_tree: Path, reason: str,
-        fallback_rootfs: Path, net_user: str = "boxd-net",
+        fallback_rootfs: Path, net_user: str = "boxd-net", cgroups: Cgroups | None = None,
     ) -> None:
         self.binary = runsc
+        self.cgroups = cgroups or Cgroups.off("not set up")
         self.version = version
         state_root.mkdir(parents=True, exist_ok=True)
         self.runsc = Runsc(runsc, state_root, state_root)
@@ -583,9 +638,13 @@ class GvisorEngine:
         return None
 
     def info(self) -> EngineInfo:
-        return EngineInfo(name=self.name, binary=self.binary, version=self.version,
-                          accelerator=self.accelerator, accelerator_reason=self.reason,
-                          cpu_model=self.cpu_model)
+        return EngineInfo(
+            name=self.name, binary=self.binary, version=self.version,
+            accelerator=self.accelerator, accelerator_reason=self.reason,
+            cpu_model=self.cpu_model,
+            limits=self.cgroups.summary(
+                memory=f"twice memory_mib + {GVISOR_OVERHEAD_MIB} MiB", pids=GVISOR_PIDS_MAX),
+        )
 
     # -------------------------------------------------------------- helpers
 
@@ -638,8 +697,16 @@ class GvisorEngine:
             subprocess.run(self.runsc.argv("delete", "-force", vm_id),
                            stdin=subprocess.DEVNULL, capture_output=True, timeout=30,
                            check=False)
+            self._release_now(vm_id)
             gone.append(vm_id)
         return gone
+
+    def _release_now(self, vm_id: str) -> None:
+        """Remove a dead sandbox's cgroup (after killing what is left in it)."""
+        cg = self.cgroups.of(vm_id)
+        if cg is not None:
+            _kill_all(cg)
+            self.cgroups.release_now(cg)
 
     async def drain(self) -> None:
         """Wait for background deletes (tests, shutdown)."""
@@ -680,24 +747,32 @@ class GvisorEngine:
         fout = os.open(files.stdout, os.O_RDWR | os.O_CLOEXEC)
         console = os.open(log_path.with_name("console.log"),
                           os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o640)
+        # runsc joins the cgroup before exec; the sandbox and gofer it starts inherit it.
+        cgroup = self.cgroups.create(
+            config.id, Limits(sandbox_memory_limit(config.memory_mib), pids=GVISOR_PIDS_MAX))
         try:
             await self.runsc.run(
                 *args, "--detach", f"--bundle={files.bundle}", f"--pid-file={files.pidfile}",
                 config.id, what=what, log=log_path, stdin=fin, stdout=fout, stderr=console,
                 machine=config.id, netns=netns, background=background,
+                preexec_fn=cgroup.join() if cgroup is not None else None,
             )
+            pid = _read_pid(files.pidfile)
+            if pid is None:
+                raise MachineFailed(f"runsc {what} of {config.id} wrote no pid file",
+                                    hint="see the machine's runsc.log", machine=config.id)
         except BaseException:
             self.kill(config.id, _read_pid(files.pidfile))
+            if cgroup is not None:
+                _kill_all(cgroup)
+                await self.cgroups.release(cgroup)
             raise
         finally:
             for fd in (fin, fout, console):
                 os.close(fd)
-        pid = _read_pid(files.pidfile)
-        if pid is None:
-            self.kill(config.id, None)
-            raise MachineFailed(f"runsc {what} of {config.id} wrote no pid file",
-                                hint="see the machine's runsc.log", machine=config.id)
-        machine = GvisorMachine(self, config, files, pid, disk, log_path, netns)
+        if cgroup is not None and not cgroup.contains(pid):
+            log.warning("machine=%s event=cgroup_not_joined pid=%s", config.id, pid)
+        machine = GvisorMachine(self, config, files, pid, disk, log_path, netns, cgroup)
         machine.background = background
         return machine
 
@@ -742,7 +817,7 @@ class GvisorEngine:
                 hint="delete it and create it again", machine=config.id,
             )
         return GvisorMachine(self, config, RunFiles(run_dir), pid, disk, log_path,
-                             _net.load(run_dir))
+                             _net.load(run_dir), self.cgroups.of(config.id))
 
     def kill_stray(self, vm_id: str, run_dir: Path, pid: int | None = None) -> bool:
         if pid is None:
@@ -751,8 +826,10 @@ class GvisorEngine:
         if netns is not None:
             netns.kill()
         if pid is None or not sandbox_matches(pid, vm_id):
+            self._release_now(vm_id)
             return False
         self.kill(vm_id, pid)
+        self._release_now(vm_id)
         return True
 
     async def create_disk(
