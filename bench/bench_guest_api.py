@@ -5,11 +5,15 @@ Figures: ``machines.list()`` from inside a machine (guest client -> /run/boxd/bo
 agent channel -> daemon) against ``machines.list()`` from the host (unix socket), both on
 a warm connection; and the first call in a fresh fork child (its socket is served at the
 first connection: the relay start is in it).
+
+``BENCH_GUEST_API_ENGINE`` (``qemu`` or ``gvisor``; default: the daemon's) picks the
+engine the machine runs on.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -42,12 +46,14 @@ def run(client: Any | None = None, log: Callable[[str], None] | None = None) -> 
 
     tell = log or say
     b = client or Boxd()
-    tell("bench_guest_api: cold boot of one machine")
-    m = b.machines.new(f"bench-guest-api-{int(time.time())}")
+    engine = os.environ.get("BENCH_GUEST_API_ENGINE") or None
+    tell(f"bench_guest_api: cold boot of one machine ({engine or 'default engine'})")
+    m = b.machines.new(f"bench-guest-api-{int(time.time())}", engine=engine)
     made = [m.id]
     try:
         b.machines.wait_until_ready(m.id, timeout=600)
-        accel = b.info().accelerator
+        on = b.machines.get(m.id).engine
+        accel = next(e.accelerator for e in b.info().engines if e.name == on) or on
         b.machines.files.upload(m.id, "/root/inside.py", INSIDE)
         b.machines.files.upload(m.id, "/root/first.py", FIRST)
         r = b.machines.exec(m.id, f"python3 /root/inside.py {N}", timeout=600)
@@ -70,7 +76,7 @@ def run(client: Any | None = None, log: Callable[[str], None] | None = None) -> 
             made.remove(child.id)
         return [
             row_from(GROUP, "machines.list() from inside (relayed socket)", inside,
-                     accel=accel, note="guest client under TCG, warm connection",
+                     accel=accel, note=f"guest client on {on}, warm connection",
                      baseline="machines.list() from the host", baseline_values=host),
             row_from(GROUP, "machines.list() from the host", host, accel=accel,
                      note="unix socket, warm connection"),

@@ -5,7 +5,7 @@ The daemon's proxy is the same for both engines; behind it QEMU's passt forwards
 loopback port, gVisor starts one ``runsc port-forward --stream`` per connection. A
 request on a kept-alive connection pays neither forward's set-up, so it is the
 baseline of the new-connection figure in the same run. The guest serves a 2-byte page
-over HTTP/1.1 (keep-alive) from Python's http.server.
+over HTTP/1.1 (keep-alive, TCP_NODELAY) from Python's http.server.
 
 ``BENCH_URLS_ENGINES`` (default ``gvisor,qemu``) picks the engines; an engine the
 daemon cannot run is skipped with a note.
@@ -30,6 +30,7 @@ SERVER = """
 import http.server
 class H(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body are two writes
     def do_GET(self):
         self.send_response(200)
         self.send_header("content-length", "2")
