@@ -27,10 +27,11 @@ background.
 Limits: each sandbox runs in a cgroup of its own (`boxd.engine.cgroups`, the same
 layout as QEMU's): ``runsc run``/``restore`` joins it before exec (runsc itself is told
 ``--ignore-cgroups``), so the sandbox, its gofer and systrap's stub processes are in it.
-Memory is bounded by `sandbox_memory_limit`; a guest that allocates past it gets the
-whole sandbox OOM-killed by the host kernel, and the machine fails with that reason
-(gVisor has no OOM killer of its own, and the guest's /proc/meminfo shows the host's
-memory).
+Memory is bounded by `sandbox_memory_limit`. gVisor has no OOM killer of its own (and
+the guest's /proc/meminfo shows the host's memory): past the limit the host kernel's
+kills the largest process in the cgroup, a guest process's stub (that process dies) or
+the Sentry (the machine fails, and `exit_reason` says it was the OOM killer). Whatever
+is left in the cgroup is killed when the sandbox ends, and the cgroup removed.
 """
 
 from __future__ import annotations
