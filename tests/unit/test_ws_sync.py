@@ -146,3 +146,43 @@ def test_a_non_websocket_answer_is_invalid_status(tmp_path: Path) -> None:
         _open(path)
     t.join()
     srv.close()
+
+
+def test_sending_while_the_close_is_under_way_is_connection_closed(tmp_path: Path) -> None:
+    # The server sends its close frame but keeps the socket open: the client answers
+    # the close (CLOSING) and a send then raises ConnectionClosed, not an assertion.
+    import socket
+
+    from websockets.protocol import State
+    from websockets.server import ServerProtocol
+
+    path = str(tmp_path / "closing.sock")
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(path)
+    srv.listen()
+    done = threading.Event()
+
+    def serve() -> None:
+        conn, _ = srv.accept()
+        proto = ServerProtocol()
+        while proto.state is State.CONNECTING:
+            proto.receive_data(conn.recv(65536))
+            for req in proto.events_received():
+                proto.send_response(proto.accept(req))  # type: ignore[arg-type]
+        proto.send_close(1001, "going away")
+        conn.sendall(b"".join(proto.data_to_send()))
+        done.wait(10)
+        conn.close()
+
+    t = threading.Thread(target=serve)
+    t.start()
+    ws = SyncWebSocket.connect("ws://localhost/x", uds=path, headers={}, max_size=1 << 20,
+                               timeout=10)
+    with pytest.raises(TimeoutError):
+        ws.recv(timeout=0.5)  # reads the close frame, answers it; TCP stays open
+    with pytest.raises(ConnectionClosed):
+        ws.send(b"late")
+    done.set()
+    t.join()
+    ws.close()
+    srv.close()

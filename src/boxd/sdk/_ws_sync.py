@@ -56,16 +56,16 @@ class SyncWebSocket:
         uri = parse_uri(url)
         if uds is not None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        else:
-            sock = socket.socket(socket.AF_INET6 if ":" in uri.host else socket.AF_INET,
-                                 socket.SOCK_STREAM)
-        try:
-            sock.settimeout(timeout)
-            if uds is not None:
+            try:
+                sock.settimeout(timeout)
                 sock.connect(uds)
-            else:
+            except BaseException:
                 sock.close()
-                sock = socket.create_connection((uri.host, uri.port), timeout)
+                raise
+        else:
+            sock = socket.create_connection((uri.host, uri.port), timeout)
+        try:
+            if uds is None:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 if uri.secure:
                     sock = ssl.create_default_context().wrap_socket(
@@ -183,6 +183,9 @@ class SyncWebSocket:
                     self._sock.shutdown(socket.SHUT_WR)
 
     def _closed(self) -> Exception:
-        exc = self._proto.close_exc
-        return exc if exc is not None else ConnectionClosedError(None, None)
+        """The ConnectionClosed to raise (websockets' own once the state is CLOSED)."""
+        if self._proto.state is State.CLOSED:
+            return self._proto.close_exc
+        p = self._proto
+        return ConnectionClosedError(p.close_rcvd, p.close_sent, p.close_rcvd_then_sent)
 
