@@ -75,6 +75,7 @@ def test_passt_starts_in_a_machine_folder_that_does_not_exist_yet(tmp_path: Path
     popen = _spawn(port, log, passt)
     asyncio.run(_net.wait_forward(popen, port, log, "m_new"))
     assert log.parent.stat().st_mode & 0o777 == 0o700
+    assert (log.parent / "passt.log.stderr").stat().st_mode & 0o777 == 0o600  # private
 
 
 def test_a_host_without_a_route_is_told_so(tmp_path: Path) -> None:

@@ -234,7 +234,10 @@ def spawn_passt(passt: str, *, port: int | None, user: NetUser | None,
         try:
             # What passt says before its log is open (a bad option, the user switch) goes
             # to stderr: keep it beside the log.
-            with open(_stderr_file(log_file), "wb") as err:
+            fd = os.open(_stderr_file(log_file), os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+                         | os.O_CLOEXEC, 0o600)  # the machine's files are the daemon's
+            os.fchmod(fd, 0o600)
+            with open(fd, "wb") as err:
                 popen = subprocess.Popen(
                     argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                     stderr=err, start_new_session=True, pass_fds=(passt_end.fileno(),),
