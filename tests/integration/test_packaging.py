@@ -60,7 +60,8 @@ def test_wheel_carries_the_package_data(wheel: Path) -> None:
     # websockets: the SDK's process streams (machines.spawn); imported only when used
     assert base == ["click", "httpx", "pydantic", "rich", "websockets"], requires
     server = {r.split()[1].split(">")[0] for r in requires if "extra == \"server\"" in r}
-    assert server == {"fastapi", "uvicorn", "qemu.qmp", "websockets"}, requires
+    # uvloop: the daemon's event loop where it installs (BOXD_EVENT_LOOP falls back)
+    assert server == {"fastapi", "uvicorn", "uvloop", "qemu.qmp", "websockets"}, requires
 
 
 def test_clean_venv_with_client_dependencies_only(wheel: Path, tmp_path: Path) -> None:
