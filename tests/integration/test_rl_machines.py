@@ -30,7 +30,7 @@ from boxd import errors
 from boxd.rl import _verify
 from tests.unit import _rl_envs
 
-from ._procs import qemu_cmdlines
+from ._procs import qemu_cmdlines, vm_id_of
 
 pytestmark = pytest.mark.vm
 
@@ -281,11 +281,11 @@ def test_vector_env_in_machines_matches_sync_vector_env(
 
 def _qemu_pid(home: Path, machine_id: str) -> int | None:
     """The machine's QEMU process, found by the ``-name boxd-<vm id>`` on its command
-    line; None when its VM id is not its machine id (a standby child, "spare", took its
-    place: only the daemon knows that VM's id)."""
+    line (the VM id from the daemon's database: a claimed standby child keeps its own)."""
+    vm_id = vm_id_of(home, machine_id)
     for argv in qemu_cmdlines(home):
-        if any(a.startswith(f"boxd-{machine_id},") for a in argv):
-            out = subprocess.run(["pgrep", "-f", f"boxd-{machine_id},"], capture_output=True,
+        if any(a.startswith(f"boxd-{vm_id},") for a in argv):
+            out = subprocess.run(["pgrep", "-f", f"boxd-{vm_id},"], capture_output=True,
                                  text=True).stdout.split()
             return int(out[0]) if out else None
     return None
