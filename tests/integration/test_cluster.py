@@ -51,12 +51,14 @@ def cluster() -> Iterator[LocalCluster]:
 @pytest.fixture(scope="module")
 def base(cluster: LocalCluster) -> Any:
     """A booted machine running a process that holds a random value in its memory and
-    keeps writing it to /dev/shm/value."""
+    keeps writing it to /dev/shm/value (by rename: a snapshot or fork taken at any
+    instant sees the whole value, never a file just truncated)."""
     b = cluster.client
     m = b.machines.new("base", suspend_after=0, hibernate_after=0)
     m = b.machines.wait_until_ready(m.id, timeout=300)
     b.machines.exec(m.id, "nohup sh -c 'v=$(head -c 12 /dev/urandom | od -An -tx1 | tr -d \" \");"
-                          " while :; do echo $v > /dev/shm/value; sleep 0.2; done' "
+                          " while :; do echo $v > /dev/shm/v.tmp; mv /dev/shm/v.tmp /dev/shm/value;"
+                          " sleep 0.2; done' "
                           ">/dev/null 2>&1 &")
     for _ in range(50):
         if b.machines.exec(m.id, "cat /dev/shm/value").stdout.strip():
@@ -170,9 +172,11 @@ def test_losing_a_node_marks_exactly_its_machines(cluster: LocalCluster, base: A
     removed = cluster.command(f"remove {cluster.node_ids.index(victim)}")
     assert removed["removed"] == victim
     deadline = time.monotonic() + 60
-    while {m.id for m in b.machines.list() if m.state == "lost"} != on_victim:
+    while not on_victim <= {m.id for m in b.machines.list() if m.state == "lost"}:
         assert time.monotonic() < deadline, [(m.name, m.state) for m in b.machines.list()]
         time.sleep(0.5)
+    # exactly its machines: every lost one was on the victim, every other still runs
+    assert all((m.state == "lost") == (m.node == victim) for m in b.machines.list())
     for _ in range(50):  # the node's reaper kills its VMs once the node runtime is gone
         if not qemu_pids(cluster.node_shm(victim)):
             break
