@@ -138,8 +138,11 @@ def local_cluster(nodes: int = 3, cap: int = 2, **env: str) -> Iterator[LocalClu
                 os.killpg(ray.pid, 9)
         if daemon is not None:
             daemon.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
+            try:
                 daemon.wait(30)
+            except subprocess.TimeoutExpired:  # a Ray driver slow to let go: no leftovers
+                daemon.kill()
+                daemon.wait(10)
         node_homes = list((home / "nodes").iterdir()) if (home / "nodes").exists() else []
         for nh in node_homes:  # a safety net: the reapers should have done it
             for pid in qemu_pids(Paths(nh).shm) + qemu_pids(nh):
