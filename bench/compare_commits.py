@@ -28,17 +28,8 @@ from typing import Any
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 from _common import p90  # noqa: E402
+from bench_rl import ECHO  # noqa: E402  (the framed echo the rl bench measures)
 from boxd import Boxd  # noqa: E402
-
-ECHO = (
-    "import sys\n"
-    "r, w = sys.stdin.buffer, sys.stdout.buffer\n"
-    "while True:\n"
-    "    h = r.read(4)\n"
-    "    if len(h) < 4: break\n"
-    "    body = r.read(int.from_bytes(h, 'big'))\n"
-    "    w.write(h + body); w.flush()\n"
-)
 
 
 def start(src: Path) -> tuple[Path, subprocess.Popen[bytes]]:

@@ -47,7 +47,7 @@ import signal
 import subprocess
 import tarfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -174,9 +174,8 @@ def _tasks_of(pids: list[int]) -> list[int]:
     return tasks
 
 
-def gofer_of(bundle: Path) -> int | None:
-    """The pid of the gofer process serving the sandbox started from ``bundle``."""
-    want = f"--bundle={bundle}".encode()
+def _command_lines() -> Iterator[tuple[int, list[bytes]]]:
+    """(pid, argv) of every process whose command line can be read."""
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -184,8 +183,15 @@ def gofer_of(bundle: Path) -> int | None:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
+        yield int(proc.name), argv
+
+
+def gofer_of(bundle: Path) -> int | None:
+    """The pid of the gofer process serving the sandbox started from ``bundle``."""
+    want = f"--bundle={bundle}".encode()
+    for pid, argv in _command_lines():
         if argv and argv[0].endswith(b"runsc-gofer") and want in argv:
-            return int(proc.name)
+            return pid
     return None
 
 
@@ -680,14 +686,8 @@ class GvisorEngine:
         """Delete the runsc state of sandboxes that no longer run (a daemon that stopped
         before its background deletes finished). Returns their ids."""
         live: set[bytes] = set()
-        for proc in Path("/proc").iterdir():
-            if not proc.name.isdigit():
-                continue
-            try:
-                argv = (proc / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if argv and argv[0].endswith(b"runsc-sandbox") and _proc_state(int(proc.name)) \
+        for pid, argv in _command_lines():
+            if argv and argv[0].endswith(b"runsc-sandbox") and _proc_state(pid) \
                     not in (None, "Z", "X"):
                 live.update(argv)
         gone = []
