@@ -54,7 +54,7 @@ class Daemon:
         Usually ``proc``; but a client that found no daemon answering (one was being
         restarted) starts one itself, as the SDK does, and that one may win the lock.
         """
-        return _lock_holder(self.home / "daemon.lock")
+        return _lock_holder(self.home)
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         """Stop whichever process serves the data directory (and ours, if it is not)."""
@@ -78,24 +78,19 @@ class Daemon:
             time.sleep(0.05)
 
 
-def _lock_holder(lock: Path) -> int | None:
-    """The pid written in a daemon lock file while a process holds the lock."""
-    import fcntl
+def _lock_holder(home: Path) -> int | None:
+    """The pid written in a data directory's lock file while a daemon holds the lock."""
+    from boxd.config import Paths
+    from boxd.sdk._local import daemon_holds_lock
 
+    paths = Paths(home)
+    if not daemon_holds_lock(paths):
+        return None
     try:
-        fd = os.open(lock, os.O_RDONLY)
+        text = paths.lock.read_text().strip()
     except OSError:
         return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        text = os.pread(fd, 32, 0).decode(errors="replace").strip()
-        return int(text) if text.isdigit() else None
-    else:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    finally:
-        os.close(fd)
+    return int(text) if text.isdigit() else None
 
 
 def start_daemon(home: Path, *extra: str) -> Daemon:
