@@ -911,3 +911,37 @@ def test_identity_writes_the_api_key(guest: Guest) -> None:
     for d in ("run/boxd", "etc"):
         (guest.sysroot / d).mkdir(parents=True)
     with_client(guest, body)
+
+
+def test_output_written_just_before_exit_after_a_silence_is_kept(guest: Guest) -> None:
+    """Output a command writes right before it exits, after more than the drain's idle
+    time of silence, is delivered: the quiet that ends a drain counts from the exit.
+
+    (The CI failure this pins: one of 20 concurrent ``sleep 0.5; echo i`` lost its stdout,
+    because a wake-up for another command reaped this one before its pipe was read, and
+    the half-second of silence before the exit already counted as the drain's quiet.)
+    Staggered exits make such wake-ups happen while neighbours write.
+    """
+
+    async def body(c: AgentClient) -> None:
+        for _ in range(3):
+            results = await asyncio.gather(*(
+                c.run(f"sleep {0.3 + i * 0.003:.3f}; echo {i}; echo e{i} >&2") for i in range(60)
+            ))
+            lost = [i for i, res in enumerate(results)
+                    if res.stdout != f"{i}\n".encode() or res.stderr != f"e{i}\n".encode()]
+            assert not lost, f"output lost for commands {lost}"
+
+    with_client(guest, body)
+
+
+def test_the_drain_quiet_counts_from_the_exit() -> None:
+    """agent.py's drain rule: half a second of silence before the exit is no reason to stop
+    reading at the exit; a quarter second of quiet after it is; two seconds after the exit
+    end it whatever a background child still writes."""
+    drain_over = agent_module.drain_over
+    assert not drain_over(now=10.0, last_data=9.5, exited_at=10.0)
+    assert not drain_over(now=10.2, last_data=9.5, exited_at=10.0)
+    assert drain_over(now=10.3, last_data=9.5, exited_at=10.0)
+    assert not drain_over(now=10.3, last_data=10.2, exited_at=10.0)
+    assert drain_over(now=12.1, last_data=12.05, exited_at=10.0)

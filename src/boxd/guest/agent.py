@@ -58,6 +58,14 @@ RNDADDENTROPY = 0x40085203
 PR_SET_CHILD_SUBREAPER = 36
 
 
+def drain_over(now: float, last_data: float, exited_at: float) -> bool:
+    """After a command exited, whether to stop reading its pipes (background children that
+    still hold them are not waited for). The quiet counts from the exit, never from before
+    it: what the command wrote just before exiting may not have been read yet, and a silence
+    before the exit is no reason to stop."""
+    return now - max(last_data, exited_at) > EXIT_DRAIN_IDLE or now - exited_at > EXIT_DRAIN_MAX
+
+
 def log(msg: str) -> None:
     try:
         sys.stderr.write(f"boxd-agent[{os.getpid()}] {time.strftime('%H:%M:%S')} {msg}\n")
@@ -758,9 +766,7 @@ class Agent:
             now = time.monotonic()
             if exited_at is None and done_event.is_set():
                 exited_at = now
-            if exited_at is not None and (
-                now - last_data > EXIT_DRAIN_IDLE or now - exited_at > EXIT_DRAIN_MAX
-            ):
+            if exited_at is not None and drain_over(now, last_data, exited_at):
                 break  # background children still hold the pipes: don't wait for them
             if deadline is not None and not timed_out and now >= deadline:
                 timed_out = True

@@ -1655,6 +1655,11 @@ static void reap(int sfd) {
                 x->exited = 1;
                 x->status = status;
                 x->exited_at = now_ms();
+                /* The drain's quiet counts from the exit, never from before it: what the
+                   command wrote just before exiting may not have been polled yet (this
+                   wake-up was for another child), and its silence before that is no
+                   reason to stop reading. */
+                if (x->last_data < x->exited_at) x->last_data = x->exited_at;
             }
     }
 }
