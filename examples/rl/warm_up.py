@@ -11,9 +11,10 @@ machine, every fork of the baseline inherits this process mid-``accept()``: a ro
 a fork hands its seed to the worker (see ``rollout.py``) and pays only for its episode,
 not for starting an interpreter and importing numpy (~1.5 s under software emulation).
 
-Each request is served in a ``fork()`` of the worker, so an episode never changes the
-worker's own state: the tenth rollout in a machine starts from the same Python objects
-as the first. The worker runs the ``episode()`` function of the script that asked
+Each request is served in a ``fork()`` of the worker, made before the request arrives
+(one child always waits in ``accept()``; see ``Worker.serve``), so an episode never
+changes the worker's own state and the tenth rollout in a machine starts from the same
+Python objects as the first. The worker runs the ``episode()`` function of the script that asked
 (``rollout.py``), so the episode logic lives in one place.
 
 Also written: ``~/.cache/rl-warm/policy.json`` (the weights and how long warming took),
@@ -28,6 +29,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import select
 import signal
 import socket
 import sys
@@ -39,6 +41,7 @@ ENV_ID = "CartPole-v1"
 POLICY_SEED = 1234  # must match rollout.py
 SOCKET = os.environ.get("RL_WORKER_SOCKET", "/run/rl-worker.sock")
 LOG = os.environ.get("RL_WORKER_LOG", "/run/rl-worker.log")
+REFORK_IDLE = 1.0  # seconds without a request before the next standby child is forked
 CACHE = Path(os.environ.get("RL_WARM_CACHE", str(Path.home() / ".cache" / "rl-warm")))
 
 
@@ -83,7 +86,6 @@ class Worker:
             if done or trunc:
                 break
         self.warm_s = time.monotonic() - t0
-        self.modules: dict[tuple[str, float], Any] = {}
         self.pid = os.getpid()
 
     def write_cache(self) -> None:
@@ -101,51 +103,95 @@ class Worker:
         tmp.write_text(json.dumps(info, indent=2) + "\n")
         tmp.replace(CACHE / "policy.json")
 
-    def load_script(self, path: str) -> Any:
-        key = (path, os.stat(path).st_mtime)
-        mod = self.modules.get(key)
-        if mod is None:
-            spec = importlib.util.spec_from_file_location("rollout_script", path)
-            if spec is None or spec.loader is None:
-                raise RuntimeError(f"cannot load {path}")
-            mod = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(mod)
-            self.modules[key] = mod
+    @staticmethod
+    def load_script(path: str) -> Any:
+        """The caller's script as a module (in the child that serves the request)."""
+        spec = importlib.util.spec_from_file_location("rollout_script", path)
+        if spec is None or spec.loader is None:
+            raise RuntimeError(f"cannot load {path}")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
         return mod
 
     def serve(self, listener: socket.socket) -> None:
-        """Accept requests forever; each episode runs in a ``fork()`` of this process.
+        """Serve requests forever, each in a ``fork()`` of this process, forked *before*
+        its request arrives.
 
-        The request line is read and the caller's script loaded (and kept, keyed by
-        mtime) here in the worker, so only the first episode in a machine compiles it;
-        the episode itself runs in the fork, so it cannot change the worker's state.
+        One child always waits in ``accept()``: the first request in a machine (in a
+        fork of the baseline, usually the only one) is answered by a child that already
+        exists, copied along with the machine, so it costs the episode and not a
+        ``fork()`` of a Python process holding numpy and the env (under gVisor or
+        software emulation that fork, and the copy-on-write faults after it, cost as
+        much as the episode's interpreter start). When a child takes a request it tells
+        this process, which forks the next child as soon as another request is waiting
+        (concurrent requests each get a child at once), else after ``REFORK_IDLE``.
+        The episode runs in the child, so it cannot change the worker's state.
         """
         self.pid = os.getpid()
         signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
+        taken_r, taken_w = os.pipe()
         while True:
-            try:
-                conn, _ = listener.accept()
-            except InterruptedError:
-                continue
-            try:
+            child = os.fork()
+            if child == 0:
+                os.close(taken_r)
+                self.serve_one(listener, taken_w)
+            while not self.wait_taken(taken_r, child):
+                pass
+            # The standby child has a request. Fork the next one when another request
+            # is waiting, or after a second without one (so a machine forked later
+            # still holds a standby child; a fork deleted right after its episode never
+            # pays for one).
+            select.select([listener], [], [], REFORK_IDLE)
+
+    @staticmethod
+    def wait_taken(taken_r: int, child: int) -> bool:
+        """True once the standby child reports a request taken, or has died without one."""
+        ready, _, _ = select.select([taken_r], [], [], 5.0)
+        if ready:
+            os.read(taken_r, 1)
+            return True
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return True  # killed before it took anything: fork another
+        return False
+
+    def serve_one(self, listener: socket.socket, taken_w: int) -> None:
+        """In a standby child: take one request, say so, answer it, exit."""
+        code = 0
+        try:
+            while True:
+                try:
+                    conn, _ = listener.accept()
+                    break
+                except InterruptedError:
+                    continue
+            listener.close()
+            os.write(taken_w, b"t")
+            os.close(taken_w)
+            with conn:
                 conn.settimeout(30)
-                op, arg = self.read_request(conn)
-                if op == "ping":
-                    info = {"pid": self.pid, "env": ENV_ID, "import_s": self.import_s,
-                            "warm_s": self.warm_s}
-                    self.reply(conn, "ok " + json.dumps(info))
-                elif op == "episode":
-                    seed_text, _, script = arg.partition(" ")
-                    mod = self.load_script(script)
-                    if os.fork() == 0:
-                        self.run_episode(conn, listener, mod, int(seed_text))
-                else:
-                    self.reply(conn, f"error unknown request {op!r}")
-            except Exception as exc:  # reported to the caller, who exits non-zero
-                with contextlib.suppress(OSError):
-                    self.reply(conn, f"error {type(exc).__name__}: {exc}")
-            finally:
-                conn.close()
+                try:
+                    op, arg = self.read_request(conn)
+                    if op == "ping":
+                        info = {"pid": self.pid, "env": ENV_ID, "import_s": self.import_s,
+                                "warm_s": self.warm_s}
+                        self.reply(conn, "ok " + json.dumps(info))
+                    elif op == "episode":
+                        seed_text, _, script = arg.partition(" ")
+                        mod = self.load_script(script)
+                        record = mod.episode(int(seed_text), self.env, self.weights, self.np)
+                        self.reply(conn, "ok " + mod.format_record(record))
+                    else:
+                        self.reply(conn, f"error unknown request {op!r}")
+                except Exception as exc:  # reported to the caller, who exits non-zero
+                    code = 1
+                    with contextlib.suppress(OSError):
+                        self.reply(conn, f"error {type(exc).__name__}: {exc}")
+        except BaseException:
+            code = 1
+        finally:
+            os._exit(code)
 
     @staticmethod
     def read_request(conn: socket.socket) -> tuple[str, str]:
@@ -161,21 +207,6 @@ class Worker:
     @staticmethod
     def reply(conn: socket.socket, text: str) -> None:
         conn.sendall(text.replace("\n", " ").encode() + b"\n")
-
-    def run_episode(self, conn: socket.socket, listener: socket.socket, mod: Any,
-                    seed: int) -> None:
-        """In the forked child: run one episode, answer, exit."""
-        code = 0
-        try:
-            listener.close()
-            record = mod.episode(seed, self.env, self.weights, self.np)
-            self.reply(conn, "ok " + mod.format_record(record))
-        except BaseException as exc:
-            code = 1
-            with contextlib.suppress(OSError):
-                self.reply(conn, f"error {type(exc).__name__}: {exc}")
-        finally:
-            os._exit(code)
 
 
 def daemonise(log_path: str) -> bool:

@@ -241,6 +241,11 @@ def _size(env: Mapping[str, str], name: str, default: int) -> int:
         return default
 
 
+def _words(env: Mapping[str, str], name: str) -> tuple[str, ...]:
+    """A list setting: words separated by spaces or commas."""
+    return tuple(w for w in env.get(name, "").replace(",", " ").split() if w)
+
+
 def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
     try:
         return parse_duration(env[name]) if name in env else default
@@ -259,6 +264,8 @@ class Settings:
     fork_spares_total: int = 32  # BOXD_FORK_SPARES_TOTAL: standby children per daemon
     log_level: str = "info"  # BOXD_LOG_LEVEL
     image_cache: Path | None = None  # BOXD_IMAGE_CACHE: where guest images are built
+    image_apt: tuple[str, ...] = ()  # BOXD_IMAGE_APT: Debian packages in every machine's image
+    image_pip: tuple[str, ...] = ()  # BOXD_IMAGE_PIP: pip packages in every machine's image
     engine: str = "qemu"  # BOXD_ENGINE: qemu, gvisor or auto (see engine/registry.py)
     suspend_after: float = 60.0  # BOXD_SUSPEND_AFTER: idle seconds before suspend; 0 never
     hibernate_after: float = 600.0  # BOXD_HIBERNATE_AFTER: idle seconds before hibernate
@@ -286,6 +293,8 @@ class Settings:
             fork_spares_total=_int(e, "BOXD_FORK_SPARES_TOTAL", 32),
             log_level=e.get("BOXD_LOG_LEVEL", "info").strip().lower() or "info",
             image_cache=Path(cache).expanduser() if cache else None,
+            image_apt=_words(e, "BOXD_IMAGE_APT"),
+            image_pip=_words(e, "BOXD_IMAGE_PIP"),
             engine=e.get("BOXD_ENGINE", "qemu").strip().lower() or "qemu",
             suspend_after=_seconds(e, "BOXD_SUSPEND_AFTER", 60.0),
             hibernate_after=_seconds(e, "BOXD_HIBERNATE_AFTER", 600.0),

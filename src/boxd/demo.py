@@ -251,10 +251,11 @@ def _demo(run: _Run, reuse: bool) -> None:
 
     if client._target.local:
         with run.step("guest image") as d:
-            from boxd.config import Paths
-            from boxd.images import ensure_image
+            from boxd.config import Paths, Settings
+            from boxd.images import Recipe, ensure_image
 
-            img = ensure_image(Paths.default(), progress=run.update)  # a bar on first build
+            img = ensure_image(Paths.default(), Recipe.for_machines(Settings.from_env()),
+                               progress=run.update)  # a bar on first build
             d.append(f"{img.key}, kernel {img.kernel_version}")
 
     # --- Prepare one warm baseline --------------------------------------------------

@@ -259,6 +259,25 @@ def test_auto_picks_gvisor_without_kvm(daemon) -> None:  # type: ignore[no-untyp
         b.machines.delete(m.id)
 
 
+def test_packages_baked_into_the_daemons_image_need_no_install(daemon) -> None:  # type: ignore[no-untyped-def]
+    """BOXD_IMAGE_PIP puts packages into the image every new machine starts from: a new
+    machine imports them before anything was installed in it, and a baseline's `pip
+    install` of them is a no-op (so nothing lands in its own writes, which on gVisor
+    live in memory and go into every fork's restore)."""
+    with _auto_daemon(daemon, BOXD_ENGINE="gvisor", BOXD_IMAGE_PIP="gymnasium numpy") as b:
+        by = {e.name: e for e in b.info().engines}
+        if by["gvisor"].status != "ok":
+            pytest.skip(f"gvisor unavailable here: {by['gvisor'].reason}")
+        m = b.machines.new("baked")  # the first machine builds the image (~1-2 min)
+        b.machines.wait_until_ready(m.id, timeout=900)
+        where = _ok(b, m.id, "python3 -c 'import gymnasium, numpy; print(numpy.__file__)'")
+        assert where.startswith("/usr/local/lib/python3"), where
+        r = b.machines.exec(m.id, "pip install --no-index gymnasium numpy")
+        assert r.exit_code == 0, r.stderr
+        assert r.stdout.count("Requirement already satisfied") >= 2, r.stdout
+        b.machines.delete(m.id)
+
+
 def test_auto_without_runsc_falls_back_to_qemu(daemon) -> None:  # type: ignore[no-untyped-def]
     """runsc missing (BOXD_RUNSC names no binary): auto runs QEMU and `info` says why."""
     with _auto_daemon(daemon, BOXD_RUNSC="/nonexistent/runsc") as b:

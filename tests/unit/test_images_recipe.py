@@ -55,3 +55,15 @@ def test_initramfs_key_tracks_agent_and_kernel() -> None:
     assert k1 != _initramfs.initramfs_key("6.1.0-2-amd64", bb, {"agent.py": b"print(1)"})
     assert k1 != _initramfs.initramfs_key(
         "6.1.0-1-amd64", bb, {"agent.py": b"print(1)", "protocol.py": b""})
+
+
+def test_the_daemons_image_takes_its_packages_from_the_environment() -> None:
+    from boxd.config import Settings
+
+    s = Settings.from_env({"BOXD_IMAGE_PIP": "gymnasium, numpy  torch", "BOXD_IMAGE_APT": "git"})
+    assert s.image_pip == ("gymnasium", "numpy", "torch") and s.image_apt == ("git",)
+    recipe = Recipe.for_machines(s)
+    assert recipe.pip == ("gymnasium", "numpy", "torch") and recipe.apt == ("git",)
+    assert recipe.key() != Recipe().key()
+    # unset or blank: the default image, the same key as before the setting existed
+    assert Recipe.for_machines(Settings.from_env({"BOXD_IMAGE_PIP": " "})).key() == Recipe().key()

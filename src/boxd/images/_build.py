@@ -57,6 +57,12 @@ class Recipe:
     apt: tuple[str, ...] = ()
     pip: tuple[str, ...] = ()
 
+    @classmethod
+    def for_machines(cls, settings: Settings) -> Recipe:
+        """The daemon's image for new machines: the default recipe plus the packages of
+        ``BOXD_IMAGE_APT`` and ``BOXD_IMAGE_PIP``."""
+        return cls(apt=settings.image_apt, pip=settings.image_pip)
+
     def canonical(self) -> dict[str, object]:
         """The recipe as a JSON-able dict with sorted, de-duplicated package lists."""
         return {

@@ -8,7 +8,7 @@ import logging
 from boxd.config import Paths, Settings
 from boxd.engine.base import Engine
 from boxd.engine.registry import AUTO, EngineStatus, describe_engines, open_engine, resolve_auto
-from boxd.images import GuestImage, ensure_image
+from boxd.images import GuestImage, Recipe, ensure_image
 
 log = logging.getLogger("boxd.node")
 
@@ -49,7 +49,8 @@ class Host:
         """
         async with self._lock:
             if self.image is None:
-                self.image = await asyncio.to_thread(ensure_image, self.paths)
+                self.image = await asyncio.to_thread(
+                    ensure_image, self.paths, Recipe.for_machines(self.settings))
             if self.default == AUTO:
                 self.default, self.default_reason = await asyncio.to_thread(
                     resolve_auto, self.settings, self.paths, self.image)
