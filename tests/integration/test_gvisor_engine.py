@@ -16,6 +16,7 @@ import pytest
 
 from boxd.config import Paths, Settings
 from boxd.engine.base import BootDisk, Engine, MachineConfig, MachineHandle
+from boxd.engine.gvisor._engine import sandbox_matches
 from boxd.engine.registry import engine_status, open_engine
 from boxd.images import GuestImage, ensure_image
 
@@ -87,6 +88,9 @@ async def _boot_exec_files(engine: Engine, paths: Paths, image: GuestImage) -> N
     assert (await agent.run("true")).exit_code == 0
     await m.destroy()
     assert not m.alive()
+    await engine.drain()  # the teardown after the kill runs in the background
+    assert not sandbox_matches(m.pid, "m_gv1")
+    assert not paths.run_dir("m_gv1").exists()
     assert boot_s < 10
 
 

@@ -47,7 +47,7 @@ import signal
 import subprocess
 import tarfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -318,7 +318,8 @@ class GvisorMachine:
         return self.log_path.with_name("console.log")
 
     def alive(self) -> bool:
-        return sandbox_matches(self._pid, self._config.id)
+        # A destroyed sandbox is dead at once, though its process may take a moment to go.
+        return self._reason != "destroyed" and sandbox_matches(self._pid, self._config.id)
 
     def exit_reason(self) -> str:
         if self.alive():
@@ -503,15 +504,27 @@ class GvisorMachine:
                            memory_mib=self._config.memory_mib)
 
     async def destroy(self) -> None:
-        """Kill the sandbox now; its runsc state is deleted in the background."""
+        """Kill the sandbox now; the rest is done in the background: waiting for it to
+        exit (a sentry freeing ~100 MB takes a few hundred ms on a busy host), ending its
+        namespace, removing its cgroup and run directory, deleting its runsc state.
+
+        A sandbox started again under the same id (a restore in place, a wake from
+        hibernation) waits for that teardown first (`GvisorEngine.settled`).
+        """
         await self.detach()
         self._reason = "destroyed"
-        self.engine.kill(self._config.id, self._pid)
-        await _gone(self._pid, self._config.id, 5.0)
+        self.engine.kill(self._config.id, self._pid, delete_state=False)
         if self.netns is not None:
-            self.netns.kill()
+            self.netns.signal_end()  # now: a daemon that dies meanwhile leaks nothing
+        self.engine.teardown(self._config.id, self._finish_destroy())
+
+    async def _finish_destroy(self) -> None:
+        await _gone(self._pid, self._config.id, 5.0)
+        await self.engine._delete(self._config.id)
+        if self.netns is not None:
+            await asyncio.to_thread(self.netns.kill)  # waits for pasta: not on the loop
         await self.release_cgroup()
-        shutil.rmtree(self.files.run_dir, ignore_errors=True)
+        await asyncio.to_thread(shutil.rmtree, self.files.run_dir, ignore_errors=True)
 
     async def release_cgroup(self) -> None:
         """End what is left in the sandbox's cgroup (its gofer, stub processes) and
@@ -610,6 +623,7 @@ class GvisorEngine:
         self.reason = reason
         self.fallback_rootfs = fallback_rootfs
         self._deletes: set[asyncio.Task[None]] = set()
+        self._teardowns: dict[str, asyncio.Task[None]] = {}
         self._net_user = net_user
         self._net: _net.GvisorNet | None = None
 
@@ -662,11 +676,14 @@ class GvisorEngine:
             base = self.fallback_rootfs
         return Roots(rootfs_tree(base), self.agent_tree)
 
-    def kill(self, vm_id: str, pid: int | None) -> None:
-        """SIGKILL a sandbox now and delete its runsc state in the background."""
+    def kill(self, vm_id: str, pid: int | None, *, delete_state: bool = True) -> None:
+        """SIGKILL a sandbox now and (``delete_state``) delete its runsc state in the
+        background."""
         if pid is not None and sandbox_matches(pid, vm_id):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        if not delete_state:
+            return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -674,6 +691,29 @@ class GvisorEngine:
         task = loop.create_task(self._delete(vm_id), name=f"runsc delete {vm_id}")
         self._deletes.add(task)
         task.add_done_callback(self._deletes.discard)
+
+    def teardown(self, vm_id: str, work: Coroutine[Any, Any, None]) -> None:
+        """Run the end of a destroyed sandbox's teardown in the background (`drain`
+        waits for it; a new sandbox under ``vm_id`` waits for it in `settled`)."""
+        task = asyncio.get_running_loop().create_task(work, name=f"teardown {vm_id}")
+        self._teardowns[vm_id] = task
+        self._deletes.add(task)
+
+        def done(t: asyncio.Task[None]) -> None:
+            self._deletes.discard(t)
+            if self._teardowns.get(vm_id) is t:
+                del self._teardowns[vm_id]
+            if not t.cancelled() and t.exception() is not None:
+                log.warning("machine=%s event=teardown_failed error=%r", vm_id, t.exception())
+
+        task.add_done_callback(done)
+
+    async def settled(self, vm_id: str) -> None:
+        """Wait until no teardown of a previous sandbox named ``vm_id`` is running (its
+        cgroup, namespace and run directory have the same names as the next one's)."""
+        task = self._teardowns.get(vm_id)
+        if task is not None:
+            await asyncio.gather(task, return_exceptions=True)
 
     async def _delete(self, vm_id: str) -> None:
         try:
@@ -718,6 +758,7 @@ class GvisorEngine:
         self, config: MachineConfig, disk: Path, run_dir: Path, log_path: Path,
         args: Sequence[str], roots: Roots, what: str, background: bool = False,
     ) -> GvisorMachine:
+        await self.settled(config.id)
         run_dir.mkdir(parents=True, exist_ok=True)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         files = RunFiles(run_dir)
@@ -795,6 +836,7 @@ class GvisorEngine:
         restore runs at the lowest CPU priority and the sandbox is paused right after it;
         its first `resume` gives it the daemon's priority."""
         files = RunFiles(run_dir)
+        await self.settled(config.id)  # before anything is written to its run directory
         run_dir.mkdir(parents=True, exist_ok=True)
         src, roots = await asyncio.to_thread(_image_dir, image, files)
         machine = await self._launch(config, disk.path, run_dir, log_path,

@@ -143,13 +143,19 @@ class Namespace:
         return ["nsenter", f"--net={self.path}", "unshare", "--mount", "--propagation",
                 "private", "/bin/sh", "-c", _HIDE_CORE, "boxd-runsc"]
 
-    def kill(self) -> None:
-        """End the namespace (the holder) and pasta, if they are still these processes,
-        and reap pasta when this process started it."""
+    def signal_end(self) -> None:
+        """SIGKILL the namespace's holder and pasta, if they are still these processes
+        (at once; `kill` also waits to reap pasta)."""
         for pid, name in ((self.holder_pid, b"sleep"), (self.pasta_pid, b"pasta")):
             if _is(pid, name):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+
+    def kill(self) -> None:
+        """End the namespace (the holder) and pasta, if they are still these processes,
+        and reap pasta when this process started it (blocks up to 2 s: call it from a
+        thread in async code)."""
+        self.signal_end()
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline:
             try:
