@@ -193,3 +193,46 @@ def test_settings_that_are_not_numbers_fall_back() -> None:
     assert s.fork_spares == 8
     assert s.fork_spares_total == 0
     assert Settings.from_env({}).fork_spares == 8
+
+
+def test_refill_waits_for_a_burst_of_forks_to_pause() -> None:
+    """With ``settle``, the spares a burst of forks took are replaced only once forks
+    have paused that long (the restores do not compete with the burst's work), and at
+    most ``3 * settle`` after the refill was wanted when forks never pause."""
+
+    async def main() -> None:
+        m = FakeMaker()
+        pool = SparePool(m, per_template=8, total=32, settle=0.2)
+        m.current.add("t1")
+        pool.want("src", tpl("t1"), 2)
+        await settle(pool)  # nothing taken yet: no wait
+        assert pool.count("t1") == 2
+        made = m.made
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        assert pool.take("t1") is not None
+        pool.want("src", tpl("t1"), 2)
+        await asyncio.sleep(0.1)
+        assert pool.take("t1") is not None  # the burst goes on: the settle restarts
+        await asyncio.sleep(0.1)
+        assert m.made == made  # 0.1 s after the last take: still waiting
+        await settle(pool)
+        assert m.made == made + 2 and loop.time() - t0 >= 0.3 - 0.02
+        # Forks that never pause: the refill starts 3 * settle after it was wanted.
+        async def keep_forking() -> None:
+            while loop.time() - t1 < 1.0:
+                pool.take("t1")
+                await asyncio.sleep(0.05)
+
+        t1 = loop.time()
+        forking = asyncio.create_task(keep_forking())
+        await asyncio.sleep(0)  # it has taken one
+        pool.want("src", tpl("t1"), 4)
+        while m.made == made + 2:
+            await asyncio.sleep(0.01)
+        assert 0.6 - 0.05 <= loop.time() - t1 < 0.9
+        await forking
+        await settle(pool)
+        await pool.close()
+
+    asyncio.run(main())

@@ -10,7 +10,8 @@ is a restored, paused sandbox: the whole restore (~0.3-0.5 s here) and its netwo
 namespace leave the fork's path, and the engine restores it at the lowest CPU priority
 so that refilling does not slow the machines that just claimed spares.
 
-After each fork the pool is refilled, in the background (two spares at a time), up to
+After each fork the pool is refilled, in the background (two spares at a time, once
+forks of the template have paused for a second, or at most three seconds later), up to
 the largest number of children forked from that template at once: one fork of count N,
 or N one-child forks in flight together (at most ``BOXD_FORK_SPARES``, default 8; 0
 turns spares off), and never beyond ``BOXD_FORK_SPARES_TOTAL`` (default 32) across the
@@ -28,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -64,8 +66,13 @@ class SparePool:
     """The spares of every template, and their background refill."""
 
     def __init__(self, maker: SpareMaker, *, per_template: int, total: int,
-                 parallel: int = 2) -> None:
+                 parallel: int = 2, settle: float = 0.0) -> None:
         self._maker = maker
+        # Refilling waits until forks of the template have paused this long: a burst of
+        # forks (the spec's 8 rollouts) claims its spares and runs its work first, and
+        # the restores that replace them do not compete with it for the CPU.
+        self.settle = settle
+        self._last_take: dict[str, float] = {}
         self.per_template = per_template
         self.total = total
         # Spares prepared at once: a gVisor spare is a CPU-bound restore (~0.3 s), so
@@ -84,6 +91,7 @@ class SparePool:
 
     def take(self, template_id: str) -> Spare | None:
         """A live spare of this template, or None."""
+        self._last_take[template_id] = time.monotonic()
         pool = self._spares.get(template_id, [])
         while pool:
             spare = pool.pop(0)
@@ -153,6 +161,7 @@ class SparePool:
     async def _refill(self, source_id: str, tpl: TemplateRecord) -> None:
         try:
             while self._maker.template_is_current(tpl.id):
+                await self._settled(tpl.id)
                 room = min(self._target.get(tpl.id, 0) - self.count(tpl.id),
                            self.total - sum(map(len, self._spares.values())), self.parallel)
                 if room <= 0:
@@ -188,6 +197,18 @@ class SparePool:
             for fut in self._waiters.get(tpl.id, []):
                 if not fut.done():
                     fut.set_result(None)  # no more spares coming: start from scratch
+
+    async def _settled(self, template_id: str) -> None:
+        """Wait until no fork has taken a spare of this template for ``settle`` seconds,
+        or at most ``3 * settle`` (forks that never pause still get spares)."""
+        deadline = time.monotonic() + 3 * self.settle
+        while True:
+            now = time.monotonic()
+            wait = min(self.settle - (now - self._last_take.get(template_id, 0.0)),
+                       deadline - now)
+            if wait <= 0:
+                return
+            await asyncio.sleep(wait)
 
     def _give(self, template_id: str, spare: Spare) -> None:
         """A new spare: to the first fork waiting for one, else into the pool."""

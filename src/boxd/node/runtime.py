@@ -90,6 +90,9 @@ MAX_CHAIN = 8
 HOST_GRACE = 30.0
 # Seconds a RAM swap waits for requests in flight on the machine to finish.
 SWAP_DRAIN = 30.0
+# Seconds forks of a template must pause before its taken spares are replaced (see
+# `SparePool`): a burst of forks runs its work before the refill competes for the CPU.
+SPARE_SETTLE = 1.0
 # The agent protocol minor version that serves the in-guest API socket.
 GUEST_API_MINOR = 5
 # A machine's in-guest API credential (docs/lifecycle.md#in-machine-auth): told apart from
@@ -191,7 +194,7 @@ class NodeRuntime:
         self.idle_interval = 1.0
         self.procs = ProcessTable()  # spawned processes (boxd.rl): see "processes" below
         self.spares = SparePool(self, per_template=settings.fork_spares,
-                                total=settings.fork_spares_total)
+                                total=settings.fork_spares_total, settle=SPARE_SETTLE)
         self.proxy = PortProxy(self.connect)
         # The in-guest API (`serve_guests`): the handler the daemon serves relayed guest
         # connections with, each machine's current credential (sha256) and relay task.
