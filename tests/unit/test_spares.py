@@ -236,3 +236,28 @@ def test_refill_waits_for_a_burst_of_forks_to_pause() -> None:
         await pool.close()
 
     asyncio.run(main())
+
+
+def test_a_fork_that_finds_no_spare_ends_the_wait_and_gets_the_next_one() -> None:
+    """While a refill waits for forks to pause, a fork that finds no spare ready does not
+    start its child from scratch beside it: it hurries the refill and takes the spare."""
+
+    async def main() -> None:
+        m = FakeMaker()
+        pool = SparePool(m, per_template=8, total=32, settle=5.0)
+        m.current.add("t1")
+        pool._last_take["t1"] = 0.0  # no fork yet: the first fill does not wait
+        pool.want("src", tpl("t1"), 1)
+        await settle(pool)
+        assert pool.take("t1") is not None  # a fork took it ...
+        pool.want("src", tpl("t1"), 1)  # ... and its refill now waits up to 5 s
+        await asyncio.sleep(0.05)
+        assert m.made == 1
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        got = await pool.claim("t1", timeout=10)
+        assert got is not None and got.vm_id == "m_2"
+        assert loop.time() - t0 < 1.0, "the claim waited for the settle"
+        await pool.close()  # the refill replacing m_2 waits for forks to pause: cancelled
+
+    asyncio.run(main())

@@ -11,7 +11,8 @@ namespace leave the fork's path, and the engine restores it at the lowest CPU pr
 so that refilling does not slow the machines that just claimed spares.
 
 After each fork the pool is refilled, in the background (two spares at a time, once
-forks of the template have paused for a second, or at most three seconds later), up to
+forks of the template have paused for a second, at most three seconds later, or at once
+when a fork finds none ready and waits for the next), up to
 the largest number of children forked from that template at once: one fork of count N,
 or N one-child forks in flight together (at most ``BOXD_FORK_SPARES``, default 8; 0
 turns spares off), and never beyond ``BOXD_FORK_SPARES_TOTAL`` (default 32) across the
@@ -73,6 +74,7 @@ class SparePool:
         # the restores that replace them do not compete with it for the CPU.
         self.settle = settle
         self._last_take: dict[str, float] = {}
+        self._settling: dict[str, asyncio.Event] = {}  # refills waiting for forks to pause
         self.per_template = per_template
         self.total = total
         # Spares prepared at once: a gVisor spare is a CPU-bound restore (~0.3 s), so
@@ -110,6 +112,9 @@ class SparePool:
         spare = self.take(template_id)
         if spare is not None:
             return spare
+        hurry = self._settling.get(template_id)
+        if hurry is not None:
+            hurry.set()  # the burst wants more than is ready: refill now, not after it
         waiters = self._waiters.setdefault(template_id, [])
         if self._making.get(template_id, 0) <= len(waiters):
             return None
@@ -161,13 +166,13 @@ class SparePool:
     async def _refill(self, source_id: str, tpl: TemplateRecord) -> None:
         try:
             while self._maker.template_is_current(tpl.id):
-                await self._settled(tpl.id)
                 room = min(self._target.get(tpl.id, 0) - self.count(tpl.id),
                            self.total - sum(map(len, self._spares.values())), self.parallel)
                 if room <= 0:
                     break
-                self._making[tpl.id] = room
+                self._making[tpl.id] = room  # from now: a fork finding none waits for one
                 try:
+                    await self._settled(tpl.id)
                     made = await asyncio.gather(
                         *(self._maker.prepare_spare(source_id, tpl) for _ in range(room)),
                         return_exceptions=True)
@@ -200,15 +205,23 @@ class SparePool:
 
     async def _settled(self, template_id: str) -> None:
         """Wait until no fork has taken a spare of this template for ``settle`` seconds,
-        or at most ``3 * settle`` (forks that never pause still get spares)."""
+        at most ``3 * settle`` (forks that never pause still get spares), and no longer
+        once a fork found none ready (`claim` hurries it: that fork waits for this
+        refill)."""
+        hurry = self._settling[template_id] = asyncio.Event()
         deadline = time.monotonic() + 3 * self.settle
-        while True:
-            now = time.monotonic()
-            wait = min(self.settle - (now - self._last_take.get(template_id, 0.0)),
-                       deadline - now)
-            if wait <= 0:
-                return
-            await asyncio.sleep(wait)
+        try:
+            while not hurry.is_set():
+                now = time.monotonic()
+                wait = min(self.settle - (now - self._last_take.get(template_id, 0.0)),
+                           deadline - now)
+                if wait <= 0:
+                    return
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(hurry.wait(), wait)
+        finally:
+            if self._settling.get(template_id) is hurry:
+                del self._settling[template_id]
 
     def _give(self, template_id: str, spare: Spare) -> None:
         """A new spare: to the first fork waiting for one, else into the pool."""
