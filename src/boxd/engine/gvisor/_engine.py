@@ -758,7 +758,6 @@ class GvisorEngine:
         self, config: MachineConfig, disk: Path, run_dir: Path, log_path: Path,
         args: Sequence[str], roots: Roots, what: str, background: bool = False,
     ) -> GvisorMachine:
-        await self.settled(config.id)
         run_dir.mkdir(parents=True, exist_ok=True)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         files = RunFiles(run_dir)
@@ -824,6 +823,7 @@ class GvisorEngine:
         self, config: MachineConfig, disk: BootDisk, run_dir: Path, log_path: Path
     ) -> GvisorMachine:
         """Start a fresh sandbox on the image's root tree; its agent answers in ~0.2 s."""
+        await self.settled(config.id)
         roots = await asyncio.to_thread(self._roots, disk.path)
         return await self._launch(config, disk.path, run_dir, log_path, ["run"], roots, "run")
 
