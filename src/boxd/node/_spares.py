@@ -148,6 +148,7 @@ class SparePool:
                 for spare in self._spares.pop(tid):
                     self._background(self._discard(spare))
                 self._target.pop(tid, None)
+                self._last_take.pop(tid, None)
 
     async def close(self) -> None:
         for task in list(self._tasks):
