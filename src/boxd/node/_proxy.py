@@ -91,7 +91,12 @@ class PortProxy:
 
 
 async def _pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-    """Copy until EOF, with back-pressure (``drain``); half-close the other side."""
+    """Copy until EOF, with back-pressure (``drain``); half-close the other side.
+
+    A side that fails (reset, broken pipe) closes the other side outright, so the peer
+    sees the end instead of waiting for an answer: a forward into a gVisor sandbox that
+    is refused resets the stream when the request is already written to it.
+    """
     try:
         while data := await src.read(_CHUNK):
             dst.write(data)
@@ -99,7 +104,7 @@ async def _pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
         if dst.can_write_eof():
             dst.write_eof()
     except (ConnectionError, OSError):
-        pass
+        dst.close()
 
 
 async def _refuse(writer: asyncio.StreamWriter, status: int, message: str) -> None:
