@@ -352,46 +352,89 @@ def _nices(pid: int) -> set[int]:
     return out
 
 
-def test_a_standby_copy_restores_at_low_priority_and_runs_at_full_once_claimed(  # type: ignore[no-untyped-def]
-    client, daemon, gvisor_base,
-) -> None:
-    """A standby copy's CPU-bound restore yields to running machines (niceness 19); the
-    fork that claims it gives every thread of its sandbox the daemon's niceness."""
+def _check_standby(b, home: Path, base_id: str) -> str:  # type: ignore[no-untyped-def]
+    """Fork ``base_id`` twice on the daemon of ``home`` and check the standby copy made
+    after the first: low priority while it waits, the daemon's once the second fork
+    claims it. Returns how it was held low ("cpu.idle" or "nice")."""
     import sqlite3
     import subprocess
 
     from boxd.config import Paths
+    from boxd.engine.cgroups import Cgroups
 
-    db = Paths(daemon.home.resolve()).db
+    paths = Paths(home.resolve())
+    log_file = home / "daemon.log"
 
     def vm_ids() -> set[str]:
-        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+        with contextlib.closing(sqlite3.connect(f"file:{paths.db}?mode=ro", uri=True)) as conn:
             return {r[0] for r in conn.execute("SELECT vm_id FROM machines")}
 
     def sandboxes() -> dict[str, int]:
         out = subprocess.run(["pgrep", "-af", "runsc-sandbox"], capture_output=True,
                              text=True).stdout.splitlines()
-        home = str(Paths(daemon.home.resolve()).shm)
-        return {line.split()[-1]: int(line.split()[0]) for line in out if home in line}
+        return {line.split()[-1]: int(line.split()[0]) for line in out
+                if str(paths.shm) in line}
 
-    first = client.machines.fork(gvisor_base.id)  # the template; one standby copy follows
+    def cpu_idle(vm_id: str) -> str | None:
+        cg = Cgroups.open(paths.shm.name).of(vm_id)
+        if cg is None or "cpu" not in cg.dirs:
+            return None
+        return (cg.dirs["cpu"] / "cpu.idle").read_text().strip()
+
+    daemon_pid = int((home / "daemon.lock").read_text().split()[0])
+    daemon_nice = os.getpriority(os.PRIO_PROCESS, daemon_pid)
+    first = b.machines.fork(base_id)  # the template; one standby copy follows
     try:
         deadline = time.monotonic() + 60
         while not (spares := {v: p for v, p in sandboxes().items() if v not in vm_ids()
-                              and f"machine={v} event=spare_ready" in daemon.log.read_text()}):
+                              and f"machine={v} event=spare_ready" in log_file.read_text()}):
             assert time.monotonic() < deadline, "no standby copy was made"
             time.sleep(0.1)
-        assert all(_nices(p) == {19} for p in spares.values()), spares
-        daemon_nice = os.getpriority(os.PRIO_PROCESS, daemon.proc.pid)
-        child = client.machines.fork(gvisor_base.id)
+        how = "nice" if any(cpu_idle(v) is None for v in spares) else "cpu.idle"
+        if how == "cpu.idle":
+            # The whole sandbox idles; its threads keep the niceness runsc gives them
+            # (the daemon's, some gVisor threads one more).
+            assert {v: cpu_idle(v) for v in spares} == dict.fromkeys(spares, "1")
+            assert all(19 not in _nices(p) for p in spares.values()), spares
+        else:
+            assert all(_nices(p) == {19} for p in spares.values()), spares
+        child = b.machines.fork(base_id)
         try:
             (claimed,) = set(spares) & vm_ids()
-            assert _nices(spares[claimed]) == {daemon_nice}
-            assert _ok(client, child.id, "echo ok") == "ok\n"
+            if how == "cpu.idle":
+                assert cpu_idle(claimed) == "0"
+                assert 19 not in _nices(spares[claimed])
+            else:
+                assert _nices(spares[claimed]) == {daemon_nice}
+            assert _ok(b, child.id, "echo ok") == "ok\n"
         finally:
-            client.machines.delete(child.id)
+            b.machines.delete(child.id)
     finally:
-        client.machines.delete(first.id)
+        b.machines.delete(first.id)
+    return how
+
+
+def test_a_standby_copy_restores_at_low_priority_and_runs_at_full_once_claimed(  # type: ignore[no-untyped-def]
+    client, daemon, gvisor_base,
+) -> None:
+    """A standby copy's CPU-bound restore yields to running machines: its cgroup is
+    cpu.idle (a sandbox's threads share one cgroup, so niceness would only rank them
+    against each other); the fork that claims it gives it an equal share again."""
+    from boxd.config import Paths
+    from boxd.engine.cgroups import Cgroups
+
+    cpu = Cgroups.open(Paths(daemon.home.resolve()).shm.name).parents.get("cpu")
+    expect = "cpu.idle" if cpu is not None and (cpu / "cpu.idle").exists() else "nice"
+    assert _check_standby(client, daemon.home, gvisor_base.id) == expect
+
+
+def test_a_standby_copy_without_cgroups_runs_at_niceness_19(daemon) -> None:  # type: ignore[no-untyped-def]
+    """BOXD_CGROUPS=off (or no CPU controller): every thread of the standby copy's
+    sandbox gets niceness 19 instead, raised to the daemon's when it is claimed."""
+    with _auto_daemon(daemon, BOXD_ENGINE="gvisor", BOXD_CGROUPS="off") as b:
+        base = b.machines.new("nice-base")
+        b.machines.wait_until_ready(base.id, timeout=120)
+        assert _check_standby(b, Path(os.environ["BOXD_HOME"]), base.id) == "nice"
 
 
 def _sandbox_pids(vm_id: str) -> list[int]:

@@ -91,6 +91,25 @@ def test_v2_enables_the_controllers_for_the_subtree(tmp_path: Path) -> None:
     assert (parent / "m_1/pids.max").read_text() == "7"
 
 
+def test_a_machine_cgroup_can_run_idle_and_back(tmp_path: Path) -> None:
+    """`set_idle` writes ``cpu.idle`` (a standby copy's whole sandbox yields CPU); the
+    real kernel's effect is checked on this host in tests/integration/test_gvisor.py."""
+    mounts, self_cg = _v1(tmp_path)
+    vm = Cgroups.open("boxd-abc", mounts=mounts, self_cgroup=self_cg).create("m_1", Limits(1 << 30))
+    assert vm is not None
+    assert vm.set_idle(True) and (vm.dirs["cpu"] / "cpu.idle").read_text() == "1"
+    assert vm.set_idle(False) and (vm.dirs["cpu"] / "cpu.idle").read_text() == "0"
+    # A kernel without cpu.idle refuses the write: False, so the caller falls back.
+    (vm.dirs["cpu"] / "cpu.idle").unlink()
+    (vm.dirs["cpu"] / "cpu.idle").mkdir()
+    assert not vm.set_idle(True)
+    # No CPU controller: nothing to write.
+    mounts2, self_cg2 = _v2(tmp_path / "v2", controllers="memory pids")
+    vm2 = Cgroups.open("boxd-abc", mounts=mounts2, self_cgroup=self_cg2).create(
+        "m_2", Limits(1 << 30))
+    assert vm2 is not None and "cpu" not in vm2.dirs and not vm2.set_idle(True)
+
+
 def test_v2_without_a_controller_says_which(tmp_path: Path) -> None:
     mounts, self_cg = _v2(tmp_path, controllers="cpu memory")
     cg = Cgroups.open("boxd-abc", mounts=mounts, self_cgroup=self_cg)

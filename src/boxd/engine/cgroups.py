@@ -150,6 +150,19 @@ class VmCgroup:
 
         return join
 
+    def set_idle(self, idle: bool) -> bool:
+        """Let the cgroup run only on CPU nothing else wants (``cpu.idle`` 1: SCHED_IDLE
+        for the whole group, Linux 5.15+), or give it back its equal share (0). False
+        when there is no CPU controller or no ``cpu.idle`` (the caller falls back)."""
+        d = self.dirs.get("cpu")
+        if d is None:
+            return False
+        try:
+            _write(d / "cpu.idle", "1" if idle else "0")
+        except OSError:
+            return False
+        return True
+
     def pids(self) -> set[int]:
         """The processes in any of the directories."""
         found: set[int] = set()

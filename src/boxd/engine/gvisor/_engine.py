@@ -80,9 +80,10 @@ STATE_TAR = "state"
 ROOTS = "roots.json"
 LAYER_KIND = "boxd-gvisor-layer"
 RUNSC_TIMEOUT = 60.0
-# A standby copy is restored at this niceness (on top of the daemon's): its CPU-bound
-# restore then yields to machines that are running an exec (the rollouts that claimed
-# the previous standby copies). Claiming it raises it back to the daemon's priority.
+# A standby copy's CPU-bound restore yields to machines that are running an exec (the
+# rollouts that claimed the previous standby copies): its cgroup is set to cpu.idle, or
+# without a cgroup CPU controller every thread gets this niceness (on top of the
+# daemon's). Claiming it gives it an equal share again.
 BACKGROUND_NICE = 19
 
 
@@ -297,8 +298,10 @@ class GvisorMachine:
         self._read_transport: asyncio.ReadTransport | None = None
         self._agent_lock = asyncio.Lock()
         self._reason = ""
-        # Restored at the lowest priority (a standby copy) until its first resume.
-        self.background = False
+        # How a standby copy is kept at the lowest CPU priority until its first resume:
+        # "cpu.idle" (its cgroup runs only on otherwise idle CPU) or "nice" (niceness
+        # 19 on every thread, where there is no cgroup CPU controller to do it).
+        self.standby: str | None = None
 
     @property
     def config(self) -> MachineConfig:
@@ -442,14 +445,17 @@ class GvisorMachine:
                                     machine=self._config.id, log=self.log_path)
 
     async def resume(self) -> None:
-        if self.background:
-            # A claimed standby copy: from now on it runs at the daemon's priority.
+        if self.standby == "cpu.idle" and self.cgroup is not None:
+            # A claimed standby copy: from now on it runs at an equal CPU share.
+            if not self.cgroup.set_idle(False):
+                log.warning("machine=%s event=cpu_idle_not_cleared", self._config.id)
+        elif self.standby == "nice":
             pids = [self._pid]
             gofer = await asyncio.to_thread(gofer_of, self.files.bundle)
             if gofer is not None:
                 pids.append(gofer)
             await asyncio.to_thread(set_priority, pids, os.getpriority(os.PRIO_PROCESS, 0))
-            self.background = False
+        self.standby = None
         await self.engine.runsc.run("resume", self._config.id, what="resume",
                                     machine=self._config.id, log=self.log_path)
 
@@ -791,11 +797,16 @@ class GvisorEngine:
         # runsc joins the cgroup before exec; the sandbox and gofer it starts inherit it.
         cgroup = self.cgroups.create(
             config.id, Limits(sandbox_memory_limit(config.memory_mib), pids=GVISOR_PIDS_MAX))
+        standby = None
+        if background:
+            # A per-sandbox cgroup competes with the others as one: niceness inside it
+            # would only rank its own threads. cpu.idle ranks the whole sandbox.
+            standby = "cpu.idle" if cgroup is not None and cgroup.set_idle(True) else "nice"
         try:
             await self.runsc.run(
                 *args, "--detach", f"--bundle={files.bundle}", f"--pid-file={files.pidfile}",
                 config.id, what=what, log=log_path, stdin=fin, stdout=fout, stderr=console,
-                machine=config.id, netns=netns, background=background,
+                machine=config.id, netns=netns, background=standby == "nice",
                 preexec_fn=cgroup.join() if cgroup is not None else None,
             )
             pid = _read_pid(files.pidfile)
@@ -814,7 +825,7 @@ class GvisorEngine:
         if cgroup is not None and not cgroup.contains(pid):
             log.warning("machine=%s event=cgroup_not_joined pid=%s", config.id, pid)
         machine = GvisorMachine(self, config, files, pid, disk, log_path, netns, cgroup)
-        machine.background = background
+        machine.standby = standby
         return machine
 
     # ------------------------------------------------------------- protocol
@@ -833,8 +844,8 @@ class GvisorEngine:
     ) -> GvisorMachine:
         """Restore a sandbox from a checkpoint (``copy_memory`` changes nothing here: a
         restored sandbox always owns its memory). With ``paused`` (a standby copy) the
-        restore runs at the lowest CPU priority and the sandbox is paused right after it;
-        its first `resume` gives it the daemon's priority."""
+        restore runs at the lowest CPU priority and the sandbox is paused once its agent
+        answers; its first `resume` gives it an equal CPU share."""
         files = RunFiles(run_dir)
         await self.settled(config.id)  # before anything is written to its run directory
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -844,6 +855,9 @@ class GvisorEngine:
                                      background=paused)
         if paused:
             try:
+                # Its agent channel is opened now, off the claim's path: a claim resumes
+                # it and sends the identity straight away.
+                await machine.agent(timeout=RUNSC_TIMEOUT)
                 await machine.pause()
             except BaseException:
                 await machine.destroy()
