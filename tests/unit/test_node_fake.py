@@ -535,6 +535,7 @@ def test_recovery_reattaches_fails_the_gone_and_sweeps_strays(world: World) -> N
         alive = await running(world, "alive")
         gone = await running(world, "gone")
         half = await world.machines.create(ACCOUNT, models.MachineCreate(name="half"))
+        half_vm = world.vm(half.id)  # its VM started; its pid was not recorded yet
         world.repos.machines.update(half.id, pid=None)  # as if killed mid-launch
         world.vm(gone.id).kill()
         stray = world.paths.run_dir("m_stray")
@@ -546,6 +547,7 @@ def test_recovery_reattaches_fails_the_gone_and_sweeps_strays(world: World) -> N
         assert await sh(world, "alive", "echo back") == "back\n"
         assert world.state(gone.id) == S.FAILED
         assert world.state(half.id) == S.FAILED
+        assert not half_vm.alive()  # no orphan VM of a record killed mid-launch
         assert not stray.exists()
         assert node.live.keys() == {alive.id}
 

@@ -1700,6 +1700,10 @@ class NodeRuntime:
     async def _reattach(self, engine: Engine, rec: MachineRecord) -> None:
         image_ok = is_sealed(self.paths.hibernated / rec.id)
         if not rec.pid or rec.layer_id is None:
+            # Killed mid-launch: its VM process may have started before the pid was
+            # recorded (the run directory has it; the sweep skips recorded VM ids).
+            if rec.vm_id and engine.kill_stray(rec.vm_id, self.run_dir(rec.vm_id)):
+                log.info("machine=%s event=stray_vm_killed vm=%s", rec.id, rec.vm_id)
             if rec.state in (S.HIBERNATING, S.WAKING) and image_ok:
                 self.lifecycle.move(rec.id, S.HIBERNATED, expect=(rec.state,))
             else:
