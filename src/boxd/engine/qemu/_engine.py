@@ -356,12 +356,17 @@ class QemuEngine:
 
     def kill_stray(self, vm_id: str, run_dir: Path, pid: int | None = None) -> bool:
         """SIGKILL the QEMU process of ``vm_id`` if it still runs (pids recycle: the
-        process's command line must name the VM)."""
+        process's command line must name the VM). Without a pid or a pid file (a QEMU
+        started just before the daemon died writes it only once it is up), the
+        process is found by its command line."""
         if pid is None:
             try:
                 pid = int((run_dir / "qemu.pid").read_text().strip())
             except (OSError, ValueError):
-                return False
+                pid = next((int(p.name) for p in Path("/proc").iterdir()
+                            if p.name.isdigit() and pid_matches(int(p.name), vm_id)), None)
+                if pid is None:
+                    return False
         if not pid_matches(pid, vm_id):
             return False
         with contextlib.suppress(ProcessLookupError):
