@@ -360,13 +360,13 @@ class QemuEngine:
         started just before the daemon died writes it only once it is up), the
         process is found by its command line."""
         if pid is None:
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 pid = int((run_dir / "qemu.pid").read_text().strip())
-            except (OSError, ValueError):
+            if pid is None or not pid_matches(pid, vm_id):  # none yet, or a stale one
                 pid = next((int(p.name) for p in Path("/proc").iterdir()
                             if p.name.isdigit() and pid_matches(int(p.name), vm_id)), None)
-                if pid is None:
-                    return False
+            if pid is None:
+                return False
         if not pid_matches(pid, vm_id):
             return False
         with contextlib.suppress(ProcessLookupError):
