@@ -19,9 +19,11 @@ from boxd.node._proxy import PortProxy, Upstream
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
-async def _relay(handler: Handler | None, request: bytes, timeout: float = 5.0) -> bytes:
+async def _relay(handler: Handler | None, request: bytes, timeout: float = 5.0,
+                 half_close: bool = False) -> bytes:
     """Send ``request`` through a proxy whose upstream runs ``handler`` (None: nothing
-    listens), half-close, and return everything the proxy sent back until it closed."""
+    listens), half-close if asked, and return everything the proxy sent back until it
+    closed."""
     up = None
     if handler is not None:
         up = await asyncio.start_server(handler, "127.0.0.1", 0)
@@ -37,6 +39,8 @@ async def _relay(handler: Handler | None, request: bytes, timeout: float = 5.0) 
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(request)
+        if half_close:
+            writer.write_eof()
         await writer.drain()
         got = await asyncio.wait_for(reader.read(), timeout)
         writer.close()
@@ -54,27 +58,7 @@ def test_bytes_pass_both_ways_and_the_end_of_the_request_reaches_the_machine() -
         await w.drain()
         w.close()
 
-    async def main() -> bytes:
-        up = await asyncio.start_server(echo, "127.0.0.1", 0)
-        up_port = up.sockets[0].getsockname()[1]
-
-        @contextlib.asynccontextmanager
-        async def connect(machine_id: str) -> AsyncIterator[Upstream]:
-            yield lambda: asyncio.open_connection("127.0.0.1", up_port)
-
-        proxy = PortProxy(connect)
-        port = free_port()
-        assert await proxy.open("m", port)
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"hello")
-        writer.write_eof()
-        got = await asyncio.wait_for(reader.read(), 5)
-        writer.close()
-        await proxy.close_all()
-        up.close()
-        return got
-
-    assert asyncio.run(main()) == b"got hello"
+    assert asyncio.run(_relay(echo, b"hello", half_close=True)) == b"got hello"
 
 
 def test_a_port_nothing_listens_on_is_a_502_that_says_so() -> None:
