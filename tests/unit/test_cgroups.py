@@ -110,6 +110,38 @@ def test_a_machine_cgroup_can_run_idle_and_back(tmp_path: Path) -> None:
     assert vm2 is not None and "cpu" not in vm2.dirs and not vm2.set_idle(True)
 
 
+def test_a_machine_cgroup_can_be_frozen_and_thawed(tmp_path: Path) -> None:
+    """`set_frozen` writes v1's ``freezer.state`` (the freezer hierarchy is used where
+    it is mounted, never required) or v2's ``cgroup.freeze``; False where neither can
+    be written. The kernel's effect is checked in tests/integration/test_gvisor.py."""
+    mounts, self_cg = _v1(tmp_path)
+    freezer = tmp_path / "cgroup" / "freezer"
+    freezer.mkdir()
+    mounts.write_text(mounts.read_text() + f"cgroup {freezer} cgroup rw,freezer 0 0\n")
+    self_cg.write_text(self_cg.read_text() + "6:freezer:/\n")
+    cg = Cgroups.open("boxd-abc", mounts=mounts, self_cgroup=self_cg)
+    assert cg.parents["freezer"] == freezer / "boxd-abc" and cg.reason == ""
+    vm = cg.create("m_1", Limits(1 << 30))
+    assert vm is not None and vm.dirs["freezer"] == freezer / "boxd-abc/m_1"
+    # The sandbox joins its freezer cgroup with the others (one cgroup.procs each).
+    assert freezer / "boxd-abc/m_1" in vm.paths
+    assert vm.set_frozen(True) and (vm.dirs["freezer"] / "freezer.state").read_text() == "FROZEN"
+    assert vm.set_frozen(False) and (vm.dirs["freezer"] / "freezer.state").read_text() == "THAWED"
+    # Without a freezer hierarchy (the fake v1 tree of the other tests): nothing to do.
+    mounts2, self_cg2 = _v1(tmp_path / "nofreezer")
+    plain = Cgroups.open("boxd-abc", mounts=mounts2, self_cgroup=self_cg2)
+    assert "freezer" not in plain.parents
+    vm2 = plain.create("m_2", Limits(1 << 30))
+    assert vm2 is not None and not vm2.set_frozen(True)
+    # v2: every cgroup has cgroup.freeze.
+    mounts3, self_cg3 = _v2(tmp_path / "v2")
+    vm3 = Cgroups.open("boxd-abc", mounts=mounts3, self_cgroup=self_cg3).create(
+        "m_3", Limits(1 << 30))
+    assert vm3 is not None
+    assert vm3.set_frozen(True) and (vm3.paths[0] / "cgroup.freeze").read_text() == "1"
+    assert vm3.set_frozen(False) and (vm3.paths[0] / "cgroup.freeze").read_text() == "0"
+
+
 def test_v2_without_a_controller_says_which(tmp_path: Path) -> None:
     mounts, self_cg = _v2(tmp_path, controllers="cpu memory")
     cg = Cgroups.open("boxd-abc", mounts=mounts, self_cgroup=self_cg)

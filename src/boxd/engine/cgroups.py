@@ -63,6 +63,9 @@ GVISOR_PIDS_MAX = 4096
 CPU_SHARES = 1024  # v1 default and the weight of every machine
 CPU_WEIGHT = 100  # v2 default
 CONTROLLERS = ("memory", "cpu", "pids")
+#: v1 hierarchies used where present, never required: ``freezer`` stops a paused
+#: sandbox's idle threads (v2 has ``cgroup.freeze`` in every cgroup instead).
+OPTIONAL = ("freezer",)
 
 
 def memory_limit(memory_mib: int, *, ram_shared: bool) -> int:
@@ -160,6 +163,25 @@ class VmCgroup:
         try:
             _write(d / "cpu.idle", "1" if idle else "0")
         except OSError:
+            return False
+        return True
+
+    def set_frozen(self, frozen: bool) -> bool:
+        """Freeze every task of the cgroup (none runs until thawed; v1 ``freezer.state``,
+        v2 ``cgroup.freeze``) or thaw them. False when this cgroup cannot be frozen.
+
+        A frozen task cannot even die: SIGKILL waits for the thaw, so whoever kills a
+        machine thaws its cgroup first (the gVisor engine's ``kill``).
+        """
+        try:
+            if self.version == 1:
+                d = self.dirs.get("freezer")
+                if d is None:
+                    return False
+                _write(d / "freezer.state", "FROZEN" if frozen else "THAWED")
+            else:
+                _write(self.paths[0] / "cgroup.freeze", "1" if frozen else "0")
+        except (OSError, IndexError):
             return False
         return True
 
@@ -299,6 +321,15 @@ class Cgroups:
             parents[c] = parent
         if not parents:
             return cls.off("; ".join(problems))
+        for c in OPTIONAL:
+            if c in mounts:
+                parent = mounts[c] / own.get(c, "/").lstrip("/") / name
+                try:
+                    parent.mkdir(exist_ok=True)
+                except OSError as exc:
+                    log.info("event=cgroup_optional_unusable controller=%s error=%r", c, exc)
+                    continue
+                parents[c] = parent
         return cls(1, parents, "; ".join(problems))
 
     @classmethod
@@ -443,7 +474,7 @@ def _mounts(mounts: Path) -> tuple[dict[str, Path], Path | None]:
             v2 = point
         elif fields[2] == "cgroup":
             for opt in fields[3].split(","):
-                if opt in CONTROLLERS:
+                if opt in CONTROLLERS or opt in OPTIONAL:
                     v1.setdefault(opt, point)
     return v1, v2
 

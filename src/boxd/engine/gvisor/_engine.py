@@ -80,6 +80,8 @@ STATE_TAR = "state"
 ROOTS = "roots.json"
 LAYER_KIND = "boxd-gvisor-layer"
 RUNSC_TIMEOUT = 60.0
+#: Seconds a sandbox stays paused before its cgroup is frozen (`GvisorMachine.pause`).
+FREEZE_AFTER = 0.5
 # A standby copy's CPU-bound restore yields to machines that are running an exec (the
 # rollouts that claimed the previous standby copies): its cgroup is set to cpu.idle, or
 # without a cgroup CPU controller every thread gets this niceness (on top of the
@@ -302,6 +304,13 @@ class GvisorMachine:
         # "cpu.idle" (its cgroup runs only on otherwise idle CPU) or "nice" (niceness
         # 19 on every thread, where there is no cgroup CPU controller to do it).
         self.standby: str | None = None
+        # A paused sandbox is frozen (its cgroup's freezer) once it has stayed paused
+        # for FREEZE_AFTER: a paused Sentry's Go runtime still wakes every millisecond
+        # (3-6% of a core per sandbox here), which a node's standby copies and
+        # suspended machines would otherwise burn. None: unknown (attached after a
+        # daemon restart), so the next thaw writes regardless.
+        self._frozen: bool | None = None
+        self._freeze_timer: asyncio.TimerHandle | None = None
 
     @property
     def config(self) -> MachineConfig:
@@ -441,10 +450,41 @@ class GvisorMachine:
             return self._agent
 
     async def pause(self) -> None:
+        self.thaw()
         await self.engine.runsc.run("pause", self._config.id, what="pause",
                                     machine=self._config.id, log=self.log_path)
+        if self.cgroup is not None:
+            # Not at once: a pause for a capture is followed by the checkpoint within
+            # milliseconds, and a freeze then would only cost a thaw.
+            self._freeze_timer = asyncio.get_running_loop().call_later(
+                FREEZE_AFTER, self._freeze)
+
+    def _freeze(self) -> None:
+        self._freeze_timer = None
+        if self.cgroup is not None and self.alive():
+            self._frozen = self.cgroup.set_frozen(True)
+
+    @property
+    def frozen(self) -> bool:
+        """True while the sandbox's cgroup is frozen (paused, and idle for a while)."""
+        return bool(self._frozen)
+
+    def thaw(self) -> None:
+        """Let the sandbox's tasks run again before anything talks to its Sentry (a
+        runsc command, a port forward, a kill): cancel a pending freeze, undo a done
+        one. (The agent needs no thaw: a paused sandbox's agent does not answer
+        anyway, and whoever resumes it thaws it.)"""
+        if self._freeze_timer is not None:
+            self._freeze_timer.cancel()
+            self._freeze_timer = None
+        if self._frozen is not False:
+            cg = self.cgroup or self.engine.cgroups.of(self._config.id)
+            if cg is not None:
+                cg.set_frozen(False)
+            self._frozen = False
 
     async def resume(self) -> None:
+        self.thaw()
         if self.standby == "cpu.idle" and self.cgroup is not None:
             # A claimed standby copy: from now on it runs at an equal CPU share.
             if not self.cgroup.set_idle(False):
@@ -460,7 +500,9 @@ class GvisorMachine:
                                     machine=self._config.id, log=self.log_path)
 
     async def recover(self) -> str | None:
-        """Resume a sandbox a killed daemon left paused (runsc state ``paused``)."""
+        """Resume a sandbox a killed daemon left paused (runsc state ``paused``) or
+        frozen."""
+        self.thaw()
         proc = await asyncio.create_subprocess_exec(
             *self.engine.runsc.argv("state", self._config.id, log=self.log_path),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
@@ -492,6 +534,7 @@ class GvisorMachine:
         The sandbox keeps running (``--leave-running``); the node pauses and resumes it
         around the call as for any engine.
         """
+        self.thaw()
         dest_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
         await self.engine.runsc.run(
@@ -517,6 +560,7 @@ class GvisorMachine:
         A sandbox started again under the same id (a restore in place, a wake from
         hibernation) waits for that teardown first (`GvisorEngine.settled`).
         """
+        self.thaw()  # a frozen task cannot even die
         await self.detach()
         self._reason = "destroyed"
         self.engine.kill(self._config.id, self._pid, delete_state=False)
@@ -546,6 +590,7 @@ class GvisorMachine:
         """The guest's port 8080 through ``runsc port-forward`` (see `_forward`)."""
         if self.netns is None:
             raise OSError(f"machine {self._config.id} has no network (isolated)")
+        self.thaw()
         vm_id = self._config.id
         return await _forward.open_port(
             lambda sock: _forward.argv(self.engine.runsc.argv, sock, vm_id, GUEST_HTTP_PORT,
@@ -561,7 +606,9 @@ class GvisorMachine:
 
 
 def _kill_all(cg: VmCgroup) -> None:
-    """SIGKILL every process in a sandbox's cgroup (only that sandbox's are in it)."""
+    """SIGKILL every process in a sandbox's cgroup (only that sandbox's are in it),
+    thawing it first: a frozen task does not die until it is thawed."""
+    cg.set_frozen(False)
     for pid in cg.pids():
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -686,6 +733,9 @@ class GvisorEngine:
         """SIGKILL a sandbox now and (``delete_state``) delete its runsc state in the
         background."""
         if pid is not None and sandbox_matches(pid, vm_id):
+            cg = self.cgroups.of(vm_id)
+            if cg is not None:
+                cg.set_frozen(False)  # a frozen task does not die until it is thawed
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         if not delete_state:
@@ -877,8 +927,16 @@ class GvisorEngine:
                              _net.load(run_dir), self.cgroups.of(config.id))
 
     def kill_stray(self, vm_id: str, run_dir: Path, pid: int | None = None) -> bool:
+        """SIGKILL the sandbox of ``vm_id`` if it still runs, end its namespace and
+        remove its cgroup (killing whatever else is in it). ``runsc`` writes the pid
+        file only once the sandbox is up: without one, or with a stale one, the sandbox
+        is found by its command line (which names the VM), as with cgroups off nothing
+        else would find a sandbox started just before the daemon died."""
         if pid is None:
             pid = _read_pid(RunFiles(run_dir).pidfile)
+            if pid is None or not sandbox_matches(pid, vm_id):
+                pid = next((p for p, _ in _command_lines() if sandbox_matches(p, vm_id)),
+                           None)
         netns = _net.load(run_dir)
         if netns is not None:
             netns.kill()

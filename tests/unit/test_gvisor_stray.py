@@ -1,0 +1,71 @@
+"""`GvisorEngine.kill_stray` and `kill` on real processes (no runsc needed: a stand-in
+process whose command line is a sandbox's, ``runsc-sandbox ... <vm id>``), with the
+cgroup tree of tests/unit/test_cgroups.py where a test needs one."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.unit.test_cgroups import _v1
+
+from boxd.engine.cgroups import Cgroups, Limits
+from boxd.engine.gvisor._engine import GvisorEngine
+
+
+def _stand_in(vm_id: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(["/usr/local/bin/runsc-sandbox", "-c", "import time; time.sleep(60)",
+                             "--root=/x", vm_id], executable=sys.executable)
+
+
+def _engine(tmp: Path, cgroups: Cgroups | None = None) -> GvisorEngine:
+    return GvisorEngine("runsc", "0", tmp / "state", tmp / "agent", "ok", tmp / "rootfs.img",
+                        cgroups=cgroups)
+
+
+def test_a_sandbox_without_a_pid_file_is_found_by_its_command_line(tmp_path: Path) -> None:
+    """runsc writes the pid file once the sandbox is up: a sandbox restored just before
+    the daemon died may have none when the next daemon recovers. Without cgroups (whose
+    sweep would kill it too) it is found by its command line, and only it is killed."""
+    engine = _engine(tmp_path)
+    target, other = _stand_in("m_strayvm"), _stand_in("m_othervm")
+    try:
+        time.sleep(0.2)  # both have exec'd
+        assert engine.kill_stray("m_strayvm", tmp_path / "run")  # no pid file there
+        assert target.wait(5) != 0
+        assert other.poll() is None
+        assert not engine.kill_stray("m_nosuchvm", tmp_path / "run")
+        # A stale pid file (of a process now gone) does not spare the sandbox either.
+        run = tmp_path / "run2"
+        run.mkdir()
+        (run / "sandbox.pid").write_text(f"{target.pid}\n")
+        assert engine.kill_stray("m_othervm", run)
+        assert other.wait(5) != 0
+    finally:
+        for p in (target, other):
+            p.kill()
+            p.wait()
+
+
+def test_a_kill_thaws_a_frozen_sandbox_first(tmp_path: Path) -> None:
+    """A frozen task does not die until it is thawed: `kill` writes THAWED to the
+    sandbox's freezer before its SIGKILL (a paused machine's cgroup is frozen)."""
+    mounts, self_cg = _v1(tmp_path)
+    freezer = tmp_path / "cgroup" / "freezer"
+    freezer.mkdir()
+    mounts.write_text(mounts.read_text() + f"cgroup {freezer} cgroup rw,freezer 0 0\n")
+    cg = Cgroups.open("boxd-abc", mounts=mounts, self_cgroup=self_cg)
+    vm = cg.create("m_frozen", Limits(1 << 30))
+    assert vm is not None and vm.set_frozen(True)
+    engine = _engine(tmp_path, cg)
+    proc = _stand_in("m_frozen")
+    try:
+        time.sleep(0.2)
+        engine.kill("m_frozen", proc.pid, delete_state=False)
+        assert (vm.dirs["freezer"] / "freezer.state").read_text() == "THAWED"
+        assert proc.wait(5) != 0
+    finally:
+        proc.kill()
+        proc.wait()
