@@ -53,6 +53,7 @@ __all__ = [
     "ExecProcess",
     "FileStat",
     "GuestStream",
+    "connect_watched",
 ]
 
 log = logging.getLogger(__name__)
@@ -152,6 +153,33 @@ async def _chunks(data: bytes | AsyncIterable[bytes], size: int) -> AsyncGenerat
             del pending[:size]
     if pending:
         yield bytes(pending)
+
+
+async def connect_watched(
+    connect: Awaitable[AgentClient], alive: Callable[[], bool],
+    failed: Callable[[], MachineFailed], poll: float = 0.2,
+) -> AgentClient:
+    """Await an agent connection while watching its VM process: a VM that dies
+    meanwhile fails fast with ``failed()`` instead of at the connect's timeout, and a
+    connect that fails because the VM died says so (``failed()``) too.
+
+    Raises:
+        MachineFailed: the VM died, or its agent did not answer.
+    """
+    task = asyncio.ensure_future(connect)
+    while not task.done():
+        await asyncio.wait({task}, timeout=poll)
+        if not task.done() and not alive():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            raise failed()
+    try:
+        return task.result()
+    except MachineFailed:
+        if not alive():
+            raise failed() from None
+        raise
 
 
 class AgentClient:

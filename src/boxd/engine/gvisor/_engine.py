@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from boxd.config import GUEST_HTTP_PORT
-from boxd.engine.agent import AgentClient
+from boxd.engine.agent import AgentClient, connect_watched
 from boxd.engine.base import BootDisk, EngineInfo, MachineConfig, MemoryImage
 from boxd.engine.cgroups import (
     GVISOR_OVERHEAD_MIB,
@@ -430,20 +430,9 @@ class GvisorMachine:
                     await self._agent.close()
                 self._agent = None
             self._close_reader()
-            connect = asyncio.ensure_future(self._open_channel(timeout))
-            while not connect.done():
-                await asyncio.wait({connect}, timeout=0.2)
-                if not connect.done() and not self.alive():
-                    connect.cancel()
-                    with contextlib.suppress(BaseException):
-                        await connect
-                    raise self._failed()
             try:
-                self._agent = connect.result()
-            except MachineFailed:
-                if not self.alive():
-                    raise self._failed() from None
-                raise
+                self._agent = await connect_watched(self._open_channel(timeout), self.alive,
+                                                    self._failed)
             except OSError as exc:
                 raise MachineFailed(f"cannot open the agent channel of {self._config.id}: {exc}",
                                     machine=self._config.id) from exc

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from boxd.engine.agent import AgentClient
+from boxd.engine.agent import AgentClient, connect_watched
 from boxd.engine.base import BootDisk, EngineInfo, MachineConfig, MemoryImage
 from boxd.engine.cgroups import Cgroups, Limits, memory_limit
 from boxd.engine.qemu import _argv, _net
@@ -171,23 +171,9 @@ class QemuMachine:
                 with contextlib.suppress(Exception):
                     await self._agent.close()
                 self._agent = None
-            connect = asyncio.ensure_future(
-                AgentClient.connect(self.files.agent, timeout=timeout)
-            )
-            # Watch the process while waiting: a dead VM fails fast, not at the timeout.
-            while not connect.done():
-                await asyncio.wait({connect}, timeout=0.2)
-                if not connect.done() and not self.alive():
-                    connect.cancel()
-                    with contextlib.suppress(BaseException):
-                        await connect
-                    raise self._failed()
-            try:
-                self._agent = connect.result()
-            except MachineFailed:
-                if not self.alive():
-                    raise self._failed() from None
-                raise
+            self._agent = await connect_watched(
+                AgentClient.connect(self.files.agent, timeout=timeout), self.alive,
+                self._failed)
             return self._agent
 
     async def cancel_migration(self, timeout: float = 30.0) -> None:
