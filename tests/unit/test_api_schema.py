@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
+import shutil
+import tempfile
 from pathlib import Path
 
 import schemathesis
@@ -15,7 +18,10 @@ from boxd.api.services.keys import KeyService
 from boxd.errors import MachineNotFound
 from boxd.state import Database
 
-_TMP = Path(__import__("tempfile").mkdtemp(prefix="boxd-schema-"))
+# Made at import: schemathesis parametrizes the test from the app's schema. Removed
+# when the test process exits (a fixture's tmp_path comes too late for that).
+_TMP = Path(tempfile.mkdtemp(prefix="boxd-schema-"))
+atexit.register(shutil.rmtree, _TMP, ignore_errors=True)
 _DB = Database(_TMP / "state.db")
 _KEYS = KeyService(_DB)
 _SECRET = _KEYS.create(_KEYS.ensure_local_account(), "schema").secret
