@@ -24,7 +24,7 @@ from boxd import errors
 
 from .test_cgroups import _cgroups_of, _gone, _limit, _require_cgroups
 from .test_lifecycle import _get, _vm_id
-from .test_rl import EXAMPLES, GUEST_WHEELS, _host_wheels, _ok
+from .test_rl import EXAMPLES, GUEST_WHEELS, _ok, warm_rl_base
 
 pytestmark = pytest.mark.vm
 
@@ -647,22 +647,13 @@ def test_a_sandbox_is_bounded_by_its_cgroup_and_memory_hogs_are_contained(  # ty
 @pytest.fixture(scope="module")
 def gvisor_rl_base(client, gvisor_base):  # type: ignore[no-untyped-def]
     """``rl-base`` on gVisor, prepared like test_rl's (host-downloaded wheels)."""
-    wheels = _host_wheels()
-    m = client.machines.fork(gvisor_base.id, "rl-base")
+    # The wheels and pip's cache would stay in the machine's memory (gVisor keeps a
+    # machine's file changes there) and in every fork's restore.
+    m = warm_rl_base(client, gvisor_base.id,
+                     f"pip install -q --no-cache-dir --no-index --find-links {GUEST_WHEELS}"
+                     f" gymnasium numpy && rm -rf {GUEST_WHEELS}")
     try:
-        client.machines.wait_until_ready(m.id)
-        for whl in wheels:
-            client.machines.files.upload(m.id, f"{GUEST_WHEELS}/{whl.name}", whl.read_bytes())
-        # The wheels and pip's cache would stay in the machine's memory (gVisor keeps a
-        # machine's file changes there) and in every fork's restore.
-        _ok(client, m.id, f"pip install -q --no-cache-dir --no-index --find-links "
-                          f"{GUEST_WHEELS} gymnasium numpy && rm -rf {GUEST_WHEELS}",
-            timeout=900)
-        client.machines.files.upload(m.id, "/home/boxd/warm_up.py",
-                                     (EXAMPLES / "warm_up.py").read_text())
-        out = _ok(client, m.id, "python3 warm_up.py", timeout=600)
-        assert "warm worker pid" in out
-        yield client.machines.get(m.id)
+        yield m
     finally:
         with contextlib.suppress(errors.NotFound):
             client.machines.delete(m.id)

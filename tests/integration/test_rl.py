@@ -62,22 +62,35 @@ def _host_wheels() -> list[Path]:
 def rl_base(client, base):  # type: ignore[no-untyped-def]
     """``rl-base``: a fork of the session's base machine with gymnasium, numpy and the
     warm worker, as after the spec's "Prepare one warm baseline"."""
+    m = warm_rl_base(client, base.id, f"pip install --no-index --find-links {GUEST_WHEELS}"
+                                      " gymnasium numpy")
+    try:
+        yield m
+    finally:
+        with contextlib.suppress(errors.NotFound):
+            client.machines.delete(m.id)
+
+
+def warm_rl_base(client, source_id: str, pip: str):  # type: ignore[no-untyped-def]
+    """Fork ``source_id`` into ``rl-base`` and warm it as the spec's "Prepare one warm
+    baseline" does: gymnasium and numpy installed by ``pip`` from wheels the host
+    downloaded (put in ``GUEST_WHEELS``), then ``warm_up.py``. Deleted if that fails."""
     wheels = _host_wheels()
-    m = client.machines.fork(base.id, "rl-base")
+    m = client.machines.fork(source_id, "rl-base")
     try:
         client.machines.wait_until_ready(m.id)
         for whl in wheels:
             client.machines.files.upload(m.id, f"{GUEST_WHEELS}/{whl.name}", whl.read_bytes())
-        _ok(client, m.id, f"pip install --no-index --find-links {GUEST_WHEELS} gymnasium numpy",
-            timeout=900)
+        _ok(client, m.id, pip, timeout=900)
         client.machines.files.upload(m.id, "/home/boxd/warm_up.py",
                                      (EXAMPLES / "warm_up.py").read_text())
         out = _ok(client, m.id, "python3 warm_up.py", timeout=600)
         assert "warm worker pid" in out
-        yield client.machines.get(m.id)
-    finally:
+        return client.machines.get(m.id)
+    except BaseException:
         with contextlib.suppress(errors.NotFound):
             client.machines.delete(m.id)
+        raise
 
 
 def test_spec_fork_per_rollout_and_verify_reproducibility(client, rl_base, monkeypatch):  # type: ignore[no-untyped-def]
