@@ -49,6 +49,9 @@ class Channel(Protocol):
     def close(self) -> None: ...
 
 
+_PICKLE_LOCK = threading.Lock()
+
+
 @dataclass
 class MakeRequest:
     """How the server builds the env: a Gymnasium id, a ``module:function`` reference
@@ -74,14 +77,20 @@ class MakeRequest:
                 f"{type(env).__name__}", field="env")
         import cloudpickle
 
-        for mod in pickle_by_value:
-            cloudpickle.register_pickle_by_value(mod)
-        try:
-            payload = cloudpickle.dumps(env)
-        finally:
-            for mod in pickle_by_value:
-                with contextlib.suppress(ValueError):
-                    cloudpickle.unregister_pickle_by_value(mod)
+        # cloudpickle's by-value registry is process-wide: requests made in threads at
+        # once (rl.verify's, a user's pool) must not unregister a module while another
+        # pickles, and a module the caller registered stays registered.
+        with _PICKLE_LOCK:
+            have = cloudpickle.list_registry_pickle_by_value()
+            added = [m for m in pickle_by_value if m.__name__ not in have]
+            for mod in added:
+                cloudpickle.register_pickle_by_value(mod)
+            try:
+                payload = cloudpickle.dumps(env)
+            finally:
+                for mod in added:
+                    with contextlib.suppress(ValueError):
+                        cloudpickle.unregister_pickle_by_value(mod)
         return cls("pickle", payload, kwargs)
 
     def message(self) -> bytes:
