@@ -126,6 +126,10 @@ def start_daemon(home: Path, *extra: str) -> Daemon:
 def kill_machines_of(home: Path) -> None:
     """SIGKILL any QEMU process or gVisor sandbox (and its gofer) left by a data directory
     (test clean-up safety net)."""
+    # A frozen task (a paused gVisor sandbox's cgroup) does not die until it is thawed.
+    for state in Path("/sys/fs/cgroup").glob(f"freezer/**/{_shm_of(home).name}/*/freezer.state"):
+        with contextlib.suppress(OSError):
+            state.write_text("THAWED")
     out = subprocess.run(["pgrep", "-f", "boxd-m_"], capture_output=True, text=True).stdout
     gvisor = subprocess.run(["pgrep", "-f", f"--root={_shm_of(home)}/gvisor"],
                             capture_output=True, text=True).stdout

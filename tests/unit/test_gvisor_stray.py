@@ -4,6 +4,9 @@ cgroup tree of tests/unit/test_cgroups.py where a test needs one."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
 import subprocess
 import sys
 import time
@@ -12,7 +15,7 @@ from pathlib import Path
 from tests.unit.test_cgroups import _v1
 
 from boxd.engine.cgroups import Cgroups, Limits
-from boxd.engine.gvisor._engine import GvisorEngine
+from boxd.engine.gvisor._engine import GvisorEngine, Runsc
 
 
 def _stand_in(vm_id: str) -> subprocess.Popen[bytes]:
@@ -69,3 +72,30 @@ def test_a_kill_thaws_a_frozen_sandbox_first(tmp_path: Path) -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_cancelled_runsc_command_is_ended_not_left_running(tmp_path: Path) -> None:
+    """A daemon closing while a standby copy is restored cancels `Runsc.run`: the runsc
+    process is killed and reaped there, so it cannot start a sandbox after the caller's
+    clean-up has looked for one."""
+    fake = tmp_path / "runsc"
+    pidfile = tmp_path / "pid"
+    fake.write_text(f"#!/bin/sh\necho $$ > {pidfile}\nexec sleep 60\n")
+    fake.chmod(0o755)
+
+    async def main() -> None:
+        task = asyncio.ensure_future(
+            Runsc(str(fake), tmp_path, tmp_path).run("restore", "m_1", what="restore"))
+        while not pidfile.exists() or not pidfile.read_text().strip():
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        pid = int(pidfile.read_text())
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return  # gone, and reaped
+        raise AssertionError(f"runsc (pid {pid}) still runs after the cancel")
+
+    asyncio.run(main())

@@ -261,3 +261,41 @@ def test_a_fork_that_finds_no_spare_ends_the_wait_and_gets_the_next_one() -> Non
         await pool.close()  # the refill replacing m_2 waits for forks to pause: cancelled
 
     asyncio.run(main())
+
+
+def test_closing_mid_refill_discards_the_spares_already_made() -> None:
+    """The daemon closes while a refill prepares two spares: one is made, the other
+    still restoring. Closing cancels the refill and waits for it; the made one is
+    destroyed and its files removed (a cancelled gather would drop it, its sandbox
+    still running with nobody to own it)."""
+
+    class HalfMaker(FakeMaker):
+        def __init__(self) -> None:
+            super().__init__()
+            self.handles: list[FakeHandle] = []
+            self.cancelled = 0
+
+        async def prepare_spare(self, source_id: str, tpl: Any) -> Spare:
+            if self.made >= 1:
+                try:
+                    await asyncio.Event().wait()  # a restore that never ends
+                except asyncio.CancelledError:
+                    self.cancelled += 1
+                    raise
+            spare = await super().prepare_spare(source_id, tpl)
+            self.handles.append(spare.handle)  # type: ignore[arg-type]
+            return spare
+
+    async def main() -> None:
+        m = HalfMaker()
+        pool = SparePool(m, per_template=8, total=8, parallel=2)
+        m.current.add("t1")
+        pool.want("src", tpl("t1"), 2)
+        while m.made < 1:
+            await asyncio.sleep(0.01)
+        await pool.close()
+        assert m.cancelled == 1
+        assert [h.destroyed for h in m.handles] == [True]
+        assert m.removed == ["m_1"] and pool.count("t1") == 0
+
+    asyncio.run(main())

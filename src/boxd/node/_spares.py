@@ -151,8 +151,11 @@ class SparePool:
                 self._last_take.pop(tid, None)
 
     async def close(self) -> None:
-        for task in list(self._tasks):
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
+        # Their clean-up (a standby copy half restored is killed) runs before we go on.
+        await asyncio.gather(*tasks, return_exceptions=True)
         for tid in list(self._spares):
             for spare in self._spares.pop(tid):
                 await self._discard(spare)
@@ -174,9 +177,7 @@ class SparePool:
                 self._making[tpl.id] = room  # from now: a fork finding none waits for one
                 try:
                     await self._settled(tpl.id)
-                    made = await asyncio.gather(
-                        *(self._maker.prepare_spare(source_id, tpl) for _ in range(room)),
-                        return_exceptions=True)
+                    made = await self._prepare(source_id, tpl, room)
                 finally:
                     self._making.pop(tpl.id, None)
                 failed = [r for r in made if not isinstance(r, Spare)]
@@ -203,6 +204,22 @@ class SparePool:
             for fut in self._waiters.get(tpl.id, []):
                 if not fut.done():
                     fut.set_result(None)  # no more spares coming: start from scratch
+
+    async def _prepare(self, source_id: str, tpl: TemplateRecord, n: int) -> list[Any]:
+        """``n`` spares made at once: each a `Spare` or the exception that stopped it.
+        Cancelled (the daemon closing), the ones already made are discarded: a gather
+        cancelled would drop their sandboxes unowned, still running."""
+        jobs = [asyncio.ensure_future(self._maker.prepare_spare(source_id, tpl))
+                for _ in range(n)]
+        try:
+            return await asyncio.gather(*jobs, return_exceptions=True)
+        except BaseException:
+            for job in jobs:
+                job.cancel()
+            for made in await asyncio.gather(*jobs, return_exceptions=True):
+                if isinstance(made, Spare):
+                    await self._discard(made)
+            raise
 
     async def _settled(self, template_id: str) -> None:
         """Wait until no fork has taken a spare of this template for ``settle`` seconds,

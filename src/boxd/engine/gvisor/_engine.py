@@ -189,6 +189,15 @@ def _command_lines() -> Iterator[tuple[int, list[bytes]]]:
         yield int(proc.name), argv
 
 
+def find_sandbox(vm_id: str, pidfile: Path) -> int | None:
+    """The pid of ``vm_id``'s live sandbox: from its pid file, else (none written yet:
+    runsc writes it once the sandbox is up; or a stale one) by its command line."""
+    pid = _read_pid(pidfile)
+    if pid is not None and sandbox_matches(pid, vm_id):
+        return pid
+    return next((p for p, _ in _command_lines() if sandbox_matches(p, vm_id)), None)
+
+
 def gofer_of(bundle: Path) -> int | None:
     """The pid of the gofer process serving the sandbox started from ``bundle``."""
     want = f"--bundle={bundle}".encode()
@@ -265,6 +274,14 @@ class Runsc:
             await proc.wait()
             raise MachineFailed(f"runsc {what} did not finish within {timeout:.0f}s",
                                 hint="see the machine's runsc.log", machine=machine) from None
+        except BaseException:
+            # Cancelled (a daemon closing while a standby copy is restored): a runsc
+            # left running would start its sandbox after the caller's clean-up, with
+            # nobody to own it. End it, and let the caller clean up after it.
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+            raise
         if proc.returncode != 0:
             text = (err or b"").decode(errors="replace").strip()
             if not text and log is not None:
@@ -853,7 +870,7 @@ class GvisorEngine:
                 raise MachineFailed(f"runsc {what} of {config.id} wrote no pid file",
                                     hint="see the machine's runsc.log", machine=config.id)
         except BaseException:
-            self.kill(config.id, _read_pid(files.pidfile))
+            self.kill(config.id, find_sandbox(config.id, files.pidfile))
             if cgroup is not None:
                 _kill_all(cgroup)
                 await self.cgroups.release(cgroup)
@@ -922,10 +939,7 @@ class GvisorEngine:
         is found by its command line (which names the VM), as with cgroups off nothing
         else would find a sandbox started just before the daemon died."""
         if pid is None:
-            pid = _read_pid(RunFiles(run_dir).pidfile)
-            if pid is None or not sandbox_matches(pid, vm_id):
-                pid = next((p for p, _ in _command_lines() if sandbox_matches(p, vm_id)),
-                           None)
+            pid = find_sandbox(vm_id, RunFiles(run_dir).pidfile)
         netns = _net.load(run_dir)
         if netns is not None:
             netns.kill()
