@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,6 +158,55 @@ def _shm_of(home: Path) -> Path:
     from boxd.config import Paths
 
     return Paths(home.resolve()).shm
+
+
+_VM_COMMANDS = (b"runsc-sandbox", b"runsc-gofer", b"qemu-system-")
+
+
+def _vm_processes() -> dict[int, str]:
+    """Live QEMU, gVisor sandbox and gofer processes: pid -> command line."""
+    found: dict[int, str] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state not in "ZX" and argv and any(c in Path(argv[0].decode(errors="replace")).name
+                                             .encode() for c in _VM_COMMANDS):
+            found[int(proc.name)] = b" ".join(argv).decode(errors="replace")[:240]
+    return found
+
+
+def _kill_left(pids: Collection[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(OSError, ValueError):
+            for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+                _, controllers, path = line.split(":", 2)
+                if "freezer" in controllers.split(",") and path != "/":
+                    Path("/sys/fs/cgroup/freezer", path.lstrip("/"), "freezer.state") \
+                        .write_text("THAWED")  # a frozen task does not die until thawed
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_vm_outlives_the_run() -> Iterator[None]:
+    """Every VM process the run starts ends with it: after every daemon is stopped and
+    its machines killed, one still running was left behind by the code (a sandbox
+    started after its daemon's clean-up, say). It is killed, and the run fails."""
+    before = set(_vm_processes())
+    yield
+    deadline = time.monotonic() + 20  # killed VMs take a moment to exit
+    while (left := {p: c for p, c in _vm_processes().items() if p not in before}) \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if left:
+        _kill_left(left)
+        pytest.fail("VM processes outlived the test run:\n" +
+                    "\n".join(f"  {p}: {c}" for p, c in sorted(left.items())))
 
 
 @pytest.fixture(scope="session", autouse=True)
