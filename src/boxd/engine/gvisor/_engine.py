@@ -470,11 +470,6 @@ class GvisorMachine:
         if self.cgroup is not None and self.alive():
             self._frozen = self.cgroup.set_frozen(True)
 
-    @property
-    def frozen(self) -> bool:
-        """True while the sandbox's cgroup is frozen (paused, and idle for a while)."""
-        return bool(self._frozen)
-
     def thaw(self) -> None:
         """Let the sandbox's tasks run again before anything talks to its Sentry (a
         runsc command, a port forward, a kill): cancel a pending freeze, undo a done
