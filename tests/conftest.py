@@ -131,7 +131,7 @@ def kill_machines_of(home: Path) -> None:
         with contextlib.suppress(OSError):
             state.write_text("THAWED")
     out = subprocess.run(["pgrep", "-f", "boxd-m_"], capture_output=True, text=True).stdout
-    gvisor = subprocess.run(["pgrep", "-f", f"--root={_shm_of(home)}/gvisor"],
+    gvisor = subprocess.run(["pgrep", "-f", "--", f"--root={_shm_of(home)}/gvisor"],
                             capture_output=True, text=True).stdout
     for pid in gvisor.split():
         with contextlib.suppress(OSError):

@@ -207,7 +207,7 @@ def _auto_daemon(daemon, **env: str) -> Iterator[object]:  # type: ignore[no-unt
     """A second daemon with BOXD_ENGINE=auto (and ``env``), the session's probes copied."""
     from boxd import Boxd
 
-    from ..conftest import _shm_of, kill_machines_of, start_daemon
+    from ..conftest import _shm_of, kill_machines_of, remove_cgroups_of, start_daemon
 
     home = Path(f"/tmp/boxd-auto-{os.getpid()}")
     env = {"BOXD_ENGINE": "auto", **env}
@@ -226,6 +226,8 @@ def _auto_daemon(daemon, **env: str) -> Iterator[object]:  # type: ignore[no-unt
         finally:
             d.stop()
             kill_machines_of(home)
+            time.sleep(0.2)  # the killed sandboxes leave their cgroups
+            remove_cgroups_of(home)
     finally:
         for k, v in old.items():
             if v is None:
