@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -146,7 +147,10 @@ def kill_machines_of(home: Path) -> None:
 def remove_cgroups_of(home: Path) -> None:
     """Remove the per-machine cgroups of a data directory whose VMs are gone (a daemon
     removes them itself; one stopped before its machines were killed cannot)."""
-    name = _shm_of(home).name  # the cgroup parent is named like the tmpfs folder
+    _remove_cgroups_named(_shm_of(home).name)  # the parent is named like the tmpfs folder
+
+
+def _remove_cgroups_named(name: str) -> None:
     for parent in Path("/sys/fs/cgroup").glob(f"**/{name}"):
         for d in [*parent.glob("*/"), parent]:
             with contextlib.suppress(OSError):
@@ -190,6 +194,39 @@ def _kill_left(pids: Collection[int]) -> None:
                         .write_text("THAWED")  # a frozen task does not die until thawed
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
+
+
+def _shm_trees() -> set[Path]:
+    """The daemons' tmpfs folders (``/dev/shm/boxd-<hash of the data directory>``)."""
+    return set(Path("/dev/shm").glob("boxd-*"))
+
+
+def _files_in(tree: Path) -> list[Path]:
+    """What a daemon's tmpfs folder holds besides runsc's own bookkeeping (``gvisor/``:
+    its log, and the state files of sandboxes killed without ``runsc delete``)."""
+    return [f for f in tree.rglob("*")
+            if not f.is_dir() and f.relative_to(tree).parts[0] != "gvisor"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_tmpfs_outlives_the_run() -> Iterator[None]:
+    """The tmpfs folder (and cgroup parent) of every daemon the run starts goes with
+    it. A daemon keeps them (its machines outlive it), so the tests remove the ones
+    they made: quietly when only empty folders and runsc's bookkeeping are left. One
+    that still holds a template, a checkpoint or a machine's files is host memory the
+    code leaked: it is removed too, and the run fails."""
+    before = _shm_trees()
+    yield
+    leaked: dict[Path, list[Path]] = {}
+    for tree in sorted(_shm_trees() - before):
+        if files := _files_in(tree):
+            leaked[tree] = files
+        shutil.rmtree(tree, ignore_errors=True)
+        _remove_cgroups_named(tree.name)  # its daemon's cgroup parent, once empty
+    if leaked:
+        pytest.fail("tmpfs files outlived the test run:\n" + "\n".join(
+            f"  {t}: {', '.join(str(f.relative_to(t)) for f in fs[:5])}"
+            for t, fs in leaked.items()))
 
 
 @pytest.fixture(scope="session", autouse=True)
