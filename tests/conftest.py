@@ -196,6 +196,38 @@ def _kill_left(pids: Collection[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def _live_daemons() -> set[bytes]:
+    """The tmpfs folder names (``boxd-<hash>``) of the boxd daemons running now. The
+    run's own daemons are all stopped by the time the guards below look; one still
+    running is another's on this host (a developer's, a benchmark's), with machines
+    and files the guards must leave alone."""
+    from boxd.config import Paths
+
+    names: set[bytes] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            if b"serve" not in argv or not any(b"boxd" in a for a in argv[:3]):
+                continue
+            env = dict(kv.split(b"=", 1) for kv in (proc / "environ").read_bytes()
+                       .split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        home = Path(env.get(b"BOXD_HOME", b"/var/lib/boxd").decode()).expanduser()
+        names.add(Paths(home.resolve()).shm.name.encode())
+    return names
+
+
+def _of_live_daemon(pid: int, live: set[bytes]) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return any(name in cmdline for name in live)
+
+
 def _shm_trees() -> set[Path]:
     """The daemons' tmpfs folders (``/dev/shm/boxd-<hash of the data directory>``)."""
     return set(Path("/dev/shm").glob("boxd-*"))
@@ -214,11 +246,15 @@ def _no_tmpfs_outlives_the_run() -> Iterator[None]:
     it. A daemon keeps them (its machines outlive it), so the tests remove the ones
     they made: quietly when only empty folders and runsc's bookkeeping are left. One
     that still holds a template, a checkpoint or a machine's files is host memory the
-    code leaked: it is removed too, and the run fails."""
+    code leaked: it is removed too, and the run fails. A running daemon's folder is
+    not the run's (see `_live_daemons`)."""
     before = _shm_trees()
     yield
     leaked: dict[Path, list[Path]] = {}
+    live = _live_daemons()
     for tree in sorted(_shm_trees() - before):
+        if tree.name.encode() in live:
+            continue
         if files := _files_in(tree):
             leaked[tree] = files
         shutil.rmtree(tree, ignore_errors=True)
@@ -233,11 +269,14 @@ def _no_tmpfs_outlives_the_run() -> Iterator[None]:
 def _no_vm_outlives_the_run() -> Iterator[None]:
     """Every VM process the run starts ends with it: after every daemon is stopped and
     its machines killed, one still running was left behind by the code (a sandbox
-    started after its daemon's clean-up, say). It is killed, and the run fails."""
+    started after its daemon's clean-up, say). It is killed, and the run fails. (A
+    daemon still running is not the run's: its machines are left alone.)"""
     before = set(_vm_processes())
     yield
     deadline = time.monotonic() + 20  # killed VMs take a moment to exit
-    while (left := {p: c for p, c in _vm_processes().items() if p not in before}) \
+    live = _live_daemons()
+    while (left := {p: c for p, c in _vm_processes().items()
+                    if p not in before and not _of_live_daemon(p, live)}) \
             and time.monotonic() < deadline:
         time.sleep(0.2)
     if left:
