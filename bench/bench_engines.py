@@ -13,8 +13,11 @@ environment points at (``BOXD_HOME``):
   made after the previous one), p50/p90; and 8 forks in one call, all exec-ready;
 - the spec's 8 rollouts (fork, wait, ``python3 rollout.py --seed N``, delete; 8 threads),
   wall time per round: rounds 2 s apart, then rounds after ``BENCH_ENGINE_ROLLOUT_IDLE``
-  (10) idle seconds each, when the daemon has refilled its standby children;
-- one CartPole episode (the spec's seeded policy, imports excluded, mean of 20 seeds) in
+  (10) idle seconds each, when the daemon has refilled its standby children; and the
+  loop's floor in the same run: the 8 ``rollout.py`` execs alone, in 8 fresh forks made
+  and idle first (the loop over the floor is what forking and deleting cost it);
+- one CartPole episode (the spec's seeded policy, imports excluded, mean of 20 seeds;
+  ``BENCH_ENGINE_EPISODE_N`` (3) runs, once the standby children are refilled) in
   a fork, against the same code on the host's own Python (same wheels, installed with
   ``pip --target`` from the local wheel directory);
 - an idle copy's host memory: PSS of the fork's processes (QEMU: its QEMU process;
@@ -40,7 +43,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import Row, pss_bytes, qemu_pid, row_from, say, standalone
+from _common import Row, median, pss_bytes, qemu_pid, row_from, say, standalone
 from boxd import Boxd
 
 GROUP = "engines"
@@ -55,6 +58,8 @@ ROLLOUT_ROUNDS = int(os.environ.get("BENCH_ENGINE_ROLLOUT_ROUNDS", "3"))
 # refill its standby children after the previous round (8 gVisor restores: ~3-4 s here).
 ROLLOUT_IDLE = float(os.environ.get("BENCH_ENGINE_ROLLOUT_IDLE", "10"))
 CKPT_N = int(os.environ.get("BENCH_ENGINE_CKPT_N", "3"))
+# Runs of the episode figure (each the mean of 20 seeds in a fresh interpreter).
+EPISODE_N = int(os.environ.get("BENCH_ENGINE_EPISODE_N", "3"))
 ONLY = [e for e in os.environ.get("BENCH_ENGINES", "qemu,gvisor").split(",") if e]
 EPISODE_CODE = (
     "import sys, time; sys.path.insert(0, {dir!r}); import rollout, gymnasium as gym, "
@@ -88,8 +93,9 @@ def _wheels() -> list[Path]:
     return have
 
 
-def native_episode() -> float | None:
-    """The episode on the host's Python, with the same wheels (None if they don't fit)."""
+def native_episode() -> list[float] | None:
+    """The episode on the host's Python, with the same wheels, ``EPISODE_N`` runs (None
+    if the wheels don't fit)."""
     with tempfile.TemporaryDirectory(prefix="boxd-bench-native-") as tmp:
         r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index",
                             "--find-links", str(WHEELS), "--target", tmp, "gymnasium",
@@ -97,9 +103,15 @@ def native_episode() -> float | None:
         if r.returncode != 0:
             return None
         env = {**os.environ, "PYTHONPATH": tmp}
-        out = subprocess.run([sys.executable, "-c", EPISODE_CODE.format(dir=str(EXAMPLES))],
-                             capture_output=True, text=True, env=env, timeout=300)
-        return float(out.stdout.strip()) if out.returncode == 0 else None
+        runs = []
+        for _ in range(EPISODE_N):
+            out = subprocess.run(
+                [sys.executable, "-c", EPISODE_CODE.format(dir=str(EXAMPLES))],
+                capture_output=True, text=True, env=env, timeout=300)
+            if out.returncode != 0:
+                return None
+            runs.append(float(out.stdout.strip()))
+        return runs
 
 
 def _descendants(pid: int) -> list[int]:
@@ -200,8 +212,8 @@ def bench_engine(client: Boxd, engine: str, log: Callable[[str], None]) -> dict[
             with ThreadPoolExecutor(max_workers=8) as pool:
                 list(pool.map(lambda i: _ok(client, i, "true"), ids))
             batch.append(time.monotonic() - t)
-            for i in ids:
-                client.machines.delete(i)
+            for mid in ids:
+                client.machines.delete(mid)
             assert len(ids) == 8, kids
             time.sleep(2.0)
         res["fork8"] = batch
@@ -230,11 +242,44 @@ def bench_engine(client: Boxd, engine: str, log: Callable[[str], None]) -> dict[
         log(f"{engine}: 8 rollouts x{ROLLOUT_ROUNDS}, {ROLLOUT_IDLE:.0f} s idle before each")
         res["rollouts_idle"] = rounds(ROLLOUT_IDLE)
 
+        # The loop's floor on this host right now: the same 8 rollouts in 8 fresh forks
+        # of the same source (made, exec-ready and idle first), only the execs timed. The
+        # loop's wall over this is what forking and deleting per rollout cost it; this
+        # figure itself is the machines' own work, which the host's pace moves.
+        log(f"{engine}: 8 rollout execs alone in 8 fresh forks x{ROLLOUT_ROUNDS}")
+        floor = []
+        for _ in range(ROLLOUT_ROUNDS):
+            time.sleep(ROLLOUT_IDLE)
+            fresh = [k.id for k in client.machines.fork(src, count=8)
+                     if not isinstance(k, Exception)]
+
+            def episode(seed: int, fresh: list[str] = fresh) -> str:
+                return _ok(client, fresh[seed], f"python3 /home/boxd/rollout.py --seed {seed}")
+
+            try:
+                assert len(fresh) == 8, fresh
+                for mid in fresh:
+                    client.machines.wait_until_ready(mid)
+                time.sleep(2.0)  # past the claims' own settling (identity, refill start)
+                with ThreadPoolExecutor(max_workers=8) as pool:
+                    t = time.monotonic()
+                    outs = list(pool.map(episode, range(8)))
+                    floor.append(time.monotonic() - t)
+                assert len(set(outs)) > 1
+            finally:
+                for mid in fresh:
+                    client.machines.delete(mid)
+        res["rollout_floor"] = floor
+
         log(f"{engine}: episode in a fork, idle PSS, checkpoints")
+        # After the standby children's refill (as before the idle rounds): an episode is
+        # a few ms, and the 8 restores of the refill right after the last round made
+        # one run of it 12x slower than the same fork measured on a quiet host.
+        time.sleep(ROLLOUT_IDLE)
         child = client.machines.fork(src)
         made.append(child.id)
-        ep = _ok(client, child.id, "python3 -c " + _sh(EPISODE_CODE.format(dir="/home/boxd")))
-        res["episode"] = float(ep.strip())
+        code = "python3 -c " + _sh(EPISODE_CODE.format(dir="/home/boxd"))
+        res["episode"] = [float(_ok(client, child.id, code).strip()) for _ in range(EPISODE_N)]
         time.sleep(3)
         res["pss"] = machine_pss(client, engine, child.id)
         saves, restores = [], []
@@ -292,6 +337,10 @@ def run(client: Boxd | None = None, log: Callable[[str], None] | None = None) ->
             "target gvisor <= 1 s; spec 1.6 s" if engine == "gvisor" else "spec 1.6 s")
         row(engine, f"8 rollouts, wall, after {ROLLOUT_IDLE:.0f} s idle", "rollouts_idle",
             "standby children refilled before each round")
+        if (fl := data[engine].get("rollout_floor")) and (idle := data[engine].get(
+                "rollouts_idle")):
+            row(engine, "8 rollout execs alone, 8 fresh forks (the loop's floor)",
+                "rollout_floor", f"loop after idle / floor: {median(idle) / median(fl):.2f}x")
         row(engine, "checkpoint save", "ckpt_save")
         row(engine, "checkpoint restore -> exec-ready", "ckpt_restore")
         if data[engine].get("pss") is not None:
@@ -299,13 +348,12 @@ def run(client: Boxd | None = None, log: Callable[[str], None] | None = None) ->
         ep = data[engine].get("episode")
         if ep is not None:
             rows.append(row_from(
-                GROUP, f"{engine}: CartPole episode in a fork", [ep], accel=accel[engine],
-                note="mean of 20 seeds" + (" ; target gvisor <= 3x native"
-                                            if engine == "gvisor" else ""),
-                baseline="native" if native else None,
-                baseline_values=[native] if native else None))
+                GROUP, f"{engine}: CartPole episode in a fork", ep, accel=accel[engine],
+                note="each run the mean of 20 seeds" + (" ; target gvisor <= 3x native"
+                                                         if engine == "gvisor" else ""),
+                baseline="native" if native else None, baseline_values=native))
     if native is not None:
-        rows.append(row_from(GROUP, "host: CartPole episode, native Python", [native],
+        rows.append(row_from(GROUP, "host: CartPole episode, native Python", native,
                              accel="host", note="same wheels, pip --target"))
     return rows
 
