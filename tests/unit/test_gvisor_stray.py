@@ -14,8 +14,10 @@ from pathlib import Path
 
 from tests.unit.test_cgroups import _v1
 
-from boxd.engine.cgroups import Cgroups, Limits
-from boxd.engine.gvisor._engine import GvisorEngine, Runsc
+from boxd.engine.base import MachineConfig
+from boxd.engine.cgroups import Cgroups, Limits, VmCgroup
+from boxd.engine.gvisor._engine import GvisorEngine, GvisorMachine, Runsc
+from boxd.engine.gvisor._spec import RunFiles
 
 
 def _stand_in(vm_id: str) -> subprocess.Popen[bytes]:
@@ -97,5 +99,58 @@ def test_a_cancelled_runsc_command_is_ended_not_left_running(tmp_path: Path) -> 
         except ProcessLookupError:
             return  # gone, and reaped
         raise AssertionError(f"runsc (pid {pid}) still runs after the cancel")
+
+    asyncio.run(main())
+
+
+def _machine(tmp: Path, engine: GvisorEngine, cgroup: VmCgroup | None) -> GvisorMachine:
+    config = MachineConfig(id="m_spare", hostname="h", vcpus=1, memory_mib=256,
+                           isolated=True, port=None, kernel=tmp / "k", initrd=tmp / "i",
+                           cmdline="")
+    return GvisorMachine(engine, config, RunFiles(tmp / "run"), os.getpid(), tmp / "disk",
+                         tmp / "log", None, cgroup)
+
+
+def test_a_standby_copy_is_held_by_its_freezer_and_claimed_without_runsc(
+    tmp_path: Path,
+) -> None:
+    """A standby copy stops at once in its frozen cgroup, with no ``runsc pause``, and
+    its claim (`resume`) is the thaw alone: no ``runsc resume`` on the fork's path.
+    Without a freezer it is runsc-paused and resumed as before; a held copy that is
+    then paused for real (a suspend) is resumed by runsc."""
+    calls = tmp_path / "calls"
+    fake = tmp_path / "runsc"
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    fake.chmod(0o755)
+    mounts, self_cg = _v1(tmp_path)
+    freezer = tmp_path / "cgroup" / "freezer"
+    freezer.mkdir()
+    mounts.write_text(mounts.read_text() + f"cgroup {freezer} cgroup rw,freezer 0 0\n")
+    cg = Cgroups.open("boxd-abc", mounts=mounts, self_cgroup=self_cg)
+    vm = cg.create("m_spare", Limits(1 << 30))
+    assert vm is not None
+    state = vm.dirs["freezer"] / "freezer.state"
+
+    def runsc_verbs() -> list[str]:
+        lines = calls.read_text().splitlines() if calls.exists() else []
+        return [line.split()[-2] for line in lines]  # ... <verb> <vm id>
+
+    async def main() -> None:
+        engine = GvisorEngine(str(fake), "0", tmp_path / "state", tmp_path / "agent", "ok",
+                              tmp_path / "rootfs.img", cgroups=cg)
+        m = _machine(tmp_path, engine, vm)
+        await m.hold()
+        assert state.read_text() == "FROZEN"
+        await m.resume()
+        assert state.read_text() == "THAWED"
+        assert runsc_verbs() == []
+        await m.hold()
+        await m.pause()
+        await m.resume()
+        assert runsc_verbs() == ["pause", "resume"]
+        bare = _machine(tmp_path, engine, None)
+        await bare.hold()
+        await bare.resume()
+        assert runsc_verbs() == ["pause", "resume", "pause", "resume"]
 
     asyncio.run(main())

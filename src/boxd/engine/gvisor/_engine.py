@@ -328,6 +328,9 @@ class GvisorMachine:
         # daemon restart), so the next thaw writes regardless.
         self._frozen: bool | None = None
         self._freeze_timer: asyncio.TimerHandle | None = None
+        # A standby copy stopped by its freezer alone (`hold`): not runsc-paused, so
+        # its claim is a thaw, not a ``runsc resume``.
+        self._held = False
 
     @property
     def config(self) -> MachineConfig:
@@ -465,6 +468,18 @@ class GvisorMachine:
             self._freeze_timer = asyncio.get_running_loop().call_later(
                 FREEZE_AFTER, self._freeze)
 
+    async def hold(self) -> None:
+        """Stop a standby copy until its claim. Where its cgroup has a freezer, the
+        freezer alone stops it, at once, and the claim (`resume`) is a cgroup write:
+        no ``runsc pause`` now and no ``runsc resume`` on the fork's path, where the 8
+        claims of a rollout batch started 8 runsc processes at once (60-170 ms of wall
+        time each here). Elsewhere, `pause`."""
+        if self.cgroup is not None and self.cgroup.set_frozen(True):
+            self._frozen = True
+            self._held = True
+            return
+        await self.pause()
+
     def _freeze(self) -> None:
         self._freeze_timer = None
         if self.cgroup is not None and self.alive():
@@ -475,6 +490,7 @@ class GvisorMachine:
         runsc command, a port forward, a kill): cancel a pending freeze, undo a done
         one. (The agent needs no thaw: a paused sandbox's agent does not answer
         anyway, and whoever resumes it thaws it.)"""
+        self._held = False  # whatever stopped it, it runs once thawed
         if self._freeze_timer is not None:
             self._freeze_timer.cancel()
             self._freeze_timer = None
@@ -485,6 +501,7 @@ class GvisorMachine:
             self._frozen = False
 
     async def resume(self) -> None:
+        held = self._held
         self.thaw()
         if self.standby == "cpu.idle" and self.cgroup is not None:
             # A claimed standby copy: from now on it runs at an equal CPU share.
@@ -497,6 +514,8 @@ class GvisorMachine:
                 pids.append(gofer)
             await asyncio.to_thread(set_priority, pids, os.getpriority(os.PRIO_PROCESS, 0))
         self.standby = None
+        if held:
+            return  # only frozen (`hold`): the thaw was the resume
         await self.engine.runsc.run("resume", self._config.id, what="resume",
                                     machine=self._config.id, log=self.log_path)
 
@@ -895,8 +914,8 @@ class GvisorEngine:
     ) -> GvisorMachine:
         """Restore a sandbox from a checkpoint (``copy_memory`` changes nothing here: a
         restored sandbox always owns its memory). With ``paused`` (a standby copy) the
-        restore runs at the lowest CPU priority and the sandbox is paused once its agent
-        answers; its first `resume` gives it an equal CPU share."""
+        restore runs at the lowest CPU priority and the sandbox is stopped once its agent
+        answers (`GvisorMachine.hold`); its first `resume` gives it an equal CPU share."""
         files = RunFiles(run_dir)
         await self.settled(config.id)  # before anything is written to its run directory
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -909,7 +928,7 @@ class GvisorEngine:
                 # Its agent channel is opened now, off the claim's path: a claim resumes
                 # it and sends the identity straight away.
                 await machine.agent(timeout=RUNSC_TIMEOUT)
-                await machine.pause()
+                await machine.hold()
             except BaseException:
                 await machine.destroy()
                 raise
