@@ -125,8 +125,8 @@ def start_daemon(home: Path, *extra: str) -> Daemon:
 
 
 def kill_machines_of(home: Path) -> None:
-    """SIGKILL any QEMU process or gVisor sandbox (and its gofer) left by a data directory
-    (test clean-up safety net)."""
+    """SIGKILL any QEMU process or gVisor sandbox (its gofer, its namespace's pasta) left
+    by a data directory (test clean-up safety net)."""
     # A frozen task (a paused gVisor sandbox's cgroup) does not die until it is thawed.
     for state in Path("/sys/fs/cgroup").glob(f"freezer/**/{_shm_of(home).name}/*/freezer.state"):
         with contextlib.suppress(OSError):
@@ -142,6 +142,13 @@ def kill_machines_of(home: Path) -> None:
             env = Path(f"/proc/{pid}/cmdline").read_bytes()
             if str(home).encode() in env or str(_shm_of(home)).encode() in env:
                 os.kill(int(pid), signal.SIGKILL)
+    # A gVisor machine's network namespace: pasta and its holder, recorded in its run
+    # directory (their command lines do not name the data directory).
+    from boxd.engine.gvisor import _net
+
+    for run_dir in (_shm_of(home) / "machines").glob("*/"):
+        if (ns := _net.load(run_dir)) is not None:
+            ns.signal_end()
 
 
 def remove_cgroups_of(home: Path) -> None:
