@@ -25,6 +25,15 @@ def _stand_in(vm_id: str) -> subprocess.Popen[bytes]:
                              "--root=/x", vm_id], executable=sys.executable)
 
 
+def _with_freezer(tmp: Path) -> Cgroups:
+    """The v1 tree of tests/unit/test_cgroups.py plus a freezer hierarchy."""
+    mounts, self_cg = _v1(tmp)
+    freezer = tmp / "cgroup" / "freezer"
+    freezer.mkdir()
+    mounts.write_text(mounts.read_text() + f"cgroup {freezer} cgroup rw,freezer 0 0\n")
+    return Cgroups.open("boxd-abc", mounts=mounts, self_cgroup=self_cg)
+
+
 def _engine(tmp: Path, cgroups: Cgroups | None = None) -> GvisorEngine:
     return GvisorEngine("runsc", "0", tmp / "state", tmp / "agent", "ok", tmp / "rootfs.img",
                         cgroups=cgroups)
@@ -57,11 +66,7 @@ def test_a_sandbox_without_a_pid_file_is_found_by_its_command_line(tmp_path: Pat
 def test_a_kill_thaws_a_frozen_sandbox_first(tmp_path: Path) -> None:
     """A frozen task does not die until it is thawed: `kill` writes THAWED to the
     sandbox's freezer before its SIGKILL (a paused machine's cgroup is frozen)."""
-    mounts, self_cg = _v1(tmp_path)
-    freezer = tmp_path / "cgroup" / "freezer"
-    freezer.mkdir()
-    mounts.write_text(mounts.read_text() + f"cgroup {freezer} cgroup rw,freezer 0 0\n")
-    cg = Cgroups.open("boxd-abc", mounts=mounts, self_cgroup=self_cg)
+    cg = _with_freezer(tmp_path)
     vm = cg.create("m_frozen", Limits(1 << 30))
     assert vm is not None and vm.set_frozen(True)
     engine = _engine(tmp_path, cg)
@@ -122,11 +127,7 @@ def test_a_standby_copy_is_held_by_its_freezer_and_claimed_without_runsc(
     fake = tmp_path / "runsc"
     fake.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
     fake.chmod(0o755)
-    mounts, self_cg = _v1(tmp_path)
-    freezer = tmp_path / "cgroup" / "freezer"
-    freezer.mkdir()
-    mounts.write_text(mounts.read_text() + f"cgroup {freezer} cgroup rw,freezer 0 0\n")
-    cg = Cgroups.open("boxd-abc", mounts=mounts, self_cgroup=self_cg)
+    cg = _with_freezer(tmp_path)
     vm = cg.create("m_spare", Limits(1 << 30))
     assert vm is not None
     state = vm.dirs["freezer"] / "freezer.state"
