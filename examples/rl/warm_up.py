@@ -26,6 +26,7 @@ Running it again when a worker already answers does nothing and exits 0.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import json
 import os
@@ -85,6 +86,9 @@ class Worker:
             _, _, done, trunc, _ = self.env.step(0)
             if done or trunc:
                 break
+        # The record of each episode is hashed (rollout.py's ``episode``): load hashlib
+        # and its OpenSSL library once here, not in every request's child.
+        hashlib.sha256(b"").hexdigest()
         self.warm_s = time.monotonic() - t0
         self.pid = os.getpid()
 

@@ -12,10 +12,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from tests.unit.test_cgroups import _v1
 
 from boxd.engine.base import MachineConfig
 from boxd.engine.cgroups import Cgroups, Limits, VmCgroup
+from boxd.engine.gvisor import _engine as gvisor_engine
 from boxd.engine.gvisor._engine import GvisorEngine, GvisorMachine, Runsc
 from boxd.engine.gvisor._spec import RunFiles
 
@@ -108,21 +110,24 @@ def test_a_cancelled_runsc_command_is_ended_not_left_running(tmp_path: Path) -> 
     asyncio.run(main())
 
 
-def _machine(tmp: Path, engine: GvisorEngine, cgroup: VmCgroup | None) -> GvisorMachine:
+def _machine(tmp: Path, engine: GvisorEngine, cgroup: VmCgroup | None,
+             pid: int | None = None) -> GvisorMachine:
     config = MachineConfig(id="m_spare", hostname="h", vcpus=1, memory_mib=256,
                            isolated=True, port=None, kernel=tmp / "k", initrd=tmp / "i",
                            cmdline="")
-    return GvisorMachine(engine, config, RunFiles(tmp / "run"), os.getpid(), tmp / "disk",
-                         tmp / "log", None, cgroup)
+    return GvisorMachine(engine, config, RunFiles(tmp / "run"), pid or os.getpid(),
+                         tmp / "disk", tmp / "log", None, cgroup)
 
 
 def test_a_standby_copy_is_held_by_its_freezer_and_claimed_without_runsc(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A standby copy stops at once in its frozen cgroup, with no ``runsc pause``, and
-    its claim (`resume`) is the thaw alone: no ``runsc resume`` on the fork's path.
-    Without a freezer it is runsc-paused and resumed as before; a held copy that is
-    then paused for real (a suspend) is resumed by runsc."""
+    """A standby copy stops in its frozen cgroup HOLD_AFTER after `hold`, with no
+    ``runsc pause``, and its claim (`resume`) is the thaw alone: no ``runsc resume`` on
+    the fork's path. A claim before the freeze cancels it. Without a freezer it is
+    runsc-paused and resumed as before; a held copy that is then paused for real (a
+    suspend) is resumed by runsc."""
+    monkeypatch.setattr(gvisor_engine, "HOLD_AFTER", 0.05)
     calls = tmp_path / "calls"
     fake = tmp_path / "runsc"
     fake.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
@@ -139,10 +144,16 @@ def test_a_standby_copy_is_held_by_its_freezer_and_claimed_without_runsc(
     async def main() -> None:
         engine = GvisorEngine(str(fake), "0", tmp_path / "state", tmp_path / "agent", "ok",
                               tmp_path / "rootfs.img", cgroups=cg)
-        m = _machine(tmp_path, engine, vm)
+        m = _machine(tmp_path, engine, vm, sandbox.pid)  # alive: its freeze comes
         await m.hold()
+        assert state.read_text() == "THAWED"  # the Sentry's post-restore work runs first
+        await asyncio.sleep(0.15)
         assert state.read_text() == "FROZEN"
         await m.resume()
+        assert state.read_text() == "THAWED"
+        await m.hold()
+        await m.resume()  # claimed before the freeze: it never comes
+        await asyncio.sleep(0.15)
         assert state.read_text() == "THAWED"
         assert runsc_verbs() == []
         await m.hold()
@@ -154,4 +165,9 @@ def test_a_standby_copy_is_held_by_its_freezer_and_claimed_without_runsc(
         await bare.resume()
         assert runsc_verbs() == ["pause", "resume", "pause", "resume"]
 
-    asyncio.run(main())
+    sandbox = _stand_in("m_spare")
+    try:
+        asyncio.run(main())
+    finally:
+        sandbox.kill()
+        sandbox.wait()

@@ -288,8 +288,10 @@ class Engine(Protocol):
         With ``copy_memory`` the machine gets its own RAM file (a sparse copy: it can be
         forked and checkpointed cheaply); otherwise it maps ``image.mem_path``
         copy-on-write (cheap to start, costs only the pages it changes). With ``paused``
-        the state is loaded but the guest has not run an instruction: ``resume()``
-        starts it (a standby fork child, prepared before anyone asks for it).
+        it is a standby fork child, prepared before anyone asks for it, and ``resume()``
+        claims it: QEMU loads the state and the guest runs no instruction until then;
+        gVisor restores the sandbox at idle CPU priority, lets it run until its agent
+        answers (and its Sentry's post-restore work is done) and freezes it.
         """
         ...
 

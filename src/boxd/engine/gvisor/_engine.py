@@ -82,6 +82,12 @@ LAYER_KIND = "boxd-gvisor-layer"
 RUNSC_TIMEOUT = 60.0
 #: Seconds a sandbox stays paused before its cgroup is frozen (`GvisorMachine.pause`).
 FREEZE_AFTER = 0.5
+#: Seconds a restored standby copy keeps running, at idle CPU priority, before its
+#: freezer holds it (`GvisorMachine.hold`). About 0.8 s after a restore its Sentry does
+#: a burst of one-off work (measured, not traced to its source); a copy frozen as soon
+#: as its agent answered kept that work for its claim, where it cost the fork's first
+#: half second ~65 ms of CPU beside the rollout.
+HOLD_AFTER = 1.5
 # A standby copy's CPU-bound restore yields to machines that are running an exec (the
 # rollouts that claimed the previous standby copies): its cgroup is set to cpu.idle, or
 # without a cgroup CPU controller every thread gets this niceness (on top of the
@@ -470,13 +476,16 @@ class GvisorMachine:
 
     async def hold(self) -> None:
         """Stop a standby copy until its claim. Where its cgroup has a freezer, the
-        freezer alone stops it, at once, and the claim (`resume`) is a cgroup write:
-        no ``runsc pause`` now and no ``runsc resume`` on the fork's path, where the 8
-        claims of a rollout batch started 8 runsc processes at once (60-170 ms of wall
-        time each here). Elsewhere, `pause`."""
-        if self.cgroup is not None and self.cgroup.set_frozen(True):
-            self._frozen = True
+        freezer alone stops it, HOLD_AFTER from now (once the Sentry's post-restore
+        work is done), and the claim (`resume`) is a cgroup write, or only the
+        cancelled freeze: no ``runsc pause`` now and no ``runsc resume`` on the fork's
+        path, where the 8 claims of a rollout batch started 8 runsc processes at once
+        (60-170 ms of wall time each here). Elsewhere, `pause`."""
+        if self.cgroup is not None and self.cgroup.set_frozen(False):  # has a freezer
+            self._frozen = False
             self._held = True
+            self._freeze_timer = asyncio.get_running_loop().call_later(
+                HOLD_AFTER, self._freeze)
             return
         await self.pause()
 
@@ -914,8 +923,10 @@ class GvisorEngine:
     ) -> GvisorMachine:
         """Restore a sandbox from a checkpoint (``copy_memory`` changes nothing here: a
         restored sandbox always owns its memory). With ``paused`` (a standby copy) the
-        restore runs at the lowest CPU priority and the sandbox is stopped once its agent
-        answers (`GvisorMachine.hold`); its first `resume` gives it an equal CPU share."""
+        restore runs at the lowest CPU priority and the sandbox is held once its agent
+        answers (`GvisorMachine.hold`: frozen HOLD_AFTER later, after the Sentry's
+        post-restore work; a claim before then cancels the freeze); its first `resume`
+        gives it an equal CPU share."""
         files = RunFiles(run_dir)
         await self.settled(config.id)  # before anything is written to its run directory
         run_dir.mkdir(parents=True, exist_ok=True)
