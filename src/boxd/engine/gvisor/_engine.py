@@ -334,8 +334,8 @@ class GvisorMachine:
         # daemon restart), so the next thaw writes regardless.
         self._frozen: bool | None = None
         self._freeze_timer: asyncio.TimerHandle | None = None
-        # A standby copy stopped by its freezer alone (`hold`): not runsc-paused, so
-        # its claim is a thaw, not a ``runsc resume``.
+        # A standby copy held by its freezer alone (`hold`: frozen, or its freeze due):
+        # not runsc-paused, so its claim is a thaw, not a ``runsc resume``.
         self._held = False
 
     @property
