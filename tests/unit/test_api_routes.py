@@ -377,3 +377,40 @@ def test_a_machine_credential_counts_only_on_its_own_relayed_connection(env: Env
         current[0] = now
         r = inside.get("/v1/machines", headers=auth)
         assert r.status_code == 401 and "current credential" in str(_error(r)["message"])
+
+
+@pytest.mark.parametrize(("method", "path", "body"), [
+    ("POST", "/v1/keys", {"name": "p"}),
+    ("POST", "/v1/keys", {"name": "p", "account": "someone-else"}),
+    ("GET", "/v1/keys", None),
+    ("DELETE", "/v1/keys/k_1", None),
+    ("GET", "/v1/accounts", None),
+    ("GET", "/v1/accounts/local", None),
+    ("PATCH", "/v1/accounts/local", {"max_machines": 1000}),
+])
+def test_a_machine_credential_administers_no_keys_or_accounts(
+    env: Env, method: str, path: str, body: dict[str, object] | None
+) -> None:
+    """Round 3, defect 2: code in a machine (of the operator's own ``local`` account
+    here) cannot mint a key that outlives the machine, nor use the operator's rights."""
+    import hashlib
+
+    from boxd.api.guest import _with_caller
+    from boxd.services import GuestCaller
+
+    secret = "boxdm_" + "y" * 32
+    caller = GuestCaller("m_1", env.local, lambda: hashlib.sha256(secret.encode()).hexdigest())
+    inside = TestClient(_with_caller(env.app, caller), raise_server_exceptions=False)
+    before = env.client.get("/v1/keys").json()["keys"]
+    r = inside.request(method, path, json=body, headers={"Authorization": f"Bearer {secret}"})
+    assert r.status_code == 403, r.text
+    err = _error(r)
+    assert err["code"] == "forbidden" and "machine's credential" in str(err["message"])
+    assert "BOXD_API_KEY" in str(err["hint"])
+    # Nothing was made or changed.
+    assert env.client.get("/v1/keys").json()["keys"] == before
+    assert env.client.get("/v1/accounts/local").json()["max_machines"] != 1000
+    # The same credential still does what a rollout needs.
+    auth = {"Authorization": f"Bearer {secret}"}
+    assert inside.get("/v1/machines", headers=auth).status_code == 200
+    assert inside.post("/v1/machines", json={"name": "r"}, headers=auth).status_code == 201

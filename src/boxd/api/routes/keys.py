@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Response, status
 
 from boxd import models
-from boxd.api.auth import Account, key_service
+from boxd.api.auth import KeyHolder, key_service
 from boxd.api.errors import ERROR_RESPONSES
 from boxd.api.services.keys import KeyService
 
@@ -17,7 +17,7 @@ Keys = Annotated[KeyService, Depends(key_service)]
 
 
 @router.post("", response_model=models.ApiKeyCreated, status_code=status.HTTP_201_CREATED)
-def create_key(body: models.ApiKeyCreate, account: Account, keys: Keys) -> models.ApiKeyCreated:
+def create_key(body: models.ApiKeyCreate, account: KeyHolder, keys: Keys) -> models.ApiKeyCreated:
     """Create a key; its secret is in this response only.
 
     ``account`` names another account (created if new); only keys of the local account
@@ -27,13 +27,13 @@ def create_key(body: models.ApiKeyCreate, account: Account, keys: Keys) -> model
 
 
 @router.get("", response_model=models.ApiKeyList)
-def list_keys(account: Account, keys: Keys) -> models.ApiKeyList:
+def list_keys(account: KeyHolder, keys: Keys) -> models.ApiKeyList:
     """The account's keys, revoked ones included (secrets are never shown again)."""
     return models.ApiKeyList(keys=keys.list(account))
 
 
 @router.delete("/{key_id}", status_code=status.HTTP_204_NO_CONTENT, response_class=Response)
-def revoke_key(key_id: str, account: Account, keys: Keys) -> Response:
+def revoke_key(key_id: str, account: KeyHolder, keys: Keys) -> Response:
     """Revoke a key of the account; requests with it fail from now on."""
     keys.revoke(account, key_id)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
