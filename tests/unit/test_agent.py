@@ -15,6 +15,7 @@ import os
 import select
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -555,6 +556,31 @@ def test_file_errors(guest: Guest) -> None:
         st = await c.stat(str(guest.tmp))
         assert st["type"] == "dir"
         assert await c.ping() > 0  # still serving
+
+    with_client(guest, body)
+
+
+def test_an_upload_does_not_replace_a_device_or_fifo(guest: Guest) -> None:
+    """Round 3, defect 8: uploading to /dev/null swapped the device for a plain file."""
+    # The agent runs on the host here: its own copy of /dev/null (root can make one),
+    # never the host's.
+    fifo, null = guest.tmp / "fifo", guest.tmp / "null"
+    os.mkfifo(fifo)
+    targets = [fifo]
+    if os.geteuid() == 0:
+        os.mknod(null, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        targets.append(null)
+
+    async def body(c: AgentClient) -> None:
+        for path in targets:
+            with pytest.raises(InvalidRequest, match="not a regular file") as info:
+                await c.write_file(str(path), b"x")
+            assert info.value.details["field"] == "path"
+        assert fifo.is_fifo() and (os.geteuid() != 0 or null.is_char_device())
+        assert not [p for p in guest.tmp.iterdir() if ".boxd-" in p.name]  # no temp file
+        await c.write_file(str(guest.tmp / "plain"), b"y")  # a regular file still works
+        await c.write_file(str(guest.tmp / "plain"), b"z")
+        assert (guest.tmp / "plain").read_bytes() == b"z"
 
     with_client(guest, body)
 

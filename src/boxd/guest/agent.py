@@ -997,6 +997,14 @@ class Agent:
             raise RequestError(P.ERR_INVALID, f"bad mode {mode!r}")
         if os.path.isdir(path):
             raise RequestError(P.ERR_IS_DIR, f"Is a directory: {path}", path=path)
+        with contextlib.suppress(OSError):
+            # The write replaces the path by a rename: a device node, fifo or socket
+            # (/dev/null) would be swapped for a plain file under every program using it.
+            if not stat.S_ISREG(os.stat(path).st_mode):
+                raise RequestError(
+                    P.ERR_INVALID,
+                    f"not a regular file: {path} (an upload replaces a file; devices, "
+                    "fifos and sockets are not replaced)", path=path)
         parent = os.path.dirname(path) or "/"
         try:
             os.makedirs(parent, exist_ok=True)
