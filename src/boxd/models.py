@@ -10,7 +10,15 @@ import re
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, WithJsonSchema
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+)
 
 from boxd import config
 
@@ -47,6 +55,68 @@ _ENV_SCHEMA = {
     "propertyNames": {"minLength": 1, "maxLength": 4096, "pattern": r"^[^=\x00]+$"},
     "additionalProperties": {"type": "string", "pattern": _NO_NUL},
 }
+#: What one command may hold, below what Linux's execve takes (ARG_MAX, 2 MiB with the
+#: default 8 MiB stack; MAX_ARG_STRLEN, 128 KiB per string, its NUL included): a bad
+#: request is a 400 naming the limit, never an exec that fails with "File name too long"
+#: or "Argument list too long" in the guest.
+MAX_ARGV_ITEMS = 65536
+#: Bytes (UTF-8) of one argv item or one ``NAME=value`` of the environment.
+MAX_ARG_BYTES = 128 * 1024 - 1
+#: Bytes of the argv and the environment together (each string with its NUL).
+MAX_EXEC_BYTES = 1 << 20
+#: A command's argv as a list (``exec``, ``spawn``).
+Argv = Annotated[list[NoNul], Field(min_length=1, max_length=MAX_ARGV_ITEMS)]
+#: A command's environment (``exec``, ``spawn``).
+ExecEnv = Annotated[dict[EnvName, NoNul], WithJsonSchema(_ENV_SCHEMA)]
+#: A command's working directory in the guest: an absolute path.
+GuestCwd = Annotated[str, StringConstraints(min_length=1, max_length=4096,
+                                            pattern=GUEST_PATH_PATTERN)]
+
+
+def _arg_bytes(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def check_argv_items(argv: object) -> object:
+    """Before the items are checked: `MAX_ARGV_ITEMS` (a ValueError names the limit)."""
+    if isinstance(argv, list) and len(argv) > MAX_ARGV_ITEMS:
+        raise ValueError(f"{len(argv)} argv items: the limit is {MAX_ARGV_ITEMS}")
+    return argv
+
+
+def check_argv(argv: str | list[str]) -> str | list[str]:
+    """`MAX_ARG_BYTES` per item, `MAX_EXEC_BYTES` in all (a ValueError names the limit)."""
+    total = 0
+    for i, item in enumerate([argv] if isinstance(argv, str) else argv):
+        n = _arg_bytes(item)
+        if n > MAX_ARG_BYTES:
+            what = "the command" if isinstance(argv, str) else f"argv item {i}"
+            raise ValueError(f"{what} is {n} bytes: the limit is {MAX_ARG_BYTES} bytes per "
+                             "string (Linux's MAX_ARG_STRLEN)")
+        total += n + 1
+        if total > MAX_EXEC_BYTES:
+            raise ValueError(f"the command is over {MAX_EXEC_BYTES} bytes: the limit is "
+                             f"{MAX_EXEC_BYTES} bytes for the argv and environment together")
+    return argv
+
+
+def check_env(env: dict[str, str], argv: str | list[str] | None) -> dict[str, str]:
+    """`MAX_ARG_BYTES` per ``NAME=value``, `MAX_EXEC_BYTES` with the argv ``argv``."""
+    items = [] if argv is None else [argv] if isinstance(argv, str) else argv
+    total = sum(_arg_bytes(a) + 1 for a in items)
+    for name, value in env.items():
+        n = _arg_bytes(name) + 1 + _arg_bytes(value)
+        if n > MAX_ARG_BYTES:
+            raise ValueError(f"variable {name[:64]!r} is {n} bytes as NAME=value: the limit "
+                             f"is {MAX_ARG_BYTES} bytes per string (Linux's MAX_ARG_STRLEN)")
+        total += n + 1
+        if total > MAX_EXEC_BYTES:
+            raise ValueError(f"the command and its environment are over {MAX_EXEC_BYTES} "
+                             f"bytes: the limit is {MAX_EXEC_BYTES} bytes for the argv and "
+                             "environment together")
+    return env
+
+
 #: An API key's label: 1-64 printable characters (no control characters).
 KEY_NAME_RE = r"^[^\x00-\x1f\x7f]{1,64}$"
 
@@ -167,20 +237,37 @@ class ForkResult(BaseModel):
 
 
 class ExecRequest(BaseModel):
-    command: NoNul | Annotated[list[NoNul], Field(min_length=1)] = Field(
-        ..., description="shell string (run by /bin/sh -c) or argv; no NUL bytes"
+    command: NoNul | Argv = Field(
+        ..., description="shell string (run by /bin/sh -c) or argv; no NUL bytes; at most "
+        f"{MAX_ARGV_ITEMS} items of {MAX_ARG_BYTES} bytes each, {MAX_EXEC_BYTES} bytes "
+        "with env"
     )
-    env: Annotated[dict[EnvName, NoNul], WithJsonSchema(_ENV_SCHEMA)] = Field(
+    env: ExecEnv = Field(
         default_factory=dict,
         description="variables set for the command; names without '=', no NUL bytes",
     )
-    cwd: Annotated[str, StringConstraints(min_length=1, max_length=4096,
-                                          pattern=_NO_NUL)] | None = None
+    cwd: GuestCwd | None = Field(default=None,
+                                 description="absolute path of its working directory")
     timeout: float | None = Field(
         None, gt=0, le=MAX_EXEC_TIMEOUT, allow_inf_nan=False,
         description=f"seconds (at most {MAX_EXEC_TIMEOUT:.0f}); the command is killed after",
     )
     stdin: str | None = None
+
+    @field_validator("command", mode="before")
+    @classmethod
+    def _command_items(cls, command: object) -> object:
+        return check_argv_items(command)
+
+    @field_validator("command")
+    @classmethod
+    def _command(cls, command: str | list[str]) -> str | list[str]:
+        return check_argv(command)
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, env: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        return check_env(env, info.data.get("command"))
 
 
 class ExecResult(BaseModel):

@@ -8,13 +8,48 @@ on the process's side); the host side sees one message per frame, over a WebSock
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationInfo, field_validator
+
+from boxd.models import (
+    MAX_ARG_BYTES,
+    MAX_ARGV_ITEMS,
+    MAX_EXEC_BYTES,
+    Argv,
+    ExecEnv,
+    GuestCwd,
+    check_argv,
+    check_argv_items,
+    check_env,
+)
 
 
 class SpawnRequest(BaseModel):
-    argv: list[str] = Field(..., min_length=1, description="the command as an argv list")
-    env: dict[str, str] = Field(default_factory=dict)
-    cwd: str | None = None
+    """Checked as `boxd.models.ExecRequest` is: a bad request is a 400 naming the field."""
+
+    argv: Argv = Field(
+        ..., description=f"the command as an argv list; no NUL bytes; at most {MAX_ARGV_ITEMS} "
+        f"items of {MAX_ARG_BYTES} bytes each, {MAX_EXEC_BYTES} bytes with env")
+    env: ExecEnv = Field(
+        default_factory=dict,
+        description="variables set for the command; names without '=', no NUL bytes")
+    cwd: GuestCwd | None = Field(default=None,
+                                 description="absolute path of its working directory")
+
+    @field_validator("argv", mode="before")
+    @classmethod
+    def _argv_items(cls, argv: object) -> object:
+        return check_argv_items(argv)
+
+    @field_validator("argv")
+    @classmethod
+    def _argv(cls, argv: list[str]) -> list[str]:
+        check_argv(argv)
+        return argv
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, env: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        return check_env(env, info.data.get("argv"))
 
 
 class Process(BaseModel):
@@ -30,6 +65,9 @@ class Process(BaseModel):
     signal: int | None = None
     started_at: float
     stderr_tail: str = Field("", description="the last few KiB of its stderr")
+    reason: str | None = Field(
+        default=None, description="why it exited or is detached, when the node knows: e.g. killed "
+        "for output nobody read past the node's bound, or its agent connection lost")
 
 
 class ProcessList(BaseModel):

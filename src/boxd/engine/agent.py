@@ -555,20 +555,72 @@ class AgentClient:
         """Start a long-lived command whose stdin stays open (e.g. a warm worker).
 
         Feed it with `ExecProcess.write` / `ExecProcess.close_stdin` and iterate the
-        `ExecProcess` for its output and exit, exactly as with `exec`.
+        `ExecProcess` for its output and exit, exactly as with `exec`. Returns once the
+        agent has started it: a command that cannot start is an error here, not an exit
+        status later. Its output is flow-controlled (protocol 1.3): the agent stays at
+        most a window ahead of the iteration, so a slow consumer holds the command,
+        not this process's memory.
 
         Raises:
-            MachineFailed: the connection was lost.
+            MachineFailed: the connection was lost, or the agent did not answer.
+            GuestFileNotFound: ``cwd`` does not exist, or the program (exit status 127).
+            InvalidRequest: the agent rejected the request, or the program cannot be
+                executed (exit status 126).
         """
         fields = self._exec_fields(command, env, cwd, timeout)
         fields["stdin_stream"] = True
+        window = self._window()
+        if window:
+            fields["window"] = window
         req_id, q, msg = self._open(P.OP_EXEC, **fields)
         try:
             await self._send(msg)
+            q = await self._started(req_id, q, command)
         except BaseException:
             self._pending.pop(req_id, None)
             raise
-        return ExecProcess(self, req_id, self._exec_events(req_id, q, None))
+        return ExecProcess(self, req_id, self._exec_events(req_id, q, None, window))
+
+    async def _started(self, req_id: int, q: _Queue, command: str | list[str]) -> _Queue:
+        """Wait for exec ``req_id``'s ``started`` event; the queue to follow it with.
+
+        Raises the exec's error, or one for a program that could not be executed (the
+        agent answers those as a shell would: its message on stderr, then exit status
+        127 or 126, without a ``started``).
+        """
+        early: list[_Msg] = []
+        try:
+            while True:
+                reply = await self._next(q, REQUEST_TIMEOUT, "exec")
+                ev = reply.get("ev")
+                if ev == P.EV_STARTED:
+                    break
+                if ev == P.EV_ERROR:
+                    raise self._error(reply)
+                if ev == P.EV_RESULT:
+                    code = int(reply.get("exit_code", 126))
+                    said = b"".join(_unb64(m) for m in early if m.get("ev") == P.EV_STDERR)
+                    text = said.decode(errors="replace").strip().removeprefix("boxd-agent: ")
+                    argv0 = command if isinstance(command, str) else command[0]
+                    message = f"cannot start {text or argv0} (exit status {code})"
+                    if code == 127:
+                        raise GuestFileNotFound(message, path=argv0, exit_code=code)
+                    raise InvalidRequest(message, field="argv", exit_code=code)
+                early.append(reply)
+        except MachineFailed:
+            if not self._closed:  # no answer in time: it may run, unfollowed
+                self._spawn(self._quiet(P.OP_KILL, exec_id=req_id, signal=9))
+            raise
+        if not early:
+            return q
+        # Output overtook the answer: keep it, in order, ahead of what follows.
+        fresh: _Queue = asyncio.Queue()
+        for m in early:
+            fresh.put_nowait(m)
+        while not q.empty():
+            fresh.put_nowait(q.get_nowait())
+        self._pending[req_id] = fresh
+        return fresh
 
     @staticmethod
     def _exec_fields(
@@ -927,7 +979,8 @@ class AgentClient:
         child's or a restored guest's copies of calls in flight). ``on_started`` is
         called once the agent serves the socket. When the connection is lost the streams
         stay in ``streams``, waiting (`GuestStream.orphan`); the caller moves them to the
-        next relay or ends them (`GuestStream.end`).
+        next relay or ends them (`GuestStream.end`). At most `MAX_GUEST_STREAMS` are
+        open at once: a guest connection past it is closed at once.
 
         Raises:
             InvalidRequest: the agent is too old (protocol < 1.5) or refused the key.
@@ -967,6 +1020,14 @@ class AgentClient:
                     continue
                 ev = event.get("ev")
                 if ev == P.EV_RELAY_OPEN:
+                    if sid not in streams and len(streams) >= MAX_GUEST_STREAMS:
+                        # Each served stream costs the daemon a task and a connection
+                        # to its API: past the limit the guest's connection is closed.
+                        log.warning("agent %s: guest API connection %d refused: %d open "
+                                    "(limit %d)", self._path, sid, len(streams),
+                                    MAX_GUEST_STREAMS)
+                        await self._relay_send(req_id, sid, close=True)
+                        continue
                     stream = streams[sid] = GuestStream(self, req_id, sid)
                     task = asyncio.ensure_future(self._run_stream(stream, on_stream, streams))
                     _STREAM_TASKS.add(task)
@@ -1031,6 +1092,9 @@ _STRAY_MAX = 1024
 _STREAM_TASKS: set[asyncio.Task[None]] = set()
 #: Seconds a guest stream whose connection was lost waits to be moved to the next one.
 STREAM_MOVE_WAIT = 30.0
+#: Guest connections to the in-guest API socket a machine may have open at once
+#: (`AgentClient.serve_relay`); more are closed as they come.
+MAX_GUEST_STREAMS = 64
 
 
 class GuestStream:

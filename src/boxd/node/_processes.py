@@ -3,9 +3,14 @@
 A spawned process's stdin and stdout carry frames (a 4-byte big-endian length, then
 the bytes). The relay writes each message the client sends as one frame and cuts the
 process's stdout into frames as the agent delivers it: one slice per frame, no work
-per byte. Frames wait in a queue bounded in bytes (`MAX_BUFFERED`); a process that
-outruns its reader that far is killed, and says so. The last few KiB of stderr are
-kept for error messages.
+per byte. What the node holds of a process's output (the frames waiting for its
+reader and the frame being received) is bounded per process (`MAX_BUFFERED`) and for
+all processes of the node together (`MAX_BUFFERED_TOTAL`, a `Budget`): a frame header
+larger than a process may hold is refused at once, and a process whose output passes
+either bound is killed, its unread frames dropped, and the reason kept (`failure`,
+``reason`` in its model). The agent channel stays at most a flow-control window ahead
+of the relay (`AgentClient.start`). The last few KiB of stderr are kept for error
+messages.
 
 The table outlives a machine's VM process: when the VM is replaced (checkpoint
 restore, a wake from hibernation, a RAM swap) or forked, the guest still runs the
@@ -30,14 +35,33 @@ from boxd.errors import BoxdError, Conflict, InvalidRequest, MachineFailed, NotF
 
 log = logging.getLogger("boxd.node")
 
-#: Bytes of frames a process may have waiting for its reader before it is killed.
+#: Bytes of a process's output the node may hold (frames waiting for its reader, and
+#: the frame being received) before the process is killed.
 MAX_BUFFERED = 64 << 20
-#: The largest frame a process may write (larger is a protocol error).
-MAX_FRAME = 256 << 20
+#: The largest frame a process may write: what the node may hold for it. A larger
+#: header is refused when it arrives (the process is killed), never buffered towards.
+MAX_FRAME = MAX_BUFFERED
+#: Bytes of output all the processes of a node together may have held; the process
+#: whose output passes it is killed.
+MAX_BUFFERED_TOTAL = 256 << 20
+#: Seconds a process killed for its output is waited for (its exit status).
+KILL_WAIT = 10.0
 #: Bytes of stderr kept per process.
 STDERR_TAIL = 8 << 10
 #: Exited processes kept in the table (for their exit status) per machine.
 KEEP_EXITED = 32
+
+
+class Budget:
+    """Bytes of process output held by a node, against ``limit``, shared by its relays."""
+
+    def __init__(self, limit: int = MAX_BUFFERED_TOTAL) -> None:
+        self.limit = limit
+        self.used = 0
+
+
+class _Overflow(Exception):
+    """A process's output passed a bound: it is killed with this reason."""
 
 
 @dataclass
@@ -56,7 +80,8 @@ class Relay:
     stderr: bytearray = field(default_factory=bytearray)
     process: Process | None = None
     frames: asyncio.Queue[bytes | None] = field(default_factory=asyncio.Queue)
-    buffered: int = 0
+    buffered: int = 0  # bytes of its output held: frames queued, and the partial frame
+    budget: Budget = field(default_factory=Budget)  # the node's (shared by its relays)
     sent: int = 0  # frames sent and not yet answered by a frame (idle timers)
     dirty: bool = False  # sent to since the machine's last template (see NodeRuntime)
     # Every agent exec id this process has had, newest last: a restore brings back the
@@ -72,7 +97,39 @@ class Relay:
             exit_code=self.exit.exit_code if self.exit else None,
             signal=self.exit.signal if self.exit else None, started_at=self.started_at,
             stderr_tail=self.stderr.decode(errors="replace"),
+            reason=self.failure or None,
         )
+
+    def _hold(self, n: int) -> None:
+        """Count ``n`` more bytes of output held; raises _Overflow past a bound."""
+        self.buffered += n
+        self.budget.used += n
+        if self.buffered > MAX_BUFFERED:
+            raise _Overflow(
+                f"killed: it wrote {self.buffered} bytes of output nobody read yet "
+                f"(limit {MAX_BUFFERED} per process)")
+        if self.budget.used > self.budget.limit:
+            raise _Overflow(
+                f"killed: the node holds {self.budget.used} bytes of process output nobody "
+                f"read yet, this process's {self.buffered} among them (limit "
+                f"{self.budget.limit} for all processes)")
+
+    def release(self, n: int) -> None:
+        """``n`` bytes of output held are gone (read, or dropped)."""
+        self.buffered -= n
+        self.budget.used -= n
+
+    def _drop_frames(self) -> None:
+        """Drop the frames nobody read (a process killed for its output)."""
+        ends = 0
+        while not self.frames.empty():
+            frame = self.frames.get_nowait()
+            if frame is None:
+                ends += 1
+            else:
+                self.release(len(frame))
+        for _ in range(ends):
+            self.frames.put_nowait(None)  # end markers stay, for a waiting reader
 
     def bind(self, process: Process, on_frame: Callable[[], None]) -> None:
         """Follow ``process`` (a fresh start, or a re-attach on a new connection)."""
@@ -87,6 +144,7 @@ class Relay:
 
     async def _read(self, process: Process, on_frame: Callable[[], None]) -> None:
         buf = bytearray()
+        partial = 0  # bytes of buf counted as held
         try:
             async for chunk in process:
                 if isinstance(chunk, ExecOutput):
@@ -95,20 +153,20 @@ class Relay:
                         del self.stderr[:-STDERR_TAIL]
                         continue
                     buf += chunk.data
+                    partial += len(chunk.data)
+                    self._hold(len(chunk.data))
                     while len(buf) >= 4:
                         n = int.from_bytes(buf[:4], "big")
                         if n > MAX_FRAME:
-                            raise InvalidRequest(f"process wrote a {n}-byte frame header "
-                                                 f"(limit {MAX_FRAME}): not framed output?")
+                            raise _Overflow(
+                                f"killed: it wrote a {n}-byte frame header (limit {MAX_FRAME}"
+                                " bytes per frame): a larger message, or not framed output?")
                         if len(buf) < 4 + n:
                             break
                         frame = bytes(buf[4 : 4 + n])
                         del buf[: 4 + n]
-                        self.buffered += len(frame)
-                        if self.buffered > MAX_BUFFERED:
-                            raise InvalidRequest(
-                                f"process has {self.buffered} bytes of frames nobody reads "
-                                f"(limit {MAX_BUFFERED}); it was killed")
+                        partial -= 4 + n
+                        self.release(4)  # the header: the frame stays held
                         self.sent = max(0, self.sent - 1)
                         self.frames.put_nowait(frame)
                         on_frame()
@@ -121,6 +179,16 @@ class Relay:
                 self.failure = "the agent connection closed"
         except asyncio.CancelledError:
             raise
+        except _Overflow as exc:
+            self.release(partial)
+            partial = 0
+            buf.clear()
+            self.failure = str(exc)
+            self._drop_frames()
+            log.warning("machine=%s event=process_killed process=%s reason=%r",
+                        self.machine_id, self.id, self.failure)
+            await self._kill(process)
+            self.state = "exited"
         except InvalidRequest as exc:
             self.failure = exc.message
             with contextlib.suppress(BoxdError):
@@ -134,9 +202,24 @@ class Relay:
                 self.state = "detached"
                 self.failure = exc.message
         finally:
+            self.release(partial)
             if self.process is process:
                 self.process = None
             self.frames.put_nowait(None)
+
+    async def _kill(self, process: Process) -> None:
+        """Kill ``process`` and wait (a while) for its exit status, dropping its output."""
+        with contextlib.suppress(BoxdError):
+            await process.kill(9)
+
+        async def status() -> None:
+            async for chunk in process:
+                if isinstance(chunk, ExecExit):
+                    self.exit = chunk
+                    return
+
+        with contextlib.suppress(BoxdError, TimeoutError):
+            await asyncio.wait_for(status(), KILL_WAIT)
 
     async def send(self, data: bytes) -> None:
         """Raises: Conflict: the process is not running (exited or detached)."""
@@ -204,7 +287,7 @@ class ProcessStream:
                 return None
             frame = await relay.frames.get()
             if frame is not None:
-                relay.buffered -= len(frame)
+                relay.release(len(frame))
                 return frame
             if relay.state == "exited":
                 return None
@@ -219,17 +302,19 @@ class ProcessStream:
 class ProcessTable:
     """Every machine's processes on this node."""
 
-    def __init__(self) -> None:
+    def __init__(self, budget: Budget | None = None) -> None:
         self._by_machine: dict[str, dict[str, Relay]] = {}
+        self.budget = budget if budget is not None else Budget()
 
     def add(self, machine_id: str, argv: list[str], process: Process,
             on_frame: Callable[[], None]) -> Relay:
         relay = Relay(id=f"p-{secrets.token_hex(6)}", machine_id=machine_id, argv=argv,
-                      started_at=time.time(), exec_id=process.exec_id)
+                      started_at=time.time(), exec_id=process.exec_id, budget=self.budget)
         table = self._by_machine.setdefault(machine_id, {})
         exited = [r for r in table.values() if r.state == "exited" and not r.attached]
         for old in exited[: max(0, len(exited) + 1 - KEEP_EXITED)]:
             table.pop(old.id, None)
+            old._drop_frames()
         table[relay.id] = relay
         relay.bind(process, on_frame)
         return relay
@@ -259,7 +344,8 @@ class ProcessTable:
                 copies[r.id] = Relay(id=r.id, machine_id=child_id, argv=list(r.argv),
                                      started_at=r.started_at, exec_id=r.exec_id,
                                      state="detached", failure="a fork's copy",
-                                     stderr=bytearray(r.stderr), exec_ids=list(r.exec_ids))
+                                     stderr=bytearray(r.stderr), exec_ids=list(r.exec_ids),
+                                     budget=self.budget)
         if copies:
             self._by_machine[child_id] = copies
 
@@ -273,10 +359,12 @@ class ProcessTable:
     async def drop(self, machine_id: str) -> None:
         for r in self._by_machine.pop(machine_id, {}).values():
             await r.stop()
+            r._drop_frames()
 
     async def close(self) -> None:
         for machine_id in list(self._by_machine):
             await self.drop(machine_id)
 
 
-__all__ = ["MAX_BUFFERED", "ProcessStream", "ProcessTable", "Relay"]
+__all__ = ["MAX_BUFFERED", "MAX_BUFFERED_TOTAL", "MAX_FRAME", "Budget", "ProcessStream",
+           "ProcessTable", "Relay"]
