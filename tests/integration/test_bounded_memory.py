@@ -201,3 +201,33 @@ def test_request_bodies_are_capped_early(daemon, http) -> None:  # type: ignore[
     with Boxd() as b, pytest.raises(errors.PayloadTooLarge) as info:
         b.machines.exec("anything", "x" * (17 * MIB))
     assert info.value.limit == 16 * MIB
+
+
+def test_giant_process_frames_are_refused_and_say_why(  # type: ignore[no-untyped-def]
+    daemon, machine, http
+) -> None:
+    """Four guest processes each announcing a 255 MiB frame on their stream, then
+    streaming its bytes: before, the daemon buffered towards every frame (179 -> 1,585
+    MiB RSS); now each is killed at its header, and `processes` says why."""
+    # 0x0ff00000 = 255 MiB, big-endian, in printf's octal escapes (dash has no \x)
+    script = "printf '\\017\\360\\000\\000'; exec head -c 255M /dev/zero"
+    with _peak_rss(daemon.proc.pid) as rss:
+        ids = []
+        for _ in range(4):
+            r = http.post(f"/v1/machines/{machine.id}/processes",
+                          json={"argv": ["sh", "-c", script]})
+            assert r.status_code == 201, r.text
+            ids.append(r.json()["id"])
+        deadline = time.monotonic() + 120
+        while True:
+            procs = {p["id"]: p for p in http.get(
+                f"/v1/machines/{machine.id}/processes").json()["processes"]}
+            if all(procs[i]["state"] == "exited" for i in ids):
+                break
+            assert time.monotonic() < deadline, procs
+            time.sleep(0.5)
+    for i in ids:
+        p = procs[i]
+        assert p["reason"] and "frame header" in p["reason"], p
+        assert p["signal"] == 9 or p["exit_code"] in (137, None), p
+    assert rss["growth"] <= GROWTH_BOUND, rss
