@@ -18,6 +18,7 @@ knows digests only.
 
 from __future__ import annotations
 
+import array
 import builtins
 import contextlib
 import fcntl
@@ -66,6 +67,8 @@ FORMAT_VERSION: Final = 1
 _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 _KIND_RE = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 _MAX_MANIFEST = 1 << 20
+#: A received manifest's meta nests at most this deep (boxd's own: 1).
+_MAX_META_DEPTH = 32
 _FIX_HINT = "delete the snapshot and save it again, or re-import it from an export"
 # A file modified within this window of its verification may keep the same mtime
 # (timestamps are clock-tick granular), so such a verification is not trusted later.
@@ -195,9 +198,26 @@ def _parse_manifest(raw: bytes, digest: str, root: Path) -> Manifest:
             raise ValueError("meta is not an object")
     except InvalidRequest:
         raise
+    except RecursionError:
+        raise InvalidRequest(
+            f"malformed snapshot manifest {digest[:12]}: nested too deeply") from None
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise InvalidRequest(f"malformed snapshot manifest {digest[:12]}: {exc}") from exc
     return Manifest(digest, MappingProxyType(blobs), MappingProxyType(meta), fmt, root)
+
+
+def _depth(doc: object) -> int:
+    """How deeply JSON values nest (a scalar is 0), without recursing."""
+    deepest = 0
+    todo: list[tuple[object, int]] = [(doc, 0)]
+    while todo:
+        value, depth = todo.pop()
+        deepest = max(deepest, depth)
+        if isinstance(value, Mapping):
+            todo.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            todo.extend((v, depth + 1) for v in value)
+    return deepest
 
 
 class _Lock:
@@ -898,7 +918,6 @@ class SnapshotStore:
 
 _BLOCK = 512
 _RECORD = 20 * _BLOCK
-_ARCHIVE_ERRORS: tuple[type[BaseException], ...] = (tarfile.TarError, EOFError, zlib.error)
 _NOT_EXPORT_HINT = "the file is truncated or not a boxd snapshot export; export it again"
 
 
@@ -1030,40 +1049,296 @@ def _write_members(
     return written
 
 
+# ---- reading an export: a strict reader of exactly what _write_archive writes --------
+#
+# Not tarfile: its PAX parser is quadratic on some headers (CVE-2024-6232; the fix is in
+# later Pythons only) and holds the GIL meanwhile, freezing the daemon; and it reads
+# whatever a header claims into memory (a PAX header, a GNU sparse map) before looking at
+# it. This reader takes only the member types and PAX keys boxd writes, bounds every size
+# before reading it, and checks every claimed size against what the file can hold, so the
+# work an import does is bounded by the bytes sent (and the zeros of holes by the
+# manifest's blob sizes, themselves bounded).
+
+#: A PAX extended header boxd writes is < 300 bytes.
+_MAX_PAX = 64 << 10
+#: PAX keys boxd writes; and keys other PAX writers add for fields boxd ignores.
+_PAX_KEYS: Final = frozenset({
+    "path", "size", "GNU.sparse.major", "GNU.sparse.minor", "GNU.sparse.name",
+    "GNU.sparse.realsize",
+})
+_PAX_IGNORED: Final = frozenset({"mtime", "atime", "ctime", "uid", "gid", "uname", "gname"})
+#: A snapshot has 3 blobs (memory, state, disk); an import takes at most this many.
+_MAX_IMPORT_BLOBS = 64
+#: Largest blob an import takes: twice boxd's largest disk (256 GiB). Holes cost hashing
+#: their zeros (~0.7 s a GiB), so this bounds the work a small file can ask for.
+_MAX_BLOB_SIZE = 512 << 30
+#: Entries of one GNU sparse map (data regions and holes alternating): 16 bytes of memory
+#: each while the blob is read.
+_MAX_SPARSE_ENTRIES = 1 << 22
+#: deflate expands at most 1032-fold: a gzip file of N bytes holds at most this many N.
+_GZIP_RATIO = 1032
+_ZERO_BLOCK = bytes(_BLOCK)
+_OCTAL_RE = re.compile(rb"[0-7]{1,12}")
+_DECIMAL_RE = re.compile(r"[0-9]{1,20}")
+_TYPE_NAMES: Final = {
+    b"1": "hard link", b"2": "symlink", b"3": "character device", b"4": "block device",
+    b"5": "directory", b"6": "fifo", b"7": "contiguous file", b"g": "global header",
+    b"L": "GNU long name", b"K": "GNU long link", b"S": "GNU sparse file",
+}
+_GZIP_ERRORS: tuple[type[BaseException], ...] = (gzip.BadGzipFile, EOFError, zlib.error)
+
+
+@dataclass(frozen=True)
+class _Member:
+    name: str
+    size: int  # bytes of data in the archive (a sparse member's map and data regions)
+    realsize: int | None  # a sparse member's logical size
+
+
+class _ArchiveReader:
+    """The export's tar stream (plain, or gzip detected by its magic), read strictly."""
+
+    def __init__(self, rawf: IO[bytes], total: int) -> None:
+        self.rawf = rawf
+        self.total = total
+        head = rawf.read(2)
+        rawf.seek(0)
+        self.gz = gzip.GzipFile(fileobj=rawf, mode="rb") if head == b"\x1f\x8b" else None
+        self.f: IO[bytes] = cast(IO[bytes], self.gz) if self.gz is not None else rawf
+        #: An upper bound of the tar stream's length: what a claimed size is checked against.
+        self.limit = total * _GZIP_RATIO if self.gz is not None else total
+        self.pos = 0
+
+    @staticmethod
+    def invalid(why: str) -> InvalidRequest:
+        return InvalidRequest(f"the snapshot file {why}", hint=_NOT_EXPORT_HINT, field="file")
+
+    def left(self) -> int:
+        """At most this many bytes of the tar stream are left."""
+        return self.limit - self.pos
+
+    def readinto(self, view: memoryview) -> int:
+        try:
+            n = cast(io.BufferedIOBase, self.f).readinto(view)
+        except _GZIP_ERRORS as exc:
+            raise InvalidRequest(
+                f"the snapshot file is not a complete boxd snapshot export: {exc}",
+                hint=_NOT_EXPORT_HINT, field="file",
+            ) from exc
+        self.pos += n
+        return n
+
+    def read_exact(self, n: int) -> bytes:
+        if n > self.left():
+            raise self.invalid("is truncated")
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            k = self.readinto(view[got:])
+            if not k:
+                raise self.invalid("is truncated")
+            got += k
+        return bytes(buf)
+
+    def close(self) -> None:
+        if self.gz is not None:
+            self.gz.close()
+
+    def next_member(self) -> _Member | None:
+        """The next regular member (with its PAX header applied), or None at the end."""
+        pax: dict[str, str] | None = None
+        while True:
+            block = self.read_exact(_BLOCK)
+            if block == _ZERO_BLOCK:
+                if pax is not None:
+                    raise self.invalid("has an extended header for no member")
+                return None
+            if block[257:263] != b"ustar\0":
+                raise self.invalid("is not a boxd snapshot export (not a POSIX tar)")
+            if _octal(block[148:156]) != sum(block[:148]) + 256 + sum(block[156:]):
+                raise self.invalid("has a damaged member header (bad checksum)")
+            size = _octal(block[124:136])
+            if size is None:
+                raise self.invalid("has a member header with a bad size")
+            flag = block[156:157]
+            if flag == b"x":
+                if pax is not None:
+                    raise self.invalid("has two extended headers for one member")
+                if size > _MAX_PAX:
+                    raise self.invalid(
+                        f"has an extended header of {size} bytes (boxd writes < 1 KiB; "
+                        f"at most {_MAX_PAX} are read)"
+                    )
+                pax = _parse_pax(self.read_exact(size + len(_pad(size)))[:size], self.invalid)
+                continue
+            if flag not in (b"0", b"\0"):
+                kind = _TYPE_NAMES.get(flag, f"type {flag!r}")
+                raise self.invalid(f"has a member boxd does not write (a {kind})")
+            try:
+                name = _cstr(block[0:100])
+                prefix = _cstr(block[345:500])
+            except UnicodeDecodeError:
+                raise self.invalid("has a member name that is not ASCII") from None
+            if prefix:
+                name = f"{prefix}/{name}"
+            return self._member(name, size, pax or {})
+
+    def _member(self, name: str, size: int, pax: dict[str, str]) -> _Member:
+        name = pax.get("path", name)
+        if "size" in pax:
+            size = _decimal(pax["size"], self.invalid)
+        realsize = None
+        if any(k.startswith("GNU.sparse.") for k in pax):
+            if (pax.get("GNU.sparse.major"), pax.get("GNU.sparse.minor")) != ("1", "0") \
+                    or "GNU.sparse.name" not in pax or "GNU.sparse.realsize" not in pax:
+                raise self.invalid("has a sparse member in a form boxd does not write")
+            name = pax["GNU.sparse.name"]
+            realsize = _decimal(pax["GNU.sparse.realsize"], self.invalid)
+        if size + len(_pad(size)) > self.left():
+            raise self.invalid(
+                f"is truncated: member {name[:120]!r} claims {size} bytes, more than the "
+                "file holds"
+            )
+        return _Member(name, size, realsize)
+
+    def sparse_map(self, member: _Member, realsize: int) -> array.array[int]:
+        """Read a GNU sparse 1.0 map: ``[off0, len0, off1, len1, ...]``.
+
+        The map is decimal lines at the start of the member's data (the entry count,
+        then offset and length of each data region), padded to a block. Entries are in
+        order, do not overlap and end within ``realsize``; only the last may be empty
+        (GNU's end marker); their lengths add up to the data after the map.
+        """
+        bad = self.invalid("has a blob with a bad sparse map")
+        entries: array.array[int] = array.array("q")
+        count = -1
+        pending = b""
+        used = 0
+        end = 0
+        while count < 0 or len(entries) < 2 * count:
+            if used + _BLOCK > member.size:
+                raise bad
+            lines = (pending + self.read_exact(_BLOCK)).split(b"\n")
+            used += _BLOCK
+            pending = lines.pop()  # a number continued in the next block, or padding
+            for line in lines:
+                if count >= 0 and len(entries) == 2 * count:
+                    break  # the padding after the map
+                if not line.isdigit() or len(line) > 20:
+                    raise bad
+                value = int(line)
+                if count < 0:
+                    # every entry takes >= 4 bytes of map and all but the last >= 1 of data
+                    if value < 1 or value > _MAX_SPARSE_ENTRIES or 4 * value > member.size:
+                        raise bad
+                    count = value
+                elif len(entries) % 2 == 0:  # an offset
+                    if value < end or value > realsize:
+                        raise bad
+                    entries.append(value)
+                else:  # a length
+                    end = entries[-1] + value
+                    last = len(entries) == 2 * count - 1
+                    if end > realsize or (value == 0 and not last):
+                        raise bad
+                    entries.append(value)
+            if len(pending) > 20 and (count < 0 or len(entries) < 2 * count):
+                raise bad
+        if sum(entries[1::2]) != member.size - used:
+            raise bad
+        return entries
+
+
+def _octal(field: bytes) -> int | None:
+    digits = field.split(b"\0", 1)[0].strip(b" ")
+    if not digits:
+        return 0
+    return int(digits, 8) if _OCTAL_RE.fullmatch(digits) else None
+
+
+def _decimal(value: str, invalid: Callable[[str], InvalidRequest]) -> int:
+    if not _DECIMAL_RE.fullmatch(value):
+        raise invalid(f"has a bad number in an extended header: {value[:40]!r}")
+    return int(value)
+
+
+def _cstr(field: bytes) -> str:
+    return field.split(b"\0", 1)[0].decode("ascii")
+
+
+def _parse_pax(data: bytes, invalid: Callable[[str], InvalidRequest]) -> dict[str, str]:
+    """Parse PAX records (``"<len> <key>=<value>\\n"``) in one linear pass.
+
+    Only the keys boxd writes (and a few harmless ones) are taken, each at most once.
+    """
+    out: dict[str, str] = {}
+    pos = 0
+    while pos < len(data):
+        sp = data.find(b" ", pos, pos + 8)
+        field = data[pos:sp]
+        if sp < 0 or not field.isdigit():
+            raise invalid("has a malformed extended header")
+        end = pos + int(field)
+        if end <= sp + 2 or end > len(data) or data[end - 1] != 0x0A:
+            raise invalid("has a malformed extended header")
+        key, eq, value = data[sp + 1 : end - 1].partition(b"=")
+        name = key.decode("ascii", "replace")
+        if not eq or name in out:
+            raise invalid("has a malformed extended header")
+        if name not in _PAX_KEYS and name not in _PAX_IGNORED:
+            raise invalid(f"has an extended header key boxd does not write ({name[:40]!r})")
+        try:
+            out[name] = value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise invalid("has an extended header that is not UTF-8") from None
+        pos = end
+    return out
+
+
 def _read_archive(
     path: Path, store: SnapshotStore, staging: Staging, progress: Progress | None
 ) -> tuple[bytes, list[tuple[BlobRef, Path]]]:
     # Messages speak of "the snapshot file": the path is the daemon's spool file.
     try:
-        rawf = open(path, "rb")  # noqa: SIM115 - closed below, after tarfile
+        rawf = open(path, "rb")  # noqa: SIM115 - closed below, after the reader
     except FileNotFoundError:
         raise InvalidRequest(f"no such file: {path}", field="path") from None
     except OSError as exc:
         raise InternalError(f"could not open {path}: {exc.strerror or exc}") from exc
     try:
         total = os.fstat(rawf.fileno()).st_size
+        reader = _ArchiveReader(rawf, total)
         try:
-            with tarfile.open(fileobj=rawf, mode="r:*") as tf, \
-                    os_errors("import the snapshot file", store.staging_dir):
-                return _read_members(tf, store, staging, lambda: progress and progress(
+            with os_errors("import the snapshot file", store.staging_dir):
+                return _read_members(reader, store, staging, lambda: progress and progress(
                     rawf.tell(), total))
-        except gzip.BadGzipFile as exc:
-            raise InvalidRequest(f"the snapshot file is not a boxd snapshot export: {exc}",
-                                 hint=_NOT_EXPORT_HINT, field="file") from exc
-        except _ARCHIVE_ERRORS as exc:
-            raise InvalidRequest(
-                f"the snapshot file is not a complete boxd snapshot export: {exc}",
-                hint=_NOT_EXPORT_HINT, field="file",
-            ) from exc
+        finally:
+            with contextlib.suppress(*_GZIP_ERRORS):
+                reader.close()
     finally:
         rawf.close()
 
 
+def _check_claims(manifest: Manifest, invalid: Callable[[str], InvalidRequest]) -> None:
+    """What a received manifest may name: 1 to 64 blobs of sane sizes, shallow meta."""
+    if not manifest.blobs:
+        raise invalid("has a manifest naming no blobs")
+    if len(manifest.blobs) > _MAX_IMPORT_BLOBS:
+        raise invalid(f"has a manifest naming {len(manifest.blobs)} blobs (at most "
+                      f"{_MAX_IMPORT_BLOBS})")
+    for kind, e in manifest.blobs.items():
+        if e.size > _MAX_BLOB_SIZE:
+            raise invalid(f"has a manifest claiming a {e.size}-byte {kind} blob (at most "
+                          f"{_MAX_BLOB_SIZE})")
+    if _depth(manifest.meta) > _MAX_META_DEPTH:
+        raise invalid(f"has a manifest whose meta nests deeper than {_MAX_META_DEPTH}")
+
+
 def _read_members(
-    tf: tarfile.TarFile, store: SnapshotStore, staging: Staging, tick: Callable[[], object],
+    src: _ArchiveReader, store: SnapshotStore, staging: Staging, tick: Callable[[], object],
 ) -> tuple[bytes, list[tuple[BlobRef, Path]]]:
-    def invalid(why: str) -> InvalidRequest:
-        return InvalidRequest(f"the snapshot file {why}", hint=_NOT_EXPORT_HINT, field="file")
+    invalid = src.invalid
 
     def corrupt(why: str, digest: str) -> CorruptData:
         return CorruptData(
@@ -1071,64 +1346,60 @@ def _read_members(
             hint="export the snapshot again and import the new file",
         )
 
-    first = tf.next()
+    first = src.next_member()
     match = re.fullmatch(r"manifests/([0-9a-f]{64})\.json", first.name) if first else None
-    if first is None or match is None or not first.isreg() or first.size > _MAX_MANIFEST:
+    if first is None or match is None or first.realsize is not None \
+            or first.size > _MAX_MANIFEST:
         raise invalid("does not start with a snapshot manifest")
     digest = match.group(1)
-    f = tf.extractfile(first)
-    raw = f.read() if f is not None else b""
-    if len(raw) != first.size:
-        raise invalid("has a truncated manifest")
+    raw = src.read_exact(first.size + len(_pad(first.size)))[: first.size]
     if hashlib.sha256(raw).hexdigest() != digest:
         raise corrupt(f"the manifest does not match its digest {digest[:12]}", digest)
     manifest = _parse_manifest(raw, digest, store.root)
+    _check_claims(manifest, invalid)
     # Every blob is read, hashed and staged, stored already or not (the store drops
     # duplicates when publishing): nothing here depends on what the store holds.
     needed = {e.digest: e.size for e in manifest.blobs.values()}
     got: dict[str, Path] = {}
     buf = bytearray(_files.CHUNK)
     view = memoryview(buf)
-    while (member := tf.next()) is not None:
+    # At most one member per blob the manifest names: then the end of the archive.
+    while (member := src.next_member()) is not None:
         match = re.fullmatch(r"blobs/sha256/([0-9a-f]{64})", member.name)
-        if match is None or not member.isreg():
-            raise invalid(f"unexpected member {member.name!r}")
+        if match is None:
+            raise invalid(f"has an unexpected member {member.name[:120]!r}")
         blob = match.group(1)
         if blob not in needed or blob in got:
-            raise invalid(f"unexpected blob {blob[:12]}")
-        if member.size != needed[blob]:
+            raise invalid(f"has an unexpected blob {blob[:12]}")
+        size = needed[blob]
+        if (member.size if member.realsize is None else member.realsize) != size:
             raise corrupt(f"blob {blob[:12]} has the wrong size", digest)
-        src = tf.extractfile(member)
-        if src is None:
-            raise invalid(f"blob {blob[:12]} has no data")
+        regions = array.array("q", [0, size]) if member.realsize is None \
+            else src.sparse_map(member, size)
         dst = staging.directory / f"import-{blob}"
         h = hashlib.sha256()
         fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             pos = 0
-            # TarInfo.sparse is [(offset, length), ...] (typeshed says list[int]).
-            sparse = cast("list[tuple[int, int]] | None", member.sparse)
-            regions = sparse if sparse is not None else [(0, member.size)]
-            for off, length in regions:
-                if off < pos or off + length > member.size:
-                    raise invalid(f"blob {blob[:12]} has a bad sparse map")
+            for i in range(0, len(regions), 2):
+                off, length = regions[i], regions[i + 1]
                 _files.hash_zeros(h, off - pos)
-                src.seek(off)
                 end = off + length
                 while off < end:
-                    n = cast(io.BufferedReader, src).readinto(view[: min(_files.CHUNK, end - off)])
+                    n = src.readinto(view[: min(_files.CHUNK, end - off)])
                     if not n:
-                        raise invalid(f"blob {blob[:12]} is truncated")
+                        raise invalid(f"is truncated (in blob {blob[:12]})")
                     chunk = view[:n]
                     h.update(chunk)
                     _files.write_nonzero(fd, chunk, off)
                     off += n
                     tick()
                 pos = end
-            _files.hash_zeros(h, member.size - pos)
-            os.ftruncate(fd, member.size)
+            _files.hash_zeros(h, size - pos)
+            os.ftruncate(fd, size)
         finally:
             os.close(fd)
+        src.read_exact(len(_pad(member.size)))
         if h.hexdigest() != blob:
             raise corrupt(f"blob {blob[:12]} does not match its digest", digest)
         got[blob] = dst
