@@ -1327,10 +1327,13 @@ def _check_claims(manifest: Manifest, invalid: Callable[[str], InvalidRequest]) 
     if len(manifest.blobs) > _MAX_IMPORT_BLOBS:
         raise invalid(f"has a manifest naming {len(manifest.blobs)} blobs (at most "
                       f"{_MAX_IMPORT_BLOBS})")
+    sizes: dict[str, int] = {}
     for kind, e in manifest.blobs.items():
         if e.size > _MAX_BLOB_SIZE:
             raise invalid(f"has a manifest claiming a {e.size}-byte {kind} blob (at most "
                           f"{_MAX_BLOB_SIZE})")
+        if sizes.setdefault(e.digest, e.size) != e.size:
+            raise invalid(f"has a manifest giving blob {e.digest[:12]} two sizes")
     if _depth(manifest.meta) > _MAX_META_DEPTH:
         raise invalid(f"has a manifest whose meta nests deeper than {_MAX_META_DEPTH}")
 
