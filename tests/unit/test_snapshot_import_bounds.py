@@ -205,6 +205,10 @@ def test_a_small_file_claiming_a_huge_blob_is_refused_quickly(
     with pytest.raises(InvalidRequest, match="1099511627776-byte memory blob"):
         _import(store, tmp_path, data)
     assert time.monotonic() - started < 1
+    # nor, in all, more than one such blob
+    raw, digest = _manifest({f"k{i}": (f"{i:064x}", 400 * GiB) for i in range(64)})
+    with pytest.raises(InvalidRequest, match="bytes of blobs"):
+        _import(store, tmp_path, _with_manifest(raw, digest, _end()))
     _clean(store)
 
 

@@ -1069,8 +1069,8 @@ _PAX_KEYS: Final = frozenset({
 _PAX_IGNORED: Final = frozenset({"mtime", "atime", "ctime", "uid", "gid", "uname", "gname"})
 #: A snapshot has 3 blobs (memory, state, disk); an import takes at most this many.
 _MAX_IMPORT_BLOBS = 64
-#: Largest blob an import takes: twice boxd's largest disk (256 GiB). Holes cost hashing
-#: their zeros (~0.7 s a GiB), so this bounds the work a small file can ask for.
+#: Largest blob (and sum of blobs) an import takes: twice boxd's largest disk (256 GiB).
+#: Holes cost hashing their zeros (~0.7 s a GiB): this bounds what a small file can ask.
 _MAX_BLOB_SIZE = 512 << 30
 #: Entries of one GNU sparse map (data regions and holes alternating): 16 bytes of memory
 #: each while the blob is read.
@@ -1334,6 +1334,9 @@ def _check_claims(manifest: Manifest, invalid: Callable[[str], InvalidRequest]) 
                           f"{_MAX_BLOB_SIZE})")
         if sizes.setdefault(e.digest, e.size) != e.size:
             raise invalid(f"has a manifest giving blob {e.digest[:12]} two sizes")
+    if sum(sizes.values()) > _MAX_BLOB_SIZE:
+        raise invalid(f"has a manifest claiming {sum(sizes.values())} bytes of blobs (at "
+                      f"most {_MAX_BLOB_SIZE})")
     if _depth(manifest.meta) > _MAX_META_DEPTH:
         raise invalid(f"has a manifest whose meta nests deeper than {_MAX_META_DEPTH}")
 
