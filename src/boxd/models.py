@@ -150,6 +150,9 @@ class MachineCreate(BaseModel):
     memory_mib: int = Field(config.DEFAULT_MEMORY_MIB, ge=128, le=config.MAX_MEMORY_MIB)
     disk_gib: int = Field(config.DEFAULT_DISK_GIB, ge=1, le=config.MAX_DISK_GIB)
     isolated: bool = Field(False, description="no network device at all")
+    public: bool = Field(
+        False, description="its URL needs no token: any local user and any client reaches "
+        "the guest's port 8080 (raw TCP too); default: the URL carries a per-machine token")
     from_snapshot: str | None = Field(None, description="NAME, NAME@VERSION or sha256:DIGEST")
     engine: Annotated[str, WithJsonSchema({"type": "string", "enum": list(ENGINE_NAMES)})] \
         | None = Field(
@@ -181,7 +184,10 @@ class Machine(BaseModel):
     disk_gib: int
     isolated: bool
     port: int | None = Field(None, description="host port forwarded to the guest's port 8080")
-    url: str | None = None
+    url: str | None = Field(
+        None, description="http://127.0.0.1:PORT/TOKEN: use it as given (a path under it "
+        "reaches the guest's port 8080 at that path); a public machine's has no token")
+    public: bool = Field(False, description="its URL needs no token (see MachineCreate)")
     parent_id: str | None = Field(None, description="machine this one was forked from")
     snapshot: str | None = Field(None, description="snapshot digest this machine started from")
     accelerator: str | None = None

@@ -54,12 +54,22 @@ def validate_name(name: str, kind: str = "machine") -> str:
     return name
 
 
+def machine_url(rec: MachineRecord, host: str = "127.0.0.1") -> str | None:
+    """``http://HOST:PORT/TOKEN``, the path segment the URL proxy requires and strips
+    (node/_proxy.py); a public machine's is the bare ``http://HOST:PORT``."""
+    if not rec.port:
+        return None
+    if rec.url_public:
+        return f"http://{host}:{rec.port}"
+    return f"http://{host}:{rec.port}/{rec.url_token}" if rec.url_token else None
+
+
 def machine_model(rec: MachineRecord, host: str = "127.0.0.1") -> models.Machine:
     """The API's view of a record; ``host`` serves its URL (its node's address)."""
     return models.Machine(
         id=rec.id, name=rec.name, state=rec.state, vcpus=rec.vcpus, memory_mib=rec.memory_mib,
         disk_gib=rec.disk_gib, isolated=rec.isolated, port=rec.port,
-        url=f"http://{host}:{rec.port}" if rec.port else None, parent_id=rec.parent_id,
+        url=machine_url(rec, host), public=rec.url_public, parent_id=rec.parent_id,
         snapshot=rec.snapshot, accelerator=rec.accel, error=rec.error,
         created_at=rec.created_at, node=rec.node_id, engine=rec.engine,
         suspend_after=rec.suspend_after, hibernate_after=rec.hibernate_after,
@@ -165,6 +175,7 @@ class Machines:
         disk_gib: int, isolated: bool, parent_id: str | None = None,
         snapshot: str | None = None, image: str | None = None, engine: str | None = None,
         suspend_after: float | None = None, hibernate_after: float | None = None,
+        public: bool = False,
     ) -> MachineRecord:
         if name is None:
             name = f"machine-{secrets.token_hex(3)}"
@@ -174,7 +185,7 @@ class Machines:
             disk_gib=disk_gib, isolated=isolated, image=image or await node.image_key(),
             node_id=node.id, engine=engine or await node.engine_name(), parent_id=parent_id,
             snapshot=snapshot, default_quota=self.default_quota,
-            suspend_after=suspend_after, hibernate_after=hibernate_after,
+            suspend_after=suspend_after, hibernate_after=hibernate_after, url_public=public,
         )
 
     # ---------------------------------------------------------------- create
@@ -192,6 +203,7 @@ class Machines:
             account, req.name, node, vcpus=req.vcpus, memory_mib=req.memory_mib,
             disk_gib=req.disk_gib, isolated=req.isolated, engine=req.engine,
             suspend_after=req.suspend_after, hibernate_after=req.hibernate_after,
+            public=req.public,
         )
         await node.create(rec.id, Boot())
         return await self.get(account, rec.id)
@@ -231,6 +243,7 @@ class Machines:
             isolated=req.isolated or bool(meta.get("isolated", False)),
             snapshot=manifest.digest, engine=engine,
             suspend_after=req.suspend_after, hibernate_after=req.hibernate_after,
+            public=req.public,
         )
         source = FromSnapshot(
             manifest.digest, manifest.blob_path("memory"), manifest.blob_path("state"),
@@ -311,7 +324,7 @@ class Machines:
                     target, vcpus=src.vcpus, memory_mib=src.memory_mib, disk_gib=src.disk_gib,
                     isolated=src.isolated, parent_id=src.id, snapshot=src.snapshot,
                     image=src.image, engine=src.engine, suspend_after=src.suspend_after,
-                    hibernate_after=src.hibernate_after,
+                    hibernate_after=src.hibernate_after, public=src.url_public,
                 ))
             except Exception as exc:
                 claimed.append(exc)

@@ -1,41 +1,90 @@
 """Machine URLs: a TCP port the daemon holds per machine, relayed to the guest.
 
-A machine's URL (``http://127.0.0.1:PORT``) is a listening socket of the daemon, not
-of QEMU, so it stays the same while the VM process comes and goes (checkpoint restore,
-hibernate and wake, a daemon restart). Each connection wakes a suspended or hibernated
-machine first (the node's ``connect``), counts as activity, keeps the machine awake
-while it is open, and is relayed byte for byte to a connection the engine opens to the
-guest's port 8080 (QEMU: the forward its passt process gives; gVisor: one ``runsc
-port-forward`` per connection). Plain TCP: HTTP, WebSockets and anything else pass
-unchanged.
+A machine's URL (``http://127.0.0.1:PORT/TOKEN``) is a listening socket of the daemon,
+not of QEMU, so it stays the same while the VM process comes and goes (checkpoint
+restore, hibernate and wake, a daemon restart). The port is on the host's loopback,
+which every local user reaches, so the URL carries a per-machine token (a new one with
+each machine) as its first path segment:
+
+- A connection's first bytes must be an HTTP request whose path starts with the token
+  (``/TOKEN/rest`` reaches the guest as ``/rest``), or whose ``Referer`` does (a browser
+  following the page's own absolute links). Anything else gets a 404 from the proxy
+  itself: nothing reaches the guest and nothing wakes the machine.
+- Once the first request is admitted the connection belongs to that client: each later
+  request on it (keep-alive, pipelining) has ``/TOKEN`` removed from its head when it
+  carries it and passes as it is when not; an upgraded connection (WebSocket) or a
+  ``CONNECT`` tunnel is relayed byte for byte from there on.
+- A machine created ``public`` has the bare ``http://127.0.0.1:PORT``: every connection
+  is relayed byte for byte (any TCP protocol), as before tokens.
+
+An admitted connection wakes a suspended or hibernated machine first (the node's
+``connect``), counts as activity, keeps the machine awake while it is open, and is
+relayed to a connection the engine opens to the guest's port 8080 (QEMU: the forward
+its passt process gives; gVisor: one ``runsc port-forward`` per connection).
+
+A VM process that has not yet answered through the URL (just booted, woken or
+restored) may drop the first connections into it: passt's connect into a guest that has
+just been restored waits ~10 s and gives up, and ends the host side with no byte. Until
+a process first answers, the proxy keeps the client's bytes (up to `REPLAY_LIMIT`) and,
+when the guest's side ends or fails before its first byte, opens the forward again and
+resends them, for up to `WAKE_GRACE` seconds; so the request that wakes a machine is
+the one served. A process that has answered once is trusted: a later connection that
+ends with no byte ends the client's the same way at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
-from collections.abc import Awaitable, Callable
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
+from typing import NamedTuple
 
 from boxd.errors import BoxdError
+from boxd.state.records import MachineRecord
 
 log = logging.getLogger("boxd.node")
 
 _CHUNK = 64 * 1024
+#: The longest request head (request line and headers) the proxy reads.
+HEAD_LIMIT = 64 * 1024
+#: Seconds a new connection has to send its first request head.
+HEAD_TIMEOUT = 30.0
+#: Seconds a VM process that has not answered yet gets to answer a connection.
+WAKE_GRACE = 30.0
+#: Client bytes kept for a resend while the guest has not answered (past it: no resend).
+REPLAY_LIMIT = 1024 * 1024
 
 #: Opens one connection to the machine's port 8080 (OSError: it does not answer).
 Upstream = Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
 Connect = Callable[[str], AbstractAsyncContextManager[Upstream]]
 
 
+class Access(NamedTuple):
+    """What the proxy needs of a machine's record."""
+
+    token: str | None  # the URL's token; None with public False: nothing is admitted
+    public: bool  # no token required: a byte-for-byte relay
+    process: object  # identifies its current VM process (a new value: not answered yet)
+
+
+#: A machine's `Access` now (None: no such machine).
+AccessOf = Callable[[str], Access | None]
+
+
 class PortProxy:
     """Listening sockets per machine; ``connect(machine_id)`` yields how to open the
-    upstream."""
+    upstream. ``access`` says who may use each machine's URL; without it every URL is
+    a plain relay (tests of the relay itself)."""
 
-    def __init__(self, connect: Connect) -> None:
+    def __init__(self, connect: Connect, access: AccessOf | None = None) -> None:
         self._connect = connect
+        self._access = access
         self._servers: dict[str, asyncio.Server] = {}
+        self._answered: dict[str, object] = {}  # machine id -> a process that answered
 
     def is_open(self, machine_id: str) -> bool:
         return machine_id in self._servers
@@ -57,6 +106,7 @@ class PortProxy:
 
     async def close(self, machine_id: str) -> None:
         server = self._servers.pop(machine_id, None)
+        self._answered.pop(machine_id, None)
         if server is not None:
             server.close()
             with contextlib.suppress(Exception):
@@ -70,16 +120,19 @@ class PortProxy:
         self, machine_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         try:
+            source = await self._admit(machine_id, reader, writer)
+            if source is None:
+                return
             async with self._connect(machine_id) as upstream:
-                try:
-                    up_r, up_w = await upstream()
-                except OSError as exc:
-                    await _refuse(writer, 502, f"the machine's port 8080 does not answer: {exc}")
-                    return
-                try:
-                    await asyncio.gather(_pump(reader, up_w), _pump(up_r, writer))
-                finally:
-                    up_w.close()
+                now = self._access(machine_id) if self._access is not None else None
+                process = now.process if now is not None else None
+                fresh = process is not None and self._answered.get(machine_id) != process
+
+                def answered() -> None:
+                    if process is not None:
+                        self._answered[machine_id] = process
+
+                await _relay(source, writer, upstream, fresh, answered, machine_id)
         except BoxdError as exc:
             await _refuse(writer, 503 if exc.status >= 500 else exc.status, exc.message)
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -88,6 +141,280 @@ class PortProxy:
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
+
+    async def _admit(
+        self, machine_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> AsyncIterator[bytes] | None:
+        """The client's bytes to relay (token checked and stripped), or None: refused."""
+        access = self._access(machine_id) if self._access is not None else Access(None, True, None)
+        if access is not None and access.public:
+            return _raw(reader)
+        try:
+            head = await asyncio.wait_for(_read_head(reader), HEAD_TIMEOUT)
+        except (TimeoutError, ValueError, ConnectionError, asyncio.IncompleteReadError):
+            head = b""
+        token = access.token if access is not None else None
+        if not head or not token or not _carries(head, token):
+            log.info("machine=%s event=url_refused reason=no_token", machine_id)
+            await _refuse(writer, 404, "no such URL: use the machine's URL as given "
+                          "(Machine.url, with its token)")
+            return None
+        return _requests(reader, token.encode(), head)
+
+
+def _carries(head: bytes, token: str) -> bool:
+    """The request's path, or its Referer's, starts with the segment ``token``."""
+    line, _, rest = head.partition(b"\r\n")
+    parts = line.split(b" ")
+    if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
+        return False
+    want = token.encode()
+    if hmac.compare_digest(_first_segment(parts[1]), want):
+        return True
+    for name, value in _headers(rest):
+        if name == b"referer":
+            path = _REFERER_PATH.match(value)
+            if path and hmac.compare_digest(_first_segment(path.group(1)), want):
+                return True
+    return False
+
+
+_REFERER_PATH = re.compile(rb"^https?://[^/?#]*(/[^?#]*)")
+_SEGMENT_END = re.compile(rb"[/?#]")
+
+
+def _first_segment(target: bytes) -> bytes:
+    if not target.startswith(b"/"):
+        return b""
+    return _SEGMENT_END.split(target[1:], maxsplit=1)[0]
+
+
+def _headers(block: bytes) -> list[tuple[bytes, bytes]]:
+    out = []
+    for line in block.split(b"\r\n"):
+        name, sep, value = line.partition(b":")
+        if sep:
+            out.append((name.strip().lower(), value.strip()))
+    return out
+
+
+def _strip(head: bytes, token: bytes) -> bytes:
+    """The head without ``/TOKEN`` (its request target's first segment, a Referer's):
+    the guest sees its own paths and never the token."""
+    line, sep, rest = head.partition(b"\r\n")
+    method, _, tail = line.partition(b" ")
+    target, _, version = tail.rpartition(b" ")
+    if _first_segment(target) == token:
+        target = target[1 + len(token):]
+        if not target.startswith(b"/"):
+            target = b"/" + target
+    return method + b" " + target + b" " + version + sep + rest.replace(b"/" + token, b"")
+
+
+async def _read_head(reader: asyncio.StreamReader) -> bytes:
+    """One request head, through its blank line; b"" at EOF before any byte.
+
+    Raises:
+        ValueError: longer than `HEAD_LIMIT`, or the connection ended inside it.
+    """
+    buf = bytearray()
+    while True:
+        try:
+            line = await reader.readuntil(b"\n")
+        except asyncio.IncompleteReadError as exc:
+            if not buf and not exc.partial:
+                return b""
+            raise ValueError("the connection ended inside a request head") from exc
+        except asyncio.LimitOverrunError as exc:
+            raise ValueError("request head too long") from exc
+        if not buf and line in (b"\r\n", b"\n"):
+            continue  # blank lines before a request are allowed (RFC 9112 2.2)
+        buf += line
+        if len(buf) > HEAD_LIMIT:
+            raise ValueError("request head too long")
+        if line in (b"\r\n", b"\n"):
+            return bytes(buf)
+
+
+class _Unframed(Exception):
+    """A body the proxy cannot frame: the rest of the stream is relayed as it is."""
+
+
+async def _raw(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
+    while data := await reader.read(_CHUNK):
+        yield data
+
+
+async def _requests(
+    reader: asyncio.StreamReader, token: bytes, head: bytes
+) -> AsyncIterator[bytes]:
+    """The client's requests, ``/TOKEN`` stripped from each head; the rest of the
+    stream as it is after an upgrade, a ``CONNECT`` or a head the proxy cannot frame."""
+    while head:
+        yield _strip(head, token)
+        line, _, block = head.partition(b"\r\n")
+        fields = _headers(block)
+        values = {name: value.lower() for name, value in fields}
+        if (line.split(b" ", 1)[0] == b"CONNECT" or b"upgrade" in values.get(b"connection", b"")):
+            break  # whatever follows is the tunnel's, not HTTP's
+        encoding = values.get(b"transfer-encoding", b"")
+        if encoding:
+            if not encoding.endswith(b"chunked"):
+                break  # a body that ends with the connection
+            try:
+                async for part in _chunked(reader):
+                    yield part
+            except _Unframed:
+                break
+        elif (length := values.get(b"content-length")) is not None:
+            if not length.isdigit():
+                break
+            left = int(length)
+            while left > 0:
+                data = await reader.read(min(left, _CHUNK))
+                if not data:
+                    return
+                left -= len(data)
+                yield data
+        head = await _read_head(reader)  # ValueError: the connection ends (see _relay)
+    else:
+        return
+    async for data in _raw(reader):
+        yield data
+
+
+async def _chunked(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
+    """A chunked body as it comes, through its last chunk and trailers."""
+    while True:
+        size_line = await reader.readuntil(b"\n")
+        yield size_line
+        try:
+            size = int(size_line.split(b";", 1)[0].strip(), 16)
+        except ValueError as exc:
+            raise _Unframed from exc
+        if size == 0:
+            while (trailer := await reader.readuntil(b"\n")) not in (b"\r\n", b"\n"):
+                yield trailer
+            yield trailer
+            return
+        left = size + 2  # the chunk and its CRLF
+        while left > 0:
+            data = await reader.read(min(left, _CHUNK))
+            if not data:
+                return
+            left -= len(data)
+            yield data
+
+
+_SOURCE_ERRORS = (ConnectionError, OSError, ValueError, asyncio.IncompleteReadError,
+                  asyncio.LimitOverrunError)
+
+
+async def _relay(
+    source: AsyncIterator[bytes], client: asyncio.StreamWriter, upstream: Upstream,
+    fresh: bool, answered: Callable[[], None], machine_id: str = "-",
+) -> None:
+    """Relay ``source`` to the guest and the guest's bytes back to ``client``.
+
+    ``fresh``: the VM process has not answered yet; until the guest's first byte the
+    client's bytes are kept and, when the guest's side ends or fails first, sent again
+    on a new connection (up to `WAKE_GRACE` seconds, `REPLAY_LIMIT` bytes).
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WAKE_GRACE
+    sent: list[bytes] = []  # the client's bytes so far (while the guest has not answered)
+    size = 0
+    ended = False  # the client half-closed
+    pull: asyncio.Task[bytes] | None = None
+    delay = 0.05
+    try:
+        while True:
+            try:
+                up_r, up_w = await upstream()
+            except OSError as exc:
+                if fresh and loop.time() < deadline:
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 1.0)
+                    continue
+                await _refuse(client, 502, f"the machine's port 8080 does not answer: {exc}")
+                return
+            first = b""
+            try:
+                for chunk in sent:
+                    up_w.write(chunk)
+                if ended and up_w.can_write_eof():
+                    up_w.write_eof()
+                await up_w.drain()
+                read: asyncio.Task[bytes] = asyncio.ensure_future(up_r.read(_CHUNK))
+                while not read.done():
+                    if pull is None and not ended and size <= REPLAY_LIMIT:
+                        pull = asyncio.ensure_future(anext(source, b""))
+                    waiting: set[asyncio.Future[bytes]] = {read}
+                    if pull is not None:
+                        waiting.add(pull)
+                    await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                    if pull is not None and pull.done() and not read.done():
+                        try:
+                            data = pull.result()
+                        except _SOURCE_ERRORS:
+                            data = b""  # the client's side broke: end it as an EOF
+                        pull = None
+                        if not data:
+                            ended = True
+                            if up_w.can_write_eof():
+                                up_w.write_eof()
+                        else:
+                            sent.append(data)
+                            size += len(data)
+                            up_w.write(data)
+                            await up_w.drain()
+                first = read.result()
+            except (ConnectionError, OSError):
+                first = b""
+            if first or not fresh or size > REPLAY_LIMIT or loop.time() >= deadline:
+                break
+            up_w.close()  # the guest ended before a byte: a new forward, the same bytes
+            log.info("machine=%s event=url_resend bytes=%s", machine_id, size)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+        if not first:
+            up_w.close()
+            return  # ended with no answer, as the guest's side did
+        answered()
+        sent.clear()
+        try:
+            client.write(first)
+            await client.drain()
+            await asyncio.gather(
+                _pump_source(source, up_w, pull, ended), _pump(up_r, client))
+        finally:
+            up_w.close()
+    finally:
+        if pull is not None and not pull.done():
+            pull.cancel()
+
+
+async def _pump_source(
+    source: AsyncIterator[bytes], dst: asyncio.StreamWriter,
+    pending: asyncio.Task[bytes] | None, ended: bool,
+) -> None:
+    """`_pump` for the client's side (after the guest's first byte)."""
+    try:
+        if not ended:
+            if pending is not None:
+                data = await pending
+                while data:
+                    dst.write(data)
+                    await dst.drain()
+                    data = await anext(source, b"")
+            else:
+                async for data in source:
+                    dst.write(data)
+                    await dst.drain()
+            if dst.can_write_eof():
+                dst.write_eof()
+    except _SOURCE_ERRORS:
+        dst.close()
 
 
 async def _pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
@@ -117,4 +444,16 @@ async def _refuse(writer: asyncio.StreamWriter, status: int, message: str) -> No
         await writer.drain()
 
 
-__all__ = ["Connect", "PortProxy", "Upstream"]
+def record_access(get: Callable[[str], MachineRecord | None]) -> AccessOf:
+    """`AccessOf` from a node's machine records (``get``: by id)."""
+
+    def access(machine_id: str) -> Access | None:
+        rec = get(machine_id)
+        if rec is None:
+            return None
+        return Access(rec.url_token, rec.url_public, (rec.vm_id, rec.pid))
+
+    return access
+
+
+__all__ = ["Access", "AccessOf", "Connect", "PortProxy", "Upstream", "record_access"]

@@ -70,7 +70,7 @@ from boxd.node import _transfer as transfer
 from boxd.node._host import Host
 from boxd.node._ports import free_port
 from boxd.node._processes import ProcessStream, ProcessTable, Relay
-from boxd.node._proxy import PortProxy, Upstream
+from boxd.node._proxy import PortProxy, Upstream, record_access
 from boxd.node._spares import Spare, SparePool
 from boxd.node._transfer import Fetch, FileOffer, LayerOffer, TemplateOffer
 from boxd.node.base import Boot, FromSnapshot
@@ -195,7 +195,7 @@ class NodeRuntime:
         self.procs = ProcessTable()  # spawned processes (boxd.rl): see "processes" below
         self.spares = SparePool(self, per_template=settings.fork_spares,
                                 total=settings.fork_spares_total, settle=SPARE_SETTLE)
-        self.proxy = PortProxy(self.connect)
+        self.proxy = PortProxy(self.connect, record_access(self.repos.machines.get))
         # The in-guest API (`serve_guests`): the handler the daemon serves relayed guest
         # connections with, each machine's current credential (sha256) and relay task.
         self.guest_api: GuestApi | None = None

@@ -44,6 +44,8 @@ class MachineRecord:
     last_active: float
     suspend_after: float | None  # None: the daemon's default
     hibernate_after: float | None
+    url_token: str | None = None  # the URL's secret path segment (None: no URL is served)
+    url_public: bool = False  # the URL needs no token (an explicit opt-out)
 
     @classmethod
     def of(cls, row: sqlite3.Row) -> MachineRecord:
@@ -59,6 +61,7 @@ class MachineRecord:
             node_id=row["node_id"], engine=row["engine"],
             last_active=row["last_active"] or row["created_at"],
             suspend_after=row["suspend_after"], hibernate_after=row["hibernate_after"],
+            url_token=row["url_token"], url_public=bool(row["url_public"]),
         )
 
 

@@ -7,6 +7,7 @@ and never see a connection or a row.
 from __future__ import annotations
 
 import builtins
+import secrets
 import sqlite3
 import time
 from collections.abc import Collection, Iterable
@@ -81,9 +82,10 @@ class Machines:
         disk_gib: int, isolated: bool, image: str, node_id: str, engine: str,
         parent_id: str | None = None, snapshot: str | None = None,
         default_quota: int, suspend_after: float | None = None,
-        hibernate_after: float | None = None,
+        hibernate_after: float | None = None, url_public: bool = False,
     ) -> MachineRecord:
-        """Claim a name and a quota slot and insert the record (state ``starting``).
+        """Claim a name and a quota slot and insert the record (state ``starting``),
+        with a new URL token (a machine's own: a new one even for the same name).
 
         Raises:
             QuotaExceeded: the account's concurrent machines would exceed its quota.
@@ -101,11 +103,12 @@ class Machines:
             conn.execute(
                 "INSERT INTO machines (id, account_id, name, state, vcpus, memory_mib, disk_gib,"
                 " isolated, image, parent_id, snapshot, created_at, node_id, engine, vm_id,"
-                " last_active, suspend_after, hibernate_after)"
-                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                " last_active, suspend_after, hibernate_after, url_token, url_public)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (machine_id, account, name, MachineState.STARTING.value, vcpus, memory_mib,
                  disk_gib, int(isolated), image, parent_id, snapshot, time.time(), node_id,
-                 engine, machine_id, time.time(), suspend_after, hibernate_after),
+                 engine, machine_id, time.time(), suspend_after, hibernate_after,
+                 secrets.token_hex(16), int(url_public)),
             )
         rec = self.get(machine_id)
         assert rec is not None
@@ -176,12 +179,13 @@ class Machines:
             conn.execute(
                 "INSERT OR REPLACE INTO machines (id, account_id, name, state, vcpus, memory_mib,"
                 " disk_gib, isolated, image, parent_id, snapshot, created_at, node_id, engine,"
-                " vm_id, last_active, suspend_after, hibernate_after, port)"
-                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                " vm_id, last_active, suspend_after, hibernate_after, port, url_token,"
+                " url_public) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (rec.id, rec.account_id, rec.name, rec.state.value, rec.vcpus, rec.memory_mib,
                  rec.disk_gib, int(rec.isolated), rec.image, rec.parent_id, rec.snapshot,
                  rec.created_at, rec.node_id, rec.engine, rec.vm_id, rec.last_active,
-                 rec.suspend_after, rec.hibernate_after, rec.port),
+                 rec.suspend_after, rec.hibernate_after, rec.port, rec.url_token,
+                 int(rec.url_public)),
             )
 
     def mirror(self, rec: MachineRecord) -> bool:
