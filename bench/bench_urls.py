@@ -42,18 +42,18 @@ http.server.ThreadingHTTPServer(("0.0.0.0", 8080), H).serve_forever()
 """
 
 
-def _get(conn: http.client.HTTPConnection) -> None:
-    conn.request("GET", "/")
+def _get(conn: http.client.HTTPConnection, prefix: str = "") -> None:
+    conn.request("GET", prefix + "/")
     resp = conn.getresponse()
     assert resp.status == 200 and resp.read() == b"ok", resp.status
 
 
-def _wait_up(host: str, port: int, timeout: float = 120.0) -> None:
+def _wait_up(host: str, port: int, prefix: str, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         conn = http.client.HTTPConnection(host, port, timeout=30)
         try:
-            _get(conn)
+            _get(conn, prefix)
             return
         except (OSError, http.client.HTTPException, AssertionError):
             if time.monotonic() > deadline:
@@ -74,20 +74,21 @@ def _one_engine(b: Any, engine: str, tell: Callable[[str], None]) -> list[Row]:
         assert r.exit_code == 0, r.stderr
         url = urlsplit(b.machines.get(m.id).url)
         host, port = url.hostname or "127.0.0.1", int(url.port or 80)
-        _wait_up(host, port)
+        prefix = url.path.rstrip("/")  # the machine's token (docs/lifecycle.md#urls)
+        _wait_up(host, port, prefix)
         fresh = []
         for _ in range(N_NEW):
             t = time.perf_counter()
             conn = http.client.HTTPConnection(host, port, timeout=60)
-            _get(conn)
+            _get(conn, prefix)
             conn.close()
             fresh.append(time.perf_counter() - t)
         conn = http.client.HTTPConnection(host, port, timeout=60)
-        _get(conn)
+        _get(conn, prefix)
         kept = []
         for _ in range(N_KEPT):
             t = time.perf_counter()
-            _get(conn)
+            _get(conn, prefix)
             kept.append(time.perf_counter() - t)
         conn.close()
         return [

@@ -287,6 +287,7 @@ export class Machines {
    */
   async new(name?: string | null, options: MachineNewOptions = {}): Promise<Machine> {
     const body: Record<string, unknown> = { isolated: Boolean(options.isolated) };
+    if (options.public) body.public = true;
     const fields: [string, unknown][] = [
       ["name", name],
       ["vcpus", options.vcpus],

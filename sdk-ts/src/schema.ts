@@ -906,8 +906,17 @@ export interface components {
              * @description host port forwarded to the guest's port 8080
              */
             port?: number | null;
-            /** Url */
+            /**
+             * Url
+             * @description http://127.0.0.1:PORT/TOKEN: use it as given (a path under it reaches the guest's port 8080 at that path); a public machine's has no token
+             */
             url?: string | null;
+            /**
+             * Public
+             * @description its URL needs no token (see MachineCreate)
+             * @default false
+             */
+            public: boolean;
             /**
              * Parent Id
              * @description machine this one was forked from
@@ -978,6 +987,12 @@ export interface components {
              * @default false
              */
             isolated: boolean;
+            /**
+             * Public
+             * @description its URL needs no token: any local user and any client reaches the guest's port 8080 (raw TCP too); default: the URL carries a per-machine token
+             * @default false
+             */
+            public: boolean;
             /**
              * From Snapshot
              * @description NAME, NAME@VERSION or sha256:DIGEST

@@ -61,6 +61,12 @@ export interface MachineNewOptions {
   hibernateAfter?: number;
   /** Cluster node to place it on (`nodes.list()`); the daemon places it if absent. */
   node?: string;
+  /**
+   * Its URL needs no token (the bare `http://127.0.0.1:PORT`, any TCP protocol): every
+   * local user reaches its port 8080 and wakes it. Default: `Machine.url` carries the
+   * machine's token; use it as given.
+   */
+  public?: boolean;
 }
 
 /** What `machines.exec` and `machines.execStream` run. */

@@ -205,6 +205,7 @@ class AsyncMachines:
         suspend_after: float | None = None,
         hibernate_after: float | None = None,
         node: str | None = None,
+        public: bool = False,
     ) -> models.Machine:
         """Create and boot a machine; returns while it starts (see ``wait_until_ready``).
 
@@ -223,6 +224,9 @@ class AsyncMachines:
                 if None).
             node: the cluster node to place it on (``nodes.list()``); None lets the
                 daemon place it (the node with the most free memory).
+            public: its URL needs no token (the bare ``http://127.0.0.1:PORT``, any TCP
+                protocol): every local user reaches its port 8080 and wakes it. Default:
+                ``Machine.url`` carries the machine's token; use it as given.
 
         Raises:
             InvalidRequest, AlreadyExists, QuotaExceeded, SnapshotNotFound, HostSetupError.
@@ -230,7 +234,7 @@ class AsyncMachines:
         return await self._c._parse(
             models.Machine,
             _base.machine_create(name, vcpus, memory_mib, disk_gib, isolated, from_snapshot,
-                                 engine, suspend_after, hibernate_after, node),
+                                 engine, suspend_after, hibernate_after, node, public),
         )
 
     async def get(self, ref: str) -> models.Machine:

@@ -229,8 +229,11 @@ def machine_create(
     suspend_after: float | None = None,
     hibernate_after: float | None = None,
     node: str | None = None,
+    public: bool = False,
 ) -> Req:
     body: dict[str, Any] = {"isolated": bool(isolated)}
+    if public:
+        body["public"] = True
     for k, v in (
         ("name", name),
         ("vcpus", vcpus),

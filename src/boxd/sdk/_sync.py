@@ -194,6 +194,7 @@ class Machines:
         suspend_after: float | None = None,
         hibernate_after: float | None = None,
         node: str | None = None,
+        public: bool = False,
     ) -> models.Machine:
         """Create and boot a machine; returns while it starts (see ``wait_until_ready``).
 
@@ -212,6 +213,9 @@ class Machines:
                 if None).
             node: the cluster node to place it on (``nodes.list()``); None lets the
                 daemon place it (the node with the most free memory).
+            public: its URL needs no token (the bare ``http://127.0.0.1:PORT``, any TCP
+                protocol): every local user reaches its port 8080 and wakes it. Default:
+                ``Machine.url`` carries the machine's token; use it as given.
 
         Raises:
             InvalidRequest, AlreadyExists, QuotaExceeded, SnapshotNotFound, HostSetupError.
@@ -219,7 +223,7 @@ class Machines:
         return self._c._parse(
             models.Machine,
             _base.machine_create(name, vcpus, memory_mib, disk_gib, isolated, from_snapshot,
-                                 engine, suspend_after, hibernate_after, node),
+                                 engine, suspend_after, hibernate_after, node, public),
         )
 
     def get(self, ref: str) -> models.Machine:
