@@ -331,3 +331,45 @@ def test_a_websocket_upgrade_is_relayed_byte_for_byte_after_the_token_is_checked
         up.close()
 
     asyncio.run(main())
+
+
+def test_httpx_and_websockets_clients_work_with_the_url_exactly_as_given(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """httpx with ``base_url=m.url``, and a WebSocket client on the URL turned ws:// with
+    ``/ws`` appended (what OpenEnv's client does to its base URL)."""
+    import httpx
+    import websockets
+
+    async def main() -> None:
+        async def ws_echo(conn: websockets.ServerConnection) -> None:
+            assert conn.request is not None
+            async for msg in conn:
+                await conn.send(f"{conn.request.path} {msg}")
+
+        server = await websockets.serve(ws_echo, "127.0.0.1", 0)
+        ws_port = server.sockets[0].getsockname()[1]
+        guest = Guest()
+        await guest.start()
+        m_http = await _machine(world, "h")
+        m_ws = await _machine(world, "w")
+        ports = {m_http.id: guest.port, m_ws.id: ws_port}
+
+        async def open_http(self: FakeMachine) -> tuple[asyncio.StreamReader,
+                                                        asyncio.StreamWriter]:
+            return await asyncio.open_connection("127.0.0.1", ports[self.config.id])
+
+        monkeypatch.setattr(FakeMachine, "open_http", open_http)
+        assert m_http.url and m_ws.url
+        async with httpx.AsyncClient(base_url=m_http.url) as client:
+            for path in ("/reset", "/step", "/state?x=1"):
+                got = await client.get(path)
+                assert got.status_code == 200 and got.text == f"path={path}"
+        ws_url = "ws://" + m_ws.url.rstrip("/")[len("http://"):] + "/ws"
+        async with websockets.connect(ws_url) as ws:
+            await ws.send("hi")
+            assert await ws.recv() == "/ws hi"
+        server.close()
+        guest.server.close()  # type: ignore[union-attr]
+
+    asyncio.run(main())
