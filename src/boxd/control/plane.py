@@ -363,7 +363,10 @@ class Machines:
                 out.append(c)
                 continue
             err = results[c.id]
-            out.append(err if err is not None else self._model(self._find(account, c.id)))
+            try:
+                out.append(err if err is not None else self._model(self._find(account, c.id)))
+            except MachineNotFound as exc:  # deleted as soon as it was made: its item only
+                out.append(exc)
         return out
 
     async def _fork_targets(

@@ -34,7 +34,7 @@ import os
 import secrets
 import tempfile
 import time
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -185,6 +185,10 @@ class NodeRuntime:
         # Layers recorded by a launch or freeze in flight that no machine points at yet:
         # a concurrent gc (a sibling's delete, a background collapse) must keep them.
         self._unreferenced: set[str] = set()
+        # Templates a launch in flight maps (a fork child, a standby child being
+        # prepared), counted: gc keeps them, with their layers, until the last one let go
+        # (`_pin`). A stale template nothing else keeps is collected at that moment.
+        self._pins: dict[str, int] = {}
         # Templates other nodes sent (cross-node forks): source id -> template id. Kept
         # while current, so further forks of that source here are copy-on-write again.
         self._received: dict[str, str] = {}
@@ -535,6 +539,7 @@ class NodeRuntime:
                     agent = await handle.agent(timeout=timeout)
                     yield rec, handle, agent
                 except MachineFailed as exc:
+                    self._rec(machine_id)  # deleted meanwhile: MachineNotFound, not a 503
                     await self._raise_if_died(rec, handle, exc)
                     raise
                 finally:
@@ -934,7 +939,7 @@ class NodeRuntime:
     def gc(self) -> None:
         """Remove templates and disk layers nothing refers to any more."""
         garbage = self.repos.layers.collect(
-            keep=self._unreferenced, keep_templates=set(self._received.values())
+            keep=self._unreferenced, keep_templates={*self._received.values(), *self._pins}
         )
         for tid in [t for t in self._offered if self.repos.layers.template(t) is None]:
             del self._offered[tid]
@@ -944,6 +949,36 @@ class NodeRuntime:
         for lid in garbage.layer_ids:
             disks.remove(self.layer_path(lid))
         self.spares.prune()
+
+    def _pin(self, tpl: TemplateRecord) -> None:
+        """Keep ``tpl`` (its row, files and layers) while a launch from it is in flight.
+
+        Raises:
+            Conflict: it was collected already (its source changed or was deleted, and
+                nothing mapped it): the caller takes the source's current one, or fails.
+        """
+        if self.repos.layers.template(tpl.id) is None or not tpl.state_path.exists():
+            raise Conflict(f"template {tpl.id} was collected meanwhile",
+                           hint="its source changed or was deleted; fork again")
+        self._pins[tpl.id] = self._pins.get(tpl.id, 0) + 1
+
+    def _unpin(self, template_id: str) -> None:
+        """One launch from the template finished; the last one collects it if stale."""
+        left = self._pins.get(template_id, 0) - 1
+        if left > 0:
+            self._pins[template_id] = left
+            return
+        self._pins.pop(template_id, None)
+        if not self.repos.layers.template_is_current(template_id):
+            self.gc()
+
+    @contextlib.contextmanager
+    def _pinned(self, tpl: TemplateRecord) -> Iterator[None]:
+        self._pin(tpl)
+        try:
+            yield
+        finally:
+            self._unpin(tpl.id)
 
     # -------------------------------------------------------------------- fork
 
@@ -1046,7 +1081,27 @@ class NodeRuntime:
         return new
 
     async def _template(self, source_id: str) -> TemplateRecord:
-        """The template children of this source start from: reused or made once."""
+        """The template children of this source start from, pinned (the caller unpins
+        it, see `_pin`): reused or made once.
+
+        A fork that waited for a template being made may find it collected by the time
+        it runs (the source changed and a gc ran in between): it takes the source's
+        current one instead, made anew if need be.
+
+        Raises:
+            MachineNotFound: the source is gone (deleted meanwhile).
+            Conflict: the source kept changing under the fork.
+        """
+        for _ in range(3):
+            tpl = await self._template_once(source_id)
+            with contextlib.suppress(Conflict):
+                self._pin(tpl)  # no await since it was read: a gc cannot come between
+                return tpl
+            self._rec(source_id)  # deleted: MachineNotFound
+        raise Conflict(f"machine {self._rec(source_id).name!r} changed while it was forked",
+                       hint="retry the fork")
+
+    async def _template_once(self, source_id: str) -> TemplateRecord:
         rec = self._rec(source_id)
         existing = self.repos.layers.template_for(source_id, rec.generation)
         if existing is not None and existing.mem_path.exists():
@@ -1097,7 +1152,8 @@ class NodeRuntime:
         return MemoryImage(tpl.mem_path, tpl.state_path, memory_mib)
 
     async def _fork_source(self, source_id: str) -> tuple[MachineRecord, TemplateRecord]:
-        """Check a fork's source, wake it if needed, and get its template."""
+        """Check a fork's source, wake it if needed, and get its template (pinned: the
+        caller unpins it)."""
         src = self._rec(source_id)
         if src.state == S.FAILED:
             raise self.failed_error(src, src.error)
@@ -1110,21 +1166,31 @@ class NodeRuntime:
             await self.wait_until_ready(source_id, timeout=120)
         self._touch(source_id)
         tpl = await self._template(source_id)
-        return self._rec(source_id), tpl
+        try:
+            return self._rec(source_id), tpl
+        except BaseException:
+            self._unpin(tpl.id)
+            raise
 
     async def fork(self, source_id: str, child_ids: list[str]) -> list[Exception | None]:
+        # The template stays pinned until every child is started (each then maps it:
+        # its record names it) or gone: a delete of the source or a change and a gc
+        # meanwhile leave its files and layers alone.
         src, tpl = await self._fork_source(source_id)
-        demand = self._forking[tpl.id] = self._forking.get(tpl.id, 0) + len(child_ids)
         try:
-            results = await asyncio.gather(
-                *(self._start_child(src, tpl, cid) for cid in child_ids),
-                return_exceptions=True,
-            )
+            demand = self._forking[tpl.id] = self._forking.get(tpl.id, 0) + len(child_ids)
+            try:
+                results = await asyncio.gather(
+                    *(self._start_child(src, tpl, cid) for cid in child_ids),
+                    return_exceptions=True,
+                )
+            finally:
+                self._forking[tpl.id] -= len(child_ids)
+                if not self._forking[tpl.id]:
+                    del self._forking[tpl.id]
+            self.spares.want(source_id, tpl, demand)
         finally:
-            self._forking[tpl.id] -= len(child_ids)
-            if not self._forking[tpl.id]:
-                del self._forking[tpl.id]
-        self.spares.want(source_id, tpl, demand)
+            self._unpin(tpl.id)
         out: list[Exception | None] = []
         for cid, r in zip(child_ids, results, strict=True):
             if isinstance(r, BaseException) and not isinstance(r, Exception):
@@ -1165,10 +1231,14 @@ class NodeRuntime:
         config = self.config_for(vm_id, src.name, vcpus=src.vcpus, memory_mib=src.memory_mib,
                                  isolated=src.isolated, port=port)
         try:
-            handle, layer_id = await self._launch(config, Launch(
-                self.template_image(tpl, src.memory_mib), backing=self.layer_path(tpl.layer_id),
-                parent_layer=tpl.layer_id, paused=True, disk_gib=src.disk_gib,
-            ), src.engine, record_layer=False)
+            # Pinned while it launches (it maps the template's files); once prepared it
+            # lives only while the template is current (`SparePool.prune`).
+            with self._pinned(tpl):
+                handle, layer_id = await self._launch(config, Launch(
+                    self.template_image(tpl, src.memory_mib),
+                    backing=self.layer_path(tpl.layer_id), parent_layer=tpl.layer_id,
+                    paused=True, disk_gib=src.disk_gib,
+                ), src.engine, record_layer=False)
         except BaseException:
             remove_tree(self.run_dir(vm_id))
             remove_tree(self.paths.machines / vm_id)
@@ -1190,6 +1260,12 @@ class NodeRuntime:
         """The source's template (made if needed), described for a peer node to fetch
         (see `boxd.node._transfer`). A cross-node fork writes nothing else here."""
         src, tpl = await self._fork_source(source_id)
+        try:  # pinned while described; a peer fetching a template collected since: NotFound
+            return await self._offer(src, tpl)
+        finally:
+            self._unpin(tpl.id)
+
+    async def _offer(self, src: MachineRecord, tpl: TemplateRecord) -> TemplateOffer:
         if src.engine != "qemu":
             raise InvalidRequest(
                 f"machine {src.name!r} runs on the {src.engine} engine; only qemu machines "
@@ -1314,9 +1390,11 @@ class NodeRuntime:
         self, src: MachineRecord, tpl: TemplateRecord, child_ids: list[str]
     ) -> list[Exception | None]:
         """Start recorded children of another node's machine ``src`` from ``tpl``."""
-        results = await asyncio.gather(
-            *(self._start_child(src, tpl, cid) for cid in child_ids), return_exceptions=True
-        )
+        with self._pinned(tpl):
+            results = await asyncio.gather(
+                *(self._start_child(src, tpl, cid) for cid in child_ids),
+                return_exceptions=True,
+            )
         out: list[Exception | None] = []
         for r in results:
             if isinstance(r, BaseException) and not isinstance(r, Exception):

@@ -7,13 +7,15 @@ and never see a connection or a row.
 from __future__ import annotations
 
 import builtins
+import functools
 import secrets
 import sqlite3
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
+from typing import ParamSpec, TypeVar
 
-from boxd.errors import AlreadyExists, QuotaExceeded
+from boxd.errors import AlreadyExists, Conflict, QuotaExceeded
 from boxd.models import MachineState
 from boxd.state._db import Database, new_id
 from boxd.state.records import (
@@ -34,6 +36,32 @@ _RUNTIME_COLUMNS = frozenset(
 )
 # States that hold a quota slot: every state but these.
 _FREE_STATES = "('deleting','hibernated')"
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _writes(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """A write whose constraint failed is a typed `Conflict`, never a bare sqlite3 error.
+
+    A foreign key fails when the row a write refers to went meanwhile (a layer on a
+    template's layer collected by a concurrent delete, a machine deleted while its
+    checkpoint was recorded); a unique key when a concurrent write took the name. The
+    caller's own checks come first, so this is the last line: a 409 naming the write.
+    """
+
+    @functools.wraps(fn)
+    def guarded(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return fn(*args, **kwargs)
+        except sqlite3.IntegrityError as exc:
+            what = fn.__qualname__.lower().replace(".", " ")
+            raise Conflict(
+                f"cannot record it ({what}): {exc}; a record it refers to was deleted or "
+                "changed meanwhile", hint="retry; a concurrent request deleted or changed it",
+            ) from exc
+
+    return guarded
 
 
 class Machines:
@@ -77,6 +105,7 @@ class Machines:
     def vm_ids(self) -> set[str]:
         return {r["vm_id"] for r in self._db.all("SELECT vm_id FROM machines")}
 
+    @_writes
     def claim(
         self, account: str, name: str, *, machine_id: str, vcpus: int, memory_mib: int,
         disk_gib: int, isolated: bool, image: str, node_id: str, engine: str,
@@ -114,6 +143,7 @@ class Machines:
         assert rec is not None
         return rec
 
+    @_writes
     def compare_and_set(
         self, machine_id: str, expected: Collection[MachineState], new: MachineState,
         error: str | None = None, *, quota: tuple[str, int] | None = None,
@@ -142,6 +172,7 @@ class Machines:
         """Record activity (a request that needed the machine) at ``when``."""
         self._db.execute("UPDATE machines SET last_active=? WHERE id=?", (when, machine_id))
 
+    @_writes
     def update(self, machine_id: str, **fields: object) -> None:
         """Write a machine's runtime columns (never its state: see `compare_and_set`)."""
         bad = set(fields) - _RUNTIME_COLUMNS
@@ -154,6 +185,7 @@ class Machines:
     def bump_generation(self, machine_id: str) -> None:
         self._db.execute("UPDATE machines SET generation=generation+1 WHERE id=?", (machine_id,))
 
+    @_writes
     def delete(self, machine_id: str) -> None:
         self._db.execute("DELETE FROM machines WHERE id=?", (machine_id,))
 
@@ -167,6 +199,7 @@ class Machines:
         rows = self._db.all("SELECT node_id, COUNT(*) AS n FROM machines GROUP BY node_id")
         return {r["node_id"]: r["n"] for r in rows}
 
+    @_writes
     def adopt(self, rec: MachineRecord, quota: int) -> None:
         """Insert a record the control plane made (a cluster node's own database; its
         account row carries the account's quota, which the node applies to wakes)."""
@@ -188,6 +221,7 @@ class Machines:
                  int(rec.url_public)),
             )
 
+    @_writes
     def mirror(self, rec: MachineRecord) -> bool:
         """Copy a cluster node's view of a machine (state and runtime columns; its disk
         layers and templates are the node's alone) into the control plane's record;
@@ -200,6 +234,7 @@ class Machines:
              rec.last_active, int(rec.ram_shared), rec.generation, rec.id),
         ) == 1
 
+    @_writes
     def mark_lost(self, node_id: str, error: str) -> builtins.list[str]:
         """Every machine of a dead node becomes ``lost``; returns their ids."""
         with self._db.transaction() as conn:
@@ -242,6 +277,7 @@ class Layers:
     def __init__(self, db: Database) -> None:
         self._db = db
 
+    @_writes
     def new(self, parent_id: str | None, base: str, layer_id: str | None = None) -> str:
         layer_id = layer_id or new_id("l")
         self._db.execute(
@@ -250,6 +286,7 @@ class Layers:
         )
         return layer_id
 
+    @_writes
     def drop(self, layer_id: str) -> None:
         """Forget a layer no one refers to yet (a launch that failed)."""
         self._db.execute("DELETE FROM layers WHERE id=?", (layer_id,))
@@ -272,12 +309,14 @@ class Layers:
             layer_id = layer.parent_id
         return out
 
+    @_writes
     def freeze(self, machine_id: str, frozen_id: str, new_active: str) -> None:
         """``frozen_id`` becomes read-only; the machine now writes ``new_active``."""
         with self._db.transaction() as conn:
             conn.execute("UPDATE layers SET frozen=1 WHERE id=?", (frozen_id,))
             conn.execute("UPDATE machines SET layer_id=? WHERE id=?", (new_active, machine_id))
 
+    @_writes
     def received(self, layer_id: str, parent_id: str | None, base: str) -> None:
         """Record a frozen layer another node sent (a cross-node fork's template)."""
         self._db.execute(
@@ -285,12 +324,14 @@ class Layers:
             " VALUES (?,?,?,1,?)", (layer_id, parent_id, base, time.time()),
         )
 
+    @_writes
     def rebase(self, layer_id: str, base: str) -> None:
         """After a collapse: ``layer_id`` sits directly on the base image."""
         self._db.execute("UPDATE layers SET parent_id=NULL, base=? WHERE id=?", (base, layer_id))
 
     # -------------------------------------------------------------- templates
 
+    @_writes
     def add_template(
         self, source_id: str, layer_id: str, mem_path: Path, state_path: Path, generation: int,
         template_id: str | None = None,
@@ -334,6 +375,7 @@ class Layers:
                            (template_id,))
         return row is not None
 
+    @_writes
     def collect(
         self, keep: Collection[str] = (), keep_templates: Collection[str] = ()
     ) -> Garbage:
@@ -402,6 +444,7 @@ class Checkpoints:
         )
         return [CheckpointRecord.of(r) for r in rows]
 
+    @_writes
     def add(
         self, checkpoint_id: str, machine_id: str, name: str, layer_id: str,
         mem_path: Path | None, state_path: Path,
@@ -416,9 +459,11 @@ class Checkpoints:
         assert ck is not None
         return ck
 
+    @_writes
     def delete(self, checkpoint_id: str) -> None:
         self._db.execute("DELETE FROM checkpoints WHERE id=?", (checkpoint_id,))
 
+    @_writes
     def delete_for(self, machine_id: str) -> builtins.list[str]:
         """Drop every checkpoint of a machine; return their ids (for their files)."""
         ids = [c.id for c in self.list(machine_id)]
@@ -491,6 +536,7 @@ class Snapshots:
         if latest and not new_version:
             raise self._taken(name, latest)
 
+    @_writes
     def add(self, account: str, name: str, digest: str, *, new_version: bool) -> SnapshotRecord:
         """Record the next version of ``name`` (atomically).
 
@@ -514,6 +560,7 @@ class Snapshots:
         assert row is not None
         return SnapshotRecord.of(row)
 
+    @_writes
     def delete(self, snapshot_id: str) -> None:
         self._db.execute("DELETE FROM snapshots WHERE id=?", (snapshot_id,))
 
@@ -559,6 +606,7 @@ class Keys:
         row = self._db.one("SELECT name FROM accounts WHERE id = ?", (account_id,))
         return str(row["name"]) if row else None
 
+    @_writes
     def add_account(self, name: str, max_machines: int) -> str:
         """Create the account ``name`` unless it exists; return its id either way."""
         self._db.execute(
@@ -570,6 +618,7 @@ class Keys:
         assert found is not None  # inserted just above, or by a concurrent caller
         return found
 
+    @_writes
     def add(
         self, key_id: str, account_id: str, name: str, prefix: str, secret_hash: str,
         created_at: float, owner_uid: int | None,
