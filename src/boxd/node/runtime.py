@@ -927,10 +927,13 @@ class NodeRuntime:
         for ck_id in self.repos.checkpoints.delete_for(machine_id):
             remove_tree(self.paths.checkpoints / ck_id)
         self.repos.machines.delete(machine_id)
+        # In a thread: a RAM file or a hibernation image is GiBs to free, which would
+        # hold every other request up for as long.
+        dirs = [self.paths.hibernated / machine_id]
         if rec is not None:
-            remove_tree(self.run_dir(rec.vm_id))
-            remove_tree(self.paths.machines / rec.vm_id)
-        remove_tree(self.paths.hibernated / machine_id)
+            dirs += [self.run_dir(rec.vm_id), self.paths.machines / rec.vm_id]
+        for d in dirs:
+            await asyncio.to_thread(remove_tree, d)
         self._leases.pop(machine_id, None)
         self._active.pop(machine_id, None)
         await self.procs.drop(machine_id)
