@@ -742,7 +742,7 @@ export interface components {
         ExecRequest: {
             /**
              * Command
-             * @description shell string (run by /bin/sh -c) or argv; no NUL bytes
+             * @description shell string (run by /bin/sh -c) or argv; no NUL bytes; at most 65536 items of 131071 bytes each, 1048576 bytes with env
              */
             command: string | string[];
             /**
@@ -752,7 +752,10 @@ export interface components {
             env?: {
                 [key: string]: string;
             };
-            /** Cwd */
+            /**
+             * Cwd
+             * @description absolute path of its working directory
+             */
             cwd?: string | null;
             /**
              * Timeout
@@ -1122,6 +1125,11 @@ export interface components {
              * @default
              */
             stderr_tail: string;
+            /**
+             * Reason
+             * @description why it exited or is detached, when the node knows: e.g. killed for output nobody read past the node's bound, or its agent connection lost
+             */
+            reason?: string | null;
         };
         /** ProcessKill */
         ProcessKill: {
@@ -1193,18 +1201,27 @@ export interface components {
             /** Snapshots */
             snapshots: components["schemas"]["Snapshot"][];
         };
-        /** SpawnRequest */
+        /**
+         * SpawnRequest
+         * @description Checked as `boxd.models.ExecRequest` is: a bad request is a 400 naming the field.
+         */
         SpawnRequest: {
             /**
              * Argv
-             * @description the command as an argv list
+             * @description the command as an argv list; no NUL bytes; at most 65536 items of 131071 bytes each, 1048576 bytes with env
              */
             argv: string[];
-            /** Env */
+            /**
+             * Env
+             * @description variables set for the command; names without '=', no NUL bytes
+             */
             env?: {
                 [key: string]: string;
             };
-            /** Cwd */
+            /**
+             * Cwd
+             * @description absolute path of its working directory
+             */
             cwd?: string | null;
         };
         /**
