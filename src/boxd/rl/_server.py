@@ -34,7 +34,10 @@ from collections.abc import Callable
 from typing import Any, BinaryIO
 
 PROTOCOL = 1
-MAX_FRAME = 256 << 20  # a frame larger than this is a bug (or a hostile peer)
+# A frame larger than this is a bug (or a hostile peer). The node kills a process whose
+# frame header claims more than its 64 MiB per-process bound (boxd.node._processes), so
+# an env refuses such a frame itself first, with a message, on both ends.
+MAX_FRAME = 64 << 20
 
 _LEN = struct.Struct(">I")
 _Q = struct.Struct(">Q")
