@@ -15,15 +15,17 @@ class CountEnv(gym.Env[np.int64, np.int64]):
     adds 1; the episode terminates when the counter reaches a multiple of ``ends``
     (truncates instead when ``truncate``). Infos carry every kind of value the vector
     env batches: ints, floats, bools, arrays, strings, nested dicts, and keys that only
-    some steps have."""
+    some steps have. ``n_obs`` and ``n_actions`` size its spaces (vectorisers refuse
+    sub-envs whose spaces differ)."""
 
     metadata = {"render_modes": ["rgb_array"]}
 
     def __init__(self, ends: int = 4, truncate: bool = False,
-                 render_mode: str | None = None, delay: float = 0.0) -> None:
+                 render_mode: str | None = None, delay: float = 0.0,
+                 n_obs: int = 1000, n_actions: int = 3) -> None:
         self.delay = delay
-        self.observation_space = spaces.Discrete(1000)
-        self.action_space = spaces.Discrete(3)
+        self.observation_space = spaces.Discrete(n_obs)
+        self.action_space = spaces.Discrete(n_actions)
         self.ends = ends
         self.truncate = truncate
         self.render_mode = render_mode

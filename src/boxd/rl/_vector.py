@@ -25,6 +25,40 @@ if TYPE_CHECKING:
 RECOVERED = "recovered"
 
 
+# Errors: each is what `SyncVectorEnv` (or, for what only it has, `AsyncVectorEnv`)
+# raises on the same path, with the same message, and also boxd's type where boxd had
+# one (tests/unit/test_rl_vector_conformance.py compares them call by call).
+
+
+class VectorEnvClosed(errors.StateError, gym.error.ClosedEnvironmentError):
+    """A call after `VectorEnv.close` (its machines are gone): `AsyncVectorEnv`'s
+    `gymnasium.error.ClosedEnvironmentError`, and boxd's `StateError`."""
+
+
+class PendingCallError(gym.error.AlreadyPendingCallError, RuntimeError):
+    """A call while a `VectorEnv.step_async` awaits its `VectorEnv.step_wait`
+    (`AsyncVectorEnv`'s error; also a `RuntimeError`, as boxd raised before)."""
+
+
+class NoPendingCallError(gym.error.NoAsyncCallError, RuntimeError):
+    """`VectorEnv.step_wait` without a `VectorEnv.step_async` (`AsyncVectorEnv`'s
+    error; also a `RuntimeError`, as boxd raised before)."""
+
+
+class _EnvFnsEmpty(errors.InvalidRequest, IndexError):
+    """No env fns: Gymnasium's IndexError, and boxd's InvalidRequest."""
+
+
+class _EnvFnNotCallable(errors.InvalidRequest, TypeError):
+    """An env fn that is not callable (nor an id): Gymnasium's TypeError, and boxd's
+    InvalidRequest."""
+
+
+class _StepOfFinishedEnv(AssertionError, RuntimeError):
+    """A DISABLED-mode step of a finished sub-env: `SyncVectorEnv`'s assertion (also
+    a `RuntimeError`, as boxd raised before)."""
+
+
 class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
     """A `gymnasium.vector.VectorEnv` whose sub-envs each run in their own fork of
     ``source``, stepped concurrently.
@@ -58,9 +92,17 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
         **make_kwargs: keyword arguments for every sub-env's constructor.
 
     Raises:
-        InvalidRequest: bad arguments.
-        EnvError, EnvModuleNotFound: a sub-env could not be built (``index`` says which).
-        RuntimeError: the sub-envs' spaces differ.
+        InvalidRequest: bad arguments (an empty ``env_fns`` is also an `IndexError`, an
+            env fn that is not callable a `TypeError`, as for `SyncVectorEnv`).
+        ValueError: not an `AutoresetMode`.
+        EnvError, EnvModuleNotFound: a sub-env could not be built (``index`` says which;
+            also an instance of the exception the env raised).
+        RuntimeError: the sub-envs' spaces differ (`SyncVectorEnv`'s message).
+
+    Errors are Gymnasium's: each error path raises what `SyncVectorEnv` raises there
+    (or `AsyncVectorEnv`, for ``step_async``/``step_wait`` and calls after ``close``),
+    with the same message; boxd's own errors are also instances of Gymnasium's type
+    where one applies (see docs/rl.md, "Errors").
     """
 
     def __init__(
@@ -94,6 +136,9 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
             self._init_spaces()
         except BaseException:
             self._pool.close()
+            # Closed for good: a later __del__ must not close the pool again (from a
+            # garbage collection inside another pool's thread pool, that deadlocks).
+            self.closed = True
             raise
         self._obs: list[Any] = [None] * self.num_envs
         self._observations: Any = create_empty_array(self.single_observation_space,
@@ -109,12 +154,21 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
         first = infos[0]
         self.single_observation_space = W.space_from_wire(first["observation_space"])
         self.single_action_space = W.space_from_wire(first["action_space"])
-        for i, info in enumerate(infos[1:], start=1):
-            if (W.space_from_wire(info["observation_space"]) != self.single_observation_space
-                    or W.space_from_wire(info["action_space"]) != self.single_action_space):
+        for info in infos:  # SyncVectorEnv's checks, in its order, with its messages
+            obs_space = W.space_from_wire(info["observation_space"])
+            if obs_space != self.single_observation_space:
                 raise RuntimeError(
-                    f"sub-env {i}'s spaces differ from sub-env 0's: boxd.rl.VectorEnv "
-                    "batches sub-envs with identical observation and action spaces")
+                    "SyncVectorEnv(..., observation_mode='same') however the "
+                    "sub-environments observation spaces are not equivalent. "
+                    f"single_observation_space={self.single_observation_space}, "
+                    f"sub-environment observation_space={obs_space}. If this is "
+                    "intentional, use `observation_mode='different'` instead.")
+            act_space = W.space_from_wire(info["action_space"])
+            if act_space != self.single_action_space:
+                raise RuntimeError(
+                    "Sub-environment action space doesn't make the `single_action_space`, "
+                    f"action_space={act_space}, "
+                    f"single_action_space={self.single_action_space}")
         self.observation_space = batch_space(self.single_observation_space, self.num_envs)
         self.action_space = batch_space(self.single_action_space, self.num_envs)
         self.metadata = dict(first.get("metadata") or {})
@@ -136,13 +190,17 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
 
         Raises:
             TypeError, ValueError: a bad seed list or reset mask (as Gymnasium's).
+            VectorEnvClosed: after `close`.
+            PendingCallError: a `step_async` awaits its `step_wait`.
             EnvError, EnvServerLost, EnvTimeout: a sub-env failed (``index`` says which).
         """
         self._check_open()
         if isinstance(seed, int) and not isinstance(seed, bool):
             super().reset(seed=seed)
         seeds = _seeds(seed, self.num_envs)
-        options = dict(options) if options is not None else None
+        self._check_no_pending("reset_async", period=False)
+        # Copied, where SyncVectorEnv pops "reset_mask" from the caller's dict.
+        options = dict(options) if isinstance(options, dict) else options
         mask = self._reset_mask(options)
         indices = [i for i in range(self.num_envs) if mask is None or mask[i]]
         results = self._pool.reset(indices, seeds, [options] * self.num_envs)
@@ -162,7 +220,7 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
                                          self._observations)
         return (deepcopy(self._observations) if self.copy else self._observations), infos
 
-    def _reset_mask(self, options: dict[str, Any] | None) -> np.ndarray[Any, Any] | None:
+    def _reset_mask(self, options: Any) -> np.ndarray[Any, Any] | None:
         if options is None or "reset_mask" not in options:
             return None
         mask = options.pop("reset_mask")
@@ -194,35 +252,42 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
         """Send the actions; `step_wait` collects the results.
 
         Raises:
-            RuntimeError: a step is already pending.
-            ValueError: the batch does not hold ``num_envs`` actions.
+            VectorEnvClosed: after `close`.
+            PendingCallError: a step is already pending.
+            TypeError: ``actions`` cannot be iterated as a batch of ``action_space``.
+            ValueError: the batch does not hold ``num_envs`` actions (SyncVectorEnv's
+                ``zip(..., strict=True)`` message).
         """
         self._check_open()
-        if self._pending is not None:
-            raise RuntimeError("step_async called while a step is pending: call step_wait")
-        acts = list(iterate(self.action_space, actions))
-        if len(acts) != self.num_envs:
-            raise ValueError(f"expected {self.num_envs} actions, got {len(acts)}")
+        self._check_no_pending("step_async")
+        # As SyncVectorEnv pairs them: zip(actions, envs, strict=True) (but before any
+        # sub-env is stepped).
+        acts = [a for a, _ in zip(iterate(self.action_space, actions), range(self.num_envs),
+                                  strict=True)]
         self._pending = acts
 
     def step_wait(self, timeout: float | None = None) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         """Collect the step sent by `step_async` (``timeout`` overrides ``step_timeout``).
 
         Raises:
-            RuntimeError: no step is pending.
+            VectorEnvClosed: after `close`.
+            NoPendingCallError: no step is pending.
+            AssertionError: with autoreset_mode DISABLED, a finished sub-env was not reset
+                (SyncVectorEnv's assertion; also a RuntimeError).
             EnvError, EnvServerLost, EnvTimeout: a sub-env failed (``index`` says which).
         """
+        self._check_open()
         if self._pending is None:
-            raise RuntimeError("step_wait called without a pending step_async")
+            raise NoPendingCallError(
+                "Calling `step_wait` without any prior call to `step_async`.", "step")
         acts, self._pending = self._pending, None
         n = self.num_envs
         mode = self.autoreset_mode
         infos: dict[str, Any] = {}
         if mode == AutoresetMode.DISABLED and np.any(self._autoreset_envs):
-            bad = [int(i) for i in np.flatnonzero(self._autoreset_envs)]
-            raise RuntimeError(
-                f"sub-envs {bad} finished their episodes: with autoreset_mode DISABLED "
-                "reset them first with reset(options={'reset_mask': mask})")
+            # SyncVectorEnv's `assert not self._autoreset_envs[i], f"{self._autoreset_envs=}"`
+            # (the finished sub-envs need reset(options={"reset_mask": ...}) first).
+            raise _StepOfFinishedEnv(f"self._autoreset_envs={self._autoreset_envs!r}")
         resets = [i for i in range(n) if mode == AutoresetMode.NEXT_STEP
                   and self._autoreset_envs[i]]
         reset_results: list[Any] = (self._pool.reset(resets, [None] * n, [None] * n) if resets
@@ -299,24 +364,28 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
         """Call a method (or read an attribute) of every sub-env.
 
         Raises:
+            VectorEnvClosed: after `close`.
+            PendingCallError: a `step_async` awaits its `step_wait`.
             EnvError: a sub-env raised (``index`` says which).
         """
         self._check_open()
+        self._check_no_pending("call_async")
         results = self._pool.broadcast([("call", name, args, kwargs)] * self.num_envs)
         return tuple(self._pool.values(results))
 
     def get_attr(self, name: str) -> tuple[Any, ...]:
-        """An attribute of every sub-env."""
-        self._check_open()
-        results = self._pool.broadcast([("get_attr", name)] * self.num_envs)
-        return tuple(self._pool.values(results))
+        """An attribute of every sub-env (a method is called, as Gymnasium's
+        vectorisers do: this is `call` with no arguments)."""
+        return self.call(name)
 
     def set_attr(self, name: str, values: list[Any] | tuple[Any, ...] | Any) -> None:
         """Set an attribute of every sub-env: one value per sub-env if ``values`` is a
         list or tuple, else the same value for all.
 
         Raises:
+            VectorEnvClosed: after `close`.
             ValueError: the number of values is not ``num_envs``.
+            PendingCallError: a `step_async` awaits its `step_wait`.
         """
         self._check_open()
         if not isinstance(values, list | tuple):
@@ -325,6 +394,7 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
             raise ValueError("Values must be a list or tuple with length equal to the number "
                              f"of environments. Got `{len(values)}` values for "
                              f"{self.num_envs} environments.")
+        self._check_no_pending("set_attr")
         self._pool.values(self._pool.broadcast(
             [("set_attr", name, v) for v in values]))
 
@@ -334,7 +404,15 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
 
     def _check_open(self) -> None:
         if self.closed:
-            raise errors.StateError("this VectorEnv is closed", hint="make a new one")
+            raise VectorEnvClosed(
+                f"Trying to operate on `{type(self).__name__}`, after a call to `close()`.")
+
+    def _check_no_pending(self, what: str, *, period: bool = True) -> None:
+        # AsyncVectorEnv's message (its reset_async's lacks the final period).
+        if self._pending is not None:
+            raise PendingCallError(
+                f"Calling `{what}` while waiting for a pending call to `step` to complete"
+                + ("." if period else ""), "step")
 
     def __del__(self) -> None:  # pragma: no cover - best effort at interpreter exit
         if not getattr(self, "closed", True) and hasattr(self, "_pool"):
@@ -355,8 +433,12 @@ def _factories(
                 "give num_envs >= 1 with an env id or a single callable", field="num_envs")
         return [env_fns] * num_envs
     fns: list[Callable[..., Any] | str] = list(env_fns)
-    if not fns:
-        raise errors.InvalidRequest("env_fns is empty", field="env_fns")
+    if not fns:  # SyncVectorEnv fails on envs[0]
+        raise _EnvFnsEmpty("list index out of range", field="env_fns")
+    for fn in fns:
+        if not (isinstance(fn, str) or callable(fn)):  # SyncVectorEnv calls it
+            raise _EnvFnNotCallable(f"'{type(fn).__name__}' object is not callable",
+                                    field="env_fns")
     if num_envs is not None and num_envs != len(fns):
         raise errors.InvalidRequest(
             f"num_envs={num_envs} but {len(fns)} env_fns were given", field="num_envs")
@@ -368,11 +450,11 @@ def _seeds(seed: int | Sequence[int | None] | None, n: int) -> list[int | None]:
         return [None] * n
     if isinstance(seed, int):
         return [seed + i for i in range(n)]
-    seeds = list(seed)
-    if len(seeds) != n:
+    if len(seed) != n:  # len() first, as SyncVectorEnv: a float seed is a TypeError
         raise ValueError(f"If seeds are passed as a list the length must match num_envs={n} "
-                         f"but got length={len(seeds)}.")
-    return seeds
+                         f"but got length={len(seed)}.")
+    return list(seed)
 
 
-__all__ = ["RECOVERED", "VectorEnv"]
+__all__ = ["RECOVERED", "NoPendingCallError", "PendingCallError", "VectorEnv",
+           "VectorEnvClosed"]
