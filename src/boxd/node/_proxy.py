@@ -269,17 +269,24 @@ async def _requests(
         elif (length := values.get(b"content-length")) is not None:
             if not length.isdigit():
                 break
-            left = int(length)
-            while left > 0:
-                data = await reader.read(min(left, _CHUNK))
-                if not data:
-                    return
-                left -= len(data)
+            async for data in _exactly(reader, int(length)):
                 yield data
+            if reader.at_eof():
+                return
         head = await _read_head(reader)  # ValueError: the connection ends (see _relay)
     else:
         return
     async for data in _raw(reader):
+        yield data
+
+
+async def _exactly(reader: asyncio.StreamReader, n: int) -> AsyncIterator[bytes]:
+    """The next ``n`` bytes as they come (fewer if the connection ends first)."""
+    while n > 0:
+        data = await reader.read(min(n, _CHUNK))
+        if not data:
+            return
+        n -= len(data)
         yield data
 
 
@@ -297,13 +304,10 @@ async def _chunked(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
                 yield trailer
             yield trailer
             return
-        left = size + 2  # the chunk and its CRLF
-        while left > 0:
-            data = await reader.read(min(left, _CHUNK))
-            if not data:
-                return
-            left -= len(data)
+        async for data in _exactly(reader, size + 2):  # the chunk and its CRLF
             yield data
+        if reader.at_eof():
+            return
 
 
 _SOURCE_ERRORS = (ConnectionError, OSError, ValueError, asyncio.IncompleteReadError,
