@@ -16,11 +16,13 @@ from pathlib import Path
 
 import pytest
 
-# Modules of the daemon and the CLI, and the daemon's own dependencies.
+# Modules of the daemon, the guest and the CLI, and the daemon's own dependencies.
 DAEMON_OR_CLI = (
-    "boxd.api", "boxd.cli", "boxd.core", "boxd.demo", "boxd.engine", "boxd.images",
-    "boxd.state", "boxd.storage", "fastapi", "starlette", "uvicorn", "qemu",
+    "boxd.api", "boxd.cli", "boxd.control", "boxd.demo", "boxd.engine", "boxd.guest",
+    "boxd.images", "boxd.node", "boxd.services", "boxd.state", "boxd.storage",
+    "fastapi", "starlette", "uvicorn", "qemu",
 )
+SRC = Path(__file__).resolve().parents[2] / "src" / "boxd"
 
 
 def loaded_after(statement: str) -> set[str]:
@@ -38,8 +40,17 @@ def test_from_boxd_import_boxd_loads_no_daemon_or_cli_module() -> None:
     loaded = loaded_after("from boxd import Boxd")
     assert "boxd.sdk._sync" in loaded
     assert offenders(loaded, DAEMON_OR_CLI) == []
-    # the async twin and the pydantic models wait for first use
-    assert offenders(loaded, ("boxd.sdk._async", "boxd.models")) == []
+    # the async twin (and its WebSocket client) and the pydantic models wait for first use
+    assert offenders(loaded, ("boxd.sdk._async", "boxd.sdk._process_async",
+                              "boxd.sdk._ws_async", "boxd.models")) == []
+
+
+def test_the_list_names_every_package_but_the_clients() -> None:
+    packages = {f"boxd.{p.name}" for p in SRC.iterdir() if (p / "__init__.py").exists()}
+    clients = {"boxd.sdk", "boxd.rl"}  # rl: Gymnasium envs over the SDK, client side
+    assert packages - clients <= set(DAEMON_OR_CLI), sorted(packages - clients)
+    assert all(m in packages | {"boxd.demo", "boxd.services"} for m in DAEMON_OR_CLI
+               if m.startswith("boxd."))
 
 
 def test_import_boxd_loads_only_the_errors() -> None:
