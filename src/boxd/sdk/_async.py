@@ -32,14 +32,8 @@ if TYPE_CHECKING:
 else:  # built on first use: see boxd._lazy
     models = LazyModule("boxd.models")
 
-__all__ = [
-    "AsyncBoxd",
-    "AsyncCheckpoints",
-    "AsyncFiles",
-    "AsyncKeys",
-    "AsyncMachines",
-    "AsyncSnapshots",
-]
+__all__ = ["AsyncBoxd", "AsyncCheckpoints", "AsyncFiles", "AsyncKeys", "AsyncMachines",
+           "AsyncSnapshots"]
 
 _CHUNK = 1 << 20
 

@@ -32,14 +32,8 @@ if TYPE_CHECKING:
 else:  # built on first use: see boxd._lazy
     models = LazyModule("boxd.models")
 
-__all__ = [
-    "Boxd",
-    "Checkpoints",
-    "Files",
-    "Keys",
-    "Machines",
-    "Snapshots",
-]
+__all__ = ["Boxd", "Checkpoints", "Files", "Keys", "Machines",
+           "Snapshots"]
 
 _CHUNK = 1 << 20
 
