@@ -266,7 +266,7 @@ class Settings:
     image_cache: Path | None = None  # BOXD_IMAGE_CACHE: where guest images are built
     image_apt: tuple[str, ...] = ()  # BOXD_IMAGE_APT: Debian packages in every machine's image
     image_pip: tuple[str, ...] = ()  # BOXD_IMAGE_PIP: pip packages in every machine's image
-    engine: str = "qemu"  # BOXD_ENGINE: qemu, gvisor or auto (see engine/registry.py)
+    engine: str = "auto"  # BOXD_ENGINE: auto (KVM, else gVisor, else TCG), qemu or gvisor
     suspend_after: float = 60.0  # BOXD_SUSPEND_AFTER: idle seconds before suspend; 0 never
     hibernate_after: float = 600.0  # BOXD_HIBERNATE_AFTER: idle seconds before hibernate
     default_max_machines: int = 50  # BOXD_DEFAULT_MAX_MACHINES: a new account's quota
@@ -295,7 +295,7 @@ class Settings:
             image_cache=Path(cache).expanduser() if cache else None,
             image_apt=_words(e, "BOXD_IMAGE_APT"),
             image_pip=_words(e, "BOXD_IMAGE_PIP"),
-            engine=e.get("BOXD_ENGINE", "qemu").strip().lower() or "qemu",
+            engine=e.get("BOXD_ENGINE", "auto").strip().lower() or "auto",
             suspend_after=_seconds(e, "BOXD_SUSPEND_AFTER", 60.0),
             hibernate_after=_seconds(e, "BOXD_HIBERNATE_AFTER", 600.0),
             default_max_machines=_int(e, "BOXD_DEFAULT_MAX_MACHINES", DEFAULT_MACHINE_QUOTA),

@@ -87,6 +87,8 @@ class _Run:
     made_machines: list[str] = field(default_factory=list)
     made_snapshot: str | None = None
     accel: str = "?"
+    engine: str = "?"  # the engine the baseline (and so every fork) runs on
+    engine_reason: str = ""  # why the daemon's default engine is that one (auto)
     names_checked: bool = False  # preflight saw none of the demo's machine names in use
     _bar: Progress | None = None  # the running step's progress, for update()
     _task: TaskID | None = None
@@ -258,19 +260,25 @@ def _demo(run: _Run, reuse: bool) -> None:
                                progress=run.update)  # a bar on first build
             d.append(f"{img.key}, kernel {img.kernel_version}")
 
+    with run.step("engine") as d:  # which engine the daemon picked, and why
+        info = client.info()
+        run.engine, run.engine_reason = info.engine, info.engine_reason or ""
+        d.append(f"{info.engine}: {info.engine_reason}" if info.engine_reason
+                 else f"{info.engine} (BOXD_ENGINE)")
+
     # --- Prepare one warm baseline --------------------------------------------------
     if base_exists:
         with run.step(f"reuse {BASE}") as d:
             m = client.machines.wait_until_ready(BASE, timeout=300)
-            run.accel = str(m.accelerator).upper()
-            d.append(f"{m.id}, {m.accelerator}")
+            run.accel, run.engine = str(m.accelerator).upper(), m.engine or "?"
+            d.append(f"{m.id}, {m.engine}, {m.accelerator}")
     else:
         with run.step(f"boxd machine new {BASE}") as d:
             m = client.machines.new(BASE)
             run.made_machines.append(m.id)
             m = client.machines.wait_until_ready(m.id, timeout=600)
-            run.accel = str(m.accelerator).upper()
-            d.append(f"{m.id}, {str(m.accelerator).upper()}")
+            run.accel, run.engine = str(m.accelerator).upper(), m.engine or "?"
+            d.append(f"{m.id}, {m.engine}, {str(m.accelerator).upper()}")
 
     with run.step("pip install gymnasium numpy (guest network)") as d:
         stdout = _pip_install(run, "pip install gymnasium numpy")
@@ -380,8 +388,10 @@ def _summary(
         st.add_row(title, f"{took:.2f}s", text)
     out.print(st)
     out.print(f"[bold]{ROLLOUTS} isolated rollouts in {wall:.1f}s[/] (fork→ready median "
-              f"{statistics.median(ready):.2f}s, {run.accel}); seed 42 gave the same "
-              f"trajectory on two forks.")
+              f"{statistics.median(ready):.2f}s, {run.engine}, {run.accel}); seed 42 gave the "
+              f"same trajectory on two forks.")
+    if run.engine_reason:
+        out.print(f"[dim]engine {run.engine}: {run.engine_reason}[/]")
 
 
 def _cleanup(run: _Run) -> None:

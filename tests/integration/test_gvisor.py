@@ -241,9 +241,9 @@ def _auto_daemon(daemon, **env: str) -> Iterator[object]:  # type: ignore[no-unt
 
 
 def test_auto_picks_gvisor_without_kvm(daemon) -> None:  # type: ignore[no-untyped-def]
-    """A daemon with BOXD_ENGINE=auto on this host (no usable KVM) runs machines on gVisor
-    and says why."""
-    with _auto_daemon(daemon) as b:
+    """A daemon left to its default engine (BOXD_ENGINE empty: `auto`) on this host (no
+    usable KVM) runs machines on gVisor and says why."""
+    with _auto_daemon(daemon, BOXD_ENGINE="") as b:
         info = b.info()
         by = {e.name: e for e in info.engines}
         if by["qemu"].accelerator == "kvm":
@@ -252,7 +252,7 @@ def test_auto_picks_gvisor_without_kvm(daemon) -> None:  # type: ignore[no-untyp
         if by["gvisor"].status != "ok":
             pytest.skip(f"gvisor unavailable here: {by['gvisor'].reason}")
         assert info.engine == "gvisor"
-        assert info.engine_reason and "gVisor" in info.engine_reason
+        assert info.engine_reason and info.engine_reason.startswith("auto: gVisor")
         assert "TCG" in info.engine_reason
         m = b.machines.new("auto-1")
         b.machines.wait_until_ready(m.id, timeout=60)
