@@ -6,8 +6,9 @@ new user would, and prints what each step cost:
 1. build the guest image if needed (local daemon only; a remote daemon builds its own);
 2. ``rl-base``: create it, ``pip install gymnasium numpy`` in it (through the guest's
    network, as the spec does), upload and run ``warm_up.py`` (leaves a warm worker);
-3. upload ``rollout.py`` and run the spec's ``ThreadPoolExecutor`` loop: 8 forks, one
-   seeded CartPole episode each;
+3. upload ``rollout.py``, ``machines.warm("rl-base", forks=8)`` (8 standby forks of the
+   warm baseline, ready before the first batch), then the spec's ``ThreadPoolExecutor``
+   loop: 8 forks, all claims, one seeded CartPole episode each;
 4. the spec's reproducibility check: two forks with seed 42 give the same bytes;
 5. checkpoint reset: on a fork, save ``episode-start``, run an episode that changes a
    file, restore, and show the file is gone and the next episode is identical;
@@ -292,6 +293,14 @@ def _demo(run: _Run, reuse: bool) -> None:
         d.append(f"worker warm, imports took {m_imp.group(1)} in the guest" if m_imp
                  else said[:80])
 
+    # The rollout script goes in before the pool is sized: a change to the baseline
+    # (an upload too) discards its standby forks.
+    client.machines.files.upload(BASE, f"{GUEST_HOME}/rollout.py", rollout_src.read_text())
+    with run.step(f"boxd machine warm {BASE} --forks {ROLLOUTS}") as d:
+        standby = client.machines.warm(BASE, forks=ROLLOUTS)
+        d.append(f"{standby.forks} standby forks ready, "
+                 f"{standby.memory_bytes / 2**20:.0f} MiB host memory, no CPU while waiting")
+
     # --- Fork per rollout: the spec's code ------------------------------------------
     fork_ready: dict[str, float] = {}
     exec_time: dict[str, float] = {}
@@ -313,7 +322,6 @@ def _demo(run: _Run, reuse: bool) -> None:
         return result.stdout.strip()
 
     with run.step(f"{ROLLOUTS} forked rollouts in parallel") as d:
-        client.machines.files.upload(BASE, f"{GUEST_HOME}/rollout.py", rollout_src.read_text())
         start = time.monotonic()
         with ThreadPoolExecutor(max_workers=8) as pool:
             results = list(pool.map(lambda s: rollout(f"rollout-{s}", seed=s), range(ROLLOUTS)))

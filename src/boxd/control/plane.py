@@ -335,6 +335,15 @@ class Machines:
 
     # ------------------------------------------------------------------ fork
 
+    async def warm(self, account: str, ref: str, forks: int) -> models.Standby:
+        """Standby forks on the source's node: the next forks there are claims (on a
+        cluster, the first of a batch go to the source's node while it has room)."""
+        if not 0 <= forks <= models.MAX_STANDBY_FORKS:
+            raise InvalidRequest(f"forks must be 0-{models.MAX_STANDBY_FORKS}, not {forks}",
+                                 field="forks")
+        rec = self._find(account, ref)
+        return await self._node(rec).warm(rec.id, forks)
+
     async def fork(
         self, account: str, ref: str, names: builtins.list[str | None]
     ) -> builtins.list[models.Machine | Exception]:

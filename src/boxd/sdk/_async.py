@@ -429,6 +429,21 @@ class AsyncMachines:
         )
         return _base.fork_items(result)
 
+    async def warm(self, ref: str, forks: int) -> models.Standby:
+        """Prepare ``forks`` standby forks of the machine's current state; return once
+        they are ready. The next ``forks`` forks of the unchanged machine (one
+        ``fork(count=N)`` or N concurrent ``fork`` calls) claim them instead of starting
+        children. They use no CPU while they wait; ``Standby.memory_bytes`` (and
+        ``info()``) says the host memory they hold. A change to the machine (an exec, an
+        upload, a restore) discards them; ``warm(ref, 0)`` releases them. They are not
+        the account's machines and count against no quota until claimed.
+
+        Raises:
+            MachineNotFound, StateError, InvalidRequest (forks outside 0-64),
+            ResourceExhausted (fewer could be prepared: the reason says why).
+        """
+        return await self._c._parse(models.Standby, _base.machine_warm(ref, forks))
+
 
     # --- processes with a framed stream (boxd.rl) ------------------------------------
 

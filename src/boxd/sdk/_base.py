@@ -332,6 +332,10 @@ def machine_exec_stream(
     )
 
 
+def machine_warm(ref: str, forks: int) -> Req:
+    return Req("POST", f"/v1/machines/{seg(ref)}/warm", json={"forks": forks})
+
+
 def machine_fork(src: str, name: str | None) -> Req:
     return Req(
         "POST",
