@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 
 from boxd.engine.cgroups import PIDS_MAX, QEMU_OVERHEAD_MIB
+from tests._support.procs import qemu_pid, vm_id_of
 
 from ..conftest import Daemon
-from ._procs import qemu_pid, vm_id_of
 
 pytestmark = pytest.mark.vm
 

@@ -21,8 +21,7 @@ import pytest
 
 from boxd import errors
 from boxd.config import Paths
-
-from ._guest import bump_counter, read_counter, start_counter
+from tests._support.guest import bump_counter, read_counter, start_counter
 
 pytestmark = pytest.mark.vm
 

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import test_agent as ta
 from fastapi.testclient import TestClient
-from test_api_fakes import FakeMachines, FakeSnapshots, host_info
 from test_node_fake import ACCOUNT, World, make_world, running
+from tests._support.api_fakes import FakeMachines, FakeSnapshots, host_info
 
 from boxd import process_models as pm
 from boxd.api import create_app

@@ -11,11 +11,11 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from test_api_fakes import FakeMachines, FakeSnapshots
 
 from boxd import models
 from boxd.api.server import Daemon
 from boxd.config import Paths
+from tests._support.api_fakes import FakeMachines, FakeSnapshots
 
 
 class ScriptedMachines(FakeMachines):
