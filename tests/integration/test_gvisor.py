@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from boxd import errors
+from tests._support.cgroups import _cgroups_of, _gone, _limit, _require_cgroups
 
-from .test_cgroups import _cgroups_of, _gone, _limit, _require_cgroups
 from .test_lifecycle import _get, _vm_id
 from .test_rl import EXAMPLES, GUEST_WHEELS, _ok, warm_rl_base
 
