@@ -253,6 +253,13 @@ def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
         return default
 
 
+def qemu_user(env: Mapping[str, str] | None = None) -> str:
+    """``BOXD_QEMU_USER``: the user QEMU drops to when the daemon runs as root (default
+    ``boxd-qemu``; empty: QEMU keeps the daemon's user). Read alone by the storage layer,
+    which makes files that user's group can read."""
+    return (os.environ if env is None else env).get("BOXD_QEMU_USER", "boxd-qemu")
+
+
 @dataclass(frozen=True)
 class Settings:
     """The daemon's settings, read once from the environment (see the README's table)."""
@@ -287,7 +294,7 @@ class Settings:
         cache = e.get(IMAGE_CACHE_ENV)
         return cls(
             accel=e.get("BOXD_ACCEL", "").strip().lower(),
-            qemu_user=e.get("BOXD_QEMU_USER", "boxd-qemu"),
+            qemu_user=qemu_user(e),
             net_user=e.get("BOXD_NET_USER", "boxd-net") or "boxd-net",
             fork_spares=_int(e, "BOXD_FORK_SPARES", 8),
             fork_spares_total=_int(e, "BOXD_FORK_SPARES_TOTAL", 32),

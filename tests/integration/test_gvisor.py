@@ -21,22 +21,14 @@ from pathlib import Path
 import pytest
 
 from boxd import errors
+from tests._support.cgroups import _cgroups_of, _gone, _limit, _require_cgroups
+from tests._support.machines import _get, _gvisor_status, _vm_id
 
-from .test_cgroups import _cgroups_of, _gone, _limit, _require_cgroups
-from .test_lifecycle import _get, _vm_id
 from .test_rl import EXAMPLES, GUEST_WHEELS, _ok, warm_rl_base
 
 pytestmark = pytest.mark.vm
 
 ENGINES = ["qemu", "gvisor"]
-
-
-def _gvisor_status(client) -> tuple[str, str]:  # type: ignore[no-untyped-def]
-    info = client.info()
-    e = next((e for e in info.engines if e.name == "gvisor"), None)
-    if e is None:
-        return "unavailable", "the daemon does not list a gvisor engine"
-    return e.status, e.reason
 
 
 @pytest.fixture(scope="module")

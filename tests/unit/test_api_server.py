@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_api_fakes import FakeMachines, FakeSnapshots
+from tests._support.api_fakes import FakeMachines, FakeSnapshots
 
 from boxd.api.server import Daemon, local_key_path
 from boxd.config import Paths

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-import test_sdk_support as support
 from starlette.types import ASGIApp
+from tests._support import sdk_daemon as support
 
 from boxd import AsyncBoxd, Boxd, errors
 from boxd.api.server import Daemon

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-import test_sdk_support as support
 from starlette.types import ASGIApp
-from test_api_fakes import host_info
-from test_node_fake import ACCOUNT, World, make_world
+from tests._support import sdk_daemon as support
+from tests._support.api_fakes import host_info
+from tests.unit.test_node_fake import ACCOUNT, World, make_world
 
 from boxd import AsyncBoxd, Boxd, errors
 from boxd.api import create_app

@@ -356,8 +356,8 @@ def serve(
     Args:
         paths: the data directory.
         listen: also serve on TCP at ``HOST:PORT`` (e.g. ``127.0.0.1:7070``).
-        machines: the machine service (default: ``boxd.core.build_services``).
-        snapshots: the snapshot service (default: ``boxd.core.build_services``).
+        machines: the machine service (default: `boxd.control.build_services`).
+        snapshots: the snapshot service (default: `boxd.control.build_services`).
 
     Raises:
         Conflict: another daemon serves this data directory.

@@ -18,7 +18,6 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 from starlette.types import ASGIApp
-from test_api_fakes import FakeMachines, FakeSnapshots, host_info
 
 from boxd import models
 from boxd.api import create_app
@@ -26,6 +25,7 @@ from boxd.api.server import Daemon
 from boxd.api.services.keys import KeyService
 from boxd.config import Paths
 from boxd.state import Database
+from tests._support.api_fakes import FakeMachines, FakeSnapshots, host_info
 
 T = TypeVar("T")
 
