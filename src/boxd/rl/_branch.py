@@ -56,7 +56,9 @@ def check_k(k: Any) -> int:
 
 def check_index(index: Any, n: int) -> int:
     """Raises: InvalidRequest (an IndexError too): not a sub-env index of ``n``."""
-    if isinstance(index, bool) or not isinstance(index, int) or not -n <= index < n:
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise _BadIndex(f"a sub-env index must be an int, not {index!r}", field="index")
+    if not -n <= index < n:
         raise _BadIndex(f"sub-env index {index!r} is out of range for {n} sub-envs "
                         f"(0..{n - 1})", field="index")
     return index % n
@@ -339,17 +341,16 @@ def vector_branch(venv: VectorEnv, index: int | Sequence[int], k: int | None) ->
     n = venv.num_envs
     if isinstance(index, int) and not isinstance(index, bool):
         sources = [check_index(index, n)] * check_k(1 if k is None else k)
-    else:
+    elif isinstance(index, list | tuple | range):
         if k is not None:
             raise errors.InvalidRequest("give k with one index, not with a list of "
                                         "indices (each index gets one branch)", field="k")
-        try:
-            sources = [check_index(i, n) for i in index]  # type: ignore[union-attr]
-        except TypeError:
-            raise _BadIndex(f"index must be an int or a list of ints, not {index!r}",
-                            field="index") from None
-        if not sources:
-            raise _BadK("give at least one index to branch", field="index")
+        sources = [check_index(i, n) for i in index]
+    else:
+        raise _BadIndex(f"index must be an int or a list of ints, not {index!r}",
+                        field="index")
+    if not sources:
+        raise _BadK("give at least one index to branch", field="index")
     pool = venv._pool
     placed: dict[int, Slot] = {}
     try:
