@@ -9,6 +9,7 @@ module (gVisor forks are the fast ones here); every env forks it.
 from __future__ import annotations
 
 import contextlib
+import runpy
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +21,7 @@ import boxd.rl as rl
 from boxd import errors
 
 from .test_gvisor import gvisor_base  # noqa: F401 - fixture
-from .test_rl import GUEST_WHEELS, _host_wheels, _ok
+from .test_rl import EXAMPLES, GUEST_WHEELS, _host_wheels, _ok
 
 pytestmark = pytest.mark.vm
 
@@ -78,7 +79,7 @@ def branch_base(client: Any, gvisor_base: Any) -> Iterator[Any]:  # noqa: F811
         for whl in _host_wheels():
             client.machines.files.upload(m.id, f"{GUEST_WHEELS}/{whl.name}", whl.read_bytes())
         _ok(client, m.id, f"pip install -q --no-cache-dir --no-index --find-links "
-            f"{GUEST_WHEELS} gymnasium numpy && rm -rf {GUEST_WHEELS}", timeout=900)
+            f"{GUEST_WHEELS} gymnasium numpy cloudpickle && rm -rf {GUEST_WHEELS}", timeout=900)
         client.machines.files.upload(m.id, "/home/boxd/branchenv.py", BRANCH_ENV)
         _ok(client, m.id, "cd /home/boxd && python3 -c 'import branchenv'")
         yield client.machines.get(m.id)
@@ -196,3 +197,16 @@ def test_vector_env_branch_of_one_sub_env(client: Any, branch_base: Any) -> None
         if group is not None:
             group.close()
         envs.close()
+
+
+def test_lookahead_example_branches_faster_than_it_replays(client: Any,
+                                                           branch_base: Any) -> None:
+    """examples/rl/lookahead.py: the same decisions both ways, in less time by branching
+    (the example prints both times; this is a check, not the benchmark)."""
+    ns = runpy.run_path(str(EXAMPLES / "lookahead.py"))
+    before = _machines(client)
+    out = ns["main"](["--source", branch_base.id, "--prefix", "60", "--decisions", "3",
+                      "--horizon", "4"])
+    assert out["branch_actions"] == out["replay_actions"]
+    assert out["branch_seconds"] < out["replay_seconds"]
+    assert _machines(client) <= before
