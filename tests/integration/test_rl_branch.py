@@ -210,3 +210,26 @@ def test_lookahead_example_branches_faster_than_it_replays(client: Any,
     assert out["branch_actions"] == out["replay_actions"]
     assert out["branch_seconds"] < out["replay_seconds"]
     assert _machines(client) <= before
+
+
+def test_branches_outlive_the_original_and_refork_from_its_template(
+        client: Any, branch_base: Any) -> None:
+    before = _machines(client)
+    env = rl.Env("branchenv:make", source=branch_base.id, boxd=client, reset_mode="refork")
+    branches: list[Any] = []
+    try:
+        first = env.reset(seed=9)
+        _roll(env, ACTIONS[:5])
+        branches = env.branch(2)
+        env.close()  # the branches keep working: the home closes with the last of them
+        assert branches[0].call("outside")[0] == 5
+        old = branches[0].machine
+        again = branches[0].reset(seed=9)  # a fresh fork of the env's built template
+        assert branches[0].machine != old and data_equivalence(again, first)
+        assert branches[0].call("outside") == (0, "")
+        assert branches[1].step(ACTIONS[5])[4]["counter"] == 6  # unaffected by [0]
+    finally:
+        for b in branches:
+            b.close()
+        env.close()
+    assert _machines(client) <= before
