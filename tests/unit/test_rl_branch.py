@@ -15,7 +15,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import pytest
-from tests.unit import _rl_envs
+from tests._support import rl_envs as _rl_envs
 
 import boxd.rl as rl
 from boxd import errors
