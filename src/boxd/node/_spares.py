@@ -90,7 +90,8 @@ class SparePool:
         # Forks waiting for a spare being prepared (see `claim`), per template.
         self._waiters: dict[str, list[asyncio.Future[Spare | None]]] = {}
         self._failed: dict[str, str] = {}  # why the last refill of a template stopped
-        self._progress = asyncio.Condition()  # a spare was kept, or a refill ended
+        # Set (and replaced) whenever a spare is kept or a refill ends: what `warm` waits on.
+        self._progress = asyncio.Event()
 
     def count(self, template_id: str) -> int:
         return len(self._spares.get(template_id, []))
@@ -141,9 +142,7 @@ class SparePool:
         if self.per_template == 0:
             return
         self._target[tpl.id] = max(self._target.get(tpl.id, 0), min(batch, self.per_template))
-        if tpl.id not in self._refilling:
-            self._refilling.add(tpl.id)
-            self._background(self._refill(source_id, tpl))
+        self._start_refill(source_id, tpl)
 
     async def warm(self, source_id: str, tpl: TemplateRecord, n: int) -> tuple[int, str]:
         """Keep exactly ``n`` spares of ``tpl`` (the user sized the pool: not capped by
@@ -159,12 +158,10 @@ class SparePool:
             self._background(self._discard(pool.pop()))
         if hurry := self._settling.get(tpl.id):
             hurry.set()
-        if self.count(tpl.id) < n and tpl.id not in self._refilling:
-            self._refilling.add(tpl.id)
-            self._background(self._refill(source_id, tpl))
-        async with self._progress:
-            await self._progress.wait_for(
-                lambda: self.count(tpl.id) >= n or tpl.id not in self._refilling)
+        if self.count(tpl.id) < n:
+            self._start_refill(source_id, tpl)
+        while self.count(tpl.id) < n and tpl.id in self._refilling:
+            await self._progress.wait()
         why = "" if self.count(tpl.id) >= n else self._failed.get(
             tpl.id, "the source changed or the pool's total cap (BOXD_FORK_SPARES_TOTAL) "
             "was reached meanwhile")
@@ -196,6 +193,16 @@ class SparePool:
                 await self._discard(spare)
 
     # ----------------------------------------------------------------- internals
+
+    def _start_refill(self, source_id: str, tpl: TemplateRecord) -> None:
+        if tpl.id not in self._refilling:
+            self._refilling.add(tpl.id)
+            self._background(self._refill(source_id, tpl))
+
+    def _pulse(self) -> None:
+        """Wake whoever waits on `_progress` (each waiter re-checks its condition)."""
+        done, self._progress = self._progress, asyncio.Event()
+        done.set()
 
     def _background(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
@@ -241,7 +248,7 @@ class SparePool:
             for fut in self._waiters.get(tpl.id, []):
                 if not fut.done():
                     fut.set_result(None)  # no more spares coming: start from scratch
-            self._background(self._notify())
+            self._pulse()
 
     async def _prepare(self, source_id: str, tpl: TemplateRecord, n: int) -> list[Any]:
         """``n`` spares made at once: each a `Spare` or the exception that stopped it.
@@ -290,11 +297,7 @@ class SparePool:
 
     def _keep(self, template_id: str, spare: Spare) -> None:
         self._spares.setdefault(template_id, []).append(spare)
-        self._background(self._notify())
-
-    async def _notify(self) -> None:
-        async with self._progress:
-            self._progress.notify_all()
+        self._pulse()
 
     async def _discard(self, spare: Spare) -> None:
         with contextlib.suppress(Exception):
