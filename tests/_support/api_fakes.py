@@ -146,6 +146,11 @@ class FakeMachines(MachineService):
                 out.append(exc)
         return out
 
+    async def warm(self, account: str, ref: str, forks: int) -> models.Standby:
+        m = self._find(account, ref)
+        return models.Standby(machine_id=m.id, forks=forks, memory_bytes=forks << 20,
+                              engine=m.engine)
+
     async def checkpoint_save(self, account: str, ref: str, name: str) -> models.Checkpoint:
         m = self._find(account, ref)
         if (m.id, name) in self.checkpoints:
