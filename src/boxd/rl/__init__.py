@@ -25,11 +25,12 @@ from boxd.rl._channel import Channel, Home, LocalHome, local
 from boxd.rl._env import DEFAULT_RESET_MODE, RESET_MODES, Env, ResetMode
 from boxd.rl._errors import EnvError, EnvModuleNotFound, EnvServerLost, EnvTimeout
 from boxd.rl._vector import RECOVERED, VectorEnv
-from boxd.rl._verify import Divergence, VerifyReport, verify
+from boxd.rl._verify import REPORT_SCHEMA, Divergence, SweepReport, VerifyReport, verify
 
 __all__ = [
     "DEFAULT_RESET_MODE",
     "RECOVERED",
+    "REPORT_SCHEMA",
     "RESET_MODES",
     "Channel",
     "Divergence",
@@ -42,6 +43,7 @@ __all__ = [
     "Home",
     "LocalHome",
     "ResetMode",
+    "SweepReport",
     "VectorEnv",
     "VerifyReport",
     "local",
