@@ -404,7 +404,7 @@ def test_verify_names_the_step_that_reads_the_clock(client: Any, rl_warm: Any) -
     assert not report.identical
     d = report.first_divergence
     assert d is not None and d.step == 7 and d.field == "obs"
-    assert report.likely_cause == _verify.CAUSE_OUTSIDE
+    assert report.likely_cause == f"{_verify.CAUSE_CLOCK} (step 7 read time.time_ns)"
     assert _leftovers(client) == []
 
 

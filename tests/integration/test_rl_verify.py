@@ -62,8 +62,8 @@ def test_twenty_seeds_of_cartpole_are_twenty_identical_distinct_pairs(
 
 
 @pytest.mark.parametrize(("env", "cause"), [
-    (functools.partial(rl_envs.ClockEnv, reads_at=37), _verify.CAUSE_OUTSIDE),
-    (functools.partial(leaky_envs.UrandomEnv, reads_at=37), _verify.CAUSE_PER_FORK),
+    (functools.partial(rl_envs.ClockEnv, reads_at=37), _verify.CAUSE_CLOCK),
+    (functools.partial(leaky_envs.UrandomEnv, reads_at=37), _verify.CAUSE_RNG),
 ], ids=["clock", "urandom"])
 def test_a_leaky_env_diverges_at_its_step_in_every_pair_with_its_cause(
         client: Any, verify_base: Any, env: Any, cause: str) -> None:
@@ -73,7 +73,20 @@ def test_a_leaky_env_diverges_at_its_step_in_every_pair_with_its_cause(
     for p in report.pairs:
         d = p.first_divergence
         assert d is not None and (d.step, d.field) == (37, "obs"), d
-        assert p.likely_cause == cause
+        assert p.likely_cause is not None and p.likely_cause.startswith(cause), p.likely_cause
+    assert _ours(client, verify_base) == []
+
+
+def test_an_untraceable_read_falls_back_on_the_rewound_replay(
+        client: Any, verify_base: Any) -> None:
+    env = functools.partial(leaky_envs.BoundClockEnv, reads_at=6)
+    one = rl.verify(verify_base.id, env, seed=0, steps=10, boxd=client,
+                    pickle_by_value=[leaky_envs])
+    assert one.first_divergence is not None and one.first_divergence.step == 6
+    assert one.likely_cause == _verify.CAUSE_OUTSIDE  # the rewound replay diverged too
+    many = rl.verify(verify_base.id, env, seeds=range(2), steps=10, boxd=client,
+                     pickle_by_value=[leaky_envs])
+    assert [p.likely_cause for p in many.pairs] == [_verify.CAUSE_UNTRACED] * 2
     assert _ours(client, verify_base) == []
 
 
@@ -93,7 +106,12 @@ def test_cli_exit_codes_and_json_report(client: Any, verify_base: Any, daemon: A
     client.machines.files.upload(verify_base.id, "/home/boxd/leaky_envs.py",
                                  Path(leaky_envs.__file__).read_bytes())
     bad = subprocess.run([boxd_cli, "rl", "verify", verify_base.id, "leaky_envs:UrandomEnv",
-                          "--seeds", "0:2", "--steps", "10"],
+                          "--seeds", "0:2", "--steps", "10", "--json"],
                          capture_output=True, text=True, env=env, timeout=900)
     assert bad.returncode == 1, bad.stderr
-    assert "NO (2 of 2 seeds diverge)" in bad.stdout and "differs between forks" in bad.stdout
+    out = json.loads(bad.stdout)
+    jsonschema.validate(out, schema)
+    assert out["diverged"] == 2 and not out["identical"]
+    for p in out["pairs"]:
+        assert p["first_divergence"]["step"] == 5
+        assert "differs between forks" in p["likely_cause"]

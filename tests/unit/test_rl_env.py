@@ -137,7 +137,8 @@ def test_verify_local() -> None:
     assert not clock.identical
     assert clock.first_divergence is not None and clock.first_divergence.step == 5
     assert clock.first_divergence.field == "obs"
-    assert clock.likely_cause == _verify.CAUSE_UNKNOWN  # no rewind without machines
+    # the traced replay names the read (no rewind needed, so local servers do too)
+    assert clock.likely_cause == f"{_verify.CAUSE_CLOCK} (step 5 read time.time_ns)"
     rows = dict(clock.rows())
     assert rows["identical"] == "NO" and rows["first divergence"] == "step 5, obs"
 

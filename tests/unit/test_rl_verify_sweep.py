@@ -47,22 +47,24 @@ def test_a_constant_env_is_reported_as_one_trajectory() -> None:
     assert [p.seed for p in report.pairs] == [3, 1, 2]
 
 
-@pytest.mark.parametrize("env", [
-    functools.partial(rl_envs.ClockEnv, reads_at=37),
-    functools.partial(leaky_envs.UrandomEnv, reads_at=37),
+@pytest.mark.parametrize(("env", "cause", "read"), [
+    (functools.partial(rl_envs.ClockEnv, reads_at=37), _verify.CAUSE_CLOCK, "time.time_ns"),
+    (functools.partial(leaky_envs.UrandomEnv, reads_at=37), _verify.CAUSE_RNG, "os.urandom"),
 ], ids=["clock", "urandom"])
-def test_every_pair_of_a_leaky_env_diverges_at_its_step(env: Any) -> None:
+def test_every_pair_of_a_leaky_env_diverges_at_its_step(env: Any, cause: str,
+                                                        read: str) -> None:
     report = rl.verify(rl.local(), env, seeds=range(3), steps=45,
                        pickle_by_value=[rl_envs, leaky_envs])
     assert not report.identical and len(report.diverged) == 3
     for p in report.pairs:
         d = p.first_divergence
         assert d is not None and (d.step, d.field) == (37, "obs")
-        assert p.likely_cause == _verify.CAUSE_UNKNOWN  # local servers cannot rewind
+        # the traced replay names what step 37 read (no rewind needed)
+        assert p.likely_cause == f"{cause} (step 37 read {read})"
     out = report.to_json()
     jsonschema.validate(out, _verify.REPORT_SCHEMA)
     assert out["diverged"] == 3 and out["pairs"][0]["first_divergence"]["step"] == 37
-    assert dict(report.rows())["cause (3 seeds)"] == _verify.CAUSE_UNKNOWN
+    assert dict(report.rows())["cause (3 seeds)"] == cause
 
 
 def test_a_failing_env_stops_the_sweep_and_raises() -> None:
@@ -118,3 +120,42 @@ def test_cli_seeds_option_and_schema() -> None:
     out = runner.invoke(cli, ["rl", "verify", "m", "CartPole-v1", "--seeds", "0:3",
                               "--seed", "1"])
     assert out.exit_code == 2 and "not both" in out.output
+
+
+def test_the_trace_sees_only_the_envs_own_thread_and_restores_what_it_patched() -> None:
+    import os
+    import threading
+    import time
+
+    from boxd.rl import _trace
+
+    class Reader(rl_envs.CountEnv):
+        def step(self, action: Any) -> Any:
+            out = super().step(action)
+            if self.count == 2:
+                os.urandom(1)
+                with open("/etc/hostname", "rb"):
+                    pass
+            return out
+
+    before = (time.time, os.urandom, open)
+    env = _trace.traced(Reader, {"ends": 100})
+    stop = threading.Event()
+    other = threading.Thread(target=lambda: [time.time() for _ in iter(stop.is_set, True)])
+    other.start()
+    try:
+        env.reset(seed=0)
+        for _ in range(3):
+            env.step(0)
+    finally:
+        stop.set()
+        other.join()
+    assert env.boxd_reads == {2: ["identity:open(/etc/hostname)", "rng:os.urandom"]}
+    assert (time.time, os.urandom, open) == before
+
+
+def test_a_read_the_trace_cannot_see_is_said_so() -> None:
+    report = rl.verify(rl.local(), functools.partial(leaky_envs.BoundClockEnv, reads_at=4),
+                       seed=0, steps=8, pickle_by_value=[leaky_envs])
+    assert report.first_divergence is not None and report.first_divergence.step == 4
+    assert report.likely_cause == _verify.CAUSE_UNTRACED  # no machine to rewind locally

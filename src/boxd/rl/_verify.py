@@ -6,14 +6,17 @@ space), resetting unseeded at episode ends. The runs are compared step by step:
 action, observation, reward, terminated, truncated, then every info key, exactly
 (same type, dtype and bytes).
 
-``likely_cause`` is a heuristic, stated honestly in docs/rl.md: when the runs
-diverge, the first run's machine is rewound to the moment its env was built and the
-run replayed there. A replay that also diverges means the env reads something outside
-the machine's saved state (the wall clock, timers, the network, thread timing); a
-replay that matches means the env reads something that differs *between forks* (the
-kernel RNG, reseeded at every fork: ``/dev/urandom``, ``os.urandom``, unseeded
-``random``/numpy; the hostname, ``/etc/machine-id``, the network address). A
-divergence in the actions is the policy's own.
+``likely_cause``, stated honestly in docs/rl.md: when the runs diverge, the seed is
+replayed up to the divergent step in a fresh fork with the env wrapped in
+`boxd.rl._trace.Tracer`, which records what each step read of the clock, the kernel
+RNG and the machine's identity; the cause names what the divergent step read (or,
+failing that, earlier steps). When the trace sees nothing (C code, a function bound
+before the env was built) and the first run kept a rewind checkpoint (one seed, on a
+machine), that machine is rewound to the moment its env was built and the run replayed
+there: a replay that also diverges means the env reads something outside the machine's
+saved state (the wall clock, timers, the network, thread timing); a replay that
+matches means the env reads something that differs *between forks*. A divergence in
+the actions is the policy's own.
 
 With ``seeds=`` it verifies many seeds: one pair (``runs`` forks) per seed, up to
 ``jobs`` pairs at once, and a `SweepReport` that also counts the *distinct*
@@ -25,7 +28,9 @@ between engines).
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import logging
 import struct
 import threading
 import time
@@ -37,11 +42,14 @@ from typing import TYPE_CHECKING, Any, overload
 import numpy as np
 from gymnasium.utils.env_checker import data_equivalence
 
+from boxd.rl import _trace
 from boxd.rl._channel import Home
 from boxd.rl._env import Env
 
 if TYPE_CHECKING:
     from boxd.sdk._sync import Boxd
+
+log = logging.getLogger(__name__)
 
 Policy = Callable[[Any], Any]
 FIELDS = ("action", "obs", "reward", "terminated", "truncated")
@@ -57,6 +65,15 @@ CAUSE_PER_FORK = ("the env reads something that differs between forks: a rewound
                   "hostname, /etc/machine-id, the network address)")
 CAUSE_UNKNOWN = ("the runs diverge; the replay test needs machines (rewind), so the cause "
                  "was not narrowed down")
+CAUSE_RNG = ("the env reads the kernel RNG, which differs between forks (reseeded at every "
+             "fork): draw from the env's seeded np_random instead")
+CAUSE_IDENTITY = ("the env reads the machine's identity, which differs between forks (the "
+                  "hostname, /etc/machine-id, the network address)")
+CAUSE_CLOCK = ("the env reads the clock or a timer, which differs between any two runs: "
+               "derive time from the step count, or make it an input")
+CAUSE_UNTRACED = ("the runs diverge, and a traced replay saw no read of the clock, the "
+                  "kernel RNG or the machine's identity by Python code: look for C code "
+                  "reading them, thread timing or the network")
 
 
 @dataclass(frozen=True)
@@ -147,7 +164,8 @@ class SweepReport:
                ("pairs per minute", f"{self.pairs_per_minute:.1f}")]
         causes: dict[str, int] = {}
         for p in bad:
-            causes[p.likely_cause or "?"] = causes.get(p.likely_cause or "?", 0) + 1
+            kind = (p.likely_cause or "?").split(" (step")[0]
+            causes[kind] = causes.get(kind, 0) + 1
         out += [(f"cause ({n} seeds)", c) for c, n in causes.items()]
         return out
 
@@ -409,7 +427,8 @@ def _sweep(
         if stop.is_set():  # a pair failed: start no more machines
             raise _Skipped
         return _one_seed(sources, env, s, steps=steps, policy=policy, runs=runs, boxd=boxd,
-                         pickle_by_value=pickle_by_value, make_kwargs=make_kwargs)
+                         pickle_by_value=pickle_by_value, make_kwargs=make_kwargs,
+                         rewind=False)
 
     with ThreadPoolExecutor(max_workers=min(jobs, len(seeds))) as ex:
         pending: set[Future[VerifyReport]] = set()
@@ -453,7 +472,7 @@ class _Skipped(Exception):
 def _one_seed(
     sources: list[str | Home], env: str | Callable[..., Any], seed: int, *, steps: int,
     policy: Policy | None, runs: int, boxd: Boxd | None, pickle_by_value: Sequence[Any],
-    make_kwargs: dict[str, Any],
+    make_kwargs: dict[str, Any], rewind: bool = True,
 ) -> VerifyReport:
     name = _env_name(env)
 
@@ -469,7 +488,9 @@ def _one_seed(
             e.close()
             raise
 
-    rewindable = isinstance(sources[0], str)
+    # One seed keeps a rewind checkpoint in its first run, for the fallback replay of
+    # `_cause`; a sweep does not (a checkpoint per seed), and relies on the trace.
+    rewindable = rewind and isinstance(sources[0], str)
     with ThreadPoolExecutor(max_workers=min(runs, 8)) as ex:
         futures = [ex.submit(one, i, rewindable and i == 0) for i in range(runs)]
     results: list[tuple[Env, list[Record]]] = []
@@ -491,7 +512,8 @@ def _one_seed(
                 break
         cause = None
         if divergence is not None:
-            cause = _cause(divergence, results[0], seed, steps, policy, rewindable)
+            cause = _cause(divergence, results[0], seed, steps, policy, rewindable,
+                           _Replay(sources[0], env, boxd, pickle_by_value, make_kwargs))
         episodes = 1 + sum(1 for r in trajectories[0][1:] if r["terminated"] or r["truncated"])
         return VerifyReport(
             identical=divergence is None, env=name, seed=seed, steps=steps, runs=runs,
@@ -502,19 +524,69 @@ def _one_seed(
             e.close()
 
 
+@dataclass(frozen=True)
+class _Replay:
+    """How to build the env again, for the traced replay."""
+
+    source: str | Home
+    env: str | Callable[..., Any]
+    boxd: Boxd | None
+    pickle_by_value: Sequence[Any]
+    make_kwargs: dict[str, Any]
+
+
 def _cause(
     d: Divergence, first: tuple[Env, list[Record]], seed: int, steps: int,
-    policy: Policy | None, rewindable: bool,
+    policy: Policy | None, rewindable: bool, replay: _Replay,
 ) -> str:
     if d.field == "action":
         return CAUSE_POLICY
+    traced = _traced_cause(d, seed, policy, replay)
+    if traced is not None:
+        return traced
     if not rewindable:
-        return CAUSE_UNKNOWN
+        return CAUSE_UNTRACED
     env, trajectory = first
     env._slot.rewind()
     env._pristine = True
-    replay = _rollout(env, seed, steps, policy)
-    return CAUSE_OUTSIDE if _compare(trajectory, replay, (0, 0)) is not None else CAUSE_PER_FORK
+    again = _rollout(env, seed, steps, policy)
+    return CAUSE_OUTSIDE if _compare(trajectory, again, (0, 0)) is not None else CAUSE_PER_FORK
+
+
+_KIND_CAUSES = {_trace.RNG: CAUSE_RNG, _trace.IDENTITY: CAUSE_IDENTITY,
+                _trace.CLOCK: CAUSE_CLOCK}
+
+
+def _traced_cause(d: Divergence, seed: int, policy: Policy | None, replay: _Replay) -> str | None:
+    """Replay the seed up to the divergent step in a fresh fork with the env wrapped in
+    `_trace.Tracer`; name what that step read (or, if nothing, what earlier steps did).
+    None when it read nothing traceable, or the replay could not run."""
+    factory = functools.partial(_trace.traced, replay.env, replay.make_kwargs)
+    try:
+        env = Env(factory, source=replay.source, boxd=replay.boxd,
+                  pickle_by_value=[*replay.pickle_by_value, _trace])
+    except Exception:
+        log.warning("verify: the traced replay could not start", exc_info=True)
+        return None
+    try:
+        _rollout(env, seed, d.step, policy)
+        reads: dict[int, list[str]] = env.get_attr("boxd_reads")
+    except Exception:
+        log.warning("verify: the traced replay failed", exc_info=True)
+        return None
+    finally:
+        env.close()
+    at = reads.get(d.step)
+    where = f"step {d.step} read"
+    if not at:
+        at = sorted({r for step, rs in reads.items() if step < d.step for r in rs})
+        where = f"steps before {d.step} read"
+    if not at:
+        return None
+    kinds = {r.split(":", 1)[0] for r in at}
+    causes = [c for k, c in _KIND_CAUSES.items() if k in kinds]
+    names = ", ".join(r.split(":", 1)[1] for r in at)
+    return f"{'; '.join(causes)} ({where} {names})"
 
 
 __all__ = ["REPORT_SCHEMA", "Divergence", "SweepReport", "VerifyReport", "verify"]
