@@ -148,14 +148,25 @@ def _files_in(tree: Path) -> list[Path]:
             if not f.is_dir() and f.relative_to(tree).parts[0] != "gvisor"]
 
 
+def _starts_machines(request: pytest.FixtureRequest) -> bool:
+    """Whether the run holds a test marked ``vm``. One without (the fast tier, the
+    fresh-host tier scripts/test.sh runs beside the rest) starts no daemon with an
+    engine (tests/_support/vm_guard.py fails it if it tries), so the two guards below
+    stay out of it: what they would find is another run's."""
+    return any(item.get_closest_marker("vm") for item in request.session.items)
+
+
 @pytest.fixture(scope="session", autouse=True)
-def _no_tmpfs_outlives_the_run() -> Iterator[None]:
+def _no_tmpfs_outlives_the_run(request: pytest.FixtureRequest) -> Iterator[None]:
     """The tmpfs folder (and cgroup parent) of every daemon the run starts goes with
     it. A daemon keeps them (its machines outlive it), so the tests remove the ones
     they made: quietly when only empty folders and runsc's bookkeeping are left. One
     that still holds a template, a checkpoint or a machine's files is host memory the
     code leaked: it is removed too, and the run fails. A running daemon's folder is
     not the run's (see `_live_daemons`)."""
+    if not _starts_machines(request):
+        yield
+        return
     before = _shm_trees()
     yield
     leaked: dict[Path, list[Path]] = {}
@@ -174,11 +185,14 @@ def _no_tmpfs_outlives_the_run() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _no_vm_outlives_the_run() -> Iterator[None]:
+def _no_vm_outlives_the_run(request: pytest.FixtureRequest) -> Iterator[None]:
     """Every VM process the run starts ends with it: after every daemon is stopped and
     its machines killed, one still running was left behind by the code (a sandbox
     started after its daemon's clean-up, say). It is killed, and the run fails. (A
     daemon still running is not the run's: its machines are left alone.)"""
+    if not _starts_machines(request):
+        yield
+        return
     before = set(_vm_processes())
     yield
     deadline = time.monotonic() + 20  # killed VMs take a moment to exit
