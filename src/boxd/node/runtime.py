@@ -1056,17 +1056,19 @@ class NodeRuntime:
         if handle.ram_shared:
             return handle
         tmp = self.paths.shm / "tmp" / new_id("p")
+        async def resume() -> None:
+            if handle.alive():
+                await handle.resume()
+
         async with self.lease(rec.id).replace(drain=SWAP_DRAIN):
-            rec = self.lifecycle.begin(rec, S.SWAPPING, S.RUNNING)
             try:
-                try:
+                # Until its RAM is captured the old process runs on: on error, back to
+                # running. After, a failed start marks it failed (`_start`).
+                async with self.lifecycle.transition(
+                    rec, S.SWAPPING, S.RUNNING, undo=resume
+                ) as rec:
                     await handle.pause()
                     image = await handle.capture(tmp)
-                except BaseException:
-                    if handle.alive():
-                        await handle.resume()
-                    self.lifecycle.move(rec.id, S.RUNNING, expect=(S.SWAPPING,))
-                    raise
                 self._guest_keep.add(rec.id)  # the same guest runs on: so do its calls
                 self._retire(rec.id)
                 await handle.destroy()
@@ -1674,22 +1676,22 @@ class NodeRuntime:
                 if handle is None:
                     raise self.failed_error(rec, "its VM process is not running")
                 was = rec.state
-                rec = self.lifecycle.begin(rec, S.HIBERNATING, S.RUNNING, S.SUSPENDED)
                 dest = self.paths.hibernated / machine_id
-                remove_tree(dest)
-                t0 = time.perf_counter()
-                try:
+
+                async def undo() -> None:
+                    remove_tree(dest)
+                    if not handle.alive():  # failed, not back (the move back then misses)
+                        self.lifecycle.fail(machine_id, handle.exit_reason())
+                    elif was == S.RUNNING:
+                        await handle.resume()
+
+                async with self.lifecycle.transition(
+                    rec, S.HIBERNATING, S.RUNNING, S.SUSPENDED, undo=undo
+                ) as rec:
+                    remove_tree(dest)
+                    t0 = time.perf_counter()
                     await self._freeze_and_capture(rec, handle, dest, resume=False)
                     await asyncio.to_thread(seal, dest)
-                except BaseException:
-                    remove_tree(dest)
-                    if handle.alive():
-                        if was == S.RUNNING:
-                            await handle.resume()
-                        self.lifecycle.move(machine_id, was, expect=(S.HIBERNATING,))
-                    else:
-                        self.lifecycle.fail(machine_id, handle.exit_reason())
-                    raise
                 # Recorded first: a daemon killed now finds the machine hibernated (and
                 # kills the VM process left over); never neither.
                 self.lifecycle.move(machine_id, S.HIBERNATED, expect=(S.HIBERNATING,))
