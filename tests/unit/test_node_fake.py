@@ -788,7 +788,7 @@ def test_idle_timers_suspend_then_hibernate_and_status_reads_do_not_count(
 
         async def tick(at: float) -> None:
             await world.node.idle_tick(t0 + at)
-            while world.node._idle_ops:
+            while world.node.idle.ops:
                 await asyncio.sleep(0)
 
         await tick(5)
@@ -815,7 +815,7 @@ def test_an_exec_in_flight_keeps_a_machine_from_idling(world: World) -> None:
         await reached.wait()
         await world.node.idle_tick(time.time() + 10_000)
         await asyncio.sleep(0)
-        assert world.state(m.id) == S.RUNNING and not world.node._idle_ops
+        assert world.state(m.id) == S.RUNNING and not world.node.idle.ops
         release.set()
         assert await task == "long\n"
 
