@@ -24,7 +24,7 @@ at N after forks claim them. Spares live only while their template is the one th
 fork would use: when the source changes, is deleted or its template is collected, they
 are killed. They are never in the database (a claimed spare's VM id becomes the
 record's ``vm_id``); a restarted daemon kills the VM processes of run directories no
-machine owns (see ``NodeRuntime._sweep``).
+machine owns (see ``boxd.node._recovery``).
 """
 
 from __future__ import annotations

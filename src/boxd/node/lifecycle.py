@@ -1,8 +1,14 @@
 """The machine lifecycle: states, the transition table, `require`, leases.
 
-Every change of a machine's state goes through `Lifecycle.move`, which checks the
+`Lifecycle` is the one writer of a machine's state. On a node every change goes
+through `Lifecycle.move` (`fail`, `begin` and `transition` call it), which checks the
 transition table and writes with one compare-and-set (``UPDATE … WHERE state IN …``),
-so two operations racing on one machine cannot both win and a read never writes.
+so two operations racing on one machine cannot both win and a read never writes. In a
+cluster `adopt`, `mirror` and `mark_lost` are the named writers of the two copies of a
+record (the node's truth, the control plane's mirror). An operation that enters a
+transient state and must return to where it came from on error uses
+`Lifecycle.transition`, the one rollback path (the RAM swap in ``_launch``, hibernate
+in ``_sleep``); a failed launch fails the machine instead (``_launch``).
 
 ::
 
