@@ -132,7 +132,8 @@ def test_mixed_load_gets_a_typed_answer_for_every_request(
     try:
         asyncio.run(main())
         assert not bad, "\n".join(bad[:20])
-        assert statuses[201] >= MIN_DONE and statuses[204] >= MIN_DONE, statuses  # forks and deletes ran
+        # forks and deletes ran
+        assert statuses[201] >= MIN_DONE and statuses[204] >= MIN_DONE, statuses
         assert w.repos.machines.list(ACCOUNT) == []
         assert w.repos.layers.ids() == set()
         assert w.repos.layers.template_dirs() == set()
