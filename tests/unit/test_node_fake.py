@@ -151,6 +151,54 @@ def test_compare_and_set_loses_when_someone_else_moved_first(world: World) -> No
     run(main())
 
 
+def test_a_transition_that_raises_goes_back_to_where_it_came_from(world: World) -> None:
+    async def main() -> None:
+        m = await running(world)
+        life = Lifecycle(world.repos.machines)
+        rec = world.repos.machines.get(m.id)
+        assert rec is not None
+        undone: list[S] = []
+
+        async def undo() -> None:
+            undone.append(world.state(m.id))  # runs before the move back
+
+        with pytest.raises(RuntimeError, match="capture broke"):
+            async with life.transition(rec, S.SWAPPING, S.RUNNING, undo=undo) as inside:
+                assert inside.state == S.SWAPPING == world.state(m.id)
+                raise RuntimeError("capture broke")
+        assert undone == [S.SWAPPING]
+        assert world.state(m.id) == S.RUNNING and life.is_running(m.id)
+        # no error: it stays where the block left it
+        async with life.transition(rec, S.SWAPPING, S.RUNNING):
+            pass
+        assert world.state(m.id) == S.SWAPPING
+
+    run(main())
+
+
+def test_a_transition_whose_undo_fails_marks_the_machine_failed(world: World) -> None:
+    async def main() -> None:
+        m = await running(world)
+        life = Lifecycle(world.repos.machines)
+        rec = world.repos.machines.get(m.id)
+        assert rec is not None
+
+        async def undo() -> None:
+            raise OSError("resume failed")
+
+        with pytest.raises(OSError, match="resume failed"):
+            async with life.transition(rec, S.HIBERNATING, S.RUNNING, undo=undo):
+                raise RuntimeError("capture broke")
+        after = world.repos.machines.get(m.id)
+        assert after is not None and after.state == S.FAILED
+        assert "capture broke" in (after.error or "") and "resume failed" in (after.error or "")
+        with pytest.raises(errors.StateError):  # a failed machine cannot begin one
+            async with life.transition(after, S.SWAPPING, S.RUNNING):
+                pass
+
+    run(main())
+
+
 def test_require_names_the_state_and_what_is_required(world: World) -> None:
     async def main() -> None:
         m = await running(world)
@@ -740,7 +788,7 @@ def test_idle_timers_suspend_then_hibernate_and_status_reads_do_not_count(
 
         async def tick(at: float) -> None:
             await world.node.idle_tick(t0 + at)
-            while world.node._idle_ops:
+            while world.node.idle.ops:
                 await asyncio.sleep(0)
 
         await tick(5)
@@ -767,7 +815,7 @@ def test_an_exec_in_flight_keeps_a_machine_from_idling(world: World) -> None:
         await reached.wait()
         await world.node.idle_tick(time.time() + 10_000)
         await asyncio.sleep(0)
-        assert world.state(m.id) == S.RUNNING and not world.node._idle_ops
+        assert world.state(m.id) == S.RUNNING and not world.node.idle.ops
         release.set()
         assert await task == "long\n"
 

@@ -77,53 +77,65 @@ class BodyLimit:
         if declared is not None and declared > limit:
             await _answer(send, _too_large(limit, setting, declared))
             return
-        received = 0
-        over: BoxdError | None = None
-        started = False
-        complete = False
-
-        async def limited_receive() -> _Message:
-            nonlocal received, over, complete
-            if complete:
-                return await receive()
-            try:
-                message = await asyncio.wait_for(receive(), self.body_timeout)
-            except TimeoutError:
-                over = BodyTimeout(
-                    f"the request body stopped arriving: no byte for {self.body_timeout:g} s"
-                    f" after {received} bytes", field="body", seconds=self.body_timeout,
-                    hint="send the whole body (its Content-Length), or raise "
-                    "BOXD_BODY_TIMEOUT on the daemon",
-                )
-                raise over from None
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                complete = not message.get("more_body", False)
-                if received > limit:
-                    over = _too_large(limit, setting, None)
-                    raise over  # stops the route; the answer is replaced below
-            else:
-                complete = True  # http.disconnect
-            return message
-
-        async def guarded_send(message: _Message) -> None:
-            nonlocal started
-            if over is not None:
-                # Whatever the route made of the cut body (a parse error, a failed
-                # import), the answer is the limit.
-                if message["type"] == "http.response.start" and not started:
-                    started = True
-                    await _answer(send, over)
-                return
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
+        guard = _Guard(receive, send, limit, setting, self.body_timeout)
         try:
-            await self.app(scope, limited_receive, guarded_send)
+            await self.app(scope, guard.receive, guard.send)
         except (PayloadTooLarge, BodyTimeout):
-            if not started:
-                await _answer(send, over or _too_large(limit, setting, None))
+            if not guard.started:
+                await _answer(send, guard.over or _too_large(limit, setting, None))
+
+
+class _Guard:
+    """One request's body, counted against its limit, and its answer: once the body is
+    over the limit (or stops arriving), the answer is that error, whatever the route
+    made of the cut body."""
+
+    def __init__(self, receive: _Receive, send: _Send, limit: int, setting: str,
+                 timeout: float) -> None:
+        self._receive = receive
+        self._send = send
+        self._limit = limit
+        self._setting = setting
+        self._timeout = timeout
+        self.received = 0
+        self.over: BoxdError | None = None
+        self.started = False
+        self.complete = False
+
+    async def receive(self) -> _Message:
+        if self.complete:
+            return await self._receive()
+        try:
+            message = await asyncio.wait_for(self._receive(), self._timeout)
+        except TimeoutError:
+            self.over = BodyTimeout(
+                f"the request body stopped arriving: no byte for {self._timeout:g} s"
+                f" after {self.received} bytes", field="body", seconds=self._timeout,
+                hint="send the whole body (its Content-Length), or raise "
+                "BOXD_BODY_TIMEOUT on the daemon",
+            )
+            raise self.over from None
+        if message["type"] == "http.request":
+            self.received += len(message.get("body", b""))
+            self.complete = not message.get("more_body", False)
+            if self.received > self._limit:
+                self.over = _too_large(self._limit, self._setting, None)
+                raise self.over  # stops the route; the answer is replaced below
+        else:
+            self.complete = True  # http.disconnect
+        return message
+
+    async def send(self, message: _Message) -> None:
+        if self.over is not None:
+            # Whatever the route made of the cut body (a parse error, a failed
+            # import), the answer is the limit.
+            if message["type"] == "http.response.start" and not self.started:
+                self.started = True
+                await _answer(self._send, self.over)
+            return
+        if message["type"] == "http.response.start":
+            self.started = True
+        await self._send(message)
 
 
 def _content_length(scope: _Scope) -> int | None:

@@ -51,6 +51,14 @@ class GuestRelay:
                 await stream.close()
                 return
             await asyncio.sleep(0.05)
+        reader, writer = await self._connect(caller)
+        await _pump(stream, reader, writer)
+
+    async def _connect(
+        self, caller: GuestCaller
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """One end of a socket pair served by uvicorn's protocol (``caller`` in its
+        scope); the other end, opened as a stream."""
         config = self.server.config
         loop = asyncio.get_running_loop()
 
@@ -70,28 +78,33 @@ class GuestRelay:
             ours.close()
             theirs.close()
             raise
-        reader, writer = await asyncio.open_connection(sock=ours, limit=_CHUNK)
+        return await asyncio.open_connection(sock=ours, limit=_CHUNK)
 
-        async def to_app() -> None:
-            while data := await stream.read():
-                writer.write(data)
-                await writer.drain()
 
-        async def to_guest() -> None:
-            while data := await reader.read(_CHUNK):
-                await stream.write(data)
+async def _pump(stream: ByteStream, reader: asyncio.StreamReader,
+                writer: asyncio.StreamWriter) -> None:
+    """Copy bytes both ways between the guest's stream and the app until either ends."""
 
-        tasks = [asyncio.ensure_future(to_app()), asyncio.ensure_future(to_guest())]
-        try:
-            # Either side ending ends the connection: a guest client never half-closes.
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(BaseException):
-                    await task
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
-            await stream.close()
+    async def to_app() -> None:
+        while data := await stream.read():
+            writer.write(data)
+            await writer.drain()
+
+    async def to_guest() -> None:
+        while data := await reader.read(_CHUNK):
+            await stream.write(data)
+
+    tasks = [asyncio.ensure_future(to_app()), asyncio.ensure_future(to_guest())]
+    try:
+        # Either side ending ends the connection: a guest client never half-closes.
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
+        writer.close()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
+        await stream.close()

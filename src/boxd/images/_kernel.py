@@ -192,15 +192,8 @@ class ModuleSet:
     modules: tuple[tuple[str, bytes], ...]
 
 
-def resolve_modules(moddir: Path, wanted: tuple[str, ...] = WANTED_MODULES) -> ModuleSet:
-    """Collect ``wanted`` modules and their dependencies from an unpacked kernel tree.
-
-    Built-in modules (``modules.builtin``) and absent ones are skipped. Soft
-    dependencies on crc32c are covered by listing ``crc32c_generic`` explicitly.
-
-    Raises:
-        HostSetupError: a required module (one that is neither built in nor optional) is missing.
-    """
+def _module_index(moddir: Path) -> tuple[dict[str, Path], set[str]]:
+    """An unpacked kernel tree's module files by (normalised) name, and its built-ins."""
     index: dict[str, Path] = {}
     for p in moddir.rglob("*.ko*"):
         base = p.name.split(".ko", 1)[0]
@@ -210,7 +203,19 @@ def resolve_modules(moddir: Path, wanted: tuple[str, ...] = WANTED_MODULES) -> M
     if bfile.exists():
         for line in bfile.read_text().splitlines():
             builtin.add(_norm(Path(line).name.split(".ko", 1)[0]))
+    return index, builtin
 
+
+def resolve_modules(moddir: Path, wanted: tuple[str, ...] = WANTED_MODULES) -> ModuleSet:
+    """Collect ``wanted`` modules and their dependencies from an unpacked kernel tree.
+
+    Built-in modules (``modules.builtin``) and absent ones are skipped. Soft
+    dependencies on crc32c are covered by listing ``crc32c_generic`` explicitly.
+
+    Raises:
+        HostSetupError: a required module (one that is neither built in nor optional) is missing.
+    """
+    index, builtin = _module_index(moddir)
     ordered: list[tuple[str, bytes]] = []
     seen: set[str] = set()
 

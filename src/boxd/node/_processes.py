@@ -144,44 +144,14 @@ class Relay:
 
     async def _read(self, process: Process, on_frame: Callable[[], None]) -> None:
         buf = bytearray()
-        partial = 0  # bytes of buf counted as held
+        partial = [0]  # bytes of buf counted as held
         try:
-            async for chunk in process:
-                if isinstance(chunk, ExecOutput):
-                    if chunk.stream == "stderr":
-                        self.stderr += chunk.data
-                        del self.stderr[:-STDERR_TAIL]
-                        continue
-                    buf += chunk.data
-                    partial += len(chunk.data)
-                    self._hold(len(chunk.data))
-                    while len(buf) >= 4:
-                        n = int.from_bytes(buf[:4], "big")
-                        if n > MAX_FRAME:
-                            raise _Overflow(
-                                f"killed: it wrote a {n}-byte frame header (limit {MAX_FRAME}"
-                                " bytes per frame): a larger message, or not framed output?")
-                        if len(buf) < 4 + n:
-                            break
-                        frame = bytes(buf[4 : 4 + n])
-                        del buf[: 4 + n]
-                        partial -= 4 + n
-                        self.release(4)  # the header: the frame stays held
-                        self.sent = max(0, self.sent - 1)
-                        self.frames.put_nowait(frame)
-                        on_frame()
-                elif isinstance(chunk, ExecExit):
-                    self.exit = chunk
-                    self.state = "exited"
-            if self.process is process and self.state == "running":
-                # The output ended without an exit status: the connection closed.
-                self.state = "detached"
-                self.failure = "the agent connection closed"
+            await self._pump(process, on_frame, buf, partial)
         except asyncio.CancelledError:
             raise
         except _Overflow as exc:
-            self.release(partial)
-            partial = 0
+            self.release(partial[0])
+            partial[0] = 0
             buf.clear()
             self.failure = str(exc)
             self._drop_frames()
@@ -202,10 +172,50 @@ class Relay:
                 self.state = "detached"
                 self.failure = exc.message
         finally:
-            self.release(partial)
+            self.release(partial[0])
             if self.process is process:
                 self.process = None
             self.frames.put_nowait(None)
+
+    async def _pump(self, process: Process, on_frame: Callable[[], None], buf: bytearray,
+                    partial: list[int]) -> None:
+        """Read ``process``'s output until it ends: stderr into its tail, stdout split into
+        frames (``partial[0]``: the bytes of ``buf`` counted as held)."""
+        async for chunk in process:
+            if isinstance(chunk, ExecOutput):
+                if chunk.stream == "stderr":
+                    self.stderr += chunk.data
+                    del self.stderr[:-STDERR_TAIL]
+                    continue
+                buf += chunk.data
+                partial[0] += len(chunk.data)
+                self._hold(len(chunk.data))
+                self._split(buf, partial, on_frame)
+            elif isinstance(chunk, ExecExit):
+                self.exit = chunk
+                self.state = "exited"
+        if self.process is process and self.state == "running":
+            # The output ended without an exit status: the connection closed.
+            self.state = "detached"
+            self.failure = "the agent connection closed"
+
+    def _split(self, buf: bytearray, partial: list[int], on_frame: Callable[[], None]) -> None:
+        """Queue each whole frame at the head of ``buf`` (and take it out of ``buf``)."""
+        while len(buf) >= 4:
+            n = int.from_bytes(buf[:4], "big")
+            if n > MAX_FRAME:
+                raise _Overflow(
+                    f"killed: it wrote a {n}-byte frame header (limit {MAX_FRAME}"
+                    " bytes per frame): a larger message, or not framed output?")
+            if len(buf) < 4 + n:
+                break
+            frame = bytes(buf[4 : 4 + n])
+            del buf[: 4 + n]
+            partial[0] -= 4 + n
+            self.release(4)  # the header: the frame stays held
+            self.sent = max(0, self.sent - 1)
+            self.frames.put_nowait(frame)
+            on_frame()
 
     async def _kill(self, process: Process) -> None:
         """Kill ``process`` and wait (a while) for its exit status, dropping its output."""

@@ -24,7 +24,7 @@ at N after forks claim them. Spares live only while their template is the one th
 fork would use: when the source changes, is deleted or its template is collected, they
 are killed. They are never in the database (a claimed spare's VM id becomes the
 record's ``vm_id``); a restarted daemon kills the VM processes of run directories no
-machine owns (see ``NodeRuntime._sweep``).
+machine owns (see ``boxd.node._recovery``).
 """
 
 from __future__ import annotations
@@ -212,31 +212,7 @@ class SparePool:
     async def _refill(self, source_id: str, tpl: TemplateRecord) -> None:
         try:
             while self._maker.template_is_current(tpl.id):
-                room = min(self._target.get(tpl.id, 0) - self.count(tpl.id),
-                           self.total - sum(map(len, self._spares.values())), self.parallel)
-                if room <= 0:
-                    break
-                self._making[tpl.id] = room  # from now: a fork finding none waits for one
-                try:
-                    await self._settled(tpl.id)
-                    made = await self._prepare(source_id, tpl, room)
-                finally:
-                    self._making.pop(tpl.id, None)
-                failed = [r for r in made if not isinstance(r, Spare)]
-                spares = [r for r in made if isinstance(r, Spare)]
-                if not self._maker.template_is_current(tpl.id):
-                    for spare in spares:
-                        await self._discard(spare)
-                    break
-                for spare in spares:
-                    self._give(tpl.id, spare)
-                for exc in failed:
-                    if not isinstance(exc, Exception):
-                        raise exc  # cancelled
-                if failed:
-                    # A spare is an optimisation: forks still work without.
-                    log.warning("event=spare_failed template=%s error=%r", tpl.id, failed[0])
-                    self._failed[tpl.id] = str(failed[0]) or repr(failed[0])
+                if not await self._refill_round(source_id, tpl):
                     break
         except asyncio.CancelledError:
             raise
@@ -249,6 +225,37 @@ class SparePool:
                 if not fut.done():
                     fut.set_result(None)  # no more spares coming: start from scratch
             self._pulse()
+
+    async def _refill_round(self, source_id: str, tpl: TemplateRecord) -> bool:
+        """One round of a refill: up to ``parallel`` spares made at once and kept. False
+        when the refill is done (full, its template stale, or a spare failed)."""
+        room = min(self._target.get(tpl.id, 0) - self.count(tpl.id),
+                   self.total - sum(map(len, self._spares.values())), self.parallel)
+        if room <= 0:
+            return False
+        self._making[tpl.id] = room  # from now: a fork finding none waits for one
+        try:
+            await self._settled(tpl.id)
+            made = await self._prepare(source_id, tpl, room)
+        finally:
+            self._making.pop(tpl.id, None)
+        failed = [r for r in made if not isinstance(r, Spare)]
+        spares = [r for r in made if isinstance(r, Spare)]
+        if not self._maker.template_is_current(tpl.id):
+            for spare in spares:
+                await self._discard(spare)
+            return False
+        for spare in spares:
+            self._give(tpl.id, spare)
+        for exc in failed:
+            if not isinstance(exc, Exception):
+                raise exc  # cancelled
+        if failed:
+            # A spare is an optimisation: forks still work without.
+            log.warning("event=spare_failed template=%s error=%r", tpl.id, failed[0])
+            self._failed[tpl.id] = str(failed[0]) or repr(failed[0])
+            return False
+        return True
 
     async def _prepare(self, source_id: str, tpl: TemplateRecord, n: int) -> list[Any]:
         """``n`` spares made at once: each a `Spare` or the exception that stopped it.

@@ -1,8 +1,14 @@
 """The machine lifecycle: states, the transition table, `require`, leases.
 
-Every change of a machine's state goes through `Lifecycle.move`, which checks the
+`Lifecycle` is the one writer of a machine's state. On a node every change goes
+through `Lifecycle.move` (`fail`, `begin` and `transition` call it), which checks the
 transition table and writes with one compare-and-set (``UPDATE … WHERE state IN …``),
-so two operations racing on one machine cannot both win and a read never writes.
+so two operations racing on one machine cannot both win and a read never writes. In a
+cluster `adopt`, `mirror` and `mark_lost` are the named writers of the two copies of a
+record (the node's truth, the control plane's mirror). An operation that enters a
+transient state and must return to where it came from on error uses
+`Lifecycle.transition`, the one rollback path (the RAM swap in ``_launch``, hibernate
+in ``_sleep``); a failed launch fails the machine instead (``_launch``).
 
 ::
 
@@ -28,12 +34,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from boxd.errors import MachineNotFound, StateError
 from boxd.models import MachineState
 from boxd.state import MachineRecord
 from boxd.state.repos import Machines
+
+log = logging.getLogger("boxd.node")
 
 S = MachineState
 
@@ -162,16 +171,55 @@ class Lifecycle:
         Raises:
             StateError: the machine is not in a required state (it may have moved since).
         """
+        return self._begin(machine, dst, *required)[1]
+
+    def _begin(
+        self, machine: MachineRecord, dst: MachineState, *required: MachineState
+    ) -> tuple[MachineState, MachineRecord]:
+        """`begin`, also returning the state the machine was moved from."""
         require(machine, *required)
         if not self.move(machine.id, dst, expect=(machine.state,)):
             fresh = self._machines.get(machine.id)
             if fresh is None:
                 raise MachineNotFound(f"no machine named {machine.name!r}", machine=machine.name)
             require(fresh, *required)  # it moved: raise with its current state
-            return self.begin(fresh, dst, *required)
+            return self._begin(fresh, dst, *required)
         fresh = self._machines.get(machine.id)
         assert fresh is not None
-        return fresh
+        return machine.state, fresh
+
+    @contextlib.asynccontextmanager
+    async def transition(
+        self, machine: MachineRecord, dst: MachineState, *required: MachineState,
+        undo: Callable[[], Awaitable[None]] | None = None,
+    ) -> AsyncIterator[MachineRecord]:
+        """The one rollback path: enter ``dst`` from one of ``required`` (as `begin`);
+        if the block raises, run ``undo`` and move the machine back to the state it came
+        from, the error recorded in the log, and re-raise.
+
+        On success the machine stays in ``dst``: the code after the block moves it on
+        (or it has already, inside). ``undo`` runs before the move back, so a request
+        let in by the old state never meets a half-undone machine; if ``undo`` itself
+        fails, the machine is marked failed with that reason instead.
+
+        Raises:
+            StateError: the machine is not in a required state.
+        """
+        origin, fresh = self._begin(machine, dst, *required)
+        try:
+            yield fresh
+        except BaseException as exc:
+            reason = getattr(exc, "message", None) or repr(exc)
+            try:
+                if undo is not None:
+                    await undo()
+            except BaseException as undo_exc:
+                self.fail(fresh.id, f"{reason}; undoing it failed: {undo_exc!r}")
+                raise
+            self.move(fresh.id, origin, expect=(dst,))
+            log.info("machine=%s event=transition_rolled_back from=%s to=%s error=%s",
+                     fresh.id, dst.value, origin.value, reason)
+            raise
 
     # A cluster keeps two copies of a machine's record: the node's (its truth, moved by
     # the node's Lifecycle) and the control plane's mirror. Besides `move`, these three

@@ -95,28 +95,32 @@ async def stream(ws: WebSocket, ref: str, process_id: str) -> None:
             await ws.close(CLOSE_ERROR)
 
 
+async def _inbound(ws: WebSocket, proc: Any) -> None:
+    """The client's binary frames to the process, until the client goes."""
+    while True:
+        msg = await ws.receive()
+        if msg["type"] == "websocket.disconnect":
+            raise WebSocketDisconnect(msg.get("code", 1000))
+        data = msg.get("bytes")
+        if data is not None:
+            await proc.send(data)
+
+
+async def _outbound(ws: WebSocket, proc: Any) -> None:
+    """The process's frames to the client, then its exit (and the close)."""
+    while True:
+        frame = await proc.recv()
+        if frame is None:
+            p = proc.process
+            await _send_json(ws, {"type": "exit", "exit_code": p.exit_code,
+                                  "signal": p.signal, "stderr_tail": p.stderr_tail})
+            await ws.close()
+            return
+        await ws.send_bytes(frame)
+
+
 async def _relay(ws: WebSocket, proc: Any) -> None:
-    async def inbound() -> None:
-        while True:
-            msg = await ws.receive()
-            if msg["type"] == "websocket.disconnect":
-                raise WebSocketDisconnect(msg.get("code", 1000))
-            data = msg.get("bytes")
-            if data is not None:
-                await proc.send(data)
-
-    async def outbound() -> None:
-        while True:
-            frame = await proc.recv()
-            if frame is None:
-                p = proc.process
-                await _send_json(ws, {"type": "exit", "exit_code": p.exit_code,
-                                      "signal": p.signal, "stderr_tail": p.stderr_tail})
-                await ws.close()
-                return
-            await ws.send_bytes(frame)
-
-    tasks = [asyncio.create_task(inbound()), asyncio.create_task(outbound())]
+    tasks = [asyncio.create_task(_inbound(ws, proc)), asyncio.create_task(_outbound(ws, proc))]
     try:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         for t in done:

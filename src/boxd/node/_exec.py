@@ -1,0 +1,253 @@
+"""Exec, files and spawned processes: what a request does through a machine's agent.
+
+Every call here goes through the node's `Guests.using` (it wakes a sleeping machine,
+holds it against a swap or suspend, counts as activity) and, when it may change the
+guest, bumps the machine's generation (`Guests.changed`: the next fork needs a new
+template).
+
+Processes (boxd.rl): a spawned process keeps running between requests; its frames are
+relayed by `boxd.node._processes`. Sends go through `using` (they wake a sleeping
+machine and count as activity); a frame sent and not yet answered keeps the idle
+timers off. The first send after a template was taken bumps the generation, so a later
+fork never reuses a template from before the process changed the guest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Protocol
+
+from boxd import models
+from boxd import process_models as pm
+from boxd.engine.base import Agent, ExecOutput, MachineHandle
+from boxd.errors import BoxdError, Conflict, ExecTimeout, InvalidRequest, MachineFailed
+from boxd.node._processes import ProcessStream, ProcessTable, Relay
+from boxd.node.lifecycle import Lease, Lifecycle
+from boxd.state import MachineRecord
+
+log = logging.getLogger("boxd.node")
+
+# Seconds past an exec's own timeout before the host gives up on a silent guest.
+HOST_GRACE = 30.0
+
+
+class Guests(Protocol):
+    """What a request needs of the node: the machine's agent, held for the request."""
+
+    def using(
+        self, machine_id: str, timeout: float = 120.0
+    ) -> AbstractAsyncContextManager[tuple[MachineRecord, MachineHandle, Agent]]: ...
+
+    def changed(self, machine_id: str) -> None: ...
+
+    def touch(self, machine_id: str) -> None: ...
+
+    def record(self, machine_id: str) -> MachineRecord: ...
+
+    def lease(self, machine_id: str) -> Lease: ...
+
+    def current(self, machine_id: str) -> MachineHandle | None: ...
+
+    async def raise_if_died(
+        self, rec: MachineRecord, handle: MachineHandle, exc: MachineFailed
+    ) -> None: ...
+
+
+def _exec_kwargs(req: models.ExecRequest) -> dict[str, Any]:
+    return {
+        "env": req.env or None, "cwd": req.cwd, "timeout": req.timeout,
+        "stdin": req.stdin.encode() if req.stdin is not None else None,
+    }
+
+
+def _absolute(path: str) -> None:
+    if not path.startswith("/"):
+        raise InvalidRequest(f"guest path must be absolute: {path!r}", field="path")
+
+
+class Exec:
+    """Exec, upload, download, spawn and the spawned processes of one node."""
+
+    def __init__(self, guests: Guests, lifecycle: Lifecycle, procs: ProcessTable, *,
+                 max_output: int) -> None:
+        self._g = guests
+        self.lifecycle = lifecycle
+        self.procs = procs
+        self._max_output = max_output
+
+    async def exec(self, machine_id: str, req: models.ExecRequest) -> models.ExecResult:
+        async with self._g.using(machine_id) as (rec, _handle, agent):
+            self._g.changed(machine_id)
+            # The guest enforces the timeout; the host deadline only catches a guest that
+            # stopped answering altogether (a VM left paused, a hung kernel).
+            deadline = req.timeout + HOST_GRACE if req.timeout else None
+            try:
+                out = await asyncio.wait_for(
+                    agent.run(req.command, **_exec_kwargs(req), max_output=self._max_output),
+                    timeout=deadline,
+                )
+            except TimeoutError as exc:
+                raise MachineFailed(
+                    f"machine {rec.name!r} stopped answering: the command's {req.timeout}s "
+                    f"timeout passed {HOST_GRACE:.0f}s ago with no word from the guest",
+                    machine=rec.name, hint="check `boxd machine info`; delete and recreate it",
+                ) from exc
+        result = models.ExecResult(
+            stdout=out.stdout.decode(errors="replace"), stderr=out.stderr.decode(errors="replace"),
+            exit_code=out.exit_code, signal=out.signal, timed_out=out.timed_out,
+            duration=out.duration, stdout_truncated=out.stdout_truncated,
+            stderr_truncated=out.stderr_truncated,
+        )
+        if result.timed_out:
+            raise ExecTimeout(
+                f"command timed out after {req.timeout}s and was killed",
+                timeout=req.timeout, stdout=result.stdout, stderr=result.stderr,
+                hint="raise the timeout or make the command finish sooner",
+            )
+        return result
+
+    async def exec_stream(
+        self, machine_id: str, req: models.ExecRequest
+    ) -> AsyncIterator[models.ExecEvent]:
+        async with self._g.using(machine_id) as (_, _handle, agent):
+            self._g.changed(machine_id)
+            async for item in agent.exec(req.command, **_exec_kwargs(req)):
+                if isinstance(item, ExecOutput):
+                    yield models.ExecEvent(
+                        type=item.stream, data=item.data.decode(errors="replace"), error=None
+                    )
+                else:
+                    yield models.ExecEvent(
+                        type="exit", exit_code=item.exit_code, signal=item.signal,
+                        timed_out=item.timed_out, duration=item.duration, error=None,
+                    )
+
+    async def upload(
+        self, machine_id: str, path: str, data: bytes | AsyncIterable[bytes], mode: int
+    ) -> models.FileInfo:
+        _absolute(path)
+        async with self._g.using(machine_id) as (_, _handle, agent):
+            self._g.changed(machine_id)
+            st = await agent.write_file(path, data, mode)
+        return models.FileInfo(path=path, size=st.size, mode=st.mode, sha256=st.sha256)
+
+    async def download(self, machine_id: str, path: str) -> AsyncGenerator[bytes, None]:
+        _absolute(path)
+        # The machine stays awake (and leased) while the consumer reads; closing this
+        # iterator stops the read in the guest.
+        async with (
+            self._g.using(machine_id) as (_, _handle, agent),
+            contextlib.aclosing(agent.read_stream(path)) as chunks,
+        ):
+            async for chunk in chunks:
+                yield chunk
+
+    # ------------------------------------------------------------ processes
+
+    async def spawn(self, machine_id: str, req: pm.SpawnRequest) -> pm.Process:
+        if req.cwd is not None and not req.cwd.startswith("/"):
+            raise InvalidRequest(f"cwd must be absolute: {req.cwd!r}", field="cwd")
+        async with self._g.using(machine_id) as (_, _handle, agent):
+            self._g.changed(machine_id)
+            proc = await agent.start(req.argv, env=req.env or None, cwd=req.cwd)
+            relay = self.procs.add(machine_id, list(req.argv), proc,
+                                   lambda: self._g.touch(machine_id))
+        relay.dirty = True
+        log.info("machine=%s event=spawned process=%s argv0=%s", machine_id, relay.id,
+                 req.argv[0])
+        return relay.model()
+
+    async def processes(self, machine_id: str) -> list[pm.Process]:
+        self._g.record(machine_id)
+        return [r.model() for r in self.procs.list(machine_id)]
+
+    async def process_kill(self, machine_id: str, process_id: str, signal: int) -> pm.Process:
+        relay = self.procs.get(machine_id, process_id)
+        if relay.state == "detached":
+            await self._reattach(relay)
+        if relay.process is not None:
+            async with self._g.using(machine_id):
+                await relay.process.kill(signal)
+        return relay.model()
+
+    @contextlib.asynccontextmanager
+    async def process_attach(
+        self, machine_id: str, process_id: str
+    ) -> AsyncIterator[ProcessStream]:
+        relay = self.procs.get(machine_id, process_id)
+        if relay.attached:
+            raise Conflict(f"process {process_id} already has a client attached",
+                           machine=machine_id, hint="close the other handle first")
+        if relay.state == "detached":
+            await self._reattach(relay)
+        relay.attached = True
+        try:
+            yield ProcessStream(relay, self.process_send, self._reattach)
+        finally:
+            relay.attached = False
+
+    async def _reattach(self, relay: Relay) -> None:
+        """Follow a detached process again on the machine's current agent connection.
+
+        The guest keys the process by the exec id it had when the guest's memory was
+        captured (a restore brings back an older one than the last attach), so the ids
+        are tried newest first.
+        """
+        async with relay.attaching, self._g.using(relay.machine_id) as (_, _handle, agent):
+            if relay.state == "running" and relay.process is not None:
+                return  # another request re-attached it meanwhile
+            last: BoxdError | None = None
+            for exec_id in reversed(relay.exec_ids or [relay.exec_id]):
+                try:
+                    proc = await agent.attach(exec_id)
+                except InvalidRequest as exc:  # not this id (or an agent too old)
+                    last = exc
+                    continue
+                relay.bind(proc, lambda: self._g.touch(relay.machine_id))
+                return
+            relay.failure = last.message if last is not None else "no exec id"
+            raise relay.not_running()
+
+    async def process_send(self, relay: Relay, data: bytes) -> None:
+        if relay.state == "detached":
+            await self._reattach(relay)
+        machine_id = relay.machine_id
+        if relay.dirty and self.lifecycle.is_running(machine_id) and await self._send_hot(
+            relay, data
+        ):
+            return
+        async with self._g.using(machine_id):
+            if not relay.dirty:
+                self._g.changed(relay.machine_id)
+                relay.dirty = True
+            await relay.send(data)
+
+    async def _send_hot(self, relay: Relay, data: bytes) -> bool:
+        """The hot path (boxd.rl's steps): a running machine as this node last saw it,
+        so no database read per frame; the lease still holds it against a swap. False
+        when the machine was not running after all (the caller takes the slow path)."""
+        machine_id = relay.machine_id
+        async with self._g.lease(machine_id).use():
+            if not (self.lifecycle.is_running(machine_id) and relay.state == "running"):
+                return False
+            self._g.touch(machine_id)
+            try:
+                await relay.send(data)
+            except MachineFailed as exc:
+                handle = self._g.current(machine_id)
+                if handle is not None:
+                    await self._g.raise_if_died(self._g.record(machine_id), handle, exc)
+                raise
+            return True
+
+    def captured(self, machine_id: str) -> None:
+        """A template of the machine is being taken: the next send changes it again."""
+        for r in self.procs.list(machine_id):
+            r.dirty = False
+
+
+__all__ = ["HOST_GRACE", "Exec"]

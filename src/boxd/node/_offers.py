@@ -1,0 +1,122 @@
+"""What one node offers its peers: templates, frozen layers and snapshot blobs.
+
+A cross-node fork (``boxd.node.cluster``) asks the source's node for its template,
+described file by file (`TemplateOffer`, see `boxd.node._transfer`), and the child's
+node fetches the chunks it lacks with `read_chunk`; the receiving side is
+`Templates.receive`. A snapshot moves the same way (`offer_snapshot`,
+`receive_snapshot`). A node only serves what it offered and still has.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from boxd.errors import InvalidRequest, NotFound
+from boxd.node import _transfer as transfer
+from boxd.node._transfer import Fetch, FileOffer, LayerOffer, TemplateOffer
+from boxd.state import MachineRecord, Repos, TemplateRecord
+from boxd.storage import Manifest, SnapshotStore, disks
+
+
+class Offers:
+    """The templates this node described for peers, and the files it serves them."""
+
+    def __init__(
+        self, repos: Repos, store: SnapshotStore, disks_dir: Path, *,
+        fork_source: Callable[[str], Awaitable[tuple[MachineRecord, TemplateRecord]]],
+        unpin: Callable[[str], None],
+    ) -> None:
+        self.repos = repos
+        self.store = store
+        self._disks = disks_dir
+        self._fork_source = fork_source
+        self._unpin = unpin
+        self._offered: dict[str, TemplateRecord] = {}  # templates peers may fetch
+        self._offers: dict[str, TemplateOffer] = {}  # ... and how they were described
+
+    def _layer_path(self, layer_id: str) -> Path:
+        return disks.layer_path(self._disks, layer_id)
+
+    def forget_collected(self) -> None:
+        """Stop offering templates the node's gc collected."""
+        for tid in [t for t in self._offered if self.repos.layers.template(t) is None]:
+            del self._offered[tid]
+            self._offers.pop(tid, None)
+
+    async def offer_template(self, source_id: str) -> TemplateOffer:
+        """The source's template (made if needed), described for a peer node to fetch
+        (see `boxd.node._transfer`). A cross-node fork writes nothing else here."""
+        src, tpl = await self._fork_source(source_id)
+        try:  # pinned while described; a peer fetching a template collected since: NotFound
+            return await self._offer(src, tpl)
+        finally:
+            self._unpin(tpl.id)
+
+    async def _offer(self, src: MachineRecord, tpl: TemplateRecord) -> TemplateOffer:
+        if src.engine != "qemu":
+            raise InvalidRequest(
+                f"machine {src.name!r} runs on the {src.engine} engine; only qemu machines "
+                "fork across nodes", field="node",
+                hint="fork it on its own node (leave the node out)",
+            )
+        self._offered[tpl.id] = tpl
+        cached = self._offers.get(tpl.id)
+        if cached is not None:
+            return cached
+
+        def describe() -> TemplateOffer:
+            layers = tuple(
+                LayerOffer(layer.id, layer.parent_id,
+                           transfer.offer("layer", layer.id, self._layer_path(layer.id)))
+                for layer in self.repos.layers.chain(tpl.layer_id)
+            )
+            return TemplateOffer(
+                template_id=tpl.id, source_id=src.id, generation=tpl.generation,
+                image=src.image, engine=src.engine, memory_mib=src.memory_mib,
+                mem=transfer.offer("mem", tpl.id, tpl.mem_path),
+                state=transfer.offer("state", tpl.id, tpl.state_path), layers=layers,
+            )
+
+        self._offers[tpl.id] = await asyncio.to_thread(describe)
+        return self._offers[tpl.id]
+
+    def _offered_path(self, kind: str, key: str) -> Path:
+        tpl = self._offered.get(key)
+        if kind in ("mem", "state") and tpl is not None:
+            return tpl.mem_path if kind == "mem" else tpl.state_path
+        if kind == "layer":
+            layer = self.repos.layers.get(key)
+            if layer is not None and layer.frozen:
+                return self._layer_path(key)
+        if kind == "blob" and self.store.has_blob(key):
+            return self.store.blob_path(key)
+        raise NotFound(f"this node offers no {kind} {key!r}",
+                       hint="the source changed or was deleted meanwhile; fork again")
+
+    async def read_chunk(self, kind: str, key: str, offset: int, length: int) -> bytes:
+        """A chunk of a file this node offered (a template's, a frozen layer, a blob)."""
+        return await asyncio.to_thread(
+            transfer.read_chunk, self._offered_path(kind, key), offset, length
+        )
+
+    async def receive_snapshot(self, digest: str, raw: bytes, offers: list[FileOffer],
+                               fetch: Fetch) -> Manifest:
+        """Store another node's snapshot here: fetch the blobs this store lacks (by
+        digest) and verify them. A no-op when every blob is here."""
+        if self.store.exists(digest):
+            return self.store.get(digest)
+        return await transfer.receive_snapshot(self.store, digest, raw, offers, fetch)
+
+    async def offer_snapshot(self, digest: str) -> tuple[bytes, list[FileOffer]]:
+        """A stored snapshot's manifest and its blobs, for a peer node to fetch."""
+        manifest = self.store.get(digest)
+        raw = self.store.manifest_bytes(digest)
+        offers = [await asyncio.to_thread(transfer.offer, "blob", e.digest,
+                                          self.store.blob_path(e.digest))
+                  for e in manifest.blobs.values()]
+        return raw, offers
+
+
+__all__ = ["Offers"]
