@@ -71,33 +71,16 @@ class Tracer(gym.Wrapper[Any, Any, Any, Any]):
     def _tracing(self) -> Iterator[None]:
         owner = threading.get_ident()
         seen: set[str] = set()
-
-        def wrap(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
-            def traced(*args: Any, **kwargs: Any) -> Any:
-                if threading.get_ident() == owner:
-                    seen.add(label)
-                return fn(*args, **kwargs)
-            return traced
-
-        def wrap_open(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
-            def traced(file: Any, *args: Any, **kwargs: Any) -> Any:
-                kind = _PATHS.get(os.fspath(file)) if isinstance(file, str | os.PathLike) \
-                    else None
-                if kind is not None and threading.get_ident() == owner:
-                    seen.add(f"{kind}:open({os.fspath(file)})")
-                return fn(file, *args, **kwargs)
-            return traced
-
         saved: list[tuple[Any, str, Any]] = []
         for mod, name, kind in _PATCHES:
             fn = getattr(mod, name, None)
             if fn is not None:
                 saved.append((mod, name, fn))
-                setattr(mod, name, wrap(fn, f"{kind}:{mod.__name__}.{name}"))
+                setattr(mod, name, _noting(fn, f"{kind}:{mod.__name__}.{name}", seen, owner))
         for mod, name in ((builtins, "open"), (io, "open"), (os, "open")):
             fn = getattr(mod, name)
             saved.append((mod, name, fn))
-            setattr(mod, name, wrap_open(fn, name))
+            setattr(mod, name, _noting_opens(fn, seen, owner))
         try:
             yield
         finally:
@@ -105,6 +88,25 @@ class Tracer(gym.Wrapper[Any, Any, Any, Any]):
                 setattr(mod, name, fn)
             if seen:
                 self.boxd_reads[self._t] = sorted(set(self.boxd_reads.get(self._t, ())) | seen)
+
+
+def _noting(fn: Callable[..., Any], label: str, seen: set[str], owner: int) -> Callable[..., Any]:
+    """``fn``, noting ``label`` in ``seen`` when the env's thread (``owner``) calls it."""
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() == owner:
+            seen.add(label)
+        return fn(*args, **kwargs)
+    return traced
+
+
+def _noting_opens(fn: Callable[..., Any], seen: set[str], owner: int) -> Callable[..., Any]:
+    """An ``open``, noting in ``seen`` the env thread's opens of the paths in `_PATHS`."""
+    def traced(file: Any, *args: Any, **kwargs: Any) -> Any:
+        kind = _PATHS.get(os.fspath(file)) if isinstance(file, str | os.PathLike) else None
+        if kind is not None and threading.get_ident() == owner:
+            seen.add(f"{kind}:open({os.fspath(file)})")
+        return fn(file, *args, **kwargs)
+    return traced
 
 
 def traced(spec: str | Callable[..., Any], kwargs: dict[str, Any]) -> Tracer:
