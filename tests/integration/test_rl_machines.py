@@ -28,9 +28,8 @@ from gymnasium.vector import AutoresetMode, SyncVectorEnv
 import boxd.rl as rl
 from boxd import errors
 from boxd.rl import _verify
-from tests.unit import _rl_envs
-
-from ._procs import qemu_cmdlines, vm_id_of
+from tests._support import rl_envs as _rl_envs
+from tests._support.procs import qemu_cmdlines, vm_id_of
 
 pytestmark = pytest.mark.vm
 
@@ -416,7 +415,7 @@ def test_verify_names_the_step_that_reads_the_clock(client: Any, rl_warm: Any) -
     assert not report.identical
     d = report.first_divergence
     assert d is not None and d.step == 7 and d.field == "obs"
-    assert report.likely_cause == _verify.CAUSE_OUTSIDE
+    assert report.likely_cause == f"{_verify.CAUSE_CLOCK} (step 7 read time.time_ns)"
     assert _leftovers(client) == []
 
 

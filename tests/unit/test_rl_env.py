@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env, data_equivalence
 from gymnasium.utils.env_match import check_environments_match
-from tests.unit import _rl_envs
+from tests._support import rl_envs as _rl_envs
 
 import boxd.rl as rl
 from boxd import errors
@@ -137,7 +137,8 @@ def test_verify_local() -> None:
     assert not clock.identical
     assert clock.first_divergence is not None and clock.first_divergence.step == 5
     assert clock.first_divergence.field == "obs"
-    assert clock.likely_cause == _verify.CAUSE_UNKNOWN  # no rewind without machines
+    # the traced replay names the read (no rewind needed, so local servers do too)
+    assert clock.likely_cause == f"{_verify.CAUSE_CLOCK} (step 5 read time.time_ns)"
     rows = dict(clock.rows())
     assert rows["identical"] == "NO" and rows["first divergence"] == "step 5, obs"
 

@@ -17,11 +17,13 @@ from rich.console import Console
 from rich.progress import (
     BarColumn,
     DownloadColumn,
+    MofNCompleteColumn,
     Progress,
     SpinnerColumn,
     TaskProgressColumn,
     TextColumn,
     TimeElapsedColumn,
+    TimeRemainingColumn,
     TransferSpeedColumn,
 )
 from rich.table import Table
@@ -78,6 +80,28 @@ def transfer(text: str, *, as_json: bool = False) -> Iterator[Callable[[int, int
             bar.update(task, completed=done, total=total)
 
         yield progress
+
+
+@contextlib.contextmanager
+def progress(text: str, *, total: int, as_json: bool = False) -> Iterator[Callable[[bool], None]]:
+    """A bar over ``total`` items on stderr, counting the ones that went wrong.
+
+    Yields ``advance(bad)``; safe to call from worker threads (rich locks its tasks).
+    """
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("{task.fields[bad]} diverged"), TimeElapsedColumn(),
+                   TimeRemainingColumn(), console=console(stderr=True), transient=False,
+                   disable=quiet(as_json))
+    with bar:
+        task = bar.add_task(text, total=total, bad=0)
+        bad_count = 0
+
+        def advance(bad: bool) -> None:
+            nonlocal bad_count
+            bad_count += bad
+            bar.update(task, advance=1, bad=bad_count)
+
+        yield advance
 
 
 def jsonable(obj: Any) -> Any:
@@ -225,6 +249,11 @@ def machine(m: models.Machine) -> None:
     )
 
 
+def standby(s: models.Standby) -> None:
+    details([("machine", s.machine_id), ("standby forks", s.forks), ("engine", s.engine),
+             ("host memory", size(s.memory_bytes))])
+
+
 def checkpoints(items: Sequence[models.Checkpoint]) -> None:
     table(
         ["NAME", "ID", "CREATED"],
@@ -308,6 +337,8 @@ def host(info: models.HostInfo) -> None:
             ("data dir", info.data_dir),
             ("image", info.image),
             ("limits", info.limits),
+            ("standby forks", f"{info.standby_forks} ({size(info.standby_memory_bytes)} "
+             "host memory)"),
         ]
     )
     if info.engines:

@@ -19,31 +19,65 @@ def rl() -> None:
     """Reinforcement-learning tools (boxd.rl)."""
 
 
+def _seed_range(ctx: click.Context, param: click.Parameter, value: str | None) -> range | None:
+    if value is None:
+        return None
+    try:
+        lo, _, hi = value.partition(":")
+        seeds = range(int(lo), int(hi)) if hi else range(int(lo), int(lo) + 1)
+    except ValueError:
+        raise click.BadParameter("give START:STOP (STOP excluded), e.g. 0:1000") from None
+    if not seeds:
+        raise click.BadParameter(f"{value} holds no seed: STOP must be above START")
+    return seeds
+
+
 @rl.command("verify")
 @click.argument("source")
 @click.argument("env")
-@click.option("--seed", type=int, default=42, show_default=True, help="Reset and policy seed.")
+@click.option("--seed", type=int, default=None, help="Reset and policy seed (one pair). "
+              "[default: 42]")
+@click.option("--seeds", callback=_seed_range, metavar="START:STOP",
+              help="Many seeds, one pair each (STOP excluded), e.g. 0:1000.")
 @click.option("--steps", type=click.IntRange(min=1), default=500, show_default=True)
 @click.option("--runs", type=click.IntRange(min=2), default=2, show_default=True,
-              help="Fresh forks to compare.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+              help="Fresh forks to compare per seed.")
+@click.option("--jobs", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Seeds verified at once (jobs x runs forks together).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts (the schema: "
+              "--schema).")
+@click.option("--schema", is_flag=True, help="Print the JSON Schema of the --seeds --json "
+              "report and exit.")
 @click.pass_obj
-def verify(state: Any, source: str, env: str, seed: int, steps: int, runs: int,
-           as_json: bool) -> None:
-    """Run ENV in fresh forks of SOURCE with one seed and compare them step by step.
+def verify(state: Any, source: str, env: str, seed: int | None, seeds: range | None,
+           steps: int, runs: int, jobs: int, as_json: bool, schema: bool) -> None:
+    """Run ENV in fresh forks of SOURCE, seed by seed, and compare them step by step.
 
     ENV is a Gymnasium id (CartPole-v1) or module:function importable in the machine
-    (installed there, or under /home/boxd). Exits 1 when the runs diverge.
+    (installed there, or under /home/boxd). SOURCE is a machine, or several
+    comma-separated (a seed's runs alternate between them: e.g. one baseline per
+    engine). Exits 0 when every seed's runs are identical, 1 otherwise.
     """
+    if schema:
+        from boxd.rl._verify import REPORT_SCHEMA
+
+        _render.print_json(REPORT_SCHEMA)
+        return
+    if seed is not None and seeds is not None:
+        raise click.UsageError("give --seed or --seeds, not both")
     try:
         from boxd import rl as boxd_rl
     except ImportError as exc:
         raise errors.HostSetupError(
             f"boxd rl needs gymnasium and cloudpickle ({exc.name} is missing)",
             hint="pip install 'boxd[rl]'") from exc
+    sources: str | list[str] = source.split(",") if "," in source else source
+    if seeds is not None:
+        _sweep(state, sources, env, seeds, steps, runs, jobs, as_json, boxd_rl)
+        return
     with _render.activity(f"running {env} in {runs} forks of {source}", as_json=as_json):
-        report = boxd_rl.verify(source, env, seed=seed, steps=steps, runs=runs,
-                                boxd=state.boxd)
+        report = boxd_rl.verify(sources, env, seed=42 if seed is None else seed,
+                                steps=steps, runs=runs, boxd=state.boxd)
     if as_json:
         out = dataclasses.asdict(report)
         if out["first_divergence"] is not None:  # numpy values: their repr, for JSON
@@ -51,6 +85,31 @@ def verify(state: Any, source: str, env: str, seed: int, steps: int, runs: int,
                                                  out["first_divergence"]["values"]]
         _render.print_json(out)
     else:
+        _render.details(report.rows())
+    if not report.identical:
+        sys.exit(1)
+
+
+def _sweep(state: Any, sources: str | list[str], env: str, seeds: range, steps: int,
+           runs: int, jobs: int, as_json: bool, boxd_rl: Any) -> None:
+    with _render.progress(f"verifying {env}: {len(seeds)} seeds x {runs} forks",
+                          total=len(seeds), as_json=as_json) as advance:
+        report = boxd_rl.verify(sources, env, seeds=seeds, steps=steps, runs=runs,
+                                jobs=jobs, boxd=state.boxd,
+                                progress=lambda r: advance(not r.identical))
+    if as_json:
+        _render.print_json(report.to_json())
+    else:
+        bad = report.diverged
+        if bad:
+            _render.table(
+                ["seed", "first divergence", "likely cause"],
+                [(str(p.seed),
+                  f"step {p.first_divergence.step}, {p.first_divergence.field}"
+                  if p.first_divergence else "", p.likely_cause or "")
+                 for p in bad[:20]], empty="")
+            if len(bad) > 20:
+                _render.console().print(f"... and {len(bad) - 20} more seeds (--json: all)")
         _render.details(report.rows())
     if not report.identical:
         sys.exit(1)
