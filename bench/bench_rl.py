@@ -12,7 +12,9 @@ taken from ``BOXD_BENCH_RL_SOURCE`` (a machine name that already has them). Figu
   engine's own ``AgentClient`` on a machine booted without the daemon (agent channel,
   boxd-init, the echo process: the guest side) and the daemon's own HTTP round trip
   without the guest (``wait`` on a running machine); and a whole ``exec`` of ``true``;
-- vector: ``boxd.rl.VectorEnv`` steps/s for 1, 4 and 8 CartPole sub-envs against
+- vector: ``boxd.rl.VectorEnv`` and ``boxd.rl.sb3.VecEnv`` steps/s for 1, 4, 8 and 16
+  CartPole sub-envs (``BENCH_RL_SIZES``), one machine per env and
+  ``envs_per_machine=8``, ``BENCH_RL_STEPS`` vector steps each (default 100), against
   Gymnasium's ``AsyncVectorEnv`` on the host in the same run, with a breakdown per
   vector step of the time inside the guests' ``env.step`` (the env server's own
   clock) and the rest (channel, daemon, agent);
@@ -54,8 +56,10 @@ ECHO = (
 CHANNEL_N = 300
 BLOCK = 25
 PARTS = [p.strip() for p in os.environ.get("BENCH_RL_PARTS", "").split(",") if p.strip()]
-VECTOR_SIZES = (1, 4, 8)
-VECTOR_STEPS = 100
+VECTOR_SIZES = tuple(int(x) for x in os.environ.get("BENCH_RL_SIZES", "1,4,8,16").split(","))
+#: Sub-envs per machine: 1 (one fork per env) and 8.
+VECTOR_PER_MACHINE = (1, 8)
+VECTOR_STEPS = int(os.environ.get("BENCH_RL_STEPS", "100"))
 RESETS = 5
 
 
@@ -180,33 +184,12 @@ def _vector(client: Any, source: str, tell: Callable[[str], None]) -> list[Row]:
     import numpy as np
 
     import boxd.rl as rl
+    from boxd.rl.sb3 import VecEnv
 
     rows: list[Row] = []
     for n in VECTOR_SIZES:
-        tell(f"bench_rl: VectorEnv of {n} CartPole envs")
-        t0 = time.perf_counter()
-        env = rl.VectorEnv("CartPole-v1", n, source=source, boxd=client)
-        build = time.perf_counter() - t0
-        try:
-            accel = _accel(client, str(env.machines[0]))
-            env.reset(seed=0)
-            actions = np.zeros(n, dtype=np.int64)
-            for _ in range(10):
-                env.step(actions)
-            stats0 = env._pool.values(env._pool.broadcast([("stats",)] * n))
-            times = []
-            for _ in range(VECTOR_STEPS):
-                t = time.perf_counter()
-                env.step(actions)
-                times.append(time.perf_counter() - t)
-            stats1 = env._pool.values(env._pool.broadcast([("stats",)] * n))
-        finally:
-            env.close()
-        # Guest compute per vector step: the slowest sub-env's time inside step/reset.
-        inside = []
-        for a, b in zip(stats0, stats1, strict=True):
-            secs = sum(b.get(op, (0, 0.0))[1] - a.get(op, (0, 0.0))[1] for op in ("step", "reset"))
-            inside.append(secs / VECTOR_STEPS)
+        tell(f"bench_rl: AsyncVectorEnv of {n} CartPole envs (host)")
+        actions = np.zeros(n, dtype=np.int64)
         ref = gym.vector.AsyncVectorEnv([lambda: gym.make("CartPole-v1")] * n)
         try:
             ref.reset(seed=0)
@@ -219,13 +202,51 @@ def _vector(client: Any, source: str, tell: Callable[[str], None]) -> list[Row]:
                 host.append(time.perf_counter() - t)
         finally:
             ref.close()
-        per_step = sorted(times)[len(times) // 2]
-        rows.append(row_from(
-            GROUP, f"VectorEnv step, {n} envs (s per vector step)", times, accel=accel,
-            note=(f"{n / per_step:.0f} env steps/s; guest env.step {max(inside) * 1e3:.2f} ms, "
-                  f"channel+daemon {(per_step - max(inside)) * 1e3:.2f} ms; "
-                  f"build {build:.1f} s"),
-            baseline="AsyncVectorEnv (host)", baseline_values=host))
+        for k in VECTOR_PER_MACHINE:
+            if k > 1 and n <= 1:
+                continue
+            for kind in ("VectorEnv", "sb3.VecEnv"):
+                tell(f"bench_rl: {kind} of {n} CartPole envs, envs_per_machine={k}")
+                t0 = time.perf_counter()
+                env: Any = (rl.VectorEnv if kind == "VectorEnv" else VecEnv)(
+                    "CartPole-v1", n, source=source, boxd=client, envs_per_machine=k)
+                build = time.perf_counter() - t0
+                try:
+                    accel = _accel(client, str(env.machines[0]))
+                    if kind == "VectorEnv":
+                        env.reset(seed=0)
+                    else:
+                        env.seed(0)
+                        env.reset()
+                    for _ in range(10):
+                        env.step(actions)
+                    stats0 = env._pool.values(env._pool.broadcast([("stats",)] * n))
+                    times = []
+                    for _ in range(VECTOR_STEPS):
+                        t = time.perf_counter()
+                        env.step(actions)
+                        times.append(time.perf_counter() - t)
+                    stats1 = env._pool.values(env._pool.broadcast([("stats",)] * n))
+                finally:
+                    env.close()
+                # Guest compute per vector step: the slowest machine's time inside
+                # step/reset (its sub-envs run one after another).
+                inside: dict[int, float] = {}
+                for i, (a, b) in enumerate(zip(stats0, stats1, strict=True)):
+                    secs = sum(b.get(op, (0, 0.0))[1] - a.get(op, (0, 0.0))[1]
+                               for op in ("step", "reset"))
+                    inside[i // k] = inside.get(i // k, 0.0) + secs / VECTOR_STEPS
+                per_step = sorted(times)[len(times) // 2]
+                host_step = sorted(host)[len(host) // 2]
+                rows.append(row_from(
+                    GROUP, f"{kind} step, {n} envs, {k} per machine (s per vector step)",
+                    times, accel=accel,
+                    note=(f"{n / per_step:.0f} env steps/s vs {n / host_step:.0f} host; "
+                          f"{n / per_step / n:.0f} per env; guest env.step "
+                          f"{max(inside.values()) * 1e3:.2f} ms, channel+daemon "
+                          f"{(per_step - max(inside.values())) * 1e3:.2f} ms; "
+                          f"build {build:.1f} s"),
+                    baseline="AsyncVectorEnv (host)", baseline_values=host))
     return rows
 
 

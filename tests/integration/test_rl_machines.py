@@ -339,18 +339,19 @@ def test_killed_sub_env_is_named_or_recovered(client: Any, rl_warm: Any, daemon:
 # ---------------------------------------------------------------------------- SB3
 
 
-def _ppo_weights(client: Any, source: str) -> dict[str, Any]:
+def _ppo_weights(client: Any, source: str, n: int = 2, k: int = 1) -> dict[str, Any]:
     import torch
     from stable_baselines3 import PPO
 
     from boxd.rl.sb3 import VecEnv
 
     torch.set_num_threads(1)
-    venv = VecEnv("CartPole-v1", 2, source=source, boxd=client)
+    venv = VecEnv("CartPole-v1", n, source=source, boxd=client, envs_per_machine=k)
     try:
+        assert len(set(venv.machines)) == -(-n // k)
         model = PPO("MlpPolicy", venv, n_steps=32, batch_size=32, n_epochs=2, seed=11,
                     device="cpu", policy_kwargs={"net_arch": [16]})
-        model.learn(total_timesteps=128)
+        model.learn(total_timesteps=64 * n)
         return {k: v.clone() for k, v in model.policy.state_dict().items()}
     finally:
         venv.close()
@@ -361,6 +362,16 @@ def test_ppo_over_boxd_is_reproducible(client: Any, rl_warm: Any) -> None:
 
     a = _ppo_weights(client, rl_warm.id)
     b = _ppo_weights(client, rl_warm.id)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), "same seed, different weights"
+
+
+def test_ppo_over_shared_machines_is_reproducible(client: Any, rl_warm: Any) -> None:
+    """envs_per_machine=2: 4 sub-envs in 2 machines, 256 timesteps, one seed."""
+    import torch
+
+    a = _ppo_weights(client, rl_warm.id, n=4, k=2)
+    b = _ppo_weights(client, rl_warm.id, n=4, k=2)
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), "same seed, different weights"
 

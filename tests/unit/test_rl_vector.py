@@ -23,8 +23,25 @@ from tests._support import rl_envs as _rl_envs
 
 import boxd.rl as rl
 from boxd import errors
+from boxd.rl import _pool
 
 MODES = [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP, AutoresetMode.DISABLED]
+
+
+@pytest.fixture(autouse=True, params=[1, 2], ids=["k1", "k2"])
+def envs_per_machine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    """Every test runs with one server per sub-env and with two sub-envs to a server
+    (``envs_per_machine=2``; with an odd count the last server holds one)."""
+    k: int = request.param
+    init = _pool.Pool.__init__
+
+    def with_k(self: _pool.Pool, *args: Any, envs_per_machine: int = 1, **kw: Any) -> None:
+        same = type(envs_per_machine) is int and envs_per_machine == 1
+        init(self, *args, envs_per_machine=k if same else envs_per_machine,
+             **kw)
+
+    monkeypatch.setattr(_pool.Pool, "__init__", with_k)
+    return k
 
 
 def _fns(n: int = 3, **kw: Any) -> list[Any]:
@@ -263,3 +280,81 @@ def test_bad_arguments() -> None:
         rl.VectorEnv("CartPole-v1", 1, source=rl.local(), reset_mode="again")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         rl.VectorEnv("CartPole-v1", 1, source=rl.local(), autoreset_mode="Sometimes")
+
+
+# ---------------------------------------------------------------------- envs_per_machine
+
+
+def _pids(env: rl.VectorEnv) -> list[int]:
+    return [info["pid"] for info in env._pool.infos]
+
+
+def test_sub_envs_share_servers_and_a_step_is_one_frame_per_server() -> None:
+    fns = _fns(5)
+    env = rl.VectorEnv(fns, source=rl.local(), envs_per_machine=2, pickle_by_value=[_rl_envs])
+    ref = SyncVectorEnv(fns)
+    try:
+        pids = _pids(env)
+        assert pids[0] == pids[1] != pids[2] == pids[3] != pids[4]  # the last holds one
+        assert len(env._pool.slots) == 3 and env.envs_per_machine == 2
+        frames = 0
+        for rpc in env._pool.rpcs:
+            send = rpc.send
+
+            def counted(*a: Any, _send: Any = send) -> None:
+                nonlocal frames
+                frames += 1
+                _send(*a)
+
+            rpc.send = counted  # type: ignore[method-assign]
+        _same(env.reset(seed=3), ref.reset(seed=3), "reset")
+        assert frames == 3
+        for t in range(12):
+            acts = np.array([(t + i) % 2 for i in range(5)])
+            _same(env.step(acts), ref.step(acts), f"step {t}")
+        assert frames == 3 + 12 * 3
+    finally:
+        env.close()
+        ref.close()
+
+
+def test_recover_replaces_a_shared_server_with_all_its_sub_envs() -> None:
+    env = rl.VectorEnv("CartPole-v1", 3, source=rl.local(), envs_per_machine=2, recover=True)
+    try:
+        env.reset(seed=0)
+        env._pool.slots[0].channel.kill()  # type: ignore[attr-defined]
+        _, rew, term, trunc, infos = env.step(np.array([0, 1, 0]))
+        assert infos["_recovered"].tolist() == [True, True, False]
+        assert trunc.tolist()[:2] == [True, True] and not term[:2].any() and rew[2] == 1.0
+        obs, *_ = env.step(np.array([0, 1, 0]))  # NEXT_STEP: the fresh pair resets
+        assert obs.shape == (3, 4)
+        assert _pids(env)[0] == _pids(env)[1] != _pids(env)[2]
+    finally:
+        env.close()
+
+
+def test_refork_renews_a_server_only_when_all_its_sub_envs_reset() -> None:
+    env = rl.VectorEnv("CartPole-v1", 4, source=rl.local(), envs_per_machine=2,
+                       reset_mode="refork", autoreset_mode=AutoresetMode.DISABLED)
+    try:
+        env.reset(seed=0)
+        env.step(np.zeros(4, dtype=np.int64))
+        before = _pids(env)
+        env.reset(options={"reset_mask": np.array([True, False, True, True])})
+        after = _pids(env)
+        assert after[0] == after[1] == before[0]  # half of the pair: reset by its env
+        assert after[2] == after[3] != before[2]  # the whole pair: a fresh server
+        # Reforked or not, a seeded reset gives the same observations.
+        a, _ = env.reset(seed=7)
+        ref = SyncVectorEnv([lambda: gym.make("CartPole-v1")] * 4)
+        b, _ = ref.reset(seed=7)
+        ref.close()
+        assert np.array_equal(a, b)
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("k", [0, -1, 1.5, True])
+def test_envs_per_machine_is_validated(k: Any) -> None:
+    with pytest.raises(errors.InvalidRequest, match="envs_per_machine must be an int >= 1"):
+        rl.VectorEnv("CartPole-v1", 2, source=rl.local(), envs_per_machine=k)

@@ -35,10 +35,27 @@ from tests._support import rl_envs as _rl_envs
 
 import boxd.rl as rl
 from boxd import errors
+from boxd.rl import _pool
 
 N = 3
 Count = functools.partial(_rl_envs.CountEnv)
 
+
+
+@pytest.fixture(autouse=True, params=[1, 2], ids=["k1", "k2"])
+def envs_per_machine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    """Every test runs with one server per sub-env and with two sub-envs to a server
+    (``envs_per_machine=2``; with an odd count the last server holds one)."""
+    k: int = request.param
+    init = _pool.Pool.__init__
+
+    def with_k(self: _pool.Pool, *args: Any, envs_per_machine: int = 1, **kw: Any) -> None:
+        same = type(envs_per_machine) is int and envs_per_machine == 1
+        init(self, *args, envs_per_machine=k if same else envs_per_machine,
+             **kw)
+
+    monkeypatch.setattr(_pool.Pool, "__init__", with_k)
+    return k
 
 def _fns(n: int = N, **kw: Any) -> list[Any]:
     return [functools.partial(_rl_envs.CountEnv, **kw) for _ in range(n)]

@@ -97,6 +97,21 @@ class MakeRequest:
         return W.encode(("make", self.kind, self.payload, self.kwargs))
 
 
+@dataclass
+class MakeGroup(MakeRequest):
+    """Build several envs in one server (``envs_per_machine``): its reply's ``"group"``
+    holds each env's ``make`` reply, in order."""
+
+    members: list[MakeRequest] = field(default_factory=list)
+
+    @classmethod
+    def of_members(cls, members: Sequence[MakeRequest]) -> MakeGroup:
+        return cls("group", b"", {}, list(members))
+
+    def message(self) -> bytes:
+        return W.encode(("make_group", [(m.kind, m.payload, m.kwargs) for m in self.members]))
+
+
 def raise_reply(reply: Any, index: int | None, machine: str | None) -> Any:
     """The value of an ``("ok", value)`` reply; an ``err`` reply raised as its typed error."""
     if reply[0] == "ok":

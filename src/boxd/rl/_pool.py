@@ -14,7 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from boxd import errors
-from boxd.rl._channel import Home, MakeRequest, Rpc, Slot
+from boxd.rl import _server as W
+from boxd.rl._channel import Home, MakeGroup, MakeRequest, Rpc, Slot, raise_reply
 from boxd.rl._env import ResetMode
 from boxd.rl._errors import EnvServerLost, EnvTimeout
 
@@ -27,41 +28,79 @@ Request = tuple[Any, ...] | None  # (op, *args) or None: skip this slot
 
 
 class Pool:
-    """N slots of one home. Not thread-safe: one caller at a time, like any env."""
+    """N sub-envs of one home, ``envs_per_machine`` to a slot (one machine and one env
+    server each; the last slot holds the rest). A request to several sub-envs of a slot
+    is one ``batch`` frame each way. Not thread-safe: one caller at a time, like any env.
+    """
 
     def __init__(
         self, home: Home, makes: Sequence[MakeRequest], *, reset_mode: ResetMode,
-        step_timeout: float | None,
+        step_timeout: float | None, envs_per_machine: int = 1,
     ) -> None:
+        if (not isinstance(envs_per_machine, int) or isinstance(envs_per_machine, bool)
+                or envs_per_machine < 1):
+            raise errors.InvalidRequest(
+                f"envs_per_machine must be an int >= 1, got {envs_per_machine!r}",
+                field="envs_per_machine")
         self.home = home
         self.makes = list(makes)
         self.reset_mode = reset_mode
         self.step_timeout = step_timeout
         self.n = len(self.makes)
+        self.envs_per_machine = envs_per_machine
+        #: The sub-env indices of each slot, and each sub-env's slot.
+        self.groups = [list(range(s, min(s + envs_per_machine, self.n)))
+                       for s in range(0, self.n, envs_per_machine)]
+        self.group_of = [g for g, members in enumerate(self.groups) for _ in members]
         self.pristine = [True] * self.n
-        self.broken: list[BaseException | None] = [None] * self.n
-        self.slots: list[Slot] = self._open_all(range(self.n))
-        self.rpcs = [Rpc(s, i) for i, s in enumerate(self.slots)]
+        #: Per slot: the failure that broke it (later requests fail at once), or None.
+        self.broken: list[BaseException | None] = [None] * len(self.groups)
+        self.infos: list[dict[str, Any]] = [{} for _ in range(self.n)]
+        self.slots: list[Slot] = self._open_all(range(len(self.groups)))
+        self.rpcs = [Rpc(s, self.groups[g][0]) for g, s in enumerate(self.slots)]
 
-    def _open(self, i: int) -> Slot:
-        msg = self.makes[i].message()
+    def _group_make(self, g: int) -> MakeGroup:
+        return MakeGroup.of_members([self.makes[i] for i in self.groups[g]])
+
+    def _open(self, g: int) -> Slot:
+        make = self._group_make(g)
+        msg = make.message()
         shared = (self.reset_mode == "refork"
-                  or sum(1 for m in self.makes if m.message() == msg) > 1)
-        return self.home.open(self.makes[i], rewindable=self.reset_mode == "rewind", index=i,
-                              shared=shared)
+                  or sum(1 for h in range(len(self.groups))
+                         if self._group_make(h).message() == msg) > 1)
+        slot = self.home.open(make, rewindable=self.reset_mode == "rewind",
+                              index=self.groups[g][0], shared=shared)
+        try:
+            self._take_infos(g, slot)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                slot.close()
+            raise
+        return slot
 
-    def _open_all(self, indices: Sequence[int] | range) -> list[Slot]:
-        indices = list(indices)
-        with ThreadPoolExecutor(max_workers=max(1, min(len(indices), MAX_PARALLEL_OPEN))) as ex:
-            futures = [ex.submit(self._open, i) for i in indices]
+    def _take_infos(self, g: int, slot: Slot) -> None:
+        """Each sub-env's ``make`` reply from the slot's ``make_group`` answer.
+
+        Raises:
+            EnvError, EnvModuleNotFound: a sub-env could not be built (its index named).
+        """
+        replies = slot.info["group"]
+        for i, reply in zip(self.groups[g], replies, strict=True):
+            self.infos[i] = raise_reply(reply, i, slot.machine)
+
+    def _open_all(self, groups: Sequence[int] | range) -> list[Slot]:
+        groups = list(groups)
+        with ThreadPoolExecutor(max_workers=max(1, min(len(groups), MAX_PARALLEL_OPEN))) as ex:
+            futures = [ex.submit(self._open, g) for g in groups]
         opened: list[Slot] = []
         first: BaseException | None = None
-        for i, fut in zip(indices, futures, strict=True):
+        for g, fut in zip(groups, futures, strict=True):
             exc = fut.exception()
             if exc is None:
                 opened.append(fut.result())
             elif first is None:
                 first = exc
+                i = self.groups[g][0]
                 if isinstance(exc, errors.BoxdError) and exc.details.get("index") is None:
                     exc.details["index"] = i
                     exc.message = f"sub-env {i}: {exc.message}"
@@ -75,45 +114,64 @@ class Pool:
 
     @property
     def machines(self) -> list[str | None]:
-        return [s.machine for s in self.slots]
+        """Each sub-env's machine (sub-envs of one slot share it)."""
+        return [self.slots[g].machine for g in self.group_of]
 
     # ------------------------------------------------------------------ requests
 
     def broadcast(
         self, requests: Sequence[Request], timeout: float | None = None
     ) -> list[Any]:
-        """Send each slot its request, then collect every reply.
+        """Send each sub-env its request (one frame per slot), then collect every reply.
 
-        Returns per slot the reply's value, an exception (the slot's failure), or None
-        when its request was None. A slot that failed to answer in time or lost its
-        server is marked broken: later requests fail at once until it is replaced.
+        Returns per sub-env the reply's value, an exception (its failure), or None when
+        its request was None. A slot that failed to answer in time or lost its server
+        is marked broken (every sub-env of it fails): later requests fail at once until
+        it is replaced.
         """
         timeout = self.step_timeout if timeout is None else timeout
         out: list[Any] = [None] * self.n
         sent: list[int] = []
-        for i, req in enumerate(requests):
-            if req is None:
+
+        def fail(g: int, exc: BaseException) -> None:
+            for i in self.groups[g]:
+                if requests[i] is not None:
+                    out[i] = exc
+
+        for g, members in enumerate(self.groups):
+            batch = [requests[i] for i in members]
+            if all(r is None for r in batch):
                 continue
-            if self.broken[i] is not None:
-                out[i] = self.broken[i]
+            broken = self.broken[g]
+            if broken is not None:
+                fail(g, broken)
                 continue
             try:
-                self.rpcs[i].send(*req)
-                sent.append(i)
+                self.rpcs[g].send("batch", batch)
+                sent.append(g)
             except errors.BoxdError as exc:
-                out[i] = self._mark(i, exc)
+                fail(g, self._mark(g, exc))
         deadline = None if timeout is None else time.monotonic() + timeout
-        for i in sent:
+        for g in sent:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                out[i] = self.rpcs[i].reply(left)
+                replies = self.rpcs[g].reply(left)
             except errors.BoxdError as exc:
-                out[i] = self._mark(i, exc)
+                fail(g, self._mark(g, exc))
+                continue
+            machine = self.slots[g].machine
+            for i, raw in zip(self.groups[g], replies, strict=True):
+                if raw is None:
+                    continue
+                try:
+                    out[i] = raise_reply(W.decode(raw), i, machine)
+                except errors.BoxdError as exc:
+                    out[i] = exc
         return out
 
-    def _mark(self, i: int, exc: errors.BoxdError) -> errors.BoxdError:
+    def _mark(self, g: int, exc: errors.BoxdError) -> errors.BoxdError:
         if isinstance(exc, RECOVERABLE):
-            self.broken[i] = exc
+            self.broken[g] = exc
         return exc
 
     @staticmethod
@@ -130,29 +188,40 @@ class Pool:
     # ------------------------------------------------------------------ resets
 
     def prepare_resets(self, indices: Sequence[int]) -> list[Any]:
-        """Per ``reset_mode``, rewind or refork the given slots (concurrently) unless
-        they are as built; per slot None or the failure."""
-        todo = [i for i in indices if not self.pristine[i] and self.broken[i] is None]
+        """Per ``reset_mode``, rewind or refork (concurrently) the slots whose sub-envs
+        are all in ``indices``, unless they are all as built; per sub-env None or the
+        failure. A sub-env reset without the rest of its slot is reset by its env
+        (``envs_per_machine`` > 1: one machine rewinds for all its sub-envs or none)."""
+        want = set(indices)
+        todo = [g for g, members in enumerate(self.groups)
+                if want.issuperset(members) and self.broken[g] is None
+                and not all(self.pristine[i] for i in members)]
         out: list[Any] = [None] * self.n
         if self.reset_mode == "env" or not todo:
             return out
 
-        def prep(i: int) -> None:
-            slot = self.slots[i]
+        def prep(g: int) -> None:
+            slot = self.slots[g]
             if self.reset_mode == "rewind":
                 slot.rewind()
             else:
                 slot.refork()
+                self._take_infos(g, slot)
 
         with ThreadPoolExecutor(max_workers=max(1, min(len(todo), MAX_PARALLEL_OPEN))) as ex:
-            futures = {i: ex.submit(prep, i) for i in todo}
-        for i, fut in futures.items():
+            futures = {g: ex.submit(prep, g) for g in todo}
+        for g, fut in futures.items():
             exc = fut.exception()
             if exc is not None:
-                lost = EnvServerLost(f"sub-env {i}: {self.reset_mode} failed: {exc}", index=i,
-                                     machine=self.slots[i].machine)
-                self.broken[i] = lost
-                out[i] = lost
+                first = self.groups[g][0]
+                lost = EnvServerLost(f"sub-env {first}: {self.reset_mode} failed: {exc}",
+                                     index=first, machine=self.slots[g].machine)
+                self.broken[g] = lost
+                for i in self.groups[g]:
+                    out[i] = lost
+            else:
+                for i in self.groups[g]:
+                    self.pristine[i] = True
         return out
 
     def reset(
@@ -173,36 +242,48 @@ class Pool:
         return results
 
     def step(
-        self, actions: Sequence[Any], *, skip: Sequence[bool] | None = None,
+        self, actions: Sequence[Any], *, resets: Sequence[int] = (),
         autoreset: Callable[[int], tuple[int | None, Any]] | None = None,
         timeout: float | None = None,
     ) -> list[Any]:
-        """Step the slots not in ``skip``. With ``autoreset`` a finished episode is
-        reset in the same step (SAME_STEP), with ``autoreset(i)`` giving ``(seed,
-        options)``: inside the server's round trip in reset mode "env", else by a
-        rewind or refork and a reset right after. Per slot ``(obs, reward, terminated,
-        truncated, info, final)`` (``final`` is ``(obs, info)`` of the finished
-        episode, or None), an exception, or None for skipped slots."""
+        """Step the sub-envs, but reset those in ``resets`` (unseeded: NEXT_STEP's
+        autoreset; in reset mode "env" in the same frames as the steps, else after a
+        rewind or refork first). With ``autoreset`` a finished episode is reset in the
+        same step (SAME_STEP), with ``autoreset(i)`` giving ``(seed, options)``: inside
+        the server's round trip in reset mode "env", else by a rewind or refork and a
+        reset right after. Per sub-env ``(obs, reward, terminated, truncated, info,
+        final)`` (``final`` is ``(obs, info)`` of the finished episode, or None), ``(obs,
+        info)`` for those in ``resets``, or an exception."""
         in_server = autoreset is not None and self.reset_mode == "env"
         reqs: list[Request] = [None] * self.n
+        reset_set = set(resets)
+        prior: list[Any] = [None] * self.n
+        if reset_set and self.reset_mode != "env":
+            prior = self.reset(sorted(reset_set), [None] * self.n, [None] * self.n)
         for i in range(self.n):
-            if skip is not None and skip[i]:
+            if i in reset_set:
+                if self.reset_mode == "env":
+                    reqs[i] = ("reset", None, None)
                 continue
             reqs[i] = ("step", actions[i], autoreset(i) if in_server and autoreset else None)
             self.pristine[i] = False
         results = self.broadcast(reqs, timeout)
+        for i in reset_set:
+            self.pristine[i] = False
+            if self.reset_mode != "env":
+                results[i] = prior[i]
         if autoreset is None or in_server:
             return results
         done = [i for i, r in enumerate(results)
-                if isinstance(r, tuple) and (r[2] or r[3])]
+                if i not in reset_set and isinstance(r, tuple) and (r[2] or r[3])]
         if not done:
             return results
         args = {i: autoreset(i) for i in done}
         seeds = [args[i][0] if i in args else None for i in range(self.n)]
         options = [args[i][1] if i in args else None for i in range(self.n)]
-        resets = self.reset(done, seeds, options)
+        again = self.reset(done, seeds, options)
         for i in done:
-            r = resets[i]
+            r = again[i]
             if isinstance(r, BaseException):
                 results[i] = r
             else:
@@ -212,24 +293,32 @@ class Pool:
 
     # ------------------------------------------------------------------ recovery
 
-    def replace(self, i: int) -> None:
-        """Rebuild slot ``i`` from the source (a new fork, the env built anew).
+    def replace(self, i: int) -> list[int]:
+        """Rebuild sub-env ``i``'s slot from the source (a new fork, its envs built
+        anew), unless it was already replaced since it broke; the sub-envs it holds
+        (all of them start over).
 
         Raises:
             BoxdError: the new slot could not be made.
         """
-        old = self.slots[i]
+        g = self.group_of[i]
+        members = list(self.groups[g])
+        if self.broken[g] is None:
+            return members
+        old = self.slots[g]
         with contextlib.suppress(Exception):
             old.close()
-        (slot,) = self._open_all([i])
-        self.slots[i] = slot
-        self.rpcs[i] = Rpc(slot, i)
-        self.broken[i] = None
-        self.pristine[i] = True
+        (slot,) = self._open_all([g])
+        self.slots[g] = slot
+        self.rpcs[g] = Rpc(slot, members[0])
+        self.broken[g] = None
+        for j in members:
+            self.pristine[j] = True
+        return members
 
     def close(self) -> None:
         """Close every env and delete every machine (errors are ignored: best effort)."""
-        live = [i for i in range(self.n) if self.broken[i] is None]
+        live = [i for i in range(self.n) if self.broken[self.group_of[i]] is None]
         with contextlib.suppress(Exception):
             self.broadcast([("close",) if i in live else None for i in range(self.n)],
                            timeout=30.0)

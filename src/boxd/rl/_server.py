@@ -420,17 +420,84 @@ def _error_reply(exc: BaseException) -> tuple[Any, ...]:
     return ("err", kind, f"{type(exc).__name__}: {exc}", details)
 
 
-def serve(inp: BinaryIO, out: BinaryIO) -> None:
-    """Answer framed requests on ``inp`` until it ends or a ``close`` arrives."""
-    server = _Server()
-    stats: dict[str, list[float]] = {}  # op -> [count, seconds inside the op]
-    ops: dict[str, Callable[..., Any]] = {
+def _ops(server: _Server, stats: dict[str, list[float]]) -> dict[str, Callable[..., Any]]:
+    return {
         "make": server.make, "reset": server.reset, "step": server.step,
         "call": server.call, "get_attr": server.get_attr, "set_attr": server.set_attr,
         "has_wrapper": server.has_wrapper, "close": server.close,
         "ping": lambda: PROTOCOL,
         "stats": lambda: {k: (int(v[0]), v[1]) for k, v in stats.items()},
     }
+
+
+def _answer(ops: dict[str, Callable[..., Any]], stats: dict[str, list[float]],
+            req: Any) -> tuple[Any, ...]:
+    """One request's reply tuple (``("ok", value)`` or an ``err`` reply)."""
+    try:
+        op = req[0]
+        fn = ops.get(op)
+        if fn is None:
+            raise WireError(f"unknown request {op!r}")
+        t0 = time.perf_counter()
+        value = fn(*req[1:])
+        st = stats.setdefault(op, [0.0, 0.0])
+        st[0] += 1
+        st[1] += time.perf_counter() - t0
+        return ("ok", value)
+    except Exception as exc:  # every failure goes back to the host, typed
+        return _error_reply(exc)
+
+
+class _Group:
+    """The k envs of one machine (``envs_per_machine``): ``make_group`` builds them in
+    order, ``batch`` carries one request (or None) per env in one frame each way."""
+
+    def __init__(self) -> None:
+        self.members: list[tuple[_Server, dict[str, list[float]],
+                                 dict[str, Callable[..., Any]]]] = []
+
+    def make_group(self, makes: Any) -> dict[str, Any]:
+        self.close()
+        self.members = []
+        replies = []
+        for kind, payload, kwargs in makes:
+            server = _Server()
+            stats: dict[str, list[float]] = {}
+            ops = _ops(server, stats)
+            self.members.append((server, stats, ops))
+            replies.append(_answer(ops, stats, ("make", kind, payload, kwargs)))
+        # make's replies are plain data (spaces on the wire, _plain metadata)
+        return {"protocol": PROTOCOL, "group": replies}
+
+    def batch(self, requests: Any) -> list[bytes | None]:
+        """Per env None (no request) or its encoded reply: encoded one by one, so a
+        value the codec cannot carry fails that env's request, not the batch."""
+        if len(requests) != len(self.members):
+            raise WireError(f"a batch of {len(requests)} requests for {len(self.members)} envs")
+        out: list[bytes | None] = []
+        for (_, stats, ops), req in zip(self.members, requests, strict=True):
+            if req is None:
+                out.append(None)
+                continue
+            try:
+                out.append(encode(_answer(ops, stats, req)))
+            except WireError as exc:
+                out.append(encode(_error_reply(exc)))
+        return out
+
+    def close(self) -> None:
+        for server, _, _ in self.members:
+            server.close()
+
+
+def serve(inp: BinaryIO, out: BinaryIO) -> None:
+    """Answer framed requests on ``inp`` until it ends or a ``close`` arrives."""
+    server = _Server()
+    group = _Group()
+    stats: dict[str, list[float]] = {}  # op -> [count, seconds inside the op]
+    ops = _ops(server, stats)
+    ops["make_group"] = group.make_group
+    ops["batch"] = group.batch
     while True:
         raw = read_frame(inp)
         if raw is None:
@@ -439,15 +506,7 @@ def serve(inp: BinaryIO, out: BinaryIO) -> None:
         try:
             req = decode(raw)
             op = req[0]
-            fn = ops.get(op)
-            if fn is None:
-                raise WireError(f"unknown request {op!r}")
-            t0 = time.perf_counter()
-            value = fn(*req[1:])
-            st = stats.setdefault(op, [0.0, 0.0])
-            st[0] += 1
-            st[1] += time.perf_counter() - t0
-            reply = encode(("ok", value))
+            reply = encode(_answer(ops, stats, req))
         except Exception as exc:  # every failure goes back to the host, typed
             reply = encode(_error_reply(exc))
         out.write(frame(reply))
@@ -455,6 +514,7 @@ def serve(inp: BinaryIO, out: BinaryIO) -> None:
         if op == "close":
             break
     server.close()
+    group.close()
 
 
 def main() -> None:

@@ -90,6 +90,10 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
         boxd: the client (``Boxd()`` if None).
         pickle_by_value: modules whose code travels with the factories.
         copy: return copies of the batched observations (as `SyncVectorEnv`).
+        envs_per_machine: sub-envs per machine (1: each in its own fork). With k > 1,
+            k consecutive sub-envs share one fork and one env server (the last machine
+            holds the rest), and a step is one frame per machine; they are not isolated
+            from each other (see docs/rl.md, "Several envs per machine").
         **make_kwargs: keyword arguments for every sub-env's constructor.
 
     Raises:
@@ -119,6 +123,7 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
         boxd: Boxd | None = None,
         pickle_by_value: Sequence[Any] = (),
         copy: bool = True,
+        envs_per_machine: int = 1,
         **make_kwargs: Any,
     ) -> None:
         super().__init__()
@@ -132,7 +137,8 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
         makes = [MakeRequest.of(f, make_kwargs, pickle_by_value) for f in factories]
         self.num_envs = len(makes)
         self._pool = Pool(resolve_home(source, boxd), makes, reset_mode=self.reset_mode,
-                          step_timeout=step_timeout)
+                          step_timeout=step_timeout, envs_per_machine=envs_per_machine)
+        self.envs_per_machine = envs_per_machine
         try:
             self._init_spaces()
         except BaseException:
@@ -151,7 +157,7 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
         self._pending: Any = None
 
     def _init_spaces(self) -> None:
-        infos = [s.info for s in self._pool.slots]
+        infos = self._pool.infos
         first = infos[0]
         self.single_observation_space = W.space_from_wire(first["observation_space"])
         self.single_action_space = W.space_from_wire(first["action_space"])
@@ -204,17 +210,25 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
         options = dict(options) if isinstance(options, dict) else options
         mask = self._reset_mask(options)
         indices = [i for i in range(self.num_envs) if mask is None or mask[i]]
+        mask_set = set(indices)
         results = self._pool.reset(indices, seeds, [options] * self.num_envs)
         recovered = self._recover_or_raise(results, indices)
         if recovered:  # fresh slots: reset them as asked (a second failure is raised)
+            # A replaced machine's other sub-envs (outside the mask) start over too,
+            # unseeded, and are reported recovered.
+            outside = sorted(recovered.difference(indices))
+            seeds = [None if i in outside else seeds[i] for i in range(self.num_envs)]
             again = self._pool.reset(sorted(recovered), seeds, [options] * self.num_envs)
             self._pool.values([again[i] for i in recovered])
             for i in recovered:
                 results[i] = again[i]
+            indices = sorted(set(indices) | recovered)
         infos: dict[str, Any] = {}
         for i in indices:
             obs, info = results[i]
             self._obs[i] = obs
+            if i in recovered and i not in mask_set:
+                info = {**info, RECOVERED: True}
             infos = self._add_info(infos, info, i)
             self._terminations[i] = self._truncations[i] = self._autoreset_envs[i] = False
         self._observations = concatenate(self.single_observation_space, self._obs,
@@ -291,14 +305,11 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
             raise _StepOfFinishedEnv(f"self._autoreset_envs={self._autoreset_envs!r}")
         resets = [i for i in range(n) if mode == AutoresetMode.NEXT_STEP
                   and self._autoreset_envs[i]]
-        reset_results: list[Any] = (self._pool.reset(resets, [None] * n, [None] * n) if resets
-                         else [None] * n)
-        step_results = self._pool.step(
-            acts, skip=[i in resets for i in range(n)],
+        # One frame per machine: the NEXT_STEP resets travel with the others' steps.
+        results = self._pool.step(
+            acts, resets=resets,
             autoreset=(lambda i: (None, None)) if mode == AutoresetMode.SAME_STEP else None,
             timeout=timeout)
-        results: list[Any] = [reset_results[i] if i in resets else step_results[i]
-                              for i in range(n)]
         recovered = self._recover_or_raise(results, list(range(n)))
         for i in range(n):
             if i in recovered:
@@ -351,9 +362,11 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
             first = next(results[i] for i in failed
                          if not self.recover or not isinstance(results[i], RECOVERABLE))
             raise first
+        replaced: set[int] = set()
         for i in failed:
-            self._pool.replace(i)
-        return set(failed)
+            if i not in replaced:  # a machine's sub-envs are replaced together
+                replaced.update(self._pool.replace(i))
+        return replaced
 
     # ------------------------------------------------------------------ the rest
 
@@ -422,6 +435,7 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
 
     def __repr__(self) -> str:
         return (f"<boxd.rl.VectorEnv num_envs={self.num_envs} "
+                f"envs_per_machine={self.envs_per_machine} "
                 f"autoreset_mode={self.autoreset_mode.value} reset_mode={self.reset_mode}>")
 
     # ------------------------------------------------------------------ branching

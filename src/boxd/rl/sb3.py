@@ -50,6 +50,7 @@ class VecEnv(_SB3VecEnv):
         step_timeout: seconds a step may take (None: no limit).
         boxd: the client (``Boxd()`` if None).
         pickle_by_value: modules whose code travels with the factories.
+        envs_per_machine: sub-envs per machine (see `boxd.rl.VectorEnv`).
         **make_kwargs: keyword arguments for every sub-env's constructor.
 
     Raises:
@@ -67,6 +68,7 @@ class VecEnv(_SB3VecEnv):
         step_timeout: float | None = None,
         boxd: Boxd | None = None,
         pickle_by_value: Sequence[Any] = (),
+        envs_per_machine: int = 1,
         **make_kwargs: Any,
     ) -> None:
         from boxd import errors
@@ -82,10 +84,11 @@ class VecEnv(_SB3VecEnv):
         self.recover = recover
         makes = [MakeRequest.of(f, make_kwargs, pickle_by_value) for f in factories]
         self._pool = Pool(resolve_home(source, boxd), makes, reset_mode=self.reset_mode,
-                          step_timeout=step_timeout)
+                          step_timeout=step_timeout, envs_per_machine=envs_per_machine)
+        self.envs_per_machine = envs_per_machine
         self._closed = False
         try:
-            infos = [s.info for s in self._pool.slots]
+            infos = self._pool.infos
             obs_space = W.space_from_wire(infos[0]["observation_space"])
             act_space = W.space_from_wire(infos[0]["action_space"])
             self._render_modes = [i.get("render_mode") for i in infos]
@@ -187,9 +190,11 @@ class VecEnv(_SB3VecEnv):
         for i in failed:
             if not self.recover or not isinstance(results[i], RECOVERABLE):
                 raise results[i]
+        replaced: set[int] = set()
         for i in failed:
-            self._pool.replace(i)
-        return set(failed)
+            if i not in replaced:  # a machine's sub-envs are replaced together
+                replaced.update(self._pool.replace(i))
+        return replaced
 
     def _batch(self) -> Any:
         self._buf = concatenate(self.observation_space, self._obs, self._buf)
