@@ -131,43 +131,55 @@ class Pool:
         """
         timeout = self.step_timeout if timeout is None else timeout
         out: list[Any] = [None] * self.n
+        sent = self._send_all(requests, out)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for g in sent:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._collect(g, left, requests, out)
+        return out
+
+    def _fail(self, g: int, exc: BaseException, requests: Sequence[Request],
+              out: list[Any]) -> None:
+        """``exc`` is the answer of every sub-env of slot ``g`` that was asked."""
+        for i in self.groups[g]:
+            if requests[i] is not None:
+                out[i] = exc
+
+    def _send_all(self, requests: Sequence[Request], out: list[Any]) -> list[int]:
+        """One frame to each slot with a request; the slots sent to (the others'
+        failures in ``out``)."""
         sent: list[int] = []
-
-        def fail(g: int, exc: BaseException) -> None:
-            for i in self.groups[g]:
-                if requests[i] is not None:
-                    out[i] = exc
-
         for g, members in enumerate(self.groups):
             batch = [requests[i] for i in members]
             if all(r is None for r in batch):
                 continue
             broken = self.broken[g]
             if broken is not None:
-                fail(g, broken)
+                self._fail(g, broken, requests, out)
                 continue
             try:
                 self.rpcs[g].send("batch", batch)
                 sent.append(g)
             except errors.BoxdError as exc:
-                fail(g, self._mark(g, exc))
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for g in sent:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                replies = self.rpcs[g].reply(left)
-            except errors.BoxdError as exc:
-                fail(g, self._mark(g, exc))
+                self._fail(g, self._mark(g, exc), requests, out)
+        return sent
+
+    def _collect(self, g: int, left: float | None, requests: Sequence[Request],
+                 out: list[Any]) -> None:
+        """Slot ``g``'s reply (waiting at most ``left`` s) into ``out``, per sub-env."""
+        try:
+            replies = self.rpcs[g].reply(left)
+        except errors.BoxdError as exc:
+            self._fail(g, self._mark(g, exc), requests, out)
+            return
+        machine = self.slots[g].machine
+        for i, raw in zip(self.groups[g], replies, strict=True):
+            if raw is None:
                 continue
-            machine = self.slots[g].machine
-            for i, raw in zip(self.groups[g], replies, strict=True):
-                if raw is None:
-                    continue
-                try:
-                    out[i] = raise_reply(W.decode(raw), i, machine)
-                except errors.BoxdError as exc:
-                    out[i] = exc
-        return out
+            try:
+                out[i] = raise_reply(W.decode(raw), i, machine)
+            except errors.BoxdError as exc:
+                out[i] = exc
 
     def _mark(self, g: int, exc: errors.BoxdError) -> errors.BoxdError:
         if isinstance(exc, RECOVERABLE):
@@ -274,6 +286,14 @@ class Pool:
                 results[i] = prior[i]
         if autoreset is None or in_server:
             return results
+        return self._reset_finished(results, reset_set, autoreset)
+
+    def _reset_finished(
+        self, results: list[Any], reset_set: set[int],
+        autoreset: Callable[[int], tuple[int | None, Any]],
+    ) -> list[Any]:
+        """SAME_STEP outside the server: reset the sub-envs whose episode just ended
+        (a rewind or refork, then a reset) and fold the reset into their step result."""
         done = [i for i, r in enumerate(results)
                 if i not in reset_set and isinstance(r, tuple) and (r[2] or r[3])]
         if not done:
