@@ -21,7 +21,15 @@
  * Protocol: docs/agent-protocol.md. Wire constants mirror src/boxd/guest/protocol.py
  * (tests/unit/test_agent.py runs the agent test-suite against both front ends).
  *
+ * A gVisor sandbox runs it too (the engine's spec makes it PID 1 when the agent tree has
+ * it): there the host connection is the sandbox's stdin and stdout (--stdio, two host
+ * FIFOs the engine holds open read-write, so neither ever reports EOF: a reconnect is
+ * only a hello with a new nonce), and the wall clock is the host's (--host-clock:
+ * identity leaves it alone, as agent.py --host-clock does). Without it (no C compiler
+ * when the agent tree was made) agent.py is PID 1 and serves the FIFOs itself.
+ *
  * Usage (guest):  boxd-init
+ * Usage (gVisor): boxd-init --stdio --host-clock --agent /opt/boxd/agent.py -- --host-clock
  * Usage (tests):  boxd-init --connect SOCK [--sysroot DIR] [--python PY] [--agent PATH]
  *                           [-- extra agent.py arguments]
  */
@@ -61,6 +69,8 @@
 #define INTERNAL_ID "{\"id\":-1,"
 
 static const char *opt_connect;
+static int opt_stdio;      /* the host is stdin (requests) and stdout (replies): gVisor */
+static int opt_host_clock; /* identity's "now" is not applied: the clock is the host's */
 static const char *opt_sysroot;
 static const char *opt_python = "/usr/bin/python3";
 static const char *opt_agent = "/run/boxd/agent.py";
@@ -99,7 +109,8 @@ struct exec {
 };
 static struct exec *execs;
 
-static int host_fd = -1;     /* virtio port, or the test socket */
+static int host_fd = -1;     /* virtio port, the test socket, or stdin (--stdio) */
+static int host_out = -1;    /* where replies go: host_fd, or stdout (--stdio) */
 static int host_present;     /* bytes arrived since the last hang-up */
 static int broken_line;      /* a message to the host was cut: start the next on a new line */
 static long long host_retry_at; /* monotonic ms: poll the host again after a hang-up */
@@ -535,7 +546,7 @@ static void free_strings(char **v) {
 
 static void host_close(void) {
     if (host_fd >= 0) close(host_fd);
-    host_fd = -1;
+    host_fd = host_out = -1;
 }
 
 static int find_port(char *dev, size_t cap) {
@@ -572,12 +583,21 @@ static int find_port(char *dev, size_t cap) {
 
 static void host_open(void) {
     static int warned;
+    if (opt_stdio) {
+        /* Never closed or reopened: the FIFOs outlive every host connection. */
+        fcntl(0, F_SETFL, fcntl(0, F_GETFL) | O_NONBLOCK);
+        fcntl(1, F_SETFL, fcntl(1, F_GETFL) | O_NONBLOCK);
+        host_fd = 0;
+        host_out = 1;
+        logf_("serving on stdin/stdout");
+        return;
+    }
     if (opt_connect) {
         int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
         struct sockaddr_un a = {.sun_family = AF_UNIX};
         snprintf(a.sun_path, sizeof a.sun_path, "%s", opt_connect);
         if (s >= 0 && connect(s, (struct sockaddr *)&a, sizeof a) == 0) {
-            host_fd = s;
+            host_fd = host_out = s;
             broken_line = 0;
             return;
         }
@@ -591,7 +611,7 @@ static void host_open(void) {
         host_retry_at = now_ms() + 100;
         return;
     }
-    host_fd = open(dev, O_RDWR | O_NONBLOCK | O_CLOEXEC);
+    host_fd = host_out = open(dev, O_RDWR | O_NONBLOCK | O_CLOEXEC);
     if (host_fd < 0) {
         logf_("cannot open %s: %s", dev, strerror(errno));
         host_retry_at = now_ms() + 500;
@@ -602,15 +622,15 @@ static void host_open(void) {
 
 /* Send one whole message to the host, or drop it (host away, or not reading for 30 s). */
 static void host_send(const char *data, size_t n) {
-    if (host_fd < 0) return;
+    if (host_out < 0) return;
     if (broken_line) {
-        if (write(host_fd, "\n", 1) != 1) return;
+        if (write(host_out, "\n", 1) != 1) return;
         broken_line = 0;
     }
     size_t done = 0;
     long long stalled = 0;
     while (done < n) {
-        ssize_t w = write(host_fd, data + done, n - done);
+        ssize_t w = write(host_out, data + done, n - done);
         if (w > 0) {
             done += (size_t)w;
             stalled = 0;
@@ -629,7 +649,7 @@ static void host_send(const char *data, size_t n) {
             broken_line = 1;
             return;
         }
-        struct pollfd p = {host_fd, POLLOUT, 0};
+        struct pollfd p = {host_out, POLLOUT, 0};
         if (poll(&p, 1, 100) > 0 && (p.revents & (POLLHUP | POLLERR | POLLNVAL)) &&
             !(p.revents & POLLOUT)) {
             broken_line = done > 0;
@@ -733,6 +753,14 @@ static void py_spawn(void) {
             fcntl(3, F_SETFD, 0);
         } else {
             dup2(sv[1], 3);
+        }
+        if (opt_stdio) { /* the host's FIFOs are ours alone: agent.py talks over fd 3 */
+            int null = open("/dev/null", O_RDWR);
+            if (null >= 0) {
+                dup2(null, 0);
+                dup2(null, 1);
+                if (null > 3) close(null);
+            }
         }
         char **argv = calloc((size_t)n_agent_extra + 8, sizeof *argv);
         int a = 0;
@@ -989,7 +1017,7 @@ static void op_identity(long long id, const struct jfield *f, int n) {
         }
     }
     char applied[128] = "";
-    if (have_now) {
+    if (have_now && !opt_host_clock) {
         if (!opt_sysroot) {
             struct timespec ts = {(time_t)now, (long)((now - (double)(time_t)now) * 1e9)};
             if (clock_settime(CLOCK_REALTIME, &ts) != 0) {
@@ -1665,10 +1693,12 @@ static void reap(int sfd) {
 }
 
 static void usage(void) {
-    fprintf(stderr, "usage: boxd-init [--connect SOCK] [--sysroot DIR] [--python PY] "
-                    "[--agent PATH] [-- agent args]\n");
+    fprintf(stderr, "usage: boxd-init [--connect SOCK | --stdio] [--host-clock] "
+                    "[--sysroot DIR] [--python PY] [--agent PATH] [-- agent args]\n");
     exit(2);
 }
+
+static void ignore_signal(int sig) { (void)sig; }
 
 int main(int argc, char **argv) {
     for (int i = 1; i < argc; i++) {
@@ -1677,6 +1707,14 @@ int main(int argc, char **argv) {
             agent_extra = argv + i + 1;
             n_agent_extra = argc - i - 1;
             break;
+        }
+        if (!strcmp(a, "--stdio")) {
+            opt_stdio = 1;
+            continue;
+        }
+        if (!strcmp(a, "--host-clock")) {
+            opt_host_clock = 1;
+            continue;
         }
         if (i + 1 >= argc) usage();
         if (!strcmp(a, "--connect")) opt_connect = argv[++i];
@@ -1689,7 +1727,18 @@ int main(int argc, char **argv) {
         if (!strcmp(agent_extra[i], "--default-cwd")) default_cwd = agent_extra[i + 1];
     started = wall();
     if (!opt_sysroot) urandom_fd = open("/dev/urandom", O_WRONLY | O_CLOEXEC);
+    if (opt_stdio && opt_connect) usage();
     if (getpid() != 1) prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
+    if (getpid() == 1) {
+        /* PID 1 survives stray TERM/INT/HUP (`kill -TERM 1`, `pkill` in a guest), as
+           agent.py does: a kernel spares an init without handlers, a gVisor sandbox
+           might not. A handler, not SIG_IGN, so commands get the default back on exec. */
+        struct sigaction sa = {.sa_handler = ignore_signal};
+        sigemptyset(&sa.sa_mask);
+        sigaction(SIGTERM, &sa, NULL);
+        sigaction(SIGINT, &sa, NULL);
+        sigaction(SIGHUP, &sa, NULL);
+    }
     signal(SIGPIPE, SIG_IGN);
     sigset_t chld;
     sigemptyset(&chld);

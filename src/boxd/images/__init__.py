@@ -8,18 +8,20 @@ from __future__ import annotations
 
 from ._build import CACHE_ENV, GuestImage, Recipe, cache_dir, ensure_image, list_images
 from ._rootfs import GUEST_CLIENT_DIR
-from ._tree import AGENT_MOUNT, CLIENT_DIR, agent_tree, rootfs_tree
+from ._tree import AGENT_MOUNT, CLIENT_DIR, RELAY_ENV, agent_tree, native_relay, rootfs_tree
 
 __all__ = [
     "AGENT_MOUNT",
     "CACHE_ENV",
     "CLIENT_DIR",
     "GUEST_CLIENT_DIR",
+    "RELAY_ENV",
     "GuestImage",
     "Recipe",
     "agent_tree",
     "cache_dir",
     "ensure_image",
     "list_images",
+    "native_relay",
     "rootfs_tree",
 ]

@@ -10,15 +10,23 @@ agent gets a new tree and never changes files under a running or checkpointed sa
 Layout, inside the recipe's cache directory::
 
     rootfs.tree/          the unpacked rootfs.img (read-only to sandboxes)
-    agent-<key>/          agent.py + protocol.py of one version of the agent, and
+    agent-<key>/          agent.py + protocol.py of one version of the agent,
+      boxd-init           init.c compiled (static), the sandbox's PID 1 in front of
+                          agent.py: it relays the step channel's frames natively, as
+                          in a QEMU guest; and
       py/boxd/...         the in-machine client (``from boxd import Boxd``), which
                           each sandbox sees at /run/boxd/py (where the image's .pth
                           looks, as in a QEMU guest)
+    agent-<key>-py/       the same without boxd-init: made when init.c does not compile
+                          here (no C compiler or static C library), or when
+                          ``BOXD_GVISOR_RELAY=python`` asks for it. agent.py is then
+                          PID 1 and relays every frame itself (slower, same protocol).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -26,10 +34,15 @@ from pathlib import Path
 from boxd.errors import HostSetupError
 
 from ._build import GUEST_DIR, _locked
-from ._initramfs import guest_files
+from ._initramfs import INIT_BINARY, INIT_SOURCE, compile_init, guest_files
 from ._util import need_tool, run
 
+log = logging.getLogger("boxd.images")
+
 TREE_DIR = "rootfs.tree"
+#: ``python`` makes gVisor sandboxes run agent.py as PID 1 (the relay in Python), for
+#: comparison (bench/bench_channel.py) or as a way around a boxd-init problem.
+RELAY_ENV = "BOXD_GVISOR_RELAY"
 AGENT_MOUNT = "/opt/boxd"
 #: The client's folder in an agent tree; sandboxes see it at ``GUEST_CLIENT_DIR``.
 CLIENT_DIR = "py"
@@ -72,23 +85,58 @@ def rootfs_tree(rootfs_img: Path) -> Path:
     return tree
 
 
-def agent_tree(image_dir: Path, guest_dir: Path | None = None) -> Path:
-    """A read-only directory with this version's agent files (``agent.py``, ``protocol.py``)
-    and the in-machine client under `CLIENT_DIR` (``py/boxd/...``).
+def native_relay(tree: Path) -> bool:
+    """Whether sandboxes on agent tree ``tree`` run boxd-init (C) in front of agent.py."""
+    return (tree / INIT_BINARY).is_file()
+
+
+def agent_tree(image_dir: Path, guest_dir: Path | None = None,
+               native: bool | None = None) -> Path:
+    """A read-only directory with this version's agent files (``agent.py``, ``protocol.py``,
+    ``boxd-init`` compiled from ``init.c``) and the in-machine client under `CLIENT_DIR`
+    (``py/boxd/...``).
+
+    ``native``: True needs boxd-init, False leaves it out; None (the default) has it when
+    init.c compiles here and `RELAY_ENV` does not say ``python`` (a host without a C
+    compiler gets the Python relay, and a warning in the log). `native_relay` tells which.
 
     Raises:
-        HostSetupError: the agent sources are missing.
+        HostSetupError: the agent sources are missing; or ``native`` and init.c does not
+            compile.
     """
-    # The agent's own modules (not init.c: boxd-init is QEMU's) and the client's files.
-    files = {n: b for n, b in guest_files(guest_dir or GUEST_DIR).items()
+    all_files = guest_files(guest_dir or GUEST_DIR)
+    files = {n: b for n, b in all_files.items()
              if (n.endswith(".py") and "/" not in n) or n.startswith(f"{CLIENT_DIR}/")}
     if "agent.py" not in files:
         raise HostSetupError(f"no guest agent in {guest_dir or GUEST_DIR}",
                              hint="reinstall boxd")
+    source = all_files.get(INIT_SOURCE)
+    if native is None:
+        native = source is not None and os.environ.get(RELAY_ENV, "").lower() != "python"
     digest = hashlib.sha256()
     for name in sorted(files):
         digest.update(name.encode() + b"\0" + files[name] + b"\0")
-    final = image_dir / f"agent-{digest.hexdigest()[:16]}"
+    if source is not None:
+        digest.update(INIT_SOURCE.encode() + b"\0" + source + b"\0")
+    key = digest.hexdigest()[:16]
+    final = image_dir / f"agent-{key}"
+    if native:
+        if (final / _COMPLETE).exists():
+            return final
+        try:
+            if source is None:
+                raise HostSetupError(f"no {INIT_SOURCE} in {guest_dir or GUEST_DIR}",
+                                     hint="reinstall boxd")
+            files[INIT_BINARY] = compile_init(source)
+        except HostSetupError as exc:
+            if os.environ.get(RELAY_ENV, "").lower() == "native":
+                raise
+            log.warning("event=gvisor_relay relay=python reason=%r: gVisor sandboxes "
+                        "run agent.py as PID 1, which relays the step channel in Python",
+                        exc.message)
+            final = image_dir / f"agent-{key}-py"
+    else:
+        final = image_dir / f"agent-{key}-py"
     if (final / _COMPLETE).exists():
         return final
     tmp = image_dir / f"{final.name}.tmp-{os.getpid()}"
@@ -97,7 +145,7 @@ def agent_tree(image_dir: Path, guest_dir: Path | None = None) -> Path:
     for name, data in files.items():
         (tmp / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp / name).write_bytes(data)
-        (tmp / name).chmod(0o644)
+        (tmp / name).chmod(0o755 if name == INIT_BINARY else 0o644)
     (tmp / _COMPLETE).write_text("")
     try:
         os.replace(tmp, final)
@@ -106,4 +154,5 @@ def agent_tree(image_dir: Path, guest_dir: Path | None = None) -> Path:
     return final
 
 
-__all__ = ["AGENT_MOUNT", "CLIENT_DIR", "agent_tree", "rootfs_tree"]
+__all__ = ["AGENT_MOUNT", "CLIENT_DIR", "RELAY_ENV", "agent_tree", "native_relay",
+           "rootfs_tree"]

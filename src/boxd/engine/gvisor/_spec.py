@@ -5,7 +5,9 @@ tree (read-only on the host; writes go to gVisor's in-memory overlay, which a
 checkpoint includes), the agent tree at ``/opt/boxd`` (read-only) and its in-machine
 client at ``/run/boxd/py`` (read-only; where the image's .pth puts it on the system
 python3's path, as in a QEMU guest), tmpfs on /tmp, /run and /dev/shm, and the guest
-agent as PID 1 on the sandbox's stdio.
+agent as PID 1 on the sandbox's stdio: boxd-init (``guest/init.c``, compiled into the
+agent tree) in front of agent.py, as in a QEMU guest, so the step channel's frames are
+relayed in C; or agent.py alone when the tree has no boxd-init (`process_args`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from boxd.images import AGENT_MOUNT, CLIENT_DIR, GUEST_CLIENT_DIR
+from boxd.images import AGENT_MOUNT, CLIENT_DIR, GUEST_CLIENT_DIR, native_relay
 
 # What a root user in a QEMU guest may do that gVisor implements.
 CAPABILITIES = [
@@ -34,6 +36,16 @@ ENV = [
     "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
     "HOME=/root", "LANG=C.UTF-8", "PYTHONDONTWRITEBYTECODE=1",
 ]
+
+
+def process_args(agent_tree: Path) -> list[str]:
+    """PID 1 of a sandbox on ``agent_tree``. A restore gets the same (its Roots name the
+    tree its sandbox was checkpointed with), whatever a newer tree would run."""
+    python = ["/usr/bin/python3", "-u", f"{AGENT_MOUNT}/agent.py"]
+    if native_relay(agent_tree):
+        return [f"{AGENT_MOUNT}/boxd-init", "--stdio", "--host-clock", "--python", python[0],
+                "--agent", python[2], "--", "--host-clock"]
+    return [*python, "--stdio", "--host-clock"]
 
 
 @dataclass(frozen=True)
@@ -96,8 +108,7 @@ def build(hostname: str, roots: Roots, memory_mib: int, netns: str | None = None
         "process": {
             "terminal": False,
             "user": {"uid": 0, "gid": 0},
-            "args": ["/usr/bin/python3", "-u", f"{AGENT_MOUNT}/agent.py", "--stdio",
-                     "--host-clock"],
+            "args": process_args(roots.agent),
             "env": ENV,
             "cwd": "/",
             "capabilities": caps,
