@@ -96,13 +96,14 @@ def agent_tree(image_dir: Path, guest_dir: Path | None = None,
     ``boxd-init`` compiled from ``init.c``) and the in-machine client under `CLIENT_DIR`
     (``py/boxd/...``).
 
-    ``native``: True needs boxd-init, False leaves it out; None (the default) has it when
-    init.c compiles here and `RELAY_ENV` does not say ``python`` (a host without a C
-    compiler gets the Python relay, and a warning in the log). `native_relay` tells which.
+    ``native``: True asks for boxd-init, False leaves it out; None (the default) asks for
+    it unless `RELAY_ENV` says ``python``. Where init.c does not compile (no C compiler)
+    the tree has the Python relay and the log a warning, unless `RELAY_ENV` says
+    ``native``. `native_relay` tells which a tree has.
 
     Raises:
-        HostSetupError: the agent sources are missing; or ``native`` and init.c does not
-            compile.
+        HostSetupError: the agent sources are missing; or `RELAY_ENV` says ``native``
+            and init.c does not compile.
     """
     all_files = guest_files(guest_dir or GUEST_DIR)
     files = {n: b for n, b in all_files.items()
@@ -113,32 +114,46 @@ def agent_tree(image_dir: Path, guest_dir: Path | None = None,
     source = all_files.get(INIT_SOURCE)
     if native is None:
         native = source is not None and os.environ.get(RELAY_ENV, "").lower() != "python"
+    key = _tree_key(files, source)
+    final = image_dir / f"agent-{key}"
+    if native and not (final / _COMPLETE).exists():
+        native = _add_init(files, source, guest_dir or GUEST_DIR)
+    if not native:
+        final = image_dir / f"agent-{key}-py"
+    if not (final / _COMPLETE).exists():
+        _write_tree(image_dir, final, files)
+    return final
+
+
+def _tree_key(files: dict[str, bytes], source: bytes | None) -> str:
+    """The agent tree's name: a digest of its files and of init.c."""
     digest = hashlib.sha256()
     for name in sorted(files):
         digest.update(name.encode() + b"\0" + files[name] + b"\0")
     if source is not None:
         digest.update(INIT_SOURCE.encode() + b"\0" + source + b"\0")
-    key = digest.hexdigest()[:16]
-    final = image_dir / f"agent-{key}"
-    if native:
-        if (final / _COMPLETE).exists():
-            return final
-        try:
-            if source is None:
-                raise HostSetupError(f"no {INIT_SOURCE} in {guest_dir or GUEST_DIR}",
-                                     hint="reinstall boxd")
-            files[INIT_BINARY] = compile_init(source)
-        except HostSetupError as exc:
-            if os.environ.get(RELAY_ENV, "").lower() == "native":
-                raise
-            log.warning("event=gvisor_relay relay=python reason=%r: gVisor sandboxes "
-                        "run agent.py as PID 1, which relays the step channel in Python",
-                        exc.message)
-            final = image_dir / f"agent-{key}-py"
-    else:
-        final = image_dir / f"agent-{key}-py"
-    if (final / _COMPLETE).exists():
-        return final
+    return digest.hexdigest()[:16]
+
+
+def _add_init(files: dict[str, bytes], source: bytes | None, guest_dir: Path) -> bool:
+    """Compile boxd-init into ``files``; False (and a warning) when it does not compile,
+    unless `RELAY_ENV` says ``native``: then the HostSetupError is raised."""
+    try:
+        if source is None:
+            raise HostSetupError(f"no {INIT_SOURCE} in {guest_dir}", hint="reinstall boxd")
+        files[INIT_BINARY] = compile_init(source)
+    except HostSetupError as exc:
+        if os.environ.get(RELAY_ENV, "").lower() == "native":
+            raise
+        log.warning("event=gvisor_relay relay=python reason=%r: gVisor sandboxes "
+                    "run agent.py as PID 1, which relays the step channel in Python",
+                    exc.message)
+        return False
+    return True
+
+
+def _write_tree(image_dir: Path, final: Path, files: dict[str, bytes]) -> None:
+    """Write ``files`` to ``final`` atomically (a temporary folder renamed)."""
     tmp = image_dir / f"{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -151,8 +166,6 @@ def agent_tree(image_dir: Path, guest_dir: Path | None = None,
         os.replace(tmp, final)
     except OSError:  # another process made it meanwhile
         shutil.rmtree(tmp, ignore_errors=True)
-    return final
-
 
 __all__ = ["AGENT_MOUNT", "CLIENT_DIR", "RELAY_ENV", "agent_tree", "native_relay",
            "rootfs_tree"]
