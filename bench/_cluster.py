@@ -111,7 +111,9 @@ def local_cluster(nodes: int = 3, cap: int = 2, **env: str) -> Iterator[LocalClu
         assert ray.stdout is not None
         up = json.loads(ray.stdout.readline() or "{}")
         assert "address" in up, (home / "ray.err").read_text()[-3000:]
-        denv = {**os.environ, "BOXD_HOME": str(home), "BOXD_IMAGE_CACHE": str(IMAGE_CACHE),
+        # QEMU, whose fork batches stream templates node to node (not the `auto` default).
+        denv = {"BOXD_ENGINE": "qemu", **os.environ, "BOXD_HOME": str(home),
+                "BOXD_IMAGE_CACHE": str(IMAGE_CACHE),
                 "BOXD_NODE_MAX_MACHINES": str(cap), "BOXD_FORK_SPARES": "0",
                 "BOXD_SUSPEND_AFTER": "0", "BOXD_HIBERNATE_AFTER": "0", **env}
         daemon = _start_control_plane(netns, home, up["address"], denv)

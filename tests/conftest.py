@@ -12,164 +12,65 @@ import contextlib
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Generator, Iterator
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-IMAGE_CACHE = REPO / ".cache" / "images"
+from tests._support import vm_guard
+from tests._support.daemon import (
+    IMAGE_CACHE,
+    REPO,
+    Daemon,
+    _remove_cgroups_named,
+    _shm_of,
+    kill_machines_of,
+    remove_cgroups_of,
+    start_daemon,
+)
+
+__all__ = ["IMAGE_CACHE", "REPO", "Daemon", "kill_machines_of", "remove_cgroups_of",
+           "start_daemon"]
 
 
-@dataclass
-class Daemon:
-    """A `boxd serve` process on its own data directory."""
-
-    home: Path
-    proc: subprocess.Popen[bytes]
-
-    @property
-    def log(self) -> Path:
-        return self.home / "daemon.log"
-
-    @property
-    def socket(self) -> Path:
-        return self.home / "boxd.sock"
-
-    def env(self) -> dict[str, str]:
-        return {**os.environ, "BOXD_HOME": str(self.home)}
-
-    def restart(self) -> None:
-        """Stop the daemon (its machines keep running) and start a new one."""
-        self.stop()
-        self.proc = start_daemon(self.home).proc
-
-    def server_pid(self) -> int | None:
-        """The pid of the process that serves this data directory (holds its lock).
-
-        Usually ``proc``; but a client that found no daemon answering (one was being
-        restarted) starts one itself, as the SDK does, and that one may win the lock.
-        """
-        return _lock_holder(self.home)
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        """Stop whichever process serves the data directory (and ours, if it is not)."""
-        pids = {p for p in (self.server_pid(),) if p is not None}
-        if self.proc.poll() is None:
-            pids.add(self.proc.pid)
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-        if self.proc.poll() is None:
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        deadline = time.monotonic() + 30
-        while (pid := self.server_pid()) is not None:  # a daemon started by a client
-            if time.monotonic() > deadline:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(0.05)
+# ------------------------------------------------ no machine outside a vm test
 
 
-def _lock_holder(home: Path) -> int | None:
-    """The pid written in a data directory's lock file while a daemon holds the lock."""
-    from boxd.config import Paths
-    from boxd.sdk._local import daemon_holds_lock
-
-    paths = Paths(home)
-    if not daemon_holds_lock(paths):
-        return None
-    try:
-        text = paths.lock.read_text().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None
+def pytest_configure(config: pytest.Config) -> None:
+    vm_guard.install()
 
 
-def start_daemon(home: Path, *extra: str) -> Daemon:
-    """Start `python -m boxd serve` on ``home`` and wait until it answers."""
-    from boxd.sdk._local import is_healthy
-
-    home.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "BOXD_HOME": str(home), "BOXD_IMAGE_CACHE": str(IMAGE_CACHE)}
-    fd = os.open(home / "serve.out", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    with open(fd, "ab") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "boxd", "serve", *extra], env=env, stdout=out,
-            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-        )
-    deadline = time.monotonic() + 60
-    while not is_healthy(home / "boxd.sock"):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            text = (home / "serve.out").read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"boxd serve did not start: {text}")
-        time.sleep(0.1)
-    while not (home / "local.key").exists():
-        time.sleep(0.05)
-    d = Daemon(home, proc)
-    holder = d.server_pid()
-    if holder is not None and holder != proc.pid:
-        # A client started a daemon on this home meanwhile (it found none answering):
-        # tests stop and kill "the daemon", so it must be this one.
-        d.stop()
-        return start_daemon(home, *extra)
-    return d
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, None, None]:
+    """Between its setup and its teardown, a test may start machines only if marked vm."""
+    vm_guard.STATE.allowed = item.get_closest_marker("vm") is not None
+    vm_guard.STATE.test = item.nodeid
+    vm_guard.STATE.older = vm_guard.live_pids() if not vm_guard.STATE.allowed else set()
+    yield
+    vm_guard.STATE.allowed = False
+    vm_guard.STATE.test = "(between tests)"
 
 
-def kill_machines_of(home: Path) -> None:
-    """SIGKILL any QEMU process or gVisor sandbox (its gofer, its namespace's pasta) left
-    by a data directory (test clean-up safety net)."""
-    # A frozen task (a paused gVisor sandbox's cgroup) does not die until it is thawed.
-    for state in Path("/sys/fs/cgroup").glob(f"freezer/**/{_shm_of(home).name}/*/freezer.state"):
-        with contextlib.suppress(OSError):
-            state.write_text("THAWED")
-    out = subprocess.run(["pgrep", "-f", "boxd-m_"], capture_output=True, text=True).stdout
-    gvisor = subprocess.run(["pgrep", "-f", "--", f"--root={_shm_of(home)}/gvisor"],
-                            capture_output=True, text=True).stdout
-    for pid in gvisor.split():
-        with contextlib.suppress(OSError):
-            os.kill(int(pid), signal.SIGKILL)
-    for pid in out.split():
-        with contextlib.suppress(OSError):
-            env = Path(f"/proc/{pid}/cmdline").read_bytes()
-            if str(home).encode() in env or str(_shm_of(home)).encode() in env:
-                os.kill(int(pid), signal.SIGKILL)
-    # A gVisor machine's network namespace: pasta and its holder, recorded in its run
-    # directory (their command lines do not name the data directory).
-    from boxd.engine.gvisor import _net
-
-    for run_dir in (_shm_of(home) / "machines").glob("*/"):
-        if (ns := _net.load(run_dir)) is not None:
-            ns.signal_end()
-
-
-def remove_cgroups_of(home: Path) -> None:
-    """Remove the per-machine cgroups of a data directory whose VMs are gone (a daemon
-    removes them itself; one stopped before its machines were killed cannot)."""
-    _remove_cgroups_named(_shm_of(home).name)  # the parent is named like the tmpfs folder
-
-
-def _remove_cgroups_named(name: str) -> None:
-    for parent in Path("/sys/fs/cgroup").glob(f"**/{name}"):
-        for d in [*parent.glob("*/"), parent]:
-            with contextlib.suppress(OSError):
-                if d.is_dir() and not (d / "cgroup.procs").read_text().strip():
-                    d.rmdir()
-
-
-def _shm_of(home: Path) -> Path:
-    from boxd.config import Paths
-
-    return Paths(home.resolve()).shm
-
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None],
+) -> Generator[None, pytest.TestReport, None]:
+    """A non-vm test that tried to start a machine fails, even if it caught the refusal;
+    so does one that leaves a real engine process of this run behind it."""
+    outcome = yield
+    report = outcome.get_result()
+    if item.get_closest_marker("vm") is not None:
+        return
+    problems = list(vm_guard.STATE.refused)
+    vm_guard.STATE.refused.clear()
+    if call.when == "teardown":
+        problems += [f"{item.nodeid} left a machine process: {pid} {argv}" for pid, argv in
+                     sorted(vm_guard.engine_descendants(os.getpid(), vm_guard.STATE.older).items())]
+    if problems and report.outcome != "failed":
+        report.outcome = "failed"
+        report.longrepr = "not marked vm, but drives a machine:\n  " + "\n  ".join(problems)
 
 _VM_COMMANDS = (b"runsc-sandbox", b"runsc-gofer", b"qemu-system-")
 

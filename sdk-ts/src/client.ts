@@ -45,6 +45,7 @@ import type {
   NodeInfo,
   Process,
   Snapshot,
+  Standby,
 } from "./types.js";
 
 type Wire = components["schemas"];
@@ -463,6 +464,24 @@ export class Machines {
       if (item.machine) return camelize<Machine>(item.machine);
       if (item.error) return errorFromBody({ error: item.error });
       return new InternalError("batch fork returned an empty item");
+    });
+  }
+
+  /**
+   * Prepare `forks` standby forks of the machine's current state; resolve once they are
+   * ready. The next `forks` forks of the unchanged machine (one `fork(ref, { count })` or
+   * that many concurrent `fork` calls) claim them instead of starting children. They use
+   * no CPU while they wait; `memoryBytes` says the host memory they hold. A change to the
+   * machine (an exec, an upload, a restore) discards them; `{ forks: 0 }` releases them.
+   * They count against no quota until claimed.
+   * @throws MachineNotFound, StateError, InvalidRequest, ResourceExhausted
+   */
+  async warm(ref: string, options: { forks: number }): Promise<Standby> {
+    return this.c._json({
+      method: "POST",
+      path: `/v1/machines/${seg(ref)}/warm`,
+      json: { forks: options.forks },
+      idleTimeoutMs: null,
     });
   }
 

@@ -278,6 +278,30 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/machines/{ref}/warm": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Warm
+         * @description Prepare ``forks`` standby forks of the machine's current state and return once
+         *     they are ready: the next that many forks of the unchanged machine are claims, not
+         *     starts. A change to the machine (an exec, an upload, a restore) discards them;
+         *     ``forks: 0`` releases them. They are not the account's machines (no quota) until a
+         *     fork claims one.
+         */
+        post: operations["warm_v1_machines__ref__warm_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/machines/{ref}/fork/batch": {
         parameters: {
             query?: never;
@@ -888,6 +912,16 @@ export interface components {
             engine_reason?: string | null;
             /** Limits */
             limits?: string | null;
+            /**
+             * Standby Forks
+             * @default 0
+             */
+            standby_forks: number;
+            /**
+             * Standby Memory Bytes
+             * @default 0
+             */
+            standby_memory_bytes: number;
         };
         /** Machine */
         Machine: {
@@ -1223,6 +1257,34 @@ export interface components {
              * @description absolute path of its working directory
              */
             cwd?: string | null;
+        };
+        /**
+         * Standby
+         * @description A machine's standby forks: prepared children the next forks claim.
+         */
+        Standby: {
+            /** Machine Id */
+            machine_id: string;
+            /**
+             * Forks
+             * @description standby forks ready now
+             */
+            forks: number;
+            /**
+             * Memory Bytes
+             * @description host memory they hold (proportional set size)
+             */
+            memory_bytes: number;
+            /** Engine */
+            engine: string;
+        };
+        /** WarmRequest */
+        WarmRequest: {
+            /**
+             * Forks
+             * @description standby forks of the machine's current state to keep ready; 0 releases them
+             */
+            forks: number;
         };
         /**
          * ExecEvent
@@ -2784,6 +2846,113 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["Machine"];
+                };
+            };
+            /** @description invalid_request: malformed input */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description unauthorized: missing, unknown or revoked API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description forbidden: the key's account may not do this */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description not found for this account */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description conflict: duplicate name or wrong machine state */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description quota_exceeded */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description internal_error, integrity_error or host_setup */
+            500: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description machine_failed */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description resource_exhausted */
+            507: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+        };
+    };
+    warm_v1_machines__ref__warm_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                ref: string;
+            };
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["WarmRequest"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["Standby"];
                 };
             };
             /** @description invalid_request: malformed input */

@@ -33,6 +33,7 @@ export type ApiKeyCreated = Camel<Schemas["ApiKeyCreated"]>;
 export type Account = Camel<Schemas["Account"]>;
 export type NodeInfo = Camel<Schemas["NodeInfo"]>;
 export type HostInfo = Camel<Schemas["HostInfo"]>;
+export type Standby = Camel<Schemas["Standby"]>;
 export type Health = Camel<Schemas["Health"]>;
 export type ErrorBody = Schemas["ErrorBody"];
 /** A process started with `machines.spawn` (a long-lived command with framed messages). */

@@ -253,6 +253,13 @@ def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
         return default
 
 
+def qemu_user(env: Mapping[str, str] | None = None) -> str:
+    """``BOXD_QEMU_USER``: the user QEMU drops to when the daemon runs as root (default
+    ``boxd-qemu``; empty: QEMU keeps the daemon's user). Read alone by the storage layer,
+    which makes files that user's group can read."""
+    return (os.environ if env is None else env).get("BOXD_QEMU_USER", "boxd-qemu")
+
+
 @dataclass(frozen=True)
 class Settings:
     """The daemon's settings, read once from the environment (see the README's table)."""
@@ -266,7 +273,7 @@ class Settings:
     image_cache: Path | None = None  # BOXD_IMAGE_CACHE: where guest images are built
     image_apt: tuple[str, ...] = ()  # BOXD_IMAGE_APT: Debian packages in every machine's image
     image_pip: tuple[str, ...] = ()  # BOXD_IMAGE_PIP: pip packages in every machine's image
-    engine: str = "qemu"  # BOXD_ENGINE: qemu, gvisor or auto (see engine/registry.py)
+    engine: str = "auto"  # BOXD_ENGINE: auto (KVM, else gVisor, else TCG), qemu or gvisor
     suspend_after: float = 60.0  # BOXD_SUSPEND_AFTER: idle seconds before suspend; 0 never
     hibernate_after: float = 600.0  # BOXD_HIBERNATE_AFTER: idle seconds before hibernate
     default_max_machines: int = 50  # BOXD_DEFAULT_MAX_MACHINES: a new account's quota
@@ -287,7 +294,7 @@ class Settings:
         cache = e.get(IMAGE_CACHE_ENV)
         return cls(
             accel=e.get("BOXD_ACCEL", "").strip().lower(),
-            qemu_user=e.get("BOXD_QEMU_USER", "boxd-qemu"),
+            qemu_user=qemu_user(e),
             net_user=e.get("BOXD_NET_USER", "boxd-net") or "boxd-net",
             fork_spares=_int(e, "BOXD_FORK_SPARES", 8),
             fork_spares_total=_int(e, "BOXD_FORK_SPARES_TOTAL", 32),
@@ -295,7 +302,7 @@ class Settings:
             image_cache=Path(cache).expanduser() if cache else None,
             image_apt=_words(e, "BOXD_IMAGE_APT"),
             image_pip=_words(e, "BOXD_IMAGE_PIP"),
-            engine=e.get("BOXD_ENGINE", "qemu").strip().lower() or "qemu",
+            engine=e.get("BOXD_ENGINE", "auto").strip().lower() or "auto",
             suspend_after=_seconds(e, "BOXD_SUSPEND_AFTER", 60.0),
             hibernate_after=_seconds(e, "BOXD_HIBERNATE_AFTER", 600.0),
             default_max_machines=_int(e, "BOXD_DEFAULT_MAX_MACHINES", DEFAULT_MACHINE_QUOTA),

@@ -6,8 +6,9 @@ new user would, and prints what each step cost:
 1. build the guest image if needed (local daemon only; a remote daemon builds its own);
 2. ``rl-base``: create it, ``pip install gymnasium numpy`` in it (through the guest's
    network, as the spec does), upload and run ``warm_up.py`` (leaves a warm worker);
-3. upload ``rollout.py`` and run the spec's ``ThreadPoolExecutor`` loop: 8 forks, one
-   seeded CartPole episode each;
+3. upload ``rollout.py``, ``machines.warm("rl-base", forks=8)`` (8 standby forks of the
+   warm baseline, ready before the first batch), then the spec's ``ThreadPoolExecutor``
+   loop: 8 forks, all claims, one seeded CartPole episode each;
 4. the spec's reproducibility check: two forks with seed 42 give the same bytes;
 5. checkpoint reset: on a fork, save ``episode-start``, run an episode that changes a
    file, restore, and show the file is gone and the next episode is identical;
@@ -87,6 +88,8 @@ class _Run:
     made_machines: list[str] = field(default_factory=list)
     made_snapshot: str | None = None
     accel: str = "?"
+    engine: str = "?"  # the engine the baseline (and so every fork) runs on
+    engine_reason: str = ""  # why the daemon's default engine is that one (auto)
     names_checked: bool = False  # preflight saw none of the demo's machine names in use
     _bar: Progress | None = None  # the running step's progress, for update()
     _task: TaskID | None = None
@@ -258,19 +261,25 @@ def _demo(run: _Run, reuse: bool) -> None:
                                progress=run.update)  # a bar on first build
             d.append(f"{img.key}, kernel {img.kernel_version}")
 
+    with run.step("engine") as d:  # which engine the daemon picked, and why
+        info = client.info()
+        run.engine, run.engine_reason = info.engine, info.engine_reason or ""
+        d.append(f"{info.engine}: {info.engine_reason}" if info.engine_reason
+                 else f"{info.engine} (BOXD_ENGINE)")
+
     # --- Prepare one warm baseline --------------------------------------------------
     if base_exists:
         with run.step(f"reuse {BASE}") as d:
             m = client.machines.wait_until_ready(BASE, timeout=300)
-            run.accel = str(m.accelerator).upper()
-            d.append(f"{m.id}, {m.accelerator}")
+            run.accel, run.engine = str(m.accelerator).upper(), m.engine or "?"
+            d.append(f"{m.id}, {m.engine}, {m.accelerator}")
     else:
         with run.step(f"boxd machine new {BASE}") as d:
             m = client.machines.new(BASE)
             run.made_machines.append(m.id)
             m = client.machines.wait_until_ready(m.id, timeout=600)
-            run.accel = str(m.accelerator).upper()
-            d.append(f"{m.id}, {str(m.accelerator).upper()}")
+            run.accel, run.engine = str(m.accelerator).upper(), m.engine or "?"
+            d.append(f"{m.id}, {m.engine}, {str(m.accelerator).upper()}")
 
     with run.step("pip install gymnasium numpy (guest network)") as d:
         stdout = _pip_install(run, "pip install gymnasium numpy")
@@ -283,6 +292,14 @@ def _demo(run: _Run, reuse: bool) -> None:
         m_imp = re.search(r"imports ([0-9.]+s)", said)
         d.append(f"worker warm, imports took {m_imp.group(1)} in the guest" if m_imp
                  else said[:80])
+
+    # The rollout script goes in before the pool is sized: a change to the baseline
+    # (an upload too) discards its standby forks.
+    client.machines.files.upload(BASE, f"{GUEST_HOME}/rollout.py", rollout_src.read_text())
+    with run.step(f"boxd machine warm {BASE} --forks {ROLLOUTS}") as d:
+        standby = client.machines.warm(BASE, forks=ROLLOUTS)
+        d.append(f"{standby.forks} standby forks ready, "
+                 f"{standby.memory_bytes / 2**20:.0f} MiB host memory, no CPU while waiting")
 
     # --- Fork per rollout: the spec's code ------------------------------------------
     fork_ready: dict[str, float] = {}
@@ -305,7 +322,6 @@ def _demo(run: _Run, reuse: bool) -> None:
         return result.stdout.strip()
 
     with run.step(f"{ROLLOUTS} forked rollouts in parallel") as d:
-        client.machines.files.upload(BASE, f"{GUEST_HOME}/rollout.py", rollout_src.read_text())
         start = time.monotonic()
         with ThreadPoolExecutor(max_workers=8) as pool:
             results = list(pool.map(lambda s: rollout(f"rollout-{s}", seed=s), range(ROLLOUTS)))
@@ -380,8 +396,10 @@ def _summary(
         st.add_row(title, f"{took:.2f}s", text)
     out.print(st)
     out.print(f"[bold]{ROLLOUTS} isolated rollouts in {wall:.1f}s[/] (fork→ready median "
-              f"{statistics.median(ready):.2f}s, {run.accel}); seed 42 gave the same "
-              f"trajectory on two forks.")
+              f"{statistics.median(ready):.2f}s, {run.engine}, {run.accel}); seed 42 gave the "
+              f"same trajectory on two forks.")
+    if run.engine_reason:
+        out.print(f"[dim]engine {run.engine}: {run.engine_reason}[/]")
 
 
 def _cleanup(run: _Run) -> None:

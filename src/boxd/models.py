@@ -208,6 +208,25 @@ class ForkRequest(BaseModel):
     name: Name | None = Field(None, description="name of the child; generated if absent")
 
 
+MAX_STANDBY_FORKS = 64  # standby forks one warm request may ask for (a fork batch's max)
+
+
+class WarmRequest(BaseModel):
+    forks: int = Field(
+        ..., ge=0, le=MAX_STANDBY_FORKS,
+        description="standby forks of the machine's current state to keep ready; 0 "
+        "releases them")
+
+
+class Standby(BaseModel):
+    """A machine's standby forks: prepared children the next forks claim."""
+
+    machine_id: str
+    forks: int = Field(description="standby forks ready now")
+    memory_bytes: int = Field(description="host memory they hold (proportional set size)")
+    engine: str
+
+
 class ForkBatchRequest(BaseModel):
     # One of the two is needed (the route answers 400 otherwise); when both are given,
     # count must equal len(names), which JSON Schema cannot state.
@@ -441,3 +460,5 @@ class HostInfo(BaseModel):
     engines: list[EngineInfo] = Field(default_factory=list)
     engine_reason: str | None = None  # why BOXD_ENGINE=auto chose the default engine
     limits: str | None = None  # per-machine resource limits (cgroups), or why there are none
+    standby_forks: int = 0  # standby fork children ready on this node (not the user's machines)
+    standby_memory_bytes: int = 0  # the host memory they hold (proportional set size)

@@ -113,6 +113,11 @@ class MachineService(Protocol):
         """Fork ``ref`` into ``len(names)`` children (None = generated name), per item."""
         ...
 
+    async def warm(self, account: str, ref: str, forks: int) -> models.Standby:
+        """Keep ``forks`` standby forks of ``ref``'s current state ready (0 releases
+        them). Raises: MachineNotFound, StateError, ResourceExhausted."""
+        ...
+
     async def suspend(self, account: str, ref: str) -> models.Machine:
         """Stop its vCPUs; memory stays resident. Raises: MachineNotFound, StateError."""
         ...

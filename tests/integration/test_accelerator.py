@@ -220,8 +220,7 @@ def test_forcing_the_accelerator(
     tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch, daemon
 ) -> None:  # type: ignore[no-untyped-def]
     from boxd import Boxd
-
-    from ..conftest import kill_machines_of, start_daemon
+    from tests._support.daemon import kill_machines_of, start_daemon
 
     home = tmp_path_factory.mktemp("boxd-forced")
     monkeypatch.setenv("BOXD_ACCEL", "tcg")

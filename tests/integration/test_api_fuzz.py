@@ -29,7 +29,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from tests.conftest import Daemon
+from tests._support.daemon import Daemon
 
 pytestmark = pytest.mark.vm
 

@@ -22,30 +22,14 @@ from pathlib import Path
 import pytest
 
 from boxd.engine.cgroups import PIDS_MAX, QEMU_OVERHEAD_MIB
+from tests._support.cgroups import _cgroups_of, _gone, _limit, _require_cgroups
+from tests._support.procs import qemu_pid, vm_id_of
 
 from ..conftest import Daemon
-from ._procs import qemu_pid, vm_id_of
 
 pytestmark = pytest.mark.vm
 
 MIB = 1 << 20
-
-
-def _cgroups_of(pid: int) -> dict[str, Path]:
-    """controller -> the cgroup directory of ``pid`` (v1 hierarchies under /sys/fs/cgroup)."""
-    found = {}
-    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        for c in controllers.split(","):
-            if c in ("memory", "cpu", "pids"):
-                found[c] = Path("/sys/fs/cgroup", c, path.lstrip("/"))
-    return found
-
-
-def _require_cgroups(client) -> None:  # type: ignore[no-untyped-def]
-    limits = client.info().limits or ""
-    if not limits.startswith("cgroup v1"):
-        pytest.skip(f"needs root and cgroup v1 controllers (this host's kind): {limits}")
 
 
 def _machine_cgroup(daemon: Daemon, machine_id: str) -> tuple[int, dict[str, Path]]:
@@ -57,19 +41,6 @@ def _machine_cgroup(daemon: Daemon, machine_id: str) -> tuple[int, dict[str, Pat
         assert d.name == vm_id and d.parent.name.startswith("boxd-"), (c, d)
         assert pid in {int(p) for p in (d / "cgroup.procs").read_text().split()}
     return pid, dirs
-
-
-def _limit(dirs: dict[str, Path]) -> int:
-    return int((dirs["memory"] / "memory.limit_in_bytes").read_text())
-
-
-def _gone(dirs: dict[str, Path], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while any(d.exists() for d in dirs.values()):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def test_each_qemu_is_in_its_own_limited_cgroup_and_it_goes_on_delete(  # type: ignore[no-untyped-def]

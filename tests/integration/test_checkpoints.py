@@ -8,8 +8,7 @@ import sys
 import pytest
 
 from boxd.errors import AlreadyExists, CheckpointNotFound
-
-from ._guest import bump_counter, read_counter, start_counter
+from tests._support.guest import bump_counter, read_counter, start_counter
 
 pytestmark = pytest.mark.vm
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,15 +19,17 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO
+from tests._support.bench import load
 
 pytest.importorskip("ray", reason="the cluster tests need Ray (pip install 'boxd[ray]')")
 if os.geteuid() != 0 or shutil.which("ip") is None:
     pytest.skip("the cluster tests make a network namespace: they need root and `ip`",
                 allow_module_level=True)
 
-sys.path.insert(0, str(REPO / "bench"))
-from _cluster import LocalCluster, local_cluster, qemu_pids
+_cluster = load("_cluster")
+LocalCluster, local_cluster, qemu_pids = _cluster.LocalCluster, _cluster.local_cluster, \
+    _cluster.qemu_pids
+pytestmark = pytest.mark.vm
 
 CAP = 2  # BOXD_NODE_MAX_MACHINES for this cluster
 ECHO = (  # a process that sends back every frame it gets (4-byte length, then the body)

@@ -23,9 +23,9 @@ import pytest
 
 from boxd import Boxd
 from boxd.config import Paths
+from tests._support.procs import qemu_pid, vm_id_of
 
 from ..conftest import Daemon
-from ._procs import qemu_pid, vm_id_of
 
 pytestmark = pytest.mark.vm
 

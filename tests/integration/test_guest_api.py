@@ -27,8 +27,7 @@ import uuid
 import pytest
 
 from boxd import errors
-
-from .test_gvisor import _gvisor_status
+from tests._support.machines import _gvisor_status
 
 pytestmark = pytest.mark.vm
 ENGINES = ["qemu", "gvisor"]

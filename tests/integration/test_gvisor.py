@@ -21,22 +21,14 @@ from pathlib import Path
 import pytest
 
 from boxd import errors
+from tests._support.cgroups import _cgroups_of, _gone, _limit, _require_cgroups
+from tests._support.machines import _get, _gvisor_status, _vm_id
 
-from .test_cgroups import _cgroups_of, _gone, _limit, _require_cgroups
-from .test_lifecycle import _get, _vm_id
 from .test_rl import EXAMPLES, GUEST_WHEELS, _ok, warm_rl_base
 
 pytestmark = pytest.mark.vm
 
 ENGINES = ["qemu", "gvisor"]
-
-
-def _gvisor_status(client) -> tuple[str, str]:  # type: ignore[no-untyped-def]
-    info = client.info()
-    e = next((e for e in info.engines if e.name == "gvisor"), None)
-    if e is None:
-        return "unavailable", "the daemon does not list a gvisor engine"
-    return e.status, e.reason
 
 
 @pytest.fixture(scope="module")
@@ -241,9 +233,9 @@ def _auto_daemon(daemon, **env: str) -> Iterator[object]:  # type: ignore[no-unt
 
 
 def test_auto_picks_gvisor_without_kvm(daemon) -> None:  # type: ignore[no-untyped-def]
-    """A daemon with BOXD_ENGINE=auto on this host (no usable KVM) runs machines on gVisor
-    and says why."""
-    with _auto_daemon(daemon) as b:
+    """A daemon left to its default engine (BOXD_ENGINE empty: `auto`) on this host (no
+    usable KVM) runs machines on gVisor and says why."""
+    with _auto_daemon(daemon, BOXD_ENGINE="") as b:
         info = b.info()
         by = {e.name: e for e in info.engines}
         if by["qemu"].accelerator == "kvm":
@@ -252,7 +244,7 @@ def test_auto_picks_gvisor_without_kvm(daemon) -> None:  # type: ignore[no-untyp
         if by["gvisor"].status != "ok":
             pytest.skip(f"gvisor unavailable here: {by['gvisor'].reason}")
         assert info.engine == "gvisor"
-        assert info.engine_reason and "gVisor" in info.engine_reason
+        assert info.engine_reason and info.engine_reason.startswith("auto: gVisor")
         assert "TCG" in info.engine_reason
         m = b.machines.new("auto-1")
         b.machines.wait_until_ready(m.id, timeout=60)

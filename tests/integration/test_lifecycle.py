@@ -9,20 +9,17 @@ tests/unit/test_node_fake.py.
 
 from __future__ import annotations
 
-import sqlite3
 import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from boxd import errors
 from boxd.config import Paths
-
-from ._guest import bump_counter, read_counter, start_counter
+from tests._support.guest import bump_counter, read_counter, start_counter
+from tests._support.machines import _get, _vm_id
 
 pytestmark = pytest.mark.vm
 
@@ -93,12 +90,6 @@ def test_a_second_fork_reuses_the_own_ram_and_states_stay_running(client, machin
 
 
 # ------------------------------------------------- suspend, hibernate, wake
-
-
-def _vm_id(daemon, machine_id: str) -> str:  # type: ignore[no-untyped-def]
-    with sqlite3.connect(f"file:{Paths(daemon.home.resolve()).db}?mode=ro", uri=True) as db:
-        (vm_id,) = db.execute("SELECT vm_id FROM machines WHERE id=?", (machine_id,)).fetchone()
-    return str(vm_id)
 
 
 def _qemu_pids(vm_id: str) -> list[int]:
@@ -215,22 +206,6 @@ def test_hibernated_machines_do_not_count_against_the_quota(client, daemon) -> N
 
 
 # --------------------------------------------------------------- machine URLs
-
-
-def _get(url: str, timeout: float = 120) -> str:
-    deadline = time.monotonic() + timeout
-    last: object = None
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=60) as resp:
-                return str(resp.read().decode())
-        except urllib.error.HTTPError as exc:  # the daemon's proxy says why (502, 503)
-            last = f"{exc}: {exc.read().decode(errors='replace').strip()}"
-            time.sleep(0.5)
-        except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
-            last = exc
-            time.sleep(0.5)
-    raise AssertionError(f"no answer on {url}: {last}")
 
 
 def test_the_url_stays_across_restore_and_hibernate_and_wakes_the_machine(  # type: ignore[no-untyped-def]

@@ -101,7 +101,7 @@ def _host_addresses() -> list[str]:
 @pytest.fixture
 def tcp_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     """A second daemon serving its API on 127.0.0.1:PORT (no machines needed)."""
-    from tests.conftest import start_daemon
+    from tests._support.daemon import start_daemon
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -25,8 +25,7 @@ import pytest
 
 from boxd import errors
 from boxd.config import Paths
-
-from ._procs import qemu_cmdlines
+from tests._support.procs import qemu_cmdlines
 
 pytestmark = pytest.mark.vm
 

@@ -28,9 +28,8 @@ from gymnasium.vector import AutoresetMode, SyncVectorEnv
 import boxd.rl as rl
 from boxd import errors
 from boxd.rl import _verify
-from tests.unit import _rl_envs
-
-from ._procs import qemu_cmdlines, vm_id_of
+from tests._support import rl_envs as _rl_envs
+from tests._support.procs import qemu_cmdlines, vm_id_of
 
 pytestmark = pytest.mark.vm
 

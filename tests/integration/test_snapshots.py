@@ -13,9 +13,8 @@ import pytest
 
 from boxd import Boxd, errors
 from boxd.errors import AlreadyExists, IntegrityError, SnapshotNotFound
-
-from ..conftest import kill_machines_of, start_daemon
-from ._guest import bump_counter, read_counter, start_counter
+from tests._support.daemon import kill_machines_of, start_daemon
+from tests._support.guest import bump_counter, read_counter, start_counter
 
 pytestmark = pytest.mark.vm
 

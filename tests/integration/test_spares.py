@@ -12,9 +12,12 @@ import sqlite3
 import time
 from pathlib import Path
 
-from boxd.config import Paths
+import pytest
 
-from ._procs import qemu_cmdlines
+from boxd.config import Paths
+from tests._support.procs import qemu_cmdlines
+
+pytestmark = pytest.mark.vm
 
 
 def _messages(log: Path) -> list[str]:

@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.vm
+
 
 def _get_once(url: str) -> tuple[int, str]:
     with urllib.request.urlopen(url, timeout=120) as resp:

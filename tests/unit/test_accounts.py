@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from test_api_fakes import FakeMachines, FakeSnapshots, host_info
+from tests._support.api_fakes import FakeMachines, FakeSnapshots, host_info
 
 from boxd.api import create_app
 from boxd.api.services.keys import KeyService

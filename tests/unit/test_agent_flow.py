@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_agent import Guest, guest, with_client  # noqa: F401 - the fixture
+from tests._support.agent_guest import Guest, guest, with_client  # noqa: F401 - the fixture
 
 from boxd.engine.agent import AgentClient, ExecOutput
 from boxd.errors import InvalidRequest

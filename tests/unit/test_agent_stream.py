@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import test_agent as ta
+from tests._support import agent_guest as ta
 
 from boxd.engine.agent import AgentClient, ExecExit, ExecOutput
 from boxd.errors import InternalError, InvalidRequest

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_api_routes import Env
+from tests._support.api_fakes import Env
 
 from boxd import models
 

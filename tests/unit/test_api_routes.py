@@ -8,27 +8,7 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from test_api_fakes import FakeMachines, FakeSnapshots, host_info
-
-from boxd.api import create_app
-from boxd.api.services.keys import KeyService
-from boxd.state import Database
-
-
-class Env:
-    def __init__(self, tmp: Path) -> None:
-        self.db = Database(tmp / "state.db")
-        self.keys = KeyService(self.db)
-        self.machines = FakeMachines()
-        self.snapshots = FakeSnapshots(self.machines, tmp)
-        self.app = create_app(
-            machines=self.machines, snapshots=self.snapshots, keys=self.keys,
-            host_info=host_info, upload_dir=tmp / "uploads",
-        )
-        self.local = self.keys.ensure_local_account()
-        self.secret = self.keys.create(self.local, "test").secret
-        self.client = TestClient(self.app, raise_server_exceptions=False)
-        self.client.headers["Authorization"] = f"Bearer {self.secret}"
+from tests._support.api_fakes import Env
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from pathlib import Path
 import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
-from test_api_fakes import FakeMachines, FakeSnapshots, host_info
+from tests._support.api_fakes import FakeMachines, FakeSnapshots, host_info
 
 from boxd import models
 from boxd.api import create_app

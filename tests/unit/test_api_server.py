@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_api_fakes import FakeMachines, FakeSnapshots
+from tests._support.api_fakes import FakeMachines, FakeSnapshots
 
 from boxd.api.server import Daemon, local_key_path
 from boxd.config import Paths
@@ -215,3 +215,23 @@ def test_websockets_are_not_pinged_by_the_daemon(daemon: Daemon) -> None:
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 30
     finally:
         sock.close()
+
+
+def test_an_idle_connection_outlives_the_clients_own_expiry(daemon: Daemon, paths: Paths) -> None:
+    # A pooled connection the SDK reuses just before its own expiry must still be open
+    # at the daemon: were both ends to time out together, the request written as the
+    # daemon closed its end would get no answer ("Server disconnected").
+    import socket
+
+    from boxd.sdk import _base
+
+    assert daemon.server.config.timeout_keep_alive > _base.KEEPALIVE_EXPIRY
+    request = b"GET /v1/health HTTP/1.1\r\nHost: boxd\r\n\r\n"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(str(paths.socket))
+        s.settimeout(10)
+        s.sendall(request)
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")
+        time.sleep(_base.KEEPALIVE_EXPIRY + 0.5)  # idle past the client's expiry
+        s.sendall(request)
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")

@@ -15,27 +15,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests._support.cgroups import _v1
 
 from boxd.config import Settings
 from boxd.engine.cgroups import PIDS_MAX, QEMU_OVERHEAD_MIB, Cgroups, Limits, memory_limit
 from boxd.engine.qemu._process import QemuProcess
 
 MIB = 1 << 20
-
-
-def _v1(tmp: Path, own_memory: str = "/") -> tuple[Path, Path]:
-    root = tmp / "cgroup"
-    lines = []
-    for c in ("memory", "cpu,cpuacct", "pids"):
-        (root / c).mkdir(parents=True)
-        lines.append(f"cgroup {root / c} cgroup rw,nosuid,{c} 0 0")
-    lines.append(f"cgroup2 {root / 'unified'} cgroup2 rw 0 0")
-    mounts = tmp / "mounts"
-    mounts.write_text("\n".join(["proc /proc proc rw 0 0", *lines]) + "\n")
-    (root / "memory" / own_memory.lstrip("/")).mkdir(parents=True, exist_ok=True)
-    self_cg = tmp / "self_cgroup"
-    self_cg.write_text(f"4:memory:{own_memory}\n2:cpu,cpuacct:/\n8:pids:/\n0::/\n")
-    return mounts, self_cg
 
 
 def _v2(tmp: Path, controllers: str = "cpuset cpu io memory pids") -> tuple[Path, Path]:

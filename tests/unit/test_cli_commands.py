@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-import test_sdk_support as support
 from click.testing import CliRunner, Result
+from tests._support import sdk_daemon as support
 
 from boxd.api.server import Daemon
 from boxd.cli import main

@@ -14,8 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import test_sdk_support as support
 from click.testing import CliRunner, Result
+from tests._support import sdk_daemon as support
 
 from boxd.api.server import Daemon
 from boxd.cli import main

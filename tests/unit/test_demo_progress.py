@@ -6,8 +6,8 @@ from __future__ import annotations
 import io
 import re
 
-import test_sdk_support as support
 from rich.console import Console
+from tests._support import sdk_daemon as support
 
 from boxd import Boxd
 from boxd.api.server import Daemon

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.unit.test_cgroups import _v1
+from tests._support.cgroups import _v1
 
 from boxd.engine.base import MachineConfig
 from boxd.engine.cgroups import Cgroups, Limits, VmCgroup

@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 
-import test_sdk_support as support
 from click.testing import CliRunner, Result
+from tests._support import sdk_daemon as support
 
 from boxd import AsyncBoxd, Boxd, MachineNotFound, models
 from boxd.api.server import Daemon

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_api_fakes import host_info
 from test_node_fake import ACCOUNT, leftovers, make_world
+from tests._support.api_fakes import host_info
 
 from boxd.api import create_app
 from boxd.api.services.keys import KeyService
@@ -29,6 +29,7 @@ pytestmark = pytest.mark.timeout(120)
 
 CLIENTS = 100
 SECONDS = 3.0
+MIN_DONE = 8  # answered creates/forks (201) and deletes (204) before the load stops
 
 
 def test_mixed_load_gets_a_typed_answer_for_every_request(
@@ -72,10 +73,19 @@ def test_mixed_load_gets_a_typed_answer_for_every_request(
             assert r.status_code == 201, r.text
             await call("POST", "/v1/machines/src/wait", json={"timeout": 5})
             deadline = time.monotonic() + SECONDS
+            give_up = time.monotonic() + 60  # the timeout's margin
+
+            def running() -> bool:
+                # At least SECONDS of load, and until forks and deletes both happened
+                # enough (a loaded host may fit few in SECONDS); bounded by give_up.
+                if time.monotonic() >= give_up:
+                    return False
+                return (time.monotonic() < deadline or statuses[201] < MIN_DONE
+                        or statuses[204] < MIN_DONE)
 
             async def client(i: int) -> None:
                 mine = random.Random(i)
-                while time.monotonic() < deadline:
+                while running():
                     op = mine.choices(
                         ["exec", "change", "get", "list", "fork", "delete_child"],
                         weights=[25, 5, 20, 15, 25, 10])[0]
@@ -122,7 +132,7 @@ def test_mixed_load_gets_a_typed_answer_for_every_request(
     try:
         asyncio.run(main())
         assert not bad, "\n".join(bad[:20])
-        assert statuses[201] >= 5 and statuses[204] >= 5, statuses  # forks and deletes ran
+        assert statuses[201] >= MIN_DONE and statuses[204] >= MIN_DONE, statuses  # forks and deletes ran
         assert w.repos.machines.list(ACCOUNT) == []
         assert w.repos.layers.ids() == set()
         assert w.repos.layers.template_dirs() == set()

@@ -1,54 +1,113 @@
 """The control plane's placement on a cluster: which node new machines and fork children
-go to (logic only: the nodes here answer `info()` from numbers; the real cluster is in
-tests/integration/test_cluster.py)."""
+go to, and a launch that failed on a node retried on another (logic only: the nodes
+here are fakes that answer `info()` from numbers and fail launches on request; the
+real cluster is in tests/integration/test_cluster.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
 
 import pytest
 
 from boxd import models
+from boxd.control.nodes import Cluster, ClusterNode, LocalNode
+from boxd.control.placement import LAUNCH_ATTEMPTS, MostFreeMemory, Placement, Room
 from boxd.control.plane import Machines
-from boxd.errors import NodeLost, NotFound, ResourceExhausted
+from boxd.errors import (
+    BoxdError,
+    InvalidRequest,
+    MachineFailed,
+    NodeLost,
+    NotFound,
+    ResourceExhausted,
+)
 from boxd.models import MachineState
-from boxd.node.base import Node
-from boxd.node.cluster import RayCluster
+from boxd.node.base import Boot, FromSnapshot, Node
+from boxd.node.lifecycle import Lifecycle
 from boxd.state import Database, MachineRecord, Repos
 from boxd.storage import SnapshotStore
 
+SRC = Path(__file__).resolve().parents[2] / "src" / "boxd"
+
 
 class NumbersNode:
-    """A node that is only its capacity figures."""
+    """A cluster node that is its capacity figures; its launches succeed (the record
+    goes to ``running``) or raise ``fail`` (the record removed, as `Node.create` says)."""
 
-    def __init__(self, node_id: str, cap: int, free_mib: int) -> None:
+    def __init__(self, node_id: str, cap: int, free_mib: int,
+                 fail: BoxdError | None = None) -> None:
         self.id = node_id
         self.cap = cap
         self.free_mib = free_mib
+        self.fail = fail
         self.alive = True
+        self.address = "127.0.0.1"
+        self.peer: object = self
+        self.repos: Repos | None = None
+        self.launched: list[str] = []  # machine ids this node was asked to launch
 
     async def info(self) -> models.NodeInfo:
-        return models.NodeInfo(id=self.id, address="127.0.0.1", health="alive", machines=0,
+        return models.NodeInfo(id=self.id, address=self.address, health="alive", machines=0,
                                max_machines=self.cap, memory_total_mib=8192,
                                memory_free_mib=self.free_mib, error=None)
+
+    async def image_key(self) -> str:
+        return "img"
+
+    async def engine_name(self) -> str:
+        return "qemu"
+
+    async def create(self, machine_id: str, source: Boot | FromSnapshot,
+                     holder: ClusterNode | None = None) -> None:
+        assert self.repos is not None
+        self.launched.append(machine_id)
+        if self.fail is not None:
+            self.repos.machines.delete(machine_id)
+            raise self.fail
+        Lifecycle(self.repos.machines).move(machine_id, MachineState.RUNNING)
+
+
+class FakeCluster:
+    def __init__(self, nodes: list[NumbersNode]) -> None:
+        self._nodes = {n.id: n for n in nodes}
+
+    @property
+    def nodes(self) -> Mapping[str, ClusterNode]:
+        return cast(Mapping[str, ClusterNode], self._nodes)
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+def _conforms(cluster: FakeCluster) -> Cluster:
+    return cluster  # mypy proves the fake is a Cluster
 
 
 def _plane(tmp_path: Path, nodes: list[NumbersNode], *, cluster: bool = True) -> Machines:
     repos = Repos(Database(tmp_path / "state.db"))
     repos.keys.add_account("acct", 100)
-    return Machines(
-        repos, {n.id: cast(Node, n) for n in nodes}, SnapshotStore(tmp_path / "snapshots"),
-        cluster=cast(RayCluster, object()) if cluster else None,
-    )
+    for n in nodes:
+        n.repos = repos
+    store = SnapshotStore(tmp_path / "snapshots")
+    if not cluster:
+        return Machines(repos, {n.id: cast(LocalNode, n) for n in nodes}, store)
+    return Machines(repos, {}, store, cluster=FakeCluster(nodes))
+
+
+def _acct(plane: Machines) -> str:
+    acct = plane.repos.keys.account_id("acct")
+    assert acct is not None
+    return acct
 
 
 def _put(plane: Machines, node: str, n: int) -> list[MachineRecord]:
-    acct = plane.repos.keys.account_id("acct")
-    assert acct is not None
     return [plane.repos.machines.claim(
-        acct, f"{node}-{i}-{len(plane.repos.machines.on_node(node))}",
+        _acct(plane), f"{node}-{i}-{len(plane.repos.machines.on_node(node))}",
         machine_id=f"m_{node}{i}{len(plane.repos.machines.on_node(node))}", vcpus=1,
         memory_mib=256, disk_gib=1, isolated=False, image="img", node_id=node, engine="qemu",
         default_quota=100) for i in range(n)]
@@ -56,6 +115,13 @@ def _put(plane: Machines, node: str, n: int) -> list[MachineRecord]:
 
 def _ids(nodes: list[Any]) -> list[str]:
     return [n.id if not isinstance(n, Exception) else type(n).__name__ for n in nodes]
+
+
+def _new(plane: Machines, name: str = "m", node: str | None = None) -> models.Machine:
+    return asyncio.run(plane.create(_acct(plane), models.MachineCreate(name=name, node=node)))
+
+
+# ------------------------------------------------------------------ choosing
 
 
 def test_a_new_machine_goes_to_the_node_with_most_free_memory_under_its_cap(
@@ -104,23 +170,139 @@ def test_fork_children_fill_the_source_node_first_then_spread(tmp_path: Path) ->
         "a", "a", "c", "c", "b"]
 
 
-def test_dead_nodes_take_nothing_and_their_machines_are_lost(tmp_path: Path) -> None:
-    a, b = NumbersNode("a", 5, 100), NumbersNode("b", 5, 900)
-    plane = _plane(tmp_path, [a, b])
-    (on_b,) = _put(plane, "b", 1)
-    b.alive = False
-    assert _ids(asyncio.run(plane._place(count=2))) == ["a", "a"]
-    assert plane.repos.machines.mark_lost("b", "its node b is gone") == [on_b.id]
-    rec = plane.repos.machines.get(on_b.id)
-    assert rec is not None and rec.state == MachineState.LOST
-    with pytest.raises(NodeLost) as lost:
-        plane._node(rec)
-    assert lost.value.details["node"] == "b" and "delete" in lost.value.hint
-    # a lost record is not overwritten by a late mirror of the node's view
-    assert not plane.repos.machines.mirror(rec)
+def test_the_chooser_is_an_interface() -> None:
+    room = {"a": Room(2, 100), "b": Room(0, 9000), "c": Room(1, 500)}
+    assert MostFreeMemory().rank(room, ()) == ["b", "c", "a"]
+    assert Placement().choose(room, 3) == ["c", "a", "a"]  # b has no slot
+    assert Placement().choose(room, 1, exclude={"c"}) == ["a"]
+
+    class Alphabetical:
+        def rank(self, room: Mapping[str, Room], prefer: Any) -> list[str]:
+            return sorted(room)
+
+    assert Placement(Alphabetical()).choose(room, 3) == ["a", "a", "c"]
+    with pytest.raises(ResourceExhausted):
+        Placement().choose(room, 1, hint="c", exclude={"c"})
 
 
 def test_one_host_has_no_caps(tmp_path: Path) -> None:
     plane = _plane(tmp_path, [NumbersNode("local", 1, 100)], cluster=False)
     _put(plane, "local", 3)
     assert _ids(asyncio.run(plane._place(count=2))) == ["local", "local"]
+
+
+# ----------------------------------------------------------- launch retries
+
+
+def test_a_launch_that_failed_on_a_node_is_retried_without_that_node(tmp_path: Path) -> None:
+    bad = NumbersNode("bad", 5, 9000, fail=MachineFailed("the VM exited while booting"))
+    good = NumbersNode("good", 5, 100)
+    plane = _plane(tmp_path, [bad, good])
+    m = _new(plane, "retried")
+    assert m.node == "good" and m.name == "retried" and m.state == "running"
+    assert len(bad.launched) == 1 and len(good.launched) == 1  # bad was not asked again
+    # one record, the name claimed once more on the node that took it
+    assert [r.name for r in plane.repos.machines.list(_acct(plane))] == ["retried"]
+    # a lost node (the actor died mid-launch) is excluded the same way
+    bad.fail = NodeLost("node bad is gone", node="bad")
+    assert _new(plane, "again").node == "good"
+
+
+def test_a_launch_failing_on_every_node_tried_raises_the_nodes_error(tmp_path: Path) -> None:
+    nodes = [NumbersNode(f"n{i}", 5, 1000 * (i + 1), fail=MachineFailed(f"boom on n{i}"))
+             for i in range(LAUNCH_ATTEMPTS + 1)]
+    plane = _plane(tmp_path, nodes)
+    with pytest.raises(MachineFailed) as err:
+        _new(plane)
+    # most free memory first: the last nodes are tried first
+    tried = [n.id for n in reversed(nodes) if n.launched]
+    assert tried == [n.id for n in reversed(nodes)][:LAUNCH_ATTEMPTS], "the cap on nodes tried"
+    assert all(len(n.launched) <= 1 for n in nodes), "no node twice"
+    assert str(err.value) == f"boom on {tried[-1]}"  # the last attempt's error
+    assert plane.repos.machines.list(_acct(plane)) == []  # no record left behind
+
+
+def test_when_no_other_node_has_room_the_launch_error_stands(tmp_path: Path) -> None:
+    bad = NumbersNode("bad", 5, 9000, fail=MachineFailed("the VM exited while booting"))
+    full = NumbersNode("full", 1, 100)
+    plane = _plane(tmp_path, [bad, full])
+    _put(plane, "full", 1)
+    with pytest.raises(MachineFailed):  # not ResourceExhausted: the launch's own error
+        _new(plane)
+
+
+def test_request_errors_and_hinted_launches_are_not_retried(tmp_path: Path) -> None:
+    bad = NumbersNode("bad", 5, 9000, fail=InvalidRequest("bad input"))
+    good = NumbersNode("good", 5, 100)
+    plane = _plane(tmp_path, [bad, good])
+    with pytest.raises(InvalidRequest):  # bad input fails on every node
+        _new(plane)
+    assert good.launched == []
+    bad.fail = MachineFailed("the VM exited while booting")
+    with pytest.raises(MachineFailed):  # the caller pinned the node
+        _new(plane, node="bad")
+    assert good.launched == []
+
+
+def test_one_host_launches_once(tmp_path: Path) -> None:
+    local = NumbersNode("local", 5, 100, fail=MachineFailed("the VM exited while booting"))
+    plane = _plane(tmp_path, [local], cluster=False)
+    with pytest.raises(MachineFailed):
+        _new(plane)
+    assert len(local.launched) == 1
+
+
+# ---------------------------------------------------------------- node loss
+
+
+def test_dead_nodes_take_nothing_and_their_machines_are_lost(tmp_path: Path) -> None:
+    a, b = NumbersNode("a", 5, 100), NumbersNode("b", 5, 900)
+    plane = _plane(tmp_path, [a, b])
+    (on_b,) = _put(plane, "b", 1)
+    b.alive = False
+    assert _ids(asyncio.run(plane._place(count=2))) == ["a", "a"]
+    lifecycle = Lifecycle(plane.repos.machines)
+    assert lifecycle.mark_lost("b", "its node b is gone") == [on_b.id]
+    assert lifecycle.mark_lost("b", "again") == []  # lost already
+    rec = plane.repos.machines.get(on_b.id)
+    assert rec is not None and rec.state == MachineState.LOST
+    with pytest.raises(NodeLost) as lost:
+        plane._node(rec)
+    assert lost.value.details["node"] == "b" and "delete" in lost.value.hint
+    # a lost record is not overwritten by a late mirror of the node's view
+    assert not lifecycle.mirror(rec.__class__(**{**rec.__dict__, "state": MachineState.RUNNING}))
+    fresh = plane.repos.machines.get(on_b.id)
+    assert fresh is not None and fresh.state == MachineState.LOST
+
+
+def test_the_mirror_copies_the_nodes_truth_but_keeps_deleting(tmp_path: Path) -> None:
+    plane = _plane(tmp_path, [NumbersNode("a", 5, 100)])
+    (rec,) = _put(plane, "a", 1)
+    lifecycle = Lifecycle(plane.repos.machines)
+    node_view = rec.__class__(**{**rec.__dict__, "state": MachineState.SUSPENDED, "port": 4242})
+    assert lifecycle.mirror(node_view)
+    copy = plane.repos.machines.get(rec.id)
+    assert copy is not None and copy.state == MachineState.SUSPENDED and copy.port == 4242
+    assert lifecycle.move(rec.id, MachineState.DELETING)
+    assert not lifecycle.mirror(node_view)
+    copy = plane.repos.machines.get(rec.id)
+    assert copy is not None and copy.state == MachineState.DELETING
+
+
+def test_a_node_adopts_the_control_planes_claim(tmp_path: Path) -> None:
+    plane = _plane(tmp_path, [NumbersNode("a", 5, 100)])
+    (rec,) = _put(plane, "a", 1)
+    node_repos = Repos(Database(tmp_path / "node.db"))
+    Lifecycle(node_repos.machines).adopt(rec, 7)
+    got = node_repos.machines.get(rec.id)
+    assert got is not None and got.state == MachineState.STARTING and got.name == rec.name
+    assert node_repos.accounts.get(rec.account_id) is not None
+
+
+def test_the_control_plane_asks_no_node_what_kind_it_is() -> None:
+    for path in (SRC / "control").glob("*.py"):
+        text = path.read_text()
+        assert not re.search(r"isinstance\([^)]*(RayNode|NodeRuntime)", text), path
+        assert not re.search(r"getattr\((node|n|target|holder)\b", text), path
+    state = (SRC / "state" / "repos.py").read_text()
+    assert "SET state='lost'" not in state  # LOST goes through Lifecycle.mark_lost

@@ -19,10 +19,10 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-import test_agent as ta
 from fastapi.testclient import TestClient
-from test_api_fakes import FakeMachines, FakeSnapshots, host_info
 from test_node_fake import ACCOUNT, World, make_world, running
+from tests._support import agent_guest as ta
+from tests._support.api_fakes import FakeMachines, FakeSnapshots, host_info
 
 from boxd import process_models as pm
 from boxd.api import create_app

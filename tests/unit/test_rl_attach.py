@@ -12,7 +12,7 @@ import asyncio
 import sys
 
 import pytest
-import test_agent as ta
+from tests._support import agent_guest as ta
 
 from boxd.engine.agent import ExecExit, ExecOutput
 from boxd.errors import InvalidRequest

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env, data_equivalence
 from gymnasium.utils.env_match import check_environments_match
-from tests.unit import _rl_envs
+from tests._support import rl_envs as _rl_envs
 
 import boxd.rl as rl
 from boxd import errors

@@ -11,7 +11,7 @@ from typing import Any
 
 import cloudpickle
 import pytest
-from tests.unit import _rl_envs
+from tests._support import rl_envs as _rl_envs
 
 from boxd.rl._channel import MakeRequest
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import test_sdk_support as support
+from tests._support import sdk_daemon as support
 
 from boxd import AsyncBoxd, Boxd, errors
 from boxd.api.server import Daemon

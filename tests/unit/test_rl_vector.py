@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from gymnasium.utils.env_checker import data_equivalence
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
-from tests.unit import _rl_envs
+from tests._support import rl_envs as _rl_envs
 
 import boxd.rl as rl
 from boxd import errors

@@ -31,7 +31,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 from gymnasium.vector import AsyncVectorEnv, SyncVectorEnv
-from tests.unit import _rl_envs
+from tests._support import rl_envs as _rl_envs
 
 import boxd.rl as rl
 from boxd import errors

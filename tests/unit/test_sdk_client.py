@@ -1,14 +1,20 @@
-"""Boxd and AsyncBoxd against a real daemon (uvicorn, unix socket, local.key) over fakes."""
+"""Boxd and AsyncBoxd over the real app and fake services: in process through
+``transport=`` (sync: `SyncASGITransport`, async: ``httpx.ASGITransport``), and through a
+real daemon (uvicorn, unix socket, local.key) for the default connection and autostart.
+The same client on the fake engine: test_sdk_inprocess.py."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
-import test_sdk_support as support
+from starlette.types import ASGIApp
+from tests._support import sdk_daemon as support
 
 from boxd import AsyncBoxd, Boxd, errors
 from boxd.api.server import Daemon
@@ -17,6 +23,19 @@ from boxd.sdk import _local
 
 daemon = support.daemon  # fixtures
 paths = support.paths
+no_daemon = support.no_daemon
+
+
+@pytest.fixture
+def app(tmp_path: Path, no_daemon: Paths) -> tuple[ASGIApp, str]:
+    return support.scripted_app(tmp_path)
+
+
+@pytest.fixture
+def client(app: tuple[ASGIApp, str]) -> Iterator[Boxd]:
+    transport = support.SyncASGITransport(app[0])
+    with Boxd(api_key=app[1], base_url="http://boxd", transport=transport) as b:
+        yield b
 
 
 def test_spec_rollout_loop_with_eight_threads(daemon: Daemon, tmp_path: Path) -> None:
@@ -41,8 +60,8 @@ def test_spec_rollout_loop_with_eight_threads(daemon: Daemon, tmp_path: Path) ->
     boxd.close()
 
 
-def test_typed_errors_and_exec_timeout(daemon: Daemon) -> None:
-    with Boxd() as b:
+def test_typed_errors_and_exec_timeout(client: Boxd) -> None:
+    with client as b:
         with pytest.raises(errors.MachineNotFound) as e:
             b.machines.get("nope")
         assert e.value.machine == "nope"
@@ -61,8 +80,14 @@ def test_bad_key_is_auth_error(daemon: Daemon) -> None:
         Boxd(api_key="boxd_wrong").machines.list()
 
 
-def test_stream_files_checkpoints_snapshots_batch(daemon: Daemon, tmp_path: Path) -> None:
-    with Boxd() as b:
+def test_bad_key_is_auth_error_in_process(app: tuple[ASGIApp, str]) -> None:
+    transport = support.SyncASGITransport(app[0])
+    with pytest.raises(errors.AuthError):
+        Boxd(api_key="boxd_wrong", transport=transport).machines.list()
+
+
+def test_stream_files_checkpoints_snapshots_batch(client: Boxd, tmp_path: Path) -> None:
+    with client as b:
         b.machines.new("a")
         events = list(b.machines.exec_stream("a", ["exit", "3"]))
         assert [e.type for e in events] == ["stdout", "stderr", "exit"]
@@ -89,9 +114,10 @@ def test_stream_files_checkpoints_snapshots_batch(daemon: Daemon, tmp_path: Path
         assert len(b.keys.list()) >= 2
 
 
-def test_async_client(daemon: Daemon) -> None:
+def test_async_client(app: tuple[ASGIApp, str]) -> None:
     async def go() -> None:
-        async with AsyncBoxd() as b:
+        transport = httpx.ASGITransport(app=app[0])
+        async with AsyncBoxd(api_key=app[1], transport=transport) as b:
             await b.machines.new("a")
             kids = await asyncio.gather(*(b.machines.fork("a", f"k{i}") for i in range(8)))
             results = await asyncio.gather(*(b.machines.exec(k.id, "echo hi") for k in kids))

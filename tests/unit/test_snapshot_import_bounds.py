@@ -354,7 +354,7 @@ def test_an_import_runs_beside_the_event_loop(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
     from fastapi.testclient import TestClient
-    from test_api_fakes import FakeMachines, host_info
+    from tests._support.api_fakes import FakeMachines, host_info
 
     from boxd.api import create_app
     from boxd.api.services.keys import KeyService

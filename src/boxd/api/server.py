@@ -34,6 +34,12 @@ from boxd.errors import Conflict, HostSetupError, InvalidRequest
 from boxd.services import HostInfoFn, MachineService, SnapshotService
 from boxd.state import Database
 
+#: Seconds the daemon keeps an idle HTTP connection open. Longer than any client's own
+#: idle expiry (the SDK's 5 s, browsers' 60 s), so the client always closes first: with
+#: uvicorn's default of 5 s, both ends timed out together and a request sent on a pooled
+#: connection as the daemon closed it got no answer ("Server disconnected").
+KEEP_ALIVE_SECONDS = 75
+
 __all__ = ["Daemon", "local_key_path", "serve", "write_local_key"]
 
 log = logging.getLogger("boxd.daemon")
@@ -261,7 +267,7 @@ class Daemon:
             self.server = _Server(
                 uvicorn.Config(
                     self.app, log_config=None, access_log=True, proxy_headers=False,
-                    timeout_graceful_shutdown=10,
+                    timeout_graceful_shutdown=10, timeout_keep_alive=KEEP_ALIVE_SECONDS,
                     # Fixed, whatever else is installed: h11 for HTTP, websockets'
                     # Sans-I/O protocol for WebSockets. No keepalive pings: the Python
                     # SDK drives a process stream from the caller's thread and answers
@@ -356,8 +362,8 @@ def serve(
     Args:
         paths: the data directory.
         listen: also serve on TCP at ``HOST:PORT`` (e.g. ``127.0.0.1:7070``).
-        machines: the machine service (default: ``boxd.core.build_services``).
-        snapshots: the snapshot service (default: ``boxd.core.build_services``).
+        machines: the machine service (default: `boxd.control.build_services`).
+        snapshots: the snapshot service (default: `boxd.control.build_services`).
 
     Raises:
         Conflict: another daemon serves this data directory.

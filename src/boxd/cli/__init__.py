@@ -339,6 +339,24 @@ def machine_fork(
         sys.exit(1)
 
 
+@machine.command("warm")
+@click.argument("name")
+@click.option("--forks", "-n", type=click.IntRange(0, 64), required=True,
+              help="Standby forks to keep ready (0 releases them).")
+@json_option
+@pass_state
+def machine_warm(state: _State, name: str, forks: int, as_json: bool) -> None:
+    """Prepare standby forks of NAME's current state; returns once they are ready.
+
+    The next N forks of the unchanged machine claim them instead of starting children.
+    They use no CPU while they wait; a change to NAME (an exec, an upload, a restore)
+    discards them. They count against no quota until claimed.
+    """
+    with _render.activity(f"preparing {forks} standby forks of {name}", as_json=as_json):
+        s = state.boxd.machines.warm(name, forks=forks)
+    _show(s, as_json, _render.standby)
+
+
 @machine.group("files", context_settings=_CONTEXT)
 def machine_files() -> None:
     """Copy files into and out of a machine."""

@@ -225,6 +225,11 @@ def machine(m: models.Machine) -> None:
     )
 
 
+def standby(s: models.Standby) -> None:
+    details([("machine", s.machine_id), ("standby forks", s.forks), ("engine", s.engine),
+             ("host memory", size(s.memory_bytes))])
+
+
 def checkpoints(items: Sequence[models.Checkpoint]) -> None:
     table(
         ["NAME", "ID", "CREATED"],
@@ -308,6 +313,8 @@ def host(info: models.HostInfo) -> None:
             ("data dir", info.data_dir),
             ("image", info.image),
             ("limits", info.limits),
+            ("standby forks", f"{info.standby_forks} ({size(info.standby_memory_bytes)} "
+             "host memory)"),
         ]
     )
     if info.engines:

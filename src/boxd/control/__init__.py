@@ -6,10 +6,9 @@ from boxd import models
 from boxd.config import Paths, Settings
 from boxd.control.accounts import Accounts
 from boxd.control.plane import Machines, Snapshots, machine_model, validate_name
+from boxd.control.ray import RayCluster
 from boxd.errors import HostSetupError
 from boxd.node import Host, NodeRuntime
-from boxd.node.base import Node
-from boxd.node.cluster import RayCluster
 from boxd.services import HostInfoFn
 from boxd.state import Database, Repos
 from boxd.storage import SnapshotStore
@@ -45,18 +44,16 @@ def _cluster_services(
     paths: Paths, repos: Repos, store: SnapshotStore, settings: Settings
 ) -> tuple[Machines, Snapshots, HostInfoFn]:
     """The control plane of a Ray cluster: its nodes join as Ray reports them (see
-    `boxd.node.cluster`); this process runs no machines itself."""
-    nodes: dict[str, Node] = {}
-    machines = Machines(repos, nodes, store, default_quota=settings.default_max_machines)
+    `boxd.control.ray`); this process runs no machines itself."""
+    machines = Machines(repos, {}, store, default_quota=settings.default_max_machines)
     cluster = RayCluster(settings.ray_address, paths, settings, repos, machines.quota_of)
-    cluster.nodes = nodes
     machines.cluster = cluster
     snapshots = Snapshots(machines, store)
     machines.snapshots = snapshots
 
     async def host_info() -> models.HostInfo:
-        for node in nodes.values():
-            if getattr(node, "alive", True):
+        for node in cluster.nodes.values():
+            if node.alive:
                 info = await node.host_info()
                 return info.model_copy(update={"data_dir": str(paths.home)})
         raise HostSetupError("no boxd node has joined the Ray cluster yet",

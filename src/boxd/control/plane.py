@@ -2,8 +2,12 @@
 
 It implements the service contracts of `boxd.services` on top of nodes (the `Node`
 protocol): it claims a machine's name and quota slot by inserting its record, picks
-the node, and asks that node to launch, fork, checkpoint, run and delete. Reads
-(`get`, `list`) are pure: they return the records as they are.
+the node (`control/placement.py`), and asks that node to launch, fork, checkpoint, run
+and delete. Reads (`get`, `list`) are pure: they return the records as they are.
+
+It holds either the nodes of this host (`LocalNode`) or a `Cluster` of nodes
+(`ClusterNode`: liveness, address, snapshot blobs, node-to-node forks), and calls
+those capabilities; it never asks what kind of node it holds (`control/nodes.py`).
 """
 
 from __future__ import annotations
@@ -14,30 +18,33 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
+from typing import TypeVar
 
 from boxd import models
 from boxd import process_models as pm
 from boxd.config import DEFAULT_MACHINE_QUOTA
+from boxd.control.nodes import Cluster, ClusterNode, LocalNode
+from boxd.control.placement import Placement, Room, check_hint
 from boxd.engine.registry import ENGINES
 from boxd.errors import (
     BoxdError,
     InvalidRequest,
     MachineNotFound,
     NodeLost,
-    NotFound,
     ResourceExhausted,
     SnapshotNotFound,
 )
 from boxd.models import NAME_RE, NAME_RULE, MachineState
 from boxd.node.base import Boot, FromSnapshot, Node, ProcessStream
-from boxd.node.cluster import RayCluster, RayNode
 from boxd.services import GuestApi
 from boxd.state import MachineRecord, Repos, SnapshotRecord, new_id
 from boxd.storage import SnapshotStore
 
 log = logging.getLogger("boxd.control")
+
+_T = TypeVar("_T")
 
 
 def validate_name(name: str, kind: str = "machine") -> str:
@@ -81,23 +88,47 @@ class Machines:
     """The `MachineService`: machines of accounts, on nodes."""
 
     def __init__(
-        self, repos: Repos, nodes: dict[str, Node], store: SnapshotStore, *,
-        default_quota: int = DEFAULT_MACHINE_QUOTA, cluster: RayCluster | None = None,
+        self, repos: Repos, nodes: Mapping[str, LocalNode], store: SnapshotStore, *,
+        default_quota: int = DEFAULT_MACHINE_QUOTA, cluster: Cluster | None = None,
+        placement: Placement | None = None,
     ) -> None:
         self.repos = repos
-        self.nodes = nodes
+        self.local = nodes  # this host's nodes (none on a cluster's control plane)
         self.store = store
         self.default_quota = default_quota
         self.snapshots: Snapshots | None = None
         self.cluster = cluster  # nodes on Ray (`boxd serve --ray`); None: this host only
+        self.placement = placement or Placement()
         # source machine id -> nodes that received its template (placement prefers them)
         self._received: dict[str, set[str]] = {}
 
+    @property
+    def nodes(self) -> Mapping[str, Node]:
+        """Every node machines may be on: the cluster's, or this host's."""
+        return self.cluster.nodes if self.cluster is not None else self.local
+
+    @nodes.setter
+    def nodes(self, nodes: Mapping[str, LocalNode]) -> None:
+        """Replace this host's nodes (a restarted node runtime)."""
+        self.local = nodes
+
     # ------------------------------------------------------------- placement
+
+    def _alive(self, node_id: str) -> bool:
+        """A node of this host is always alive; a cluster's until it died."""
+        if self.cluster is None:
+            return node_id in self.local
+        node = self.cluster.nodes.get(node_id)
+        return node is not None and node.alive
+
+    def _live_cluster_nodes(self) -> builtins.list[ClusterNode]:
+        if self.cluster is None:
+            return []
+        return [n for n in self.cluster.nodes.values() if n.alive]
 
     def _node(self, rec: MachineRecord) -> Node:
         node = self.nodes.get(rec.node_id)
-        if rec.state == MachineState.LOST or node is None or not _alive(node):
+        if rec.state == MachineState.LOST or node is None or not self._alive(node.id):
             raise NodeLost(
                 f"machine {rec.name!r} is lost: {rec.error or f'its node {rec.node_id} is gone'}",
                 machine=rec.name, node=rec.node_id,
@@ -106,20 +137,19 @@ class Machines:
         return node
 
     def _model(self, rec: MachineRecord) -> models.Machine:
-        node = self.nodes.get(rec.node_id)
-        address = getattr(node, "address", "") if isinstance(node, RayNode) else ""
-        return machine_model(rec, address or "127.0.0.1")
+        node = self.cluster.nodes.get(rec.node_id) if self.cluster is not None else None
+        return machine_model(rec, (node.address if node is not None else "") or "127.0.0.1")
 
     def quota_of(self, account: str) -> int:
         acct = self.repos.accounts.get(account)
         return acct.max_machines if acct is not None else self.default_quota
 
-    async def _room(self) -> dict[str, tuple[int, int]]:
-        """Per live node: (free slots under its cap, free memory MiB)."""
+    async def _room(self) -> dict[str, Room]:
+        """Per live cluster node: free slots under its cap, free memory."""
         counts = self.repos.machines.count_by_node()
-        live = [n for n in self.nodes.values() if _alive(n)]
+        live = self._live_cluster_nodes()
         infos = await asyncio.gather(*(n.info() for n in live))
-        return {n.id: (i.max_machines - counts.get(n.id, 0), i.memory_free_mib)
+        return {n.id: Room(i.max_machines - counts.get(n.id, 0), i.memory_free_mib)
                 for n, i in zip(live, infos, strict=True)}
 
     async def _place(
@@ -127,36 +157,36 @@ class Machines:
     ) -> builtins.list[Node]:
         """The nodes ``count`` new machines go to.
 
-        One host: its node. On a cluster: ``hint`` if given (it must be alive and under
-        its cap); else the nodes in ``prefer`` (they hold the template or snapshot)
-        first, then those with the most free memory, each up to its cap.
+        One host: its node. On a cluster: `Placement.choose` (``hint`` if given, else
+        ``prefer`` first, then the most free memory, each node up to its cap).
 
         Raises:
             NotFound: ``hint`` names no node.
             ResourceExhausted: every node is at its cap (BOXD_NODE_MAX_MACHINES).
         """
-        if hint is not None and hint not in self.nodes:
-            raise NotFound(f"no node {hint!r}", field="node",
-                           hint="`boxd nodes list` shows the nodes")
+        check_hint(hint, self.nodes)
         if self.cluster is None:
             return [self.nodes[hint] if hint else next(iter(self.nodes.values()))] * count
-        room = await self._room()
-        if hint is not None:
-            order = [hint] if hint in room else []
-        else:
-            order = sorted(room, key=lambda n: (n not in (prefer or set()), -room[n][1]))
-        out: builtins.list[Node] = []
-        for nid in order:
-            free = max(0, room[nid][0])
-            out += [self.nodes[nid]] * min(free, count - len(out))
-        if len(out) < count:
-            raise ResourceExhausted(
-                f"no node has room for {count - len(out)} more machine(s)"
-                + (f" on node {hint}" if hint else ""),
-                hint="delete machines, add a node (`ray start --resources '{\"boxd\": 1}'`), "
-                "or raise BOXD_NODE_MAX_MACHINES", needed=count, free=len(out),
-            )
-        return out
+        chosen = self.placement.choose(await self._room(), count, hint=hint,
+                                       prefer=prefer or set())
+        return [self.nodes[nid] for nid in chosen]
+
+    async def _launch(
+        self, hint: str | None, prefer: set[str], launch: Callable[[Node], Awaitable[_T]]
+    ) -> _T:
+        """Run ``launch`` on the node placement picks. On a cluster, a launch that failed
+        on a node is tried on the next one, without the nodes that failed
+        (`Placement.launch`); on one host its node answers.
+
+        Raises:
+            NotFound: ``hint`` names no node.
+            ResourceExhausted: every node is at its cap.
+        """
+        check_hint(hint, self.nodes)
+        if self.cluster is None:
+            return await launch((await self._place(hint))[0])
+        return await self.placement.launch(
+            self._room, lambda nid: launch(self.nodes[nid]), hint=hint, prefer=prefer)
 
     async def nodes_list(self) -> builtins.list[models.NodeInfo]:
         return [await node.info() for node in self.nodes.values()]
@@ -198,14 +228,18 @@ class Machines:
                                  hint=f"use one of {', '.join(ENGINES)}")
         if req.from_snapshot:
             return await self._create_from_snapshot(account, req)
-        node = (await self._place(req.node))[0]
-        rec = await self._claim(
-            account, req.name, node, vcpus=req.vcpus, memory_mib=req.memory_mib,
-            disk_gib=req.disk_gib, isolated=req.isolated, engine=req.engine,
-            suspend_after=req.suspend_after, hibernate_after=req.hibernate_after,
-            public=req.public,
-        )
-        await node.create(rec.id, Boot())
+
+        async def launch(node: Node) -> MachineRecord:
+            rec = await self._claim(
+                account, req.name, node, vcpus=req.vcpus, memory_mib=req.memory_mib,
+                disk_gib=req.disk_gib, isolated=req.isolated, engine=req.engine,
+                suspend_after=req.suspend_after, hibernate_after=req.hibernate_after,
+                public=req.public,
+            )
+            await node.create(rec.id, Boot())  # on failure the record is gone
+            return rec
+
+        rec = await self._launch(req.node, set(), launch)
         return await self.get(account, rec.id)
 
     async def _create_from_snapshot(
@@ -214,47 +248,46 @@ class Machines:
         assert self.snapshots is not None and req.from_snapshot is not None
         snap = self.snapshots.resolve(account, req.from_snapshot)
         manifest = self.store.get(snap.digest)
-        holders: dict[str, Node] = {}
+        holders: dict[str, ClusterNode] = {}
         if self.cluster is None:
             await asyncio.to_thread(self.store.ensure_verified, manifest.digest)
         else:  # the blobs are on the nodes that saved or received it
-            for nid, n in self.nodes.items():
-                if _alive(n) and manifest.digest in await _digests(n):
-                    holders[nid] = n
+            for n in self._live_cluster_nodes():
+                if manifest.digest in await n.snapshot_digests():
+                    holders[n.id] = n
             if not holders:
                 raise SnapshotNotFound(
                     f"snapshot {req.from_snapshot!r} is on no live node", snapshot=snap.name,
                     hint="the nodes that held it are gone; import it again",
                 )
-        node = (await self._place(req.node, prefer=set(holders)))[0]
         meta = manifest.meta
         engine = str(meta.get("engine") or "qemu")
-        if req.engine is not None and req.engine != engine:
-            raise InvalidRequest(
-                f"snapshot {req.from_snapshot!r} was saved on the {engine} engine; it cannot "
-                f"start on {req.engine}", field="engine",
-                hint=f"leave the engine out (it starts on {engine}), or save a snapshot of a "
-                f"machine running on {req.engine}",
-            )
-        rec = await self._claim(
-            account, req.name, node, vcpus=int(meta.get("vcpus", req.vcpus)),
-            memory_mib=int(meta.get("memory_mib", req.memory_mib)),
-            disk_gib=max(req.disk_gib, int(meta.get("disk_gib", req.disk_gib))),
-            isolated=req.isolated or bool(meta.get("isolated", False)),
-            snapshot=manifest.digest, engine=engine,
-            suspend_after=req.suspend_after, hibernate_after=req.hibernate_after,
-            public=req.public,
-        )
         source = FromSnapshot(
             manifest.digest, manifest.blob_path("memory"), manifest.blob_path("state"),
             manifest.blob_path("disk"),
         )
-        if isinstance(node, RayNode):
-            holder = holders.get(node.id) or next(iter(holders.values()))
-            assert isinstance(holder, RayNode)
-            await node.create(rec.id, source, holder=None if holder is node else holder)
-        else:
-            await node.create(rec.id, source)
+
+        async def launch(node: Node) -> MachineRecord:
+            _check_engine(req, engine)  # after placement, as its errors come first
+            rec = await self._claim(
+                account, req.name, node, vcpus=int(meta.get("vcpus", req.vcpus)),
+                memory_mib=int(meta.get("memory_mib", req.memory_mib)),
+                disk_gib=max(req.disk_gib, int(meta.get("disk_gib", req.disk_gib))),
+                isolated=req.isolated or bool(meta.get("isolated", False)),
+                snapshot=manifest.digest, engine=engine,
+                suspend_after=req.suspend_after, hibernate_after=req.hibernate_after,
+                public=req.public,
+            )
+            if self.cluster is None:
+                await node.create(rec.id, source)
+            else:  # a node that lacks the blobs pulls them from one that holds them
+                target = self.cluster.nodes[node.id]
+                holder = holders.get(node.id) or next(iter(holders.values()))
+                await target.create(rec.id, source,
+                                    holder=None if holder.id == node.id else holder)
+            return rec
+
+        rec = await self._launch(req.node, set(holders), launch)
         return await self.get(account, rec.id)
 
     # ------------------------------------------------------------ inspection
@@ -302,6 +335,15 @@ class Machines:
 
     # ------------------------------------------------------------------ fork
 
+    async def warm(self, account: str, ref: str, forks: int) -> models.Standby:
+        """Standby forks on the source's node: the next forks there are claims (on a
+        cluster, the first of a batch go to the source's node while it has room)."""
+        if not 0 <= forks <= models.MAX_STANDBY_FORKS:
+            raise InvalidRequest(f"forks must be 0-{models.MAX_STANDBY_FORKS}, not {forks}",
+                                 field="forks")
+        rec = self._find(account, ref)
+        return await self._node(rec).warm(rec.id, forks)
+
     async def fork(
         self, account: str, ref: str, names: builtins.list[str | None]
     ) -> builtins.list[models.Machine | Exception]:
@@ -346,10 +388,12 @@ class Machines:
                 raise
 
         async def remote(nid: str, ids: builtins.list[str]) -> None:
-            target = self.nodes[nid]
-            assert isinstance(target, RayNode) and isinstance(node, RayNode)
+            # children off the source's node exist only on a cluster (_fork_targets)
+            assert self.cluster is not None
+            target, source = self.cluster.nodes[nid], self.cluster.nodes[node.id]
             try:
-                results.update(zip(ids, await target.fork_from(node, src.id, ids), strict=True))
+                results.update(zip(ids, await target.fork_from(source, src.id, ids),
+                                   strict=True))
                 self._received.setdefault(src.id, set()).add(nid)
             except Exception as exc:  # that node's children failed; the others go on
                 for cid in ids:
@@ -376,24 +420,13 @@ class Machines:
         (copy-on-write there), then the other nodes (the template streams to them)."""
         if self.cluster is None or src.engine != "qemu":
             return [node] * count
-        room = await self._room()
-        here = max(0, room.get(node.id, (0, 0))[0])
-        out: builtins.list[Node | Exception] = [node] * min(here, count)
-        if len(out) < count:
-            others = {k: v for k, v in room.items() if k != node.id}
-            # nodes that received this source's template before first (copy-on-write
-            # there again, if the source is unchanged), then by free memory
-            had = self._received.get(src.id, set())
-            ranked = sorted(others, key=lambda n: (n not in had, -others[n][1]))
-            for nid in ranked:
-                out += [self.nodes[nid]] * min(max(0, others[nid][0]), count - len(out))
-        while len(out) < count:
-            out.append(ResourceExhausted(
-                "no node has room for another fork child",
-                hint="delete machines, add a node, or raise BOXD_NODE_MAX_MACHINES",
-                needed=count, free=count - 1,
-            ))
-        return out
+        chosen = self.placement.fork_targets(await self._room(), node.id, count,
+                                             self._received.get(src.id, set()))
+        return [self.nodes[nid] if nid is not None else ResourceExhausted(
+            "no node has room for another fork child",
+            hint="delete machines, add a node, or raise BOXD_NODE_MAX_MACHINES",
+            needed=count, free=count - 1,
+        ) for nid in chosen]
 
     async def _forget(self, machine_id: str, node: Node) -> None:
         """Remove the record of a machine that was never launched."""
@@ -473,7 +506,7 @@ class Machines:
         rec = self._find(account, ref)
         node = self.nodes.get(rec.node_id)
         self._received.pop(rec.id, None)
-        if rec.state == MachineState.LOST or node is None or not _alive(node):
+        if rec.state == MachineState.LOST or node is None or not self._alive(node.id):
             self.repos.machines.delete(rec.id)  # its node and VM are gone: only the record
             return
         await node.delete(rec.id)
@@ -497,20 +530,23 @@ class Machines:
     def serve_guests(self, handler: GuestApi) -> None:
         """Serve in-guest API sockets with ``handler`` on every node that can: the local
         node (a remote node's machines have no route to this daemon's app yet)."""
-        for node in self.nodes.values():
-            serve = getattr(node, "serve_guests", None)
-            if serve is not None:
-                serve(handler)
+        for node in self.local.values():
+            node.serve_guests(handler)
 
 
-def _alive(node: Node) -> bool:
-    return bool(getattr(node, "alive", True))
+def _check_engine(req: models.MachineCreate, engine: str) -> None:
+    """A snapshot starts on the engine it was saved on.
 
-
-async def _digests(node: Node) -> set[str]:
-    if isinstance(node, RayNode):
-        return await node.snapshot_digests()
-    return set()
+    Raises:
+        InvalidRequest: ``req`` names another engine.
+    """
+    if req.engine is not None and req.engine != engine:
+        raise InvalidRequest(
+            f"snapshot {req.from_snapshot!r} was saved on the {engine} engine; it cannot "
+            f"start on {req.engine}", field="engine",
+            hint=f"leave the engine out (it starts on {engine}), or save a snapshot of a "
+            f"machine running on {req.engine}",
+        )
 
 
 class Snapshots:
@@ -573,8 +609,9 @@ class Snapshots:
             "disk_gib": rec.disk_gib, "isolated": rec.isolated,
         })
         node = self.machines._node(rec)
-        if isinstance(node, RayNode):  # the registry keeps the manifest; blobs stay there
-            raw = await node.manifest(digest)
+        cluster = self.machines.cluster
+        if cluster is not None:  # the registry keeps the manifest; blobs stay on the node
+            raw = await cluster.nodes[node.id].manifest(digest)
             await asyncio.to_thread(self.store.add_manifest, raw, digest)
         snap = self.repos.snapshots.add(account, name, digest, new_version=new_version)
         log.info("snapshot=%s event=saved name=%s digest=%s", snap.id, name, digest[:12])
@@ -592,12 +629,11 @@ class Snapshots:
         self.repos.snapshots.delete(rec.id)
         if not self.repos.snapshots.digest_used(rec.digest):
             await asyncio.to_thread(self.store.delete, rec.digest, in_use=self.in_use)
-            for node in self.machines.nodes.values():  # a cluster's nodes hold the blobs
-                if isinstance(node, RayNode) and node.alive:
-                    try:
-                        await node.drop_snapshot(rec.digest)
-                    except BoxdError as exc:  # its store collects them later
-                        log.warning("node=%s event=snapshot_drop_failed error=%s", node.id, exc)
+            for node in self.machines._live_cluster_nodes():  # they hold the blobs
+                try:
+                    await node.drop_snapshot(rec.digest)
+                except BoxdError as exc:  # its store collects them later
+                    log.warning("node=%s event=snapshot_drop_failed error=%s", node.id, exc)
 
     async def export(self, account: str, ref: str) -> Path:
         rec = self.resolve(account, ref)
@@ -614,8 +650,8 @@ class Snapshots:
         raw = self.store.manifest_bytes(digest)
         if not self.store.missing(raw, digest):
             return
-        for node in self.machines.nodes.values():
-            if isinstance(node, RayNode) and node.alive and digest in await _digests(node):
+        for node in self.machines._live_cluster_nodes():
+            if digest in await node.snapshot_digests():
                 await node.fetch_snapshot(digest, self.store)
                 return
         raise SnapshotNotFound(f"snapshot {digest[:12]} is on no live node",

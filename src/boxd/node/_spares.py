@@ -18,11 +18,13 @@ or N one-child forks in flight together (at most ``BOXD_FORK_SPARES``, default 8
 turns spares off), and never beyond ``BOXD_FORK_SPARES_TOTAL`` (default 32) across the
 daemon. A fork that finds no ready spare while some are being prepared waits for one of
 them (one fork per spare coming) rather than starting its child from scratch.
-Spares live only while their template is the one the next fork would use: when the
-source changes, is deleted or its template is collected, they are killed. They are
-never in the database (a claimed spare's VM id becomes the record's ``vm_id``); a
-restarted daemon kills the VM processes of run directories no machine owns (see
-``NodeRuntime._sweep``).
+`warm` sizes a template's pool by hand (``machines.warm(ref, forks=N)``): exactly N
+spares, not capped by ``BOXD_FORK_SPARES`` (only by the total), made at once and kept
+at N after forks claim them. Spares live only while their template is the one the next
+fork would use: when the source changes, is deleted or its template is collected, they
+are killed. They are never in the database (a claimed spare's VM id becomes the
+record's ``vm_id``); a restarted daemon kills the VM processes of run directories no
+machine owns (see ``NodeRuntime._sweep``).
 """
 
 from __future__ import annotations
@@ -87,6 +89,9 @@ class SparePool:
         self._making: dict[str, int] = {}  # spares being prepared right now, per template
         # Forks waiting for a spare being prepared (see `claim`), per template.
         self._waiters: dict[str, list[asyncio.Future[Spare | None]]] = {}
+        self._failed: dict[str, str] = {}  # why the last refill of a template stopped
+        # Set (and replaced) whenever a spare is kept or a refill ends: what `warm` waits on.
+        self._progress = asyncio.Event()
 
     def count(self, template_id: str) -> int:
         return len(self._spares.get(template_id, []))
@@ -137,9 +142,36 @@ class SparePool:
         if self.per_template == 0:
             return
         self._target[tpl.id] = max(self._target.get(tpl.id, 0), min(batch, self.per_template))
-        if tpl.id not in self._refilling:
-            self._refilling.add(tpl.id)
-            self._background(self._refill(source_id, tpl))
+        self._start_refill(source_id, tpl)
+
+    async def warm(self, source_id: str, tpl: TemplateRecord, n: int) -> tuple[int, str]:
+        """Keep exactly ``n`` spares of ``tpl`` (the user sized the pool: not capped by
+        ``per_template``, only by ``total``) and return once they are ready: how many
+        there are, and why fewer, if so. ``n == 0`` releases them."""
+        others = sum(len(v) for k, v in self._spares.items() if k != tpl.id)
+        n = max(0, min(n, self.total - others))
+        self._target[tpl.id] = n
+        self._failed.pop(tpl.id, None)
+        self._last_take.pop(tpl.id, None)  # asked for now: no waiting for forks to pause
+        pool = self._spares.get(tpl.id, [])
+        while len(pool) > n:
+            self._background(self._discard(pool.pop()))
+        if hurry := self._settling.get(tpl.id):
+            hurry.set()
+        if self.count(tpl.id) < n:
+            self._start_refill(source_id, tpl)
+        while self.count(tpl.id) < n and tpl.id in self._refilling:
+            await self._progress.wait()
+        why = "" if self.count(tpl.id) >= n else self._failed.get(
+            tpl.id, "the source changed or the pool's total cap (BOXD_FORK_SPARES_TOTAL) "
+            "was reached meanwhile")
+        return self.count(tpl.id), why
+
+    def ready(self, template_id: str | None = None) -> list[Spare]:
+        """The spares ready right now, of one template or all (for reporting)."""
+        if template_id is not None:
+            return list(self._spares.get(template_id, []))
+        return [s for pool in self._spares.values() for s in pool]
 
     def prune(self) -> None:
         """Kill the spares of templates the next fork would no longer use."""
@@ -161,6 +193,16 @@ class SparePool:
                 await self._discard(spare)
 
     # ----------------------------------------------------------------- internals
+
+    def _start_refill(self, source_id: str, tpl: TemplateRecord) -> None:
+        if tpl.id not in self._refilling:
+            self._refilling.add(tpl.id)
+            self._background(self._refill(source_id, tpl))
+
+    def _pulse(self) -> None:
+        """Wake whoever waits on `_progress` (each waiter re-checks its condition)."""
+        done, self._progress = self._progress, asyncio.Event()
+        done.set()
 
     def _background(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
@@ -194,16 +236,19 @@ class SparePool:
                 if failed:
                     # A spare is an optimisation: forks still work without.
                     log.warning("event=spare_failed template=%s error=%r", tpl.id, failed[0])
+                    self._failed[tpl.id] = str(failed[0]) or repr(failed[0])
                     break
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             log.warning("event=spare_failed template=%s error=%r", tpl.id, exc)
+            self._failed[tpl.id] = str(exc) or repr(exc)
         finally:
             self._refilling.discard(tpl.id)
             for fut in self._waiters.get(tpl.id, []):
                 if not fut.done():
                     fut.set_result(None)  # no more spares coming: start from scratch
+            self._pulse()
 
     async def _prepare(self, source_id: str, tpl: TemplateRecord, n: int) -> list[Any]:
         """``n`` spares made at once: each a `Spare` or the exception that stopped it.
@@ -252,6 +297,7 @@ class SparePool:
 
     def _keep(self, template_id: str, spare: Spare) -> None:
         self._spares.setdefault(template_id, []).append(spare)
+        self._pulse()
 
     async def _discard(self, spare: Spare) -> None:
         with contextlib.suppress(Exception):

@@ -173,6 +173,34 @@ class Lifecycle:
         assert fresh is not None
         return fresh
 
+    # A cluster keeps two copies of a machine's record: the node's (its truth, moved by
+    # the node's Lifecycle) and the control plane's mirror. Besides `move`, these three
+    # named operations are the only writers of a state there. LOST is a state of the
+    # control plane's copy only (a dead node cannot write its own).
+
+    def adopt(self, machine: MachineRecord, quota: int) -> None:
+        """On a cluster node: record a machine the control plane claimed, in the state
+        its claim gave it (``starting``); the node's moves start from there. ``quota`` is
+        the account's machine quota (the node applies it to wakes)."""
+        self._machines.adopt(machine, quota)
+        self._running.discard(machine.id)
+
+    def mirror(self, machine: MachineRecord) -> bool:
+        """On the control plane: copy a node's record (the truth: its own Lifecycle
+        checked every move) over this table's copy. Not a move: the copy takes whatever
+        state the node reached, except that a copy ``lost`` (its node died) or
+        ``deleting`` (on its way out) stays so. False if the copy is gone or kept."""
+        self._running.discard(machine.id)
+        return self._machines.mirror(machine, keep=(S.LOST, S.DELETING))
+
+    def mark_lost(self, node_id: str, reason: str) -> list[str]:
+        """On the control plane: every machine of a dead node becomes ``lost`` (from any
+        state the table lets reach it), with ``reason``; returns their ids."""
+        sources = tuple(s for s, targets in TRANSITIONS.items() if S.LOST in targets)
+        lost = self._machines.compare_and_set_node(node_id, sources, S.LOST, reason)
+        self._running.difference_update(lost)
+        return lost
+
 
 class Lease:
     """Per machine: one mutating operation at a time; a gate for agent users.

@@ -64,6 +64,7 @@ from boxd.errors import (
     MachineFailed,
     MachineNotFound,
     NotFound,
+    ResourceExhausted,
 )
 from boxd.models import MachineState
 from boxd.node import _transfer as transfer
@@ -72,6 +73,7 @@ from boxd.node._ports import free_port
 from boxd.node._processes import ProcessStream, ProcessTable, Relay
 from boxd.node._proxy import PortProxy, Upstream, record_access
 from boxd.node._spares import Spare, SparePool
+from boxd.node._standby import tree_pss
 from boxd.node._transfer import Fetch, FileOffer, LayerOffer, TemplateOffer
 from boxd.node.base import Boot, FromSnapshot
 from boxd.node.lifecycle import ASLEEP, HAS_VM, LIVE, TRANSIENT, Lease, Lifecycle, require
@@ -455,7 +457,8 @@ class NodeRuntime:
             accelerator=info.accelerator, accelerator_reason=info.accelerator_reason,
             cpu_model=info.cpu_model, data_dir=str(self.paths.home), image=image.key,
             engines=engines, engine_reason=self.host.default_reason,
-            limits=info.limits or None,
+            limits=info.limits or None, standby_forks=len(standby := self.spares.ready()),
+            standby_memory_bytes=tree_pss(s.handle.pid for s in standby),
         )
 
     async def info(self) -> models.NodeInfo:
@@ -1202,6 +1205,38 @@ class NodeRuntime:
             if r is None:
                 self.procs.inherit(source_id, cid)
         return out
+
+    async def warm(self, source_id: str, forks: int) -> models.Standby:
+        """Keep ``forks`` standby children of the source's current state (see
+        `SparePool.warm`); 0 releases them without making a template."""
+        src = self._rec(source_id)
+        if forks == 0:
+            tpl = self.repos.layers.template_for(source_id, src.generation)
+            if tpl is not None:
+                await self.spares.warm(source_id, tpl, 0)
+            return self._standby(src, tpl)
+        if self.spares.total == 0:
+            raise ResourceExhausted("standby forks are off on this node "
+                                    "(BOXD_FORK_SPARES_TOTAL=0)",
+                                    hint="set BOXD_FORK_SPARES_TOTAL above 0")
+        src, tpl = await self._fork_source(source_id)
+        try:
+            count, why = await self.spares.warm(source_id, tpl, forks)
+        finally:
+            self._unpin(tpl.id)
+        log.info("machine=%s event=warmed template=%s forks=%d of=%d", source_id, tpl.id,
+                 count, forks)
+        if count < forks:
+            raise ResourceExhausted(
+                f"{count} of {forks} standby forks of {src.name!r} are ready: {why}",
+                hint="ask for fewer, or free host memory (BOXD_FORK_SPARES_TOTAL caps the "
+                "standby forks of a node)")
+        return self._standby(src, tpl)
+
+    def _standby(self, src: MachineRecord, tpl: TemplateRecord | None) -> models.Standby:
+        ready = self.spares.ready(tpl.id) if tpl is not None else []
+        return models.Standby(machine_id=src.id, forks=len(ready), engine=src.engine,
+                              memory_bytes=tree_pss(s.handle.pid for s in ready))
 
     async def _start_child(self, src: MachineRecord, tpl: TemplateRecord, child_id: str) -> None:
         if not src.isolated:

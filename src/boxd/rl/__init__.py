@@ -3,7 +3,9 @@
 `Env` is a `gymnasium.Env` whose environment lives in its own fork of a warm
 baseline machine; `VectorEnv` is a Gymnasium 1.x vector env of such forks, stepped
 concurrently; `boxd.rl.sb3.VecEnv` is the same for Stable-Baselines3; `verify` runs an
-env in fresh forks with one seed and says whether, and where, they diverge. An env
+env in fresh forks with one seed and says whether, and where, they diverge;
+`Env.branch`/`Env.save` continue an episode from one moment in several machines, or
+return to it (`EnvState`). An env
 server runs inside each machine (``boxd.rl._server``) and speaks a framed, pickle-free
 codec over a process stream (`boxd.Boxd().machines.spawn`). Needs ``boxd[rl]``
 (gymnasium, cloudpickle). See docs/rl.md.
@@ -18,6 +20,7 @@ except ImportError as _exc:  # pragma: no cover - depends on the install
         f"boxd.rl needs gymnasium, numpy and cloudpickle ({_exc.name} is missing): "
         "pip install 'boxd[rl]'") from _exc
 
+from boxd.rl._branch import EnvState
 from boxd.rl._channel import Channel, Home, LocalHome, local
 from boxd.rl._env import DEFAULT_RESET_MODE, RESET_MODES, Env, ResetMode
 from boxd.rl._errors import EnvError, EnvModuleNotFound, EnvServerLost, EnvTimeout
@@ -34,6 +37,7 @@ __all__ = [
     "EnvError",
     "EnvModuleNotFound",
     "EnvServerLost",
+    "EnvState",
     "EnvTimeout",
     "Home",
     "LocalHome",

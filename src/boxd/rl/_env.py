@@ -14,6 +14,7 @@ from boxd.rl._channel import Home, MakeRequest, Rpc, Slot
 from boxd.rl._errors import EnvServerLost, EnvTimeout
 
 if TYPE_CHECKING:
+    from boxd.rl._branch import EnvState
     from boxd.sdk._sync import Boxd
 
 ResetMode = Literal["env", "rewind", "refork"]
@@ -181,6 +182,43 @@ class Env(gym.Env[Any, Any]):
 
     def __repr__(self) -> str:
         return f"<boxd.rl.Env {self.machine or 'local'} reset_mode={self.reset_mode}>"
+
+    # ------------------------------------------------------------------ branching
+
+    def branch(self, k: int) -> list[Env]:
+        """``k`` new envs that continue from this moment (forks of this env's machine,
+        each attached to its copy of the env server); this env goes on unaffected.
+
+        Raises:
+            InvalidRequest: ``k`` is not an int >= 1 (also a ValueError), or the env has
+                no machine (`boxd.rl.local()`); StateError: the env is closed.
+            BoxdError: a fork failed (the others are deleted).
+        """
+        from boxd.rl._branch import env_branch
+
+        out: list[Env] = env_branch(self, k)
+        return out
+
+    def save(self) -> EnvState:
+        """A state this env can `load` any number of times (a checkpoint of its machine).
+
+        Raises:
+            InvalidRequest: the env has no machine; StateError: it is closed.
+        """
+        from boxd.rl._branch import env_save
+
+        return env_save(self)
+
+    def load(self, state: EnvState) -> None:
+        """Return to ``state`` (from this env's `save`): machine and env as they were.
+
+        Raises:
+            InvalidRequest: ``state`` was saved by another env or machine;
+            CheckpointNotFound: it was deleted; StateError: the env is closed.
+        """
+        from boxd.rl._branch import env_load
+
+        env_load(self, state)
 
 
 __all__ = ["DEFAULT_RESET_MODE", "RESET_MODES", "Env", "ResetMode"]

@@ -19,6 +19,7 @@ from boxd.rl._env import DEFAULT_RESET_MODE, ResetMode, check_reset_mode, resolv
 from boxd.rl._pool import RECOVERABLE, Pool
 
 if TYPE_CHECKING:
+    from boxd.rl._branch import EnvState
     from boxd.sdk._sync import Boxd
 
 #: The info key (with its ``_recovered`` mask) that reports a replaced sub-env.
@@ -422,6 +423,42 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
     def __repr__(self) -> str:
         return (f"<boxd.rl.VectorEnv num_envs={self.num_envs} "
                 f"autoreset_mode={self.autoreset_mode.value} reset_mode={self.reset_mode}>")
+
+    # ------------------------------------------------------------------ branching
+
+    def branch(self, index: int | Sequence[int], k: int | None = None) -> VectorEnv:
+        """A new vector env whose sub-envs continue sub-envs of this one from this
+        moment: ``branch(i, k)`` gives ``k`` branches of sub-env ``i``, ``branch([i, j,
+        ...])`` one branch of each; this vector env goes on unaffected.
+
+        Raises:
+            InvalidRequest: a bad index (also an IndexError) or ``k`` (a ValueError).
+            VectorEnvClosed, PendingCallError; BoxdError: a fork failed.
+        """
+        from boxd.rl._branch import vector_branch
+
+        new: VectorEnv = vector_branch(self, index, k)
+        return new
+
+    def save(self, index: int) -> EnvState:
+        """A state sub-env ``index`` can `load` any number of times.
+
+        Raises:
+            InvalidRequest: a bad index (also an IndexError); VectorEnvClosed.
+        """
+        from boxd.rl._branch import vector_save
+
+        return vector_save(self, index)
+
+    def load(self, index: int, state: EnvState) -> None:
+        """Return sub-env ``index`` to ``state`` (from ``save(index)``).
+
+        Raises:
+            InvalidRequest: a bad index, or a state of another sub-env; VectorEnvClosed.
+        """
+        from boxd.rl._branch import vector_load
+
+        vector_load(self, index, state)
 
 
 def _factories(

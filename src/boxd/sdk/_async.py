@@ -1,4 +1,7 @@
-"""The asynchronous client, ``AsyncBoxd``. Mirrors ``_sync.py``; logic lives in ``_base``.
+"""The asynchronous client, ``AsyncBoxd``: the one source of both clients.
+
+``scripts/gen_sync.py`` writes ``_sync.py`` (``Boxd``) from this file; edit this one
+and run it. The logic without I/O (requests, error mapping) lives in ``_base``.
 
 One ``AsyncBoxd`` may serve many tasks at once: the pool allows 64 concurrent
 connections, and the lazy connect (which may start the local daemon, in a worker
@@ -29,14 +32,8 @@ if TYPE_CHECKING:
 else:  # built on first use: see boxd._lazy
     models = LazyModule("boxd.models")
 
-__all__ = [
-    "AsyncBoxd",
-    "AsyncCheckpoints",
-    "AsyncFiles",
-    "AsyncKeys",
-    "AsyncMachines",
-    "AsyncSnapshots",
-]
+__all__ = ["AsyncBoxd", "AsyncCheckpoints", "AsyncFiles", "AsyncKeys", "AsyncMachines",
+           "AsyncSnapshots"]
 
 _CHUNK = 1 << 20
 
@@ -50,6 +47,10 @@ class AsyncBoxd:
             daemon on its unix socket (started on first use if none runs).
         timeout: seconds for ordinary requests (exec has no read timeout; the command's
             own ``timeout`` applies). None waits forever.
+        transport: an httpx transport to send every request through (e.g.
+            ``httpx.ASGITransport(app)`` or ``httpx.MockTransport(handler)`` in tests);
+            the local daemon is then neither started nor dialled. Process streams
+            (``spawn``/``attach``) still open their WebSocket to ``base_url`` or the socket.
 
     Raises:
         InvalidRequest: ``base_url``/``BOXD_URL`` is not an http(s) URL.
@@ -60,9 +61,12 @@ class AsyncBoxd:
         api_key: str | None = None,
         base_url: str | None = None,
         timeout: float | None = _base.DEFAULT_TIMEOUT,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self._target = _base.resolve_target(api_key, base_url)
         self._timeout = timeout
+        self._transport = transport
         self._lock = asyncio.Lock()
         self._http: httpx.AsyncClient | None = None
         self._closed = False
@@ -102,7 +106,7 @@ class AsyncBoxd:
     def __repr__(self) -> str:
         return f"AsyncBoxd({self._target.where!r})"
 
-    # --- plumbing (mirrored in _sync) -------------------------------------------------
+    # --- plumbing ---------------------------------------------------------------------
 
     async def _client(self) -> httpx.AsyncClient:
         http = self._http
@@ -113,10 +117,10 @@ class AsyncBoxd:
                 raise errors.ConnectionError("this AsyncBoxd client is closed")
             if self._http is None:
                 t = self._target
-                if t.local:
+                if self._dials_local():
                     await asyncio.to_thread(_local.ensure_daemon, t.paths)
                 key = t.api_key or (None if t.guest else _local.read_local_key(t.paths))
-                transport = httpx.AsyncHTTPTransport(
+                transport = self._transport or httpx.AsyncHTTPTransport(
                     uds=str(t.uds) if t.uds is not None else None, limits=_base.limits()
                 )
                 self._http = httpx.AsyncClient(
@@ -127,6 +131,10 @@ class AsyncBoxd:
                     timeout=_base.timeout_for(self._timeout, _base.DEFAULT),
                 )
             return self._http
+
+    def _dials_local(self) -> bool:
+        """True when requests go to the local daemon's socket (which we may start)."""
+        return self._target.local and self._transport is None
 
     async def _build(
         self, req: _base.Req, content: AsyncIterator[bytes] | None = None
@@ -150,7 +158,7 @@ class AsyncBoxd:
             except httpx.ConnectError:
                 # The local daemon may have stopped since we connected: start it and retry
                 # once (safe: nothing was sent).
-                if not self._target.local or content is not None:
+                if not self._dials_local() or content is not None:
                     raise
                 await asyncio.to_thread(_local.ensure_daemon, self._target.paths)
                 request = await self._build(req, content)
@@ -420,6 +428,21 @@ class AsyncMachines:
             models.ForkResult, _base.machine_fork_batch(src, count, names)
         )
         return _base.fork_items(result)
+
+    async def warm(self, ref: str, forks: int) -> models.Standby:
+        """Prepare ``forks`` standby forks of the machine's current state; return once
+        they are ready. The next ``forks`` forks of the unchanged machine (one
+        ``fork(count=N)`` or N concurrent ``fork`` calls) claim them instead of starting
+        children. They use no CPU while they wait; ``Standby.memory_bytes`` (and
+        ``info()``) says the host memory they hold. A change to the machine (an exec, an
+        upload, a restore) discards them; ``warm(ref, 0)`` releases them. They are not
+        the account's machines and count against no quota until claimed.
+
+        Raises:
+            MachineNotFound, StateError, InvalidRequest (forks outside 0-64),
+            ResourceExhausted (fewer could be prepared: the reason says why).
+        """
+        return await self._c._parse(models.Standby, _base.machine_warm(ref, forks))
 
 
     # --- processes with a framed stream (boxd.rl) ------------------------------------

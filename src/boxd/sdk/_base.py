@@ -56,6 +56,9 @@ LOCAL_BASE_URL: Final = "http://boxd"
 #: The spec's ThreadPoolExecutor runs 8 workers; leave head room for exec + stream pairs.
 MAX_CONNECTIONS: Final = 64
 MAX_KEEPALIVE: Final = 32
+#: Seconds an idle pooled connection is kept; the daemon keeps its end open longer
+#: (``boxd.api.server.KEEP_ALIVE_SECONDS``), so it never closes one under a request.
+KEEPALIVE_EXPIRY: Final = 5.0
 
 #: Sentinel for "use the client's default timeout".
 DEFAULT: Final = "default"
@@ -332,6 +335,10 @@ def machine_exec_stream(
     )
 
 
+def machine_warm(ref: str, forks: int) -> Req:
+    return Req("POST", f"/v1/machines/{seg(ref)}/warm", json={"forks": forks})
+
+
 def machine_fork(src: str, name: str | None) -> Req:
     return Req(
         "POST",
@@ -548,7 +555,8 @@ def headers(api_key: str | None) -> dict[str, str]:
 
 
 def limits() -> httpx.Limits:
-    return httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=MAX_KEEPALIVE)
+    return httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=MAX_KEEPALIVE,
+                        keepalive_expiry=KEEPALIVE_EXPIRY)
 
 
 # --- processes with a framed stream (machines.spawn; boxd.rl) ---------------------------

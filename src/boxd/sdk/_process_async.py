@@ -1,7 +1,8 @@
 """`AsyncProcessHandle`: a process started with ``AsyncBoxd.machines.spawn``.
 
-Mirrors ``_process_sync.py``. Each handle holds one WebSocket to the daemon; each
-binary message is one frame of the process's stdin or stdout.
+The one source of both handles: ``scripts/gen_sync.py`` writes ``_process_sync.py``
+from this file. Each handle holds one WebSocket to the daemon; each binary message is
+one frame of the process's stdin or stdout.
 """
 
 from __future__ import annotations
@@ -13,9 +14,8 @@ from boxd import errors
 from boxd.sdk import _base, _local
 
 if TYPE_CHECKING:
-    from websockets.asyncio.client import ClientConnection
-
     from boxd import process_models as pm
+    from boxd.sdk._ws_async import AsyncWebSocket
 
 __all__ = ["AsyncProcessHandle"]
 
@@ -33,14 +33,14 @@ class AsyncProcessHandle:
 
     ``await send(bytes)`` writes one frame to its stdin; ``await recv()`` returns the
     next frame it wrote to stdout. Closing the handle detaches from the stream; the
-    process keeps running (``kill()`` ends it). One task at a time.
+    process keeps running (``kill()`` ends it). Not for concurrent use.
     """
 
     def __init__(self, client: _Client, ref: str, info: pm.Process) -> None:
         self._c = client
         self._ref = ref
         self.info = info
-        self._ws: ClientConnection | None = None
+        self._ws: AsyncWebSocket | None = None
         self._exit: dict[str, Any] | None = None
         self._lock = asyncio.Lock()
 
@@ -68,7 +68,7 @@ class AsyncProcessHandle:
         """
         await self._conn()
 
-    async def _conn(self) -> ClientConnection:
+    async def _conn(self) -> AsyncWebSocket:
         ws = self._ws
         if ws is not None:
             return ws
@@ -77,26 +77,23 @@ class AsyncProcessHandle:
                 self._ws = await self._open()
             return self._ws
 
-    async def _open(self) -> ClientConnection:
-        from websockets.asyncio.client import connect, unix_connect
+    async def _open(self) -> AsyncWebSocket:
         from websockets.exceptions import InvalidHandshake, WebSocketException
+
+        from boxd.sdk._ws_async import AsyncWebSocket
 
         t = self._c._target
         if t.local:
             await asyncio.to_thread(_local.ensure_daemon, t.paths)
         key = t.api_key or _local.read_local_key(t.paths)
         url = _base.stream_url(t, self._ref, self.id)
-        opts: dict[str, Any] = {
-            "additional_headers": _base.headers(key), "compression": None,
-            "max_size": _base.MAX_MESSAGE + 1024, "open_timeout": _base.STREAM_OPEN_TIMEOUT,
-            "ping_interval": None, "max_queue": None,
-        }
         try:
-            if t.uds is not None:
-                ws: ClientConnection = await unix_connect(str(t.uds), url, **opts)
-            else:
-                ws = await connect(url, proxy=None, **opts)
-            first = await asyncio.wait_for(ws.recv(), timeout=_base.STREAM_OPEN_TIMEOUT)
+            ws = await AsyncWebSocket.connect(
+                url, uds=str(t.uds) if t.uds is not None else None,
+                headers=_base.headers(key), max_size=_base.MAX_MESSAGE + 1024,
+                timeout=_base.STREAM_OPEN_TIMEOUT,
+            )
+            first = await ws.recv(timeout=_base.STREAM_OPEN_TIMEOUT)
         except (OSError, InvalidHandshake, WebSocketException, TimeoutError) as exc:
             raise errors.ConnectionError(
                 f"cannot open the stream of process {self.id} at {t.where}: {exc}",
@@ -137,8 +134,7 @@ class AsyncProcessHandle:
             raise _base.process_exited(self.id, self._exit)
         try:
             ws = await self._conn()
-            msg = await (ws.recv() if timeout is None
-                         else asyncio.wait_for(ws.recv(), timeout=timeout))
+            msg = await ws.recv(timeout=timeout)
         except ConnectionClosed as exc:
             raise await self._closed(exc) from exc
         if isinstance(msg, bytes):
@@ -168,8 +164,8 @@ class AsyncProcessHandle:
         """
         from boxd import process_models as pm
 
-        self.info = await self._c._parse(pm.Process,
-                                         _base.process_kill(self._ref, self.id, signal))
+        req = _base.process_kill(self._ref, self.id, signal)
+        self.info = await self._c._parse(pm.Process, req)
         return self.info
 
     async def close(self) -> None:

@@ -1,7 +1,9 @@
+# Generated from _process_async.py by scripts/gen_sync.py: edit that file, then run it.
 """`ProcessHandle`: a process started with ``boxd.machines.spawn`` (sync).
 
-Mirrored by ``_process_async.py``. Each handle holds one WebSocket to the daemon;
-each binary message is one frame of the process's stdin or stdout.
+Generated from ``_process_async.py``. Each handle holds one WebSocket to the daemon
+(`SyncWebSocket`, driven in the caller's thread); each binary message is one frame of
+the process's stdin or stdout.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ class _Client(Protocol):
 class ProcessHandle:
     """A long-lived process in a machine with a framed message stream.
 
-    ``send(bytes)`` writes one frame to its stdin; ``recv()`` returns the next frame it
-    wrote to stdout. Closing the handle detaches from the stream; the process keeps
-    running (``kill()`` ends it). Not for concurrent use by several threads.
+    ``send(bytes)`` writes one frame to its stdin; ``recv()`` returns the
+    next frame it wrote to stdout. Closing the handle detaches from the stream; the
+    process keeps running (``kill()`` ends it). Not for concurrent use.
     """
 
     def __init__(self, client: _Client, ref: str, info: pm.Process) -> None:
@@ -132,7 +134,8 @@ class ProcessHandle:
         if self._exit is not None:
             raise _base.process_exited(self.id, self._exit)
         try:
-            msg = self._conn().recv(timeout=timeout)
+            ws = self._conn()
+            msg = ws.recv(timeout=timeout)
         except ConnectionClosed as exc:
             raise self._closed(exc) from exc
         if isinstance(msg, bytes):
@@ -162,7 +165,8 @@ class ProcessHandle:
         """
         from boxd import process_models as pm
 
-        self.info = self._c._parse(pm.Process, _base.process_kill(self._ref, self.id, signal))
+        req = _base.process_kill(self._ref, self.id, signal)
+        self.info = self._c._parse(pm.Process, req)
         return self.info
 
     def close(self) -> None:

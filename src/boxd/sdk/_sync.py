@@ -1,4 +1,7 @@
-"""The synchronous client, ``Boxd``. Mirrored by ``_async.py``; logic lives in ``_base``.
+# Generated from _async.py by scripts/gen_sync.py: edit that file, then run it.
+"""The synchronous client, ``Boxd``, generated from ``_async.py``.
+
+The logic without I/O (requests, error mapping) lives in ``_base``.
 
 One ``Boxd`` may be shared by many threads: ``httpx.Client`` is thread-safe, the pool
 allows 64 concurrent connections, and the lazy connect (which may start the local
@@ -29,7 +32,8 @@ if TYPE_CHECKING:
 else:  # built on first use: see boxd._lazy
     models = LazyModule("boxd.models")
 
-__all__ = ["Boxd", "Checkpoints", "Files", "Keys", "Machines", "Snapshots"]
+__all__ = ["Boxd", "Checkpoints", "Files", "Keys", "Machines",
+           "Snapshots"]
 
 _CHUNK = 1 << 20
 
@@ -43,6 +47,10 @@ class Boxd:
             daemon on its unix socket (started on first use if none runs).
         timeout: seconds for ordinary requests (exec has no read timeout; the command's
             own ``timeout`` applies). None waits forever.
+        transport: an httpx transport to send every request through (e.g.
+            ``httpx.ASGITransport(app)`` or ``httpx.MockTransport(handler)`` in tests);
+            the local daemon is then neither started nor dialled. Process streams
+            (``spawn``/``attach``) still open their WebSocket to ``base_url`` or the socket.
 
     Raises:
         InvalidRequest: ``base_url``/``BOXD_URL`` is not an http(s) URL.
@@ -53,9 +61,12 @@ class Boxd:
         api_key: str | None = None,
         base_url: str | None = None,
         timeout: float | None = _base.DEFAULT_TIMEOUT,
+        *,
+        transport: httpx.BaseTransport | None = None,
     ) -> None:
         self._target = _base.resolve_target(api_key, base_url)
         self._timeout = timeout
+        self._transport = transport
         self._lock = threading.Lock()
         self._http: httpx.Client | None = None
         self._closed = False
@@ -95,7 +106,7 @@ class Boxd:
     def __repr__(self) -> str:
         return f"Boxd({self._target.where!r})"
 
-    # --- plumbing (mirrored in _async) ------------------------------------------------
+    # --- plumbing ---------------------------------------------------------------------
 
     def _client(self) -> httpx.Client:
         http = self._http
@@ -106,10 +117,10 @@ class Boxd:
                 raise errors.ConnectionError("this Boxd client is closed")
             if self._http is None:
                 t = self._target
-                if t.local:
+                if self._dials_local():
                     _local.ensure_daemon(t.paths)
                 key = t.api_key or (None if t.guest else _local.read_local_key(t.paths))
-                transport = httpx.HTTPTransport(
+                transport = self._transport or httpx.HTTPTransport(
                     uds=str(t.uds) if t.uds is not None else None, limits=_base.limits()
                 )
                 self._http = httpx.Client(
@@ -121,7 +132,13 @@ class Boxd:
                 )
             return self._http
 
-    def _build(self, req: _base.Req, content: Iterator[bytes] | None = None) -> httpx.Request:
+    def _dials_local(self) -> bool:
+        """True when requests go to the local daemon's socket (which we may start)."""
+        return self._target.local and self._transport is None
+
+    def _build(
+        self, req: _base.Req, content: Iterator[bytes] | None = None
+    ) -> httpx.Request:
         return self._client().build_request(
             req.method,
             req.path,
@@ -136,14 +153,16 @@ class Boxd:
     ) -> httpx.Response:
         try:
             try:
-                return self._client().send(self._build(req, content), stream=stream)
+                request = self._build(req, content)
+                return self._client().send(request, stream=stream)
             except httpx.ConnectError:
                 # The local daemon may have stopped since we connected: start it and retry
                 # once (safe: nothing was sent).
-                if not self._target.local or content is not None:
+                if not self._dials_local() or content is not None:
                     raise
                 _local.ensure_daemon(self._target.paths)
-                return self._client().send(self._build(req, content), stream=stream)
+                request = self._build(req, content)
+                return self._client().send(request, stream=stream)
         except httpx.HTTPError as exc:
             raise _base.map_transport_error(exc, self._target) from exc
 
@@ -240,7 +259,7 @@ class Machines:
         Raises:
             BoxdError: the daemon refused the request.
         """
-        return self._c._parse(models.MachineList, _base.machine_list()).machines
+        return (self._c._parse(models.MachineList, _base.machine_list())).machines
 
     def lineage(self, ref: str | None = None) -> _lineage.Lineage:
         """Fork trees and snapshot lineage, built from the machine and snapshot lists.
@@ -405,8 +424,25 @@ class Machines:
             return self._c._parse(models.Machine, _base.machine_fork(src, name))
         if name is not None:
             raise errors.InvalidRequest("pass either name or count/names", field="name")
-        result = self._c._parse(models.ForkResult, _base.machine_fork_batch(src, count, names))
+        result = self._c._parse(
+            models.ForkResult, _base.machine_fork_batch(src, count, names)
+        )
         return _base.fork_items(result)
+
+    def warm(self, ref: str, forks: int) -> models.Standby:
+        """Prepare ``forks`` standby forks of the machine's current state; return once
+        they are ready. The next ``forks`` forks of the unchanged machine (one
+        ``fork(count=N)`` or N concurrent ``fork`` calls) claim them instead of starting
+        children. They use no CPU while they wait; ``Standby.memory_bytes`` (and
+        ``info()``) says the host memory they hold. A change to the machine (an exec, an
+        upload, a restore) discards them; ``warm(ref, 0)`` releases them. They are not
+        the account's machines and count against no quota until claimed.
+
+        Raises:
+            MachineNotFound, StateError, InvalidRequest (forks outside 0-64),
+            ResourceExhausted (fewer could be prepared: the reason says why).
+        """
+        return self._c._parse(models.Standby, _base.machine_warm(ref, forks))
 
 
     # --- processes with a framed stream (boxd.rl) ------------------------------------
@@ -443,7 +479,7 @@ class Machines:
         """
         from boxd import process_models as pm
 
-        return self._c._parse(pm.ProcessList, _base.machine_processes(ref)).processes
+        return (self._c._parse(pm.ProcessList, _base.machine_processes(ref))).processes
 
     def attach(self, ref: str, process_id: str) -> ProcessHandle:
         """A handle on a process of ``ref`` (e.g. a fork child's copy), its stream open.
@@ -466,7 +502,9 @@ class Files:
     def __init__(self, client: Boxd) -> None:
         self._c = client
 
-    def upload(self, ref: str, path: str, data: str | bytes, mode: int = 0o644) -> models.FileInfo:
+    def upload(
+        self, ref: str, path: str, data: str | bytes, mode: int = 0o644
+    ) -> models.FileInfo:
         """Write a file in the machine (parent directories are created).
 
         Args:
@@ -517,7 +555,7 @@ class Checkpoints:
         Raises:
             MachineNotFound: no such machine.
         """
-        return self._c._parse(models.CheckpointList, _base.checkpoint_list(ref)).checkpoints
+        return (self._c._parse(models.CheckpointList, _base.checkpoint_list(ref))).checkpoints
 
     def delete(self, ref: str, name: str) -> None:
         """Delete one checkpoint.
@@ -545,7 +583,9 @@ class Snapshots:
         Raises:
             MachineNotFound, AlreadyExists.
         """
-        return self._c._parse(models.Snapshot, _base.snapshot_save(machine, name, new_version))
+        return self._c._parse(
+            models.Snapshot, _base.snapshot_save(machine, name, new_version)
+        )
 
     def get(self, ref: str) -> models.Snapshot:
         """The snapshot ``NAME`` (latest version), ``NAME@N`` or ``sha256:DIGEST``.
@@ -561,7 +601,7 @@ class Snapshots:
         Raises:
             BoxdError: the daemon refused the request.
         """
-        return self._c._parse(models.SnapshotList, _base.snapshot_list()).snapshots
+        return (self._c._parse(models.SnapshotList, _base.snapshot_list())).snapshots
 
     def delete(self, ref: str) -> None:
         """Delete a snapshot version.
@@ -592,17 +632,18 @@ class Snapshots:
         dest = Path(path)
         tmp = dest.with_name(f".{dest.name}.part")
         try:
-            with self._c._stream(_base.snapshot_export(ref)) as resp, open(tmp, "wb") as f:
+            with self._c._stream(_base.snapshot_export(ref)) as resp:
                 total = _base.content_length(resp.headers)
                 done = 0
-                try:
-                    for chunk in resp.iter_bytes(_CHUNK):
-                        f.write(chunk)
-                        done += len(chunk)
-                        if progress is not None:
-                            progress(done, total)
-                except httpx.HTTPError as exc:
-                    raise _base.map_transport_error(exc, self._c._target) from exc
+                with open(tmp, "wb") as f:
+                    try:
+                        for chunk in resp.iter_bytes(_CHUNK):
+                            f.write(chunk)
+                            done += len(chunk)
+                            if progress is not None:
+                                progress(done, total)
+                    except httpx.HTTPError as exc:
+                        raise _base.map_transport_error(exc, self._c._target) from exc
             os.replace(tmp, dest)
         except OSError as exc:
             raise errors.InvalidRequest(
@@ -679,7 +720,7 @@ class Keys:
         Raises:
             AuthError: the key is not allowed to list keys.
         """
-        return self._c._parse(models.ApiKeyList, _base.key_list()).keys
+        return (self._c._parse(models.ApiKeyList, _base.key_list())).keys
 
     def revoke(self, key_id: str) -> None:
         """Revoke a key; requests with it fail from now on.

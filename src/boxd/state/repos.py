@@ -202,7 +202,11 @@ class Machines:
     @_writes
     def adopt(self, rec: MachineRecord, quota: int) -> None:
         """Insert a record the control plane made (a cluster node's own database; its
-        account row carries the account's quota, which the node applies to wakes)."""
+        account row carries the account's quota, which the node applies to wakes).
+
+        Called by `Lifecycle.adopt` only: the record's state is the one the control
+        plane's claim gave it, the node's moves start from there.
+        """
         with self._db.transaction() as conn:
             conn.execute(
                 "INSERT INTO accounts (id, name, machine_quota, created_at) VALUES (?,?,?,?)"
@@ -222,28 +226,38 @@ class Machines:
             )
 
     @_writes
-    def mirror(self, rec: MachineRecord) -> bool:
+    def mirror(self, rec: MachineRecord, *, keep: Collection[MachineState]) -> bool:
         """Copy a cluster node's view of a machine (state and runtime columns; its disk
-        layers and templates are the node's alone) into the control plane's record;
-        False if the record is gone or being deleted here."""
+        layers and templates are the node's alone) into the control plane's record,
+        unless that record is in one of ``keep``; False if it is gone or kept.
+
+        Called by `Lifecycle.mirror` only (it names the states the copy keeps).
+        """
+        names = [s.value for s in keep]
         return self._db.execute(
             "UPDATE machines SET state=?, error=?, port=?, fwd_port=?, pid=?, vm_id=?, accel=?,"
             " last_active=?, ram_shared=?, generation=?"
-            " WHERE id=? AND state NOT IN ('deleting','lost')",
+            f" WHERE id=? AND state NOT IN ({','.join('?' * len(names))})",
             (rec.state.value, rec.error, rec.port, rec.fwd_port, rec.pid, rec.vm_id, rec.accel,
-             rec.last_active, int(rec.ram_shared), rec.generation, rec.id),
+             rec.last_active, int(rec.ram_shared), rec.generation, rec.id, *names),
         ) == 1
 
     @_writes
-    def mark_lost(self, node_id: str, error: str) -> builtins.list[str]:
-        """Every machine of a dead node becomes ``lost``; returns their ids."""
+    def compare_and_set_node(
+        self, node_id: str, expected: Collection[MachineState], new: MachineState, error: str
+    ) -> builtins.list[str]:
+        """Move every machine of ``node_id`` that is in one of ``expected`` to ``new`` (with
+        ``error``), in one transaction; returns their ids.
+
+        Called by `Lifecycle.mark_lost` only (a cluster node died).
+        """
+        names = [s.value for s in expected]
+        where = f"node_id=? AND state IN ({','.join('?' * len(names))})"
         with self._db.transaction() as conn:
             ids = [r[0] for r in conn.execute(
-                "SELECT id FROM machines WHERE node_id=? AND state NOT IN ('deleting','lost')",
-                (node_id,)).fetchall()]
-            conn.execute(
-                "UPDATE machines SET state='lost', error=? WHERE node_id=?"
-                " AND state NOT IN ('deleting','lost')", (error, node_id))
+                f"SELECT id FROM machines WHERE {where}", (node_id, *names)).fetchall()]
+            conn.execute(f"UPDATE machines SET state=?, error=? WHERE {where}",
+                         (new.value, error, node_id, *names))
         return ids
 
     def snapshot_digests(self) -> set[str]:

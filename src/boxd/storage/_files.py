@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol
 
+from boxd import config
 from boxd.errors import InternalError, InvalidRequest, ResourceExhausted
 
 __all__ = [
@@ -91,10 +92,11 @@ def os_errors(action: str, path: Path | str) -> Iterator[None]:
 def qemu_group() -> int | None:
     """The group of the user QEMU drops to when the daemon runs as root, else None.
 
-    The same rule as `boxd.core.Host.run_as`: ``BOXD_QEMU_USER`` names the user
-    (default ``boxd-qemu``; empty: QEMU keeps the daemon's user).
+    The same rule as the QEMU engine's ``-run-with user=``: ``BOXD_QEMU_USER``
+    (`boxd.config.qemu_user`) names the user (default ``boxd-qemu``; empty: QEMU keeps
+    the daemon's user).
     """
-    name = os.environ.get("BOXD_QEMU_USER", "boxd-qemu")
+    name = config.qemu_user()
     if os.geteuid() != 0 or not name:
         return None
     try:

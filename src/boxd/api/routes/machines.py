@@ -229,6 +229,18 @@ async def fork(
     return item
 
 
+@router.post("/{ref}/warm", response_model=models.Standby)
+async def warm(
+    ref: str, body: models.WarmRequest, account: Account, machines: Machines
+) -> models.Standby:
+    """Prepare ``forks`` standby forks of the machine's current state and return once
+    they are ready: the next that many forks of the unchanged machine are claims, not
+    starts. A change to the machine (an exec, an upload, a restore) discards them;
+    ``forks: 0`` releases them. They are not the account's machines (no quota) until a
+    fork claims one."""
+    return await machines.warm(account, ref, body.forks)
+
+
 @router.post("/{ref}/fork/batch", response_model=models.ForkResult)
 async def fork_batch(
     ref: str, body: models.ForkBatchRequest, account: Account, machines: Machines

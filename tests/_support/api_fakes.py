@@ -13,8 +13,11 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+from fastapi.testclient import TestClient
+
 from boxd import models
 from boxd import process_models as pm
+from boxd.api import create_app
 from boxd.api.services.keys import KeyService
 from boxd.errors import (
     AlreadyExists,
@@ -28,7 +31,7 @@ from boxd.errors import (
     SnapshotNotFound,
 )
 from boxd.services import MachineService, SnapshotService
-from boxd.state import new_id
+from boxd.state import Database, new_id
 
 
 class FakeMachines(MachineService):
@@ -142,6 +145,11 @@ class FakeMachines(MachineService):
             except Exception as exc:
                 out.append(exc)
         return out
+
+    async def warm(self, account: str, ref: str, forks: int) -> models.Standby:
+        m = self._find(account, ref)
+        return models.Standby(machine_id=m.id, forks=forks, memory_bytes=forks << 20,
+                              engine=m.engine)
 
     async def checkpoint_save(self, account: str, ref: str, name: str) -> models.Checkpoint:
         m = self._find(account, ref)
@@ -317,3 +325,21 @@ def host_info() -> models.HostInfo:
 
 
 __all__ = ["FakeMachines", "FakeSnapshots", "KeyService", "host_info"]
+
+
+class Env:
+    """The API app over these fakes, a real key database and a keyed TestClient."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.db = Database(tmp / "state.db")
+        self.keys = KeyService(self.db)
+        self.machines = FakeMachines()
+        self.snapshots = FakeSnapshots(self.machines, tmp)
+        self.app = create_app(
+            machines=self.machines, snapshots=self.snapshots, keys=self.keys,
+            host_info=host_info, upload_dir=tmp / "uploads",
+        )
+        self.local = self.keys.ensure_local_account()
+        self.secret = self.keys.create(self.local, "test").secret
+        self.client = TestClient(self.app, raise_server_exceptions=False)
+        self.client.headers["Authorization"] = f"Bearer {self.secret}"

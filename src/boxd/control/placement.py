@@ -1,0 +1,158 @@
+"""Placement on a cluster: which nodes new machines and fork children go to.
+
+Pure logic over each live node's room (`Room`: free slots under its cap, free memory).
+A `Chooser` ranks the nodes; `Placement` fills the ranking up to each node's cap,
+honours a hint, and `launch` retries a launch that failed on a node on the next node,
+excluding the ones that failed (as e2b-infra's orchestrator places a sandbox). On one
+host there is nothing to choose: the control plane asks its node directly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Collection, Mapping
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+from boxd.errors import (
+    BoxdError,
+    HostSetupError,
+    InternalError,
+    MachineFailed,
+    NotFound,
+    ResourceExhausted,
+)
+
+log = logging.getLogger("boxd.control")
+
+_T = TypeVar("_T")
+
+#: Nodes a launch is tried on before its error is the request's (the first included).
+LAUNCH_ATTEMPTS = 3
+#: Launch errors that say the node failed, not the request: another node may succeed.
+#: (NodeLost is a MachineFailed.) Bad input, quotas and names fail on every node.
+NODE_FAULTS: tuple[type[BoxdError], ...] = (
+    MachineFailed, HostSetupError, ResourceExhausted, InternalError,
+)
+
+
+@dataclass(frozen=True)
+class Room:
+    """A live node's room: machines it may still take under its cap, free memory."""
+
+    slots: int
+    free_mib: int
+
+
+class Chooser(Protocol):
+    """Ranks nodes for new machines, best first (the caller fills each up to its cap)."""
+
+    def rank(self, room: Mapping[str, Room], prefer: Collection[str]) -> list[str]: ...
+
+
+class MostFreeMemory:
+    """Nodes in ``prefer`` (they hold the template or snapshot) first, then by free
+    memory (``MemAvailable``), most first; ties keep the nodes' order."""
+
+    def rank(self, room: Mapping[str, Room], prefer: Collection[str]) -> list[str]:
+        return sorted(room, key=lambda n: (n not in prefer, -room[n].free_mib))
+
+
+class Placement:
+    """Where ``count`` machines go, by a `Chooser`, each node up to its cap."""
+
+    def __init__(self, chooser: Chooser | None = None, *,
+                 attempts: int = LAUNCH_ATTEMPTS) -> None:
+        self.chooser: Chooser = chooser or MostFreeMemory()
+        self.attempts = attempts
+
+    def fill(self, room: Mapping[str, Room], order: list[str], count: int) -> list[str]:
+        """``order``'s nodes, each repeated up to its free slots, at most ``count``."""
+        out: list[str] = []
+        for nid in order:
+            out += [nid] * min(max(0, room[nid].slots), count - len(out))
+        return out
+
+    def choose(
+        self, room: Mapping[str, Room], count: int = 1, *, hint: str | None = None,
+        prefer: Collection[str] = (), exclude: Collection[str] = (),
+    ) -> list[str]:
+        """The node ids ``count`` new machines go to: ``hint`` if given (it must be live
+        and under its cap), else the chooser's ranking, skipping ``exclude``.
+
+        Raises:
+            ResourceExhausted: the nodes have room for fewer than ``count``.
+        """
+        if hint is not None:
+            order = [hint] if hint in room and hint not in exclude else []
+        else:
+            order = self.chooser.rank({n: r for n, r in room.items() if n not in exclude},
+                                      prefer)
+        out = self.fill(room, order, count)
+        if len(out) < count:
+            raise ResourceExhausted(
+                f"no node has room for {count - len(out)} more machine(s)"
+                + (f" on node {hint}" if hint else ""),
+                hint="delete machines, add a node (`ray start --resources '{\"boxd\": 1}'`), "
+                "or raise BOXD_NODE_MAX_MACHINES", needed=count, free=len(out),
+            )
+        return out
+
+    def fork_targets(
+        self, room: Mapping[str, Room], source: str, count: int, received: Collection[str]
+    ) -> list[str | None]:
+        """Where each of ``count`` fork children goes: the source's node while it has
+        room (copy-on-write there), then the nodes that received the source's template
+        before (copy-on-write there again), then the chooser's ranking; None for a
+        child that fits nowhere."""
+        here = self.fill(room, [source] if source in room else [], count)
+        others = {n: r for n, r in room.items() if n != source}
+        more = self.fill(others, self.chooser.rank(others, received), count - len(here))
+        out: list[str | None] = [*here, *more]
+        return out + [None] * (count - len(out))
+
+    async def launch(
+        self, room: Callable[[], Awaitable[Mapping[str, Room]]],
+        attempt: Callable[[str], Awaitable[_T]], *, hint: str | None = None,
+        prefer: Collection[str] = (),
+    ) -> _T:
+        """Run ``attempt(node_id)`` on the chosen node; when it fails with a node's fault
+        (`NODE_FAULTS`) try the next choice without the nodes that failed, up to
+        ``attempts`` nodes. A hinted launch runs on its node only.
+
+        Raises:
+            ResourceExhausted: no node has room (before any attempt).
+            BoxdError: the last attempt's error, when every node tried failed or no
+                other node has room.
+        """
+        failed: list[str] = []
+        last: BoxdError | None = None
+        while True:
+            try:
+                (nid,) = self.choose(await room(), hint=hint, prefer=prefer, exclude=failed)
+            except ResourceExhausted:
+                if last is None:
+                    raise
+                raise last from None  # the launch's own error, not "no other node"
+            try:
+                return await attempt(nid)
+            except NODE_FAULTS as exc:
+                if hint is not None or len(failed) + 1 >= self.attempts:
+                    raise
+                failed.append(nid)
+                last = exc
+                log.warning("node=%s event=launch_failed retry=%d error=%s", nid,
+                            len(failed), exc)
+
+
+def check_hint(hint: str | None, nodes: Collection[str]) -> None:
+    """Raise `NotFound` if a placement hint names no node."""
+    if hint is not None and hint not in nodes:
+        raise NotFound(f"no node {hint!r}", field="node",
+                       hint="`boxd nodes list` shows the nodes")
+
+
+__all__ = [
+    "LAUNCH_ATTEMPTS", "NODE_FAULTS", "Chooser", "MostFreeMemory", "Placement", "Room",
+    "check_hint",
+]

@@ -1,0 +1,209 @@
+"""Boxd and AsyncBoxd in process (``transport=``) against the real FastAPI app built on
+the real control plane and node runtime over the fake engine: no server, no socket.
+
+The sync client goes through `SyncASGITransport` (httpx's ASGI transport on a loop in
+a background thread), the async one through ``httpx.ASGITransport``; ``MockTransport``
+shows what the client sends and how transport failures come back. Process streams
+(WebSockets) cannot pass an httpx transport: they are tested through a real daemon in
+test_rl_stream.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from starlette.types import ASGIApp
+from tests._support import sdk_daemon as support
+from tests._support.api_fakes import host_info
+from tests.unit.test_node_fake import ACCOUNT, World, make_world
+
+from boxd import AsyncBoxd, Boxd, errors
+from boxd.api import create_app
+from boxd.api.services.keys import KeyService
+from boxd.config import Paths
+
+paths = support.paths  # fixtures
+no_daemon = support.no_daemon
+
+
+@dataclass
+class App:
+    world: World
+    app: ASGIApp
+    key: str
+
+
+@pytest.fixture
+def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_daemon: Paths) -> Iterator[App]:
+    w = make_world(tmp_path, monkeypatch)
+    keys = KeyService(w.repos.db)
+    key = keys.create(ACCOUNT, "sdk").secret
+    app = create_app(machines=w.machines, snapshots=w.snapshots, keys=keys,
+                     host_info=host_info, upload_dir=tmp_path / "uploads",
+                     private_dirs=(w.paths.home, w.paths.shm))
+    yield App(w, app, key)
+    w.repos.db.close()
+
+
+@pytest.fixture
+def boxd(fake: App) -> Iterator[Boxd]:
+    with Boxd(api_key=fake.key, transport=support.SyncASGITransport(fake.app)) as b:
+        yield b
+
+
+def test_spec_rollout_loop_with_eight_threads(boxd: Boxd, fake: App) -> None:
+    boxd.machines.new("rl-base")
+    boxd.machines.wait_until_ready("rl-base")
+    info = boxd.machines.files.upload("rl-base", "/home/boxd/rollout.py", "print('hi')\n")
+    assert info.size == len(b"print('hi')\n")
+
+    def rollout(seed: int) -> str:
+        fork = boxd.machines.fork("rl-base", f"rollout-{seed}")
+        boxd.machines.wait_until_ready(fork.id)
+        result = boxd.machines.exec(fork.id, f"echo seed {seed}")
+        boxd.machines.delete(fork.id)
+        return result.stdout.strip()
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        assert list(pool.map(rollout, range(8))) == [f"seed {s}" for s in range(8)]
+    assert [m.name for m in boxd.machines.list()] == ["rl-base"]
+    # the fork's memory is the source's: a file written before the fork is in the child
+    child = boxd.machines.fork("rl-base", "late")
+    assert boxd.machines.files.download(child.id, "/home/boxd/rollout.py") == b"print('hi')\n"
+
+
+def test_machine_state_files_checkpoints_and_typed_errors(boxd: Boxd) -> None:
+    m = boxd.machines.new("a")
+    assert boxd.machines.wait_until_ready("a").state == "running"
+    assert boxd.machines.get(m.id).name == "a"
+    with pytest.raises(errors.AlreadyExists):
+        boxd.machines.new("a")
+    with pytest.raises(errors.MachineNotFound) as nf:
+        boxd.machines.get("nope")
+    assert nf.value.machine == "nope"
+    boxd.machines.exec("a", "write /root/x one")
+    boxd.machines.checkpoints.save("a", "start")
+    boxd.machines.exec("a", "write /root/x two")
+    assert boxd.machines.exec("a", "cat /root/x").stdout == "two"
+    assert boxd.machines.checkpoints.restore("a", "start").id == m.id
+    assert boxd.machines.exec("a", "cat /root/x").stdout == "one"
+    assert [c.name for c in boxd.machines.checkpoints.list("a")] == ["start"]
+    boxd.machines.checkpoints.delete("a", "start")
+    with pytest.raises(errors.CheckpointNotFound):
+        boxd.machines.checkpoints.restore("a", "start")
+    with pytest.raises(errors.GuestFileNotFound):
+        boxd.machines.files.download("a", "/nope")
+    assert boxd.machines.suspend("a").state == "suspended"
+    assert boxd.machines.resume("a").state == "running"
+    events = list(boxd.machines.exec_stream("a", "echo streamed"))
+    assert [e.type for e in events] == ["stdout", "exit"] and events[0].data == "streamed\n"
+    kids = boxd.machines.fork("a", names=["k1", "a"])
+    assert not isinstance(kids[0], errors.BoxdError) and kids[0].name == "k1"
+    assert isinstance(kids[1], errors.AlreadyExists)
+    tree = boxd.machines.lineage("a")
+    assert [c.machine.name for c in tree.machines[0].children] == ["k1"]
+    with pytest.raises(errors.InvalidRequest, match="either name or count"):
+        boxd.machines.fork("a", "x", count=2)  # type: ignore[call-overload]
+    boxd.machines.delete("a")
+    with pytest.raises(errors.MachineNotFound):
+        boxd.machines.delete("a")
+
+
+def test_snapshots_round_trip(boxd: Boxd, tmp_path: Path) -> None:
+    boxd.machines.new("a")
+    boxd.machines.wait_until_ready("a")
+    boxd.machines.exec("a", "write /root/v 3")
+    snap = boxd.snapshots.save("a", "env-v3")
+    assert boxd.snapshots.get("env-v3").digest == snap.digest
+    seen: list[int] = []
+    out = boxd.snapshots.export("env-v3", tmp_path / "env.boxd",
+                                progress=lambda done, total: seen.append(done))
+    assert out.stat().st_size == seen[-1] > 0
+    boxd.snapshots.delete("env-v3")
+    with pytest.raises(errors.SnapshotNotFound):
+        boxd.snapshots.get("env-v3")
+    assert boxd.snapshots.import_(out).digest == snap.digest
+    m = boxd.machines.new("b", from_snapshot="env-v3")
+    boxd.machines.wait_until_ready(m.id)
+    assert boxd.machines.exec("b", "cat /root/v").stdout == "3"
+
+
+def test_async_client_over_asgi_transport(fake: App, tmp_path: Path) -> None:
+    async def go() -> None:
+        transport = httpx.ASGITransport(app=fake.app)
+        async with AsyncBoxd(api_key=fake.key, transport=transport) as b:
+            await b.machines.new("a")
+            await b.machines.wait_until_ready("a")
+            kids = await asyncio.gather(*(b.machines.fork("a", f"k{i}") for i in range(8)))
+            results = await asyncio.gather(*(b.machines.exec(k.id, f"echo {k.name}")
+                                             for k in kids))
+            assert [r.stdout for r in results] == [f"k{i}\n" for i in range(8)]
+            events = [e async for e in b.machines.exec_stream("a", "echo hi")]
+            assert events[-1].exit_code == 0
+            snap = await b.snapshots.save("a", "s")
+            out = await b.snapshots.export("s", tmp_path / "s.boxd")
+            await b.snapshots.delete("s")
+            assert (await b.snapshots.import_(out)).digest == snap.digest
+            assert len((await b.machines.lineage()).machines[0].children) == 8
+            with pytest.raises(errors.MachineNotFound):
+                await b.machines.delete("nope")
+            with pytest.raises(errors.AuthError):
+                await AsyncBoxd(api_key="boxd_wrong", transport=transport).machines.list()
+
+    asyncio.run(go())
+
+
+def test_mock_transport_sees_what_the_client_sends(no_daemon: Paths) -> None:
+    sent: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(request)
+        if request.url.path == "/v1/machines/gone":
+            return httpx.Response(404, json={"error": {
+                "code": "machine_not_found", "message": "no machine 'gone'",
+                "details": {"machine": "gone"}}})
+        return httpx.Response(201, json={"id": "m_1", "name": "a", "state": "starting"})
+
+    with Boxd(api_key="boxd_k", transport=httpx.MockTransport(handler)) as b:
+        with pytest.raises(errors.MachineNotFound, match="no machine 'gone'"):
+            b.machines.get("gone")
+        with pytest.raises(errors.BoxdError):
+            b.machines.new("a", memory_mib=512)  # the fake answer is not a whole Machine
+    get, new = sent
+    assert (get.method, str(get.url)) == ("GET", "http://boxd/v1/machines/gone")
+    assert get.headers["authorization"] == "Bearer boxd_k"
+    assert get.headers["user-agent"].startswith("boxd-python/")
+    assert (new.method, json.loads(new.content)) == (
+        "POST", {"name": "a", "memory_mib": 512, "isolated": False})
+
+
+@pytest.mark.parametrize(("exc", "message"), [
+    (httpx.ConnectError("refused"), "cannot reach boxd at unix socket"),
+    (httpx.ReadTimeout("slow"), r"timed out \(ReadTimeout\)"),
+])
+def test_transport_failures_are_connection_errors(
+    no_daemon: Paths, exc: httpx.HTTPError, message: str
+) -> None:
+    calls = 0
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal calls
+        calls += 1
+        raise exc
+
+    async def go() -> None:
+        async with AsyncBoxd(api_key="k", transport=httpx.MockTransport(handler)) as b:
+            with pytest.raises(errors.ConnectionError, match=message):
+                await b.machines.list()
+
+    with pytest.raises(errors.ConnectionError, match=message):
+        Boxd(api_key="k", transport=httpx.MockTransport(handler)).machines.list()
+    asyncio.run(go())
+    assert calls == 2  # one each: no daemon started, no retry through it
