@@ -1,0 +1,16 @@
+"""OpenEnv on boxd: every session is a fork of one warm source.
+
+``BoxdProvider`` is an ``openenv.core.containers.runtime.ContainerProvider``: its
+``start_container(image)`` takes the name of a machine (or snapshot) in which an OpenEnv
+server already listens on the guest's port 8080, forks it (or starts a machine from the
+snapshot) and returns the new machine's URL, so an unmodified ``EnvClient`` talks to a
+server that is warm from its first byte. See docs/openenv.md.
+
+It is a client of ``boxd.sdk`` only (``pip install boxd[openenv]``).
+"""
+
+from __future__ import annotations
+
+from boxd.openenv._provider import GUEST_PORT, BoxdProvider
+
+__all__ = ["GUEST_PORT", "BoxdProvider"]

@@ -1,0 +1,165 @@
+"""OpenEnv on real machines (issue 26's acceptance): openenv-core's own ``create_app``
+server (``examples/openenv/counter_env.py``) runs in a gVisor machine; unmodified
+openenv-core clients reach forks of it through ``boxd.openenv.BoxdProvider``.
+
+openenv-core gets into the guest as the other guest packages of the suite do: the
+*host* downloads wheels and uploads them (the guest reaches no package index). Only
+what the server imports is installed: openenv-core without its dependencies, then
+fastapi, uvicorn, pydantic, websockets and fastmcp (``openenv.core.env_server`` imports
+fastmcp unguarded; gradio, openai and huggingface_hub it does not need).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from boxd import errors
+
+from .test_gvisor import gvisor_base  # noqa: F401 - fixture
+from .test_rl import GUEST_WHEELS, REPO, _ok
+
+pytest.importorskip("openenv.core.containers.runtime",
+                    reason="openenv-core is not installed (pip install 'boxd[openenv]')")
+
+from boxd.openenv import BoxdProvider  # noqa: E402
+
+pytestmark = pytest.mark.vm
+
+EXAMPLE = REPO / "examples" / "openenv" / "counter_env.py"
+WHEELS = REPO / ".cache" / "wheels-openenv"
+#: What openenv-core's server and client import (besides the standard library).
+SERVER_DEPS = ["fastapi", "uvicorn", "pydantic", "websockets", "fastmcp"]
+SERVE = ("cd /home/boxd && nohup setsid python3 -m uvicorn counter_env:app --host 0.0.0.0 "
+         "--port 8080 >/tmp/counter_env.server.log 2>&1 </dev/null &")
+
+
+def _wheels() -> list[Path]:
+    """openenv-core (no dependencies) and ``SERVER_DEPS`` as wheels for the guest
+    (CPython 3.11, x86-64 glibc, like the host)."""
+    done = WHEELS / ".complete"
+    if not done.exists():
+        WHEELS.mkdir(parents=True, exist_ok=True)
+        pip = [sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:",
+               "-d", str(WHEELS)]
+        for args in (["--no-deps", "openenv-core==0.3.0"], SERVER_DEPS):
+            r = subprocess.run(pip + args, capture_output=True, text=True, timeout=600)
+            if r.returncode != 0:
+                pytest.skip(f"host cannot download the openenv wheels: {r.stderr[-500:]}")
+        done.touch()
+    return sorted(WHEELS.glob("*.whl"))
+
+
+@pytest.fixture(scope="module")
+def counter() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("counter_env", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def openenv_base(client: Any, gvisor_base: Any) -> Iterator[Any]:  # noqa: F811
+    """A fork of the gVisor base with openenv-core installed and the example's server
+    listening on port 8080 (answering ``/health`` through the machine's URL)."""
+    m = client.machines.fork(gvisor_base.id, "openenv-base")
+    try:
+        client.machines.wait_until_ready(m.id)
+        wheels = _wheels()
+        for whl in wheels:
+            client.machines.files.upload(m.id, f"{GUEST_WHEELS}/{whl.name}", whl.read_bytes())
+        core = next(w.name for w in wheels if w.name.startswith("openenv_core-"))
+        _ok(client, m.id, f"pip install -q --no-cache-dir --no-index --find-links {GUEST_WHEELS} "
+            f"{' '.join(SERVER_DEPS)} && pip install -q --no-cache-dir --no-deps "
+            f"{GUEST_WHEELS}/{core} && rm -rf {GUEST_WHEELS}", timeout=900)
+        client.machines.files.upload(m.id, "/home/boxd/counter_env.py", EXAMPLE.read_text())
+        _ok(client, m.id, SERVE)
+        m = client.machines.get(m.id)
+        try:
+            BoxdProvider(client).wait_for_ready(m.url, timeout_s=120)
+        except TimeoutError:
+            log = client.machines.exec(m.id, "cat /tmp/counter_env.server.log").stdout
+            raise AssertionError(f"the server did not come up: {log[-2000:]}") from None
+        yield m
+    finally:
+        with contextlib.suppress(errors.NotFound):
+            client.machines.delete(m.id)
+
+
+def _machines(client: Any) -> set[str]:
+    return {m.id for m in client.machines.list()}
+
+
+def test_four_clients_get_four_forks_with_one_first_observation(
+        client: Any, openenv_base: Any, counter: Any) -> None:
+    before = _machines(client)
+
+    async def session(i: int) -> tuple[str | None, Any, list[Any]]:
+        provider = BoxdProvider(client)
+        env = await counter.CounterClient.from_docker_image("openenv-base", provider=provider)
+        try:
+            first = await env.reset()
+            steps = [await env.step(counter.CounterAction(delta=i + 1)) for _ in range(3)]
+            return provider.machine, first.observation, [s.observation for s in steps]
+        finally:
+            await env.close()  # calls provider.stop_container()
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:  # 4 sessions at once
+        results = list(pool.map(lambda i: asyncio.run(session(i)), range(4)))
+    machines = {r[0] for r in results}
+    assert len(machines) == 4 and not machines & before
+    firsts = [r[1] for r in results]
+    # the same server process in every fork: its nonce (drawn at start) and pid
+    assert all(f == firsts[0] for f in firsts), firsts
+    assert firsts[0].count == 0 and firsts[0].log_lines == 0
+    for i, (_, _, steps) in enumerate(results):  # each session saw only its own steps
+        assert [s.count for s in steps] == [(i + 1) * n for n in (1, 2, 3)]
+        assert [s.log_lines for s in steps] == [1, 2, 3]
+        assert {s.nonce for s in steps} == {firsts[0].nonce}
+    assert _machines(client) == before  # stop_container left no machine behind
+    # the source's server was not touched by any session
+    _ok(client, openenv_base.id, "test ! -e /tmp/counter_env.log")
+
+
+def test_branch_continues_a_session_from_its_moment(
+        client: Any, openenv_base: Any, counter: Any) -> None:
+    before = _machines(client)
+    provider = BoxdProvider(client)
+    try:
+        url = provider.start_container("openenv-base")
+        provider.wait_for_ready(url)
+        with counter.CounterClient(base_url=url).sync() as env:
+            env.reset(seed=10)
+            for _ in range(5):
+                at5 = env.step(counter.CounterAction(delta=1)).observation
+            assert at5.count == 15 and at5.log_lines == 5
+            branches = provider.branch(url, 2)
+            assert len(set(branches) | {url}) == 3
+            # the original goes on, unaffected by its branches
+            orig = env.step(counter.CounterAction(delta=100)).observation
+            assert orig.count == 115 and orig.log_lines == 6
+        continued = []
+        for b in branches:  # a new session in each branch re-attaches to the episode
+            provider.wait_for_ready(b)
+            with counter.CounterClient(base_url=b).sync() as env:
+                state = env.state()
+                assert (state.step_count, state.count) == (5, 15)
+                continued.append(env.step(counter.CounterAction(delta=2)))
+        assert continued[0].observation.count == 17 and continued[0].observation.log_lines == 6
+        # same moment, same action: the same step, reward (the server's RNG) included
+        assert continued[0] == continued[1]
+        assert continued[0].observation.nonce == at5.nonce
+    finally:
+        provider.stop_container()
+    assert _machines(client) == before
