@@ -30,7 +30,7 @@ from .test_rl import GUEST_WHEELS, REPO, _ok
 pytest.importorskip("openenv.core.containers.runtime",
                     reason="openenv-core is not installed (pip install 'boxd[openenv]')")
 
-from boxd.openenv import BoxdProvider  # noqa: E402
+from boxd.openenv import BoxdProvider
 
 pytestmark = pytest.mark.vm
 
