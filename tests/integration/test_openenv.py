@@ -1,12 +1,15 @@
 """OpenEnv on real machines (issue 26's acceptance): openenv-core's own ``create_app``
-server (``examples/openenv/counter_env.py``) runs in a gVisor machine; unmodified
-openenv-core clients reach forks of it through ``boxd.openenv.BoxdProvider``.
+server (``examples/openenv/counter_env.py``) runs in a gVisor machine prepared and
+saved by the docs' recipe (``examples/openenv/serve_sessions.py``); unmodified
+openenv-core clients reach machines started from that snapshot, and forks of one,
+through ``boxd.openenv.BoxdProvider``.
 
 openenv-core gets into the guest as the other guest packages of the suite do: the
 *host* downloads wheels and uploads them (the guest reaches no package index). Only
 what the server imports is installed: openenv-core without its dependencies, then
-fastapi, uvicorn, pydantic, websockets and fastmcp (``openenv.core.env_server`` imports
-fastmcp unguarded; gradio, openai and huggingface_hub it does not need).
+fastapi, uvicorn, pydantic, websockets, fastmcp and requests (``openenv.core.env_server``
+imports fastmcp unguarded, ``openenv.core``'s client half requests; gradio, openai and
+huggingface_hub it does not need).
 """
 
 from __future__ import annotations
@@ -23,9 +26,7 @@ from typing import Any
 import pytest
 
 from boxd import errors
-
-from .test_gvisor import gvisor_base  # noqa: F401 - fixture
-from .test_rl import GUEST_WHEELS, REPO, _ok
+from tests._support.rl_guest import REPO, _ok
 
 pytest.importorskip("openenv.core.containers.runtime",
                     reason="openenv-core is not installed (pip install 'boxd[openenv]')")
@@ -35,12 +36,11 @@ from boxd.openenv import BoxdProvider
 pytestmark = pytest.mark.vm
 
 EXAMPLE = REPO / "examples" / "openenv" / "counter_env.py"
+RECIPE = REPO / "examples" / "openenv" / "serve_sessions.py"
+SNAPSHOT = "openenv-counter"
 WHEELS = REPO / ".cache" / "wheels-openenv"
 #: What openenv-core's server and client import (besides the standard library).
-SERVER_DEPS = ["fastapi", "uvicorn", "pydantic", "websockets", "fastmcp"]
-SERVE = ("cd /home/boxd && nohup setsid python3 -m uvicorn counter_env:app --host 0.0.0.0 "
-         "--port 8080 >/tmp/counter_env.server.log 2>&1 </dev/null &")
-
+SERVER_DEPS = ["fastapi", "uvicorn", "pydantic", "websockets", "fastmcp", "requests"]
 
 def _wheels() -> list[Path]:
     """openenv-core (no dependencies) and ``SERVER_DEPS`` as wheels for the guest
@@ -60,9 +60,14 @@ def _wheels() -> list[Path]:
 
 @pytest.fixture(scope="module")
 def counter() -> Any:
+    """examples/openenv/counter_env.py: the env's server module and its client."""
+    return _load(EXAMPLE)
+
+
+def _load(path: Path) -> Any:
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("counter_env", EXAMPLE)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -70,22 +75,31 @@ def counter() -> Any:
 
 
 @pytest.fixture(scope="module")
-def openenv_base(client: Any, gvisor_base: Any) -> Iterator[Any]:  # noqa: F811
-    """A fork of the gVisor base with openenv-core installed and the example's server
-    listening on port 8080 (answering ``/health`` through the machine's URL)."""
-    m = client.machines.fork(gvisor_base.id, "openenv-base")
+def recipe() -> Any:
+    """examples/openenv/serve_sessions.py, the docs' recipe."""
+    return _load(RECIPE)
+
+
+@pytest.fixture(scope="module")
+def openenv_snapshot(client: Any, gvisor_base: Any, recipe: Any) -> Iterator[str]:
+    """The recipe's snapshot: a gVisor machine with openenv-core installed (from the
+    host's wheels) and the example's server listening on port 8080, saved."""
     try:
-        client.machines.wait_until_ready(m.id)
-        wheels = _wheels()
-        for whl in wheels:
-            client.machines.files.upload(m.id, f"{GUEST_WHEELS}/{whl.name}", whl.read_bytes())
-        core = next(w.name for w in wheels if w.name.startswith("openenv_core-"))
-        _ok(client, m.id, f"pip install -q --no-cache-dir --no-index --find-links {GUEST_WHEELS} "
-            f"{' '.join(SERVER_DEPS)} && pip install -q --no-cache-dir --no-deps "
-            f"{GUEST_WHEELS}/{core} && rm -rf {GUEST_WHEELS}", timeout=900)
-        client.machines.files.upload(m.id, "/home/boxd/counter_env.py", EXAMPLE.read_text())
-        _ok(client, m.id, SERVE)
-        m = client.machines.get(m.id)
+        recipe.prepare(client, SNAPSHOT, WHEELS if _wheels() else None, engine="gvisor")
+    except SystemExit as exc:
+        raise AssertionError(str(exc)) from None
+    yield SNAPSHOT
+    with contextlib.suppress(errors.NotFound):
+        client.snapshots.delete(SNAPSHOT)
+
+
+@pytest.fixture(scope="module")
+def openenv_base(client: Any, openenv_snapshot: str) -> Iterator[Any]:
+    """A machine started from the recipe's snapshot, its server already answering
+    ``/health`` through the machine's URL."""
+    m = client.machines.new("openenv-base", from_snapshot=openenv_snapshot)
+    try:
+        m = client.machines.wait_until_ready(m.id)
         try:
             BoxdProvider(client).wait_for_ready(m.url, timeout_s=120)
         except TimeoutError:
@@ -95,6 +109,20 @@ def openenv_base(client: Any, gvisor_base: Any) -> Iterator[Any]:  # noqa: F811
     finally:
         with contextlib.suppress(errors.NotFound):
             client.machines.delete(m.id)
+
+
+def test_the_recipe_serves_sessions_from_its_snapshot(
+        client: Any, openenv_snapshot: str, recipe: Any, counter: Any) -> None:
+    """The docs' recipe: each session a machine started from the snapshot (the
+    provider's snapshot path), one first observation, each its own steps."""
+    before = _machines(client)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(
+            lambda i: recipe.session(client, counter, openenv_snapshot, i), range(2)))
+    (first0, counts0), (first1, counts1) = results
+    assert first0 == first1 and first0.count == 0
+    assert counts0 == [1, 2, 3] and counts1 == [2, 4, 6]
+    assert _machines(client) == before
 
 
 def _machines(client: Any) -> set[str]:
