@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -171,3 +172,12 @@ def test_a_standby_copy_is_held_by_its_freezer_and_claimed_without_runsc(
     finally:
         sandbox.kill()
         sandbox.wait()
+
+
+def test_the_state_root_does_not_list_machines_to_other_users(tmp_path: Path) -> None:
+    """runsc's state files carry the machine ids: ``<shm>/gvisor`` is not readable by
+    other users (issue 29, 8), also when it existed before with a wider mode."""
+    (tmp_path / "state").mkdir(mode=0o755)
+    (tmp_path / "state").chmod(0o755)
+    _engine(tmp_path)
+    assert stat.S_IMODE((tmp_path / "state").stat().st_mode) == 0o711

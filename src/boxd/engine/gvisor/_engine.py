@@ -687,6 +687,10 @@ def _image_dir(image: MemoryImage, files: RunFiles) -> tuple[Path, Roots]:
 # ------------------------------------------------------------------- engine
 
 
+#: The mode of runsc's ``--root`` (``<shm>/gvisor``): no listing by other users.
+STATE_ROOT_MODE = 0o711
+
+
 class GvisorEngine:
     """Runs machines as gVisor sandboxes (``runsc --platform=systrap``)."""
 
@@ -700,6 +704,9 @@ class GvisorEngine:
         self.cgroups = cgroups or Cgroups.off("not set up")
         self.version = version
         state_root.mkdir(parents=True, exist_ok=True)
+        # runsc's state files are named after the machines: other users may pass
+        # through (by a known name) but not list them
+        state_root.chmod(STATE_ROOT_MODE)
         self.runsc = Runsc(runsc, state_root, state_root)
         self.agent_tree = agent_tree
         self.reason = reason
