@@ -22,25 +22,12 @@ import pytest
 
 from boxd import errors
 from tests._support.cgroups import _cgroups_of, _gone, _limit, _require_cgroups
-from tests._support.machines import _get, _gvisor_status, _vm_id
-
-from .test_rl import EXAMPLES, GUEST_WHEELS, _ok, warm_rl_base
+from tests._support.machines import _get, _vm_id
+from tests._support.rl_guest import EXAMPLES, GUEST_WHEELS, _ok, warm_rl_base
 
 pytestmark = pytest.mark.vm
 
 ENGINES = ["qemu", "gvisor"]
-
-
-@pytest.fixture(scope="module")
-def gvisor_base(client):  # type: ignore[no-untyped-def]
-    status, why = _gvisor_status(client)
-    if status != "ok":
-        pytest.skip(f"gvisor unavailable here: {why}")
-    m = client.machines.new("gbase", engine="gvisor")
-    client.machines.wait_until_ready(m.id, timeout=120)
-    yield client.machines.get(m.id)
-    with contextlib.suppress(errors.NotFound):
-        client.machines.delete(m.id)
 
 
 @pytest.fixture(params=ENGINES)

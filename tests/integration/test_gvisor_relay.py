@@ -17,8 +17,6 @@ import pytest
 
 from boxd import errors
 
-from .test_gvisor import gvisor_base  # noqa: F401  (the module's gVisor base machine)
-
 pytestmark = pytest.mark.vm
 
 ECHO = (
@@ -35,7 +33,7 @@ ECHO = (
 
 
 @pytest.fixture
-def gfork(client: Any, gvisor_base: Any) -> Any:  # noqa: F811
+def gfork(client: Any, gvisor_base: Any) -> Any:
     m = client.machines.fork(gvisor_base.id, "grelay")
     client.machines.wait_until_ready(m.id, timeout=120)
     client.machines.files.upload(m.id, "/home/boxd/echo.py", ECHO)

@@ -19,9 +19,7 @@ from gymnasium.utils.env_checker import data_equivalence
 
 import boxd.rl as rl
 from boxd import errors
-
-from .test_gvisor import gvisor_base  # noqa: F401 - fixture
-from .test_rl import EXAMPLES, GUEST_WHEELS, _host_wheels, _ok
+from tests._support.rl_guest import EXAMPLES, GUEST_WHEELS, _host_wheels, _ok
 
 pytestmark = pytest.mark.vm
 
@@ -71,7 +69,7 @@ def make():
 
 
 @pytest.fixture(scope="module")
-def branch_base(client: Any, gvisor_base: Any) -> Iterator[Any]:  # noqa: F811
+def branch_base(client: Any, gvisor_base: Any) -> Iterator[Any]:
     """A fork of the gVisor base with gymnasium and numpy installed, and ``branchenv``."""
     m = client.machines.fork(gvisor_base.id, "rl-branch-base")
     try:

@@ -20,9 +20,7 @@ from gymnasium.utils.env_checker import check_env
 
 import boxd.rl as rl
 from boxd import errors
-
-from .test_gvisor import gvisor_base  # noqa: F401 - fixture
-from .test_rl import EXAMPLES, _ok
+from tests._support.rl_guest import EXAMPLES, _ok
 
 pytestmark = pytest.mark.vm
 
@@ -67,7 +65,7 @@ def _mujoco_base(client: Any, source: Any, name: str) -> Any:
 
 
 @pytest.fixture(scope="module")
-def mujoco_gvisor(client: Any, gvisor_base: Any) -> Iterator[Any]:  # noqa: F811
+def mujoco_gvisor(client: Any, gvisor_base: Any) -> Iterator[Any]:
     m = _mujoco_base(client, gvisor_base, "mujoco-gvisor")
     yield m
     with contextlib.suppress(errors.NotFound):

@@ -22,15 +22,13 @@ import boxd.rl as rl
 from boxd import errors
 from boxd.rl import _verify
 from tests._support import leaky_envs, rl_envs
-
-from .test_gvisor import gvisor_base  # noqa: F401 - fixture
-from .test_rl import GUEST_WHEELS, _host_wheels, _ok
+from tests._support.rl_guest import GUEST_WHEELS, _host_wheels, _ok
 
 pytestmark = pytest.mark.vm
 
 
 @pytest.fixture(scope="module")
-def verify_base(client: Any, gvisor_base: Any) -> Iterator[Any]:  # noqa: F811
+def verify_base(client: Any, gvisor_base: Any) -> Iterator[Any]:
     """A fork of the gVisor base with gymnasium, numpy and cloudpickle installed."""
     m = client.machines.fork(gvisor_base.id, "rl-verify-base")
     try:

@@ -31,7 +31,7 @@ import uvicorn
 from openenv.core.containers.runtime import ContainerProvider
 from tests._support import sdk_daemon as support
 from tests._support.api_fakes import host_info
-from tests.unit.test_node_fake import ACCOUNT, World, make_world
+from tests._support.fake_world import ACCOUNT, World, make_world
 
 from boxd import Boxd, errors
 from boxd.api import create_app

@@ -15,7 +15,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-from tests.unit.test_node_fake import ACCOUNT, World, make_world
+from tests._support.fake_world import ACCOUNT, World, make_world
 
 from boxd import models
 from boxd.engine.fake import FakeMachine

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.unit.test_node_fake import ACCOUNT, World, make_world, running
-from tests.unit.test_spares import make_pool, settle, tpl
+from tests._support.fake_world import ACCOUNT, World, make_world, running
+from tests._support.spares import make_pool, settle, tpl
 
 from boxd import errors, models
 
