@@ -16,6 +16,9 @@ environment points at (``BOXD_HOME``):
   (10) idle seconds each, when the daemon has refilled its standby children; and the
   loop's floor in the same run: the 8 ``rollout.py`` execs alone, in 8 fresh forks made
   and idle first (the loop over the floor is what forking and deleting cost it);
+- the first batch (issue 25): the same loop's first round from a baseline just made
+  ready (a fork of the warm source, no standby copies yet), without a pool and after
+  ``machines.warm(forks=8)`` (the call timed apart), alternating, against the floor;
 - one CartPole episode (the spec's seeded policy, imports excluded, mean of 20 seeds;
   ``BENCH_ENGINE_EPISODE_N`` (3) runs, once the standby children are refilled) in
   a fork, against the same code on the host's own Python (same wheels, installed with
@@ -220,27 +223,51 @@ def bench_engine(client: Boxd, engine: str, log: Callable[[str], None]) -> dict[
 
         log(f"{engine}: 8 rollouts x{ROLLOUT_ROUNDS}")
 
-        def rollout(seed: int) -> str:
-            fork = client.machines.fork(src)
+        def rollout(seed: int, source: str = src) -> str:
+            fork = client.machines.fork(source)
             client.machines.wait_until_ready(fork.id)
             out = _ok(client, fork.id, f"python3 /home/boxd/rollout.py --seed {seed}")
             client.machines.delete(fork.id)
             return out
 
+        def batch(source: str = src) -> float:
+            """The spec's loop once: 8 threads, each fork, wait, rollout, delete."""
+            with ThreadPoolExecutor(max_workers=8) as pool:
+                t = time.monotonic()
+                outs = list(pool.map(lambda s: rollout(s, source), range(8)))
+                wall = time.monotonic() - t
+            assert len(set(outs)) > 1
+            return wall
+
         def rounds(gap: float) -> list[float]:
             walls = []
             for _ in range(ROLLOUT_ROUNDS):
                 time.sleep(gap)
-                with ThreadPoolExecutor(max_workers=8) as pool:
-                    t = time.monotonic()
-                    outs = list(pool.map(rollout, range(8)))
-                    walls.append(time.monotonic() - t)
-                assert len(set(outs)) > 1
+                walls.append(batch())
             return walls
 
         res["rollouts"] = rounds(2.0)
         log(f"{engine}: 8 rollouts x{ROLLOUT_ROUNDS}, {ROLLOUT_IDLE:.0f} s idle before each")
         res["rollouts_idle"] = rounds(ROLLOUT_IDLE)
+
+        # The first batch a user sees: the loop's first round from a baseline that has
+        # just become ready (a fork of the warm source: warm worker, files, no standby
+        # copies yet), without a pool and after machines.warm(forks=8), alternating.
+        log(f"{engine}: first batch from a new baseline, without and with warm x{ROLLOUT_ROUNDS}")
+        res["first"], res["first_warm"], res["warm_call"] = [], [], []
+        for _ in range(ROLLOUT_ROUNDS):
+            for pooled in (False, True):
+                time.sleep(ROLLOUT_IDLE)
+                base = client.machines.fork(src)
+                made.append(base.id)
+                client.machines.wait_until_ready(base.id)
+                _ok(client, base.id, "true")
+                if pooled:
+                    res["warm_call"].append(_timed(
+                        lambda b=base.id: client.machines.warm(b, forks=8)))
+                res["first_warm" if pooled else "first"].append(batch(base.id))
+                client.machines.delete(base.id)
+                made.remove(base.id)
 
         # The loop's floor on this host right now: the same 8 rollouts in 8 fresh forks
         # of the same source (made, exec-ready and idle first), only the execs timed. The
@@ -341,6 +368,15 @@ def run(client: Boxd | None = None, log: Callable[[str], None] | None = None) ->
                 "rollouts_idle")):
             row(engine, "8 rollout execs alone, 8 fresh forks (the loop's floor)",
                 "rollout_floor", f"loop after idle / floor: {median(idle) / median(fl):.2f}x")
+        fl = data[engine].get("rollout_floor")
+        for key, name in (("first", "first batch, new baseline, no pool"),
+                          ("first_warm", "first batch after warm(forks=8)")):
+            vals = data[engine].get(key)
+            if vals and fl:
+                row(engine, name, key, f"{median(vals) / median(fl):.2f}x the floor; "
+                    "spec 1.6 s" + ("; target <= 1.2x floor" if key == "first_warm" else ""))
+        row(engine, "machines.warm(forks=8) call", "warm_call",
+            "before the first batch; not in its wall")
         row(engine, "checkpoint save", "ckpt_save")
         row(engine, "checkpoint restore -> exec-ready", "ckpt_restore")
         if data[engine].get("pss") is not None:
