@@ -28,8 +28,12 @@ HINT = "pip install 'boxd[server]'"
 
 
 def _run(argv: list[str | Path], timeout: float = 600, **kw: object) -> str:
+    # The clean venv sees only what it installed: a PYTHONPATH of the caller's (a
+    # checkout's src/, with its egg-info) would make pip skip the wheel as installed.
+    env = dict(kw.pop("env", None) or os.environ)  # type: ignore[call-overload]
+    env.pop("PYTHONPATH", None)
     proc = subprocess.run([str(a) for a in argv], capture_output=True, text=True,
-                          timeout=timeout, **kw)  # type: ignore[call-overload]
+                          timeout=timeout, env=env, **kw)  # type: ignore[call-overload]
     assert proc.returncode == 0, f"{argv}: {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     return str(proc.stdout)
 
@@ -76,7 +80,8 @@ def test_clean_venv_with_client_dependencies_only(wheel: Path, tmp_path: Path) -
     assert _run([boxd, "--version"]).startswith("boxd, version ")
     assert _run([py, "-c", "from boxd import Boxd; print(Boxd.__name__)"]).strip() == "Boxd"
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BOXD_")}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("BOXD_") and k != "PYTHONPATH"}
     env["BOXD_HOME"] = str(tmp_path / "home")
     serve = subprocess.run([boxd, "serve"], capture_output=True, text=True, env=env,
                            timeout=60)
