@@ -96,3 +96,18 @@ def test_closed_or_pending_vector_env_raises_gymnasiums_errors() -> None:
     e.close()
     with pytest.raises(errors.StateError, match="closed"):
         e.branch(1)
+
+
+def test_sub_envs_sharing_a_machine_cannot_branch_or_save() -> None:
+    """A machine holds all its sub-envs (envs_per_machine > 1): a branch or checkpoint
+    of one would take the others, so it is refused with the fix."""
+    v = rl.VectorEnv([Count] * 4, source=rl.local(), envs_per_machine=2,
+                     pickle_by_value=[_rl_envs])
+    try:
+        v.reset(seed=0)
+        for call in (lambda: v.branch(1, 2), lambda: v.branch([0, 3]), lambda: v.save(2)):
+            with pytest.raises(errors.InvalidRequest, match="envs_per_machine=2") as info:
+                call()
+            assert "envs_per_machine=1" in (info.value.hint or "")
+    finally:
+        v.close()

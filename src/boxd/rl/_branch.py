@@ -330,9 +330,17 @@ def _open_vector(venv: VectorEnv, what: str) -> None:
 
 def _vector_point(venv: VectorEnv, i: int) -> _Point:
     pool = venv._pool
-    if pool.broken[i] is not None:
-        raise pool.broken[i]
-    return _point(pool.slots[i], pool.reset_mode == "rewind")
+    if pool.envs_per_machine > 1:
+        raise errors.InvalidRequest(
+            f"a sub-env shares its machine with others (envs_per_machine="
+            f"{pool.envs_per_machine}): a machine's branch or checkpoint would take them "
+            "all", field="index",
+            hint="branch, save and load sub-envs of a VectorEnv with envs_per_machine=1")
+    g = pool.group_of[i]
+    broken = pool.broken[g]
+    if broken is not None:
+        raise broken
+    return _point(pool.slots[g], pool.reset_mode == "rewind")
 
 
 def vector_branch(venv: VectorEnv, index: int | Sequence[int], k: int | None) -> VectorEnv:
@@ -397,6 +405,10 @@ def _pool_of(pool: Pool, slots: list[Slot], sources: list[int]) -> Pool:
     new.makes = [pool.makes[i] for i in sources]
     new.n = len(slots)
     new.pristine = [pool.pristine[i] for i in sources]
+    new.infos = [copy.deepcopy(pool.infos[i]) for i in sources]
+    new.envs_per_machine = 1  # one branch per machine
+    new.groups = [[j] for j in range(new.n)]
+    new.group_of = list(range(new.n))
     new.broken = [None] * new.n
     new.slots = slots
     new.rpcs = [Rpc(s, j) for j, s in enumerate(slots)]

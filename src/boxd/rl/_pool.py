@@ -337,9 +337,10 @@ class Pool:
         return members
 
     def close(self) -> None:
-        """Close every env and delete every machine (errors are ignored: best effort)."""
-        live = [i for i in range(self.n) if self.broken[self.group_of[i]] is None]
+        """Close every env and delete every machine (errors are ignored: best effort;
+        the machines and the home's templates go whatever the envs' close did)."""
         with contextlib.suppress(Exception):
+            live = [i for i in range(self.n) if self.broken[self.group_of[i]] is None]
             self.broadcast([("close",) if i in live else None for i in range(self.n)],
                            timeout=30.0)
 
