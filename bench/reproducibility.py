@@ -121,9 +121,10 @@ def _restored(client: Boxd, base: str, made: list[str]) -> str:
 
 
 def _from_snapshot(client: Boxd, base: str, made: list[str], snaps: list[str]) -> str:
-    snap = client.snapshots.save(base, f"repro-snap-{base}")
-    snaps.append(snap.id)
-    m = client.machines.new(None, from_snapshot=snap.id)
+    snap = client.snapshots.save(base, f"repro-snap-{base.replace('_', '-')}")
+    ref = f"{snap.name}@{snap.version}"
+    snaps.append(ref)
+    m = client.machines.new(None, from_snapshot=ref)
     made.append(m.id)
     client.machines.wait_until_ready(m.id, timeout=600)
     return m.id
