@@ -16,13 +16,12 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-from test_node_fake import ACCOUNT, World, leftovers, make_world, running, sh, world
+from tests._support.fake_world import ACCOUNT, World, leftovers, make_world, running, sh
 
 from boxd import errors, models
 
 pytestmark = pytest.mark.timeout(60)
 
-__all__ = ["world"]  # the fixture, shared with test_node_fake
 
 
 def typed(result: object) -> None:

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_node_fake import ACCOUNT, leftovers, make_world
 from tests._support.api_fakes import host_info
+from tests._support.fake_world import ACCOUNT, leftovers, make_world
 
 from boxd.api import create_app
 from boxd.api.services.keys import KeyService

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from test_node_fake import ACCOUNT, World, make_world, running
 from tests._support import agent_guest as ta
 from tests._support.api_fakes import FakeMachines, FakeSnapshots, host_info
+from tests._support.fake_world import ACCOUNT, World, make_world, running
 
 from boxd import process_models as pm
 from boxd.api import create_app
