@@ -55,6 +55,7 @@ UNCLAIMED_TTL = 120.0
 RELAY_MOVE_WAIT = 10.0  # seconds a relayed stream waits for its relay to come back
 IDLE_WAIT = 60.0  # seconds an idle loop sleeps between checks (it is woken for real work)
 RNDADDENTROPY = 0x40085203
+RNDRESEEDCRNG = 0x5207  # _IO('R', 0x07)
 PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -1334,20 +1335,33 @@ class Agent:
 
     @staticmethod
     def reseed(seed: bytes, *, real: bool) -> None:
+        """Mix the host's seed into the pool, then force the CRNG to reseed from it.
+
+        A ready CRNG does not reseed when entropy is added, so without RNDRESEEDCRNG two
+        forks of one moment read the same /dev/urandom bytes until its next scheduled
+        reseed (up to 60 s of guest time). As init.c's reseed.
+        """
         if not real:
             return
         fd = os.open("/dev/urandom", os.O_WRONLY | os.O_CLOEXEC)
         try:
+            added = False
             if os.geteuid() == 0:
                 # struct rand_pool_info { int entropy_count; int buf_size; __u32 buf[]; }
                 padded = seed + b"\0" * (-len(seed) % 4)
                 info = struct.pack("ii", len(seed) * 8, len(seed)) + padded
                 try:
                     fcntl.ioctl(fd, RNDADDENTROPY, info)
-                    return
+                    added = True
                 except OSError as exc:
                     log(f"RNDADDENTROPY failed ({exc}); mixing without credit")
-            os.write(fd, seed)  # mixes into the pool without crediting entropy
+            if not added:
+                os.write(fd, seed)  # mixes into the pool without crediting entropy
+            try:
+                fcntl.ioctl(fd, RNDRESEEDCRNG)
+            except OSError as exc:  # gVisor has no CRNG to reseed: ENOTTY is fine
+                if exc.errno not in (errno.ENOTTY, errno.EINVAL):
+                    log(f"RNDRESEEDCRNG failed ({exc})")
         finally:
             os.close(fd)
 

@@ -37,7 +37,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <linux/random.h> /* RNDADDENTROPY */
+#include <linux/random.h> /* RNDADDENTROPY, RNDRESEEDCRNG */
 #include <poll.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -928,6 +928,10 @@ replace:
 
 static int urandom_fd = -1; /* opened once: no open/close on a fork child's first run */
 
+/* Mix the host's seed into the input pool, then force the CRNG to reseed from it: once the
+ * CRNG is ready, adding entropy (RNDADDENTROPY or a write) does not reseed it, so two forks
+ * of one moment would read the same /dev/urandom bytes until its next scheduled reseed (up
+ * to 60 s of guest time) without RNDRESEEDCRNG (Linux >= 4.17, CAP_SYS_ADMIN). */
 static void reseed(const unsigned char *seed, size_t n) {
     if (urandom_fd < 0) urandom_fd = open("/dev/urandom", O_WRONLY | O_CLOEXEC);
     int fd = urandom_fd;
@@ -935,6 +939,7 @@ static void reseed(const unsigned char *seed, size_t n) {
         logf_("cannot open /dev/urandom: %s", strerror(errno));
         return;
     }
+    int added = 0;
     if (geteuid() == 0) {
         /* struct rand_pool_info { int entropy_count; int buf_size; __u32 buf[]; } */
         int req[2 + 64];
@@ -942,10 +947,13 @@ static void reseed(const unsigned char *seed, size_t n) {
         req[0] = (int)(n * 8);
         req[1] = (int)n;
         memcpy(&req[2], seed, n);
-        if (ioctl(fd, RNDADDENTROPY, req) == 0) return;
-        logf_("RNDADDENTROPY failed (%s); mixing without credit", strerror(errno));
+        added = ioctl(fd, RNDADDENTROPY, req) == 0;
+        if (!added) logf_("RNDADDENTROPY failed (%s); mixing without credit", strerror(errno));
     }
-    if (write(fd, seed, n) < 0) logf_("writing /dev/urandom: %s", strerror(errno));
+    if (!added && write(fd, seed, n) < 0) logf_("writing /dev/urandom: %s", strerror(errno));
+    /* gVisor has no CRNG to reseed (every read draws from the host): ENOTTY is fine */
+    if (ioctl(fd, RNDRESEEDCRNG) != 0 && errno != ENOTTY && errno != EINVAL)
+        logf_("RNDRESEEDCRNG failed: %s", strerror(errno));
 }
 
 /* The machine's in-guest API credential (1.5): IDENTITY_DIR/key, 0600, rewritten in place
