@@ -20,6 +20,8 @@ import json
 import logging
 import os
 import secrets
+import select
+import socket
 import time
 from collections.abc import (
     AsyncGenerator,
@@ -60,6 +62,11 @@ log = logging.getLogger(__name__)
 
 #: Seconds to wait for the reply of a one-shot request (ping, stat, kill, identity, ...).
 REQUEST_TIMEOUT = 30.0
+#: Where a QEMU guest's agent tree is (boxd-init and agent.py, for `AgentClient.dial`);
+#: a gVisor sandbox has it at ``boxd.images.AGENT_MOUNT``.
+GUEST_TREE = "/run/boxd"
+#: Seconds the guest's dialer (`AgentClient.dial`) has to connect.
+DIAL_TIMEOUT = 10.0
 #: Seconds a streaming read or a file write may go without any message from the agent.
 STREAM_IDLE_TIMEOUT = 120.0
 #: The protocol minor version from which the agent can re-attach an exec (``attach``).
@@ -729,6 +736,54 @@ class AgentClient:
             stderr_truncated=cut["stderr"],
         )
 
+    async def dial(
+        self, port: int, tree: str = GUEST_TREE
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A TCP connection to the guest's ``127.0.0.1:port``, for a machine URL: a
+        dialer in the guest (``TREE/boxd-init --dial PORT``, or ``TREE/agent.py --dial
+        PORT`` where boxd-init is not there) connects and relays the socket to its
+        stdin and stdout; the returned streams are one end of a local socket pair
+        bridged to it. The dialer says ``+`` once connected. Bytes are flow-controlled
+        both ways (the exec window; a write waits for the agent).
+
+        Raises:
+            ConnectionRefusedError: nothing in the guest answers on ``port``.
+            OSError: the dialer could not start, or the connection was lost.
+        """
+        try:
+            try:
+                proc = await self.start([f"{tree}/boxd-init", "--dial", str(port)])
+            except GuestFileNotFound:
+                proc = await self.start(["python3", f"{tree}/agent.py", "--dial", str(port)])
+        except BoxdError as exc:
+            raise OSError(f"cannot start the guest's dialer: {exc.message}") from exc
+        events = aiter(proc)
+        said = b""
+        try:
+            while True:
+                ev = await asyncio.wait_for(anext(events), DIAL_TIMEOUT)
+                if isinstance(ev, ExecExit):
+                    text = said.decode(errors="replace").strip() or f"exit {ev.exit_code}"
+                    raise ConnectionRefusedError(f"guest port {port}: {text}")
+                if ev.stream == "stderr":
+                    said = (said + ev.data)[-1024:]
+                    continue
+                if ev.data[:1] == b"+":
+                    leftover = ev.data[1:]
+                    break
+                raise OSError(f"guest port {port}: the dialer said {ev.data[:40]!r}")
+        except BaseException as exc:
+            await proc.aclose()
+            if isinstance(exc, (TimeoutError, StopAsyncIteration, MachineFailed)):
+                raise OSError(f"guest port {port}: the dialer did not answer ({exc!r})") \
+                    from exc
+            raise
+        ours, theirs = socket.socketpair()
+        theirs.setblocking(False)
+        reader, writer = await asyncio.open_connection(sock=ours)
+        self._spawn(_bridge(theirs, proc, events, leftover))
+        return reader, writer
+
     async def write_file(
         self, path: str, data: bytes | AsyncIterable[bytes], mode: int = 0o644
     ) -> FileStat:
@@ -1095,6 +1150,50 @@ STREAM_MOVE_WAIT = 30.0
 #: Guest connections to the in-guest API socket a machine may have open at once
 #: (`AgentClient.serve_relay`); more are closed as they come.
 MAX_GUEST_STREAMS = 64
+
+
+async def _bridge(
+    sock: socket.socket, proc: ExecProcess, events: AsyncIterator[ExecChunk], first: bytes
+) -> None:
+    """Relay one end of a socket pair to a dialer process (`AgentClient.dial`) until
+    either side ends: the socket's bytes to its stdin (its EOF as stdin's close), its
+    stdout to the socket (its exit as the socket's write EOF). The other end closed
+    altogether ends the dialer."""
+    loop = asyncio.get_running_loop()
+
+    async def to_guest() -> None:
+        with contextlib.suppress(OSError, BoxdError):
+            while data := await loop.sock_recv(sock, P.FILE_CHUNK):
+                await proc.write(data)
+            await proc.close_stdin()
+        # Half-closed (the client may still read) or gone: wait until it is gone.
+        poller = select.poll()
+        poller.register(sock, select.POLLHUP)
+        while not poller.poll(0):
+            await asyncio.sleep(0.5)
+
+    async def to_host() -> None:
+        with contextlib.suppress(OSError, BoxdError):
+            if first:
+                await loop.sock_sendall(sock, first)
+            async for ev in events:
+                if isinstance(ev, ExecOutput) and ev.stream == "stdout":
+                    await loop.sock_sendall(sock, ev.data)
+            sock.shutdown(socket.SHUT_WR)
+
+    tasks = [asyncio.ensure_future(to_guest()), asyncio.ensure_future(to_host())]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        if not tasks[1].done():  # the host's end is gone: the dialer is not needed
+            tasks[1].cancel()
+        else:
+            await tasks[0]  # the guest's side ended: until the host's end is closed
+    finally:
+        for t in tasks:
+            t.cancel()
+        with contextlib.suppress(Exception):
+            await proc.aclose()
+        sock.close()
 
 
 class GuestStream:

@@ -244,11 +244,13 @@ class MachineHandle(Protocol):
         """Drop host-side connections; the VM keeps running (daemon restart)."""
         ...
 
-    async def open_http(self) -> tuple[StreamReader, StreamWriter]:
-        """A new connection to the guest's HTTP port (8080), for the machine's URL.
+    async def open_http(self, port: int = 8080) -> tuple[StreamReader, StreamWriter]:
+        """A new connection to a guest TCP port, for the machine's URL (8080 unless the
+        URL's path names another port).
 
         Raises:
-            OSError: the machine has no network, or the engine's forward does not answer.
+            OSError: the machine has no network, or nothing in the guest answers on
+                ``port`` (``ConnectionRefusedError``), or the engine's forward does not.
         """
         ...
 

@@ -294,7 +294,9 @@ class FakeMachine:
         await self._exited.wait()
         return self._reason
 
-    async def open_http(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def open_http(
+        self, port: int = 8080
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         raise OSError("the fake engine's machines have no guest network")
 
     async def pause(self) -> None:

@@ -1401,7 +1401,45 @@ def set_subreaper() -> None:
         log(f"cannot become a child subreaper: {exc}")
 
 
+def dial(port: int) -> int:
+    """``agent.py --dial PORT``, as ``boxd-init --dial PORT`` (init.c's `dial_main`):
+    connect to 127.0.0.1:PORT, say ``+``, relay stdin to the socket and the socket to
+    stdout until the socket's reading half ends; 1 when the connect fails."""
+    try:
+        sock = socket.create_connection(("127.0.0.1", port))
+    except OSError as exc:
+        print(f"connect to 127.0.0.1:{port}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    out = sys.stdout.fileno()
+    os.write(out, b"+")
+    watched = [0, sock.fileno()]
+    while True:
+        ready, _, _ = select.select(watched, [], [])
+        if 0 in ready:
+            data = os.read(0, 65536)
+            if data:
+                try:
+                    sock.sendall(data)
+                except OSError:
+                    return 0
+            else:
+                sock.shutdown(socket.SHUT_WR)
+                watched.remove(0)
+        if sock.fileno() in ready:
+            data = sock.recv(65536)
+            if not data:
+                return 0
+            try:
+                while data:
+                    data = data[os.write(out, data):]
+            except OSError:
+                return 0
+
+
 def main(argv: list[str] | None = None) -> None:
+    args_in = sys.argv[1:] if argv is None else argv
+    if len(args_in) == 2 and args_in[0] == "--dial" and args_in[1].isdigit():
+        sys.exit(dial(int(args_in[1])))
     parser = argparse.ArgumentParser(description="boxd guest agent")
     parser.add_argument("--connect", metavar="UNIX_SOCKET", help="serve over a unix socket (tests)")
     parser.add_argument(

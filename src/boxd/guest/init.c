@@ -37,6 +37,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <netinet/in.h> /* --dial */
 #include <linux/random.h> /* RNDADDENTROPY, RNDRESEEDCRNG */
 #include <poll.h>
 #include <signal.h>
@@ -948,7 +949,9 @@ static void reseed(const unsigned char *seed, size_t n) {
         req[1] = (int)n;
         memcpy(&req[2], seed, n);
         added = ioctl(fd, RNDADDENTROPY, req) == 0;
-        if (!added) logf_("RNDADDENTROPY failed (%s); mixing without credit", strerror(errno));
+        /* ENOTTY: gVisor (its /dev/urandom draws from the host's on every read) */
+        if (!added && errno != ENOTTY)
+            logf_("RNDADDENTROPY failed (%s); mixing without credit", strerror(errno));
     }
     if (!added && write(fd, seed, n) < 0) logf_("writing /dev/urandom: %s", strerror(errno));
     /* gVisor has no CRNG to reseed (every read draws from the host): ENOTTY is fine */
@@ -1702,13 +1705,72 @@ static void reap(int sfd) {
 
 static void usage(void) {
     fprintf(stderr, "usage: boxd-init [--connect SOCK | --stdio] [--host-clock] "
-                    "[--sysroot DIR] [--python PY] [--agent PATH] [-- agent args]\n");
+                    "[--sysroot DIR] [--python PY] [--agent PATH] [-- agent args]\n"
+                    "       boxd-init --dial PORT\n");
     exit(2);
 }
 
 static void ignore_signal(int sig) { (void)sig; }
 
+/* boxd-init --dial PORT: connect to 127.0.0.1:PORT, say "+" on stdout, then relay stdin
+ * to the socket and the socket to stdout until the socket's reading half ends (stdin's
+ * EOF shuts down its writing half). A machine URL's connection to a guest port (every
+ * port on gVisor, ports but 8080 on QEMU; the host's AgentClient.dial). Exit 1 when the
+ * connect fails, the reason on stderr. */
+static int write_all(int fd, const char *p, ssize_t n) {
+    while (n > 0) {
+        ssize_t w = write(fd, p, (size_t)n);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) return -1;
+        p += w;
+        n -= w;
+    }
+    return 0;
+}
+
+static int dial_main(const char *port_s) {
+    char *end;
+    long port = strtol(port_s, &end, 10);
+    if (*end || port < 1 || port > 65535) {
+        fprintf(stderr, "boxd-init --dial: bad port %s\n", port_s);
+        return 2;
+    }
+    signal(SIGPIPE, SIG_IGN);
+    int sock = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (sock < 0 || connect(sock, (struct sockaddr *)&sa, sizeof sa) != 0) {
+        fprintf(stderr, "connect to 127.0.0.1:%ld: %s\n", port, strerror(errno));
+        return 1;
+    }
+    if (write_all(1, "+", 1) != 0) return 1;
+    static char buf[65536];
+    struct pollfd fds[2] = {{.fd = 0, .events = POLLIN}, {.fd = sock, .events = POLLIN}};
+    for (;;) {
+        if (poll(fds, 2, -1) < 0) {
+            if (errno == EINTR) continue;
+            return 1;
+        }
+        if (fds[0].revents) {
+            ssize_t n = read(0, buf, sizeof buf);
+            if (n < 0 && errno == EINTR) continue;
+            if (n <= 0) {
+                shutdown(sock, SHUT_WR);
+                fds[0].fd = -1; /* poll ignores it from now on */
+            } else if (write_all(sock, buf, n) != 0) {
+                return 0; /* the server is gone */
+            }
+        }
+        if (fds[1].revents) {
+            ssize_t n = read(sock, buf, sizeof buf);
+            if (n < 0 && errno == EINTR) continue;
+            if (n <= 0 || write_all(1, buf, n) != 0) return 0;
+        }
+    }
+}
+
 int main(int argc, char **argv) {
+    if (argc == 3 && !strcmp(argv[1], "--dial")) return dial_main(argv[2]);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--")) {

@@ -21,13 +21,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from boxd.config import GUEST_HTTP_PORT
 from boxd.engine.agent import AgentClient, connect_watched
 from boxd.engine.base import BootDisk, EngineInfo, MachineConfig, MemoryImage
 from boxd.engine.cgroups import Cgroups, Limits, memory_limit
 from boxd.engine.qemu import _argv, _net
 from boxd.engine.qemu._probe import AccelChoice
 from boxd.engine.qemu._process import QemuProcess, pid_matches
-from boxd.errors import InternalError, MachineFailed
+from boxd.errors import BoxdError, InternalError, MachineFailed
 from boxd.storage import disks
 from boxd.storage.memory import sparse_copy
 
@@ -282,11 +283,20 @@ class QemuMachine:
             self._agent = None
         await self.process.disconnect()
 
-    async def open_http(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        """passt's forward: the host's 127.0.0.1:``config.port`` to the guest's 8080."""
+    async def open_http(
+        self, port: int = GUEST_HTTP_PORT
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """Port 8080: passt's forward (the host's 127.0.0.1:``config.port``); another
+        guest port: a dialer process in the guest, through the agent (`AgentClient.dial`)."""
         if self.config.port is None:
             raise OSError(f"machine {self.config.id} has no network (isolated)")
-        return await asyncio.open_connection("127.0.0.1", self.config.port)
+        if port == GUEST_HTTP_PORT:
+            return await asyncio.open_connection("127.0.0.1", self.config.port)
+        try:
+            agent = await self.agent(timeout=10.0)
+        except BoxdError as exc:
+            raise OSError(f"machine {self.config.id}'s agent does not answer: {exc}") from exc
+        return await agent.dial(port)
 
 
 class QemuEngine:
