@@ -309,6 +309,37 @@ export class Machines {
     return this.c._json({ method: "GET", path: `/v1/machines/${seg(ref)}` });
   }
 
+  /**
+   * The machine's URL for a guest TCP port: its `url` for 8080 (the default),
+   * `http://127.0.0.1:PORT/TOKEN.N` for port N. Any HTTP or WebSocket client uses it as
+   * given; a request through it wakes the machine and keeps it awake.
+   *
+   * @throws InvalidRequest a port outside 1-65535, an isolated machine, or another port
+   *   of a public machine (its bare URL relays raw TCP to port 8080 only).
+   */
+  async url(ref: string, options: { port?: number } = {}): Promise<string> {
+    const port = options.port ?? 8080;
+    if (!Number.isInteger(port) || port < 1 || port > 65535) {
+      throw new InvalidRequest(`port ${port} is not a TCP port (1-65535)`, {
+        details: { field: "port" },
+      });
+    }
+    const m = await this.get(ref);
+    if (m.url == null) {
+      throw new InvalidRequest(`machine ${JSON.stringify(m.name)} has no URL (isolated)`, {
+        details: { field: "port" },
+      });
+    }
+    if (port === 8080) return m.url;
+    if (m.public) {
+      throw new InvalidRequest(
+        `machine ${JSON.stringify(m.name)} is public: its URL relays raw TCP to port 8080 only`,
+        { details: { field: "port" }, hint: "create it without public for a URL per guest port" },
+      );
+    }
+    return `${m.url.replace(/\/+$/, "")}.${port}`;
+  }
+
   /** Every machine of this account. */
   async list(): Promise<Machine[]> {
     const out = await this.c._json<{ machines: Machine[] }>({ method: "GET", path: "/v1/machines" });

@@ -300,6 +300,12 @@ describe("against a real daemon", LONG, () => {
       return true;
     });
     await assert.rejects(boxd.machines.fork(base.id, { name: "UPPER" }), sdk.InvalidRequest);
+    // machines.url: port 8080 is Machine.url, another port its token with the port
+    const got = await boxd.machines.get(base.id);
+    assert.equal(await boxd.machines.url(base.id), got.url);
+    assert.equal(await boxd.machines.url(base.id, { port: 8000 }), `${got.url}.8000`);
+    await assert.rejects(boxd.machines.url(base.id, { port: 0 }), (e) => e instanceof sdk.InvalidRequest && e.field === "port");
+    await assert.rejects(boxd.machines.url("no-such-machine"), sdk.MachineNotFound);
     await assert.rejects(boxd.machines.new("ts-base"), (e) => e instanceof sdk.AlreadyExists && e.kind === "machine");
 
     // Like the Python SDK, a client without a key falls back to <data dir>/local.key, so

@@ -21,6 +21,7 @@ from pydantic import (
 )
 
 from boxd import config
+from boxd.errors import InvalidRequest
 
 #: The name rule (machines, checkpoints, snapshots, accounts), as the OpenAPI schema
 #: states it (ECMA-262 syntax).
@@ -198,6 +199,29 @@ class Machine(BaseModel):
     suspend_after: float | None = Field(None, description="its idle timer (None: default)")
     hibernate_after: float | None = Field(None, description="its idle timer (None: default)")
     idle_seconds: float | None = Field(None, description="seconds since a request needed it")
+
+    def url_for(self, port: int = config.GUEST_HTTP_PORT) -> str:
+        """Its URL for a guest TCP port: ``url`` for 8080, ``http://127.0.0.1:PORT/TOKEN.N``
+        for port N (the proxy relays it to the guest's port N, WebSockets included; the
+        same token, wake and keep-awake rules).
+
+        Raises:
+            InvalidRequest: a port outside 1-65535, a machine without a URL (isolated),
+                or another port than 8080 of a public machine (its bare URL is a raw
+                TCP relay to port 8080: there is no path to name a port in).
+        """
+        if not 1 <= port <= 65535:
+            raise InvalidRequest(f"port {port} is not a TCP port (1-65535)", field="port")
+        if self.url is None:
+            raise InvalidRequest(f"machine {self.name!r} has no URL (isolated)", field="port")
+        if port == config.GUEST_HTTP_PORT:
+            return self.url
+        if self.public:
+            raise InvalidRequest(
+                f"machine {self.name!r} is public: its URL relays raw TCP to port "
+                f"{config.GUEST_HTTP_PORT} only", field="port",
+                hint="create it without public=True for a URL per guest port")
+        return f"{self.url.rstrip('/')}.{port}"
 
 
 class MachineList(BaseModel):

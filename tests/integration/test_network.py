@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from boxd import errors
+
 pytestmark = pytest.mark.vm
 
 HOST_FROM_GUEST = "10.0.2.2"
@@ -301,3 +303,58 @@ def test_forwarded_port_reaches_the_guest(client, machine) -> None:  # type: ign
             time.sleep(0.5)
     log = client.machines.exec(machine.id, "cat /tmp/http.log").stdout
     pytest.fail(f"no answer on {machine.url}: {last}; guest log: {log}")
+
+
+def _get_until_served(url: str, timeout: float = 120) -> tuple[int, bytes]:
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as exc:
+            if exc.code != 502:
+                return exc.code, exc.read()
+            last = exc
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+            last = exc
+        time.sleep(0.5)
+    pytest.fail(f"no answer on {url}: {last}")
+
+
+#: The guest's dialer processes (their argv has ``--dial`` as an argument of its own).
+_DIALERS = ("python3 -c \"import pathlib; print([p.parent.name for p in "
+            "pathlib.Path('/proc').glob('[0-9]*/cmdline') if b'\\0--dial\\0' in p.read_bytes()])\"")
+
+
+@pytest.mark.parametrize("engine", ["qemu", "gvisor"])
+def test_a_url_reaches_any_guest_port(  # type: ignore[no-untyped-def]
+        client, request, engine) -> None:
+    # QEMU: port 8080 is passt's forward, any other a dialer in the guest through the
+    # agent; gVisor: a dialer for every port.
+    source = request.getfixturevalue("base" if engine == "qemu" else "gvisor_base")
+    m = client.machines.fork(source.id)
+    try:
+        big = uuid.uuid4().hex.encode() * 32768  # 1 MiB: the dialer's stream, both ways
+        client.machines.files.upload(m.id, "/srv/p/big.bin", big)
+        client.machines.files.upload(m.id, "/srv/p/index.html", b"port 8000")
+        r = client.machines.exec(
+            m.id, "cd /srv/p && nohup python3 -m http.server 8000 >/tmp/p.log 2>&1 &")
+        assert r.exit_code == 0, r.stderr
+        url = client.machines.url(m.id, port=8000)
+        assert url == f"{m.url}.8000" and client.machines.url(m.id) == m.url
+        assert _get_until_served(f"{url}/") == (200, b"port 8000")
+        assert _get_until_served(f"{url}/big.bin") == (200, big)
+        # A port number outside TCP's range is not this machine's URL.
+        with pytest.raises(urllib.error.HTTPError) as bad:
+            urllib.request.urlopen(f"{m.url}.70000/", timeout=30)
+        assert bad.value.code == 404
+        with pytest.raises(errors.InvalidRequest):
+            client.machines.url(m.id, port=0)
+        # Each connection's dialer ends with it.
+        deadline = time.monotonic() + 15
+        while (dialers := client.machines.exec(m.id, _DIALERS).stdout.strip()) != "[]":
+            assert time.monotonic() < deadline, f"dialers outlived their connections: {dialers}"
+            time.sleep(0.5)
+    finally:
+        client.machines.delete(m.id)

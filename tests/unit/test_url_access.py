@@ -19,6 +19,7 @@ from tests._support.fake_world import ACCOUNT, World, make_world
 
 from boxd import models
 from boxd.engine.fake import FakeMachine
+from boxd.errors import InvalidRequest
 from boxd.models import MachineState
 from boxd.node._ports import free_port
 from boxd.node._proxy import Access, PortProxy, Upstream
@@ -71,9 +72,18 @@ def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[World]:
     w.repos.db.close()
 
 
-def _point_at(monkeypatch: pytest.MonkeyPatch, guest: Guest) -> None:
-    async def open_http(self: FakeMachine) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        return await asyncio.open_connection("127.0.0.1", guest.port)
+def _point_at(
+    monkeypatch: pytest.MonkeyPatch, guest: Guest, others: dict[int, Guest] | None = None
+) -> None:
+    """The fake machines' port 8080 is ``guest``, their port N ``others[N]``."""
+    ports = {8080: guest, **(others or {})}
+
+    async def open_http(
+        self: FakeMachine, port: int = 8080
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if port not in ports:
+            raise ConnectionRefusedError(f"nothing on guest port {port}")
+        return await asyncio.open_connection("127.0.0.1", ports[port].port)
 
     monkeypatch.setattr(FakeMachine, "open_http", open_http)
 
@@ -175,6 +185,49 @@ def test_with_the_token_the_request_is_served_with_its_own_path_and_wakes_the_ma
     asyncio.run(main())
 
 
+def test_a_port_suffix_on_the_token_reaches_that_guest_port_and_nothing_else(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def main() -> None:
+        web, api = Guest(), Guest()
+        await web.start()
+        await api.start()
+        _point_at(monkeypatch, web, {8000: api})
+        m = await _machine(world)
+        assert m.url and m.port
+        token = urlsplit(m.url).path.strip("/")
+        url = m.url_for(8000)
+        assert url == f"{m.url}.8000" and m.url_for() == m.url_for(8080) == m.url
+        got = await _get(url, "/a?b=1")
+        assert got.startswith(b"HTTP/1.1 200 ") and got.endswith(b"path=/a?b=1")
+        assert api.connections == 1 and web.connections == 0
+        # a browser's absolute link from a page of port 8000 goes to port 8000
+        got = await _exchange(m.port, (
+            f"GET /app.js HTTP/1.1\r\nhost: x\r\nreferer: {url}/index.html\r\n"
+            "connection: close\r\n\r\n").encode())
+        assert got.endswith(b"path=/app.js") and api.connections == 2
+        assert (await _get(m.url, "/x")).endswith(b"path=/x") and web.connections == 1
+        # a port nothing listens on: the proxy says so (the machine answered before)
+        assert (await _get(m.url_for(9000), "/")).startswith(b"HTTP/1.1 502 ")
+        for suffix in ("0", "65536", "08000", "80a", "", "-1"):
+            got = await _get(f"http://127.0.0.1:{m.port}/{token}.{suffix}", "/")
+            assert got.startswith(b"HTTP/1.1 404 "), (suffix, got)
+        assert api.connections == 2 and web.connections == 1
+        for seen in web.seen + api.seen:
+            assert token.encode() not in seen and b".8000" not in seen
+        for bad in (0, 65536):
+            with pytest.raises(InvalidRequest, match="not a TCP port"):
+                m.url_for(bad)
+        pub = await _machine(world, "pub", public=True)
+        assert pub.url_for(8080) == pub.url
+        with pytest.raises(InvalidRequest, match="public"):
+            pub.url_for(8000)
+        web.server.close()  # type: ignore[union-attr]
+        api.server.close()  # type: ignore[union-attr]
+
+    asyncio.run(main())
+
+
 def test_after_delete_and_recreate_the_old_token_fails(
     world: World, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -238,8 +291,9 @@ async def _through_proxy(
     up = await asyncio.start_server(handler, "127.0.0.1", 0)  # type: ignore[arg-type]
     up_port = up.sockets[0].getsockname()[1]
 
-    async def open_up() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def open_up(guest_port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         nonlocal opened
+        assert guest_port == 8080  # a public machine's relay: always its port 8080
         opened += 1
         return await asyncio.open_connection("127.0.0.1", up_port)
 
@@ -310,8 +364,8 @@ def test_a_websocket_upgrade_is_relayed_byte_for_byte_after_the_token_is_checked
         up = await asyncio.start_server(echo_ws, "127.0.0.1", 0)
         up_port = up.sockets[0].getsockname()[1]
 
-        async def open_http(self: FakeMachine) -> tuple[asyncio.StreamReader,
-                                                        asyncio.StreamWriter]:
+        async def open_http(self: FakeMachine, port: int = 8080) -> tuple[
+                asyncio.StreamReader, asyncio.StreamWriter]:
             return await asyncio.open_connection("127.0.0.1", up_port)
 
         monkeypatch.setattr(FakeMachine, "open_http", open_http)
@@ -355,8 +409,8 @@ def test_httpx_and_websockets_clients_work_with_the_url_exactly_as_given(
         m_ws = await _machine(world, "w")
         ports = {m_http.id: guest.port, m_ws.id: ws_port}
 
-        async def open_http(self: FakeMachine) -> tuple[asyncio.StreamReader,
-                                                        asyncio.StreamWriter]:
+        async def open_http(self: FakeMachine, port: int = 8080) -> tuple[
+                asyncio.StreamReader, asyncio.StreamWriter]:
             return await asyncio.open_connection("127.0.0.1", ports[self.config.id])
 
         monkeypatch.setattr(FakeMachine, "open_http", open_http)

@@ -192,6 +192,20 @@ def machine_info(state: _State, name: str, as_json: bool) -> None:
     _show(state.boxd.machines.get(name), as_json, _render.machine)
 
 
+@machine.command("url")
+@click.argument("name")
+@click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True,
+              help="the guest TCP port the URL reaches")
+@pass_state
+def machine_url(state: _State, name: str, port: int) -> None:
+    """Print NAME's URL for a guest port (8080 unless --port): use it as given.
+
+    Any HTTP or WebSocket client reaches the guest's server through it; a request wakes
+    a suspended or hibernated machine and keeps it awake.
+    """
+    click.echo(state.boxd.machines.url(name, port=port))
+
+
 @machine.command("tree")
 @click.argument("name", required=False)
 @json_option

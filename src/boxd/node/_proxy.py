@@ -7,20 +7,22 @@ which every local user reaches, so the URL carries a per-machine token (a new on
 each machine) as its first path segment:
 
 - A connection's first bytes must be an HTTP request whose path starts with the token
-  (``/TOKEN/rest`` reaches the guest as ``/rest``), or whose ``Referer`` does (a browser
-  following the page's own absolute links). Anything else gets a 404 from the proxy
-  itself: nothing reaches the guest and nothing wakes the machine.
+  (``/TOKEN/rest`` reaches the guest's port 8080 as ``/rest``; ``/TOKEN.8000/rest`` its
+  port 8000), or whose ``Referer`` does (a browser following the page's own absolute
+  links). Anything else gets a 404 from the proxy itself: nothing reaches the guest and
+  nothing wakes the machine.
 - Once the first request is admitted the connection belongs to that client: each later
   request on it (keep-alive, pipelining) has ``/TOKEN`` removed from its head when it
   carries it and passes as it is when not; an upgraded connection (WebSocket) or a
   ``CONNECT`` tunnel is relayed byte for byte from there on.
 - A machine created ``public`` has the bare ``http://127.0.0.1:PORT``: every connection
-  is relayed byte for byte (any TCP protocol), as before tokens.
+  is relayed byte for byte (any TCP protocol) to its port 8080, as before tokens.
 
 An admitted connection wakes a suspended or hibernated machine first (the node's
 ``connect``), counts as activity, keeps the machine awake while it is open, and is
-relayed to a connection the engine opens to the guest's port 8080 (QEMU: the forward
-its passt process gives; gVisor: one ``runsc port-forward`` per connection).
+relayed to a connection the engine opens to that guest port (`MachineHandle.open_http`:
+QEMU's port 8080 is the forward its passt process gives, another port a dialer process
+in the guest; gVisor: a dialer process in the sandbox for every port).
 
 A VM process that has not yet answered through the URL (just booted, woken or
 restored) may drop the first connections into it: passt's connect into a guest that has
@@ -58,8 +60,12 @@ WAKE_GRACE = 30.0
 #: Client bytes kept for a resend while the guest has not answered (past it: no resend).
 REPLAY_LIMIT = 1024 * 1024
 
-#: Opens one connection to the machine's port 8080 (OSError: it does not answer).
-Upstream = Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
+#: The guest port a URL without a port suffix (and every public machine's) reaches.
+DEFAULT_PORT = 8080
+
+#: Opens one connection to a guest port of the machine (OSError: it does not answer).
+Upstream = Callable[[int], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
+_Open = Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
 Connect = Callable[[str], AbstractAsyncContextManager[Upstream]]
 
 
@@ -120,10 +126,15 @@ class PortProxy:
         self, machine_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         try:
-            source = await self._admit(machine_id, reader, writer)
-            if source is None:
+            admitted = await self._admit(machine_id, reader, writer)
+            if admitted is None:
                 return
-            async with self._connect(machine_id) as upstream:
+            source, port = admitted
+            async with self._connect(machine_id) as open_port:
+
+                def upstream() -> Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+                    return open_port(port)
+
                 now = self._access(machine_id) if self._access is not None else None
                 process = now.process if now is not None else None
                 fresh = process is not None and self._answered.get(machine_id) != process
@@ -132,7 +143,7 @@ class PortProxy:
                     if process is not None:
                         self._answered[machine_id] = process
 
-                await _relay(source, writer, upstream, fresh, answered, machine_id)
+                await _relay(source, writer, upstream, fresh, answered, machine_id, port)
         except BoxdError as exc:
             await _refuse(writer, 503 if exc.status >= 500 else exc.status, exc.message)
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -144,43 +155,62 @@ class PortProxy:
 
     async def _admit(
         self, machine_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> AsyncIterator[bytes] | None:
-        """The client's bytes to relay (token checked and stripped), or None: refused."""
+    ) -> tuple[AsyncIterator[bytes], int] | None:
+        """The client's bytes to relay (token checked and stripped) and the guest port
+        they go to, or None: refused."""
         access = self._access(machine_id) if self._access is not None else Access(None, True, None)
         if access is not None and access.public:
-            return _raw(reader)
+            return _raw(reader), DEFAULT_PORT
         try:
             head = await asyncio.wait_for(_read_head(reader), HEAD_TIMEOUT)
         except (TimeoutError, ValueError, ConnectionError, asyncio.IncompleteReadError):
             head = b""
         token = access.token if access is not None else None
-        if not head or not token or not _carries(head, token):
+        port = _carries(head, token) if head and token else None
+        if port is None:
             log.info("machine=%s event=url_refused reason=no_token", machine_id)
             await _refuse(writer, 404, "no such URL: use the machine's URL as given "
-                          "(Machine.url, with its token)")
+                          "(Machine.url, with its token; /TOKEN.PORT/ for another guest "
+                          "port, 1-65535)")
             return None
-        return _requests(reader, token.encode(), head)
+        assert token is not None
+        return _requests(reader, token.encode(), head), port
 
 
-def _carries(head: bytes, token: str) -> bool:
-    """The request's path, or its Referer's, starts with the segment ``token``."""
+def _carries(head: bytes, token: str) -> int | None:
+    """The guest port the request names if its path, or its Referer's, starts with the
+    segment ``token`` (port 8080) or ``token.PORT``; None: it carries neither."""
     line, _, rest = head.partition(b"\r\n")
     parts = line.split(b" ")
     if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
-        return False
+        return None
     want = token.encode()
-    if hmac.compare_digest(_first_segment(parts[1]), want):
-        return True
+    port = _port_of(_first_segment(parts[1]), want)
+    if port is not None:
+        return port
     for name, value in _headers(rest):
         if name == b"referer":
             path = _REFERER_PATH.match(value)
-            if path and hmac.compare_digest(_first_segment(path.group(1)), want):
-                return True
-    return False
+            if path and (port := _port_of(_first_segment(path.group(1)), want)) is not None:
+                return port
+    return None
+
+
+def _port_of(segment: bytes, token: bytes) -> int | None:
+    """``TOKEN`` -> 8080, ``TOKEN.PORT`` -> PORT (1-65535); None: not this token."""
+    given, dot, suffix = segment.partition(b".")
+    if not hmac.compare_digest(given, token):
+        return None
+    if not dot:
+        return DEFAULT_PORT
+    if not _PORT.fullmatch(suffix) or not 1 <= int(suffix) <= 65535:
+        return None
+    return int(suffix)
 
 
 _REFERER_PATH = re.compile(rb"^https?://[^/?#]*(/[^?#]*)")
 _SEGMENT_END = re.compile(rb"[/?#]")
+_PORT = re.compile(rb"[1-9][0-9]{0,4}")
 
 
 def _first_segment(target: bytes) -> bytes:
@@ -199,16 +229,18 @@ def _headers(block: bytes) -> list[tuple[bytes, bytes]]:
 
 
 def _strip(head: bytes, token: bytes) -> bytes:
-    """The head without ``/TOKEN`` (its request target's first segment, a Referer's):
-    the guest sees its own paths and never the token."""
+    """The head without ``/TOKEN`` or ``/TOKEN.PORT`` (its request target's first
+    segment, a Referer's): the guest sees its own paths and never the token."""
     line, sep, rest = head.partition(b"\r\n")
     method, _, tail = line.partition(b" ")
     target, _, version = tail.rpartition(b" ")
-    if _first_segment(target) == token:
-        target = target[1 + len(token):]
+    first = _first_segment(target)
+    if _port_of(first, token) is not None:
+        target = target[1 + len(first):]
         if not target.startswith(b"/"):
             target = b"/" + target
-    return method + b" " + target + b" " + version + sep + rest.replace(b"/" + token, b"")
+    rest = re.sub(b"/" + re.escape(token) + rb"(?:\.[0-9]{1,5})?", b"", rest)
+    return method + b" " + target + b" " + version + sep + rest
 
 
 async def _read_head(reader: asyncio.StreamReader) -> bytes:
@@ -315,8 +347,9 @@ _SOURCE_ERRORS = (ConnectionError, OSError, ValueError, asyncio.IncompleteReadEr
 
 
 async def _relay(
-    source: AsyncIterator[bytes], client: asyncio.StreamWriter, upstream: Upstream,
+    source: AsyncIterator[bytes], client: asyncio.StreamWriter, upstream: _Open,
     fresh: bool, answered: Callable[[], None], machine_id: str = "-",
+    port: int = DEFAULT_PORT,
 ) -> None:
     """Relay ``source`` to the guest and the guest's bytes back to ``client``.
 
@@ -340,7 +373,7 @@ async def _relay(
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 1.0)
                     continue
-                await _refuse(client, 502, f"the machine's port 8080 does not answer: {exc}")
+                await _refuse(client, 502, f"the machine's port {port} does not answer: {exc}")
                 return
             first = b""
             try:

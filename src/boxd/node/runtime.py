@@ -376,7 +376,7 @@ class NodeRuntime:
     @contextlib.asynccontextmanager
     async def connect(self, machine_id: str) -> AsyncIterator[Upstream]:
         """For the URL proxy: wake the machine, hold it awake, yield how to open a
-        connection to its port 8080 (the engine's forward)."""
+        connection to one of its guest ports (the engine's `open_http`)."""
         async with self.using(machine_id) as (rec, handle, _agent):
             if rec.fwd_port is None:
                 raise InvalidRequest(f"machine {rec.name!r} has no network (isolated)")

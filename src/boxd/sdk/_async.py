@@ -253,6 +253,18 @@ class AsyncMachines:
         """
         return await self._c._parse(models.Machine, _base.machine_get(ref))
 
+    async def url(self, ref: str, port: int = 8080) -> str:
+        """The machine's URL for a guest TCP port (`Machine.url_for`): its ``url`` for
+        8080, ``http://127.0.0.1:PORT/TOKEN.N`` for port N. Any HTTP or WebSocket client
+        uses it as given; a request through it wakes the machine and keeps it awake.
+
+        Raises:
+            MachineNotFound: no such machine.
+            InvalidRequest: a port outside 1-65535, an isolated machine, or another port
+                of a public machine.
+        """
+        return (await self.get(ref)).url_for(port)
+
     async def list(self) -> list[models.Machine]:
         """Every machine of this account.
 
