@@ -77,7 +77,11 @@ def env_server(counter: ModuleType) -> Iterator[int]:
 @pytest.fixture
 def boxd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_daemon: Paths,
          env_server: int) -> Iterator[Boxd]:
-    async def open_http(self: FakeMachine) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def open_http(
+        self: FakeMachine, port: int = 8080
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if port not in (8080, 8000):  # the env server listens on both guest ports
+            raise ConnectionRefusedError(f"nothing on guest port {port}")
         return await asyncio.open_connection("127.0.0.1", env_server)
 
     monkeypatch.setattr(FakeMachine, "open_http", open_http)
@@ -189,12 +193,27 @@ def test_branch_forks_the_session_and_stop_container_deletes_branches(boxd: Boxd
     assert _names(boxd) == ["echo-warm"]
 
 
+def test_a_session_on_another_guest_port_and_its_branches_reach_that_port(
+        boxd: Boxd) -> None:
+    provider = BoxdProvider(boxd)
+    url = provider.start_container("echo-warm", port=8000)
+    fork = boxd.machines.get(provider.machine or "")
+    assert url == fork.url_for(8000) and url.endswith(".8000")
+    provider.wait_for_ready(url, timeout_s=30)  # /health through the port-8000 URL
+    branches = provider.branch(url, 2)
+    assert all(b.endswith(".8000") for b in branches)
+    for b in branches:
+        provider.wait_for_ready(b, timeout_s=30)
+    provider.stop_container()
+    assert _names(boxd) == ["echo-warm"]
+
+
 def test_refusals_are_typed(boxd: Boxd) -> None:
     provider = BoxdProvider(boxd)
     with pytest.raises(errors.NotFound, match="no machine and no snapshot named 'nope'"):
         provider.start_container("nope")
-    with pytest.raises(errors.InvalidRequest, match="port 8000") as port:
-        provider.start_container("echo-warm", port=8000)
+    with pytest.raises(errors.InvalidRequest, match="port 70000") as port:
+        provider.start_container("echo-warm", port=70000)
     assert port.value.field == "port"
     with pytest.raises(errors.InvalidRequest, match="env_vars"):
         provider.start_container("echo-warm", env_vars={"A": "1"})

@@ -2,9 +2,10 @@
 
 ``BoxdProvider`` is an ``openenv.core.containers.runtime.ContainerProvider``: its
 ``start_container(image)`` takes the name of a machine (or snapshot) in which an OpenEnv
-server already listens on the guest's port 8080, forks it (or starts a machine from the
-snapshot) and returns the new machine's URL, so an unmodified ``EnvClient`` talks to a
-server that is warm from its first byte. See docs/openenv.md.
+server already listens (on the guest's port 8080, or the ``port`` it is given), forks it
+(or starts a machine from the snapshot) and returns the new machine's URL for that port,
+so an unmodified ``EnvClient`` talks to a server that is warm from its first byte. See
+docs/openenv.md.
 
 It is a client of ``boxd.sdk`` only (``pip install boxd[openenv]``).
 """

@@ -12,8 +12,8 @@ from openenv.core.containers.runtime import ContainerProvider
 from boxd import errors, models
 from boxd.sdk import Boxd
 
-#: The guest port a machine's URL reaches (docs/lifecycle.md#urls): the OpenEnv server
-#: in the source must listen there.
+#: The guest port a session's URL reaches unless ``start_container(port=...)`` names
+#: another (docs/lifecycle.md#urls): the OpenEnv server in the source listens there.
 GUEST_PORT = 8080
 #: Seconds between two ``/health`` polls.
 _POLL = 0.2
@@ -40,6 +40,7 @@ class BoxdProvider(ContainerProvider):  # type: ignore[misc]
         self._own: Boxd | None = None  # made on first use, closed by stop_container
         self._session: str | None = None  # machine id of the session started
         self._urls: dict[str, str] = {}  # base URL -> machine id, session and branches
+        self._ports: dict[str, int] = {}  # base URL -> the guest port it reaches
 
     @property
     def _client(self) -> Boxd:
@@ -65,16 +66,17 @@ class BoxdProvider(ContainerProvider):  # type: ignore[misc]
         ``image`` when no machine has that name) and return the new machine's URL.
 
         Args:
-            image: a machine name or id whose OpenEnv server listens on port 8080, or a
+            image: a machine name or id whose OpenEnv server is listening, or a
                 snapshot (``NAME``, ``NAME@N``, ``sha256:...``) saved from one.
-            port: the guest port of the server: ``None`` or 8080 (machine URLs reach
-                port 8080).
+            port: the guest port the server listens on (default 8080; OpenEnv's
+                images use 8000): the session's URL reaches that port.
             env_vars: must be empty: the server already runs in the source, with the
                 environment it was started with.
             **kwargs: ``name``, the new machine's name (generated if absent).
 
         Returns:
-            The base URL of the session's server (``http://127.0.0.1:PORT/TOKEN``).
+            The base URL of the session's server (``http://127.0.0.1:PORT/TOKEN``, or
+            ``.../TOKEN.N`` for guest port N).
 
         Raises:
             InvalidRequest: a session is already started, or ``port``/``env_vars``/a
@@ -87,10 +89,10 @@ class BoxdProvider(ContainerProvider):  # type: ignore[misc]
                 f"this provider already holds session machine {self._session}; "
                 "use one BoxdProvider per session (or call stop_container first)",
                 field="image")
-        if port not in (None, GUEST_PORT):
-            raise errors.InvalidRequest(
-                f"port {port}: a boxd machine URL reaches the guest's port {GUEST_PORT}; "
-                f"start the OpenEnv server in the source on port {GUEST_PORT}", field="port")
+        guest_port = GUEST_PORT if port is None else port
+        if not isinstance(guest_port, int) or not 1 <= guest_port <= 65535:
+            raise errors.InvalidRequest(f"port {port!r} is not a TCP port (1-65535)",
+                                        field="port")
         if env_vars:
             raise errors.InvalidRequest(
                 "env_vars cannot reach a fork: its server already runs with the "
@@ -102,7 +104,12 @@ class BoxdProvider(ContainerProvider):  # type: ignore[misc]
                 f"BoxdProvider.start_container takes no {sorted(kwargs)}", field="kwargs")
         machine = self._launch(image, name)
         self._session = machine.id
-        return self._record(machine)
+        try:
+            return self._record(machine, guest_port)
+        except BaseException:  # no half-started session: the machine goes too
+            self._session = None
+            self._delete(machine.id)
+            raise
 
     def _launch(self, image: str, name: str | None) -> models.Machine:
         machines = self._client.machines
@@ -115,16 +122,17 @@ class BoxdProvider(ContainerProvider):  # type: ignore[misc]
         except errors.SnapshotNotFound:
             raise errors.NotFound(
                 f"no machine and no snapshot named {image!r}",
-                hint="prepare a source with its OpenEnv server listening on port "
-                     f"{GUEST_PORT} (examples/openenv/), or snapshot one") from None
+                hint="prepare a source with its OpenEnv server listening "
+                     "(examples/openenv/), or snapshot one") from None
 
-    def _record(self, machine: models.Machine) -> str:
+    def _record(self, machine: models.Machine, port: int) -> str:
         if machine.url is None:  # a machine gets its URL port when it first runs
             machine = self._client.machines.wait_until_ready(machine.id)
         if machine.url is None:
             raise errors.InternalError(f"machine {machine.id} is ready but has no URL")
-        url = machine.url.rstrip("/")
+        url = machine.url_for(port).rstrip("/")
         self._urls[url] = machine.id
+        self._ports[url] = port
         return url
 
     def wait_for_ready(self, base_url: str, timeout_s: float = 30.0) -> None:
@@ -148,8 +156,8 @@ class BoxdProvider(ContainerProvider):  # type: ignore[misc]
                 if time.monotonic() >= deadline:
                     raise TimeoutError(
                         f"the OpenEnv server at {base_url} did not answer /health within "
-                        f"{timeout_s:g} s (last: {last}); is it listening on port "
-                        f"{GUEST_PORT} in the source?")
+                        f"{timeout_s:g} s (last: {last}); is it listening in the source "
+                        "on the port given to start_container?")
                 time.sleep(_POLL)
 
     def branch(self, base_url: str, k: int) -> list[str]:
@@ -168,6 +176,7 @@ class BoxdProvider(ContainerProvider):  # type: ignore[misc]
         if k < 1:
             raise errors.InvalidRequest(f"k={k}: branch at least once", field="k")
         source = self._machine_of(base_url)
+        port = self._ports[base_url.rstrip("/")]
         results = self._client.machines.fork(source, count=k)
         failed = [r for r in results if isinstance(r, errors.BoxdError)]
         made = [r for r in results if isinstance(r, models.Machine)]
@@ -175,7 +184,7 @@ class BoxdProvider(ContainerProvider):  # type: ignore[misc]
             for m in made:
                 self._delete(m.id)
             raise failed[0]
-        return [self._record(m) for m in made]
+        return [self._record(m, port) for m in made]
 
     def stop(self, base_url: str) -> None:
         """Delete one session or branch of this provider by its URL.
@@ -185,6 +194,7 @@ class BoxdProvider(ContainerProvider):  # type: ignore[misc]
         """
         machine = self._machine_of(base_url)
         del self._urls[base_url.rstrip("/")]
+        self._ports.pop(base_url.rstrip("/"), None)
         if machine == self._session:
             self._session = None
         self._delete(machine)
@@ -192,6 +202,7 @@ class BoxdProvider(ContainerProvider):  # type: ignore[misc]
     def stop_container(self) -> None:
         """Delete the session's machine and every branch made of it (idempotent)."""
         for url in list(self._urls):
+            self._ports.pop(url, None)
             self._delete(self._urls.pop(url))
         self._session = None
         own, self._own = self._own, None
