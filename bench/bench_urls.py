@@ -2,9 +2,10 @@
 and on one keep-alive connection (docs/lifecycle.md#urls).
 
 The daemon's proxy is the same for both engines; behind it QEMU's passt forwards a
-loopback port, gVisor starts one ``runsc port-forward --stream`` per connection. A
-request on a kept-alive connection pays neither forward's set-up, so it is the
-baseline of the new-connection figure in the same run. The guest serves a 2-byte page
+loopback port, gVisor starts one dialer process in the sandbox per connection
+(``boxd-init --dial 8080`` through the agent). A request on a kept-alive connection
+pays neither forward's set-up, so it is the baseline of the new-connection figure in
+the same run. The guest serves a 2-byte page
 over HTTP/1.1 (keep-alive, TCP_NODELAY) from Python's http.server.
 
 ``BENCH_URLS_ENGINES`` (default ``gvisor,qemu``) picks the engines; an engine the
@@ -25,27 +26,46 @@ from _common import Row, row_from, say, standalone
 GROUP = "urls"
 N_NEW = 30
 N_KEPT = 100
+N_BIG = 10
+BIG = 1 << 20  # bytes of the large GET
+OTHER_PORT = 8000  # served as 8080 is; QEMU reaches it through the guest's dialer
 
-SERVER = """
-import http.server
+SERVER = f"""
+import http.server, threading
+BIG = b"x" * {BIG}
 class H(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     disable_nagle_algorithm = True  # headers and body are two writes
     def do_GET(self):
+        body = BIG if self.path == "/big" else b"ok"
         self.send_response(200)
-        self.send_header("content-length", "2")
+        self.send_header("content-length", str(len(body)))
         self.end_headers()
-        self.wfile.write(b"ok")
+        self.wfile.write(body)
     def log_message(self, *a):
         pass
+other = http.server.ThreadingHTTPServer(("0.0.0.0", {OTHER_PORT}), H)
+threading.Thread(target=other.serve_forever, daemon=True).start()
 http.server.ThreadingHTTPServer(("0.0.0.0", 8080), H).serve_forever()
 """
 
 
-def _get(conn: http.client.HTTPConnection, prefix: str = "") -> None:
-    conn.request("GET", prefix + "/")
+def _get(conn: http.client.HTTPConnection, prefix: str = "", path: str = "/") -> None:
+    conn.request("GET", prefix + path)
     resp = conn.getresponse()
-    assert resp.status == 200 and resp.read() == b"ok", resp.status
+    body = resp.read()
+    assert resp.status == 200 and len(body) == (BIG if path == "/big" else 2), resp.status
+
+
+def _new_connections(host: str, port: int, prefix: str) -> list[float]:
+    took = []
+    for _ in range(N_NEW):
+        t = time.perf_counter()
+        conn = http.client.HTTPConnection(host, port, timeout=60)
+        _get(conn, prefix)
+        conn.close()
+        took.append(time.perf_counter() - t)
+    return took
 
 
 def _wait_up(host: str, port: int, prefix: str, timeout: float = 120.0) -> None:
@@ -76,13 +96,10 @@ def _one_engine(b: Any, engine: str, tell: Callable[[str], None]) -> list[Row]:
         host, port = url.hostname or "127.0.0.1", int(url.port or 80)
         prefix = url.path.rstrip("/")  # the machine's token (docs/lifecycle.md#urls)
         _wait_up(host, port, prefix)
-        fresh = []
-        for _ in range(N_NEW):
-            t = time.perf_counter()
-            conn = http.client.HTTPConnection(host, port, timeout=60)
-            _get(conn, prefix)
-            conn.close()
-            fresh.append(time.perf_counter() - t)
+        other = f"{prefix}.{OTHER_PORT}"  # the URL of guest port 8000
+        _wait_up(host, port, other)
+        fresh = _new_connections(host, port, prefix)
+        fresh_other = _new_connections(host, port, other)
         conn = http.client.HTTPConnection(host, port, timeout=60)
         _get(conn, prefix)
         kept = []
@@ -90,14 +107,27 @@ def _one_engine(b: Any, engine: str, tell: Callable[[str], None]) -> list[Row]:
             t = time.perf_counter()
             _get(conn, prefix)
             kept.append(time.perf_counter() - t)
+        big = []
+        for _ in range(N_BIG):
+            t = time.perf_counter()
+            _get(conn, prefix, "/big")
+            big.append(time.perf_counter() - t)
         conn.close()
         return [
             row_from(GROUP, f"{engine}: GET on a new connection", fresh, accel=accel,
                      note="proxy + the engine's forward set up per connection",
                      baseline=f"{engine}: GET on a kept-alive connection",
                      baseline_values=kept),
+            row_from(GROUP, f"{engine}: GET on a new connection, guest port {OTHER_PORT}",
+                     fresh_other, accel=accel,
+                     note="URL/TOKEN.8000" + (": the guest's dialer" if engine == "qemu" else ""),
+                     baseline=f"{engine}: GET on a new connection", baseline_values=fresh),
             row_from(GROUP, f"{engine}: GET on a kept-alive connection", kept, accel=accel,
                      note="one connection, HTTP/1.1"),
+            row_from(GROUP, f"{engine}: GET of 1 MiB on a kept-alive connection", big,
+                     accel=accel, note="the body through the proxy and the engine's path",
+                     baseline=f"{engine}: GET on a kept-alive connection",
+                     baseline_values=kept),
         ]
     finally:
         b.machines.delete(m.id)
