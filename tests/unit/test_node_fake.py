@@ -150,6 +150,35 @@ def test_a_failed_boot_leaves_no_record_no_layer_and_frees_the_quota(world: Worl
     run(main())
 
 
+@pytest.mark.parametrize(("raised", "answer", "says"), [
+    (OSError(28, "No space left on device", "/var/lib/boxd/layers/l_1.qcow2"),
+     errors.ResourceExhausted, "disk is full"),
+    (PermissionError(13, "Permission denied", "/dev/kvm"), errors.MachineFailed,
+     "PermissionError"),
+    (RuntimeError("an engine's bug"), errors.MachineFailed, "RuntimeError"),
+])
+def test_a_launch_that_raises_a_non_boxd_error_answers_a_typed_one(
+    world: World, raised: Exception, answer: type[errors.BoxdError], says: str
+) -> None:
+    # A bare OSError or an engine's bug was a 500 with no hint; now it is typed, the
+    # host's path stays in the daemon's log, and nothing of the launch is left.
+    async def main() -> None:
+        world.engine.fail("boot", raised)
+        with pytest.raises(answer) as info:
+            await world.machines.create(ACCOUNT, models.MachineCreate(name="x"))
+        assert says in info.value.message and "/var/lib" not in info.value.message
+        assert info.value.hint
+        assert await world.machines.list(ACCOUNT) == []
+        assert world.repos.layers.ids() == set() and leftovers(world)["disks"] == []
+        src = await running(world)
+        world.engine.fail("start_from", raised)
+        (child,) = await world.machines.fork(ACCOUNT, src.id, ["child"])  # per child
+        assert isinstance(child, answer) and says in child.message
+        assert {m.name for m in await world.machines.list(ACCOUNT)} == {src.name}
+
+    run(main())
+
+
 def test_quota_counts_machines_and_names_the_limit(world: World) -> None:
     async def main() -> None:
         world.repos.db.execute("UPDATE accounts SET machine_quota=2 WHERE id=?", (ACCOUNT,))

@@ -351,7 +351,7 @@ class FakeEngine:
 
     def __init__(self) -> None:
         self.running: dict[str, FakeMachine] = {}
-        self.failures: dict[str, BoxdError] = {}
+        self.failures: dict[str, Exception] = {}
         self.gates: dict[str, tuple[asyncio.Event, asyncio.Event]] = {}
         self.calls: list[str] = []
 
@@ -380,8 +380,9 @@ class FakeEngine:
 
     # ------------------------------------------------------------ test controls
 
-    def fail(self, step: str, error: BoxdError | None = None) -> None:
-        """Make the next ``step`` (boot, start_from, capture, identity, …) raise."""
+    def fail(self, step: str, error: Exception | None = None) -> None:
+        """Make the next ``step`` (boot, start_from, capture, identity, …) raise
+        ``error`` (a boxd error, or any other, as a real engine's bug or the host's)."""
         self.failures[step] = error or InternalError(f"injected failure at {step}")
 
     def gate(self, step: str) -> tuple[asyncio.Event, asyncio.Event]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import secrets
@@ -27,7 +28,7 @@ from typing import Any
 
 from boxd.config import Paths
 from boxd.engine.base import BootDisk, MachineConfig, MachineHandle, MemoryImage
-from boxd.errors import BoxdError, MachineFailed
+from boxd.errors import BoxdError, MachineFailed, ResourceExhausted
 from boxd.models import MachineState
 from boxd.node._guests import GuestRelay
 from boxd.node._host import Host
@@ -85,6 +86,21 @@ async def set_identity(
         hostname=hostname, machine_id=secrets.token_hex(16), seed=os.urandom(64),
         now=time.time(), api_key=api_key,
     )
+
+
+def launch_error(rec: MachineRecord, exc: Exception) -> BoxdError:
+    """What a launch that raised ``exc`` answers: a boxd error as it is; a full disk as
+    `ResourceExhausted`; anything else as the machine's `MachineFailed`, naming the
+    error's type (its text, with the host's paths, goes to the daemon's log)."""
+    if isinstance(exc, BoxdError):
+        return exc
+    log.error("machine=%s event=launch_error error=%r", rec.id, exc)
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return ResourceExhausted("the host's disk is full: the machine could not start",
+                                 hint="free disk space on the host, or delete machines "
+                                 "and snapshots")
+    return failed_error(rec, f"launch failed ({type(exc).__name__}; the daemon's log "
+                             "has the details)")
 
 
 class Launcher:
@@ -257,6 +273,8 @@ class Launcher:
             )
         except BaseException as exc:
             await self._undo_start(rec, launch, started, exc)
+            if isinstance(exc, Exception) and not isinstance(exc, BoxdError):
+                raise launch_error(rec, exc) from exc
             raise
         if to_running and not self.lifecycle.move(rec.id, S.RUNNING, expect=(rec.state,)):
             fresh = self._rec(rec.id)  # its new process died at once: the watcher said why
@@ -313,7 +331,7 @@ class Launcher:
         started: list[tuple[MachineHandle, str | None]], exc: BaseException,
     ) -> None:
         """A start failed: remove its new process and layer; the machine is failed."""
-        reason = exc.message if isinstance(exc, BoxdError) else repr(exc)
+        reason = exc.message if isinstance(exc, BoxdError) else type(exc).__name__
         for handle, layer_id in started:
             self.retire(rec.id)
             with contextlib.suppress(Exception):
@@ -380,4 +398,4 @@ class Launcher:
         return out
 
 
-__all__ = ["SWAP_DRAIN", "Launch", "Launcher", "failed_error", "set_identity"]
+__all__ = ["SWAP_DRAIN", "Launch", "Launcher", "failed_error", "launch_error", "set_identity"]
