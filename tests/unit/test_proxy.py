@@ -31,7 +31,7 @@ async def _relay(handler: Handler | None, request: bytes, timeout: float = 5.0,
 
     @contextlib.asynccontextmanager
     async def connect(machine_id: str) -> AsyncIterator[Upstream]:
-        yield lambda: asyncio.open_connection("127.0.0.1", up_port)
+        yield lambda _port: asyncio.open_connection("127.0.0.1", up_port)
 
     proxy = PortProxy(connect)
     port = free_port()

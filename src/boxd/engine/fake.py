@@ -38,7 +38,7 @@ from boxd.engine.base import (
     MemoryImage,
     Process,
 )
-from boxd.errors import BoxdError, GuestFileNotFound, InternalError, InvalidRequest, MachineFailed
+from boxd.errors import GuestFileNotFound, InternalError, InvalidRequest, MachineFailed
 
 _pids = itertools.count(100_000)
 

@@ -277,6 +277,25 @@ async def _raw(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
         yield data
 
 
+def _framing(head: bytes) -> tuple[str, int]:
+    """How the body after a request head ends: ``("length", n)``, ``("chunked", 0)``,
+    ``("none", 0)``; ``("raw", 0)`` when the rest of the stream is not HTTP's (an
+    upgrade, a ``CONNECT``) or cannot be framed (another transfer coding, a bad
+    length)."""
+    line, _, block = head.partition(b"\r\n")
+    values = {name: value.lower() for name, value in _headers(block)}
+    if line.split(b" ", 1)[0] == b"CONNECT" or b"upgrade" in values.get(b"connection", b""):
+        return "raw", 0  # whatever follows is the tunnel's, not HTTP's
+    encoding = values.get(b"transfer-encoding", b"")
+    if encoding:
+        # Not chunked last: a body that ends with the connection.
+        return ("chunked", 0) if encoding.endswith(b"chunked") else ("raw", 0)
+    length = values.get(b"content-length")
+    if length is None:
+        return "none", 0
+    return ("length", int(length)) if length.isdigit() else ("raw", 0)
+
+
 async def _requests(
     reader: asyncio.StreamReader, token: bytes, head: bytes
 ) -> AsyncIterator[bytes]:
@@ -284,24 +303,17 @@ async def _requests(
     stream as it is after an upgrade, a ``CONNECT`` or a head the proxy cannot frame."""
     while head:
         yield _strip(head, token)
-        line, _, block = head.partition(b"\r\n")
-        fields = _headers(block)
-        values = {name: value.lower() for name, value in fields}
-        if (line.split(b" ", 1)[0] == b"CONNECT" or b"upgrade" in values.get(b"connection", b"")):
-            break  # whatever follows is the tunnel's, not HTTP's
-        encoding = values.get(b"transfer-encoding", b"")
-        if encoding:
-            if not encoding.endswith(b"chunked"):
-                break  # a body that ends with the connection
+        kind, length = _framing(head)
+        if kind == "raw":
+            break
+        if kind == "chunked":
             try:
                 async for part in _chunked(reader):
                     yield part
             except _Unframed:
                 break
-        elif (length := values.get(b"content-length")) is not None:
-            if not length.isdigit():
-                break
-            async for data in _exactly(reader, int(length)):
+        elif kind == "length":
+            async for data in _exactly(reader, length):
                 yield data
             if reader.at_eof():
                 return
@@ -357,14 +369,47 @@ async def _relay(
     client's bytes are kept and, when the guest's side ends or fails first, sent again
     on a new connection (up to `WAKE_GRACE` seconds, `REPLAY_LIMIT` bytes).
     """
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + WAKE_GRACE
-    sent: list[bytes] = []  # the client's bytes so far (while the guest has not answered)
-    size = 0
-    ended = False  # the client half-closed
-    pull: asyncio.Task[bytes] | None = None
-    delay = 0.05
+    kept = _Kept(source)
     try:
+        got = await kept.first_answer(client, upstream, fresh, machine_id, port)
+        if got is None:
+            return  # ended with no answer, as the guest's side did (or refused)
+        up_r, up_w, first = got
+        answered()
+        kept.sent.clear()
+        try:
+            client.write(first)
+            await client.drain()
+            await asyncio.gather(
+                _pump_source(source, up_w, kept.pull, kept.ended), _pump(up_r, client))
+        finally:
+            up_w.close()
+    finally:
+        if kept.pull is not None and not kept.pull.done():
+            kept.pull.cancel()
+
+
+class _Kept:
+    """The client's side of `_relay` until the guest's first byte: the bytes sent so
+    far (for a resend), whether the client half-closed, and the read in flight."""
+
+    def __init__(self, source: AsyncIterator[bytes]) -> None:
+        self.source = source
+        self.sent: list[bytes] = []
+        self.size = 0
+        self.ended = False  # the client half-closed
+        self.pull: asyncio.Task[bytes] | None = None
+
+    async def first_answer(
+        self, client: asyncio.StreamWriter, upstream: _Open, fresh: bool, machine_id: str,
+        port: int,
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes] | None:
+        """Open the guest's side and wait for its first byte, resending the kept bytes
+        on a new connection while ``fresh`` and in grace; None when it ends without a
+        byte, or does not open at all (the client then got a 502)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + WAKE_GRACE
+        delay = 0.05
         while True:
             try:
                 up_r, up_w = await upstream()
@@ -374,61 +419,61 @@ async def _relay(
                     delay = min(delay * 2, 1.0)
                     continue
                 await _refuse(client, 502, f"the machine's port {port} does not answer: {exc}")
-                return
-            first = b""
+                return None
             try:
-                for chunk in sent:
-                    up_w.write(chunk)
-                if ended and up_w.can_write_eof():
-                    up_w.write_eof()
-                await up_w.drain()
-                read: asyncio.Task[bytes] = asyncio.ensure_future(up_r.read(_CHUNK))
-                while not read.done():
-                    if pull is None and not ended and size <= REPLAY_LIMIT:
-                        pull = asyncio.ensure_future(anext(source, b""))
-                    waiting: set[asyncio.Future[bytes]] = {read}
-                    if pull is not None:
-                        waiting.add(pull)
-                    await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-                    if pull is not None and pull.done() and not read.done():
-                        try:
-                            data = pull.result()
-                        except _SOURCE_ERRORS:
-                            data = b""  # the client's side broke: end it as an EOF
-                        pull = None
-                        if not data:
-                            ended = True
-                            if up_w.can_write_eof():
-                                up_w.write_eof()
-                        else:
-                            sent.append(data)
-                            size += len(data)
-                            up_w.write(data)
-                            await up_w.drain()
-                first = read.result()
+                first = await self._until_first_byte(up_r, up_w)
             except (ConnectionError, OSError):
                 first = b""
-            if first or not fresh or size > REPLAY_LIMIT or loop.time() >= deadline:
-                break
-            up_w.close()  # the guest ended before a byte: a new forward, the same bytes
-            log.info("machine=%s event=url_resend bytes=%s", machine_id, size)
+            if first:
+                return up_r, up_w, first
+            up_w.close()
+            if not fresh or self.size > REPLAY_LIMIT or loop.time() >= deadline:
+                return None
+            # The guest ended before a byte: a new forward, the same bytes.
+            log.info("machine=%s event=url_resend bytes=%s", machine_id, self.size)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
-        if not first:
-            up_w.close()
-            return  # ended with no answer, as the guest's side did
-        answered()
-        sent.clear()
+
+    async def _until_first_byte(
+        self, up_r: asyncio.StreamReader, up_w: asyncio.StreamWriter
+    ) -> bytes:
+        """Send the kept bytes, then the client's as they come, until the guest's first
+        bytes (b"" when its side ends first)."""
+        for chunk in self.sent:
+            up_w.write(chunk)
+        if self.ended and up_w.can_write_eof():
+            up_w.write_eof()
+        await up_w.drain()
+        read: asyncio.Task[bytes] = asyncio.ensure_future(up_r.read(_CHUNK))
+        while not read.done():
+            if self.pull is None and not self.ended and self.size <= REPLAY_LIMIT:
+                self.pull = asyncio.ensure_future(anext(self.source, b""))
+            waiting: set[asyncio.Future[bytes]] = {read}
+            if self.pull is not None:
+                waiting.add(self.pull)
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if self.pull is not None and self.pull.done() and not read.done():
+                await self._forward_pulled(up_w)
+        return read.result()
+
+    async def _forward_pulled(self, up_w: asyncio.StreamWriter) -> None:
+        """The client's next bytes (done reading) to the guest, kept for a resend; the
+        client's end (or its failure) as the guest's write EOF."""
+        assert self.pull is not None
         try:
-            client.write(first)
-            await client.drain()
-            await asyncio.gather(
-                _pump_source(source, up_w, pull, ended), _pump(up_r, client))
-        finally:
-            up_w.close()
-    finally:
-        if pull is not None and not pull.done():
-            pull.cancel()
+            data = self.pull.result()
+        except _SOURCE_ERRORS:
+            data = b""  # the client's side broke: end it as an EOF
+        self.pull = None
+        if not data:
+            self.ended = True
+            if up_w.can_write_eof():
+                up_w.write_eof()
+            return
+        self.sent.append(data)
+        self.size += len(data)
+        up_w.write(data)
+        await up_w.drain()
 
 
 async def _pump_source(
