@@ -353,8 +353,26 @@ class Machines:
                 validate_name(n)
         node = self._node(src)
         targets = await self._fork_targets(src, node, len(names))
-        # Claim every child's name and quota slot first: one that fails is that item's
-        # error and the others go on.
+        claimed = await self._claim_children(account, src, names, targets)
+        results = await self._launch_children(src, node, claimed)
+        out: builtins.list[models.Machine | Exception] = []
+        for c in claimed:
+            if isinstance(c, Exception):
+                out.append(c)
+                continue
+            err = results[c.id]
+            try:
+                out.append(err if err is not None else self._model(self._find(account, c.id)))
+            except MachineNotFound as exc:  # deleted as soon as it was made: its item only
+                out.append(exc)
+        return out
+
+    async def _claim_children(
+        self, account: str, src: MachineRecord, names: builtins.list[str | None],
+        targets: builtins.list[Node | Exception],
+    ) -> builtins.list[MachineRecord | Exception]:
+        """Claim every child's name and quota slot first: one that fails is that item's
+        error and the others go on."""
         claimed: builtins.list[MachineRecord | Exception] = []
         for n, target in zip(names, targets, strict=True):
             if isinstance(target, Exception):
@@ -370,13 +388,20 @@ class Machines:
                 ))
             except Exception as exc:
                 claimed.append(exc)
+        return claimed
+
+    async def _launch_children(
+        self, src: MachineRecord, node: Node, claimed: builtins.list[MachineRecord | Exception]
+    ) -> dict[str, Exception | None]:
+        """Launch the claimed children, node by node: each child's error or None.
+
+        The source's node first: it makes the template the other nodes then fetch. If
+        the source cannot be forked at all, the request fails and no child is left."""
         by_node: dict[str, builtins.list[str]] = {}
         for c in claimed:
             if isinstance(c, MachineRecord):
                 by_node.setdefault(c.node_id, []).append(c.id)
         results: dict[str, Exception | None] = {}
-        # The source's node first: it makes the template the other nodes then fetch. If
-        # the source cannot be forked at all, the request fails and no child is left.
         if node.id in by_node:
             ids = by_node.pop(node.id)
             try:
@@ -401,17 +426,7 @@ class Machines:
                     results[cid] = exc
 
         await asyncio.gather(*(remote(nid, ids) for nid, ids in by_node.items()))
-        out: builtins.list[models.Machine | Exception] = []
-        for c in claimed:
-            if isinstance(c, Exception):
-                out.append(c)
-                continue
-            err = results[c.id]
-            try:
-                out.append(err if err is not None else self._model(self._find(account, c.id)))
-            except MachineNotFound as exc:  # deleted as soon as it was made: its item only
-                out.append(exc)
-        return out
+        return results
 
     async def _fork_targets(
         self, src: MachineRecord, node: Node, count: int
