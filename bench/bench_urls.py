@@ -113,6 +113,14 @@ def _one_engine(b: Any, engine: str, tell: Callable[[str], None]) -> list[Row]:
             _get(conn, prefix, "/big")
             big.append(time.perf_counter() - t)
         conn.close()
+        conn = http.client.HTTPConnection(host, port, timeout=60)
+        _get(conn, other)
+        kept_other = []
+        for _ in range(N_KEPT):
+            t = time.perf_counter()
+            _get(conn, other)
+            kept_other.append(time.perf_counter() - t)
+        conn.close()
         return [
             row_from(GROUP, f"{engine}: GET on a new connection", fresh, accel=accel,
                      note="proxy + the engine's forward set up per connection",
@@ -124,6 +132,10 @@ def _one_engine(b: Any, engine: str, tell: Callable[[str], None]) -> list[Row]:
                      baseline=f"{engine}: GET on a new connection", baseline_values=fresh),
             row_from(GROUP, f"{engine}: GET on a kept-alive connection", kept, accel=accel,
                      note="one connection, HTTP/1.1"),
+            row_from(GROUP, f"{engine}: GET on a kept-alive connection, guest port "
+                     f"{OTHER_PORT}", kept_other, accel=accel, note="URL/TOKEN.8000",
+                     baseline=f"{engine}: GET on a kept-alive connection",
+                     baseline_values=kept),
             row_from(GROUP, f"{engine}: GET of 1 MiB on a kept-alive connection", big,
                      accel=accel, note="the body through the proxy and the engine's path",
                      baseline=f"{engine}: GET on a kept-alive connection",
