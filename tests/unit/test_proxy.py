@@ -87,3 +87,39 @@ def test_an_upstream_that_closes_at_once_ends_the_client_connection() -> None:
         w.close()
 
     assert asyncio.run(_relay(hang_up, b"GET / HTTP/1.0\r\n\r\n")) == b""
+
+
+def test_a_tcp_upstream_is_asked_to_ack_at_once_after_every_read(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # QEMU's passt writes a response in two segments without TCP_NODELAY: the second
+    # waited for a delayed ACK (~40 ms a request on a kept-alive connection) until the
+    # proxy asked for TCP_QUICKACK after every read of the guest's side. The speed is
+    # bench/bench_urls.py's; here: that it is asked for, on TCP upstreams only.
+    from boxd.node import _proxy
+
+    calls: list[int] = []
+    real = _proxy._quickack
+
+    def spy(writer: asyncio.StreamWriter) -> Callable[[], None]:
+        family = writer.get_extra_info("socket").family
+        quick = real(writer)
+
+        def counted() -> None:
+            calls.append(family)
+            quick()
+
+        return counted
+
+    monkeypatch.setattr(_proxy, "_quickack", spy)
+
+    async def answer_in_parts(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await r.readuntil(b"\r\n\r\n")
+        for part in (b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\n", b"ok", b"ok"):
+            w.write(part)
+            await w.drain()
+            await asyncio.sleep(0.05)  # separate segments, separate reads
+        w.close()
+
+    got = asyncio.run(_relay(answer_in_parts, b"GET /t HTTP/1.1\r\nhost: x\r\n\r\n"))
+    assert got.endswith(b"okok")
+    assert len(calls) >= 2 and set(calls) == {socket.AF_INET}
+

@@ -41,6 +41,7 @@ import contextlib
 import hmac
 import logging
 import re
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import NamedTuple
@@ -381,12 +382,34 @@ async def _relay(
             client.write(first)
             await client.drain()
             await asyncio.gather(
-                _pump_source(source, up_w, kept.pull, kept.ended), _pump(up_r, client))
+                _pump_source(source, up_w, kept.pull, kept.ended),
+                _pump(up_r, client, _quickack(up_w)))
         finally:
             up_w.close()
     finally:
         if kept.pull is not None and not kept.pull.done():
             kept.pull.cancel()
+
+
+def _quickack(writer: asyncio.StreamWriter) -> Callable[[], None]:
+    """For a TCP upstream: ask the kernel to acknowledge what arrives at once
+    (``TCP_QUICKACK``, which it drops again on its own, hence after every read).
+
+    A forward that writes a response in two segments without ``TCP_NODELAY`` (QEMU's
+    passt on the host side) holds the second until the first is acknowledged, and a
+    delayed ACK waits ~40 ms: every request after the first on a kept-alive connection
+    took 48 ms (docs/benchmarks.md, machine URLs).
+    """
+    sock = writer.get_extra_info("socket")
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return lambda: None
+
+    def quick() -> None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
+
+    quick()
+    return quick
 
 
 class _Kept:
@@ -499,8 +522,12 @@ async def _pump_source(
         dst.close()
 
 
-async def _pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-    """Copy until EOF, with back-pressure (``drain``); half-close the other side.
+async def _pump(
+    src: asyncio.StreamReader, dst: asyncio.StreamWriter,
+    quick: Callable[[], None] = lambda: None,
+) -> None:
+    """Copy until EOF, with back-pressure (``drain``); half-close the other side;
+    ``quick()`` after every read (`_quickack`).
 
     A side that fails (reset, broken pipe) closes the other side outright, so the peer
     sees the end instead of waiting for an answer: a forward into a gVisor sandbox that
@@ -508,6 +535,7 @@ async def _pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
     """
     try:
         while data := await src.read(_CHUNK):
+            quick()
             dst.write(data)
             await dst.drain()
         if dst.can_write_eof():
