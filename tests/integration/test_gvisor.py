@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from boxd import errors
+from boxd.config import Paths
 from tests._support.cgroups import _cgroups_of, _gone, _limit, _require_cgroups
 from tests._support.machines import _get, _vm_id
 from tests._support.rl_guest import EXAMPLES, GUEST_WHEELS, _ok, warm_rl_base
@@ -571,10 +572,10 @@ def test_a_sandbox_is_bounded_by_its_cgroup_and_memory_hogs_are_contained(  # ty
 ) -> None:
     """Each sandbox (its Sentry, gofer and systrap stubs) runs in a cgroup of its own:
     memory twice its memory_mib plus the Sentry's overhead, an equal CPU share, a tasks
-    limit. Past the memory limit the host's OOM killer picks the largest process there:
-    a guest process's stub (that process dies, the machine runs on), or, when the memory
-    is the guest's files (tmpfs), the Sentry (the machine fails, saying so). Other
-    machines run on either way."""
+    limit. A guest process past the machine's memory is killed by boxd-init inside the
+    guest (the machine runs on, the host's OOM killer never acts); past the cgroup's
+    limit, when the memory is the guest's files (tmpfs), the host's OOM killer takes the
+    Sentry (the machine fails, saying so). Other machines run on either way."""
     from boxd.engine.cgroups import GVISOR_OVERHEAD_MIB, GVISOR_PIDS_MAX
 
     _require_cgroups(client)
@@ -595,16 +596,21 @@ def test_a_sandbox_is_bounded_by_its_cgroup_and_memory_hogs_are_contained(  # ty
                  for p in (dirs["memory"] / "cgroup.procs").read_text().split()}
         assert {b"runsc-sandbox", b"runsc-gofer"} <= names, names
 
-        # A guest process allocating past the limit: killed; the machine runs on.
+        # A guest process allocating past the machine's memory: killed by the guest's
+        # own OOM killer near 256 MiB (SIGKILL, as a QEMU guest's kernel would), before
+        # the sandbox's cgroup limit; the machine runs on. It was the whole sandbox.
         client.machines.files.upload(m.id, "/root/hog.py", HOG)
-        r = client.machines.exec(m.id, "python3 /root/hog.py 2048", timeout=120)
-        assert r.exit_code != 0, r
-        assert "2048" not in r.stdout.split()
-        assert int(r.stdout.split()[-1]) < limit_mib, r.stdout[-200:]
+        r = client.machines.exec(m.id, "python3 /root/hog.py 1024", timeout=120)
+        assert r.exit_code == 128 + 9, r  # the shell reports its child's SIGKILL
+        assert 128 <= int(r.stdout.split()[-1]) <= 256 + 64, r.stdout[-200:]
         oom = (dirs["memory"] / "memory.oom_control").read_text()
-        assert "oom_kill 0" not in oom, oom
+        assert "oom_kill 0" in oom, oom  # the host's OOM killer had nothing to do
+        console = Paths(daemon.home.resolve()).machines / vm_id / "console.log"
+        assert "out of memory: killed process" in console.read_text(errors="replace")
         assert _ok(client, m.id, "echo alive") == "alive\n"
         assert client.machines.get(m.id).state.value == "running"
+        r = client.machines.exec(m.id, "python3 /root/hog.py 128", timeout=120)
+        assert r.exit_code == 0, r  # under the machine's memory: untouched
 
         # The guest's files past the limit: the sandbox is killed, the machine fails.
         with pytest.raises(errors.MachineFailed, match="OOM killer"):

@@ -18,7 +18,8 @@ def test_a_compiled_tree_runs_boxd_init_as_pid_1(tmp_path: Path,
     tree = agent_tree(tmp_path)
     assert native_relay(tree) and os.access(tree / "boxd-init", os.X_OK)
     args = build("m1", Roots(tmp_path / "root", tree), 512)["process"]["args"]
-    assert args[:3] == ["/opt/boxd/boxd-init", "--stdio", "--host-clock"]
+    assert args[:5] == ["/opt/boxd/boxd-init", "--stdio", "--host-clock", "--memory-mib",
+                        "512"]  # the guest's OOM killer at the machine's memory
     assert args[-2:] == ["--", "--host-clock"]
     # The binary is the init.c front end, static (no host C library in the sandbox).
     out = subprocess.run(["file", str(tree / "boxd-init")], capture_output=True, text=True)

@@ -29,7 +29,8 @@
  * when the agent tree was made) agent.py is PID 1 and serves the FIFOs itself.
  *
  * Usage (guest):  boxd-init
- * Usage (gVisor): boxd-init --stdio --host-clock --agent /opt/boxd/agent.py -- --host-clock
+ * Usage (gVisor): boxd-init --stdio --host-clock --memory-mib N --agent /opt/boxd/agent.py
+ *                           -- --host-clock   (--memory-mib: the guest's OOM killer)
  * Usage (tests):  boxd-init --connect SOCK [--sysroot DIR] [--python PY] [--agent PATH]
  *                           [-- extra agent.py arguments]
  */
@@ -75,6 +76,9 @@ static int opt_host_clock; /* identity's "now" is not applied: the clock is the 
 static const char *opt_sysroot;
 static const char *opt_python = "/usr/bin/python3";
 static const char *opt_agent = "/run/boxd/agent.py";
+/* --memory-mib N (gVisor): the machine's memory; past it, the largest guest process is
+ * killed (memory_check), as a kernel's OOM killer would in a QEMU guest of N MiB. */
+static long opt_memory_mib;
 static char **agent_extra;
 static int n_agent_extra;
 
@@ -1705,12 +1709,99 @@ static void reap(int sfd) {
 
 static void usage(void) {
     fprintf(stderr, "usage: boxd-init [--connect SOCK | --stdio] [--host-clock] "
-                    "[--sysroot DIR] [--python PY] [--agent PATH] [-- agent args]\n"
+                    "[--memory-mib N] [--sysroot DIR] [--python PY] [--agent PATH] "
+                    "[-- agent args]\n"
                     "       boxd-init --dial PORT\n");
     exit(2);
 }
 
 static void ignore_signal(int sig) { (void)sig; }
+
+/* --memory-mib: the guest's own OOM killer (gVisor). runsc has none: a guest past the
+ * sandbox's cgroup limit got the whole sandbox killed. Every MEM_CHECK_MS, the guest's
+ * process memory (/proc/meminfo: MemTotal - MemFree - Cached; gVisor counts tmpfs and
+ * the in-memory root overlay's files as Cached, and those are bounded by the cgroup) is
+ * compared with the machine's memory; past it, the process with the largest resident
+ * set (not PID 1, not agent.py) gets SIGKILL, and no other until it is gone. Only as
+ * PID 1. */
+#define MEM_CHECK_MS 50
+static long long mem_check_at;
+static pid_t mem_victim = -1;
+
+static long meminfo_used_mib(void) {
+    FILE *f = fopen("/proc/meminfo", "re");
+    if (!f) return -1;
+    char line[256];
+    long total = -1, avail = -1, cached = 0, v;
+    while (fgets(line, sizeof line, f)) {
+        if (sscanf(line, "MemTotal: %ld kB", &v) == 1) total = v;
+        else if (sscanf(line, "MemFree: %ld kB", &v) == 1) avail = v;
+        else if (sscanf(line, "Cached: %ld kB", &v) == 1) cached = v;
+    }
+    fclose(f);
+    return total < 0 || avail < 0 ? -1 : (total - avail - cached) / 1024;
+}
+
+/* A process's resident set in kB (-1: gone, or a zombie) and its name. */
+static long process_rss(pid_t pid, char *name, size_t cap) {
+    char path[64], line[256];
+    snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
+    FILE *f = fopen(path, "re");
+    if (!f) return -1;
+    long rss = -1, v;
+    if (name && cap) name[0] = 0;
+    while (fgets(line, sizeof line, f)) {
+        if (name && cap && !strncmp(line, "Name:", 5)) {
+            char *n = line + 5;
+            while (*n == ' ' || *n == '\t') n++;
+            size_t k = strcspn(n, "\n");
+            if (k >= cap) k = cap - 1;
+            memcpy(name, n, k);
+            name[k] = 0;
+        } else if (sscanf(line, "VmRSS: %ld kB", &v) == 1) {
+            rss = v;
+        }
+    }
+    fclose(f);
+    return rss;
+}
+
+static void memory_check(void) {
+    if (opt_memory_mib <= 0 || getpid() != 1) return;
+    long long t = now_ms();
+    if (t < mem_check_at) return;
+    mem_check_at = t + MEM_CHECK_MS;
+    if (mem_victim > 0) {
+        if (process_rss(mem_victim, NULL, 0) >= 0) return; /* still dying */
+        mem_victim = -1;
+    }
+    long used = meminfo_used_mib();
+    if (used < 0 || used <= opt_memory_mib) return;
+    DIR *d = opendir("/proc");
+    if (!d) return;
+    pid_t best = -1;
+    long best_rss = 0;
+    char best_name[64] = "";
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        char *end;
+        long pid = strtol(e->d_name, &end, 10);
+        if (*end || pid <= 1 || pid == py_pid) continue;
+        char name[64];
+        long rss = process_rss((pid_t)pid, name, sizeof name);
+        if (rss > best_rss) {
+            best = (pid_t)pid;
+            best_rss = rss;
+            snprintf(best_name, sizeof best_name, "%s", name);
+        }
+    }
+    closedir(d);
+    if (best <= 0 || kill(best, SIGKILL) != 0) return;
+    mem_victim = best;
+    logf_("out of memory: killed process %d (%s), %ld MiB resident: the machine's "
+          "processes used %ld MiB of its %ld MiB", (int)best, best_name, best_rss / 1024,
+          used, opt_memory_mib);
+}
 
 /* boxd-init --dial PORT: connect to 127.0.0.1:PORT, say "+" on stdout, then relay stdin
  * to the socket and the socket to stdout until the socket's reading half ends (stdin's
@@ -1791,6 +1882,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--sysroot")) opt_sysroot = argv[++i];
         else if (!strcmp(a, "--python")) opt_python = argv[++i];
         else if (!strcmp(a, "--agent")) opt_agent = argv[++i];
+        else if (!strcmp(a, "--memory-mib")) opt_memory_mib = strtol(argv[++i], NULL, 10);
         else usage();
     }
     for (int i = 0; i + 1 < n_agent_extra; i++)
@@ -1853,6 +1945,10 @@ int main(int argc, char **argv) {
         }
         int xw = execs_timeout();
         if (xw >= 0) timeout = timeout < 0 || xw < timeout ? xw : timeout;
+        if (opt_memory_mib > 0 && getpid() == 1) {
+            int mw = (int)(mem_check_at > t ? mem_check_at - t : 0);
+            timeout = timeout < 0 || mw < timeout ? mw : timeout;
+        }
         int ix = np;
         for (struct exec *x = execs; x; x = x->next) { /* an fd of -1 is ignored */
             int read_it = exec_followed(x) && !exec_paused(x);
@@ -1887,5 +1983,6 @@ int main(int argc, char **argv) {
         }
         if (py_fd >= 0 && pyq.len) py_flush();
         execs_step();
+        memory_check();
     }
 }

@@ -38,13 +38,18 @@ ENV = [
 ]
 
 
-def process_args(agent_tree: Path) -> list[str]:
+def process_args(agent_tree: Path, memory_mib: int | None = None) -> list[str]:
     """PID 1 of a sandbox on ``agent_tree``. A restore gets the same (its Roots name the
-    tree its sandbox was checkpointed with), whatever a newer tree would run."""
+    tree its sandbox was checkpointed with), whatever a newer tree would run.
+
+    With ``memory_mib``, boxd-init kills the largest guest process once the guest's
+    processes use more than that (``--memory-mib``: runsc has no OOM killer of its own);
+    agent.py alone (no C compiler) does not."""
     python = ["/usr/bin/python3", "-u", f"{AGENT_MOUNT}/agent.py"]
     if native_relay(agent_tree):
-        return [f"{AGENT_MOUNT}/boxd-init", "--stdio", "--host-clock", "--python", python[0],
-                "--agent", python[2], "--", "--host-clock"]
+        memory = ["--memory-mib", str(memory_mib)] if memory_mib else []
+        return [f"{AGENT_MOUNT}/boxd-init", "--stdio", "--host-clock", *memory,
+                "--python", python[0], "--agent", python[2], "--", "--host-clock"]
     return [*python, "--stdio", "--host-clock"]
 
 
@@ -88,7 +93,6 @@ def build(hostname: str, roots: Roots, memory_mib: int, netns: str | None = None
     ``netns`` is the network namespace a non-isolated machine runs in (see ``_net``),
     with ``resolv_conf`` naming pasta's DNS forwarder; None: an empty one (no network).
     """
-    del memory_mib  # gVisor sizes its memory from the host; cgroups are not used here
     caps = {k: CAPABILITIES for k in ("bounding", "effective", "permitted")}
     namespaces: list[dict[str, str]] = [
         {"type": t} for t in ("pid", "ipc", "uts", "mount", "network")]
@@ -108,7 +112,7 @@ def build(hostname: str, roots: Roots, memory_mib: int, netns: str | None = None
         "process": {
             "terminal": False,
             "user": {"uid": 0, "gid": 0},
-            "args": process_args(roots.agent),
+            "args": process_args(roots.agent, memory_mib),
             "env": ENV,
             "cwd": "/",
             "capabilities": caps,
