@@ -1724,7 +1724,7 @@ static void ignore_signal(int sig) { (void)sig; }
  * compared with the machine's memory; past it, the process with the largest resident
  * set (not PID 1, not agent.py) gets SIGKILL, and no other until it is gone. Only as
  * PID 1. */
-#define MEM_CHECK_MS 50
+#define MEM_CHECK_MS 100
 static long long mem_check_at;
 static pid_t mem_victim = -1;
 
