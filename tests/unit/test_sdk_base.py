@@ -236,6 +236,23 @@ def test_a_daemon_holding_the_lock_is_never_started_twice(tmp_path) -> None:  # 
     assert not daemon_holds_lock(paths)
 
 
+def test_an_isolated_machine_says_it_has_no_route_to_the_api(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # The machine's client is there (/run/boxd/py) but no API socket: Boxd() used to try
+    # to start a daemon in the guest and fail with a HostSetupError about the server
+    # extra; now its requests fail naming the cause.
+    import httpx
+
+    run = tmp_path / "run" / "boxd"
+    (run / "py").mkdir(parents=True)
+    monkeypatch.setattr(_base, "GUEST_SOCKET", run / "boxd.sock")
+    t = _base.resolve_target(environ={})
+    assert t.guest and not t.local  # no local daemon to start in a guest
+    err = _base.map_transport_error(httpx.ConnectError("No such file or directory"), t)
+    assert "no route to the boxd API" in err.message and "isolated" in (err.hint or "")
+
+
 def test_inside_a_machine_the_target_is_its_api_socket(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

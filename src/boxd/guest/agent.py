@@ -1466,6 +1466,16 @@ def main(argv: list[str] | None = None) -> None:
             signal.signal(sig, lambda *_: None)
     if not pid1:
         set_subreaper()
+    if args.sysroot is None and os.path.isdir(P.IDENTITY_DIR):
+        # The machine's own directory (identity, the API socket and credential, the
+        # client): 0755 root. A gVisor sandbox makes it 0777 as the mount point of the
+        # client's bind mount, so any guest user could plant files in it. boxd-init does
+        # this first where it is PID 1; here for agent.py as PID 1 (no C compiler).
+        try:
+            if os.stat(P.IDENTITY_DIR).st_uid == 0:
+                os.chmod(P.IDENTITY_DIR, 0o755)
+        except OSError as exc:
+            log(f"cannot make {P.IDENTITY_DIR} 0755: {exc}")
     channel: Channel
     if args.relay_fd is not None:
         channel = RelayChannel(args.relay_fd)

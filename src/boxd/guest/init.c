@@ -1908,6 +1908,15 @@ int main(int argc, char **argv) {
     sigprocmask(SIG_BLOCK, &chld, NULL);
     int sfd = signalfd(-1, &chld, SFD_NONBLOCK | SFD_CLOEXEC);
     logf_("boxd-init %s started", PROTOCOL_VERSION);
+    if (getpid() == 1 && !opt_sysroot) {
+        /* The machine's own directory (identity, the API socket and credential, the
+           client): 0755 root. A gVisor sandbox makes it 0777 as the mount point of the
+           client's bind mount; done here, before any request is served. */
+        struct stat st;
+        if (stat("/" IDENTITY_DIR, &st) == 0 && st.st_uid == 0 && (st.st_mode & 07777) != 0755 &&
+            chmod("/" IDENTITY_DIR, 0755) != 0)
+            logf_("cannot make /%s 0755: %s", IDENTITY_DIR, strerror(errno));
+    }
     py_spawn();
 
     for (;;) {

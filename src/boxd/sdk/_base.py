@@ -169,7 +169,9 @@ def resolve_target(
     key = api_key or client.api_key
     url = base_url or client.url
     if url is None:
-        if GUEST_SOCKET.exists():
+        # Inside a machine (its client's files are there) even without the socket: an
+        # isolated machine has none, and the host's daemon is not one to start here.
+        if GUEST_SOCKET.exists() or (GUEST_SOCKET.parent / "py").is_dir():
             return Target(LOCAL_BASE_URL, GUEST_SOCKET, key, paths, guest=True)
         return Target(LOCAL_BASE_URL, paths.socket, key, paths)
     url = url.strip().rstrip("/")
@@ -535,7 +537,11 @@ def map_transport_error(exc: Exception, target: Target) -> errors.ConnectionErro
         hint = "the daemon may be overloaded; raise Boxd(timeout=...)"
     else:
         what = f"cannot reach boxd at {target.where}: {exc or type(exc).__name__}"
-        if target.guest:
+        if target.guest and target.uds is not None and not target.uds.exists():
+            what = f"this machine has no route to the boxd API ({target.uds} does not exist)"
+            hint = ("an isolated machine has none: create it without isolated=True to call "
+                    "boxd from inside it, or set BOXD_URL")
+        elif target.guest:
             hint = ("the machine may have been forked or restored during this call (the "
                     "new copy's calls in flight are cut), or the daemon is not running")
         elif target.local:
