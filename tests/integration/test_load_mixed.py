@@ -26,7 +26,7 @@ import pytest
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(1200)]
 
-CLIENTS = 150
+CLIENTS = 300  # the round-3 probe's count
 SECONDS = 45.0
 FORKS_AT_ONCE = 2  # children alive at a time (the host has 2 cores)
 
