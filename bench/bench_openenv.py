@@ -4,10 +4,10 @@ the env's server fresh in a new machine, in one run.
     python bench/bench_openenv.py        # needs boxd[openenv] on the host
 
 On the daemon's default engine. A machine gets openenv-core (wheels the *host*
-downloads, as tests/integration/test_openenv.py does) and ``examples/openenv/
-counter_env.py``; it is saved as a snapshot without a server running (``cold``); then
-its server starts and it is saved again (``warm``) and kept running as a fork source.
-Each figure is one session's start to its first observation (an unmodified
+downloads: the recipe's ``download_wheels``, examples/openenv/serve_sessions.py) and
+``examples/openenv/counter_env.py``; it is saved as a snapshot without a server running
+(``cold``); then its server starts and it is saved again (``warm``) and kept running as
+a fork source. Each figure is one session's start to its first observation (an unmodified
 ``CounterClient``'s ``reset`` over the WebSocket), ``BENCH_OPENENV_N`` (5) rounds,
 alternating:
 
@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -41,29 +40,13 @@ from _common import Row, row_from, say, standalone
 
 GROUP = "openenv"
 REPO = Path(__file__).resolve().parent.parent
-EXAMPLE = REPO / "examples" / "openenv" / "counter_env.py"
+EXAMPLES = REPO / "examples" / "openenv"
 WHEELS = REPO / ".cache" / "wheels-openenv"
-GUEST_WHEELS = "/tmp/openenv-wheels"
-SERVER_DEPS = ["fastapi", "uvicorn", "pydantic", "websockets", "fastmcp", "requests"]
-SERVE = ("cd /home/boxd && nohup setsid python3 -m uvicorn counter_env:app --host 0.0.0.0 "
-         "--port 8080 >/tmp/counter_env.server.log 2>&1 </dev/null &")
 N = int(os.environ.get("BENCH_OPENENV_N", "5"))
 
 
-def _wheels() -> list[Path]:
-    done = WHEELS / ".complete"
-    if not done.exists():
-        WHEELS.mkdir(parents=True, exist_ok=True)
-        pip = [sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:",
-               "-d", str(WHEELS)]
-        for args in (["--no-deps", "openenv-core==0.3.0"], SERVER_DEPS):
-            subprocess.run(pip + args, check=True, timeout=600)
-        done.touch()
-    return sorted(WHEELS.glob("*.whl"))
-
-
-def _counter() -> Any:
-    spec = importlib.util.spec_from_file_location("counter_env", EXAMPLE)
+def _load(path: Path) -> Any:
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -92,7 +75,8 @@ def run(client: Any | None = None, log: Callable[[str], None] | None = None) -> 
 
     tell = log or say
     b = client or Boxd()
-    counter = _counter()
+    counter = _load(EXAMPLES / "counter_env.py")
+    recipe = _load(EXAMPLES / "serve_sessions.py")  # its wheels, paths and serve command
     provider = BoxdProvider(b)
     stamp = int(time.time())
     cold, warm = f"bench-oe-cold-{stamp}", f"bench-oe-warm-{stamp}"
@@ -103,14 +87,16 @@ def run(client: Any | None = None, log: Callable[[str], None] | None = None) -> 
         b.machines.wait_until_ready(src.id, timeout=600)
         engine = b.machines.get(src.id).engine
         accel = str(next(e.accelerator for e in b.info().engines if e.name == engine) or engine)
-        for whl in _wheels():
-            b.machines.files.upload(src.id, f"{GUEST_WHEELS}/{whl.name}", whl.read_bytes())
+        guest = recipe.GUEST_WHEELS
+        for whl in recipe.download_wheels(WHEELS):
+            b.machines.files.upload(src.id, f"{guest}/{whl.name}", whl.read_bytes())
         _ok(b, src.id, f"pip install -q --no-cache-dir --no-index --no-deps "
-                       f"{GUEST_WHEELS}/*.whl && rm -rf {GUEST_WHEELS}")
-        b.machines.files.upload(src.id, "/home/boxd/counter_env.py", EXAMPLE.read_text())
+                       f"{guest}/*.whl && rm -rf {guest}")
+        b.machines.files.upload(src.id, "/home/boxd/counter_env.py",
+                                (EXAMPLES / "counter_env.py").read_text())
         b.snapshots.save(src.id, cold)
         made.append(cold)
-        _ok(b, src.id, SERVE)
+        _ok(b, src.id, recipe.SERVE)
         src_url = b.machines.get(src.id).url
         assert src_url is not None
         provider.wait_for_ready(src_url, timeout_s=180)
@@ -130,7 +116,7 @@ def run(client: Any | None = None, log: Callable[[str], None] | None = None) -> 
             m = b.machines.new(f"bench-oe-fresh-{stamp}-{i}", from_snapshot=cold)
             try:
                 b.machines.wait_until_ready(m.id, timeout=600)
-                _ok(b, m.id, SERVE)
+                _ok(b, m.id, recipe.SERVE)
                 fresh_url = b.machines.get(m.id).url
                 assert fresh_url is not None
                 provider.wait_for_ready(fresh_url, timeout_s=180)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,29 @@ HERE = Path(__file__).resolve().parent
 GUEST_WHEELS = "/tmp/openenv-wheels"
 SERVE = ("cd /home/boxd && nohup setsid python3 -m uvicorn counter_env:app --host 0.0.0.0 "
          "--port 8080 >/tmp/counter_env.server.log 2>&1 </dev/null &")
+#: What openenv-core's server and client import (besides the standard library).
+SERVER_DEPS = ["fastapi", "uvicorn", "pydantic", "websockets", "fastmcp", "requests"]
+OPENENV = "openenv-core==0.3.0"
+
+
+def download_wheels(dest: Path) -> list[Path]:
+    """``--wheels``' folder, made on the host: openenv-core (no dependencies) and
+    ``SERVER_DEPS`` as wheels for the guest (CPython 3.11, x86-64 glibc, like the host),
+    downloaded once (``dest/.complete``).
+
+    Raises:
+        subprocess.CalledProcessError: pip could not download them (its stderr kept).
+    """
+    done = dest / ".complete"
+    if not done.exists():
+        dest.mkdir(parents=True, exist_ok=True)
+        pip = [sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:",
+               "-d", str(dest)]
+        for args in (["--no-deps", OPENENV], SERVER_DEPS):
+            subprocess.run(pip + args, check=True, capture_output=True, text=True,
+                           timeout=600)
+        done.touch()
+    return sorted(dest.glob("*.whl"))
 
 
 def _run(client: Boxd, machine: str, cmd: str, timeout: float = 900) -> None:

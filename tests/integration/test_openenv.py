@@ -18,7 +18,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,23 +38,16 @@ EXAMPLE = REPO / "examples" / "openenv" / "counter_env.py"
 RECIPE = REPO / "examples" / "openenv" / "serve_sessions.py"
 SNAPSHOT = "openenv-counter"
 WHEELS = REPO / ".cache" / "wheels-openenv"
-#: What openenv-core's server and client import (besides the standard library).
-SERVER_DEPS = ["fastapi", "uvicorn", "pydantic", "websockets", "fastmcp", "requests"]
 
-def _wheels() -> list[Path]:
-    """openenv-core (no dependencies) and ``SERVER_DEPS`` as wheels for the guest
-    (CPython 3.11, x86-64 glibc, like the host)."""
-    done = WHEELS / ".complete"
-    if not done.exists():
-        WHEELS.mkdir(parents=True, exist_ok=True)
-        pip = [sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:",
-               "-d", str(WHEELS)]
-        for args in (["--no-deps", "openenv-core==0.3.0"], SERVER_DEPS):
-            r = subprocess.run(pip + args, capture_output=True, text=True, timeout=600)
-            if r.returncode != 0:
-                pytest.skip(f"host cannot download the openenv wheels: {r.stderr[-500:]}")
-        done.touch()
-    return sorted(WHEELS.glob("*.whl"))
+
+def _wheels(recipe: Any) -> list[Path]:
+    """The recipe's wheels for the guest (``download_wheels``), or a skip naming pip's
+    error when the host cannot download them."""
+    try:
+        wheels: list[Path] = recipe.download_wheels(WHEELS)
+    except subprocess.CalledProcessError as exc:
+        pytest.skip(f"host cannot download the openenv wheels: {(exc.stderr or '')[-500:]}")
+    return wheels
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +77,7 @@ def openenv_snapshot(client: Any, gvisor_base: Any, recipe: Any) -> Iterator[str
     """The recipe's snapshot: a gVisor machine with openenv-core installed (from the
     host's wheels) and the example's server listening on port 8080, saved."""
     try:
-        recipe.prepare(client, SNAPSHOT, WHEELS if _wheels() else None, engine="gvisor")
+        recipe.prepare(client, SNAPSHOT, WHEELS if _wheels(recipe) else None, engine="gvisor")
     except SystemExit as exc:
         raise AssertionError(str(exc)) from None
     yield SNAPSHOT
