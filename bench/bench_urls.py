@@ -57,15 +57,30 @@ def _get(conn: http.client.HTTPConnection, prefix: str = "", path: str = "/") ->
     assert resp.status == 200 and len(body) == (BIG if path == "/big" else 2), resp.status
 
 
-def _new_connections(host: str, port: int, prefix: str) -> list[float]:
+def _timed(n: int, call: Callable[[], None]) -> list[float]:
+    """Seconds each of ``n`` calls took."""
     took = []
-    for _ in range(N_NEW):
+    for _ in range(n):
         t = time.perf_counter()
-        conn = http.client.HTTPConnection(host, port, timeout=60)
-        _get(conn, prefix)
-        conn.close()
+        call()
         took.append(time.perf_counter() - t)
     return took
+
+
+def _new_connection(host: str, port: int, prefix: str) -> None:
+    conn = http.client.HTTPConnection(host, port, timeout=60)
+    _get(conn, prefix)
+    conn.close()
+
+
+def _kept_alive(host: str, port: int, prefix: str, n: int, path: str = "/") -> list[float]:
+    """``n`` GETs of ``path`` timed on one connection (opened and warmed first)."""
+    conn = http.client.HTTPConnection(host, port, timeout=60)
+    try:
+        _get(conn, prefix)
+        return _timed(n, lambda: _get(conn, prefix, path))
+    finally:
+        conn.close()
 
 
 def _wait_up(host: str, port: int, prefix: str, timeout: float = 120.0) -> None:
@@ -98,29 +113,11 @@ def _one_engine(b: Any, engine: str, tell: Callable[[str], None]) -> list[Row]:
         _wait_up(host, port, prefix)
         other = f"{prefix}.{OTHER_PORT}"  # the URL of guest port 8000
         _wait_up(host, port, other)
-        fresh = _new_connections(host, port, prefix)
-        fresh_other = _new_connections(host, port, other)
-        conn = http.client.HTTPConnection(host, port, timeout=60)
-        _get(conn, prefix)
-        kept = []
-        for _ in range(N_KEPT):
-            t = time.perf_counter()
-            _get(conn, prefix)
-            kept.append(time.perf_counter() - t)
-        big = []
-        for _ in range(N_BIG):
-            t = time.perf_counter()
-            _get(conn, prefix, "/big")
-            big.append(time.perf_counter() - t)
-        conn.close()
-        conn = http.client.HTTPConnection(host, port, timeout=60)
-        _get(conn, other)
-        kept_other = []
-        for _ in range(N_KEPT):
-            t = time.perf_counter()
-            _get(conn, other)
-            kept_other.append(time.perf_counter() - t)
-        conn.close()
+        fresh = _timed(N_NEW, lambda: _new_connection(host, port, prefix))
+        fresh_other = _timed(N_NEW, lambda: _new_connection(host, port, other))
+        kept = _kept_alive(host, port, prefix, N_KEPT)
+        big = _kept_alive(host, port, prefix, N_BIG, "/big")
+        kept_other = _kept_alive(host, port, other, N_KEPT)
         return [
             row_from(GROUP, f"{engine}: GET on a new connection", fresh, accel=accel,
                      note="proxy + the engine's forward set up per connection",
