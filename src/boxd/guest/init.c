@@ -1732,14 +1732,14 @@ static long meminfo_used_mib(void) {
     FILE *f = fopen("/proc/meminfo", "re");
     if (!f) return -1;
     char line[256];
-    long total = -1, avail = -1, cached = 0, v;
+    long total = -1, free_kb = -1, cached = 0, v;
     while (fgets(line, sizeof line, f)) {
         if (sscanf(line, "MemTotal: %ld kB", &v) == 1) total = v;
-        else if (sscanf(line, "MemFree: %ld kB", &v) == 1) avail = v;
+        else if (sscanf(line, "MemFree: %ld kB", &v) == 1) free_kb = v;
         else if (sscanf(line, "Cached: %ld kB", &v) == 1) cached = v;
     }
     fclose(f);
-    return total < 0 || avail < 0 ? -1 : (total - avail - cached) / 1024;
+    return total < 0 || free_kb < 0 ? -1 : (total - free_kb - cached) / 1024;
 }
 
 /* A process's resident set in kB (-1: gone, or a zombie) and its name. */
