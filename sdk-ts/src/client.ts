@@ -265,11 +265,14 @@ function execBody(opts: ExecOptions): Wire["ExecRequest"] {
   return body;
 }
 
-/** Options of `machines.fork`: one child (`name`), or a batch (`count` and/or `names`). */
-export type ForkOptions = { name?: string; count?: undefined; names?: undefined };
+/**
+ * Options of `machines.fork`: one child (`name`), or a batch (`count` and/or `names`);
+ * `node` puts the children on that cluster node (QEMU machines only).
+ */
+export type ForkOptions = { name?: string; node?: string; count?: undefined; names?: undefined };
 export type ForkBatchOptions =
-  | { count: number; names?: string[]; name?: undefined }
-  | { names: string[]; count?: number; name?: undefined };
+  | { count: number; names?: string[]; node?: string; name?: undefined }
+  | { names: string[]; count?: number; node?: string; name?: undefined };
 
 /** Machines: create, inspect, run commands in, fork and delete (`boxd.machines`). */
 export class Machines {
@@ -459,9 +462,11 @@ export class Machines {
    *
    * With `{ count }` or `{ names }`, fork several children in one call and resolve to one
    * entry per child: its `Machine` or the `BoxdError` that stopped it (one failure doesn't
-   * sink the batch). Otherwise resolve to the single child.
+   * sink the batch). Otherwise resolve to the single child. `node` puts the children on
+   * that cluster node (by default: the source's node while it has room, then the others).
    * @throws MachineNotFound, StateError, AlreadyExists, QuotaExceeded (a batch throws only
-   *   for errors that concern the whole request)
+   *   for errors that concern the whole request); NotFound (no such node), InvalidRequest
+   *   (the source's forks cannot go to that node: a gVisor machine, or no cluster)
    */
   fork(src: string, options?: ForkOptions): Promise<Machine>;
   fork(src: string, options: ForkBatchOptions): Promise<(Machine | BoxdError)[]>;
@@ -469,13 +474,17 @@ export class Machines {
     src: string,
     options: ForkOptions | ForkBatchOptions = {},
   ): Promise<Machine | (Machine | BoxdError)[]> {
-    const { name, count, names } = options as { name?: string; count?: number; names?: string[] };
+    const { name, count, names, node } = options as {
+      name?: string;
+      count?: number;
+      names?: string[];
+      node?: string;
+    };
     if (count === undefined && names === undefined) {
-      return this.c._json({
-        method: "POST",
-        path: `/v1/machines/${seg(src)}/fork`,
-        json: name !== undefined && name !== null ? { name } : {},
-      });
+      const one: Wire["ForkRequest"] = {};
+      if (name !== undefined && name !== null) one.name = name;
+      if (node !== undefined) one.node = node;
+      return this.c._json({ method: "POST", path: `/v1/machines/${seg(src)}/fork`, json: one });
     }
     if (name !== undefined) {
       throw new InvalidRequest("pass either name or count/names", { details: { field: "name" } });
@@ -483,6 +492,7 @@ export class Machines {
     const body: Wire["ForkBatchRequest"] = {};
     if (count !== undefined) body.count = count;
     if (names !== undefined) body.names = [...names];
+    if (node !== undefined) body.node = node;
     // Raw JSON: the per-item errors are rebuilt from their snake_case bodies.
     const raw = await this.c._bytes({
       method: "POST",

@@ -848,6 +848,11 @@ export interface components {
              * @description names of the children, each once (count may be omitted)
              */
             names?: string[] | null;
+            /**
+             * Node
+             * @description id of the cluster node to put the children on (`boxd nodes list`); default: the source's node while it has room, then the others. Only a QEMU machine's forks can go to another node
+             */
+            node?: string | null;
         } | {
             count: number;
         } | {
@@ -868,6 +873,11 @@ export interface components {
              * @description name of the child; generated if absent
              */
             name?: string | null;
+            /**
+             * Node
+             * @description id of the cluster node to put the children on (`boxd nodes list`); default: the source's node while it has room, then the others. Only a QEMU machine's forks can go to another node
+             */
+            node?: string | null;
         };
         /** ForkResult */
         ForkResult: {

@@ -228,8 +228,14 @@ class MachineList(BaseModel):
     machines: list[Machine]
 
 
+FORK_NODE = ("id of the cluster node to put the children on (`boxd nodes list`); default: "
+             "the source's node while it has room, then the others. Only a QEMU machine's "
+             "forks can go to another node")
+
+
 class ForkRequest(BaseModel):
     name: Name | None = Field(None, description="name of the child; generated if absent")
+    node: str | None = Field(None, description=FORK_NODE)
 
 
 MAX_STANDBY_FORKS = 64  # standby forks one warm request may ask for (a fork batch's max)
@@ -265,6 +271,7 @@ class ForkBatchRequest(BaseModel):
         None, description="names of the children, each once (count may be omitted)",
         json_schema_extra={"minItems": 1, "maxItems": 64, "uniqueItems": True},
     )
+    node: str | None = Field(None, description=FORK_NODE)
 
 
 class ErrorBody(BaseModel):

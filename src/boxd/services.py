@@ -108,9 +108,12 @@ class MachineService(Protocol):
         ...
 
     async def fork(
-        self, account: str, ref: str, names: builtins.list[str | None]
+        self, account: str, ref: str, names: builtins.list[str | None],
+        node_hint: str | None = None,
     ) -> builtins.list[models.Machine | Exception]:
-        """Fork ``ref`` into ``len(names)`` children (None = generated name), per item."""
+        """Fork ``ref`` into ``len(names)`` children (None = generated name), per item,
+        on node ``node_hint`` if given. Raises: MachineNotFound, NotFound (no such
+        node), InvalidRequest (the source's forks cannot go to that node)."""
         ...
 
     async def warm(self, account: str, ref: str, forks: int) -> models.Standby:

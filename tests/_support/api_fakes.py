@@ -135,9 +135,11 @@ class FakeMachines(MachineService):
             yield data[i : i + (1 << 16)]
 
     async def fork(  # type: ignore[valid-type]
-        self, account: str, ref: str, names: list[str | None]
+        self, account: str, ref: str, names: list[str | None], node_hint: str | None = None
     ) -> list[models.Machine | Exception]:
         src = self._find(account, ref)
+        if node_hint not in (None, "local"):  # one node, as nodes_list says
+            raise NotFound(f"no node {node_hint!r}", field="node")
         out: list[models.Machine | Exception] = []
         for n in names:
             try:

@@ -170,6 +170,42 @@ def test_fork_children_fill_the_source_node_first_then_spread(tmp_path: Path) ->
         "a", "a", "c", "c", "b"]
 
 
+def test_a_fork_with_a_node_puts_every_child_on_that_node(tmp_path: Path) -> None:
+    a, b = NumbersNode("a", 3, 100), NumbersNode("b", 2, 900)
+    plane = _plane(tmp_path, [a, b, NumbersNode("c", 2, 5000)])
+    (src,) = _put(plane, "a", 1)
+    assert _ids(asyncio.run(plane._fork_targets(src, cast(Node, a), 2, "b"))) == ["b", "b"]
+    # the source's own node: copy-on-write there, nowhere else
+    assert _ids(asyncio.run(plane._fork_targets(src, cast(Node, a), 3, "a"))) == [
+        "a", "a", "ResourceExhausted"]
+    full = asyncio.run(plane._fork_targets(src, cast(Node, a), 3, "b"))[2]
+    assert isinstance(full, ResourceExhausted) and "node b has no room" in str(full)
+    with pytest.raises(NotFound) as bad:
+        asyncio.run(plane._fork_targets(src, cast(Node, a), 1, "nope"))
+    assert bad.value.details["field"] == "node"
+
+
+def test_a_fork_that_cannot_leave_its_node_says_so(tmp_path: Path) -> None:
+    a = NumbersNode("a", 3, 100)
+    plane = _plane(tmp_path, [a, NumbersNode("b", 2, 900)])
+    src = plane.repos.machines.claim(
+        _acct(plane), "gv", machine_id="m_gv", vcpus=1, memory_mib=256, disk_gib=1,
+        isolated=False, image="img", node_id="a", engine="gvisor", default_quota=100)
+    with pytest.raises(InvalidRequest) as bad:
+        asyncio.run(plane._fork_targets(src, cast(Node, a), 1, "b"))
+    assert "gvisor machine's forks stay on its node (a)" in str(bad.value)
+    assert bad.value.details["field"] == "node" and "--node" in bad.value.hint
+    assert _ids(asyncio.run(plane._fork_targets(src, cast(Node, a), 2, "a"))) == ["a", "a"]
+    # one host: its own id is the only node a fork may name
+    one = NumbersNode("h", 4, 100)
+    (tmp_path / "one").mkdir()
+    host = _plane(tmp_path / "one", [one], cluster=False)
+    (m,) = _put(host, "h", 1)
+    assert _ids(asyncio.run(host._fork_targets(m, cast(Node, one), 1, "h"))) == ["h"]
+    with pytest.raises(NotFound):
+        asyncio.run(host._fork_targets(m, cast(Node, one), 1, "b"))
+
+
 def test_the_chooser_is_an_interface() -> None:
     room = {"a": Room(2, 100), "b": Room(0, 9000), "c": Room(1, 500)}
     assert MostFreeMemory().rank(room, ()) == ["b", "c", "a"]

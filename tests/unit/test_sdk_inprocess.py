@@ -116,6 +116,21 @@ def test_machine_state_files_checkpoints_and_typed_errors(boxd: Boxd) -> None:
         boxd.machines.delete("a")
 
 
+def test_a_fork_names_its_node_on_one_host_too(boxd: Boxd) -> None:
+    boxd.machines.new("a")
+    boxd.machines.wait_until_ready("a")
+    (here,) = boxd.nodes.list()
+    assert boxd.machines.fork("a", "k1", node=here.id).node == here.id
+    (kid,) = boxd.machines.fork("a", count=1, node=here.id)
+    assert not isinstance(kid, errors.BoxdError) and kid.node == here.id
+    with pytest.raises(errors.NotFound, match="no node 'elsewhere'") as nf:
+        boxd.machines.fork("a", node="elsewhere")
+    assert nf.value.details["field"] == "node"
+    with pytest.raises(errors.NotFound, match="no node 'elsewhere'"):
+        boxd.machines.fork("a", count=2, node="elsewhere")
+    assert {m.name for m in boxd.machines.list()} == {"a", "k1", kid.name}
+
+
 def test_snapshots_round_trip(boxd: Boxd, tmp_path: Path) -> None:
     boxd.machines.new("a")
     boxd.machines.wait_until_ready("a")

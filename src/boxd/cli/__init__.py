@@ -325,10 +325,14 @@ def machine_exec(
 @click.option(
     "--count", "-n", type=click.IntRange(1, 64), help="Fork N children (names generated)."
 )
+@click.option("--node", default=None, help="Put the children on this cluster node "
+              "(`boxd nodes list`; QEMU machines only). [default: the source's node while "
+              "it has room, then the others]")
 @json_option
 @pass_state
 def machine_fork(
-    state: _State, src: str, new: tuple[str, ...], count: int | None, as_json: bool
+    state: _State, src: str, new: tuple[str, ...], count: int | None, node: str | None,
+    as_json: bool,
 ) -> None:
     """Fork running machine SRC into NEW (the child continues from the same instruction).
 
@@ -336,13 +340,13 @@ def machine_fork(
     """
     b = state.boxd
     if count is None and len(new) <= 1:
-        m = b.machines.fork(src, new[0] if new else None)
+        m = b.machines.fork(src, new[0] if new else None, node=node)
         _show(m, as_json, _render.machine)
         return
     results = (
-        b.machines.fork(src, names=list(new), count=count)
+        b.machines.fork(src, names=list(new), count=count, node=node)
         if new
-        else b.machines.fork(src, count=count or 1)
+        else b.machines.fork(src, count=count or 1, node=node)
     )
     made = [r for r in results if not isinstance(r, errors.BoxdError)]
     errs = [r for r in results if isinstance(r, errors.BoxdError)]

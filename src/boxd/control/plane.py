@@ -345,14 +345,18 @@ class Machines:
         return await self._node(rec).warm(rec.id, forks)
 
     async def fork(
-        self, account: str, ref: str, names: builtins.list[str | None]
+        self, account: str, ref: str, names: builtins.list[str | None],
+        node_hint: str | None = None,
     ) -> builtins.list[models.Machine | Exception]:
+        """Fork ``ref`` into one child per name (None: a generated name); each item is
+        the child or the error that stopped it. ``node_hint`` puts every child on that
+        node (a cluster's other node receives the source's template)."""
         src = self._find(account, ref)
         for n in names:
             if n is not None:
                 validate_name(n)
         node = self._node(src)
-        targets = await self._fork_targets(src, node, len(names))
+        targets = await self._fork_targets(src, node, len(names), node_hint)
         claimed = await self._claim_children(account, src, names, targets)
         results = await self._launch_children(src, node, claimed)
         out: builtins.list[models.Machine | Exception] = []
@@ -429,16 +433,29 @@ class Machines:
         return results
 
     async def _fork_targets(
-        self, src: MachineRecord, node: Node, count: int
+        self, src: MachineRecord, node: Node, count: int, hint: str | None = None
     ) -> builtins.list[Node | Exception]:
         """Where each of ``count`` children goes: the source's node while it has room
-        (copy-on-write there), then the other nodes (the template streams to them)."""
+        (copy-on-write there), then the other nodes (the template streams to them); with
+        a ``hint``, that node only."""
+        if hint is not None and hint != node.id:
+            check_hint(hint, self.nodes)
+            if self.cluster is None or src.engine != "qemu":
+                raise InvalidRequest(
+                    f"a {src.engine} machine's forks stay on its node ({node.id}): only a "
+                    "QEMU machine's template can stream to another node",
+                    hint="prepare a baseline on that node (`boxd machine new --node`) "
+                    "and fork it there, or fork without a node", field="node")
         if self.cluster is None or src.engine != "qemu":
             return [node] * count
-        chosen = self.placement.fork_targets(await self._room(), node.id, count,
+        room = await self._room()
+        if hint is not None:
+            room = {hint: room[hint]} if hint in room else {}
+        chosen = self.placement.fork_targets(room, node.id, count,
                                              self._received.get(src.id, set()))
         return [self.nodes[nid] if nid is not None else ResourceExhausted(
-            "no node has room for another fork child",
+            f"node {hint} has no room for another fork child" if hint is not None
+            else "no node has room for another fork child",
             hint="delete machines, add a node, or raise BOXD_NODE_MAX_MACHINES",
             needed=count, free=count - 1,
         ) for nid in chosen]

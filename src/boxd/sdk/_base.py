@@ -341,16 +341,14 @@ def machine_warm(ref: str, forks: int) -> Req:
     return Req("POST", f"/v1/machines/{seg(ref)}/warm", json={"forks": forks})
 
 
-def machine_fork(src: str, name: str | None) -> Req:
-    return Req(
-        "POST",
-        f"/v1/machines/{seg(src)}/fork",
-        json={"name": name} if name is not None else {},
-    )
+def machine_fork(src: str, name: str | None, node: str | None = None) -> Req:
+    body = {k: v for k, v in (("name", name), ("node", node)) if v is not None}
+    return Req("POST", f"/v1/machines/{seg(src)}/fork", json=body)
 
 
-def machine_fork_batch(src: str, count: int | None, names: list[str] | None) -> Req:
-    body: dict[str, Any] = {}
+def machine_fork_batch(src: str, count: int | None, names: list[str] | None,
+                       node: str | None = None) -> Req:
+    body: dict[str, Any] = {} if node is None else {"node": node}
     if count is not None:
         body["count"] = count
     if names is not None:

@@ -402,16 +402,20 @@ class Machines:
                 raise _base.map_transport_error(exc, self._c._target) from exc
 
     @overload
-    def fork(self, src: str, name: str | None = None) -> models.Machine: ...
+    def fork(
+        self, src: str, name: str | None = None, *, node: str | None = None
+    ) -> models.Machine: ...
 
     @overload
     def fork(
-        self, src: str, name: None = None, *, count: int, names: builtins.list[str] | None = None
+        self, src: str, name: None = None, *, count: int,
+        names: builtins.list[str] | None = None, node: str | None = None,
     ) -> builtins.list[models.Machine | errors.BoxdError]: ...
 
     @overload
     def fork(
-        self, src: str, name: None = None, *, count: int | None = None, names: builtins.list[str]
+        self, src: str, name: None = None, *, count: int | None = None,
+        names: builtins.list[str], node: str | None = None,
     ) -> builtins.list[models.Machine | errors.BoxdError]: ...
 
     def fork(
@@ -421,23 +425,28 @@ class Machines:
         *,
         count: int | None = None,
         names: builtins.list[str] | None = None,
+        node: str | None = None,
     ) -> models.Machine | builtins.list[models.Machine | errors.BoxdError]:
         """Fork a running machine: the child continues from the same instruction.
 
         With ``count`` or ``names``, fork several children in one call and return one
         entry per child: its ``Machine`` or the ``BoxdError`` that stopped it (one failure
-        doesn't sink the batch). Otherwise return the single child.
+        doesn't sink the batch). Otherwise return the single child. ``node`` puts the
+        children on that cluster node (`nodes.list`); by default they go to the
+        source's node while it has room, then to the others.
 
         Raises:
             MachineNotFound, StateError, AlreadyExists, QuotaExceeded (single fork; a
             batch raises only for errors that concern the whole request).
+            NotFound: no such node. InvalidRequest: ``node`` is not the source's node
+            and the source cannot leave it (a gVisor machine, or no cluster).
         """
         if count is None and names is None:
-            return self._c._parse(models.Machine, _base.machine_fork(src, name))
+            return self._c._parse(models.Machine, _base.machine_fork(src, name, node))
         if name is not None:
             raise errors.InvalidRequest("pass either name or count/names", field="name")
         result = self._c._parse(
-            models.ForkResult, _base.machine_fork_batch(src, count, names)
+            models.ForkResult, _base.machine_fork_batch(src, count, names, node)
         )
         return _base.fork_items(result)
 

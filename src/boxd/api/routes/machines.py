@@ -223,7 +223,8 @@ async def fork(
     """Fork one running machine into one child."""
     name = body.name if body is not None else None
     check_name(name)
-    (item,) = _items(await machines.fork(account, ref, [name]))
+    node = body.node if body is not None else None
+    (item,) = _items(await machines.fork(account, ref, [name], node))
     if isinstance(item, Exception):
         raise item
     return item
@@ -268,7 +269,7 @@ async def fork_batch(
         names = [None] * body.count
     else:
         raise InvalidRequest("give count or names", hint='e.g. {"count": 8}', field="count")
-    items = _items(await machines.fork(account, ref, names))
+    items = _items(await machines.fork(account, ref, names, body.node))
     children = []
     for item in items:
         if isinstance(item, models.Machine):
