@@ -17,7 +17,7 @@ placement:
 
 Envs: CartPole-v1, Acrobot-v1, HalfCheetah-v5 (MuJoCo), an env that reads the clock
 into step 37's observation, and one that reads ``os.urandom`` after the fork at step 37.
-Another node (Ray) is not measured here: a fork lands on its source's node.
+Another node (Ray, ``placement="spread"``) is not in this table: it needs a cluster.
 """
 
 from __future__ import annotations
@@ -191,8 +191,8 @@ def main() -> None:
         "|" + "|".join("---" for _ in head) + "|",
         *("| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows),
         "",
-        "Not measured here: a pair's runs on two Ray nodes (a fork lands on its source's "
-        "node; a baseline per node given as `source=[...]` does it).",
+        "Not in this table: a pair's runs on two Ray nodes (`placement=\"spread\"`, "
+        "`boxd rl verify --nodes all`), which needs a Ray cluster; this run has one node.",
     ]
     text = "\n".join(lines) + "\n"
     if args.write:

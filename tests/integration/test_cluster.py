@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from boxd import errors
 from tests._support.bench import load
 
 pytest.importorskip("ray", reason="the cluster tests need Ray (pip install 'boxd[ray]')")
@@ -113,6 +114,26 @@ def test_batch_fork_spreads_over_nodes_with_the_same_memory(
     assert logs.count("event=received") == 2, "each other node received the template once"
     for c in again:
         b.machines.delete(c.id)
+
+
+def test_a_fork_named_to_a_node_lands_there_with_the_same_memory(
+    cluster: LocalCluster, base: Any
+) -> None:
+    b = cluster.client
+    want = _value_from_memory(b, base.id)
+    far = next(n for n in cluster.node_ids if n != base.node)
+    kid = b.machines.fork(base.id, "pinned", node=far)
+    try:
+        assert kid.node == far and kid.state == "running"
+        assert _value_from_memory(b, kid.id) == want
+        # a batch with a node: every child there, however much room the source's node has
+        (one,) = b.machines.fork(base.id, count=1, node=far)
+        assert not isinstance(one, Exception) and one.node == far
+        b.machines.delete(one.id)
+        with pytest.raises(errors.NotFound, match="no node 'nowhere'"):
+            b.machines.fork(base.id, node="nowhere")
+    finally:
+        b.machines.delete(kid.id)
 
 
 def test_snapshot_taken_on_one_node_starts_on_another(

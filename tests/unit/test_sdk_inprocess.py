@@ -131,6 +131,63 @@ def test_a_fork_names_its_node_on_one_host_too(boxd: Boxd) -> None:
     assert {m.name for m in boxd.machines.list()} == {"a", "k1", kid.name}
 
 
+def test_verify_spread_checks_its_nodes_before_any_fork(boxd: Boxd) -> None:
+    from boxd import rl
+
+    boxd.machines.new("a")
+    boxd.machines.wait_until_ready("a")
+    (here,) = boxd.nodes.list()
+    with pytest.raises(errors.InvalidRequest, match="needs two nodes or more; 1 given"):
+        rl.verify("a", "CartPole-v1", seeds=range(2), steps=5, boxd=boxd,
+                  placement="spread")
+    with pytest.raises(errors.InvalidRequest, match="needs two nodes or more"):
+        rl.verify("a", "CartPole-v1", seed=1, steps=5, boxd=boxd, placement="spread",
+                  nodes=[here.id, here.id])
+    with pytest.raises(errors.NotFound, match="no alive node 'far'"):
+        rl.verify("a", "CartPole-v1", seed=1, steps=5, boxd=boxd, placement="spread",
+                  nodes=[here.id, "far"])
+    with pytest.raises(errors.InvalidRequest, match="needs machine sources"):
+        rl.verify(rl.local(), "CartPole-v1", seed=1, steps=5, boxd=boxd,
+                  placement="spread")
+    with pytest.raises(errors.InvalidRequest, match="placement must be one of"):
+        rl.verify("a", "CartPole-v1", seed=1, steps=5, boxd=boxd,
+                  placement="nearby")  # type: ignore[arg-type]
+    assert [m.name for m in boxd.machines.list()] == ["a"]  # no fork was made
+
+
+def test_a_spread_runs_homes_rotate_over_the_nodes(boxd: Boxd) -> None:
+    from boxd.rl import _verify
+    from boxd.rl._machines import MachineHome
+
+    boxd.machines.new("a")
+    job = _verify._Job(sources=["a"], env="CartPole-v1", steps=5, policy=None, runs=2,
+                       boxd=boxd, pickle_by_value=(), make_kwargs={},
+                       nodes=("n1", "n2", "n3"))
+    placed = []
+    for k in range(3):
+        for i in range(2):
+            home, to_close = job.home(i, k)
+            assert isinstance(home, MachineHome) and to_close is home
+            placed.append(home.node)
+    assert placed == ["n1", "n2", "n2", "n3", "n3", "n1"]  # a pair's runs: two nodes
+    assert _verify._Job(sources=["a"], env="x", steps=1, policy=None, runs=2, boxd=boxd,
+                        pickle_by_value=(), make_kwargs={}).home(1, 0) == ("a", None)
+
+
+def test_verify_engines_finds_one_baseline_per_engine_by_name(boxd: Boxd) -> None:
+    from boxd.cli._rl import _engine_sources
+
+    engine = boxd.machines.new("base").engine
+    assert _engine_sources(boxd, "base", [engine]) == ["base"]
+    with pytest.raises(errors.MachineNotFound, match="no qemu baseline for base: "
+                       "--engines looks for base-qemu") as missing:
+        _engine_sources(boxd, "base", [engine, "qemu"])
+    assert "boxd machine new base-qemu --engine qemu" in missing.value.hint
+    boxd.machines.new("base-qemu")  # on the fake engine, not QEMU
+    with pytest.raises(errors.InvalidRequest, match=f"base-qemu runs on {engine}, not qemu"):
+        _engine_sources(boxd, "base", [engine, "qemu"])
+
+
 def test_snapshots_round_trip(boxd: Boxd, tmp_path: Path) -> None:
     boxd.machines.new("a")
     boxd.machines.wait_until_ready("a")

@@ -32,6 +32,15 @@ def _seed_range(ctx: click.Context, param: click.Parameter, value: str | None) -
     return seeds
 
 
+def _csv(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str] | None:
+    if value is None:
+        return None
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    if not items:
+        raise click.BadParameter("give one name or more, comma-separated")
+    return items
+
+
 @rl.command("verify")
 @click.argument("source")
 @click.argument("env")
@@ -44,19 +53,28 @@ def _seed_range(ctx: click.Context, param: click.Parameter, value: str | None) -
               help="Fresh forks to compare per seed.")
 @click.option("--jobs", type=click.IntRange(min=1), default=4, show_default=True,
               help="Seeds verified at once (jobs x runs forks together).")
+@click.option("--engines", callback=_csv, metavar="E1,E2",
+              help="A seed's runs alternate between these engines: each engine's baseline "
+              "is SOURCE if it runs there, else the machine SOURCE-ENGINE, prepared from "
+              "the same recipe (a snapshot cannot move between engines).")
+@click.option("--nodes", callback=_csv, metavar="all|ID,ID",
+              help="Spread a seed's runs over these cluster nodes (all: every alive node; "
+              "`boxd nodes list`), one node per run. QEMU sources only.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts (the schema: "
               "--schema).")
 @click.option("--schema", is_flag=True, help="Print the JSON Schema of the --seeds --json "
               "report and exit.")
 @click.pass_obj
 def verify(state: Any, source: str, env: str, seed: int | None, seeds: range | None,
-           steps: int, runs: int, jobs: int, as_json: bool, schema: bool) -> None:
+           steps: int, runs: int, jobs: int, engines: list[str] | None,
+           nodes: list[str] | None, as_json: bool, schema: bool) -> None:
     """Run ENV in fresh forks of SOURCE, seed by seed, and compare them step by step.
 
     ENV is a Gymnasium id (CartPole-v1) or module:function importable in the machine
     (installed there, or under /home/boxd). SOURCE is a machine, or several
     comma-separated (a seed's runs alternate between them: e.g. one baseline per
-    engine). Exits 0 when every seed's runs are identical, 1 otherwise.
+    engine; --engines finds those by name). Exits 0 when every seed's runs are
+    identical, 1 otherwise.
     """
     if schema:
         from boxd.rl._verify import REPORT_SCHEMA
@@ -72,12 +90,16 @@ def verify(state: Any, source: str, env: str, seed: int | None, seeds: range | N
             f"boxd rl needs gymnasium and cloudpickle ({exc.name} is missing)",
             hint="pip install 'boxd[rl]'") from exc
     sources: str | list[str] = source.split(",") if "," in source else source
+    if engines is not None:
+        sources = _engine_sources(state.boxd, source, engines)
+    where: dict[str, Any] = {} if nodes is None else {
+        "placement": "spread", "nodes": None if nodes == ["all"] else nodes}
     if seeds is not None:
-        _sweep(state, sources, env, seeds, steps, runs, jobs, as_json, boxd_rl)
+        _sweep(state, sources, env, seeds, steps, runs, jobs, as_json, boxd_rl, where)
         return
     with _render.activity(f"running {env} in {runs} forks of {source}", as_json=as_json):
         report = boxd_rl.verify(sources, env, seed=42 if seed is None else seed,
-                                steps=steps, runs=runs, boxd=state.boxd)
+                                steps=steps, runs=runs, boxd=state.boxd, **where)
     if as_json:
         out = dataclasses.asdict(report)
         if out["first_divergence"] is not None:  # numpy values: their repr, for JSON
@@ -90,13 +112,40 @@ def verify(state: Any, source: str, env: str, seed: int | None, seeds: range | N
         sys.exit(1)
 
 
+def _engine_sources(boxd: Any, source: str, engines: list[str]) -> list[str]:
+    """One baseline per engine: SOURCE where it runs, else the machine SOURCE-ENGINE."""
+    if "," in source:
+        raise click.UsageError("give one SOURCE with --engines (it finds SOURCE-ENGINE)")
+    base = boxd.machines.get(source)
+    out = []
+    for engine in engines:
+        if base.engine == engine:
+            out.append(base.name)
+            continue
+        name = f"{base.name}-{engine}"
+        try:
+            m = boxd.machines.get(name)
+        except errors.MachineNotFound:
+            raise errors.MachineNotFound(
+                f"no {engine} baseline for {base.name}: --engines looks for {name}",
+                hint=f"prepare it from {base.name}'s recipe: `boxd machine new {name} "
+                f"--engine {engine}`, then the same set-up (a snapshot cannot move "
+                "between engines)", machine=name) from None
+        if m.engine != engine:
+            raise errors.InvalidRequest(f"{name} runs on {m.engine}, not {engine}",
+                                        hint=f"make {name} with --engine {engine}",
+                                        field="engines")
+        out.append(m.name)
+    return out
+
+
 def _sweep(state: Any, sources: str | list[str], env: str, seeds: range, steps: int,
-           runs: int, jobs: int, as_json: bool, boxd_rl: Any) -> None:
+           runs: int, jobs: int, as_json: bool, boxd_rl: Any, where: dict[str, Any]) -> None:
     with _render.progress(f"verifying {env}: {len(seeds)} seeds x {runs} forks",
                           total=len(seeds), as_json=as_json) as advance:
         report = boxd_rl.verify(sources, env, seeds=seeds, steps=steps, runs=runs,
                                 jobs=jobs, boxd=state.boxd,
-                                progress=lambda r: advance(not r.identical))
+                                progress=lambda r: advance(not r.identical), **where)
     if as_json:
         _render.print_json(report.to_json())
     else:

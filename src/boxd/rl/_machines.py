@@ -99,7 +99,7 @@ class MachineSlot:
         if tpl is not None and self._from_template(tpl):
             return
         c = self._home.boxd
-        fork = c.machines.fork(self._home.source, _name("rl"))
+        fork = c.machines.fork(self._home.source, _name("rl"), node=self._home.node)
         self._machine = fork.id
         try:
             c.machines.wait_until_ready(fork.id, timeout=READY_TIMEOUT)
@@ -176,10 +176,12 @@ class MachineHome:
 
     With ``shared`` slots (a factory several sub-envs share, or ``reset_mode="refork"``)
     the env is built once in a template machine and each slot forks it; `close`
-    deletes the templates.
+    deletes the templates. With ``node``, the forks of ``source`` go to that cluster
+    node (``machines.fork(..., node=)``).
     """
 
-    def __init__(self, source: str, boxd: Boxd | None = None) -> None:
+    def __init__(self, source: str, boxd: Boxd | None = None, *,
+                 node: str | None = None) -> None:
         if boxd is None:
             from boxd.sdk._sync import Boxd
 
@@ -188,6 +190,7 @@ class MachineHome:
         else:
             self._owns = False
         self.source = source
+        self.node = node
         self.boxd = boxd
         self.can_attach: bool | None = None  # learnt from the first attempt
         self._lock = threading.Lock()
@@ -217,7 +220,7 @@ class MachineHome:
 
     def _build_template(self, make: MakeRequest, index: int | None) -> _Template:
         c = self.boxd
-        fork = c.machines.fork(self.source, _name("rl-template"))
+        fork = c.machines.fork(self.source, _name("rl-template"), node=self.node)
         try:
             c.machines.wait_until_ready(fork.id, timeout=READY_TIMEOUT)
             c.machines.files.upload(fork.id, GUEST_SERVER, SERVER_FILE.read_bytes())

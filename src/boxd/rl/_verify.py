@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any, Literal, get_args, overload
 
 import numpy as np
 from gymnasium.utils.env_checker import data_equivalence
@@ -52,6 +52,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Policy = Callable[[Any], Any]
+Placement = Literal["same-node", "spread"]
+PLACEMENTS: tuple[str, ...] = get_args(Placement)
 FIELDS = ("action", "obs", "reward", "terminated", "truncated")
 
 CAUSE_POLICY = ("the policy chose different actions for the same observations: seed it "
@@ -103,12 +105,16 @@ class VerifyReport:
     #: sha256 of the first run's trajectory (every step's fields, exactly): equal
     #: digests across seeds are the same trajectory.
     digest: str = ""
+    #: ``placement="spread"``: the node each run was forked on (else empty)
+    nodes: tuple[str, ...] = field(default=())
 
     def rows(self) -> list[tuple[str, str]]:
         """The report as (label, value) rows for a table."""
         out = [("env", self.env), ("seed", str(self.seed)), ("steps", str(self.steps)),
                ("runs", str(self.runs)), ("episodes per run", str(self.episodes)),
                ("identical", "yes" if self.identical else "NO")]
+        if self.nodes:
+            out.append(("nodes", ", ".join(self.nodes)))
         d = self.first_divergence
         if d is not None:
             out += [("first divergence", f"step {d.step}, {d.field}"),
@@ -125,7 +131,7 @@ class VerifyReport:
         return {
             "seed": self.seed, "identical": self.identical, "episodes": self.episodes,
             "digest": self.digest, "likely_cause": self.likely_cause,
-            "machines": list(self.machines),
+            "machines": list(self.machines), "nodes": list(self.nodes),
             "first_divergence": None if d is None else {
                 "step": d.step, "field": d.field, "runs": list(d.runs),
                 "values": [_short(v, 2000) for v in d.values]},
@@ -145,6 +151,9 @@ class SweepReport:
     #: how many different trajectories the seeds gave (their first runs' digests)
     distinct: int
     wall_s: float
+    placement: str = "same-node"
+    #: ``"spread"``: the nodes the runs rotated over
+    nodes: tuple[str, ...] = ()
 
     @property
     def diverged(self) -> list[VerifyReport]:
@@ -155,6 +164,8 @@ class SweepReport:
         """The summary as (label, value) rows for a table."""
         bad = self.diverged
         out = [("env", self.env), ("sources", ", ".join(self.sources)),
+               ("placement", self.placement + (f" over {', '.join(self.nodes)}"
+                                               if self.nodes else "")),
                ("seeds", str(len(self.pairs))), ("steps", str(self.steps)),
                ("runs per seed", str(self.runs)),
                ("identical", "yes" if self.identical else f"NO ({len(bad)} of "
@@ -177,7 +188,8 @@ class SweepReport:
         """The report as JSON values; `REPORT_SCHEMA` describes them."""
         return {
             "format": 1, "identical": self.identical, "env": self.env, "steps": self.steps,
-            "runs": self.runs, "sources": list(self.sources), "seeds": len(self.pairs),
+            "runs": self.runs, "sources": list(self.sources),
+            "placement": self.placement, "nodes": list(self.nodes), "seeds": len(self.pairs),
             "distinct": self.distinct, "wall_s": round(self.wall_s, 3),
             "diverged": len(self.diverged), "pairs": [p.to_json() for p in self.pairs],
         }
@@ -213,6 +225,11 @@ REPORT_SCHEMA: dict[str, Any] = {
         "steps": {"type": "integer", "minimum": 1},
         "runs": {"type": "integer", "minimum": 2},
         "sources": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        "placement": {"enum": list(PLACEMENTS),
+                      "description": "same-node, or spread: a pair's runs on different "
+                                     "nodes"},
+        "nodes": {"type": "array", "items": {"type": "string"},
+                  "description": "spread: the nodes the runs rotated over"},
         "seeds": {"type": "integer", "minimum": 1},
         "distinct": {"type": "integer", "minimum": 1},
         "wall_s": {"type": "number", "minimum": 0},
@@ -228,6 +245,8 @@ REPORT_SCHEMA: dict[str, Any] = {
                 "digest": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
                 "likely_cause": {"type": ["string", "null"]},
                 "machines": {"type": "array", "items": {"type": ["string", "null"]}},
+                "nodes": {"type": "array", "items": {"type": "string"},
+                          "description": "spread: the node of each run"},
                 "first_divergence": _DIVERGENCE_SCHEMA,
             },
         }},
@@ -310,6 +329,7 @@ def _compare(a: list[Record], b: list[Record], runs: tuple[int, int]) -> Diverge
 def verify(
     source: str | Home | Sequence[str], env: str | Callable[..., Any], *, seed: int,
     steps: int, policy: Policy | None = None, runs: int = 2, boxd: Boxd | None = None,
+    placement: Placement = "same-node", nodes: Sequence[str] | None = None,
     pickle_by_value: Sequence[Any] = (), **make_kwargs: Any,
 ) -> VerifyReport: ...
 
@@ -319,24 +339,19 @@ def verify(
     source: str | Home | Sequence[str], env: str | Callable[..., Any], *,
     seeds: Iterable[int], steps: int, policy: Policy | None = None, runs: int = 2,
     jobs: int = 4, progress: Callable[[VerifyReport], None] | None = None,
-    boxd: Boxd | None = None, pickle_by_value: Sequence[Any] = (), **make_kwargs: Any,
+    boxd: Boxd | None = None, placement: Placement = "same-node",
+    nodes: Sequence[str] | None = None, pickle_by_value: Sequence[Any] = (),
+    **make_kwargs: Any,
 ) -> SweepReport: ...
 
 
 def verify(
-    source: str | Home | Sequence[str],
-    env: str | Callable[..., Any],
-    *,
-    seed: int | None = None,
-    seeds: Iterable[int] | None = None,
-    steps: int,
-    policy: Policy | None = None,
-    runs: int = 2,
-    jobs: int = 4,
-    progress: Callable[[VerifyReport], None] | None = None,
-    boxd: Boxd | None = None,
-    pickle_by_value: Sequence[Any] = (),
-    **make_kwargs: Any,
+    source: str | Home | Sequence[str], env: str | Callable[..., Any], *,
+    seed: int | None = None, seeds: Iterable[int] | None = None, steps: int,
+    policy: Policy | None = None, runs: int = 2, jobs: int = 4,
+    progress: Callable[[VerifyReport], None] | None = None, boxd: Boxd | None = None,
+    placement: Placement = "same-node", nodes: Sequence[str] | None = None,
+    pickle_by_value: Sequence[Any] = (), **make_kwargs: Any,
 ) -> VerifyReport | SweepReport:
     """Run ``env`` in ``runs`` fresh forks of ``source`` with one seed; compare them.
 
@@ -357,18 +372,49 @@ def verify(
             ``jobs`` > 1, safe to call from several threads).
         runs: how many forks to compare per seed (at least 2).
         jobs: seeds verified at once (``jobs * runs`` forks run together).
-        progress: called with each seed's report as it completes (from a worker
-            thread).
+        progress: called with each seed's report as it completes (in a worker thread).
         boxd: the client (``Boxd()`` if None).
+        placement: ``"same-node"`` (the forks land where the source's forks go: its
+            node while it has room) or ``"spread"``: a pair's runs on different cluster
+            nodes (run ``i`` of the ``k``-th seed on ``nodes[(i + k) % len(nodes)]``),
+            which needs QEMU sources (a gVisor machine's forks stay on its node).
+        nodes: the node ids to spread over (default: every alive node).
         pickle_by_value: modules whose code travels with the factory.
         **make_kwargs: keyword arguments for the env's constructor.
 
     Raises:
         InvalidRequest: ``runs`` < 2, ``steps`` < 1, ``jobs`` < 1, no seeds, or both
-            or neither of ``seed`` and ``seeds``.
+            or neither of ``seed`` and ``seeds``; ``"spread"`` over fewer than two
+            nodes, from a `Home` or from a source that cannot leave its node.
         EnvError, EnvModuleNotFound: the env failed in a machine (a sweep stops at
             the first such failure and raises it once the seeds in flight are done).
     """
+    _check(seed=seed, seeds=seeds, steps=steps, runs=runs, jobs=jobs, placement=placement)
+    sources = _sources(source)
+    owned = _client() if placement == "spread" and boxd is None else None
+    boxd = boxd or owned
+    try:
+        job = _Job(sources=sources, env=env, steps=steps, policy=policy, runs=runs,
+                   boxd=boxd, pickle_by_value=pickle_by_value, make_kwargs=make_kwargs,
+                   nodes=_spread_nodes(boxd, sources, nodes) if placement == "spread"
+                   else ())
+        if seeds is not None:
+            return _sweep(job, list(seeds), jobs=jobs, progress=progress)
+        assert seed is not None
+        return _one_seed(job, seed)
+    finally:
+        if owned is not None:
+            owned.close()
+
+
+def _client() -> Boxd:
+    from boxd.sdk._sync import Boxd
+
+    return Boxd()
+
+
+def _check(*, seed: int | None, seeds: Iterable[int] | None, steps: int, runs: int,
+           jobs: int, placement: str) -> None:
     from boxd import errors
 
     if runs < 2:
@@ -378,16 +424,11 @@ def verify(
     if (seed is None) == (seeds is None):
         raise errors.InvalidRequest("give seed= (one seed) or seeds= (many), not both",
                                     field="seed")
-    sources = _sources(source)
-    if seeds is not None:
-        if jobs < 1:
-            raise errors.InvalidRequest("jobs must be at least 1", field="jobs")
-        return _sweep(sources, env, list(seeds), steps=steps, policy=policy, runs=runs,
-                      jobs=jobs, progress=progress, boxd=boxd,
-                      pickle_by_value=pickle_by_value, make_kwargs=make_kwargs)
-    assert seed is not None
-    return _one_seed(sources, env, seed, steps=steps, policy=policy, runs=runs, boxd=boxd,
-                     pickle_by_value=pickle_by_value, make_kwargs=make_kwargs)
+    if seeds is not None and jobs < 1:
+        raise errors.InvalidRequest("jobs must be at least 1", field="jobs")
+    if placement not in PLACEMENTS:
+        raise errors.InvalidRequest(f"placement must be one of {', '.join(PLACEMENTS)}, "
+                                    f"not {placement!r}", field="placement")
 
 
 def _sources(source: str | Home | Sequence[str]) -> list[str | Home]:
@@ -401,16 +442,74 @@ def _sources(source: str | Home | Sequence[str]) -> list[str | Home]:
     return list(source)
 
 
+def _spread_nodes(boxd: Boxd | None, sources: list[str | Home],
+                  nodes: Sequence[str] | None) -> tuple[str, ...]:
+    """The nodes a ``"spread"`` verify puts a pair's runs on; checked before any fork."""
+    from boxd import errors
+
+    assert boxd is not None
+    if not all(isinstance(s, str) for s in sources):
+        raise errors.InvalidRequest("placement='spread' needs machine sources, not a Home",
+                                    field="placement")
+    alive = [n.id for n in boxd.nodes.list() if n.health == "alive"]
+    chosen = tuple(alive if nodes is None else nodes)
+    unknown = [n for n in chosen if n not in alive]
+    if unknown:
+        raise errors.NotFound(f"no alive node {unknown[0]!r}", field="nodes",
+                              hint="`boxd nodes list` shows the nodes")
+    if len(set(chosen)) < 2:
+        raise errors.InvalidRequest(
+            f"placement='spread' needs two nodes or more; {len(set(chosen))} given",
+            hint="start boxd on a Ray cluster (`boxd serve --ray`), or verify on one "
+            "node (placement='same-node')", field="nodes")
+    for s in sources:
+        m = boxd.machines.get(str(s))
+        if m.engine != "qemu":
+            raise errors.InvalidRequest(
+                f"{m.name} runs on {m.engine}: its forks stay on its node, so its runs "
+                "cannot spread", hint="spread a QEMU baseline, or give one baseline per "
+                "node as source=[...]", field="placement")
+    return chosen
+
+
 def _env_name(env: str | Callable[..., Any]) -> str:
     return env if isinstance(env, str) else getattr(env, "__qualname__", repr(env))
 
 
-def _sweep(
-    sources: list[str | Home], env: str | Callable[..., Any], seeds: list[int], *,
-    steps: int, policy: Policy | None, runs: int, jobs: int,
-    progress: Callable[[VerifyReport], None] | None, boxd: Boxd | None,
-    pickle_by_value: Sequence[Any], make_kwargs: dict[str, Any],
-) -> SweepReport:
+@dataclass(frozen=True)
+class _Job:
+    """What every seed of one `verify` call runs: the env, how, and where."""
+
+    sources: list[str | Home]
+    env: str | Callable[..., Any]
+    steps: int
+    policy: Policy | None
+    runs: int
+    boxd: Boxd | None
+    pickle_by_value: Sequence[Any]
+    make_kwargs: dict[str, Any]
+    #: ``"spread"``: the nodes run ``i`` of the ``k``-th seed rotates over
+    nodes: tuple[str, ...] = ()
+
+    def home(self, i: int, k: int) -> tuple[str | Home, Home | None]:
+        """Run ``i`` of the ``k``-th seed: what to fork, and the `Home` made for it
+        (to close) when the run is pinned to a node."""
+        source = self.sources[i % len(self.sources)]
+        if not self.nodes:
+            return source, None
+        from boxd.rl._machines import MachineHome
+
+        home = MachineHome(str(source), self.boxd,
+                           node=self.nodes[(i + k) % len(self.nodes)])
+        return home, home
+
+    def replay(self) -> _Replay:
+        return _Replay(self.sources[0], self.env, self.boxd, self.pickle_by_value,
+                       self.make_kwargs)
+
+
+def _sweep(job: _Job, seeds: list[int], *, jobs: int,
+           progress: Callable[[VerifyReport], None] | None) -> SweepReport:
     from boxd import errors
 
     if not seeds:
@@ -419,109 +518,143 @@ def _sweep(
         raise errors.InvalidRequest("seeds repeat", hint="give each seed once",
                                     field="seeds")
     started = time.monotonic()
-    done: dict[int, VerifyReport] = {}
-    failure: BaseException | None = None
-    stop = threading.Event()
-
-    def one(s: int) -> VerifyReport:
-        if stop.is_set():  # a pair failed: start no more machines
-            raise _Skipped
-        return _one_seed(sources, env, s, steps=steps, policy=policy, runs=runs, boxd=boxd,
-                         pickle_by_value=pickle_by_value, make_kwargs=make_kwargs,
-                         rewind=False)
-
-    with ThreadPoolExecutor(max_workers=min(jobs, len(seeds))) as ex:
-        pending: set[Future[VerifyReport]] = set()
-        todo = iter(seeds)
-        seed_of: dict[Future[VerifyReport], int] = {}
-        while True:
-            while len(pending) < jobs and not stop.is_set():
-                s = next(todo, None)
-                if s is None:
-                    break
-                fut = ex.submit(one, s)
-                seed_of[fut] = s
-                pending.add(fut)
-            if not pending:
-                break
-            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-            for fut in finished:
-                exc = fut.exception()
-                if exc is None:
-                    done[seed_of[fut]] = report = fut.result()
-                    if progress is not None:
-                        progress(report)
-                elif not isinstance(exc, _Skipped) and failure is None:
-                    failure = exc
-                    stop.set()
-    if failure is not None:
-        raise failure
+    done = _Pool(jobs, progress).run(
+        lambda k, s: _one_seed(job, s, k=k, rewind=False), seeds)
     pairs = tuple(done[s] for s in seeds)
     return SweepReport(
-        identical=all(p.identical for p in pairs), env=_env_name(env), steps=steps,
-        runs=runs, sources=tuple(s if isinstance(s, str) else type(s).__name__
-                                 for s in sources),
+        identical=all(p.identical for p in pairs), env=_env_name(job.env),
+        steps=job.steps, runs=job.runs,
+        sources=tuple(s if isinstance(s, str) else type(s).__name__ for s in job.sources),
         pairs=pairs, distinct=len({p.digest for p in pairs}),
-        wall_s=time.monotonic() - started)
+        wall_s=time.monotonic() - started,
+        placement="spread" if job.nodes else "same-node", nodes=job.nodes)
+
+
+class _Pool:
+    """Up to ``jobs`` seeds at once; the first failure stops new seeds and is raised
+    once the seeds in flight are done."""
+
+    def __init__(self, jobs: int, progress: Callable[[VerifyReport], None] | None) -> None:
+        self.jobs = jobs
+        self.progress = progress
+        self.stop = threading.Event()
+        self.failure: BaseException | None = None
+
+    def run(self, one: Callable[[int, int], VerifyReport],
+            seeds: list[int]) -> dict[int, VerifyReport]:
+        done: dict[int, VerifyReport] = {}
+        todo = iter(enumerate(seeds))
+        with ThreadPoolExecutor(max_workers=min(self.jobs, len(seeds))) as ex:
+            pending: dict[Future[VerifyReport], int] = {}
+            while True:
+                while len(pending) < self.jobs and not self.stop.is_set():
+                    item = next(todo, None)
+                    if item is None:
+                        break
+                    pending[ex.submit(self._guarded, one, *item)] = item[1]
+                if not pending:
+                    break
+                finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    self._collect(fut, pending.pop(fut), done)
+        if self.failure is not None:
+            raise self.failure
+        return done
+
+    def _guarded(self, one: Callable[[int, int], VerifyReport], k: int,
+                 s: int) -> VerifyReport:
+        if self.stop.is_set():  # a pair failed: start no more machines
+            raise _Skipped
+        return one(k, s)
+
+    def _collect(self, fut: Future[VerifyReport], s: int,
+                 done: dict[int, VerifyReport]) -> None:
+        exc = fut.exception()
+        if exc is None:
+            done[s] = report = fut.result()
+            if self.progress is not None:
+                self.progress(report)
+        elif not isinstance(exc, _Skipped) and self.failure is None:
+            self.failure = exc
+            self.stop.set()
 
 
 class _Skipped(Exception):
     """A seed not started because another failed."""
 
 
-def _one_seed(
-    sources: list[str | Home], env: str | Callable[..., Any], seed: int, *, steps: int,
-    policy: Policy | None, runs: int, boxd: Boxd | None, pickle_by_value: Sequence[Any],
-    make_kwargs: dict[str, Any], rewind: bool = True,
-) -> VerifyReport:
-    name = _env_name(env)
+@dataclass
+class _Run:
+    env: Env
+    trajectory: list[Record]
+    home: Home | None
 
-    def one(i: int, rewindable: bool) -> tuple[Env, list[Record]]:
-        e = Env(env, source=sources[i % len(sources)], boxd=boxd,
-                pickle_by_value=pickle_by_value,
-                reset_mode="rewind" if rewindable else "env", **make_kwargs)
-        # Rollouts reset in "env" mode; the rewind checkpoint is only for the replay.
-        e.reset_mode = "env"
+    def close(self) -> None:
         try:
-            return e, _rollout(e, seed, steps, policy)
-        except BaseException:
-            e.close()
-            raise
+            self.env.close()
+        finally:
+            if self.home is not None:
+                self.home.close()
 
+
+def _start(job: _Job, i: int, k: int, seed: int, rewindable: bool) -> _Run:
+    """Run ``i`` of the ``k``-th seed: build the env in a fresh fork and roll it out."""
+    source, home = job.home(i, k)
+    try:
+        e = Env(job.env, source=source, boxd=job.boxd, pickle_by_value=job.pickle_by_value,
+                reset_mode="rewind" if rewindable else "env", **job.make_kwargs)
+    except BaseException:
+        if home is not None:
+            home.close()
+        raise
+    run = _Run(e, [], home)
+    # Rollouts reset in "env" mode; the rewind checkpoint is only for the replay.
+    e.reset_mode = "env"
+    try:
+        run.trajectory = _rollout(e, seed, job.steps, job.policy)
+    except BaseException:
+        run.close()
+        raise
+    return run
+
+
+def _one_seed(job: _Job, seed: int, *, k: int = 0, rewind: bool = True) -> VerifyReport:
     # One seed keeps a rewind checkpoint in its first run, for the fallback replay of
     # `_cause`; a sweep does not (a checkpoint per seed), and relies on the trace.
-    rewindable = rewind and isinstance(sources[0], str)
-    with ThreadPoolExecutor(max_workers=min(runs, 8)) as ex:
-        futures = [ex.submit(one, i, rewindable and i == 0) for i in range(runs)]
-    results: list[tuple[Env, list[Record]]] = []
-    failure: BaseException | None = None
-    for fut in futures:
-        exc = fut.exception()
-        if exc is None:
-            results.append(fut.result())
-        elif failure is None:
-            failure = exc
+    rewindable = rewind and isinstance(job.sources[0], str)
+    with ThreadPoolExecutor(max_workers=min(job.runs, 8)) as ex:
+        futures = [ex.submit(_start, job, i, k, seed, rewindable and i == 0)
+                   for i in range(job.runs)]
+    results = [f.result() for f in futures if f.exception() is None]
     try:
+        failure = next((f.exception() for f in futures if f.exception() is not None), None)
         if failure is not None:
             raise failure
-        trajectories = [t for _, t in results]
-        divergence = None
-        for j in range(1, runs):
-            divergence = _compare(trajectories[0], trajectories[j], (0, j))
-            if divergence is not None:
-                break
-        cause = None
-        if divergence is not None:
-            cause = _cause(divergence, results[0], seed, steps, policy, rewindable,
-                           _Replay(sources[0], env, boxd, pickle_by_value, make_kwargs))
-        episodes = 1 + sum(1 for r in trajectories[0][1:] if r["terminated"] or r["truncated"])
-        return VerifyReport(
-            identical=divergence is None, env=name, seed=seed, steps=steps, runs=runs,
-            episodes=episodes, first_divergence=divergence, likely_cause=cause,
-            machines=tuple(e.machine for e, _ in results), digest=_digest(trajectories[0]))
+        return _judge(job, seed, k, results, rewindable)
     finally:
-        for e, _ in results:
-            e.close()
+        for r in results:
+            r.close()
+
+
+def _judge(job: _Job, seed: int, k: int, results: list[_Run],
+           rewindable: bool) -> VerifyReport:
+    """Compare the runs of one seed and, on a divergence, find its likely cause."""
+    trajectories = [r.trajectory for r in results]
+    divergence = next((d for j in range(1, job.runs)
+                       if (d := _compare(trajectories[0], trajectories[j], (0, j)))
+                       is not None), None)
+    cause = None
+    if divergence is not None:
+        first = results[0]
+        cause = _cause(divergence, (first.env, first.trajectory), seed, job.steps,
+                       job.policy, rewindable, job.replay())
+    episodes = 1 + sum(1 for r in trajectories[0][1:] if r["terminated"] or r["truncated"])
+    return VerifyReport(
+        identical=divergence is None, env=_env_name(job.env), seed=seed, steps=job.steps,
+        runs=job.runs, episodes=episodes, first_divergence=divergence, likely_cause=cause,
+        machines=tuple(r.env.machine for r in results), digest=_digest(trajectories[0]),
+        nodes=tuple(job.nodes[(i + k) % len(job.nodes)] for i in range(job.runs))
+        if job.nodes else ())
 
 
 @dataclass(frozen=True)
