@@ -17,7 +17,9 @@ placement:
 
 Envs: CartPole-v1, Acrobot-v1, HalfCheetah-v5 (MuJoCo), an env that reads the clock
 into step 37's observation, and one that reads ``os.urandom`` after the fork at step 37.
-Another node (Ray, ``placement="spread"``) is not in this table: it needs a cluster.
+``--ray N`` instead runs every env with ``placement="spread"`` on a local Ray cluster of
+N nodes (bench/_cluster.py: root, Ray), CartPole with ``REPRO_RAY_PAIRS`` pairs (100).
+Each run rewrites only its own section of the ``--write`` file.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ GUEST_WHEELS = "/root/wheels-repro"
 PAIRS = int(os.environ.get("REPRO_PAIRS", "20"))
 STEPS = int(os.environ.get("REPRO_STEPS", "200"))
 JOBS = int(os.environ.get("REPRO_JOBS", "4"))
+RAY_PAIRS = int(os.environ.get("REPRO_RAY_PAIRS", "100"))
 
 ENVS_PY = '''
 import os, time
@@ -140,11 +143,8 @@ def _cell(report: Any) -> list[str]:
             cause or "-", f"{report.pairs_per_minute:.0f}"]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--write", type=Path, help="write the Markdown there")
-    args = p.parse_args()
-    client = Boxd()
+def _host_rows(client: Boxd) -> list[list[str]]:
+    """Every env x (fork, restored, snapshot[, engines]) on this host's engines."""
     engines = [e for e in os.environ.get("REPRO_ENGINES", "").split(",") if e] or [
         client.info().engine]
     made: list[str] = []
@@ -175,31 +175,100 @@ def main() -> None:
         for sid in snaps:
             with contextlib.suppress(errors.BoxdError):
                 client.snapshots.delete(sid)
-    head = ["env", "placement", "engine", "pairs", "identical", "distinct",
-            "first divergence", "likely cause", "pairs/min"]
+    return rows
+
+
+def _ray_rows(nodes: int) -> list[list[str]]:
+    """Every env with ``placement="spread"`` on a local Ray cluster of ``nodes`` nodes
+    (QEMU: a gVisor machine's forks cannot leave their node); CartPole gets
+    ``REPRO_RAY_PAIRS`` pairs, the others ``PAIRS``."""
+    from _cluster import local_cluster
+
+    rows: list[list[str]] = []
+    cap = str(2 * JOBS + 2)  # a pair's two runs per job, the baseline and a template
+    with local_cluster(nodes=nodes, cap=int(cap)) as cluster:
+        client = cluster.client
+        made: list[str] = []
+        try:
+            say(f"preparing the qemu baseline on a {nodes}-node Ray cluster")
+            base = _baseline(client, "qemu", made)
+            for label, env in ENVS:
+                pairs = RAY_PAIRS if env == "CartPole-v1" else PAIRS
+                say(f"{label}: spread over {nodes} nodes, {pairs} seeds")
+                report = rl.verify(base, env, seeds=range(pairs), steps=STEPS, jobs=JOBS,
+                                   boxd=client, placement="spread")
+                spread = {frozenset(p.nodes) for p in report.pairs}
+                assert all(len(n) == 2 for n in spread), "a pair's runs on two nodes"
+                rows.append([label, f"spread over {nodes} nodes", "qemu", *_cell(report)])
+        finally:
+            for mid in reversed(made):
+                with contextlib.suppress(errors.BoxdError):
+                    client.machines.delete(mid)
+    return rows
+
+
+HEAD = ["env", "placement", "engine", "pairs", "identical", "distinct",
+        "first divergence", "likely cause", "pairs/min"]
+
+
+def _section(name: str, intro: str, rows: list[list[str]]) -> str:
     lines = [
-        "# Reproducibility: what `boxd.rl.verify` measured",
-        "",
-        "Produced by `bench/reproducibility.py` (do not edit the table by hand). Every pair "
-        f"is two fresh forks running the env {STEPS} steps with one seed and a seeded "
-        "policy, compared exactly (type, dtype, bytes); *distinct* counts the different "
-        "trajectories across the seeds.",
-        "",
-        f"Measured {time.strftime('%Y-%m-%d')} on {describe_host()}.",
-        "",
-        "| " + " | ".join(head) + " |",
-        "|" + "|".join("---" for _ in head) + "|",
+        f"<!-- repro:{name} (bench/reproducibility.py writes this part) -->",
+        intro, "",
+        f"Measured {time.strftime('%Y-%m-%d')} on {describe_host()}.", "",
+        "| " + " | ".join(HEAD) + " |",
+        "|" + "|".join("---" for _ in HEAD) + "|",
         *("| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows),
-        "",
-        "Not in this table: a pair's runs on two Ray nodes (`placement=\"spread\"`, "
-        "`boxd rl verify --nodes all`), which needs a Ray cluster; this run has one node.",
+        f"<!-- /repro:{name} -->",
     ]
-    text = "\n".join(lines) + "\n"
+    return "\n".join(lines)
+
+
+def _write(path: Path, name: str, section: str) -> None:
+    """Replace the section ``name`` of ``path`` (append it if it has none)."""
+    text = path.read_text() if path.exists() else TITLE
+    begin, end = f"<!-- repro:{name} ", f"<!-- /repro:{name} -->"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + section + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    path.write_text(text)
+
+
+TITLE = (
+    "# Reproducibility: what `boxd.rl.verify` measured\n\n"
+    "Produced by `bench/reproducibility.py` (do not edit the tables by hand). Every pair "
+    f"is two fresh forks running the env {STEPS} steps with one seed and a seeded "
+    "policy, compared exactly (type, dtype, bytes); *distinct* counts the different "
+    "trajectories across the seeds.\n")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--write", type=Path, help="write the Markdown section into this file")
+    p.add_argument("--ray", type=int, metavar="N", help="instead: every env with "
+                   "placement='spread' on a local Ray cluster of N nodes (root, Ray)")
+    args = p.parse_args()
+    if args.ray:
+        name, rows = "ray", _ray_rows(args.ray)
+        intro = (f"## Across Ray nodes\n\nA pair's two runs on two of {args.ray} Ray nodes "
+                 "on this machine (`placement=\"spread\"`: run `i` of the `k`-th seed "
+                 "on node `(i + k) % n`), forked from one QEMU baseline whose template "
+                 "streams to each node once.")
+    else:
+        name, rows = "host", _host_rows(Boxd())
+        intro = ("## One host\n\nPlacements: `fork` (forks of the baseline), `restored` "
+                 "(forks of a machine restored from a checkpoint), `snapshot` (forks of a "
+                 "machine started from a snapshot of the baseline), `engines` (a pair's "
+                 "runs on two engines, each from its own baseline made by the same "
+                 "recipe).")
+    section = _section(name, intro, rows)
     if args.write:
-        args.write.write_text(text)
+        _write(args.write, name, section)
         say(f"wrote {args.write}")
     else:
-        print(text)
+        print(section)
 
 
 if __name__ == "__main__":
