@@ -803,38 +803,13 @@ class SnapshotStore:
         Raises:
             InternalError: an I/O error.
         """
-        staging = blobs = freed = 0
+        blobs = freed = 0
         with self._lock(), os_errors("collect garbage", self.root):
-            for name in os.listdir(self.staging_dir):
-                d = self.staging_dir / name
-                lock = _Lock(d / ".lock", blocking=False)
-                try:
-                    if not lock.acquire():
-                        continue
-                except (FileNotFoundError, NotADirectoryError):
-                    pass
-                try:
-                    if d.is_dir():
-                        shutil.rmtree(d, ignore_errors=True)
-                    else:
-                        d.unlink(missing_ok=True)
-                    staging += 1
-                finally:
-                    lock.release()
+            staging = self._remove_abandoned_staging()
             referenced, complete = self._referenced()
             if complete:
                 pinned = in_use() if in_use is not None else set()
-                for name in os.listdir(self.blobs_dir):
-                    if name in referenced or name in pinned:
-                        continue
-                    if not _DIGEST_RE.fullmatch(name):  # a stray temp file
-                        (self.blobs_dir / name).unlink(missing_ok=True)
-                        continue
-                    got = self._remove_blob(name)
-                    if got is not None:
-                        blobs += 1
-                        freed += got
-                _files.fsync_dir(self.blobs_dir)
+                blobs, freed = self._remove_unreferenced_blobs(referenced | pinned)
             else:
                 log.warning("gc kept all blobs: some manifests are unreadable")
             for name in os.listdir(self.verified_dir):
@@ -844,6 +819,46 @@ class SnapshotStore:
         if staging or blobs:
             log.info("snapshot gc %s", report)
         return report
+
+    def _remove_abandoned_staging(self) -> int:
+        """Remove the staging areas no live operation holds (under the store lock)."""
+        removed = 0
+        for name in os.listdir(self.staging_dir):
+            d = self.staging_dir / name
+            lock = _Lock(d / ".lock", blocking=False)
+            try:
+                if not lock.acquire():
+                    continue
+            except (FileNotFoundError, NotADirectoryError):
+                pass
+            try:
+                if d.is_dir():
+                    shutil.rmtree(d, ignore_errors=True)
+                else:
+                    d.unlink(missing_ok=True)
+                removed += 1
+            finally:
+                lock.release()
+        return removed
+
+    def _remove_unreferenced_blobs(self, keep: set[str]) -> tuple[int, int]:
+        """Remove every blob not in ``keep`` (and stray files); return (count, bytes freed).
+
+        Only with a complete set of references, under the store lock.
+        """
+        blobs = freed = 0
+        for name in os.listdir(self.blobs_dir):
+            if name in keep:
+                continue
+            if not _DIGEST_RE.fullmatch(name):  # a stray temp file
+                (self.blobs_dir / name).unlink(missing_ok=True)
+                continue
+            got = self._remove_blob(name)
+            if got is not None:
+                blobs += 1
+                freed += got
+        _files.fsync_dir(self.blobs_dir)
+        return blobs, freed
 
     # ---- export and import -------------------------------------------------------
 
@@ -1154,35 +1169,46 @@ class _ArchiveReader:
                 if pax is not None:
                     raise self.invalid("has an extended header for no member")
                 return None
-            if block[257:263] != b"ustar\0":
-                raise self.invalid("is not a boxd snapshot export (not a POSIX tar)")
-            if _octal(block[148:156]) != sum(block[:148]) + 256 + sum(block[156:]):
-                raise self.invalid("has a damaged member header (bad checksum)")
-            size = _octal(block[124:136])
-            if size is None:
-                raise self.invalid("has a member header with a bad size")
+            size = self._header_size(block)
             flag = block[156:157]
             if flag == b"x":
                 if pax is not None:
                     raise self.invalid("has two extended headers for one member")
-                if size > _MAX_PAX:
-                    raise self.invalid(
-                        f"has an extended header of {size} bytes (boxd writes < 1 KiB; "
-                        f"at most {_MAX_PAX} are read)"
-                    )
-                pax = _parse_pax(self.read_exact(size + len(_pad(size)))[:size], self.invalid)
+                pax = self._read_pax(size)
                 continue
             if flag not in (b"0", b"\0"):
                 kind = _TYPE_NAMES.get(flag, f"type {flag!r}")
                 raise self.invalid(f"has a member boxd does not write (a {kind})")
-            try:
-                name = _cstr(block[0:100])
-                prefix = _cstr(block[345:500])
-            except UnicodeDecodeError:
-                raise self.invalid("has a member name that is not ASCII") from None
-            if prefix:
-                name = f"{prefix}/{name}"
-            return self._member(name, size, pax or {})
+            return self._member(self._header_name(block), size, pax or {})
+
+    def _header_size(self, block: bytes) -> int:
+        """The size a ustar header block gives, once its magic and checksum are checked."""
+        if block[257:263] != b"ustar\0":
+            raise self.invalid("is not a boxd snapshot export (not a POSIX tar)")
+        if _octal(block[148:156]) != sum(block[:148]) + 256 + sum(block[156:]):
+            raise self.invalid("has a damaged member header (bad checksum)")
+        size = _octal(block[124:136])
+        if size is None:
+            raise self.invalid("has a member header with a bad size")
+        return size
+
+    def _read_pax(self, size: int) -> dict[str, str]:
+        """Read and parse the data of a PAX extended header of ``size`` bytes."""
+        if size > _MAX_PAX:
+            raise self.invalid(
+                f"has an extended header of {size} bytes (boxd writes < 1 KiB; "
+                f"at most {_MAX_PAX} are read)"
+            )
+        return _parse_pax(self.read_exact(size + len(_pad(size)))[:size], self.invalid)
+
+    def _header_name(self, block: bytes) -> str:
+        """A ustar header's member name: its prefix field, then its name field."""
+        try:
+            name = _cstr(block[0:100])
+            prefix = _cstr(block[345:500])
+        except UnicodeDecodeError:
+            raise self.invalid("has a member name that is not ASCII") from None
+        return f"{prefix}/{name}" if prefix else name
 
     def _member(self, name: str, size: int, pax: dict[str, str]) -> _Member:
         name = pax.get("path", name)
@@ -1211,43 +1237,63 @@ class _ArchiveReader:
         (GNU's end marker); their lengths add up to the data after the map.
         """
         bad = self.invalid("has a blob with a bad sparse map")
-        entries: array.array[int] = array.array("q")
-        count = -1
+        numbers = _SparseMapNumbers(member.size, realsize, bad)
         pending = b""
         used = 0
-        end = 0
-        while count < 0 or len(entries) < 2 * count:
+        while not numbers.complete():
             if used + _BLOCK > member.size:
                 raise bad
             lines = (pending + self.read_exact(_BLOCK)).split(b"\n")
             used += _BLOCK
             pending = lines.pop()  # a number continued in the next block, or padding
             for line in lines:
-                if count >= 0 and len(entries) == 2 * count:
+                if numbers.complete():
                     break  # the padding after the map
-                if not line.isdigit() or len(line) > 20:
-                    raise bad
-                value = int(line)
-                if count < 0:
-                    # every entry takes >= 4 bytes of map and all but the last >= 1 of data
-                    if value < 1 or value > _MAX_SPARSE_ENTRIES or 4 * value > member.size:
-                        raise bad
-                    count = value
-                elif len(entries) % 2 == 0:  # an offset
-                    if value < end or value > realsize:
-                        raise bad
-                    entries.append(value)
-                else:  # a length
-                    end = entries[-1] + value
-                    last = len(entries) == 2 * count - 1
-                    if end > realsize or (value == 0 and not last):
-                        raise bad
-                    entries.append(value)
-            if len(pending) > 20 and (count < 0 or len(entries) < 2 * count):
+                numbers.take(line)
+            if len(pending) > 20 and not numbers.complete():
                 raise bad
-        if sum(entries[1::2]) != member.size - used:
+        if sum(numbers.entries[1::2]) != member.size - used:
             raise bad
-        return entries
+        return numbers.entries
+
+
+class _SparseMapNumbers:
+    """The numbers of a GNU sparse 1.0 map, each checked as it is taken.
+
+    First the entry count, then an offset and a length for each data region; ``bad`` is
+    raised for the first number that does not fit (see `_ArchiveReader.sparse_map`).
+    """
+
+    def __init__(self, member_size: int, realsize: int, bad: InvalidRequest) -> None:
+        self.member_size = member_size
+        self.realsize = realsize
+        self.bad = bad
+        self.entries: array.array[int] = array.array("q")
+        self.count = -1
+        self.end = 0  # where the last data region taken ends
+
+    def complete(self) -> bool:
+        return self.count >= 0 and len(self.entries) == 2 * self.count
+
+    def take(self, line: bytes) -> None:
+        if not line.isdigit() or len(line) > 20:
+            raise self.bad
+        value = int(line)
+        if self.count < 0:
+            # every entry takes >= 4 bytes of map and all but the last >= 1 of data
+            if value < 1 or value > _MAX_SPARSE_ENTRIES or 4 * value > self.member_size:
+                raise self.bad
+            self.count = value
+        elif len(self.entries) % 2 == 0:  # an offset
+            if value < self.end or value > self.realsize:
+                raise self.bad
+            self.entries.append(value)
+        else:  # a length
+            self.end = self.entries[-1] + value
+            last = len(self.entries) == 2 * self.count - 1
+            if self.end > self.realsize or (value == 0 and not last):
+                raise self.bad
+            self.entries.append(value)
 
 
 def _octal(field: bytes) -> int | None:
@@ -1341,34 +1387,38 @@ def _check_claims(manifest: Manifest, invalid: Callable[[str], InvalidRequest]) 
         raise invalid(f"has a manifest whose meta nests deeper than {_MAX_META_DEPTH}")
 
 
-def _read_members(
-    src: _ArchiveReader, store: SnapshotStore, staging: Staging, tick: Callable[[], object],
-) -> tuple[bytes, list[tuple[BlobRef, Path]]]:
-    invalid = src.invalid
+def _corrupt(why: str, digest: str) -> CorruptData:
+    return CorruptData(
+        f"the snapshot file is corrupt: {why}", field="file", digest=digest,
+        hint="export the snapshot again and import the new file",
+    )
 
-    def corrupt(why: str, digest: str) -> CorruptData:
-        return CorruptData(
-            f"the snapshot file is corrupt: {why}", field="file", digest=digest,
-            hint="export the snapshot again and import the new file",
-        )
 
+def _read_manifest_member(src: _ArchiveReader, store: SnapshotStore) -> tuple[bytes, Manifest]:
+    """The archive's first member: the manifest (its raw bytes checked against its name)."""
     first = src.next_member()
     match = re.fullmatch(r"manifests/([0-9a-f]{64})\.json", first.name) if first else None
     if first is None or match is None or first.realsize is not None \
             or first.size > _MAX_MANIFEST:
-        raise invalid("does not start with a snapshot manifest")
+        raise src.invalid("does not start with a snapshot manifest")
     digest = match.group(1)
     raw = src.read_exact(first.size + len(_pad(first.size)))[: first.size]
     if hashlib.sha256(raw).hexdigest() != digest:
-        raise corrupt(f"the manifest does not match its digest {digest[:12]}", digest)
-    manifest = _parse_manifest(raw, digest, store.root)
+        raise _corrupt(f"the manifest does not match its digest {digest[:12]}", digest)
+    return raw, _parse_manifest(raw, digest, store.root)
+
+
+def _read_members(
+    src: _ArchiveReader, store: SnapshotStore, staging: Staging, tick: Callable[[], object],
+) -> tuple[bytes, list[tuple[BlobRef, Path]]]:
+    invalid = src.invalid
+    raw, manifest = _read_manifest_member(src, store)
+    digest = manifest.digest
     _check_claims(manifest, invalid)
     # Every blob is read, hashed and staged, stored already or not (the store drops
     # duplicates when publishing): nothing here depends on what the store holds.
     needed = {e.digest: e.size for e in manifest.blobs.values()}
     got: dict[str, Path] = {}
-    buf = bytearray(_files.CHUNK)
-    view = memoryview(buf)
     # At most one member per blob the manifest names: then the end of the archive.
     while (member := src.next_member()) is not None:
         match = re.fullmatch(r"blobs/sha256/([0-9a-f]{64})", member.name)
@@ -1379,39 +1429,14 @@ def _read_members(
             raise invalid(f"has an unexpected blob {blob[:12]}")
         size = needed[blob]
         if (member.size if member.realsize is None else member.realsize) != size:
-            raise corrupt(f"blob {blob[:12]} has the wrong size", digest)
-        regions = array.array("q", [0, size]) if member.realsize is None \
-            else src.sparse_map(member, size)
+            raise _corrupt(f"blob {blob[:12]} has the wrong size", digest)
         dst = staging.directory / f"import-{blob}"
-        h = hashlib.sha256()
-        fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            pos = 0
-            for i in range(0, len(regions), 2):
-                off, length = regions[i], regions[i + 1]
-                _files.hash_zeros(h, off - pos)
-                end = off + length
-                while off < end:
-                    n = src.readinto(view[: min(_files.CHUNK, end - off)])
-                    if not n:
-                        raise invalid(f"is truncated (in blob {blob[:12]})")
-                    chunk = view[:n]
-                    h.update(chunk)
-                    _files.write_nonzero(fd, chunk, off)
-                    off += n
-                    tick()
-                pos = end
-            _files.hash_zeros(h, size - pos)
-            os.ftruncate(fd, size)
-        finally:
-            os.close(fd)
-        src.read_exact(len(_pad(member.size)))
-        if h.hexdigest() != blob:
-            raise corrupt(f"blob {blob[:12]} does not match its digest", digest)
+        if _stage_blob(src, member, blob, size, dst, tick) != blob:
+            raise _corrupt(f"blob {blob[:12]} does not match its digest", digest)
         got[blob] = dst
     missing = set(needed) - set(got)
     if missing:
-        raise corrupt(
+        raise _corrupt(
             f"{len(missing)} of the {len(needed)} blobs its manifest names are not in it",
             digest,
         )
@@ -1421,3 +1446,40 @@ def _read_members(
         staged.append((BlobRef(kind, e.digest, e.size, p.stat().st_blocks * 512), p))
     tick()
     return raw, staged
+
+
+def _stage_blob(
+    src: _ArchiveReader, member: _Member, blob: str, size: int, dst: Path,
+    tick: Callable[[], object],
+) -> str:
+    """Write blob member ``blob`` (``size`` bytes, holes kept) to ``dst``; its sha256.
+
+    Reads the member's data through its padding; ``dst`` must not exist.
+    """
+    regions = array.array("q", [0, size]) if member.realsize is None \
+        else src.sparse_map(member, size)
+    view = memoryview(bytearray(_files.CHUNK))
+    h = hashlib.sha256()
+    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        pos = 0
+        for i in range(0, len(regions), 2):
+            off, length = regions[i], regions[i + 1]
+            _files.hash_zeros(h, off - pos)
+            end = off + length
+            while off < end:
+                n = src.readinto(view[: min(_files.CHUNK, end - off)])
+                if not n:
+                    raise src.invalid(f"is truncated (in blob {blob[:12]})")
+                chunk = view[:n]
+                h.update(chunk)
+                _files.write_nonzero(fd, chunk, off)
+                off += n
+                tick()
+            pos = end
+        _files.hash_zeros(h, size - pos)
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+    src.read_exact(len(_pad(member.size)))
+    return h.hexdigest()
