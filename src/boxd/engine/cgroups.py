@@ -119,6 +119,28 @@ def _read_int(path: Path, key: str | None = None) -> int | None:
     return None
 
 
+def _setup_v1_cpu(parent: Path) -> None:
+    _write(parent / "cpu.shares", str(CPU_SHARES))
+
+
+def _setup_v1_memory(parent: Path) -> None:
+    # Hierarchical accounting (always on in newer kernels; set if asked).
+    with contextlib.suppress(OSError):
+        if (parent / "memory.use_hierarchy").read_text().strip() == "0":
+            _write(parent / "memory.use_hierarchy", "1")
+
+
+def _setup_v1_pids(parent: Path) -> None:
+    _read_int(parent / "pids.max")
+
+
+#: What each required v1 controller's parent directory is given (or checked for) once
+#: made; an OSError says the controller is unusable.
+_V1_SETUP: dict[str, Callable[[Path], None]] = {
+    "cpu": _setup_v1_cpu, "memory": _setup_v1_memory, "pids": _setup_v1_pids,
+}
+
+
 class VmCgroup:
     """The cgroup(s) of one VM process: one directory per v1 hierarchy, or one on v2."""
 
@@ -306,15 +328,7 @@ class Cgroups:
             parent = mounts[c] / own.get(c, "/").lstrip("/") / name
             try:
                 parent.mkdir(exist_ok=True)
-                if c == "cpu":
-                    _write(parent / "cpu.shares", str(CPU_SHARES))
-                elif c == "memory":
-                    # Hierarchical accounting (always on in newer kernels; set if asked).
-                    with contextlib.suppress(OSError):
-                        if (parent / "memory.use_hierarchy").read_text().strip() == "0":
-                            _write(parent / "memory.use_hierarchy", "1")
-                elif c == "pids":
-                    _read_int(parent / "pids.max")
+                _V1_SETUP[c](parent)
             except OSError as exc:
                 problems.append(f"cannot use {parent}: {exc.strerror or exc}")
                 continue
