@@ -25,7 +25,7 @@ from websockets.exceptions import ConnectionClosedError
 from websockets.frames import Frame, Opcode
 from websockets.http11 import Response
 from websockets.protocol import State
-from websockets.uri import parse_uri
+from websockets.uri import WebSocketURI, parse_uri
 
 __all__ = ["SyncWebSocket"]
 
@@ -54,41 +54,10 @@ class SyncWebSocket:
             websockets.exceptions.InvalidHandshake: the server refused the upgrade.
         """
         uri = parse_uri(url)
-        if uds is not None:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                sock.settimeout(timeout)
-                sock.connect(uds)
-            except BaseException:
-                sock.close()
-                raise
-        else:
-            sock = socket.create_connection((uri.host, uri.port), timeout)
+        sock = _open_socket(uri, uds, timeout)
         try:
-            if uds is None:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                if uri.secure:
-                    sock = ssl.create_default_context().wrap_socket(
-                        sock, server_hostname=uri.host)
-            protocol = ClientProtocol(uri, max_size=max_size)
-            request = protocol.connect()
-            for name, value in headers.items():
-                if name in request.headers:
-                    del request.headers[name]  # ours replace websockets' defaults
-                request.headers[name] = value
-            protocol.send_request(request)
-            ws = cls(sock, protocol)
-            ws._flush()
-            deadline = time.monotonic() + timeout
-            answered = False
-            while not answered:
-                for event in ws._read(deadline):  # the reply, maybe the first messages
-                    if isinstance(event, Response):
-                        if protocol.handshake_exc is not None:
-                            raise protocol.handshake_exc
-                        answered = True
-                    elif isinstance(event, Frame):
-                        ws._frame(event)
+            ws = cls(sock, ClientProtocol(uri, max_size=max_size))
+            ws._handshake(headers, timeout)
             return ws
         except BaseException:
             sock.close()
@@ -133,6 +102,27 @@ class SyncWebSocket:
             self._sock.close()
 
     # ------------------------------------------------------------------ internals
+
+    def _handshake(self, headers: Mapping[str, str], timeout: float) -> None:
+        """Send the upgrade request with ``headers``; wait ``timeout`` for the answer."""
+        protocol = self._proto
+        request = protocol.connect()
+        for name, value in headers.items():
+            if name in request.headers:
+                del request.headers[name]  # ours replace websockets' defaults
+            request.headers[name] = value
+        protocol.send_request(request)
+        self._flush()
+        deadline = time.monotonic() + timeout
+        answered = False
+        while not answered:
+            for event in self._read(deadline):  # the reply, maybe the first messages
+                if isinstance(event, Response):
+                    if protocol.handshake_exc is not None:
+                        raise protocol.handshake_exc
+                    answered = True
+                elif isinstance(event, Frame):
+                    self._frame(event)
 
     def _read(self, deadline: float | None) -> list[object]:
         """Read what the socket has (waiting until ``deadline``); the events it made."""
@@ -189,3 +179,27 @@ class SyncWebSocket:
         p = self._proto
         return ConnectionClosedError(p.close_rcvd, p.close_sent, p.close_rcvd_then_sent)
 
+
+def _open_socket(uri: WebSocketURI, uds: str | None, timeout: float) -> socket.socket:
+    """A socket connected to ``uri``'s server (over the unix socket ``uds`` when given).
+
+    Over TCP: without Nagle's delay, and in TLS for ``wss``.
+    """
+    if uds is not None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(uds)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+    sock = socket.create_connection((uri.host, uri.port), timeout)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if uri.secure:
+            return ssl.create_default_context().wrap_socket(sock, server_hostname=uri.host)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
