@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
+from fastapi import FastAPI
 
 from boxd import models
 from boxd.api.app import create_app
@@ -182,6 +183,24 @@ def _tcp_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _lock_data_dir(paths: Paths) -> int:
+    """Take the data directory's lock; the lock file's descriptor, which holds it.
+
+    Raises:
+        Conflict: another daemon holds it.
+    """
+    fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError as exc:
+        os.close(fd)
+        raise Conflict(
+            "a boxd daemon already serves this data directory",
+            hint=f"use it (socket {paths.socket}) or stop it; pid in {paths.lock}",
+        ) from exc
+    return fd
+
+
 class _Server(uvicorn.Server):
     """uvicorn's server, minus re-raising the caught signal at exit.
 
@@ -201,6 +220,23 @@ class _Server(uvicorn.Server):
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+
+def _uvicorn_server(app: FastAPI) -> _Server:
+    """The HTTP server for ``app`` (its sockets are given to it when it runs)."""
+    return _Server(
+        uvicorn.Config(
+            app, log_config=None, access_log=True, proxy_headers=False,
+            timeout_graceful_shutdown=10, timeout_keep_alive=KEEP_ALIVE_SECONDS,
+            # Fixed, whatever else is installed: h11 for HTTP, websockets'
+            # Sans-I/O protocol for WebSockets. No keepalive pings: the Python
+            # SDK drives a process stream from the caller's thread and answers
+            # only while it reads (an idle RL env would be dropped after 40 s);
+            # a vanished client is seen by its socket closing, or over TCP by
+            # the listening socket's keepalive (`_tcp_socket`).
+            http="h11", ws="websockets-sansio", ws_ping_interval=None,
+        )
+    )
 
 
 class Daemon:
@@ -227,15 +263,7 @@ class Daemon:
         self.paths = paths
         self.tcp = _parse_listen(listen) if listen else None
         paths.ensure()
-        self._lock_fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as exc:
-            os.close(self._lock_fd)
-            raise Conflict(
-                "a boxd daemon already serves this data directory",
-                hint=f"use it (socket {paths.socket}) or stop it; pid in {paths.lock}",
-            ) from exc
+        self._lock_fd = _lock_data_dir(paths)
         try:
             os.ftruncate(self._lock_fd, 0)
             os.write(self._lock_fd, f"{os.getpid()}\n".encode())
@@ -253,30 +281,8 @@ class Daemon:
             key_file = local_key_path(paths)
             secret = self.keys.ensure_default_local_key(os.getuid(), _read_local_key(key_file))
             write_local_key(key_file, secret)
-            self.app = create_app(
-                machines=machines,
-                snapshots=snapshots,
-                keys=self.keys,
-                host_info=host_info or _fallback_host_info(paths),
-                upload_dir=paths.home / "uploads",
-                private_dirs=(paths.home, paths.shm),
-                max_body=settings.max_body,
-                max_upload=settings.max_upload,
-                body_timeout=settings.body_timeout,
-            )
-            self.server = _Server(
-                uvicorn.Config(
-                    self.app, log_config=None, access_log=True, proxy_headers=False,
-                    timeout_graceful_shutdown=10, timeout_keep_alive=KEEP_ALIVE_SECONDS,
-                    # Fixed, whatever else is installed: h11 for HTTP, websockets'
-                    # Sans-I/O protocol for WebSockets. No keepalive pings: the Python
-                    # SDK drives a process stream from the caller's thread and answers
-                    # only while it reads (an idle RL env would be dropped after 40 s);
-                    # a vanished client is seen by its socket closing, or over TCP by
-                    # the listening socket's keepalive (`_tcp_socket`).
-                    http="h11", ws="websockets-sansio", ws_ping_interval=None,
-                )
-            )
+            self.app = self._create_app(settings, host_info or _fallback_host_info(paths))
+            self.server = _uvicorn_server(self.app)
             # Each non-isolated machine's /run/boxd/boxd.sock, relayed to this app.
             serve_guests = getattr(machines, "serve_guests", None)
             if serve_guests is not None:
@@ -284,6 +290,21 @@ class Daemon:
         except BaseException:
             self._unlock()
             raise
+
+    def _create_app(self, settings: Settings, host_info: HostInfoFn) -> FastAPI:
+        """The API over this daemon's services, with the limits ``settings`` give."""
+        paths = self.paths
+        return create_app(
+            machines=self.machines,
+            snapshots=self.snapshots,
+            keys=self.keys,
+            host_info=host_info,
+            upload_dir=paths.home / "uploads",
+            private_dirs=(paths.home, paths.shm),
+            max_body=settings.max_body,
+            max_upload=settings.max_upload,
+            body_timeout=settings.body_timeout,
+        )
 
     def _unlock(self) -> None:
         with contextlib.suppress(OSError):
