@@ -88,6 +88,35 @@ def build(
     A non-isolated machine's NIC is attached to passt through ``net_fd`` (QEMU's end of
     a socketpair, see ``_net``); an isolated machine has no NIC.
     """
+    argv = [
+        qemu,
+        "-name", f"boxd-{config.id},debug-threads=off",
+        "-machine", "microvm,memory-backend=ram,x-option-roms=off,pit=on,pic=off,rtc=on",
+        "-accel", f"tcg,tb-size={TCG_TB_SIZE_MB}" if accel == "tcg" else "kvm",
+        "-cpu", CPU_MODELS[accel],
+        "-smp", str(config.vcpus),
+        "-m", f"{config.memory_mib}M",
+        "-object", _memory_backend(config, memory, readonly_rom_supported),
+        "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+        *_boot_args(config, accel, console_log),
+        *_device_args(disk, files),
+    ]
+    if QBOOT.exists():
+        argv += ["-bios", str(QBOOT)]
+    if not config.isolated:
+        argv += _nic_args(net_fd)
+    if incoming:
+        argv += ["-incoming", "defer"]
+    if run_as:
+        # Open every file and socket as the daemon's user, then drop to run_as.
+        argv += ["-run-with", f"user={run_as}"]
+    if sandbox:
+        argv += ["-sandbox", SANDBOX_RUN_AS if run_as else SANDBOX]
+    return argv
+
+
+def _memory_backend(config: MachineConfig, memory: Memory, readonly_rom_supported: bool) -> str:
+    """The ``-object`` of guest RAM: a file backend over ``memory``."""
     mem_opts = [
         "memory-backend-file",
         "id=ram",
@@ -98,23 +127,24 @@ def build(
     if memory.readonly and readonly_rom_supported:
         # Open the template read-only and give the guest a private writable copy.
         mem_opts += ["readonly=on", "rom=off"]
-    accel_arg = f"tcg,tb-size={TCG_TB_SIZE_MB}" if accel == "tcg" else "kvm"
-    argv = [
-        qemu,
-        "-name", f"boxd-{config.id},debug-threads=off",
-        "-machine", "microvm,memory-backend=ram,x-option-roms=off,pit=on,pic=off,rtc=on",
-        "-accel", accel_arg,
-        "-cpu", CPU_MODELS[accel],
-        "-smp", str(config.vcpus),
-        "-m", f"{config.memory_mib}M",
-        "-object", ",".join(mem_opts),
-        "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+    return ",".join(mem_opts)
+
+
+def _boot_args(config: MachineConfig, accel: str, console_log: Path) -> list[str]:
+    """The guest's console, kernel, initrd and kernel command line."""
+    return [
         "-serial", f"file:{console_log}",
         "-kernel", str(config.kernel),
         "-initrd", str(config.initrd),
         # TCG does not emulate speculative execution, so the guest's Spectre-class
         # mitigations only cost time there (boot is ~25% faster without them).
         "-append", kernel_cmdline(config) + (" mitigations=off" if accel == "tcg" else ""),
+    ]
+
+
+def _device_args(disk: Path, files: RunFiles) -> list[str]:
+    """The disk, the agent's serial port, and QEMU's control socket and pid file."""
+    return [
         # cache=unsafe: a running machine does not outlive a host crash anyway (its RAM is
         # gone); durable copies (snapshots) are flattened and fsynced by storage/.
         "-drive", f"file={disk},if=none,id=disk0,format=qcow2,cache=unsafe,discard=unmap",
@@ -125,20 +155,13 @@ def build(
         "-qmp", f"unix:{files.qmp},server=on,wait=off",
         "-pidfile", str(files.pidfile),
     ]
-    if QBOOT.exists():
-        argv += ["-bios", str(QBOOT)]
-    if not config.isolated:
-        if net_fd is None:
-            raise ValueError("a machine with a network needs passt's socket (net_fd)")
-        argv += [
-            "-netdev", f"stream,id=net0,server=off,addr.type=fd,addr.str={net_fd}",
-            "-device", "virtio-net-device,netdev=net0",
-        ]
-    if incoming:
-        argv += ["-incoming", "defer"]
-    if run_as:
-        # Open every file and socket as the daemon's user, then drop to run_as.
-        argv += ["-run-with", f"user={run_as}"]
-    if sandbox:
-        argv += ["-sandbox", SANDBOX_RUN_AS if run_as else SANDBOX]
-    return argv
+
+
+def _nic_args(net_fd: int | None) -> list[str]:
+    """A non-isolated machine's NIC, on passt's end of the socketpair ``net_fd``."""
+    if net_fd is None:
+        raise ValueError("a machine with a network needs passt's socket (net_fd)")
+    return [
+        "-netdev", f"stream,id=net0,server=off,addr.type=fd,addr.str={net_fd}",
+        "-device", "virtio-net-device,netdev=net0",
+    ]
