@@ -223,64 +223,85 @@ def _build_base(root: Path, key: str, recipe: Recipe, report: Progress) -> None:
 def _build_into(out: Path, recipe: Recipe, report: Progress) -> dict[str, object]:
     with tempfile.TemporaryDirectory(prefix="build-", dir=out) as scratch_name:
         scratch = Path(scratch_name)
-        report("resolve kernel version", 0.0)
-        package, release = _kernel.resolve_kernel_package()
-        report(f"download {package} and busybox-static", 0.02)
-        debs = _kernel.download_debs([package, "busybox-static"], scratch / "debs")
-        report("unpack kernel and busybox", 0.08)
-        tree = scratch / "tree"
-        for deb in debs:
-            _kernel.unpack_deb(deb, tree)
-        bzimage = tree / "boot" / f"vmlinuz-{release}"
-        busybox = tree / "bin" / "busybox"
-        if not bzimage.exists() or not busybox.exists():
-            raise HostSetupError(
-                f"unpacked packages lack boot/vmlinuz-{release} or bin/busybox",
-                hint="the Debian package layout changed; report this")
-        report("extract vmlinux from bzImage", 0.1)
-        vmlinux = _kernel.extract_vmlinux(bzimage.read_bytes())
-        if vmlinux is not None and _kernel.has_pvh_note(vmlinux):
-            (out / "vmlinux").write_bytes(vmlinux)
-            kernel_name = "vmlinux"
-        else:
-            shutil.copyfile(bzimage, out / "vmlinuz")
-            kernel_name = "vmlinuz"
-        del vmlinux
-        report("collect kernel modules", 0.12)
-        mods = _kernel.resolve_modules(tree / "lib" / "modules" / release)
-        (out / "modules").mkdir()
-        for name, data in mods.modules:
-            (out / "modules" / f"{name}.ko").write_bytes(data)
-        (out / "modules" / "load-order").write_text(
-            "".join(n + "\n" for n, _ in mods.modules))
-        shutil.copyfile(busybox, out / "busybox")
-
-        # The in-machine client's dependencies come with every image (docs/images.md).
-        pip = tuple(dict.fromkeys((*_rootfs.CLIENT_PIP, *recipe.pip)))
-        report("download pip wheels on the host", 0.14)
-        wheels = scratch / "wheels"
-        _rootfs.download_wheels(pip, wheels)
-        report(f"mmdebstrap {recipe.suite} (about a minute)", 0.2)
-        rootdir = scratch / "rootfs"
-        rootdir.mkdir()
-        _rootfs.mmdebstrap(recipe.suite, rootdir, recipe.apt, pip, wheels)
-        report("configure rootfs (CA bundle, pip.conf)", 0.85)
-        _rootfs.customize(rootdir, _rootfs.host_pip_config())
-        report("pack rootfs into ext4", 0.9)
-        size = _rootfs.make_ext4(rootdir, out / "rootfs.img")
-        shutil.rmtree(rootdir)
+        kernel = _build_kernel(out, scratch, report)
+        size = _build_rootfs(out, scratch, recipe, report)
     return {
         "recipe": recipe.canonical(),
         "key": recipe.key(),
         "builder": BUILDER_VERSION,
-        "kernel_package": package,
-        "kernel_version": release,
-        "kernel": kernel_name,
-        "modules": [n for n, _ in mods.modules],
+        "kernel_package": kernel.package,
+        "kernel_version": kernel.release,
+        "kernel": kernel.name,
+        "modules": kernel.modules,
         "rootfs_bytes": size,
         "cmdline_hint": cmdline_hint_for(host_tsc_khz()),
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+
+
+@dataclass(frozen=True)
+class _Kernel:
+    """What `_build_kernel` put in the image: the kernel file's name and its modules."""
+
+    package: str
+    release: str
+    name: str  # vmlinux or vmlinuz
+    modules: list[str]  # in load order
+
+
+def _build_kernel(out: Path, scratch: Path, report: Progress) -> _Kernel:
+    """Put the host's Debian kernel, its modules and busybox into ``out``."""
+    report("resolve kernel version", 0.0)
+    package, release = _kernel.resolve_kernel_package()
+    report(f"download {package} and busybox-static", 0.02)
+    debs = _kernel.download_debs([package, "busybox-static"], scratch / "debs")
+    report("unpack kernel and busybox", 0.08)
+    tree = scratch / "tree"
+    for deb in debs:
+        _kernel.unpack_deb(deb, tree)
+    bzimage = tree / "boot" / f"vmlinuz-{release}"
+    busybox = tree / "bin" / "busybox"
+    if not bzimage.exists() or not busybox.exists():
+        raise HostSetupError(
+            f"unpacked packages lack boot/vmlinuz-{release} or bin/busybox",
+            hint="the Debian package layout changed; report this")
+    report("extract vmlinux from bzImage", 0.1)
+    vmlinux = _kernel.extract_vmlinux(bzimage.read_bytes())
+    if vmlinux is not None and _kernel.has_pvh_note(vmlinux):
+        (out / "vmlinux").write_bytes(vmlinux)
+        kernel_name = "vmlinux"
+    else:
+        shutil.copyfile(bzimage, out / "vmlinuz")
+        kernel_name = "vmlinuz"
+    del vmlinux
+    report("collect kernel modules", 0.12)
+    mods = _kernel.resolve_modules(tree / "lib" / "modules" / release)
+    (out / "modules").mkdir()
+    for name, data in mods.modules:
+        (out / "modules" / f"{name}.ko").write_bytes(data)
+    (out / "modules" / "load-order").write_text(
+        "".join(n + "\n" for n, _ in mods.modules))
+    shutil.copyfile(busybox, out / "busybox")
+    return _Kernel(package, release, kernel_name, [n for n, _ in mods.modules])
+
+
+def _build_rootfs(out: Path, scratch: Path, recipe: Recipe, report: Progress) -> int:
+    """Build ``recipe``'s root filesystem into ``out/rootfs.img``; its size in bytes."""
+    # The in-machine client's dependencies come with every image (docs/images.md).
+    pip = tuple(dict.fromkeys((*_rootfs.CLIENT_PIP, *recipe.pip)))
+    report("download pip wheels on the host", 0.14)
+    wheels = scratch / "wheels"
+    _rootfs.download_wheels(pip, wheels)
+    report(f"mmdebstrap {recipe.suite} (about a minute)", 0.2)
+    rootdir = scratch / "rootfs"
+    rootdir.mkdir()
+    _rootfs.mmdebstrap(recipe.suite, rootdir, recipe.apt, pip, wheels)
+    report("configure rootfs (CA bundle, pip.conf)", 0.85)
+    _rootfs.customize(rootdir, _rootfs.host_pip_config())
+    report("pack rootfs into ext4", 0.9)
+    size = _rootfs.make_ext4(rootdir, out / "rootfs.img")
+    shutil.rmtree(rootdir)
+    return size
 
 
 def _read_info(image_dir: Path) -> dict[str, object]:
