@@ -71,62 +71,56 @@ def encode(value: Any) -> bytes:
 
 
 def _enc(v: Any, out: list[bytes], where: str) -> None:
-    t = type(v)
-    if v is None:
-        out.append(b"N")
-    elif t is bool:
-        out.append(b"T" if v else b"F")
-    elif t is int:
-        if -(1 << 63) <= v < (1 << 63):
-            out.append(b"i" + _q.pack(v))
-        else:
-            s = str(v).encode()
-            out.append(b"I" + _LEN.pack(len(s)) + s)
-    elif t is float:
-        out.append(b"f" + _d.pack(v))
-    elif t is str:
-        s = v.encode("utf-8", "surrogatepass")
-        out.append(b"s" + _LEN.pack(len(s)) + s)
-    elif t is bytes or t is bytearray:
-        out.append(b"b" + _LEN.pack(len(v)) + bytes(v))
-    elif t is tuple or t is list:
-        out.append((b"t" if t is tuple else b"l") + _LEN.pack(len(v)))
-        for i, item in enumerate(v):
-            _enc(item, out, f"{where}[{i}]")
-    elif t is dict:
-        out.append(b"d" + _LEN.pack(len(v)))
-        for k, item in v.items():
-            _enc(k, out, f"{where} key {k!r}")
-            _enc(item, out, f"{where}[{k!r}]")
-    elif np is not None and isinstance(v, np.ndarray):
-        _enc_array(v, out, where)
-    elif np is not None and isinstance(v, np.generic):
-        dt = v.dtype
-        if dt.hasobject or dt.fields is not None:
-            raise WireError(f"{where}: numpy scalar of dtype {dt} cannot be sent")
-        ds = dt.str.encode()
-        raw = v.tobytes()
-        out.append(b"g" + bytes([len(ds)]) + ds + _LEN.pack(len(raw)) + raw)
-    elif isinstance(v, tuple):  # a NamedTuple travels as a tuple
-        _enc(tuple(v), out, where)
-    elif isinstance(v, list):
-        _enc(list(v), out, where)
-    elif isinstance(v, dict):  # OrderedDict, defaultdict...
-        _enc(dict(v), out, where)
-    elif isinstance(v, bool | int):  # IntEnum, IntFlag...
-        _enc(int(v) if not isinstance(v, bool) else bool(v), out, where)
-    elif isinstance(v, float):
-        _enc(float(v), out, where)
-    elif isinstance(v, str):
-        _enc(str(v), out, where)
-    elif isinstance(v, bytes):
-        _enc(bytes(v), out, where)
-    else:
-        raise WireError(
-            f"{where} is a {t.__module__}.{t.__qualname__}, which boxd.rl cannot send "
-            "between the machine and the host (supported: None, bool, int, float, str, "
-            "bytes, tuple, list, dict, numpy arrays and scalars)"
-        )
+    """Append ``v``'s encoding to ``out``; ``where`` names it in error messages."""
+    _ENCODERS.get(type(v), _enc_by_base)(v, out, where)
+
+
+def _enc_none(v: None, out: list[bytes], where: str) -> None:
+    out.append(b"N")
+
+
+def _enc_bool(v: bool, out: list[bytes], where: str) -> None:
+    out.append(b"T" if v else b"F")
+
+
+def _enc_int(v: int, out: list[bytes], where: str) -> None:
+    if -(1 << 63) <= v < (1 << 63):
+        out.append(b"i" + _q.pack(v))
+    else:  # beyond int64: its decimal digits
+        s = str(v).encode()
+        out.append(b"I" + _LEN.pack(len(s)) + s)
+
+
+def _enc_float(v: float, out: list[bytes], where: str) -> None:
+    out.append(b"f" + _d.pack(v))
+
+
+def _enc_str(v: str, out: list[bytes], where: str) -> None:
+    s = v.encode("utf-8", "surrogatepass")
+    out.append(b"s" + _LEN.pack(len(s)) + s)
+
+
+def _enc_bytes(v: bytes | bytearray, out: list[bytes], where: str) -> None:
+    out.append(b"b" + _LEN.pack(len(v)) + bytes(v))
+
+
+def _enc_tuple(v: tuple[Any, ...], out: list[bytes], where: str) -> None:
+    out.append(b"t" + _LEN.pack(len(v)))
+    for i, item in enumerate(v):
+        _enc(item, out, f"{where}[{i}]")
+
+
+def _enc_list(v: list[Any], out: list[bytes], where: str) -> None:
+    out.append(b"l" + _LEN.pack(len(v)))
+    for i, item in enumerate(v):
+        _enc(item, out, f"{where}[{i}]")
+
+
+def _enc_dict(v: dict[Any, Any], out: list[bytes], where: str) -> None:
+    out.append(b"d" + _LEN.pack(len(v)))
+    for k, item in v.items():
+        _enc(k, out, f"{where} key {k!r}")
+        _enc(item, out, f"{where}[{k!r}]")
 
 
 def _enc_array(a: Any, out: list[bytes], where: str) -> None:
@@ -138,6 +132,55 @@ def _enc_array(a: Any, out: list[bytes], where: str) -> None:
     out.append(b"a" + bytes([len(ds)]) + ds + bytes([a.ndim]))
     out.append(b"".join(_Q.pack(n) for n in a.shape))
     out.append(_Q.pack(len(raw)) + raw)
+
+
+def _enc_numpy_scalar(v: Any, out: list[bytes], where: str) -> None:
+    dt = v.dtype
+    if dt.hasobject or dt.fields is not None:
+        raise WireError(f"{where}: numpy scalar of dtype {dt} cannot be sent")
+    ds = dt.str.encode()
+    raw = v.tobytes()
+    out.append(b"g" + bytes([len(ds)]) + ds + _LEN.pack(len(raw)) + raw)
+
+
+#: The Python types whose subclasses travel as the type itself (a NamedTuple as a
+#: tuple, an OrderedDict or defaultdict as a dict, an IntEnum or IntFlag as an int...),
+#: in the order they are tried.
+_BASES: tuple[type, ...] = (tuple, list, dict, int, float, str, bytes)
+
+
+def _enc_by_base(v: Any, out: list[bytes], where: str) -> None:
+    """Encode a value whose exact type `_ENCODERS` lacks: a numpy scalar, an instance
+    of an ndarray subclass, or of a subclass of one of `_BASES` (converted to it first).
+
+    Raises:
+        WireError: any other type.
+    """
+    if np is not None and isinstance(v, np.ndarray):
+        _enc_array(v, out, where)
+    elif np is not None and isinstance(v, np.generic):
+        _enc_numpy_scalar(v, out, where)
+    else:
+        base = next((b for b in _BASES if isinstance(v, b)), None)
+        if base is None:
+            t = type(v)
+            raise WireError(
+                f"{where} is a {t.__module__}.{t.__qualname__}, which boxd.rl cannot send "
+                "between the machine and the host (supported: None, bool, int, float, "
+                "str, bytes, tuple, list, dict, numpy arrays and scalars)"
+            )
+        _enc(base(v), out, where)
+
+
+#: The encoder of each type the codec carries as it is, by exact type (a dict lookup,
+#: on the step path; anything else goes through `_enc_by_base`).
+_ENCODERS: dict[type, Callable[[Any, list[bytes], str], None]] = {
+    type(None): _enc_none, bool: _enc_bool, int: _enc_int, float: _enc_float,
+    str: _enc_str, bytes: _enc_bytes, bytearray: _enc_bytes,
+    tuple: _enc_tuple, list: _enc_list, dict: _enc_dict,
+}
+if np is not None:
+    _ENCODERS[np.ndarray] = _enc_array
 
 
 def decode(data: bytes) -> Any:
@@ -156,67 +199,112 @@ def decode(data: bytes) -> Any:
 
 
 def _dec(m: memoryview, p: int) -> tuple[Any, int]:
-    tag = m[p]
+    """The value encoded at ``m[p:]``, and the position after it."""
+    dec = _DECODERS.get(m[p])
+    if dec is None:
+        raise WireError(f"malformed message: unknown tag {m[p]:#x}")
+    return dec(m, p + 1)
+
+
+def _dec_none(m: memoryview, p: int) -> tuple[None, int]:
+    return None, p
+
+
+def _dec_true(m: memoryview, p: int) -> tuple[bool, int]:
+    return True, p
+
+
+def _dec_false(m: memoryview, p: int) -> tuple[bool, int]:
+    return False, p
+
+
+def _dec_int(m: memoryview, p: int) -> tuple[int, int]:
+    return _q.unpack_from(m, p)[0], p + 8
+
+
+def _dec_float(m: memoryview, p: int) -> tuple[float, int]:
+    return _d.unpack_from(m, p)[0], p + 8
+
+
+def _dec_bytes(m: memoryview, p: int) -> tuple[bytes, int]:
+    (n,) = _LEN.unpack_from(m, p)
+    p += 4
+    raw = bytes(m[p : p + n])
+    if len(raw) != n:
+        raise WireError("malformed message: truncated")
+    return raw, p + n
+
+
+def _dec_str(m: memoryview, p: int) -> tuple[str, int]:
+    raw, p = _dec_bytes(m, p)
+    return raw.decode("utf-8", "surrogatepass"), p
+
+
+def _dec_big_int(m: memoryview, p: int) -> tuple[int, int]:
+    raw, p = _dec_bytes(m, p)
+    return int(raw.decode("utf-8", "surrogatepass")), p
+
+
+def _dec_list(m: memoryview, p: int) -> tuple[list[Any], int]:
+    (n,) = _LEN.unpack_from(m, p)
+    p += 4
+    items = []
+    for _ in range(n):
+        item, p = _dec(m, p)
+        items.append(item)
+    return items, p
+
+
+def _dec_tuple(m: memoryview, p: int) -> tuple[tuple[Any, ...], int]:
+    items, p = _dec_list(m, p)
+    return tuple(items), p
+
+
+def _dec_dict(m: memoryview, p: int) -> tuple[dict[Any, Any], int]:
+    (n,) = _LEN.unpack_from(m, p)
+    p += 4
+    d: dict[Any, Any] = {}
+    for _ in range(n):
+        k, p = _dec(m, p)
+        v, p = _dec(m, p)
+        d[k] = v
+    return d, p
+
+
+def _dec_dtype(m: memoryview, p: int) -> tuple[Any, int]:
+    dlen = m[p]
+    return np.dtype(bytes(m[p + 1 : p + 1 + dlen]).decode()), p + 1 + dlen
+
+
+def _dec_array(m: memoryview, p: int) -> tuple[Any, int]:
+    dt, p = _dec_dtype(m, p)
+    ndim = m[p]
     p += 1
-    if tag == 0x4E:  # N
-        return None, p
-    if tag == 0x54:  # T
-        return True, p
-    if tag == 0x46:  # F
-        return False, p
-    if tag == 0x69:  # i
-        return _q.unpack_from(m, p)[0], p + 8
-    if tag == 0x66:  # f
-        return _d.unpack_from(m, p)[0], p + 8
-    if tag in (0x73, 0x62, 0x49):  # s b I
-        (n,) = _LEN.unpack_from(m, p)
-        p += 4
-        raw = bytes(m[p : p + n])
-        if len(raw) != n:
-            raise WireError("malformed message: truncated")
-        if tag == 0x62:
-            return raw, p + n
-        text = raw.decode("utf-8", "surrogatepass")
-        return (int(text) if tag == 0x49 else text), p + n
-    if tag in (0x74, 0x6C):  # t l
-        (n,) = _LEN.unpack_from(m, p)
-        p += 4
-        items = []
-        for _ in range(n):
-            item, p = _dec(m, p)
-            items.append(item)
-        return (tuple(items) if tag == 0x74 else items), p
-    if tag == 0x64:  # d
-        (n,) = _LEN.unpack_from(m, p)
-        p += 4
-        d: dict[Any, Any] = {}
-        for _ in range(n):
-            k, p = _dec(m, p)
-            v, p = _dec(m, p)
-            d[k] = v
-        return d, p
-    if tag == 0x61:  # a
-        dlen = m[p]
-        dt = np.dtype(bytes(m[p + 1 : p + 1 + dlen]).decode())
-        p += 1 + dlen
-        ndim = m[p]
-        p += 1
-        shape = tuple(_Q.unpack_from(m, p + 8 * i)[0] for i in range(ndim))
-        p += 8 * ndim
-        (n,) = _Q.unpack_from(m, p)
-        p += 8
-        if p + n > len(m):
-            raise WireError("malformed message: truncated array")
-        arr = np.frombuffer(m[p : p + n], dtype=dt).reshape(shape).copy()
-        return arr, p + n
-    if tag == 0x67:  # g
-        dlen = m[p]
-        dt = np.dtype(bytes(m[p + 1 : p + 1 + dlen]).decode())
-        p += 1 + dlen
-        (n,) = _LEN.unpack_from(m, p)
-        p += 4
-        return np.frombuffer(m[p : p + n], dtype=dt)[0], p + n
-    raise WireError(f"malformed message: unknown tag {tag:#x}")
+    shape = tuple(_Q.unpack_from(m, p + 8 * i)[0] for i in range(ndim))
+    p += 8 * ndim
+    (n,) = _Q.unpack_from(m, p)
+    p += 8
+    if p + n > len(m):
+        raise WireError("malformed message: truncated array")
+    arr = np.frombuffer(m[p : p + n], dtype=dt).reshape(shape).copy()
+    return arr, p + n
+
+
+def _dec_numpy_scalar(m: memoryview, p: int) -> tuple[Any, int]:
+    dt, p = _dec_dtype(m, p)
+    (n,) = _LEN.unpack_from(m, p)
+    p += 4
+    return np.frombuffer(m[p : p + n], dtype=dt)[0], p + n
+
+
+#: The decoder of each tag byte (the encoders above write them).
+_DECODERS: dict[int, Callable[[memoryview, int], tuple[Any, int]]] = {
+    ord("N"): _dec_none, ord("T"): _dec_true, ord("F"): _dec_false,
+    ord("i"): _dec_int, ord("I"): _dec_big_int, ord("f"): _dec_float,
+    ord("s"): _dec_str, ord("b"): _dec_bytes,
+    ord("t"): _dec_tuple, ord("l"): _dec_list, ord("d"): _dec_dict,
+    ord("a"): _dec_array, ord("g"): _dec_numpy_scalar,
+}
 
 
 # ---------------------------------------------------------------------- spaces
