@@ -298,7 +298,6 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
         acts, self._pending = self._pending, None
         n = self.num_envs
         mode = self.autoreset_mode
-        infos: dict[str, Any] = {}
         if mode == AutoresetMode.DISABLED and np.any(self._autoreset_envs):
             # SyncVectorEnv's `assert not self._autoreset_envs[i], f"{self._autoreset_envs=}"`
             # (the finished sub-envs need reset(options={"reset_mask": ...}) first).
@@ -311,37 +310,14 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
             autoreset=(lambda i: (None, None)) if mode == AutoresetMode.SAME_STEP else None,
             timeout=timeout)
         recovered = self._recover_or_raise(results, list(range(n)))
+        infos: dict[str, Any] = {}
         for i in range(n):
             if i in recovered:
-                # The episode was cut short by the machine: report it truncated with the
-                # last observation; the fresh slot starts its episode on the next reset.
-                self._rewards[i] = 0.0
-                self._terminations[i] = False
-                self._truncations[i] = True
-                infos = self._add_info(infos, {RECOVERED: True}, i)
-                if mode == AutoresetMode.SAME_STEP:
-                    infos = self._add_info(
-                        infos, {"final_obs": self._obs[i], "final_info": {}}, i)
-                    fresh = self._pool.reset([i], [None] * n, [None] * n)[i]
-                    if isinstance(fresh, BaseException):
-                        raise fresh
-                    self._obs[i], info = fresh
-                    infos = self._add_info(infos, info, i)
-                continue
-            if i in resets:
-                self._obs[i], info = results[i]
-                self._rewards[i] = 0.0
-                self._terminations[i] = self._truncations[i] = False
+                infos = self._record_cut_short(i, infos)
+            elif i in resets:
+                infos = self._record_reset(i, results[i], infos)
             else:
-                obs, reward, terminated, truncated, info, final = results[i]
-                self._obs[i] = obs
-                self._rewards[i] = reward
-                self._terminations[i] = terminated
-                self._truncations[i] = truncated
-                if final is not None:
-                    infos = self._add_info(
-                        infos, {"final_obs": final[0], "final_info": final[1]}, i)
-            infos = self._add_info(infos, info, i)
+                infos = self._record_step(i, results[i], infos)
         self._observations = concatenate(self.single_observation_space, self._obs,
                                          self._observations)
         self._autoreset_envs = np.logical_or(self._terminations, self._truncations)
@@ -352,6 +328,46 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
         return (deepcopy(self._observations) if self.copy else self._observations,
                 np.copy(self._rewards), np.copy(self._terminations),
                 np.copy(self._truncations), infos)
+
+    def _record_step(self, i: int, result: Any, infos: dict[str, Any]) -> dict[str, Any]:
+        """Sub-env ``i``'s step (and, in SAME_STEP mode, the episode it ended) into the
+        batch; returns ``infos`` with its info added."""
+        obs, reward, terminated, truncated, info, final = result
+        self._obs[i] = obs
+        self._rewards[i] = reward
+        self._terminations[i] = terminated
+        self._truncations[i] = truncated
+        if final is not None:
+            infos = self._add_info(infos, {"final_obs": final[0], "final_info": final[1]}, i)
+        return self._add_info(infos, info, i)
+
+    def _record_reset(self, i: int, result: Any, infos: dict[str, Any]) -> dict[str, Any]:
+        """Sub-env ``i``'s NEXT_STEP reset (reward 0, no flags) into the batch."""
+        self._obs[i], info = result
+        self._rewards[i] = 0.0
+        self._terminations[i] = self._truncations[i] = False
+        return self._add_info(infos, info, i)
+
+    def _record_cut_short(self, i: int, infos: dict[str, Any]) -> dict[str, Any]:
+        """Sub-env ``i``'s episode was cut short by its machine (the slot was replaced):
+        report it truncated with the last observation. The fresh slot starts its episode
+        on the next reset, or, in SAME_STEP mode, now.
+
+        Raises:
+            EnvError, EnvServerLost, EnvTimeout: that SAME_STEP reset failed.
+        """
+        self._rewards[i] = 0.0
+        self._terminations[i] = False
+        self._truncations[i] = True
+        infos = self._add_info(infos, {RECOVERED: True}, i)
+        if self.autoreset_mode == AutoresetMode.SAME_STEP:
+            infos = self._add_info(infos, {"final_obs": self._obs[i], "final_info": {}}, i)
+            fresh = self._pool.reset([i], [None] * self.num_envs, [None] * self.num_envs)[i]
+            if isinstance(fresh, BaseException):
+                raise fresh
+            self._obs[i], info = fresh
+            infos = self._add_info(infos, info, i)
+        return infos
 
     def _recover_or_raise(self, results: list[Any], indices: Sequence[int]) -> set[int]:
         """Replace failed slots when ``recover`` allows it; else raise the first failure."""
