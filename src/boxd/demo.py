@@ -227,13 +227,52 @@ def run_demo(
 
 
 def _demo(run: _Run, reuse: bool) -> None:
-    client, out = run.client, run.console
+    """The spec's flow, step by step (each step prints its ✓ line, or raises
+    `DemoFailed`)."""
     files = examples_dir()
-    warm_up_src = files / "warm_up.py"
-    rollout_src = files / "rollout.py"
+    base_exists = _preflight(run, files, reuse)
+    if run.client._target.local:
+        _guest_image(run)
+    _engine(run)
 
+    # --- Prepare one warm baseline --------------------------------------------------
+    if base_exists:
+        _reuse_base(run)
+    else:
+        _new_base(run)
+    _install_packages(run)
+    _warm_up(run, files / "warm_up.py")
+    # The rollout script goes in before the pool is sized: a change to the baseline
+    # (an upload too) discards its standby forks.
+    run.client.machines.files.upload(BASE, f"{GUEST_HOME}/rollout.py",
+                                     (files / "rollout.py").read_text())
+    _warm_forks(run)
+
+    # --- Fork per rollout: the spec's code ------------------------------------------
+    rollout = _Rollout(run.client)
+    batch = _parallel_rollouts(run, rollout)
+
+    # --- Verify reproducibility -----------------------------------------------------
+    trajectory = _same_seed(run, rollout)
+
+    # --- Reset between episodes: checkpoint -----------------------------------------
+    _checkpoint_reset(run)
+
+    # --- A baseline that outlives the machine: snapshot -----------------------------
+    _snapshot_round_trip(run, reuse, trajectory)
+
+    _summary(run, batch)
+    run.console.print("[bold green]reproducibility check passed[/]: same starting bytes + "
+                      "same seed gave the same trajectory on every fork, after a restore "
+                      "and from a snapshot")
+
+
+def _preflight(run: _Run, files: Path, reuse: bool) -> bool:
+    """Check the example scripts are there and the demo's names are free (``rl-base``
+    and the snapshot may exist with ``reuse``); whether ``rl-base`` exists."""
+    client = run.client
     with run.step("preflight") as d:
-        for f in (warm_up_src, rollout_src):
+        for f in (files / "warm_up.py", files / "rollout.py"):
             if not f.is_file():
                 raise DemoFailed("preflight", f"{f} not found (set ${EXAMPLES_ENV})")
         base_exists = _exists(lambda: client.machines.get(BASE))
@@ -251,41 +290,60 @@ def _demo(run: _Run, reuse: bool) -> None:
             raise DemoFailed("preflight", f"a snapshot named {SNAPSHOT!r} already exists: "
                              f"delete it (`boxd snapshots delete {SNAPSHOT}`) or pass --reuse")
         d.append(f"{files.relative_to(Path.cwd()) if files.is_relative_to(Path.cwd()) else files}")
+    return base_exists
 
-    if client._target.local:
-        with run.step("guest image") as d:
-            from boxd.config import Paths, Settings
-            from boxd.images import Recipe, ensure_image
 
-            img = ensure_image(Paths.default(), Recipe.for_machines(Settings.from_env()),
-                               progress=run.update)  # a bar on first build
-            d.append(f"{img.key}, kernel {img.kernel_version}")
+def _guest_image(run: _Run) -> None:
+    """Build the guest image if it is not cached (a local daemon's; a remote daemon
+    builds its own)."""
+    with run.step("guest image") as d:
+        from boxd.config import Paths, Settings
+        from boxd.images import Recipe, ensure_image
 
-    with run.step("engine") as d:  # which engine the daemon picked, and why
-        info = client.info()
+        img = ensure_image(Paths.default(), Recipe.for_machines(Settings.from_env()),
+                           progress=run.update)  # a bar on first build
+        d.append(f"{img.key}, kernel {img.kernel_version}")
+
+
+def _engine(run: _Run) -> None:
+    """Which engine the daemon picked, and why."""
+    with run.step("engine") as d:
+        info = run.client.info()
         run.engine, run.engine_reason = info.engine, info.engine_reason or ""
         d.append(f"{info.engine}: {info.engine_reason}" if info.engine_reason
                  else f"{info.engine} (BOXD_ENGINE)")
 
-    # --- Prepare one warm baseline --------------------------------------------------
-    if base_exists:
-        with run.step(f"reuse {BASE}") as d:
-            m = client.machines.wait_until_ready(BASE, timeout=300)
-            run.accel, run.engine = str(m.accelerator).upper(), m.engine or "?"
-            d.append(f"{m.id}, {m.engine}, {m.accelerator}")
-    else:
-        with run.step(f"boxd machine new {BASE}") as d:
-            m = client.machines.new(BASE)
-            run.made_machines.append(m.id)
-            m = client.machines.wait_until_ready(m.id, timeout=600)
-            run.accel, run.engine = str(m.accelerator).upper(), m.engine or "?"
-            d.append(f"{m.id}, {m.engine}, {str(m.accelerator).upper()}")
 
+def _reuse_base(run: _Run) -> None:
+    """``--reuse``: wait for the existing ``rl-base``."""
+    with run.step(f"reuse {BASE}") as d:
+        m = run.client.machines.wait_until_ready(BASE, timeout=300)
+        run.accel, run.engine = str(m.accelerator).upper(), m.engine or "?"
+        d.append(f"{m.id}, {m.engine}, {m.accelerator}")
+
+
+def _new_base(run: _Run) -> None:
+    """``boxd machine new rl-base``, until it is ready."""
+    client = run.client
+    with run.step(f"boxd machine new {BASE}") as d:
+        m = client.machines.new(BASE)
+        run.made_machines.append(m.id)
+        m = client.machines.wait_until_ready(m.id, timeout=600)
+        run.accel, run.engine = str(m.accelerator).upper(), m.engine or "?"
+        d.append(f"{m.id}, {m.engine}, {str(m.accelerator).upper()}")
+
+
+def _install_packages(run: _Run) -> None:
+    """``pip install gymnasium numpy`` in ``rl-base``, through the guest's network."""
     with run.step("pip install gymnasium numpy (guest network)") as d:
         stdout = _pip_install(run, "pip install gymnasium numpy")
         got = dict(re.findall(r"\b(gymnasium|numpy)-(\d[\w.]*\w)", stdout))
         d.append(", ".join(f"{n} {v}" for n, v in sorted(got.items())) or "already installed")
 
+
+def _warm_up(run: _Run, warm_up_src: Path) -> None:
+    """Upload and run ``warm_up.py`` (it leaves a warm worker in ``rl-base``)."""
+    client = run.client
     with run.step("python3 warm_up.py") as d:
         client.machines.files.upload(BASE, f"{GUEST_HOME}/warm_up.py", warm_up_src.read_text())
         said = _exec_ok(client, BASE, "python3 warm_up.py", timeout=600).strip()
@@ -293,44 +351,70 @@ def _demo(run: _Run, reuse: bool) -> None:
         d.append(f"worker warm, imports took {m_imp.group(1)} in the guest" if m_imp
                  else said[:80])
 
-    # The rollout script goes in before the pool is sized: a change to the baseline
-    # (an upload too) discards its standby forks.
-    client.machines.files.upload(BASE, f"{GUEST_HOME}/rollout.py", rollout_src.read_text())
+
+def _warm_forks(run: _Run) -> None:
+    """``machines.warm("rl-base", forks=8)``: standby forks, ready before the first
+    batch."""
     with run.step(f"boxd machine warm {BASE} --forks {ROLLOUTS}") as d:
-        standby = client.machines.warm(BASE, forks=ROLLOUTS)
+        standby = run.client.machines.warm(BASE, forks=ROLLOUTS)
         d.append(f"{standby.forks} standby forks ready, "
                  f"{standby.memory_bytes / 2**20:.0f} MiB host memory, no CPU while waiting")
 
-    # --- Fork per rollout: the spec's code ------------------------------------------
-    fork_ready: dict[str, float] = {}
-    exec_time: dict[str, float] = {}
 
-    def rollout(name: str, seed: int) -> str:
+class _Rollout:
+    """The spec's ``rollout(name, seed)``, timing each fork's way to ready and its
+    episode (by fork name)."""
+
+    def __init__(self, client: Boxd) -> None:
+        self.client = client
+        self.fork_ready: dict[str, float] = {}
+        self.exec_time: dict[str, float] = {}
+
+    def __call__(self, name: str, seed: int) -> str:
+        client = self.client
         t0 = time.monotonic()
         fork = client.machines.fork(BASE, name)
         client.machines.wait_until_ready(fork.id)
-        fork_ready[name] = time.monotonic() - t0
+        self.fork_ready[name] = time.monotonic() - t0
         t1 = time.monotonic()
         result = client.machines.exec(
             fork.id, f"python3 {GUEST_HOME}/rollout.py --seed {seed}"
         )
-        exec_time[name] = time.monotonic() - t1
+        self.exec_time[name] = time.monotonic() - t1
         client.machines.delete(fork.id)
         if result.exit_code != 0:
             raise RuntimeError(f"rollout {name} exited {result.exit_code}: "
                                f"{result.stderr.strip()[-300:]}")
         return result.stdout.strip()
 
+
+@dataclass
+class _Batch:
+    """The parallel rollouts, in seed order: their trajectory records and timings."""
+
+    records: list[dict[str, Any]]
+    ready: list[float]  # fork→ready, seconds
+    execs: list[float]  # the episode's exec, seconds
+    wall: float  # the whole batch, seconds
+
+
+def _parallel_rollouts(run: _Run, rollout: _Rollout) -> _Batch:
+    """The spec's ``ThreadPoolExecutor`` loop: 8 forks, one seeded episode each."""
     with run.step(f"{ROLLOUTS} forked rollouts in parallel") as d:
         start = time.monotonic()
         with ThreadPoolExecutor(max_workers=8) as pool:
             results = list(pool.map(lambda s: rollout(f"rollout-{s}", seed=s), range(ROLLOUTS)))
         wall = time.monotonic() - start
         records = [_record(r) for r in results]
-        ready = [fork_ready[f"rollout-{s}"] for s in range(ROLLOUTS)]
+        ready = [rollout.fork_ready[f"rollout-{s}"] for s in range(ROLLOUTS)]
         d.append(f"fork→ready median {statistics.median(ready):.2f}s")
+    execs = [rollout.exec_time[f"rollout-{s}"] for s in range(ROLLOUTS)]
+    return _Batch(records, ready, execs, wall)
 
-    # --- Verify reproducibility -----------------------------------------------------
+
+def _same_seed(run: _Run, rollout: _Rollout) -> str:
+    """The spec's reproducibility check: two forks with seed 42 give the same bytes;
+    that trajectory."""
     with run.step("same seed → same trajectory (check-a, check-b)") as d:
         a = rollout("check-a", seed=42)
         b = rollout("check-b", seed=42)
@@ -338,8 +422,13 @@ def _demo(run: _Run, reuse: bool) -> None:
             raise RuntimeError(f"seed 42 differed between forks:\n  {a}\n  {b}")
         rec42 = _record(a)
         d.append(f"identical ({rec42['sha256'][:12]}…)")
+    return a
 
-    # --- Reset between episodes: checkpoint -----------------------------------------
+
+def _checkpoint_reset(run: _Run) -> None:
+    """On a fork: save ``episode-start``, run an episode that writes a file, restore;
+    the file is gone and the next episode is identical."""
+    client = run.client
     with run.step("checkpoint reset between episodes") as d:
         box = client.machines.fork(BASE, "episode-box")
         run.made_machines.append(box.id)
@@ -360,7 +449,11 @@ def _demo(run: _Run, reuse: bool) -> None:
         run.made_machines.remove(box.id)
         d.append(f"{Path(seen).name} gone after restore; replay identical")
 
-    # --- A baseline that outlives the machine: snapshot -----------------------------
+
+def _snapshot_round_trip(run: _Run, reuse: bool, trajectory: str) -> None:
+    """Save ``rl-base`` as snapshot ``env-v3`` (a new version with ``reuse``), make
+    ``rl-base-2`` from it; seed 42 there must give the forks' ``trajectory``."""
+    client = run.client
     with run.step(f"snapshot {SNAPSHOT} → {RESTORED}") as d:
         snap = client.snapshots.save(BASE, SNAPSHOT, new_version=reuse)
         run.made_snapshot = f"{snap.name}@{snap.version}"
@@ -368,19 +461,16 @@ def _demo(run: _Run, reuse: bool) -> None:
         run.made_machines.append(m2.id)
         client.machines.wait_until_ready(m2.id, timeout=600)
         again = _exec_ok(client, m2.id, f"python3 {GUEST_HOME}/rollout.py --seed 42").strip()
-        if again != a:
-            raise RuntimeError(f"seed 42 on {RESTORED} differs from the forks:\n  {a}\n  {again}")
+        if again != trajectory:
+            raise RuntimeError(f"seed 42 on {RESTORED} differs from the forks:\n  "
+                               f"{trajectory}\n  {again}")
         d.append(f"{run.made_snapshot}; seed 42 identical")
 
-    _summary(run, records, ready, [exec_time[f"rollout-{s}"] for s in range(ROLLOUTS)], wall)
-    out.print("[bold green]reproducibility check passed[/]: same starting bytes + same seed "
-              "gave the same trajectory on every fork, after a restore and from a snapshot")
 
-
-def _summary(
-    run: _Run, records: list[dict[str, Any]], ready: list[float], execs: list[float], wall: float
-) -> None:
+def _summary(run: _Run, batch: _Batch) -> None:
+    """The rollouts table, the steps table and the one-line result."""
     out = run.console
+    records, ready, execs, wall = batch.records, batch.ready, batch.execs, batch.wall
     rt = Table(title=f"{ROLLOUTS} rollouts, one fork each (in parallel)", title_justify="left")
     for col in ("seed", "steps", "reward", "trajectory sha256", "fork→ready", "exec"):
         rt.add_column(col, justify="right" if col != "trajectory sha256" else "left")
