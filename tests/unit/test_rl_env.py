@@ -50,6 +50,15 @@ def test_codec_refuses_what_it_cannot_carry_and_never_unpickles() -> None:
         W.decode(W.encode(1) + b"N")
     with pytest.raises(W.WireError, match="truncated"):
         W.decode(W.encode(b"abcdef")[:-2])
+    big = W.encode(2**100)  # its digits are text: a letter among them is malformed
+    with pytest.raises(W.WireError, match="malformed message: invalid literal"):
+        W.decode(big[:8] + b"x" + big[9:])
+    arr = W.encode(np.zeros(2, np.float32))
+    at = arr.index(b"<f4")
+    with pytest.raises(W.WireError, match="dtype '<04'"):  # numpy raises SyntaxError here
+        W.decode(arr[:at] + b"<04" + arr[at + 3:])
+    with pytest.raises(W.WireError, match="unknown tag"):  # not wrapped twice
+        W.decode(b"\xfe")
 
 
 def test_spaces_travel_without_pickle() -> None:

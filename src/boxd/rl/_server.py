@@ -191,7 +191,10 @@ def decode(data: bytes) -> Any:
     """
     try:
         value, pos = _dec(memoryview(data), 0)
-    except (IndexError, struct.error, UnicodeDecodeError, TypeError) as exc:
+    except WireError:
+        raise
+    except (IndexError, struct.error, UnicodeDecodeError, TypeError, ValueError) as exc:
+        # ValueError: a big int's digits, an array's dtype or size that do not parse
         raise WireError(f"malformed message: {exc}") from exc
     if pos != len(data):
         raise WireError(f"malformed message: {len(data) - pos} trailing bytes")
@@ -273,7 +276,12 @@ def _dec_dict(m: memoryview, p: int) -> tuple[dict[Any, Any], int]:
 
 def _dec_dtype(m: memoryview, p: int) -> tuple[Any, int]:
     dlen = m[p]
-    return np.dtype(bytes(m[p + 1 : p + 1 + dlen]).decode()), p + 1 + dlen
+    text = bytes(m[p + 1 : p + 1 + dlen]).decode()
+    try:
+        dtype = np.dtype(text)
+    except Exception as exc:  # numpy's parser raises TypeError, ValueError, SyntaxError
+        raise WireError(f"malformed message: dtype {text!r} ({exc})") from None
+    return dtype, p + 1 + dlen
 
 
 def _dec_array(m: memoryview, p: int) -> tuple[Any, int]:
