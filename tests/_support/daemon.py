@@ -15,7 +15,9 @@ from pathlib import Path
 from . import vm_guard
 
 REPO = Path(__file__).resolve().parents[2]
-IMAGE_CACHE = REPO / ".cache" / "images"
+# Where the suite builds and finds guest images: BOXD_IMAGE_CACHE if set (a worktree can
+# share its checkout's), else the repo's own.
+IMAGE_CACHE = Path(os.environ.get("BOXD_IMAGE_CACHE") or REPO / ".cache" / "images")
 
 
 @dataclass

@@ -17,11 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from tests._support.daemon import IMAGE_CACHE
+
 pytestmark = pytest.mark.vm
 
 REPO = Path(__file__).resolve().parents[2]
 SDK = REPO / "sdk-ts"
-IMAGE_CACHE = REPO / ".cache" / "images"
 
 
 def _run(argv: list[str], env: dict[str, str], timeout: float) -> None:
