@@ -40,6 +40,16 @@ def test_a_clean_env_over_many_seeds_is_identical_and_distinct() -> None:
     assert rows["identical"] == "yes" and rows["distinct trajectories"] == "6"
 
 
+def test_template_runs_fork_one_built_env_and_still_catch_a_leak() -> None:
+    clean = rl.verify(rl.local(), "CartPole-v1", seeds=range(4), steps=30, template=True)
+    assert clean.identical and clean.distinct == 4
+    leaky = rl.verify(rl.local(), functools.partial(leaky_envs.UrandomEnv, reads_at=7),
+                      seeds=range(2), steps=10, template=True, pickle_by_value=[leaky_envs])
+    assert [p.first_divergence.step for p in leaky.pairs if p.first_divergence] == [7, 7]
+    assert all(p.likely_cause and p.likely_cause.startswith(_verify.CAUSE_RNG)
+               for p in leaky.pairs)
+
+
 def test_a_constant_env_is_reported_as_one_trajectory() -> None:
     report = rl.verify(rl.local(), leaky_envs.ConstantEnv, seeds=[3, 1, 2], steps=15,
                        pickle_by_value=[leaky_envs])

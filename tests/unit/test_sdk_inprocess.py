@@ -166,12 +166,20 @@ def test_a_spread_runs_homes_rotate_over_the_nodes(boxd: Boxd) -> None:
     placed = []
     for k in range(3):
         for i in range(2):
-            home, to_close = job.home(i, k)
-            assert isinstance(home, MachineHome) and to_close is home
+            home = job.home(i, k)
+            assert isinstance(home, MachineHome)
             placed.append(home.node)
     assert placed == ["n1", "n2", "n2", "n3", "n3", "n1"]  # a pair's runs: two nodes
-    assert _verify._Job(sources=["a"], env="x", steps=1, policy=None, runs=2, boxd=boxd,
-                        pickle_by_value=(), make_kwargs={}).home(1, 0) == ("a", None)
+    assert len(job._homes) == 3  # one per node, shared by every run there
+    job.close()
+    plain = _verify._Job(sources=["a"], env="x", steps=1, policy=None, runs=2, boxd=boxd,
+                         pickle_by_value=(), make_kwargs={})
+    assert plain.home(1, 0) == "a"
+    shared = _verify._Job(sources=["a"], env="x", steps=1, policy=None, runs=2, boxd=boxd,
+                          pickle_by_value=(), make_kwargs={}, template=True)
+    first = shared.home(0, 0)
+    assert isinstance(first, MachineHome) and first.node is None
+    assert shared.home(1, 5) is first  # every run forks the one built template
 
 
 def test_verify_engines_finds_one_baseline_per_engine_by_name(boxd: Boxd) -> None:

@@ -60,6 +60,9 @@ def _csv(ctx: click.Context, param: click.Parameter, value: str | None) -> list[
 @click.option("--nodes", callback=_csv, metavar="all|ID,ID",
               help="Spread a seed's runs over these cluster nodes (all: every alive node; "
               "`boxd nodes list`), one node per run. QEMU sources only.")
+@click.option("--template", is_flag=True, help="Fork every run from a template in which "
+              "the env was built once (per source and node): several times faster, but "
+              "what the env's constructor reads outside its seed goes unseen.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts (the schema: "
               "--schema).")
 @click.option("--schema", is_flag=True, help="Print the JSON Schema of the --seeds --json "
@@ -67,7 +70,7 @@ def _csv(ctx: click.Context, param: click.Parameter, value: str | None) -> list[
 @click.pass_obj
 def verify(state: Any, source: str, env: str, seed: int | None, seeds: range | None,
            steps: int, runs: int, jobs: int, engines: list[str] | None,
-           nodes: list[str] | None, as_json: bool, schema: bool) -> None:
+           nodes: list[str] | None, template: bool, as_json: bool, schema: bool) -> None:
     """Run ENV in fresh forks of SOURCE, seed by seed, and compare them step by step.
 
     ENV is a Gymnasium id (CartPole-v1) or module:function importable in the machine
@@ -92,8 +95,9 @@ def verify(state: Any, source: str, env: str, seed: int | None, seeds: range | N
     sources: str | list[str] = source.split(",") if "," in source else source
     if engines is not None:
         sources = _engine_sources(state.boxd, source, engines)
-    where: dict[str, Any] = {} if nodes is None else {
-        "placement": "spread", "nodes": None if nodes == ["all"] else nodes}
+    where: dict[str, Any] = {"template": template} if nodes is None else {
+        "placement": "spread", "nodes": None if nodes == ["all"] else nodes,
+        "template": template}
     if seeds is not None:
         _sweep(state, sources, env, seeds, steps, runs, jobs, as_json, boxd_rl, where)
         return

@@ -24,6 +24,17 @@ trajectories across seeds (an env that ignores its seed is not "reproducible", i
 constant). Several sources (``source=["a", "b"]``) alternate between a pair's runs: one
 prepared per engine from the same recipe compares the engines (a snapshot cannot move
 between engines).
+
+``placement="spread"`` puts a pair's runs on different cluster nodes: run ``i`` of the
+``k``-th seed forks onto ``nodes[(i + k) % len(nodes)]``, which needs QEMU sources (a
+gVisor machine's forks stay on its node). ``"same-node"`` (the default) leaves the
+forks where the source's forks go (its node while it has room).
+
+``template=True`` builds the env once per source (and node) in a template machine and
+forks every run from that built moment: no interpreter start, import or env build per
+run, several times the pairs per minute. What the constructor reads outside its seed
+then goes unseen (it ran once, before the fork), and a single seed's cause has no
+rewound replay (the trace still runs).
 """
 
 from __future__ import annotations
@@ -44,7 +55,7 @@ from gymnasium.utils.env_checker import data_equivalence
 
 from boxd.rl import _trace
 from boxd.rl._channel import Home
-from boxd.rl._env import Env
+from boxd.rl._env import Env, ResetMode
 
 if TYPE_CHECKING:
     from boxd.sdk._sync import Boxd
@@ -330,7 +341,7 @@ def verify(
     source: str | Home | Sequence[str], env: str | Callable[..., Any], *, seed: int,
     steps: int, policy: Policy | None = None, runs: int = 2, boxd: Boxd | None = None,
     placement: Placement = "same-node", nodes: Sequence[str] | None = None,
-    pickle_by_value: Sequence[Any] = (), **make_kwargs: Any,
+    template: bool = False, pickle_by_value: Sequence[Any] = (), **make_kwargs: Any,
 ) -> VerifyReport: ...
 
 
@@ -340,8 +351,8 @@ def verify(
     seeds: Iterable[int], steps: int, policy: Policy | None = None, runs: int = 2,
     jobs: int = 4, progress: Callable[[VerifyReport], None] | None = None,
     boxd: Boxd | None = None, placement: Placement = "same-node",
-    nodes: Sequence[str] | None = None, pickle_by_value: Sequence[Any] = (),
-    **make_kwargs: Any,
+    nodes: Sequence[str] | None = None, template: bool = False,
+    pickle_by_value: Sequence[Any] = (), **make_kwargs: Any,
 ) -> SweepReport: ...
 
 
@@ -351,7 +362,7 @@ def verify(
     policy: Policy | None = None, runs: int = 2, jobs: int = 4,
     progress: Callable[[VerifyReport], None] | None = None, boxd: Boxd | None = None,
     placement: Placement = "same-node", nodes: Sequence[str] | None = None,
-    pickle_by_value: Sequence[Any] = (), **make_kwargs: Any,
+    template: bool = False, pickle_by_value: Sequence[Any] = (), **make_kwargs: Any,
 ) -> VerifyReport | SweepReport:
     """Run ``env`` in ``runs`` fresh forks of ``source`` with one seed; compare them.
 
@@ -374,11 +385,10 @@ def verify(
         jobs: seeds verified at once (``jobs * runs`` forks run together).
         progress: called with each seed's report as it completes (in a worker thread).
         boxd: the client (``Boxd()`` if None).
-        placement: ``"same-node"`` (the forks land where the source's forks go: its
-            node while it has room) or ``"spread"``: a pair's runs on different cluster
-            nodes (run ``i`` of the ``k``-th seed on ``nodes[(i + k) % len(nodes)]``),
-            which needs QEMU sources (a gVisor machine's forks stay on its node).
+        placement: ``"same-node"`` or ``"spread"`` (see above).
         nodes: the node ids to spread over (default: every alive node).
+        template: fork every run from a template in which the env was built once
+            (per source and node): faster, but blind to the constructor (see above).
         pickle_by_value: modules whose code travels with the factory.
         **make_kwargs: keyword arguments for the env's constructor.
 
@@ -391,18 +401,19 @@ def verify(
     """
     _check(seed=seed, seeds=seeds, steps=steps, runs=runs, jobs=jobs, placement=placement)
     sources = _sources(source)
-    owned = _client() if placement == "spread" and boxd is None else None
+    owned = _client() if (placement == "spread" or template) and boxd is None else None
     boxd = boxd or owned
+    job = _Job(sources=sources, env=env, steps=steps, policy=policy, runs=runs, boxd=boxd,
+               pickle_by_value=pickle_by_value, make_kwargs=make_kwargs, template=template)
     try:
-        job = _Job(sources=sources, env=env, steps=steps, policy=policy, runs=runs,
-                   boxd=boxd, pickle_by_value=pickle_by_value, make_kwargs=make_kwargs,
-                   nodes=_spread_nodes(boxd, sources, nodes) if placement == "spread"
-                   else ())
+        if placement == "spread":
+            job.nodes = _spread_nodes(boxd, sources, nodes)
         if seeds is not None:
             return _sweep(job, list(seeds), jobs=jobs, progress=progress)
         assert seed is not None
         return _one_seed(job, seed)
     finally:
+        job.close()
         if owned is not None:
             owned.close()
 
@@ -476,7 +487,7 @@ def _env_name(env: str | Callable[..., Any]) -> str:
     return env if isinstance(env, str) else getattr(env, "__qualname__", repr(env))
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Job:
     """What every seed of one `verify` call runs: the env, how, and where."""
 
@@ -490,18 +501,32 @@ class _Job:
     make_kwargs: dict[str, Any]
     #: ``"spread"``: the nodes run ``i`` of the ``k``-th seed rotates over
     nodes: tuple[str, ...] = ()
+    #: every run forks a template in which the env was built once (per source and node)
+    template: bool = False
+    _homes: dict[tuple[str, str | None], Home] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def home(self, i: int, k: int) -> tuple[str | Home, Home | None]:
-        """Run ``i`` of the ``k``-th seed: what to fork, and the `Home` made for it
-        (to close) when the run is pinned to a node."""
+    def home(self, i: int, k: int) -> str | Home:
+        """What run ``i`` of the ``k``-th seed forks: its source, or the `Home` this
+        job keeps for that source (and node) when runs are pinned to nodes or share a
+        built template."""
         source = self.sources[i % len(self.sources)]
-        if not self.nodes:
-            return source, None
-        from boxd.rl._machines import MachineHome
+        if not (self.nodes or self.template) or not isinstance(source, str):
+            return source
+        node = self.nodes[(i + k) % len(self.nodes)] if self.nodes else None
+        with self._lock:
+            home = self._homes.get((source, node))
+            if home is None:
+                from boxd.rl._machines import MachineHome
 
-        home = MachineHome(str(source), self.boxd,
-                           node=self.nodes[(i + k) % len(self.nodes)])
-        return home, home
+                home = self._homes[source, node] = MachineHome(source, self.boxd, node=node)
+            return home
+
+    def close(self) -> None:
+        """Delete the templates of the homes this job made."""
+        homes, self._homes = list(self._homes.values()), {}
+        for home in homes:
+            home.close()
 
     def replay(self) -> _Replay:
         return _Replay(self.sources[0], self.env, self.boxd, self.pickle_by_value,
@@ -587,41 +612,30 @@ class _Skipped(Exception):
 class _Run:
     env: Env
     trajectory: list[Record]
-    home: Home | None
 
     def close(self) -> None:
-        try:
-            self.env.close()
-        finally:
-            if self.home is not None:
-                self.home.close()
+        self.env.close()
 
 
 def _start(job: _Job, i: int, k: int, seed: int, rewindable: bool) -> _Run:
-    """Run ``i`` of the ``k``-th seed: build the env in a fresh fork and roll it out."""
-    source, home = job.home(i, k)
-    try:
-        e = Env(job.env, source=source, boxd=job.boxd, pickle_by_value=job.pickle_by_value,
-                reset_mode="rewind" if rewindable else "env", **job.make_kwargs)
-    except BaseException:
-        if home is not None:
-            home.close()
-        raise
-    run = _Run(e, [], home)
+    """Run ``i`` of the ``k``-th seed: build the env in a fresh fork (or fork the
+    built template) and roll it out."""
+    mode: ResetMode = "refork" if job.template else "rewind" if rewindable else "env"
+    e = Env(job.env, source=job.home(i, k), boxd=job.boxd,
+            pickle_by_value=job.pickle_by_value, reset_mode=mode, **job.make_kwargs)
     # Rollouts reset in "env" mode; the rewind checkpoint is only for the replay.
     e.reset_mode = "env"
     try:
-        run.trajectory = _rollout(e, seed, job.steps, job.policy)
+        return _Run(e, _rollout(e, seed, job.steps, job.policy))
     except BaseException:
-        run.close()
+        e.close()
         raise
-    return run
 
 
 def _one_seed(job: _Job, seed: int, *, k: int = 0, rewind: bool = True) -> VerifyReport:
     # One seed keeps a rewind checkpoint in its first run, for the fallback replay of
     # `_cause`; a sweep does not (a checkpoint per seed), and relies on the trace.
-    rewindable = rewind and isinstance(job.sources[0], str)
+    rewindable = rewind and not job.template and isinstance(job.sources[0], str)
     with ThreadPoolExecutor(max_workers=min(job.runs, 8)) as ex:
         futures = [ex.submit(_start, job, i, k, seed, rewindable and i == 0)
                    for i in range(job.runs)]
