@@ -39,7 +39,8 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 try:
     from boxd.guest import protocol as P
@@ -377,20 +378,57 @@ class Reaper:
         return event, box
 
 
-# --------------------------------------------------------------------------- agent
+# --------------------------------------------------------------------------- the host link
 
 
-class Exec:
-    def __init__(self, req_id: int, conn: str | None) -> None:
-        self.id = req_id
-        self.conn = conn
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.pgid = 0
-        self.pending_signal = 0  # a kill that arrived before the process was spawned
-        self.stdin_q: queue.Queue[bytes | None] = queue.Queue()
-        self.stream_stdin = False
-        self.done = False
-        self.window = Window(0)
+class HostLink:
+    """The host connection as the request handlers see it: which one is current (the nonce
+    of its ``hello``; None while the host is away) and the events sent on it.
+
+    A request remembers the connection it arrived on; its output is dropped once that is no
+    longer the current one (a fork child, a restore, a reconnect).
+    """
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+        self.conn: str | None = None  # nonce of the current host connection
+
+    def send(self, msg: dict[str, Any], conn: str | None = None, *, check: bool = True) -> bool:
+        """Send one message; drop it if the request's connection is gone (``check``)."""
+        if check and conn != self.conn:
+            return False
+        try:
+            line = json.dumps(msg, separators=(",", ":")).encode() + b"\n"
+        except (TypeError, ValueError) as exc:
+            log(f"cannot encode reply: {exc}")
+            return False
+        return self.channel.write(line)
+
+    def reply(self, req_id: Any, conn: str | None, **fields: Any) -> None:
+        self.send({"id": req_id, "ev": P.EV_RESULT, **fields}, conn)
+
+    def fail(self, req_id: Any, conn: str | None, err: RequestError) -> None:
+        msg = {"id": req_id, "ev": P.EV_ERROR, "code": err.code, "message": err.message}
+        msg.update({k: v for k, v in err.extra.items() if v is not None})
+        self.send(msg, conn)
+
+
+#: A request handler: ``(request id, its connection, the request)``. It answers through the
+#: `HostLink` (now or from a thread of its own); a `RequestError` or OSError it raises is
+#: answered as an error event.
+Handler = Callable[[int, str | None, dict[str, Any]], None]
+
+
+def spawn_thread(name: str, fn: Any, *args: Any) -> None:
+    """Run ``fn(*args)`` in a daemon thread that logs, instead of losing, what it raises."""
+
+    def run() -> None:
+        try:
+            fn(*args)
+        except Exception:
+            log(f"{name} thread crashed:\n{traceback.format_exc()}")
+
+    threading.Thread(target=run, name=name, daemon=True).start()
 
 
 class Window:
@@ -431,233 +469,269 @@ def window_arg(msg: dict[str, Any]) -> Window:
     return Window(size)
 
 
-class FileWrite:
-    def __init__(self, path: str, tmp: str, fd: int, mode: int, conn: str | None) -> None:
-        self.path = path
-        self.tmp = tmp
-        self.fd = fd
-        self.mode = mode
+# --------------------------------------------------------------------------- exec
+
+
+class Exec:
+    """One exec request: the command's process once spawned, its stdin and output window,
+    and the request (id, connection) its output goes to (``attach`` moves it)."""
+
+    def __init__(self, req_id: int, conn: str | None) -> None:
+        self.id = req_id
         self.conn = conn
-        self.size = 0
-        self.sha = hashlib.sha256()
-        self.failed = False
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.pgid = 0
+        self.pending_signal = 0  # a kill that arrived before the process was spawned
+        self.stdin_q: queue.Queue[bytes | None] = queue.Queue()
+        self.stream_stdin = False
+        self.done = False
+        self.window = Window(0)
 
 
-class RelayStream:
-    """One connection to the in-guest API socket, relayed to the host (``relay_listen``)."""
+class Command(NamedTuple):
+    """What an exec runs, checked: ``argv`` in ``cwd`` with ``env``, for at most ``timeout``
+    seconds, its stdin a pipe (``want_stdin``) or /dev/null."""
 
-    def __init__(self, relay_id: int, conn: str | None, stream_id: int,
-                 sock: socket.socket) -> None:
-        # The relay carrying it; a relay_listen with ``keep`` (the same guest under a new
-        # VM process: a RAM swap) moves it to the new one.
-        self.relay_id = relay_id
-        self.conn = conn
-        self.id = stream_id
-        self.sock = sock
-        self.outbox: queue.Queue[bytes | None] = queue.Queue()  # host -> guest; None: EOF
-        self.closed = False
-        self.announced = False  # a host saw its relay_open
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    timeout: float | None
+    want_stdin: bool
 
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self.outbox.put(None)
+
+def argv_arg(msg: dict[str, Any]) -> list[str]:
+    cmd = msg.get("cmd")
+    if isinstance(cmd, str):
+        argv = ["/bin/sh", "-c", cmd]
+    elif isinstance(cmd, list) and cmd and all(isinstance(a, str) for a in cmd):
+        argv = list(cmd)
+    else:
+        raise RequestError(P.ERR_INVALID, "cmd must be a string or a non-empty list of strings")
+    # Checked here, not left to Popen in the exec thread: a bad request gets an
+    # error reply instead of a thread that dies without one.
+    if any("\0" in a for a in argv):
+        raise RequestError(P.ERR_INVALID, "cmd must not contain NUL bytes", field="command")
+    return argv
+
+
+def env_arg(msg: dict[str, Any]) -> dict[str, str]:
+    """`P.DEFAULT_ENV` with the request's ``env`` over it (a None value unsets a name)."""
+    env = dict(P.DEFAULT_ENV)
+    raw_env = msg.get("env") or {}
+    if not isinstance(raw_env, dict):
+        raise RequestError(P.ERR_INVALID, "env must be an object", field="env")
+    for key, value in raw_env.items():
+        key = str(key)
+        if not key or "=" in key or "\0" in key:
+            raise RequestError(
+                P.ERR_INVALID,
+                f"invalid environment variable name {key!r}: it must be non-empty "
+                "without '=' or NUL", field="env",
+            )
+        if value is None:
+            env.pop(key, None)
+        elif "\0" in str(value):
+            raise RequestError(
+                P.ERR_INVALID, f"environment variable {key} contains a NUL byte",
+                field="env",
+            )
+        else:
+            env[key] = str(value)
+    return env
+
+
+def cwd_arg(msg: dict[str, Any], default_cwd: str) -> str:
+    """The request's ``cwd``, which must be a directory; without one ``default_cwd``
+    (created if missing; ``/`` when it cannot be)."""
+    cwd = msg.get("cwd")
+    if isinstance(cwd, str) and "\0" in cwd:
+        raise RequestError(P.ERR_INVALID, "cwd must not contain NUL bytes", field="cwd")
+    if cwd is None:
+        try:
+            os.makedirs(default_cwd, exist_ok=True)
+        except OSError as exc:
+            log(f"cannot create default cwd {default_cwd}: {exc}")
+            return "/"
+        return default_cwd
+    if not isinstance(cwd, str):
+        raise RequestError(P.ERR_INVALID, "cwd must be a string")
+    if not os.path.isdir(cwd):
+        code = P.ERR_NOT_DIR if os.path.exists(cwd) else P.ERR_NOT_FOUND
+        raise RequestError(code, f"working directory does not exist: {cwd}", path=cwd)
+    return cwd
+
+
+def timeout_arg(msg: dict[str, Any]) -> float | None:
+    timeout = msg.get("timeout")
+    if timeout is not None and (not isinstance(timeout, int | float) or timeout <= 0):
+        raise RequestError(P.ERR_INVALID, "timeout must be a positive number")
+    return timeout
+
+
+def killpg(pgid: int, sig: int) -> bool:
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except OSError:
+        return False
+
+
+def exit_outcome(status: int) -> tuple[int, int | None]:
+    """A wait status as the exec's ``(exit_code, signal)``; a signal death exits 128 + it."""
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        return 128 + sig, sig
+    return os.WEXITSTATUS(status), None
+
+
+def feed_stdin(ex: Exec, pipe: Any) -> None:
+    """The command's stdin: what arrives in the exec's queue until None (its EOF)."""
+    fd = pipe.fileno()
+    try:
+        while True:
+            chunk = ex.stdin_q.get()
+            if chunk is None:
+                break
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(fd, view) :]
+    except OSError:
+        pass  # the command closed its stdin or exited
+    finally:
         with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        with contextlib.suppress(OSError):
-            self.sock.close()
+            pipe.close()
 
 
-class Agent:
-    def __init__(self, channel: Channel, args: argparse.Namespace) -> None:
-        self.channel = channel
-        self.args = args
-        self.started = time.time()
-        self.conn: str | None = None  # nonce of the current host connection
-        self.reaper = Reaper()
+class RunningCommand:
+    """An exec's spawned command until its exit status: its pipes forwarded as output
+    events of the exec (within its flow-control window), its timeout enforced."""
+
+    def __init__(
+        self,
+        host: HostLink,
+        ex: Exec,
+        proc: subprocess.Popen[bytes],
+        start: float,
+        timeout: float | None,
+        reaped: tuple[threading.Event, list[int]],
+    ) -> None:
+        assert proc.stdout is not None and proc.stderr is not None
+        self.host = host
+        self.ex = ex
+        self.proc = proc
+        self.outputs = (proc.stdout, proc.stderr)
+        self.done_event, self.status_box = reaped
+        self.pipes = {proc.stdout.fileno(): P.EV_STDOUT, proc.stderr.fileno(): P.EV_STDERR}
+        for fd in self.pipes:
+            os.set_blocking(fd, False)
+        self.poller = select.poll()
+        for fd in self.pipes:
+            self.poller.register(fd, select.POLLIN)
+        self.deadline = start + timeout if timeout is not None else None
+        self.timed_out = False
+        self.exited_at: float | None = None
+        self.last_data = time.monotonic()
+
+    def enforce_timeout(self, now: float) -> None:
+        if self.deadline is not None and not self.timed_out and now >= self.deadline:
+            self.timed_out = True
+            killpg(self.ex.pgid, signal.SIGKILL)
+
+    def forward_output(self) -> None:
+        """Send what the command writes until its pipes close, or go quiet after its exit."""
+        ex = self.ex
+        while self.pipes:
+            now = time.monotonic()
+            if self.exited_at is None and self.done_event.is_set():
+                self.exited_at = now
+            if self.exited_at is not None and drain_over(now, self.last_data, self.exited_at):
+                break  # background children still hold the pipes: don't wait for them
+            self.enforce_timeout(now)
+            if ex.stream_stdin and ex.conn != self.host.conn:
+                # Nobody follows it (a fork child, a restore, a reconnect): its output
+                # waits in the pipes for the host that re-attaches (1.4; the command
+                # waits too once a pipe is full). Other execs are read and dropped.
+                self.done_event.wait(0.05)
+                continue
+            wait = 0.05 if self.exited_at is not None or self.deadline is not None else 0.2
+            if ex.window.full():
+                self.hold(wait)
+            else:
+                self.read_pipes(wait)
+
+    def hold(self, wait: float) -> None:
+        """The host has not taken what was sent: stop reading the pipes (the command
+        blocks on a full pipe) until it acknowledges. A pause is not silence: the drain
+        limits after the exit count from its end."""
+        ex = self.ex
+        ex.window.wait(wait)
+        self.last_data = time.monotonic()
+        if self.exited_at is not None:
+            self.exited_at = self.last_data
+        if ex.conn != self.host.conn:
+            # Its host is gone: nobody will acknowledge. Stop waiting for acks
+            # (output is dropped from now on, as for any gone connection).
+            ex.window.size = 0
+
+    def read_pipes(self, wait: float) -> None:
+        """Forward one chunk of each pipe that has output within ``wait`` seconds."""
+        for fd, _ in self.poller.poll(wait * 1000):
+            try:
+                data = os.read(fd, P.EXEC_CHUNK)
+            except BlockingIOError:
+                continue
+            except OSError:
+                data = b""
+            if not data:
+                self.poller.unregister(fd)
+                del self.pipes[fd]
+                continue
+            self.last_data = time.monotonic()
+            self.ex.window.sent += len(data)
+            self.host.send({"id": self.ex.id, "ev": self.pipes[fd], "data": b64e(data)},
+                           self.ex.conn)
+
+    def wait_status(self) -> int:
+        """Wait for the exit status (still honouring the timeout) and release the pipes."""
+        while not self.done_event.wait(0.05):
+            self.enforce_timeout(time.monotonic())
+        if self.timed_out:
+            # The whole group dies, not only the leader.
+            killpg(self.ex.pgid, signal.SIGKILL)
+        status = self.status_box[0]
+        # The reaper collected the status; tell Popen so it never waits on its own.
+        self.proc.returncode = os.waitstatus_to_exitcode(status)
+        for f in self.outputs:
+            with contextlib.suppress(OSError):
+                f.close()
+        return status
+
+
+class Execs:
+    """The exec requests (``exec``, ``attach``, ``stdin``, ``kill``): each command runs
+    in a thread of its own, in a session of its own, reaped by the `Reaper`."""
+
+    def __init__(self, host: HostLink, reaper: Reaper, default_cwd: str) -> None:
+        self.host = host
+        self.reaper = reaper
+        self.default_cwd = default_cwd
         self.lock = threading.Lock()
         self.execs: dict[int, Exec] = {}
-        self.writes: dict[int, FileWrite] = {}
-        self.reads: dict[int, Window] = {}
-        # The in-guest API socket (1.5): the current relay request (id, connection), the
-        # listening socket and the relayed streams of the current relay.
-        self.relay: tuple[int, str | None] | None = None
-        self.relay_listener: socket.socket | None = None
-        self.relay_streams: dict[int, RelayStream] = {}
-        self.relay_next = 1
 
-    # ---- output
-
-    def send(self, msg: dict[str, Any], conn: str | None = None, *, check: bool = True) -> bool:
-        """Send one message; drop it if the request's connection is gone (``check``)."""
-        if check and conn != self.conn:
-            return False
-        try:
-            line = json.dumps(msg, separators=(",", ":")).encode() + b"\n"
-        except (TypeError, ValueError) as exc:
-            log(f"cannot encode reply: {exc}")
-            return False
-        return self.channel.write(line)
-
-    def reply(self, req_id: Any, conn: str | None, **fields: Any) -> None:
-        self.send({"id": req_id, "ev": P.EV_RESULT, **fields}, conn)
-
-    def fail(self, req_id: Any, conn: str | None, err: RequestError) -> None:
-        msg = {"id": req_id, "ev": P.EV_ERROR, "code": err.code, "message": err.message}
-        msg.update({k: v for k, v in err.extra.items() if v is not None})
-        self.send(msg, conn)
-
-    # ---- input
-
-    def serve(self) -> None:
-        buf = bytearray()
-        while True:
-            data = self.channel.read()
-            if not data:
-                # Host went away: a partial line can never complete; its requests are orphaned.
-                buf.clear()
-                self.conn = None
-                self.abort_stale_writes()
-                continue
-            buf += data
-            while True:
-                nl = buf.find(b"\n")
-                if nl < 0:
-                    break
-                line = bytes(buf[:nl])
-                del buf[: nl + 1]
-                if line.strip():
-                    self.handle_line(line)
-            if len(buf) > P.MAX_LINE:
-                log("line too long; dropped")
-                buf.clear()
-
-    def handle_line(self, line: bytes) -> None:
-        try:
-            msg = json.loads(line)
-            if not isinstance(msg, dict):
-                raise ValueError("not an object")
-        except ValueError:
-            log(f"ignoring malformed line ({len(line)} bytes): {line[:80]!r}")
-            return
-        req_id = msg.get("id")
-        op = msg.get("op")
-        if op == P.OP_HELLO:
-            nonce = msg.get("nonce")
-            if isinstance(nonce, str) and nonce != self.conn:
-                self.conn = nonce
-                self.abort_stale_writes()
-        conn = self.conn
-        handler = getattr(self, f"op_{op}", None) if isinstance(op, str) else None
-        try:
-            if handler is None:
-                raise RequestError(P.ERR_UNKNOWN_OP, f"unknown operation {op!r}")
-            if not isinstance(req_id, int):
-                raise RequestError(P.ERR_INVALID, "request id must be an integer")
-            handler(req_id, conn, msg)
-        except RequestError as exc:
-            self.fail(req_id, conn, exc)
-        except OSError as exc:
-            self.fail(req_id, conn, os_error(exc))
-        except Exception as exc:
-            log(f"{op} failed:\n{traceback.format_exc()}")
-            self.fail(req_id, conn, RequestError(P.ERR_INTERNAL, f"{type(exc).__name__}: {exc}"))
-
-    def spawn_thread(self, name: str, fn: Any, *args: Any) -> None:
-        def run() -> None:
-            try:
-                fn(*args)
-            except Exception:
-                log(f"{name} thread crashed:\n{traceback.format_exc()}")
-
-        threading.Thread(target=run, name=name, daemon=True).start()
-
-    # ---- hello / ping
-
-    def op_hello(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
-        version = str(msg.get("version", ""))
-        major = version.split(".", 1)[0]
-        if major != str(P.PROTOCOL_MAJOR):
-            raise RequestError(
-                P.ERR_VERSION,
-                f"host speaks agent protocol {version or '?'}, "
-                f"this agent speaks {P.PROTOCOL_VERSION}",
-                version=P.PROTOCOL_VERSION,
-            )
-        self.reply(
-            req_id,
-            conn,
-            version=P.PROTOCOL_VERSION,
-            nonce=msg.get("nonce"),
-            started=self.started,
-            pid=os.getpid(),
-            hostname=socket.gethostname(),
-            time=time.time(),
-        )
-
-    def op_ping(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
-        self.reply(req_id, conn, time=time.time())
-
-    def op_sync(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
-        # In this thread, not a `sync` process: a fork template captured right after
-        # leaves no exiting process or thread behind for every child to finish.
-        os.sync()
-        self.reply(req_id, conn)
-
-    # ---- exec
+    def window(self, req_id: int) -> Window | None:
+        """The output window of exec ``req_id``, if it runs."""
+        with self.lock:
+            ex = self.execs.get(req_id)
+        return ex.window if ex is not None else None
 
     def op_exec(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
-        cmd = msg.get("cmd")
-        if isinstance(cmd, str):
-            argv = ["/bin/sh", "-c", cmd]
-        elif isinstance(cmd, list) and cmd and all(isinstance(a, str) for a in cmd):
-            argv = list(cmd)
-        else:
-            raise RequestError(P.ERR_INVALID, "cmd must be a string or a non-empty list of strings")
-        # Checked here, not left to Popen in the exec thread: a bad request gets an
-        # error reply instead of a thread that dies without one.
-        if any("\0" in a for a in argv):
-            raise RequestError(P.ERR_INVALID, "cmd must not contain NUL bytes", field="command")
-        env = dict(P.DEFAULT_ENV)
-        raw_env = msg.get("env") or {}
-        if not isinstance(raw_env, dict):
-            raise RequestError(P.ERR_INVALID, "env must be an object", field="env")
-        for key, value in raw_env.items():
-            key = str(key)
-            if not key or "=" in key or "\0" in key:
-                raise RequestError(
-                    P.ERR_INVALID,
-                    f"invalid environment variable name {key!r}: it must be non-empty "
-                    "without '=' or NUL", field="env",
-                )
-            if value is None:
-                env.pop(key, None)
-            elif "\0" in str(value):
-                raise RequestError(
-                    P.ERR_INVALID, f"environment variable {key} contains a NUL byte",
-                    field="env",
-                )
-            else:
-                env[key] = str(value)
-        cwd = msg.get("cwd")
-        if isinstance(cwd, str) and "\0" in cwd:
-            raise RequestError(P.ERR_INVALID, "cwd must not contain NUL bytes", field="cwd")
-        if cwd is None:
-            cwd = self.args.default_cwd
-            try:
-                os.makedirs(cwd, exist_ok=True)
-            except OSError as exc:
-                log(f"cannot create default cwd {cwd}: {exc}")
-                cwd = "/"
-        elif not isinstance(cwd, str):
-            raise RequestError(P.ERR_INVALID, "cwd must be a string")
-        elif not os.path.isdir(cwd):
-            code = P.ERR_NOT_DIR if os.path.exists(cwd) else P.ERR_NOT_FOUND
-            raise RequestError(code, f"working directory does not exist: {cwd}", path=cwd)
-        timeout = msg.get("timeout")
-        if timeout is not None and (not isinstance(timeout, int | float) or timeout <= 0):
-            raise RequestError(P.ERR_INVALID, "timeout must be a positive number")
+        command = Command(
+            argv=argv_arg(msg),
+            env=env_arg(msg),
+            cwd=cwd_arg(msg, self.default_cwd),
+            timeout=timeout_arg(msg),
+            want_stdin=msg.get("stdin") is not None or bool(msg.get("stdin_stream")),
+        )
         ex = Exec(req_id, conn)
         ex.window = window_arg(msg)
         ex.stream_stdin = bool(msg.get("stdin_stream"))
@@ -670,35 +744,18 @@ class Agent:
             if req_id in self.execs:
                 raise RequestError(P.ERR_INVALID, f"exec id {req_id} is already running")
             self.execs[req_id] = ex
-        self.spawn_thread(
-            f"exec-{req_id}",
-            self.run_exec,
-            ex,
-            argv,
-            env,
-            cwd,
-            timeout,
-            stdin_data is not None or ex.stream_stdin,
-        )
+        spawn_thread(f"exec-{req_id}", self.run_exec, ex, command)
 
-    def run_exec(
-        self,
-        ex: Exec,
-        argv: list[str],
-        env: dict[str, str],
-        cwd: str,
-        timeout: float | None,
-        want_stdin: bool,
-    ) -> None:
+    def run_exec(self, ex: Exec, command: Command) -> None:
         try:
-            self._run_exec(ex, argv, env, cwd, timeout, want_stdin)
+            self._run_exec(ex, command)
         except Exception as exc:
             # Never leave the host waiting: an exec that fails before its result is
             # answered with an error (after a result, the failure is only logged).
             log(f"exec {ex.id} failed:\n{traceback.format_exc()}")
             if not ex.done:
                 ex.done = True
-                self.fail(ex.id, ex.conn, RequestError(
+                self.host.fail(ex.id, ex.conn, RequestError(
                     P.ERR_INVALID if isinstance(exc, ValueError) else P.ERR_INTERNAL,
                     f"{type(exc).__name__}: {exc}"))
         finally:
@@ -706,33 +763,57 @@ class Agent:
             with self.lock:
                 self.execs.pop(ex.id, None)
 
-    def _run_exec(
-        self,
-        ex: Exec,
-        argv: list[str],
-        env: dict[str, str],
-        cwd: str,
-        timeout: float | None,
-        want_stdin: bool,
-    ) -> None:
+    def _run_exec(self, ex: Exec, command: Command) -> None:
         start = time.monotonic()
+        proc = self.spawn(ex, command, start)
+        if proc is None:
+            return
+        reaped = self.reaper.register(proc.pid, start)
+        ex.proc = proc
+        with self.lock:
+            ex.pgid = proc.pid
+            early_signal = ex.pending_signal
+        if early_signal:
+            killpg(ex.pgid, early_signal)
+        self.host.send({"id": ex.id, "ev": P.EV_STARTED, "pid": proc.pid}, ex.conn)
+        if proc.stdin is not None:
+            spawn_thread(f"stdin-{ex.id}", feed_stdin, ex, proc.stdin)
+        running = RunningCommand(self.host, ex, proc, start, command.timeout, reaped)
+        running.forward_output()
+        # Pipes closed (or given up on): now wait for the exit status, still honouring timeout.
+        status = running.wait_status()
+        ex.stdin_q.put(None)
+        exit_code, sig = exit_outcome(status)
+        ex.done = True  # before the reply: a stdin/kill sent right after it gets ESRCH
+        self.host.reply(
+            ex.id,
+            ex.conn,
+            exit_code=exit_code,
+            signal=sig,
+            timed_out=running.timed_out,
+            duration=round(time.monotonic() - start, 6),
+        )
+
+    def spawn(self, ex: Exec, command: Command, start: float) -> subprocess.Popen[bytes] | None:
+        """Start the command; when it cannot start, answer the exec as a shell would
+        (its error on stderr, exit code 127 or 126) and return None."""
         try:
-            proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.PIPE if want_stdin else subprocess.DEVNULL,
+            return subprocess.Popen(
+                command.argv,
+                stdin=subprocess.PIPE if command.want_stdin else subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                env=env,
-                cwd=cwd,
+                env=command.env,
+                cwd=command.cwd,
                 start_new_session=True,
                 close_fds=True,
             )
         except OSError as exc:
             # Behave like a shell: 127 for "not found", 126 for "cannot execute".
             code = 127 if exc.errno == errno.ENOENT else 126
-            text = f"boxd-agent: {argv[0]}: {exc.strerror}\n".encode()
-            self.send({"id": ex.id, "ev": P.EV_STDERR, "data": b64e(text)}, ex.conn)
-            self.reply(
+            text = f"boxd-agent: {command.argv[0]}: {exc.strerror}\n".encode()
+            self.host.send({"id": ex.id, "ev": P.EV_STDERR, "data": b64e(text)}, ex.conn)
+            self.host.reply(
                 ex.id,
                 ex.conn,
                 exit_code=code,
@@ -740,126 +821,7 @@ class Agent:
                 timed_out=False,
                 duration=time.monotonic() - start,
             )
-            return
-        done_event, status_box = self.reaper.register(proc.pid, start)
-        ex.proc = proc
-        with self.lock:
-            ex.pgid = proc.pid
-            early_signal = ex.pending_signal
-        if early_signal:
-            self.killpg(ex.pgid, early_signal)
-        self.send({"id": ex.id, "ev": P.EV_STARTED, "pid": proc.pid}, ex.conn)
-        if proc.stdin is not None:
-            self.spawn_thread(f"stdin-{ex.id}", self.feed_stdin, ex, proc.stdin)
-
-        assert proc.stdout is not None and proc.stderr is not None
-        pipes = {proc.stdout.fileno(): P.EV_STDOUT, proc.stderr.fileno(): P.EV_STDERR}
-        for fd in pipes:
-            os.set_blocking(fd, False)
-        poller = select.poll()
-        for fd in pipes:
-            poller.register(fd, select.POLLIN)
-        deadline = start + timeout if timeout is not None else None
-        timed_out = False
-        exited_at: float | None = None
-        last_data = time.monotonic()
-        while pipes:
-            now = time.monotonic()
-            if exited_at is None and done_event.is_set():
-                exited_at = now
-            if exited_at is not None and drain_over(now, last_data, exited_at):
-                break  # background children still hold the pipes: don't wait for them
-            if deadline is not None and not timed_out and now >= deadline:
-                timed_out = True
-                self.killpg(ex.pgid, signal.SIGKILL)
-            if ex.stream_stdin and ex.conn != self.conn:
-                # Nobody follows it (a fork child, a restore, a reconnect): its output
-                # waits in the pipes for the host that re-attaches (1.4; the command
-                # waits too once a pipe is full). Other execs are read and dropped.
-                done_event.wait(0.05)
-                continue
-            wait = 0.05 if exited_at is not None or deadline is not None else 0.2
-            if ex.window.full():
-                # The host has not taken what was sent: stop reading the pipes (the
-                # command blocks on a full pipe) until it acknowledges. A pause is not
-                # silence: the drain limits after the exit count from its end.
-                ex.window.wait(wait)
-                last_data = time.monotonic()
-                if exited_at is not None:
-                    exited_at = last_data
-                if ex.conn != self.conn:
-                    # Its host is gone: nobody will acknowledge. Stop waiting for acks
-                    # (output is dropped from now on, as for any gone connection).
-                    ex.window.size = 0
-                continue
-            for fd, _ in poller.poll(wait * 1000):
-                try:
-                    data = os.read(fd, P.EXEC_CHUNK)
-                except BlockingIOError:
-                    continue
-                except OSError:
-                    data = b""
-                if not data:
-                    poller.unregister(fd)
-                    del pipes[fd]
-                    continue
-                last_data = time.monotonic()
-                ex.window.sent += len(data)
-                self.send({"id": ex.id, "ev": pipes[fd], "data": b64e(data)}, ex.conn)
-        # Pipes closed (or given up on): now wait for the exit status, still honouring timeout.
-        while not done_event.wait(0.05):
-            if deadline is not None and not timed_out and time.monotonic() >= deadline:
-                timed_out = True
-                self.killpg(ex.pgid, signal.SIGKILL)
-        if timed_out:
-            # The whole group dies, not only the leader.
-            self.killpg(ex.pgid, signal.SIGKILL)
-        status = status_box[0]
-        # The reaper collected the status; tell Popen so it never waits on its own.
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        for f in (proc.stdout, proc.stderr):
-            with contextlib.suppress(OSError):
-                f.close()
-        ex.stdin_q.put(None)
-        sig: int | None = None
-        if os.WIFSIGNALED(status):
-            sig = os.WTERMSIG(status)
-            exit_code = 128 + sig
-        else:
-            exit_code = os.WEXITSTATUS(status)
-        ex.done = True  # before the reply: a stdin/kill sent right after it gets ESRCH
-        self.reply(
-            ex.id,
-            ex.conn,
-            exit_code=exit_code,
-            signal=sig,
-            timed_out=timed_out,
-            duration=round(time.monotonic() - start, 6),
-        )
-
-    @staticmethod
-    def killpg(pgid: int, sig: int) -> bool:
-        try:
-            os.killpg(pgid, sig)
-            return True
-        except OSError:
-            return False
-
-    def feed_stdin(self, ex: Exec, pipe: Any) -> None:
-        fd = pipe.fileno()
-        try:
-            while True:
-                chunk = ex.stdin_q.get()
-                if chunk is None:
-                    break
-                view = memoryview(chunk)
-                while view:
-                    view = view[os.write(fd, view) :]
-        except OSError:
-            pass  # the command closed its stdin or exited
-        finally:
-            with contextlib.suppress(OSError):
-                pipe.close()
+            return None
 
     def find_exec(self, msg: dict[str, Any]) -> Exec:
         exec_id = msg.get("exec_id")
@@ -884,7 +846,7 @@ class Agent:
             ex.window.size = 0  # the new host acknowledges nothing it asked no window for
             self.execs[req_id] = ex
         pid = ex.proc.pid if ex.proc is not None else 0
-        self.send({"id": req_id, "ev": P.EV_STARTED, "pid": pid, "attached": True}, conn)
+        self.host.send({"id": req_id, "ev": P.EV_STARTED, "pid": pid, "attached": True}, conn)
 
     def op_stdin(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
         ex = self.find_exec(msg)
@@ -896,7 +858,7 @@ class Agent:
         if msg.get("eof"):
             ex.stdin_q.put(None)
         if msg.get("reply") is not False:  # 1.4: "reply": false is answered only on error
-            self.reply(req_id, conn, size=len(data))
+            self.host.reply(req_id, conn, size=len(data))
 
     def op_kill(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
         ex = self.find_exec(msg)
@@ -907,34 +869,62 @@ class Agent:
             pgid = ex.pgid
             if not pgid:
                 ex.pending_signal = sig  # delivered as soon as the process exists
-        delivered = self.killpg(pgid, sig) if pgid else True
-        self.reply(req_id, conn, delivered=delivered)
+        delivered = killpg(pgid, sig) if pgid else True
+        self.host.reply(req_id, conn, delivered=delivered)
 
-    def op_ack(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
-        """The host consumed ``bytes`` bytes of request ``req``'s output (1.3)."""
-        target, total = msg.get("req"), msg.get("bytes")
-        if not isinstance(target, int) or not isinstance(total, int):
-            raise RequestError(P.ERR_INVALID, "ack needs integer req and bytes")
+
+# --------------------------------------------------------------------------- files
+
+
+class FileWrite:
+    def __init__(self, path: str, tmp: str, fd: int, mode: int, conn: str | None) -> None:
+        self.path = path
+        self.tmp = tmp
+        self.fd = fd
+        self.mode = mode
+        self.conn = conn
+        self.size = 0
+        self.sha = hashlib.sha256()
+        self.failed = False
+
+
+def path_arg(msg: dict[str, Any]) -> str:
+    path = msg.get("path")
+    if not isinstance(path, str) or not path.startswith("/") or "\0" in path:
+        raise RequestError(P.ERR_INVALID, f"path must be absolute: {path!r}", path=path)
+    return path
+
+
+def check_regular(path: str, st: os.stat_result) -> None:
+    if stat.S_ISDIR(st.st_mode):
+        raise RequestError(P.ERR_IS_DIR, f"Is a directory: {path}", path=path)
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a character device" if stat.S_ISCHR(st.st_mode) else
+                "a block device" if stat.S_ISBLK(st.st_mode) else
+                "a fifo" if stat.S_ISFIFO(st.st_mode) else
+                "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
+        raise RequestError(
+            P.ERR_INVALID, f"{path} is {kind}: only regular files can be read", path=path)
+
+
+class Files:
+    """The file requests: ``stat``, ``write`` (chunks into a temporary file renamed over
+    the path at its end), ``read`` (streamed from a thread, flow controlled) and its
+    ``cancel``."""
+
+    def __init__(self, host: HostLink) -> None:
+        self.host = host
+        self.lock = threading.Lock()
+        self.writes: dict[int, FileWrite] = {}
+        self.reads: dict[int, Window] = {}
+
+    def read_window(self, req_id: int) -> Window | None:
+        """The window of read ``req_id``, if it streams."""
         with self.lock:
-            ex = self.execs.get(target)
-            window = ex.window if ex is not None else self.reads.get(target)
-        if window is not None:
-            window.ack(total)
-        self.reply(req_id, conn, known=window is not None)
-
-    def op_cancel(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
-        """Stop the read ``req``: its host went away (1.3)."""
-        target = msg.get("req")
-        with self.lock:
-            window = self.reads.get(target) if isinstance(target, int) else None
-        if window is not None:
-            window.cancel()
-        self.reply(req_id, conn, cancelled=window is not None)
-
-    # ---- files
+            return self.reads.get(req_id)
 
     def op_stat(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
-        path = self.path_arg(msg)
+        path = path_arg(msg)
         try:
             st = os.lstat(path)
         except OSError as exc:
@@ -947,7 +937,7 @@ class Agent:
             kind = "symlink"
         else:
             kind = "other"
-        self.reply(
+        self.host.reply(
             req_id,
             conn,
             path=path,
@@ -958,13 +948,6 @@ class Agent:
             uid=st.st_uid,
             gid=st.st_gid,
         )
-
-    @staticmethod
-    def path_arg(msg: dict[str, Any]) -> str:
-        path = msg.get("path")
-        if not isinstance(path, str) or not path.startswith("/") or "\0" in path:
-            raise RequestError(P.ERR_INVALID, f"path must be absolute: {path!r}", path=path)
-        return path
 
     def op_write(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
         with self.lock:
@@ -992,7 +975,7 @@ class Agent:
             raise exc if isinstance(exc, RequestError) else os_error(exc, fw.path) from exc
 
     def open_write(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> FileWrite:
-        path = self.path_arg(msg)
+        path = path_arg(msg)
         mode = msg.get("mode", 0o644)
         if not isinstance(mode, int) or not 0 <= mode <= 0o7777:
             raise RequestError(P.ERR_INVALID, f"bad mode {mode!r}")
@@ -1032,7 +1015,7 @@ class Agent:
                 os.close(dfd)
         with self.lock:
             self.writes.pop(req_id, None)
-        self.reply(
+        self.host.reply(
             req_id, fw.conn, path=fw.path, size=fw.size, mode=fw.mode, sha256=fw.sha.hexdigest()
         )
 
@@ -1052,8 +1035,9 @@ class Agent:
                     del self.writes[key]
 
     def abort_stale_writes(self) -> None:
+        """Drop the writes of connections other than the current one (they never end)."""
         with self.lock:
-            stale = [(k, w) for k, w in self.writes.items() if w.conn != self.conn]
+            stale = [(k, w) for k, w in self.writes.items() if w.conn != self.host.conn]
             for k, _ in stale:
                 del self.writes[k]
         for _, w in stale:
@@ -1064,32 +1048,20 @@ class Agent:
                 with contextlib.suppress(OSError):
                     os.unlink(w.tmp)
 
-    @staticmethod
-    def check_regular(path: str, st: os.stat_result) -> None:
-        if stat.S_ISDIR(st.st_mode):
-            raise RequestError(P.ERR_IS_DIR, f"Is a directory: {path}", path=path)
-        if not stat.S_ISREG(st.st_mode):
-            kind = ("a character device" if stat.S_ISCHR(st.st_mode) else
-                    "a block device" if stat.S_ISBLK(st.st_mode) else
-                    "a fifo" if stat.S_ISFIFO(st.st_mode) else
-                    "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
-            raise RequestError(
-                P.ERR_INVALID, f"{path} is {kind}: only regular files can be read", path=path)
-
     def op_read(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
-        path = self.path_arg(msg)
+        path = path_arg(msg)
         window = window_arg(msg)
         try:
             # Refuse devices and fifos before opening them: /dev/zero never ends, and
             # opening a fifo blocks until a writer comes. O_NONBLOCK covers a swap
             # between the stat and the open; fstat checks what was opened.
-            self.check_regular(path, os.stat(path))
+            check_regular(path, os.stat(path))
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as exc:
             raise os_error(exc, path) from exc
         try:
             st = os.fstat(fd)
-            self.check_regular(path, st)
+            check_regular(path, st)
             os.set_blocking(fd, True)
         except BaseException:
             os.close(fd)
@@ -1097,7 +1069,7 @@ class Agent:
         f = os.fdopen(fd, "rb")
         with self.lock:
             self.reads[req_id] = window
-        self.spawn_thread(f"read-{req_id}", self.stream_file, req_id, conn, path, f, st)
+        spawn_thread(f"read-{req_id}", self.stream_file, req_id, conn, path, f, st)
 
     def stream_file(
         self, req_id: int, conn: str | None, path: str, f: Any, st: os.stat_result
@@ -1109,9 +1081,9 @@ class Agent:
         try:
             with f:
                 while True:
-                    while window.full() and not window.cancelled and conn == self.conn:
+                    while window.full() and not window.cancelled and conn == self.host.conn:
                         window.wait(0.5)  # the host has not taken what was sent yet
-                    if window.cancelled or conn != self.conn:
+                    if window.cancelled or conn != self.host.conn:
                         return  # the host that asked is gone: read no further
                     chunk = f.read(P.FILE_CHUNK)
                     if not chunk:
@@ -1120,14 +1092,14 @@ class Agent:
                     msg = {"id": req_id, "ev": P.EV_DATA, "offset": size, "data": b64e(chunk)}
                     size += len(chunk)
                     window.sent = size
-                    self.send(msg, conn)
+                    self.host.send(msg, conn)
         except OSError as exc:
-            self.fail(req_id, conn, os_error(exc, path))
+            self.host.fail(req_id, conn, os_error(exc, path))
             return
         finally:
             with self.lock:
                 self.reads.pop(req_id, None)
-        self.reply(
+        self.host.reply(
             req_id,
             conn,
             path=path,
@@ -1136,10 +1108,51 @@ class Agent:
             sha256=sha.hexdigest(),
         )
 
-    # ---- identity
+    def op_cancel(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
+        """Stop the read ``req``: its host went away (1.3)."""
+        target = msg.get("req")
+        with self.lock:
+            window = self.reads.get(target) if isinstance(target, int) else None
+        if window is not None:
+            window.cancel()
+        self.host.reply(req_id, conn, cancelled=window is not None)
 
-    def op_identity(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
-        """New identity after a fork/restore. Touches kernel and /etc state, no process state."""
+
+# --------------------------------------------------------------------------- identity
+
+
+def machine_dir(sysroot: str | None) -> str:
+    """`P.IDENTITY_DIR` (under ``sysroot`` in tests): identity, the API socket and key."""
+    return os.path.join(sysroot or "/", P.IDENTITY_DIR.lstrip("/"))
+
+
+def write_api_key(base: str, key: Any) -> None:
+    """Check the machine's API credential (1.5) and write it, 0600, to ``base``."""
+    if not isinstance(key, str) or not key or not key.isprintable() or len(key) > 256 \
+            or " " in key:
+        raise RequestError(P.ERR_INVALID, "the key must be a short printable string")
+    os.makedirs(base, exist_ok=True)
+    path = os.path.join(base, P.API_KEY_FILE)
+    tmp = path + ".boxd-tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, (key + "\n").encode())
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+    os.rename(tmp, path)
+
+
+class IdentityArgs(NamedTuple):
+    """An ``identity`` request's fields, checked; None (empty ``seed``) leaves one alone."""
+
+    hostname: str | None
+    machine_id: str | None
+    seed: bytes
+    now: float | None
+
+    @classmethod
+    def parse(cls, msg: dict[str, Any]) -> IdentityArgs:
         hostname = msg.get("hostname")
         machine_id = msg.get("machine_id")
         seed = b64d(msg.get("seed"))
@@ -1156,182 +1169,51 @@ class Agent:
             raise RequestError(P.ERR_INVALID, "machine_id must be 32 lowercase hex digits")
         if now is not None and not isinstance(now, int | float):
             raise RequestError(P.ERR_INVALID, "now must be a number (seconds since the epoch)")
+        return cls(hostname, machine_id, seed, now)
+
+
+class Identity:
+    """The ``identity`` request: a fork's or restore's new clock, RNG seed, hostname,
+    machine-id and API key. (Guests with boxd-init do identity in C; this is the
+    standalone agent's path.)"""
+
+    def __init__(self, host: HostLink, sysroot: str | None, host_clock: bool) -> None:
+        self.host = host
+        self.sysroot = sysroot  # tests: write files under it, skip kernel calls
+        self.host_clock = host_clock  # gVisor: the clock is the host's, left alone
+
+    def op_identity(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
+        """New identity after a fork/restore. Touches kernel and /etc state, no process state."""
+        args = IdentityArgs.parse(msg)
         api_key = msg.get("api_key")
         if api_key is not None:
-            self.write_api_key(api_key)  # 1.5: validated first, so nothing half-applied
-        sysroot = self.args.sysroot  # tests: write files under it, skip kernel calls
-        done: list[str] = []
-        if now is not None and not self.args.host_clock:
-            if not sysroot:
-                time.clock_settime(time.CLOCK_REALTIME, float(now))
-            done.append("clock")
-        if seed:
-            self.reseed(seed, real=not sysroot)
-            done.append("rng")
-        if hostname is not None:
-            if not sysroot:
-                socket.sethostname(hostname)
-            self.write_identity(sysroot, "hostname", hostname + "\n", 0o644)
-            done.append("hostname")
-        if machine_id is not None:
-            self.write_identity(sysroot, "machine-id", machine_id + "\n", 0o444)
-            done.append("machine_id")
+            # 1.5: validated first, so nothing half-applied
+            write_api_key(machine_dir(self.sysroot), api_key)
+        done = self.apply(args)
         if api_key is not None:
             done.append("api_key")
-        self.reply(req_id, conn, applied=done)
+        self.host.reply(req_id, conn, applied=done)
 
-    # ---- the in-guest API socket (1.5)
-
-    def relay_dir(self) -> str:
-        return os.path.join(self.args.sysroot or "/", P.IDENTITY_DIR.lstrip("/"))
-
-    def write_api_key(self, key: Any) -> None:
-        if not isinstance(key, str) or not key or not key.isprintable() or len(key) > 256 \
-                or " " in key:
-            raise RequestError(P.ERR_INVALID, "the key must be a short printable string")
-        base = self.relay_dir()
-        os.makedirs(base, exist_ok=True)
-        path = os.path.join(base, P.API_KEY_FILE)
-        tmp = path + ".boxd-tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, (key + "\n").encode())
-            os.fchmod(fd, 0o600)
-        finally:
-            os.close(fd)
-        os.rename(tmp, path)
-
-    def op_relay_listen(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
-        """Serve the API socket for this connection, with a new credential (docs/lifecycle.md).
-
-        Writes the key to tmpfs, (re)binds the socket once, ends every stream of an earlier
-        relay (a fork child's or restored guest's copy of a call in flight) — or, with
-        ``keep``, moves them to this one (the host replaced the VM process under the same
-        guest) — and answers ``started``; the request then lasts as long as the host
-        connection.
-        """
-        base = self.relay_dir()
-        self.write_api_key(msg.get("key"))
-        keep = msg.get("keep") or []
-        if not isinstance(keep, list) or not all(isinstance(i, int) for i in keep):
-            raise RequestError(P.ERR_INVALID, "keep must be a list of stream ids")
-        with self.lock:
-            # Kept: those the host names (it saw them open) and those no host has seen (a
-            # guest process that connected while no host served the socket).
-            old = [st for st in self.relay_streams.values()
-                   if st.id not in keep and st.announced]
-            for stream in old:
-                del self.relay_streams[stream.id]
-            for stream in self.relay_streams.values():
-                stream.relay_id, stream.conn = req_id, conn
-            self.relay = (req_id, conn)
-        for stream in old:
-            stream.close()
-        if self.relay_listener is None:
-            sock_path = os.path.join(base, P.API_SOCKET)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(sock_path)
-            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-            old_umask = os.umask(0o177)  # born 0600: the guest's root only, like the key
-            try:
-                listener.bind(sock_path)
-            finally:
-                os.umask(old_umask)
-            listener.listen(64)
-            self.relay_listener = listener
-            self.spawn_thread("relay-accept", self.relay_accept, listener)
-        self.send({"id": req_id, "ev": P.EV_STARTED}, conn)
-
-    def relay_accept(self, listener: socket.socket) -> None:
-        while True:
-            try:
-                sock, _ = listener.accept()
-            except OSError as exc:
-                log(f"API socket accept failed: {exc}")
-                time.sleep(0.1)
-                continue
-            with self.lock:
-                relay = self.relay
-                stream: RelayStream | None = None
-                if relay is not None:
-                    stream = RelayStream(relay[0], relay[1], self.relay_next, sock)
-                    self.relay_next += 1
-                    self.relay_streams[stream.id] = stream
-            if stream is None:
-                sock.close()
-                continue
-            if not self.relay_event(stream, {"ev": P.EV_RELAY_OPEN}):
-                self.relay_end(stream)
-                continue
-            stream.announced = True
-            self.spawn_thread("relay-in", self.relay_reader, stream)
-            self.spawn_thread("relay-out", self.relay_writer, stream)
-
-    def relay_event(self, stream: RelayStream, msg: dict[str, Any]) -> bool:
-        """Send one event of a stream on its relay's connection. While that connection is
-        gone (a RAM swap: the host moves the stream to its next relay), wait a little."""
-        deadline = time.monotonic() + RELAY_MOVE_WAIT
-        while not stream.closed:
-            if self.send({"id": stream.relay_id, "stream": stream.id, **msg}, stream.conn):
-                return True
-            if time.monotonic() > deadline:
-                break
-            time.sleep(RETRY_SLEEP)
-        return False
-
-    def relay_reader(self, stream: RelayStream) -> None:
-        """Guest client -> host: ``relay_data`` events, then ``relay_eof``."""
-        while True:
-            try:
-                data = stream.sock.recv(P.EXEC_CHUNK)
-            except OSError:
-                data = b""
-            if stream.closed:
-                return
-            if not data:
-                self.relay_event(stream, {"ev": P.EV_RELAY_EOF})
-                return
-            if not self.relay_event(stream, {"ev": P.EV_RELAY_DATA, "data": b64e(data)}):
-                self.relay_end(stream)
-                return
-
-    def relay_writer(self, stream: RelayStream) -> None:
-        """Host -> guest client, off the serve loop (a client that stops reading blocks
-        only its own stream)."""
-        while True:
-            data = stream.outbox.get()
-            if data is None or stream.closed:
-                return
-            if not data:  # the host's end of the request stream
-                with contextlib.suppress(OSError):
-                    stream.sock.shutdown(socket.SHUT_WR)
-                continue
-            try:
-                stream.sock.sendall(data)
-            except OSError:
-                self.relay_end(stream)
-                return
-
-    def relay_end(self, stream: RelayStream) -> None:
-        with self.lock:
-            if self.relay_streams.get(stream.id) is stream:
-                del self.relay_streams[stream.id]
-        stream.close()
-
-    def op_relay_send(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
-        """Host -> guest bytes of one stream (``data``), its EOF (``eof``) or its end
-        (``close``). Carries the relay request's id; never answered."""
-        with self.lock:
-            stream = self.relay_streams.get(msg.get("stream"))  # type: ignore[arg-type]
-        if stream is None or stream.relay_id != req_id:
-            return  # a stream that ended meanwhile, or of an older relay
-        data = b64d(msg.get("data"))
-        if data:
-            stream.outbox.put(data)
-        if msg.get("eof"):
-            stream.outbox.put(b"")
-        if msg.get("close"):
-            self.relay_end(stream)
+    def apply(self, args: IdentityArgs) -> list[str]:
+        """Set what ``args`` names; the names of what was set, for the reply."""
+        sysroot = self.sysroot
+        done: list[str] = []
+        if args.now is not None and not self.host_clock:
+            if not sysroot:
+                time.clock_settime(time.CLOCK_REALTIME, float(args.now))
+            done.append("clock")
+        if args.seed:
+            self.reseed(args.seed, real=not sysroot)
+            done.append("rng")
+        if args.hostname is not None:
+            if not sysroot:
+                socket.sethostname(args.hostname)
+            self.write_identity(sysroot, "hostname", args.hostname + "\n", 0o644)
+            done.append("hostname")
+        if args.machine_id is not None:
+            self.write_identity(sysroot, "machine-id", args.machine_id + "\n", 0o444)
+            done.append("machine_id")
+        return done
 
     @staticmethod
     def reseed(seed: bytes, *, real: bool) -> None:
@@ -1373,7 +1255,6 @@ class Agent:
         child under TCG pays to translate every guest code path it runs first (an ext4
         create + rename-over costs ~8k translation blocks). A guest whose /etc/name is a
         regular file (an image from before protocol 1.1) gets that file replaced instead.
-        (Guests with boxd-init do identity in C; this is the standalone agent's path.)
         """
         root = sysroot or "/"
         etc = os.path.join(root, "etc", name)
@@ -1387,6 +1268,319 @@ class Agent:
         finally:
             os.close(fd)
         os.rename(tmp, path)
+
+
+# --------------------------------------------------------------------------- the in-guest API (1.5)
+
+
+class RelayStream:
+    """One connection to the in-guest API socket, relayed to the host (``relay_listen``)."""
+
+    def __init__(self, relay_id: int, conn: str | None, stream_id: int,
+                 sock: socket.socket) -> None:
+        # The relay carrying it; a relay_listen with ``keep`` (the same guest under a new
+        # VM process: a RAM swap) moves it to the new one.
+        self.relay_id = relay_id
+        self.conn = conn
+        self.id = stream_id
+        self.sock = sock
+        self.outbox: queue.Queue[bytes | None] = queue.Queue()  # host -> guest; None: EOF
+        self.closed = False
+        self.announced = False  # a host saw its relay_open
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.outbox.put(None)
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+class ApiRelay:
+    """The in-guest API socket (``relay_listen``, ``relay_send``): each guest process that
+    connects to it becomes a stream relayed over the current relay request."""
+
+    def __init__(self, host: HostLink, base: str) -> None:
+        self.host = host
+        self.base = base  # machine_dir: the socket and its key
+        self.lock = threading.Lock()
+        # The current relay request (id, connection), the listening socket and the
+        # relayed streams of the current relay.
+        self.relay: tuple[int, str | None] | None = None
+        self.listener: socket.socket | None = None
+        self.streams: dict[int, RelayStream] = {}
+        self.next_id = 1
+
+    def op_relay_listen(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
+        """Serve the API socket for this connection, with a new credential (docs/lifecycle.md).
+
+        Writes the key to tmpfs, (re)binds the socket once, ends every stream of an earlier
+        relay (a fork child's or restored guest's copy of a call in flight) — or, with
+        ``keep``, moves them to this one (the host replaced the VM process under the same
+        guest) — and answers ``started``; the request then lasts as long as the host
+        connection.
+        """
+        write_api_key(self.base, msg.get("key"))
+        keep = msg.get("keep") or []
+        if not isinstance(keep, list) or not all(isinstance(i, int) for i in keep):
+            raise RequestError(P.ERR_INVALID, "keep must be a list of stream ids")
+        with self.lock:
+            # Kept: those the host names (it saw them open) and those no host has seen (a
+            # guest process that connected while no host served the socket).
+            old = [st for st in self.streams.values() if st.id not in keep and st.announced]
+            for stream in old:
+                del self.streams[stream.id]
+            for stream in self.streams.values():
+                stream.relay_id, stream.conn = req_id, conn
+            self.relay = (req_id, conn)
+        for stream in old:
+            stream.close()
+        if self.listener is None:
+            self.listener = self.listen()
+            spawn_thread("relay-accept", self.accept, self.listener)
+        self.host.send({"id": req_id, "ev": P.EV_STARTED}, conn)
+
+    def listen(self) -> socket.socket:
+        """Bind the API socket afresh (a stale one from before is removed), 0600."""
+        sock_path = os.path.join(self.base, P.API_SOCKET)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(sock_path)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        old_umask = os.umask(0o177)  # born 0600: the guest's root only, like the key
+        try:
+            listener.bind(sock_path)
+        finally:
+            os.umask(old_umask)
+        listener.listen(64)
+        return listener
+
+    def accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                sock, _ = listener.accept()
+            except OSError as exc:
+                log(f"API socket accept failed: {exc}")
+                time.sleep(0.1)
+                continue
+            with self.lock:
+                relay = self.relay
+                stream: RelayStream | None = None
+                if relay is not None:
+                    stream = RelayStream(relay[0], relay[1], self.next_id, sock)
+                    self.next_id += 1
+                    self.streams[stream.id] = stream
+            if stream is None:
+                sock.close()
+                continue
+            if not self.event(stream, {"ev": P.EV_RELAY_OPEN}):
+                self.end(stream)
+                continue
+            stream.announced = True
+            spawn_thread("relay-in", self.from_client, stream)
+            spawn_thread("relay-out", self.to_client, stream)
+
+    def event(self, stream: RelayStream, msg: dict[str, Any]) -> bool:
+        """Send one event of a stream on its relay's connection. While that connection is
+        gone (a RAM swap: the host moves the stream to its next relay), wait a little."""
+        deadline = time.monotonic() + RELAY_MOVE_WAIT
+        while not stream.closed:
+            if self.host.send({"id": stream.relay_id, "stream": stream.id, **msg}, stream.conn):
+                return True
+            if time.monotonic() > deadline:
+                break
+            time.sleep(RETRY_SLEEP)
+        return False
+
+    def from_client(self, stream: RelayStream) -> None:
+        """Guest client -> host: ``relay_data`` events, then ``relay_eof``."""
+        while True:
+            try:
+                data = stream.sock.recv(P.EXEC_CHUNK)
+            except OSError:
+                data = b""
+            if stream.closed:
+                return
+            if not data:
+                self.event(stream, {"ev": P.EV_RELAY_EOF})
+                return
+            if not self.event(stream, {"ev": P.EV_RELAY_DATA, "data": b64e(data)}):
+                self.end(stream)
+                return
+
+    def to_client(self, stream: RelayStream) -> None:
+        """Host -> guest client, off the serve loop (a client that stops reading blocks
+        only its own stream)."""
+        while True:
+            data = stream.outbox.get()
+            if data is None or stream.closed:
+                return
+            if not data:  # the host's end of the request stream
+                with contextlib.suppress(OSError):
+                    stream.sock.shutdown(socket.SHUT_WR)
+                continue
+            try:
+                stream.sock.sendall(data)
+            except OSError:
+                self.end(stream)
+                return
+
+    def end(self, stream: RelayStream) -> None:
+        with self.lock:
+            if self.streams.get(stream.id) is stream:
+                del self.streams[stream.id]
+        stream.close()
+
+    def op_relay_send(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
+        """Host -> guest bytes of one stream (``data``), its EOF (``eof``) or its end
+        (``close``). Carries the relay request's id; never answered."""
+        with self.lock:
+            stream = self.streams.get(msg.get("stream"))  # type: ignore[arg-type]
+        if stream is None or stream.relay_id != req_id:
+            return  # a stream that ended meanwhile, or of an older relay
+        data = b64d(msg.get("data"))
+        if data:
+            stream.outbox.put(data)
+        if msg.get("eof"):
+            stream.outbox.put(b"")
+        if msg.get("close"):
+            self.end(stream)
+
+
+# --------------------------------------------------------------------------- agent
+
+
+class Agent:
+    """Reads the host's requests off the channel and dispatches each, by its ``op``, to the
+    handler of the collaborator that owns it; answers the connection-level ones itself
+    (``hello``, ``ping``, ``sync``, and ``ack``, which spans execs and reads)."""
+
+    def __init__(self, channel: Channel, args: argparse.Namespace) -> None:
+        self.channel = channel
+        self.started = time.time()
+        self.host = HostLink(channel)
+        self.execs = Execs(self.host, Reaper(), args.default_cwd)
+        self.files = Files(self.host)
+        identity = Identity(self.host, args.sysroot, args.host_clock)
+        relay = ApiRelay(self.host, machine_dir(args.sysroot))
+        self.handlers: dict[str, Handler] = {
+            P.OP_HELLO: self.op_hello,
+            P.OP_PING: self.op_ping,
+            P.OP_SYNC: self.op_sync,
+            P.OP_ACK: self.op_ack,
+            P.OP_EXEC: self.execs.op_exec,
+            P.OP_ATTACH: self.execs.op_attach,
+            P.OP_STDIN: self.execs.op_stdin,
+            P.OP_KILL: self.execs.op_kill,
+            P.OP_STAT: self.files.op_stat,
+            P.OP_WRITE: self.files.op_write,
+            P.OP_READ: self.files.op_read,
+            P.OP_CANCEL: self.files.op_cancel,
+            P.OP_IDENTITY: identity.op_identity,
+            P.OP_RELAY_LISTEN: relay.op_relay_listen,
+            P.OP_RELAY_SEND: relay.op_relay_send,
+        }
+
+    # ---- input
+
+    def serve(self) -> None:
+        buf = bytearray()
+        while True:
+            data = self.channel.read()
+            if not data:
+                # Host went away: a partial line can never complete; its requests are orphaned.
+                buf.clear()
+                self.host.conn = None
+                self.files.abort_stale_writes()
+                continue
+            buf += data
+            while True:
+                nl = buf.find(b"\n")
+                if nl < 0:
+                    break
+                line = bytes(buf[:nl])
+                del buf[: nl + 1]
+                if line.strip():
+                    self.handle_line(line)
+            if len(buf) > P.MAX_LINE:
+                log("line too long; dropped")
+                buf.clear()
+
+    def handle_line(self, line: bytes) -> None:
+        try:
+            msg = json.loads(line)
+            if not isinstance(msg, dict):
+                raise ValueError("not an object")
+        except ValueError:
+            log(f"ignoring malformed line ({len(line)} bytes): {line[:80]!r}")
+            return
+        req_id = msg.get("id")
+        op = msg.get("op")
+        if op == P.OP_HELLO:
+            nonce = msg.get("nonce")
+            if isinstance(nonce, str) and nonce != self.host.conn:
+                self.host.conn = nonce
+                self.files.abort_stale_writes()
+        conn = self.host.conn
+        handler = self.handlers.get(op) if isinstance(op, str) else None
+        try:
+            if handler is None:
+                raise RequestError(P.ERR_UNKNOWN_OP, f"unknown operation {op!r}")
+            if not isinstance(req_id, int):
+                raise RequestError(P.ERR_INVALID, "request id must be an integer")
+            handler(req_id, conn, msg)
+        except RequestError as exc:
+            self.host.fail(req_id, conn, exc)
+        except OSError as exc:
+            self.host.fail(req_id, conn, os_error(exc))
+        except Exception as exc:
+            log(f"{op} failed:\n{traceback.format_exc()}")
+            self.host.fail(req_id, conn,
+                           RequestError(P.ERR_INTERNAL, f"{type(exc).__name__}: {exc}"))
+
+    # ---- hello / ping / sync / ack
+
+    def op_hello(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
+        version = str(msg.get("version", ""))
+        major = version.split(".", 1)[0]
+        if major != str(P.PROTOCOL_MAJOR):
+            raise RequestError(
+                P.ERR_VERSION,
+                f"host speaks agent protocol {version or '?'}, "
+                f"this agent speaks {P.PROTOCOL_VERSION}",
+                version=P.PROTOCOL_VERSION,
+            )
+        self.host.reply(
+            req_id,
+            conn,
+            version=P.PROTOCOL_VERSION,
+            nonce=msg.get("nonce"),
+            started=self.started,
+            pid=os.getpid(),
+            hostname=socket.gethostname(),
+            time=time.time(),
+        )
+
+    def op_ping(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
+        self.host.reply(req_id, conn, time=time.time())
+
+    def op_sync(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
+        # In this thread, not a `sync` process: a fork template captured right after
+        # leaves no exiting process or thread behind for every child to finish.
+        os.sync()
+        self.host.reply(req_id, conn)
+
+    def op_ack(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
+        """The host consumed ``bytes`` bytes of request ``req``'s output (1.3)."""
+        target, total = msg.get("req"), msg.get("bytes")
+        if not isinstance(target, int) or not isinstance(total, int):
+            raise RequestError(P.ERR_INVALID, "ack needs integer req and bytes")
+        window = self.execs.window(target) or self.files.read_window(target)
+        if window is not None:
+            window.ack(total)
+        self.host.reply(req_id, conn, known=window is not None)
 
 
 # --------------------------------------------------------------------------- main
