@@ -1630,10 +1630,7 @@ def dial(port: int) -> int:
                 return 0
 
 
-def main(argv: list[str] | None = None) -> None:
-    args_in = sys.argv[1:] if argv is None else argv
-    if len(args_in) == 2 and args_in[0] == "--dial" and args_in[1].isdigit():
-        sys.exit(dial(int(args_in[1])))
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="boxd guest agent")
     parser.add_argument("--connect", metavar="UNIX_SOCKET", help="serve over a unix socket (tests)")
     parser.add_argument(
@@ -1649,7 +1646,37 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--sysroot", help="tests: identity writes /etc files here, skips kernel calls"
     )
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def secure_machine_dir() -> None:
+    """The machine's own directory (identity, the API socket and credential, the client):
+    0755 root. A gVisor sandbox makes it 0777 as the mount point of the client's bind
+    mount, so any guest user could plant files in it. boxd-init does this first where it
+    is PID 1; here for agent.py as PID 1 (no C compiler)."""
+    try:
+        if os.stat(P.IDENTITY_DIR).st_uid == 0:
+            os.chmod(P.IDENTITY_DIR, 0o755)
+    except OSError as exc:
+        log(f"cannot make {P.IDENTITY_DIR} 0755: {exc}")
+
+
+def open_channel(args: argparse.Namespace) -> Channel:
+    """The channel to the host the arguments name (the virtio port by default)."""
+    if args.relay_fd is not None:
+        return RelayChannel(args.relay_fd)
+    if args.stdio:
+        return StdioChannel()
+    if args.connect:
+        return SocketChannel(args.connect)
+    return VirtioChannel(args.port)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args_in = sys.argv[1:] if argv is None else argv
+    if len(args_in) == 2 and args_in[0] == "--dial" and args_in[1].isdigit():
+        sys.exit(dial(int(args_in[1])))
+    args = parse_args(argv)
 
     pid1 = os.getpid() == 1
     if pid1 or args.relay_fd is not None:
@@ -1661,25 +1688,8 @@ def main(argv: list[str] | None = None) -> None:
     if not pid1:
         set_subreaper()
     if args.sysroot is None and os.path.isdir(P.IDENTITY_DIR):
-        # The machine's own directory (identity, the API socket and credential, the
-        # client): 0755 root. A gVisor sandbox makes it 0777 as the mount point of the
-        # client's bind mount, so any guest user could plant files in it. boxd-init does
-        # this first where it is PID 1; here for agent.py as PID 1 (no C compiler).
-        try:
-            if os.stat(P.IDENTITY_DIR).st_uid == 0:
-                os.chmod(P.IDENTITY_DIR, 0o755)
-        except OSError as exc:
-            log(f"cannot make {P.IDENTITY_DIR} 0755: {exc}")
-    channel: Channel
-    if args.relay_fd is not None:
-        channel = RelayChannel(args.relay_fd)
-    elif args.stdio:
-        channel = StdioChannel()
-    elif args.connect:
-        channel = SocketChannel(args.connect)
-    else:
-        channel = VirtioChannel(args.port)
-    agent = Agent(channel, args)
+        secure_machine_dir()
+    agent = Agent(open_channel(args), args)
     log(f"boxd agent {P.PROTOCOL_VERSION} started (pid {os.getpid()})")
     while True:
         try:
