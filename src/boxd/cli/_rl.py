@@ -61,7 +61,7 @@ def _csv(ctx: click.Context, param: click.Parameter, value: str | None) -> list[
               help="Spread a seed's runs over these cluster nodes (all: every alive node; "
               "`boxd nodes list`), one node per run. QEMU sources only.")
 @click.option("--template", is_flag=True, help="Fork every run from a template in which "
-              "the env was built once (per source and node): several times faster, but "
+              "the env was built once (per source and node): no env build per run, but "
               "what the env's constructor reads outside its seed goes unseen.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts (the schema: "
               "--schema).")

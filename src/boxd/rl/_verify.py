@@ -32,7 +32,8 @@ forks where the source's forks go (its node while it has room).
 
 ``template=True`` builds the env once per source (and node) in a template machine and
 forks every run from that built moment: no interpreter start, import or env build per
-run, several times the pairs per minute. What the constructor reads outside its seed
+run (4-22 % fewer seconds per pair on gVisor here, where the forks themselves cost
+most: docs/benchmarks.md, "verify"). What the constructor reads outside its seed
 then goes unseen (it ran once, before the fork), and a single seed's cause has no
 rewound replay (the trace still runs).
 """
