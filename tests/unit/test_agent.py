@@ -24,7 +24,7 @@ from tests._support import agent_guest
 from tests._support.agent_guest import FakeQemu, Guest, _children, run, with_client
 
 import boxd.guest.agent as agent_module
-from boxd.engine.agent import AgentClient, ExecExit, ExecOutput, GuestStream
+from boxd.engine.agent import AgentClient, ExecExit, ExecOutput, GuestStream, _agent_error
 from boxd.errors import (
     GuestFileNotFound,
     HostSetupError,
@@ -72,7 +72,7 @@ def test_major_version_mismatch_is_clear(guest: Guest) -> None:
         msg = json.loads(await asyncio.wait_for(reader.readline(), 15))
         assert msg["ev"] == "error" and msg["code"] == P.ERR_VERSION
         writer.close()
-        err = AgentClient._error(msg)
+        err = _agent_error(msg)
         assert isinstance(err, HostSetupError)
 
     run(body())
@@ -464,7 +464,7 @@ def test_agent_survives_writes_without_host(guest: Guest) -> None:
 
     async def body() -> None:
         c = await guest.client()
-        await c._send({"id": 1, "op": "exec", "cmd": "head -c 3000000 /dev/zero"})
+        await c._channel.send({"id": 1, "op": "exec", "cmd": "head -c 3000000 /dev/zero"})
         await c.close()
         await asyncio.sleep(1.0)
         c = await guest.client()

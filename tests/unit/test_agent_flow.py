@@ -36,7 +36,7 @@ def _positions(path: Path) -> list[int]:
 def _queued(c: AgentClient) -> int:
     """Bytes of output the client holds, received and not yet consumed."""
     total = 0
-    for q in c._pending.values():
+    for q in c._channel._pending.values():
         for msg in list(q._queue):  # type: ignore[attr-defined]
             if msg is not None:
                 total += len(msg.get("data") or "")

@@ -42,12 +42,12 @@ async def _line(events: object, timeout: float = 10) -> bytes:
 def _raw(c: AgentClient, msg: dict[str, object]) -> asyncio.Queue[dict[str, object] | None]:
     """Expect replies to a hand-made request id (what the client would not send)."""
     q: asyncio.Queue[dict[str, object] | None] = asyncio.Queue()
-    c._pending[int(msg["id"])] = q  # type: ignore[call-overload]
+    c._channel._pending[int(msg["id"])] = q  # type: ignore[call-overload]
     return q
 
 
 async def _send(c: AgentClient, msg: dict[str, object]) -> None:
-    await c._send_raw(json.dumps(msg).encode() + b"\n")
+    await c._channel.send_raw(json.dumps(msg).encode() + b"\n")
 
 
 def test_init_serves_streamed_execs_itself(init_guest: ta.Guest) -> None:

@@ -395,7 +395,7 @@ def test_a_spawned_process_is_held_by_the_window_not_the_host(init_guest: ta.Gue
         proc = await c.start([sys.executable, "-c",
                               "import sys; sys.stdout.buffer.write(bytes(64 << 20))"])
         await asyncio.sleep(3)
-        q = c._pending[proc.exec_id]
+        q = c._channel._pending[proc.exec_id]
         pending: list[dict[str, object] | None] = list(q._queue)  # type: ignore[attr-defined]
         held = sum(len(str(m.get("data") or "")) for m in pending if m is not None)
         assert held * 3 // 4 <= P.DEFAULT_WINDOW + CHUNK, held

@@ -8,6 +8,12 @@ chardev). Requests are multiplexed over it by id; replies whose id the client do
 Every failure surfaces as a `boxd.errors.BoxdError`: a lost connection or an agent that does
 not answer is `MachineFailed`, a missing guest file is `GuestFileNotFound`, other guest file
 errors are `InvalidRequest`, a corrupted transfer is `IntegrityError`.
+
+`AgentClient` is a facade over collaborators with narrow interfaces: a `_Channel` (the
+framing, request ids and the reader that routes replies to their request), and over it
+`_ExecSessions` (commands: their output, stdin and exit), `_FileTransfer` (guest files,
+checked by sha256) and `_RelayServer` (the in-guest API socket); `AgentClient.dial` runs a
+dialer process and bridges it to a socket pair (`_bridge`).
 """
 
 from __future__ import annotations
@@ -79,6 +85,17 @@ RELAY_MINOR = 5
 HELLO_RETRY = 0.25
 #: The protocol minor version from which reads and execs take a flow-control ``window``.
 WINDOW_MINOR = 3
+#: Seconds a guest stream whose connection was lost waits to be moved to the next one.
+STREAM_MOVE_WAIT = 30.0
+#: Guest connections to the in-guest API socket a machine may have open at once
+#: (`AgentClient.serve_relay`); more are closed as they come.
+MAX_GUEST_STREAMS = 64
+
+_RELAY_EVENTS = frozenset({P.EV_RELAY_OPEN, P.EV_RELAY_DATA, P.EV_RELAY_EOF})
+# Relay events kept for a relay not served yet (`_StrayRelay`).
+_STRAY_MAX = 1024
+# Tasks serving guest streams: they may outlive the agent connection they came on.
+_STREAM_TASKS: set[asyncio.Task[None]] = set()
 
 
 class ExecOutput(NamedTuple):
@@ -189,6 +206,48 @@ async def connect_watched(
         raise
 
 
+def _agent_error(msg: _Msg) -> BoxdError:
+    """The error an agent's ``error`` event stands for."""
+    code = str(msg.get("code", ""))
+    text = str(msg.get("message") or code or "guest agent error")
+    path = msg.get("path")
+    if code == P.ERR_NOT_FOUND and path is not None:
+        return GuestFileNotFound(text, path=path)
+    if code == P.ERR_INTERNAL:
+        return InternalError(f"guest agent: {text}")
+    if code == P.ERR_VERSION:
+        return HostSetupError(text, hint="rebuild the guest image with this version of boxd")
+    details: dict[str, Any] = {"field": "path"} if path is not None else {}
+    if path is not None:
+        details["path"] = path
+    if isinstance(msg.get("field"), str):
+        details["field"] = msg["field"]  # the request field the agent rejected
+    details["errno"] = code
+    return InvalidRequest(text, **details)
+
+
+def _exec_fields(
+    command: str | list[str],
+    env: Mapping[str, str | None] | None,
+    cwd: str | None,
+    timeout: float | None,
+) -> _Msg:
+    """The fields of an ``exec`` request common to `AgentClient.exec` and ``start``."""
+    fields: _Msg = {"cmd": command}
+    if env:
+        fields["env"] = dict(env)
+    if cwd is not None:
+        fields["cwd"] = cwd
+    if timeout is not None:
+        fields["timeout"] = timeout
+    return fields
+
+
+def _window(supports: Callable[[int], bool]) -> int:
+    """The flow-control window to ask for (0 with an agent older than 1.3)."""
+    return P.DEFAULT_WINDOW if supports(WINDOW_MINOR) else 0
+
+
 class AgentClient:
     """An asyncio connection to one machine's guest agent.
 
@@ -201,24 +260,11 @@ class AgentClient:
         writer: asyncio.StreamWriter,
         socket_path: Path,
     ) -> None:
-        self._reader = reader
-        self._writer = writer
         self._path = socket_path
+        self._channel = _Channel(reader, writer, socket_path)
         self._nonce = secrets.token_hex(8)
-        # Ids start at a random point so a stale reply to another connection's request
-        # (answered by a forked or restored guest) cannot match one of ours.
-        self._next_id = secrets.randbelow(1 << 40) + 1
-        self._pending: dict[int, _Queue] = {}
-        self._write_lock = asyncio.Lock()
-        self._closed = False
-        self._failure = ""
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._read_task = asyncio.create_task(self._read_loop(), name=f"agent-reader {socket_path}")
-        # Relay events under an id this connection does not know: a guest process that
-        # connected before this connection served the socket (a fresh fork child or
-        # restored guest). `serve_relay` takes them over (bounded; oldest dropped).
-        self._stray_relay: list[_Msg] = []
-        self._on_stray: Callable[[], None] | None = None
+        self._execs = _ExecSessions(self._channel, self.supports)
+        self._files = _FileTransfer(self._channel, self.supports)
         self.agent_version = ""
         self.agent_pid = 0
         self.agent_started = 0.0
@@ -295,205 +341,70 @@ class AgentClient:
     async def _hello(self, deadline: float) -> None:
         # All hellos of this connection share one queue: the first answer wins, late ones are
         # harmless (same nonce, so the agent does not treat them as a new connection).
+        channel = self._channel
         q: _Queue = asyncio.Queue()
         ids: list[int] = []
         try:
             # A leading newline ends any partial line left in the channel by a previous host.
-            await self._send_raw(b"\n")
+            await channel.send_raw(b"\n")
             while True:
-                req_id = self._new_id()
+                req_id, _, msg = channel.open(
+                    P.OP_HELLO, q, version=P.PROTOCOL_VERSION, nonce=self._nonce)
                 ids.append(req_id)
-                self._pending[req_id] = q
-                await self._send(
-                    {
-                        "id": req_id,
-                        "op": P.OP_HELLO,
-                        "version": P.PROTOCOL_VERSION,
-                        "nonce": self._nonce,
-                    }
-                )
+                await channel.send(msg)
                 wait = min(HELLO_RETRY, deadline - time.monotonic())
                 if wait <= 0:
                     raise MachineFailed("guest agent did not answer hello")
                 try:
-                    msg = await asyncio.wait_for(q.get(), timeout=wait)
+                    reply = await asyncio.wait_for(q.get(), timeout=wait)
                 except TimeoutError:
                     continue
-                if msg is None:
-                    raise MachineFailed(f"agent connection closed during hello ({self._failure})")
-                if msg.get("ev") == P.EV_ERROR:
-                    if msg.get("code") == P.ERR_VERSION:
-                        raise HostSetupError(
-                            f"guest agent protocol mismatch: {msg.get('message')}",
-                            hint="rebuild the guest image with this version of boxd",
-                        )
-                    raise self._error(msg)
-                version = str(msg.get("version", ""))
-                if version.split(".", 1)[0] != str(P.PROTOCOL_MAJOR):
-                    raise HostSetupError(
-                        f"guest agent speaks protocol {version}, boxd speaks {P.PROTOCOL_VERSION}",
-                        hint="rebuild the guest image with this version of boxd",
-                    )
-                self.agent_version = version
-                self.agent_pid = int(msg.get("pid", 0))
-                self.agent_started = float(msg.get("started", 0.0))
+                if reply is None:
+                    raise MachineFailed(
+                        f"agent connection closed during hello ({channel.failure})")
+                self._greeted(reply)
                 return
         finally:
             for req_id in ids:
-                self._pending.pop(req_id, None)
+                channel.forget(req_id)
+
+    def _greeted(self, msg: _Msg) -> None:
+        """Take the agent's answer to hello: its version, pid and start time.
+
+        Raises:
+            HostSetupError: it speaks another protocol major version.
+        """
+        if msg.get("ev") == P.EV_ERROR:
+            if msg.get("code") == P.ERR_VERSION:
+                raise HostSetupError(
+                    f"guest agent protocol mismatch: {msg.get('message')}",
+                    hint="rebuild the guest image with this version of boxd",
+                )
+            raise _agent_error(msg)
+        version = str(msg.get("version", ""))
+        if version.split(".", 1)[0] != str(P.PROTOCOL_MAJOR):
+            raise HostSetupError(
+                f"guest agent speaks protocol {version}, boxd speaks {P.PROTOCOL_VERSION}",
+                hint="rebuild the guest image with this version of boxd",
+            )
+        self.agent_version = version
+        self.agent_pid = int(msg.get("pid", 0))
+        self.agent_started = float(msg.get("started", 0.0))
 
     @property
     def connected(self) -> bool:
         """True until the connection is closed or lost."""
-        return not self._closed
+        return not self._channel.closed
 
     async def close(self) -> None:
         """Close the connection; pending requests fail with `MachineFailed`."""
-        self._fail_all("connection closed by the host")
-        self._read_task.cancel()
-        for task in list(self._tasks):
-            task.cancel()
-        with contextlib.suppress(BaseException):
-            await self._read_task
-        self._writer.close()
-        with contextlib.suppress(Exception):
-            await self._writer.wait_closed()
+        await self._channel.close()
 
     async def __aenter__(self) -> AgentClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-    # ------------------------------------------------------------------ plumbing
-
-    def _new_id(self) -> int:
-        self._next_id += 1
-        return self._next_id
-
-    def _fail_all(self, reason: str) -> None:
-        if not self._closed:
-            self._closed = True
-            self._failure = reason
-        for q in self._pending.values():
-            q.put_nowait(None)
-        self._pending.clear()
-
-    async def _read_loop(self) -> None:
-        reason = "agent closed the connection"
-        try:
-            while True:
-                try:
-                    line = await self._reader.readline()
-                except ValueError:  # a line longer than the limit: skip what was buffered
-                    log.warning("agent %s: oversized line dropped", self._path)
-                    continue
-                if not line:
-                    break
-                if not line.endswith(b"\n"):
-                    break  # EOF in the middle of a line
-                if not line.strip():
-                    continue
-                try:
-                    msg = json.loads(line)
-                    req_id = msg["id"]
-                except (ValueError, KeyError, TypeError):
-                    # A partial line from before a reconnect/fork; the protocol resyncs at \n.
-                    log.debug("agent %s: malformed line dropped: %.80r", self._path, line)
-                    continue
-                q = self._pending.get(req_id) if isinstance(req_id, int) else None
-                if q is None and msg.get("ev") in _RELAY_EVENTS:
-                    self._stray_relay.append(msg)
-                    del self._stray_relay[:-_STRAY_MAX]
-                    if self._on_stray is not None:
-                        self._on_stray()
-                    continue
-                if q is None:
-                    log.debug("agent %s: stale reply for id %r dropped", self._path, req_id)
-                    continue
-                q.put_nowait(msg)
-                if msg.get("ev") in P.TERMINAL_EVENTS:
-                    self._pending.pop(req_id, None)
-        except (OSError, asyncio.IncompleteReadError) as exc:
-            reason = f"agent connection lost: {exc}"
-        finally:
-            self._fail_all(reason)
-
-    async def _send_raw(self, data: bytes) -> None:
-        if self._closed:
-            raise MachineFailed(f"agent connection is closed ({self._failure})")
-        try:
-            async with self._write_lock:
-                self._writer.write(data)
-                await self._writer.drain()
-        except (OSError, RuntimeError) as exc:
-            self._fail_all(f"agent connection lost: {exc}")
-            raise MachineFailed(f"agent connection lost: {exc}") from exc
-
-    async def _send(self, msg: _Msg) -> None:
-        await self._send_raw(json.dumps(msg, separators=(",", ":")).encode() + b"\n")
-
-    def _open(self, op: str, **fields: Any) -> tuple[int, _Queue, _Msg]:
-        if self._closed:
-            raise MachineFailed(f"agent connection is closed ({self._failure})")
-        req_id = self._new_id()
-        q: _Queue = asyncio.Queue()
-        self._pending[req_id] = q
-        return req_id, q, {"id": req_id, "op": op, **fields}
-
-    async def _next(self, q: _Queue, timeout: float | None, what: str) -> _Msg:
-        try:
-            msg = await asyncio.wait_for(q.get(), timeout=timeout)
-        except TimeoutError:
-            raise MachineFailed(
-                f"guest agent did not answer {what} within {timeout:g}s",
-                hint="the machine may be overloaded or hung",
-            ) from None
-        if msg is None:
-            raise MachineFailed(f"lost the agent connection during {what} ({self._failure})")
-        return msg
-
-    async def _call(self, op: str, timeout: float = REQUEST_TIMEOUT, **fields: Any) -> _Msg:
-        req_id, q, msg = self._open(op, **fields)
-        try:
-            await self._send(msg)
-            reply = await self._next(q, timeout, op)
-        finally:
-            self._pending.pop(req_id, None)
-        if reply.get("ev") == P.EV_ERROR:
-            raise self._error(reply)
-        return reply
-
-    def _spawn(self, coro: Any) -> None:
-        task: asyncio.Task[Any] = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _quiet(self, op: str, **fields: Any) -> None:
-        """Fire-and-forget request (used from cleanup paths); errors are only logged."""
-        try:
-            await self._call(op, timeout=10.0, **fields)
-        except BoxdError as exc:
-            log.debug("agent %s: %s failed: %s", self._path, op, exc)
-
-    @staticmethod
-    def _error(msg: _Msg) -> BoxdError:
-        code = str(msg.get("code", ""))
-        text = str(msg.get("message") or code or "guest agent error")
-        path = msg.get("path")
-        if code == P.ERR_NOT_FOUND and path is not None:
-            return GuestFileNotFound(text, path=path)
-        if code == P.ERR_INTERNAL:
-            return InternalError(f"guest agent: {text}")
-        if code == P.ERR_VERSION:
-            return HostSetupError(text, hint="rebuild the guest image with this version of boxd")
-        details: dict[str, Any] = {"field": "path"} if path is not None else {}
-        if path is not None:
-            details["path"] = path
-        if isinstance(msg.get("field"), str):
-            details["field"] = msg["field"]  # the request field the agent rejected
-        details["errno"] = code
-        return InvalidRequest(text, **details)
 
     # ------------------------------------------------------------------ operations
 
@@ -504,7 +415,7 @@ class AgentClient:
             MachineFailed: the agent did not answer.
         """
         start = time.perf_counter()
-        await self._call(P.OP_PING)
+        await self._channel.call(P.OP_PING)
         return time.perf_counter() - start
 
     async def exec(
@@ -528,28 +439,12 @@ class AgentClient:
             GuestFileNotFound: ``cwd`` does not exist.
             InvalidRequest: the agent rejected the request.
         """
-        fields = self._exec_fields(command, env, cwd, timeout)
+        fields = _exec_fields(command, env, cwd, timeout)
         if stdin is not None:
             fields["stdin"] = _b64(stdin)
-        window = self._window()
-        if window:
-            fields["window"] = window
-        req_id, q, msg = self._open(P.OP_EXEC, **fields)
-        async with contextlib.aclosing(self._exec_events(req_id, q, msg, window)) as events:
+        async with contextlib.aclosing(self._execs.events(fields)) as events:
             async for item in events:
                 yield item
-
-    def _window(self) -> int:
-        """The flow-control window to ask for (0 with an agent older than 1.3)."""
-        return P.DEFAULT_WINDOW if self.supports(WINDOW_MINOR) else 0
-
-    async def _ack(self, req: int, total: int) -> None:
-        """Tell the agent ``total`` bytes of request ``req``'s output were consumed.
-
-        Its answer is not awaited (it arrives under an id nobody waits for and is
-        dropped): an ack only lets the agent send more.
-        """
-        await self._send({"id": self._new_id(), "op": P.OP_ACK, "req": req, "bytes": total})
 
     async def start(
         self,
@@ -574,117 +469,7 @@ class AgentClient:
             InvalidRequest: the agent rejected the request, or the program cannot be
                 executed (exit status 126).
         """
-        fields = self._exec_fields(command, env, cwd, timeout)
-        fields["stdin_stream"] = True
-        window = self._window()
-        if window:
-            fields["window"] = window
-        req_id, q, msg = self._open(P.OP_EXEC, **fields)
-        try:
-            await self._send(msg)
-            q = await self._started(req_id, q, command)
-        except BaseException:
-            self._pending.pop(req_id, None)
-            raise
-        return ExecProcess(self, req_id, self._exec_events(req_id, q, None, window))
-
-    async def _started(self, req_id: int, q: _Queue, command: str | list[str]) -> _Queue:
-        """Wait for exec ``req_id``'s ``started`` event; the queue to follow it with.
-
-        Raises the exec's error, or one for a program that could not be executed (the
-        agent answers those as a shell would: its message on stderr, then exit status
-        127 or 126, without a ``started``).
-        """
-        early: list[_Msg] = []
-        try:
-            while True:
-                reply = await self._next(q, REQUEST_TIMEOUT, "exec")
-                ev = reply.get("ev")
-                if ev == P.EV_STARTED:
-                    break
-                if ev == P.EV_ERROR:
-                    raise self._error(reply)
-                if ev == P.EV_RESULT:
-                    code = int(reply.get("exit_code", 126))
-                    said = b"".join(_unb64(m) for m in early if m.get("ev") == P.EV_STDERR)
-                    text = said.decode(errors="replace").strip().removeprefix("boxd-agent: ")
-                    argv0 = command if isinstance(command, str) else command[0]
-                    message = f"cannot start {text or argv0} (exit status {code})"
-                    if code == 127:
-                        raise GuestFileNotFound(message, path=argv0, exit_code=code)
-                    raise InvalidRequest(message, field="argv", exit_code=code)
-                early.append(reply)
-        except MachineFailed:
-            if not self._closed:  # no answer in time: it may run, unfollowed
-                self._spawn(self._quiet(P.OP_KILL, exec_id=req_id, signal=9))
-            raise
-        if not early:
-            return q
-        # Output overtook the answer: keep it, in order, ahead of what follows.
-        fresh: _Queue = asyncio.Queue()
-        for m in early:
-            fresh.put_nowait(m)
-        while not q.empty():
-            fresh.put_nowait(q.get_nowait())
-        self._pending[req_id] = fresh
-        return fresh
-
-    @staticmethod
-    def _exec_fields(
-        command: str | list[str],
-        env: Mapping[str, str | None] | None,
-        cwd: str | None,
-        timeout: float | None,
-    ) -> _Msg:
-        fields: _Msg = {"cmd": command}
-        if env:
-            fields["env"] = dict(env)
-        if cwd is not None:
-            fields["cwd"] = cwd
-        if timeout is not None:
-            fields["timeout"] = timeout
-        return fields
-
-    async def _exec_events(
-        self, req_id: int, q: _Queue, msg: _Msg | None, window: int = 0
-    ) -> AsyncGenerator[ExecChunk, None]:
-        finished = False
-        consumed = acked = 0
-        try:
-            if msg is not None:
-                await self._send(msg)
-            while True:
-                # No idle limit: a command may legitimately be silent for a long time. The
-                # agent enforces ``timeout``; a lost connection ends the wait.
-                reply = await self._next(q, None, "exec")
-                ev = reply.get("ev")
-                if ev in (P.EV_STDOUT, P.EV_STDERR):
-                    data = _unb64(reply)
-                    yield ExecOutput("stdout" if ev == P.EV_STDOUT else "stderr", data)
-                    # Acknowledge what the consumer took (half a window at a time): the
-                    # agent sends at most a window ahead, so a slow consumer holds the
-                    # command, not this process's memory.
-                    consumed += len(data)
-                    if window and consumed - acked >= window // 2:
-                        acked = consumed
-                        await self._ack(req_id, consumed)
-                elif ev == P.EV_RESULT:
-                    finished = True
-                    yield ExecExit(
-                        exit_code=int(reply["exit_code"]),
-                        signal=reply.get("signal"),
-                        timed_out=bool(reply.get("timed_out")),
-                        duration=float(reply.get("duration", 0.0)),
-                    )
-                    return
-                elif ev == P.EV_ERROR:
-                    finished = True
-                    raise self._error(reply)
-                # "started" and unknown events (newer minor versions) are skipped.
-        finally:
-            self._pending.pop(req_id, None)
-            if not finished and not self._closed:
-                self._spawn(self._quiet(P.OP_KILL, exec_id=req_id, signal=9))
+        return await self._execs.start(_exec_fields(command, env, cwd, timeout))
 
     async def run(
         self,
@@ -750,38 +535,13 @@ class AgentClient:
             ConnectionRefusedError: nothing in the guest answers on ``port``.
             OSError: the dialer could not start, or the connection was lost.
         """
-        try:
-            try:
-                proc = await self.start([f"{tree}/boxd-init", "--dial", str(port)])
-            except GuestFileNotFound:
-                proc = await self.start(["python3", f"{tree}/agent.py", "--dial", str(port)])
-        except BoxdError as exc:
-            raise OSError(f"cannot start the guest's dialer: {exc.message}") from exc
+        proc = await _start_dialer(self.start, port, tree)
         events = aiter(proc)
-        said = b""
-        try:
-            while True:
-                ev = await asyncio.wait_for(anext(events), DIAL_TIMEOUT)
-                if isinstance(ev, ExecExit):
-                    text = said.decode(errors="replace").strip() or f"exit {ev.exit_code}"
-                    raise ConnectionRefusedError(f"guest port {port}: {text}")
-                if ev.stream == "stderr":
-                    said = (said + ev.data)[-1024:]
-                    continue
-                if ev.data[:1] == b"+":
-                    leftover = ev.data[1:]
-                    break
-                raise OSError(f"guest port {port}: the dialer said {ev.data[:40]!r}")
-        except BaseException as exc:
-            await proc.aclose()
-            if isinstance(exc, (TimeoutError, StopAsyncIteration, MachineFailed)):
-                raise OSError(f"guest port {port}: the dialer did not answer ({exc!r})") \
-                    from exc
-            raise
+        leftover = await _dialer_connected(proc, events, port)
         ours, theirs = socket.socketpair()
         theirs.setblocking(False)
         reader, writer = await asyncio.open_connection(sock=ours)
-        self._spawn(_bridge(theirs, proc, events, leftover))
+        self._channel.spawn(_bridge(theirs, proc, events, leftover))
         return reader, writer
 
     async def write_file(
@@ -798,44 +558,7 @@ class AgentClient:
             IntegrityError: the guest's copy does not match.
             MachineFailed: the connection was lost.
         """
-        sha = hashlib.sha256()
-        req_id, q, first = self._open(P.OP_WRITE, path=path, mode=mode)
-        offset = 0
-        try:
-            async with contextlib.aclosing(_chunks(data, P.FILE_CHUNK)) as chunks:
-                chunk = await anext(chunks, b"")
-                while True:
-                    following = await anext(chunks, None) if q.empty() else None
-                    eof = following is None
-                    msg: _Msg = first if offset == 0 else {"id": req_id, "op": P.OP_WRITE}
-                    msg.update(offset=offset, data=_b64(chunk), eof=eof)
-                    sha.update(chunk)
-                    await self._send(msg)
-                    offset += len(chunk)
-                    if eof or not q.empty():  # an early error: stop sending
-                        break
-                    chunk = following or b""
-            reply = await self._next(q, STREAM_IDLE_TIMEOUT, "write")
-        finally:
-            self._pending.pop(req_id, None)
-        if reply.get("ev") == P.EV_ERROR:
-            raise self._error(reply)
-        digest = sha.hexdigest()
-        size = offset
-        stat = FileStat(
-            path=str(reply.get("path", path)),
-            size=int(reply["size"]),
-            mode=int(reply["mode"]),
-            sha256=str(reply["sha256"]),
-        )
-        if stat.size != size or stat.sha256 != digest:
-            raise IntegrityError(
-                f"guest file {path} does not match what was sent "
-                f"({stat.size} bytes, sha256 {stat.sha256}; sent {size}, {digest})",
-                digest=digest,
-                path=path,
-            )
-        return stat
+        return await self._files.write(path, data, mode)
 
     async def read_file(self, path: str) -> bytes:
         """Read a whole guest file, verified by sha256.
@@ -849,7 +572,7 @@ class AgentClient:
         parts = [chunk async for chunk in self.read_stream(path)]
         return b"".join(parts)
 
-    async def read_stream(self, path: str) -> AsyncGenerator[bytes, None]:
+    def read_stream(self, path: str) -> AsyncGenerator[bytes, None]:
         """Read a guest file chunk by chunk, as the consumer takes them.
 
         The agent stays at most a window (8 MiB) ahead of the consumer; closing the
@@ -863,51 +586,7 @@ class AgentClient:
             IntegrityError: the data does not match the agent's digest.
             MachineFailed: the connection was lost.
         """
-        window = self._window()
-        fields: _Msg = {"path": path}
-        if window:
-            fields["window"] = window
-        req_id, q, msg = self._open(P.OP_READ, **fields)
-        size = acked = 0
-        sha = hashlib.sha256()
-        finished = False
-        try:
-            await self._send(msg)
-            while True:
-                reply = await self._next(q, STREAM_IDLE_TIMEOUT, "read")
-                ev = reply.get("ev")
-                if ev == P.EV_DATA:
-                    chunk = _unb64(reply)
-                    if reply.get("offset") != size:
-                        raise IntegrityError(
-                            f"guest file {path}: chunk at offset {reply.get('offset')}, "
-                            f"expected {size}",
-                            path=path,
-                        )
-                    sha.update(chunk)
-                    size += len(chunk)
-                    yield chunk
-                    if window and size - acked >= window // 2:
-                        acked = size
-                        await self._ack(req_id, size)
-                elif ev == P.EV_ERROR:
-                    finished = True
-                    raise self._error(reply)
-                elif ev == P.EV_RESULT:
-                    finished = True
-                    break
-        finally:
-            self._pending.pop(req_id, None)
-            if not finished and window and not self._closed:
-                # The consumer went away: the guest stops reading the file.
-                self._spawn(self._quiet(P.OP_CANCEL, req=req_id))
-        if reply.get("size") != size or reply.get("sha256") != sha.hexdigest():
-            raise IntegrityError(
-                f"guest file {path} arrived corrupted ({size} bytes, sha256 {sha.hexdigest()}; "
-                f"agent says {reply.get('size')}, {reply.get('sha256')})",
-                digest=str(reply.get("sha256")),
-                path=path,
-            )
+        return self._files.read(path)
 
     async def stat(self, path: str) -> dict[str, Any]:
         """``lstat`` a guest path: type ("file", "dir", "symlink", "other"), size, mode, mtime.
@@ -917,7 +596,7 @@ class AgentClient:
             InvalidRequest: the path is not absolute or not accessible.
             MachineFailed: the connection was lost.
         """
-        reply = await self._call(P.OP_STAT, path=path)
+        reply = await self._channel.call(P.OP_STAT, path=path)
         return {k: v for k, v in reply.items() if k not in ("id", "ev")}
 
     async def identity(self, *, hostname: str, machine_id: str, seed: bytes, now: float,
@@ -934,7 +613,7 @@ class AgentClient:
             MachineFailed: the connection was lost.
         """
         extra: dict[str, Any] = {"api_key": api_key} if api_key is not None else {}
-        await self._call(
+        await self._channel.call(
             P.OP_IDENTITY, hostname=hostname, machine_id=machine_id, seed=_b64(seed), now=now,
             **extra,
         )
@@ -947,7 +626,7 @@ class AgentClient:
             InvalidRequest: a bad key. MachineFailed: the connection was lost.
         """
         if self.supports(RELAY_MINOR):
-            await self._call(P.OP_IDENTITY, api_key=api_key)
+            await self._channel.call(P.OP_IDENTITY, api_key=api_key)
 
     async def clock(self, now: float) -> None:
         """Step the guest's wall clock to ``now`` (after a wake); nothing else changes.
@@ -956,7 +635,7 @@ class AgentClient:
             InvalidRequest: a bad value, or the agent lacks the privilege.
             MachineFailed: the connection was lost.
         """
-        await self._call(P.OP_IDENTITY, now=now)
+        await self._channel.call(P.OP_IDENTITY, now=now)
 
     async def sync(self, timeout: float = 60.0) -> None:
         """Write the guest's dirty page cache to its disk (``sync(2)``).
@@ -968,19 +647,13 @@ class AgentClient:
         """
         minor = self.agent_version.partition(".")[2]
         if minor.isdigit() and int(minor) >= 1:
-            await self._call(P.OP_SYNC, timeout=timeout)
+            await self._channel.call(P.OP_SYNC, timeout=timeout)
         else:
             await self.run(["sync"], timeout=timeout)
 
     async def kill(self, exec_id: int, signal: int = 9) -> bool:
         """Signal the process group of a running exec; False when it already finished."""
-        try:
-            reply = await self._call(P.OP_KILL, exec_id=exec_id, signal=signal)
-        except InvalidRequest as exc:
-            if exc.details.get("errno") == P.ERR_NO_EXEC:
-                return False
-            raise
-        return bool(reply.get("delivered"))
+        return await self._execs.kill(exec_id, signal)
 
     def supports(self, minor: int) -> bool:
         """True when the agent speaks at least protocol ``1.minor``."""
@@ -1000,24 +673,7 @@ class AgentClient:
             raise InvalidRequest(
                 f"the guest agent (protocol {self.agent_version}) cannot re-attach a process",
                 hint="boot the machine from an image built by this version of boxd")
-        req_id, q, msg = self._open(P.OP_ATTACH, exec_id=exec_id)
-        try:
-            await self._send(msg)
-            first = await self._next(q, REQUEST_TIMEOUT, "attach")
-        except BaseException:
-            self._pending.pop(req_id, None)
-            raise
-        if first.get("ev") == P.EV_ERROR:
-            self._pending.pop(req_id, None)
-            raise self._error(first)
-        if first.get("ev") != P.EV_STARTED:
-            # Output overtook the answer: keep it, in order, ahead of what follows.
-            fresh: _Queue = asyncio.Queue()
-            fresh.put_nowait(first)
-            while not q.empty():
-                fresh.put_nowait(q.get_nowait())
-            self._pending[req_id] = q = fresh
-        return ExecProcess(self, req_id, self._exec_events(req_id, q, None))
+        return await self._execs.attach(exec_id)
 
     async def serve_relay(
         self, key: str, on_stream: Callable[[GuestStream], Awaitable[None]], *,
@@ -1044,112 +700,624 @@ class AgentClient:
             raise InvalidRequest(
                 f"the guest agent (protocol {self.agent_version}) has no API socket",
                 hint="boot the machine from an image built by this version of boxd")
-        streams = {} if streams is None else streams
-        strays = {m["stream"] for m in self._stray_relay
-                  if m.get("ev") == P.EV_RELAY_OPEN and isinstance(m.get("stream"), int)}
-        keep = sorted(set(streams) | strays)
-        req_id, q, msg = self._open(P.OP_RELAY_LISTEN, key=key, keep=keep)
-        for stream in streams.values():
-            stream._bind(self, req_id)
-        try:
-            await self._send(msg)
-            first = await self._next(q, REQUEST_TIMEOUT, "relay_listen")
-            if first.get("ev") == P.EV_ERROR:
-                raise self._error(first)
-            if on_started is not None:
-                on_started()
-            # Guest connections made before: served as if they had come on this relay.
-            backlog: list[_Msg | None] = [
-                m for m in self._stray_relay if m.get("stream") in strays]
-            self._stray_relay.clear()
-            while not q.empty():  # what came on this relay since goes after them
-                backlog.append(q.get_nowait())
-            for m in backlog:
-                q.put_nowait(m)
-            while True:
-                event = await q.get()
-                if event is None or event.get("ev") in P.TERMINAL_EVENTS:
-                    return
-                sid = event.get("stream")
-                if not isinstance(sid, int):
-                    continue
-                ev = event.get("ev")
-                if ev == P.EV_RELAY_OPEN:
-                    if sid not in streams and len(streams) >= MAX_GUEST_STREAMS:
-                        # Each served stream costs the daemon a task and a connection
-                        # to its API: past the limit the guest's connection is closed.
-                        log.warning("agent %s: guest API connection %d refused: %d open "
-                                    "(limit %d)", self._path, sid, len(streams),
-                                    MAX_GUEST_STREAMS)
-                        await self._relay_send(req_id, sid, close=True)
-                        continue
-                    stream = streams[sid] = GuestStream(self, req_id, sid)
-                    task = asyncio.ensure_future(self._run_stream(stream, on_stream, streams))
-                    _STREAM_TASKS.add(task)
-                    task.add_done_callback(_STREAM_TASKS.discard)
-                elif (stream_ := streams.get(sid)) is not None:
-                    if ev == P.EV_RELAY_DATA:
-                        stream_._incoming.put_nowait(_unb64(event))
-                    elif ev == P.EV_RELAY_EOF:
-                        stream_._incoming.put_nowait(b"")
-        except MachineFailed:
-            return  # the connection is gone; its streams wait for the caller's decision
-        finally:
-            self._pending.pop(req_id, None)
-            for stream in streams.values():
-                stream.orphan(self)
+        relay = _RelayServer(self, self._channel, {} if streams is None else streams, on_stream)
+        await relay.serve(key, on_started)
 
     def on_guest_connect(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` when a guest process connects to the API socket while this
         connection does not serve it yet (at once if one did already)."""
-        self._on_stray = callback
-        if self._stray_relay:
-            callback()
-
-    async def _run_stream(
-        self, stream: GuestStream, on_stream: Callable[[GuestStream], Awaitable[None]],
-        streams: dict[int, GuestStream],
-    ) -> None:
-        try:
-            await on_stream(stream)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("agent %s: guest API stream %d failed", self._path, stream.id)
-        finally:
-            if streams.get(stream.id) is stream:
-                del streams[stream.id]
-            await stream.close()
+        self._channel.strays.watch(callback)
 
     async def _relay_send(self, relay_id: int, stream_id: int, **fields: Any) -> None:
-        await self._send({"id": relay_id, "op": P.OP_RELAY_SEND, "stream": stream_id, **fields})
+        """Send on guest stream ``stream_id`` of relay ``relay_id`` (data, EOF or close)."""
+        await self._channel.send(
+            {"id": relay_id, "op": P.OP_RELAY_SEND, "stream": stream_id, **fields})
 
-    async def _stdin(self, exec_id: int, data: bytes, eof: bool) -> None:
-        if not self.supports(UNACKED_STDIN_MINOR):
-            await self._call(P.OP_STDIN, exec_id=exec_id, data=_b64(data), eof=eof)
+    def __repr__(self) -> str:
+        state = "connected" if self.connected else f"closed ({self._channel.failure})"
+        return f"<AgentClient {os.fspath(self._path)} {state}>"
+
+
+# ---------------------------------------------------------------------- the connection
+
+
+class _StrayRelay:
+    """Relay events under an id the connection does not know: a guest process that
+    connected before this connection served the API socket (a fresh fork child or a
+    restored guest). `_RelayServer` takes them over; at most `_STRAY_MAX` are kept
+    (oldest dropped)."""
+
+    def __init__(self) -> None:
+        self._events: list[_Msg] = []
+        self._watcher: Callable[[], None] | None = None
+
+    def add(self, msg: _Msg) -> None:
+        self._events.append(msg)
+        del self._events[:-_STRAY_MAX]
+        if self._watcher is not None:
+            self._watcher()
+
+    def watch(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` on each one that comes (at once if one came already)."""
+        self._watcher = callback
+        if self._events:
+            callback()
+
+    def opened(self) -> set[int]:
+        """The guest streams they open."""
+        return {m["stream"] for m in self._events
+                if m.get("ev") == P.EV_RELAY_OPEN and isinstance(m.get("stream"), int)}
+
+    def take(self, streams: set[int]) -> list[_Msg | None]:
+        """Those of ``streams``, in order of arrival; all others are dropped."""
+        taken: list[_Msg | None] = [m for m in self._events if m.get("stream") in streams]
+        self._events.clear()
+        return taken
+
+
+class _Channel:
+    """The connection under an `AgentClient`: a JSON object a line each way, requests
+    multiplexed by id.
+
+    Each request has a queue; a reader task routes every message to its request's queue
+    (None in each when the connection is gone). Replies under an id it does not know
+    (stale answers from before a fork, restore or reconnect) are dropped; relay events
+    under one are kept in `strays`.
+    """
+
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, name: Path
+    ) -> None:
+        self.name = name
+        self._reader = reader
+        self._writer = writer
+        # Ids start at a random point so a stale reply to another connection's request
+        # (answered by a forked or restored guest) cannot match one of ours.
+        self._next_id = secrets.randbelow(1 << 40) + 1
+        self._pending: dict[int, _Queue] = {}
+        self._write_lock = asyncio.Lock()
+        self.closed = False
+        self.failure = ""
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.strays = _StrayRelay()
+        self._read_task = asyncio.create_task(self._read_loop(), name=f"agent-reader {name}")
+
+    # Requests.
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def open(self, op: str, q: _Queue | None = None, /, **fields: Any) -> tuple[int, _Queue, _Msg]:
+        """A new request: its id, the queue its replies come to (``q``, or a new one) and
+        the message to send.
+
+        Raises:
+            MachineFailed: the connection is closed.
+        """
+        if self.closed:
+            raise MachineFailed(f"agent connection is closed ({self.failure})")
+        req_id = self._new_id()
+        q = asyncio.Queue() if q is None else q
+        self._pending[req_id] = q
+        return req_id, q, {"id": req_id, "op": op, **fields}
+
+    def forget(self, req_id: int) -> None:
+        """No more replies for ``req_id`` (it ended, or nobody waits for them any more)."""
+        self._pending.pop(req_id, None)
+
+    def waiting(self, req_id: int) -> bool:
+        """True while replies for ``req_id`` are expected."""
+        return req_id in self._pending
+
+    def requeue(self, req_id: int, q: _Queue, early: list[_Msg]) -> _Queue:
+        """The queue of request ``req_id`` with ``early`` (replies that overtook the one
+        awaited) ahead of what ``q`` holds, in order; ``q`` itself when there are none."""
+        if not early:
+            return q
+        fresh: _Queue = asyncio.Queue()
+        for m in early:
+            fresh.put_nowait(m)
+        while not q.empty():
+            fresh.put_nowait(q.get_nowait())
+        self._pending[req_id] = fresh
+        return fresh
+
+    async def next(self, q: _Queue, timeout: float | None, what: str) -> _Msg:
+        """The next reply in ``q``.
+
+        Raises:
+            MachineFailed: none within ``timeout``, or the connection was lost.
+        """
+        try:
+            msg = await asyncio.wait_for(q.get(), timeout=timeout)
+        except TimeoutError:
+            raise MachineFailed(
+                f"guest agent did not answer {what} within {timeout:g}s",
+                hint="the machine may be overloaded or hung",
+            ) from None
+        if msg is None:
+            raise MachineFailed(f"lost the agent connection during {what} ({self.failure})")
+        return msg
+
+    async def send_raw(self, data: bytes) -> None:
+        if self.closed:
+            raise MachineFailed(f"agent connection is closed ({self.failure})")
+        try:
+            async with self._write_lock:
+                self._writer.write(data)
+                await self._writer.drain()
+        except (OSError, RuntimeError) as exc:
+            self.fail_all(f"agent connection lost: {exc}")
+            raise MachineFailed(f"agent connection lost: {exc}") from exc
+
+    async def send(self, msg: _Msg) -> None:
+        await self.send_raw(json.dumps(msg, separators=(",", ":")).encode() + b"\n")
+
+    async def call(self, op: str, timeout: float = REQUEST_TIMEOUT, **fields: Any) -> _Msg:
+        """One request and its one reply.
+
+        Raises:
+            MachineFailed: no reply within ``timeout``, or the connection was lost.
+            BoxdError: the agent's error (see `_agent_error`).
+        """
+        req_id, q, msg = self.open(op, **fields)
+        try:
+            await self.send(msg)
+            reply = await self.next(q, timeout, op)
+        finally:
+            self.forget(req_id)
+        if reply.get("ev") == P.EV_ERROR:
+            raise _agent_error(reply)
+        return reply
+
+    async def ack(self, req: int, total: int) -> None:
+        """Tell the agent ``total`` bytes of request ``req``'s output were consumed.
+
+        Its answer is not awaited (it arrives under an id nobody waits for and is
+        dropped): an ack only lets the agent send more.
+        """
+        await self.send({"id": self._new_id(), "op": P.OP_ACK, "req": req, "bytes": total})
+
+    def spawn(self, coro: Any) -> None:
+        """Run ``coro`` in a task of this connection's (cancelled when it is closed)."""
+        task: asyncio.Task[Any] = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def fire_and_forget(self, op: str, **fields: Any) -> None:
+        """Send a request in the background (from cleanup paths); errors are only logged."""
+        self.spawn(self._quiet(op, **fields))
+
+    async def _quiet(self, op: str, **fields: Any) -> None:
+        try:
+            await self.call(op, timeout=10.0, **fields)
+        except BoxdError as exc:
+            log.debug("agent %s: %s failed: %s", self.name, op, exc)
+
+    # The end.
+
+    def fail_all(self, reason: str) -> None:
+        """The connection is gone (``reason``): every request waiting gets None."""
+        if not self.closed:
+            self.closed = True
+            self.failure = reason
+        for q in self._pending.values():
+            q.put_nowait(None)
+        self._pending.clear()
+
+    async def close(self) -> None:
+        self.fail_all("connection closed by the host")
+        self._read_task.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        with contextlib.suppress(BaseException):
+            await self._read_task
+        self._writer.close()
+        with contextlib.suppress(Exception):
+            await self._writer.wait_closed()
+
+    # The reader.
+
+    async def _read_loop(self) -> None:
+        reason = "agent closed the connection"
+        try:
+            while (msg := await self._next_message()) is not None:
+                self._route(msg)
+        except (OSError, asyncio.IncompleteReadError) as exc:
+            reason = f"agent connection lost: {exc}"
+        finally:
+            self.fail_all(reason)
+
+    async def _next_message(self) -> _Msg | None:
+        """The next message from the agent; None at the end of the stream. Lines that
+        are not a message are dropped."""
+        while True:
+            try:
+                line = await self._reader.readline()
+            except ValueError:  # a line longer than the limit: skip what was buffered
+                log.warning("agent %s: oversized line dropped", self.name)
+                continue
+            if not line.endswith(b"\n"):
+                return None  # EOF (maybe in the middle of a line)
+            if not line.strip():
+                continue
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                msg = None
+            if isinstance(msg, dict) and "id" in msg:
+                return msg
+            # A partial line from before a reconnect/fork; the protocol resyncs at \n.
+            log.debug("agent %s: malformed line dropped: %.80r", self.name, line)
+
+    def _route(self, msg: _Msg) -> None:
+        """Hand ``msg`` to its request (which ends with a terminal event)."""
+        req_id = msg["id"]
+        q = self._pending.get(req_id) if isinstance(req_id, int) else None
+        if q is not None:
+            q.put_nowait(msg)
+            if msg.get("ev") in P.TERMINAL_EVENTS:
+                self._pending.pop(req_id, None)
+        elif msg.get("ev") in _RELAY_EVENTS:
+            self.strays.add(msg)
+        else:
+            log.debug("agent %s: stale reply for id %r dropped", self.name, req_id)
+
+
+class _Acks:
+    """Flow control of one request's output (protocol 1.3): tells the agent, half a
+    window at a time, how much of it the consumer took. The agent sends at most a window
+    ahead, so a slow consumer holds the guest's side, not this process's memory."""
+
+    def __init__(self, channel: _Channel, req_id: int, window: int) -> None:
+        self._channel = channel
+        self._req_id = req_id
+        self._window = window
+        self._acked = 0
+
+    async def consumed(self, total: int) -> None:
+        """The consumer has taken ``total`` bytes so far."""
+        if self._window and total - self._acked >= self._window // 2:
+            self._acked = total
+            await self._channel.ack(self._req_id, total)
+
+
+# ---------------------------------------------------------------------- exec sessions
+
+
+class _ExecSessions:
+    """Commands in the guest, over a `_Channel`: an exec is a request whose events are
+    its output, then its exit; the exec's id is its request's. Output is
+    flow-controlled where the agent can (1.3); a started command's stdin is streamed
+    (unacknowledged from 1.4)."""
+
+    def __init__(self, channel: _Channel, supports: Callable[[int], bool]) -> None:
+        self._channel = channel
+        self._supports = supports
+
+    def events(self, fields: _Msg) -> AsyncGenerator[ExecChunk, None]:
+        """A new exec of ``fields``: its events, the request sent when first iterated."""
+        window = _window(self._supports)
+        if window:
+            fields["window"] = window
+        req_id, q, msg = self._channel.open(P.OP_EXEC, **fields)
+        return self._follow(req_id, q, msg, window)
+
+    async def start(self, fields: _Msg) -> ExecProcess:
+        """Start an exec of ``fields`` whose stdin stays open (`AgentClient.start`)."""
+        fields["stdin_stream"] = True
+        window = _window(self._supports)
+        if window:
+            fields["window"] = window
+        req_id, q, msg = self._channel.open(P.OP_EXEC, **fields)
+        try:
+            await self._channel.send(msg)
+            q = await self._started(req_id, q, fields["cmd"])
+        except BaseException:
+            self._channel.forget(req_id)
+            raise
+        return ExecProcess(self, req_id, self._follow(req_id, q, None, window))
+
+    async def _started(self, req_id: int, q: _Queue, command: str | list[str]) -> _Queue:
+        """Wait for exec ``req_id``'s ``started`` event; the queue to follow it with.
+
+        Raises the exec's error, or one for a program that could not be executed (the
+        agent answers those as a shell would: its message on stderr, then exit status
+        127 or 126, without a ``started``).
+        """
+        early: list[_Msg] = []
+        try:
+            while True:
+                reply = await self._channel.next(q, REQUEST_TIMEOUT, "exec")
+                ev = reply.get("ev")
+                if ev == P.EV_STARTED:
+                    break
+                if ev == P.EV_ERROR:
+                    raise _agent_error(reply)
+                if ev == P.EV_RESULT:
+                    raise _cannot_start(command, reply, early)
+                early.append(reply)
+        except MachineFailed:
+            if not self._channel.closed:  # no answer in time: it may run, unfollowed
+                self._channel.fire_and_forget(P.OP_KILL, exec_id=req_id, signal=9)
+            raise
+        # Output overtook the answer: keep it, in order, ahead of what follows.
+        return self._channel.requeue(req_id, q, early)
+
+    async def attach(self, exec_id: int) -> ExecProcess:
+        """Follow running exec ``exec_id`` (`AgentClient.attach`)."""
+        req_id, q, msg = self._channel.open(P.OP_ATTACH, exec_id=exec_id)
+        try:
+            await self._channel.send(msg)
+            first = await self._channel.next(q, REQUEST_TIMEOUT, "attach")
+        except BaseException:
+            self._channel.forget(req_id)
+            raise
+        if first.get("ev") == P.EV_ERROR:
+            self._channel.forget(req_id)
+            raise _agent_error(first)
+        # Output that overtook the answer is kept, in order, ahead of what follows.
+        early = [] if first.get("ev") == P.EV_STARTED else [first]
+        q = self._channel.requeue(req_id, q, early)
+        return ExecProcess(self, req_id, self._follow(req_id, q, None))
+
+    async def _follow(
+        self, req_id: int, q: _Queue, msg: _Msg | None, window: int = 0
+    ) -> AsyncGenerator[ExecChunk, None]:
+        """Exec ``req_id``'s output and exit (sending ``msg`` first, if given); closed
+        before the exit, it kills the command."""
+        finished = False
+        consumed = 0
+        acks = _Acks(self._channel, req_id, window)
+        try:
+            if msg is not None:
+                await self._channel.send(msg)
+            while True:
+                # No idle limit: a command may legitimately be silent for a long time. The
+                # agent enforces ``timeout``; a lost connection ends the wait.
+                reply = await self._channel.next(q, None, "exec")
+                ev = reply.get("ev")
+                if ev in (P.EV_STDOUT, P.EV_STDERR):
+                    data = _unb64(reply)
+                    yield ExecOutput("stdout" if ev == P.EV_STDOUT else "stderr", data)
+                    consumed += len(data)
+                    await acks.consumed(consumed)
+                elif ev == P.EV_RESULT:
+                    finished = True
+                    yield ExecExit(
+                        exit_code=int(reply["exit_code"]),
+                        signal=reply.get("signal"),
+                        timed_out=bool(reply.get("timed_out")),
+                        duration=float(reply.get("duration", 0.0)),
+                    )
+                    return
+                elif ev == P.EV_ERROR:
+                    finished = True
+                    raise _agent_error(reply)
+                # "started" and unknown events (newer minor versions) are skipped.
+        finally:
+            self._channel.forget(req_id)
+            if not finished and not self._channel.closed:
+                self._channel.fire_and_forget(P.OP_KILL, exec_id=req_id, signal=9)
+
+    async def stdin(self, exec_id: int, data: bytes, eof: bool) -> None:
+        """Bytes (and/or EOF) for a started exec's stdin (`ExecProcess.write`)."""
+        if not self._supports(UNACKED_STDIN_MINOR):
+            await self._channel.call(P.OP_STDIN, exec_id=exec_id, data=_b64(data), eof=eof)
             return
         # The hot path of a process's stream: no answer to wait for. The request goes
         # under the exec's own id, so an error (the agent cannot take the bytes) ends the
         # exec's events with it; an exec that has ended was seen to end on this side.
-        if exec_id not in self._pending:
+        if not self._channel.waiting(exec_id):
             raise InvalidRequest(f"no running exec with id {exec_id}", errno=P.ERR_NO_EXEC)
-        await self._send({"id": exec_id, "op": P.OP_STDIN, "exec_id": exec_id,
-                          "data": _b64(data), "eof": eof, "reply": False})
+        await self._channel.send({"id": exec_id, "op": P.OP_STDIN, "exec_id": exec_id,
+                                  "data": _b64(data), "eof": eof, "reply": False})
 
-    def __repr__(self) -> str:
-        state = "connected" if self.connected else f"closed ({self._failure})"
-        return f"<AgentClient {os.fspath(self._path)} {state}>"
+    async def kill(self, exec_id: int, signal: int) -> bool:
+        """Signal an exec's process group (`AgentClient.kill`)."""
+        try:
+            reply = await self._channel.call(P.OP_KILL, exec_id=exec_id, signal=signal)
+        except InvalidRequest as exc:
+            if exc.details.get("errno") == P.ERR_NO_EXEC:
+                return False
+            raise
+        return bool(reply.get("delivered"))
 
 
-_RELAY_EVENTS = frozenset({P.EV_RELAY_OPEN, P.EV_RELAY_DATA, P.EV_RELAY_EOF})
-_STRAY_MAX = 1024
-# Tasks serving guest streams: they may outlive the agent connection they came on.
-_STREAM_TASKS: set[asyncio.Task[None]] = set()
-#: Seconds a guest stream whose connection was lost waits to be moved to the next one.
-STREAM_MOVE_WAIT = 30.0
-#: Guest connections to the in-guest API socket a machine may have open at once
-#: (`AgentClient.serve_relay`); more are closed as they come.
-MAX_GUEST_STREAMS = 64
+def _cannot_start(command: str | list[str], result: _Msg, early: list[_Msg]) -> BoxdError:
+    """The error for a program the agent could not execute: it answered with the exit
+    status ``result`` after ``early`` (its message on stderr)."""
+    code = int(result.get("exit_code", 126))
+    said = b"".join(_unb64(m) for m in early if m.get("ev") == P.EV_STDERR)
+    text = said.decode(errors="replace").strip().removeprefix("boxd-agent: ")
+    argv0 = command if isinstance(command, str) else command[0]
+    message = f"cannot start {text or argv0} (exit status {code})"
+    if code == 127:
+        return GuestFileNotFound(message, path=argv0, exit_code=code)
+    return InvalidRequest(message, field="argv", exit_code=code)
+
+
+# ---------------------------------------------------------------------- files
+
+
+class _FileTransfer:
+    """Guest files, over a `_Channel`: a write is one request carrying the file in
+    chunks, a read one whose ``data`` events come flow-controlled (1.3); both are checked
+    end to end by sha256."""
+
+    def __init__(self, channel: _Channel, supports: Callable[[int], bool]) -> None:
+        self._channel = channel
+        self._supports = supports
+
+    async def write(
+        self, path: str, data: bytes | AsyncIterable[bytes], mode: int
+    ) -> FileStat:
+        """`AgentClient.write_file`."""
+        sha = hashlib.sha256()
+        req_id, q, first = self._channel.open(P.OP_WRITE, path=path, mode=mode)
+        try:
+            size = await self._send_chunks(req_id, q, first, data, sha)
+            reply = await self._channel.next(q, STREAM_IDLE_TIMEOUT, "write")
+        finally:
+            self._channel.forget(req_id)
+        if reply.get("ev") == P.EV_ERROR:
+            raise _agent_error(reply)
+        return _written(reply, path, size, sha.hexdigest())
+
+    async def _send_chunks(
+        self, req_id: int, q: _Queue, first: _Msg, data: bytes | AsyncIterable[bytes],
+        sha: hashlib._Hash,
+    ) -> int:
+        """Send ``data`` as write request ``req_id`` (``first`` its opening message),
+        hashing it into ``sha``; the bytes sent. Stops early when the agent answered
+        already (an early error)."""
+        offset = 0
+        async with contextlib.aclosing(_chunks(data, P.FILE_CHUNK)) as chunks:
+            chunk = await anext(chunks, b"")
+            while True:
+                following = await anext(chunks, None) if q.empty() else None
+                eof = following is None
+                msg: _Msg = first if offset == 0 else {"id": req_id, "op": P.OP_WRITE}
+                msg.update(offset=offset, data=_b64(chunk), eof=eof)
+                sha.update(chunk)
+                await self._channel.send(msg)
+                offset += len(chunk)
+                if eof or not q.empty():  # an early error: stop sending
+                    break
+                chunk = following or b""
+        return offset
+
+    async def read(self, path: str) -> AsyncGenerator[bytes, None]:
+        """`AgentClient.read_stream`."""
+        window = _window(self._supports)
+        fields: _Msg = {"path": path}
+        if window:
+            fields["window"] = window
+        req_id, q, msg = self._channel.open(P.OP_READ, **fields)
+        acks = _Acks(self._channel, req_id, window)
+        size = 0
+        sha = hashlib.sha256()
+        finished = False
+        try:
+            await self._channel.send(msg)
+            while True:
+                reply = await self._channel.next(q, STREAM_IDLE_TIMEOUT, "read")
+                ev = reply.get("ev")
+                if ev == P.EV_DATA:
+                    chunk = _unb64(reply)
+                    if reply.get("offset") != size:
+                        raise IntegrityError(
+                            f"guest file {path}: chunk at offset {reply.get('offset')}, "
+                            f"expected {size}",
+                            path=path,
+                        )
+                    sha.update(chunk)
+                    size += len(chunk)
+                    yield chunk
+                    await acks.consumed(size)
+                elif ev == P.EV_ERROR:
+                    finished = True
+                    raise _agent_error(reply)
+                elif ev == P.EV_RESULT:
+                    finished = True
+                    break
+        finally:
+            self._channel.forget(req_id)
+            if not finished and window and not self._channel.closed:
+                # The consumer went away: the guest stops reading the file.
+                self._channel.fire_and_forget(P.OP_CANCEL, req=req_id)
+        _check_read(reply, path, size, sha.hexdigest())
+
+
+def _written(reply: _Msg, path: str, size: int, digest: str) -> FileStat:
+    """The guest file a write's ``reply`` describes, checked against what was sent.
+
+    Raises:
+        IntegrityError: it does not match (``size`` bytes, sha256 ``digest``).
+    """
+    stat = FileStat(
+        path=str(reply.get("path", path)),
+        size=int(reply["size"]),
+        mode=int(reply["mode"]),
+        sha256=str(reply["sha256"]),
+    )
+    if stat.size != size or stat.sha256 != digest:
+        raise IntegrityError(
+            f"guest file {path} does not match what was sent "
+            f"({stat.size} bytes, sha256 {stat.sha256}; sent {size}, {digest})",
+            digest=digest,
+            path=path,
+        )
+    return stat
+
+
+def _check_read(reply: _Msg, path: str, size: int, digest: str) -> None:
+    """Check a read's closing ``reply`` against what arrived (``size`` bytes, sha256
+    ``digest``).
+
+    Raises:
+        IntegrityError: it does not match.
+    """
+    if reply.get("size") != size or reply.get("sha256") != digest:
+        raise IntegrityError(
+            f"guest file {path} arrived corrupted ({size} bytes, sha256 {digest}; "
+            f"agent says {reply.get('size')}, {reply.get('sha256')})",
+            digest=str(reply.get("sha256")),
+            path=path,
+        )
+
+
+# ---------------------------------------------------------------------- the dialer
+
+
+async def _start_dialer(
+    start: Callable[[list[str]], Awaitable[ExecProcess]], port: int, tree: str
+) -> ExecProcess:
+    """The guest's dialer for ``port`` (`AgentClient.dial`): boxd-init's, or agent.py's
+    where boxd-init is not there.
+
+    Raises:
+        OSError: neither could start.
+    """
+    try:
+        try:
+            return await start([f"{tree}/boxd-init", "--dial", str(port)])
+        except GuestFileNotFound:
+            return await start(["python3", f"{tree}/agent.py", "--dial", str(port)])
+    except BoxdError as exc:
+        raise OSError(f"cannot start the guest's dialer: {exc.message}") from exc
+
+
+async def _dialer_connected(
+    proc: ExecProcess, events: AsyncIterator[ExecChunk], port: int
+) -> bytes:
+    """Wait for the dialer's ``+`` (connected to ``port``); what followed it on its
+    stdout. The dialer is ended when it fails.
+
+    Raises:
+        ConnectionRefusedError: it exited (nothing answers on ``port``).
+        OSError: it said something else, or did not answer.
+    """
+    said = b""
+    try:
+        while True:
+            ev = await asyncio.wait_for(anext(events), DIAL_TIMEOUT)
+            if isinstance(ev, ExecExit):
+                text = said.decode(errors="replace").strip() or f"exit {ev.exit_code}"
+                raise ConnectionRefusedError(f"guest port {port}: {text}")
+            if ev.stream == "stderr":
+                said = (said + ev.data)[-1024:]
+                continue
+            if ev.data[:1] == b"+":
+                return ev.data[1:]
+            raise OSError(f"guest port {port}: the dialer said {ev.data[:40]!r}")
+    except BaseException as exc:
+        await proc.aclose()
+        if isinstance(exc, (TimeoutError, StopAsyncIteration, MachineFailed)):
+            raise OSError(f"guest port {port}: the dialer did not answer ({exc!r})") \
+                from exc
+        raise
 
 
 async def _bridge(
@@ -1196,6 +1364,99 @@ async def _bridge(
         sock.close()
 
 
+
+# ---------------------------------------------------------------------- the API socket's relay
+
+
+class _RelayServer:
+    """One `AgentClient.serve_relay`: the agent's ``relay_listen`` request and the guest
+    streams its events open, feed and end."""
+
+    def __init__(
+        self, client: AgentClient, channel: _Channel, streams: dict[int, GuestStream],
+        on_stream: Callable[[GuestStream], Awaitable[None]],
+    ) -> None:
+        self._client = client
+        self._channel = channel
+        self._streams = streams
+        self._on_stream = on_stream
+        self._id = 0  # the relay_listen request's, once it is made
+
+    async def serve(self, key: str, on_started: Callable[[], None] | None) -> None:
+        """Listen with ``key`` and serve until the connection ends (`AgentClient.serve_relay`).
+
+        Raises:
+            InvalidRequest: the agent refused the key.
+        """
+        strays = self._channel.strays.opened()
+        keep = sorted(set(self._streams) | strays)
+        req_id, q, msg = self._channel.open(P.OP_RELAY_LISTEN, key=key, keep=keep)
+        self._id = req_id
+        for stream in self._streams.values():
+            stream._bind(self._client, req_id)
+        try:
+            await self._channel.send(msg)
+            first = await self._channel.next(q, REQUEST_TIMEOUT, "relay_listen")
+            if first.get("ev") == P.EV_ERROR:
+                raise _agent_error(first)
+            if on_started is not None:
+                on_started()
+            # Guest connections made before: served as if they had come on this relay.
+            backlog = self._channel.strays.take(strays)
+            while not q.empty():  # what came on this relay since goes after them
+                backlog.append(q.get_nowait())
+            for m in backlog:
+                q.put_nowait(m)
+            await self._route(q)
+        except MachineFailed:
+            return  # the connection is gone; its streams wait for the caller's decision
+        finally:
+            self._channel.forget(req_id)
+            for stream in self._streams.values():
+                stream.orphan(self._client)
+
+    async def _route(self, q: _Queue) -> None:
+        """Hand each relay event to its stream, until the relay ends."""
+        while True:
+            event = await q.get()
+            if event is None or event.get("ev") in P.TERMINAL_EVENTS:
+                return
+            sid = event.get("stream")
+            if not isinstance(sid, int):
+                continue
+            if event.get("ev") == P.EV_RELAY_OPEN:
+                await self._open(sid)
+            elif (stream := self._streams.get(sid)) is not None:
+                stream._take(event)
+
+    async def _open(self, sid: int) -> None:
+        """A guest connection: its stream, served in a task of its own."""
+        streams = self._streams
+        if sid not in streams and len(streams) >= MAX_GUEST_STREAMS:
+            # Each served stream costs the daemon a task and a connection to its API:
+            # past the limit the guest's connection is closed.
+            log.warning("agent %s: guest API connection %d refused: %d open (limit %d)",
+                        self._channel.name, sid, len(streams), MAX_GUEST_STREAMS)
+            await self._client._relay_send(self._id, sid, close=True)
+            return
+        stream = streams[sid] = GuestStream(self._client, self._id, sid)
+        task = asyncio.ensure_future(self._run(stream))
+        _STREAM_TASKS.add(task)
+        task.add_done_callback(_STREAM_TASKS.discard)
+
+    async def _run(self, stream: GuestStream) -> None:
+        try:
+            await self._on_stream(stream)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("agent %s: guest API stream %d failed", self._channel.name, stream.id)
+        finally:
+            if self._streams.get(stream.id) is stream:
+                del self._streams[stream.id]
+            await stream.close()
+
+
 class GuestStream:
     """One guest process's connection to the in-guest API socket (`AgentClient.serve_relay`).
 
@@ -1228,6 +1489,17 @@ class GuestStream:
         self._closed = True
         self._bound.set()
         self._incoming.put_nowait(b"")
+
+    def _take(self, event: _Msg) -> None:
+        """A relay event of this stream's: bytes from the guest, or its EOF.
+
+        Raises:
+            MachineFailed: the agent sent corrupt data.
+        """
+        if event.get("ev") == P.EV_RELAY_DATA:
+            self._incoming.put_nowait(_unb64(event))
+        elif event.get("ev") == P.EV_RELAY_EOF:
+            self._incoming.put_nowait(b"")
 
     async def _send(self, **fields: Any) -> None:
         while not self._closed:
@@ -1280,9 +1552,9 @@ class ExecProcess:
     """
 
     def __init__(
-        self, client: AgentClient, exec_id: int, events: AsyncGenerator[ExecChunk, None]
+        self, sessions: _ExecSessions, exec_id: int, events: AsyncGenerator[ExecChunk, None]
     ) -> None:
-        self._client = client
+        self._sessions = sessions
         self.exec_id = exec_id
         self._events = events
 
@@ -1297,7 +1569,7 @@ class ExecProcess:
             MachineFailed: the connection was lost.
         """
         for i in range(0, len(data), P.FILE_CHUNK):
-            await self._client._stdin(self.exec_id, data[i : i + P.FILE_CHUNK], False)
+            await self._sessions.stdin(self.exec_id, data[i : i + P.FILE_CHUNK], False)
 
     async def close_stdin(self) -> None:
         """Close the command's stdin (it reads EOF).
@@ -1306,11 +1578,11 @@ class ExecProcess:
             InvalidRequest: the command has already finished.
             MachineFailed: the connection was lost.
         """
-        await self._client._stdin(self.exec_id, b"", True)
+        await self._sessions.stdin(self.exec_id, b"", True)
 
     async def kill(self, signal: int = 9) -> bool:
         """Signal the command's process group; False when it already finished."""
-        return await self._client.kill(self.exec_id, signal)
+        return await self._sessions.kill(self.exec_id, signal)
 
     async def aclose(self) -> None:
         """Stop following the output; kills the command if it still runs."""
