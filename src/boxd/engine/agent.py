@@ -62,6 +62,7 @@ __all__ = [
     "FileStat",
     "GuestStream",
     "connect_watched",
+    "dial_guest_port",
 ]
 
 log = logging.getLogger(__name__)
@@ -204,6 +205,29 @@ async def connect_watched(
         if not alive():
             raise failed() from None
         raise
+
+
+async def dial_guest_port(
+    machine_id: str, agent: Awaitable[AgentClient], port: int, *, tree: str = GUEST_TREE,
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to a machine's guest ``port`` through its agent (`AgentClient.dial`),
+    for an engine's ``open_http``: an agent that does not answer is an `OSError`, as a
+    connection that cannot be made is.
+
+    Args:
+        machine_id: the machine, for the error's message.
+        agent: its agent connection, as the engine opens it.
+        port: the guest's TCP port.
+        tree: where the guest's agent tree is.
+
+    Raises:
+        OSError: the agent does not answer, or the dial failed (see `AgentClient.dial`).
+    """
+    try:
+        client = await agent
+    except BoxdError as exc:
+        raise OSError(f"machine {machine_id}'s agent does not answer: {exc}") from exc
+    return await client.dial(port, tree=tree)
 
 
 def _agent_error(msg: _Msg) -> BoxdError:

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from boxd.config import GUEST_HTTP_PORT
-from boxd.engine.agent import AgentClient, connect_watched
+from boxd.engine.agent import AgentClient, connect_watched, dial_guest_port
 from boxd.engine.base import BootDisk, EngineInfo, MachineConfig, MemoryImage
 from boxd.engine.cgroups import (
     GVISOR_OVERHEAD_MIB,
@@ -64,7 +64,7 @@ from boxd.engine.cgroups import (
 )
 from boxd.engine.gvisor import _net, _spec
 from boxd.engine.gvisor._spec import Roots, RunFiles
-from boxd.errors import BoxdError, InternalError, MachineFailed
+from boxd.errors import InternalError, MachineFailed
 from boxd.guest import protocol as P
 from boxd.images import AGENT_MOUNT, rootfs_tree
 
@@ -628,11 +628,8 @@ class GvisorMachine:
         if self.netns is None:
             raise OSError(f"machine {self._config.id} has no network (isolated)")
         self.thaw()
-        try:
-            agent = await self.agent(timeout=10.0)
-        except BoxdError as exc:
-            raise OSError(f"machine {self._config.id}'s agent does not answer: {exc}") from exc
-        return await agent.dial(port, tree=AGENT_MOUNT)
+        return await dial_guest_port(self._config.id, self.agent(timeout=10.0), port,
+                                     tree=AGENT_MOUNT)
 
     async def detach(self) -> None:
         if self._agent is not None:

@@ -22,13 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from boxd.config import GUEST_HTTP_PORT
-from boxd.engine.agent import AgentClient, connect_watched
+from boxd.engine.agent import AgentClient, connect_watched, dial_guest_port
 from boxd.engine.base import BootDisk, EngineInfo, MachineConfig, MemoryImage
 from boxd.engine.cgroups import Cgroups, Limits, memory_limit
 from boxd.engine.qemu import _argv, _net
 from boxd.engine.qemu._probe import AccelChoice
 from boxd.engine.qemu._process import QemuProcess, pid_matches
-from boxd.errors import BoxdError, InternalError, MachineFailed
+from boxd.errors import InternalError, MachineFailed
 from boxd.storage import disks
 from boxd.storage.memory import sparse_copy
 
@@ -292,11 +292,7 @@ class QemuMachine:
             raise OSError(f"machine {self.config.id} has no network (isolated)")
         if port == GUEST_HTTP_PORT:
             return await asyncio.open_connection("127.0.0.1", self.config.port)
-        try:
-            agent = await self.agent(timeout=10.0)
-        except BoxdError as exc:
-            raise OSError(f"machine {self.config.id}'s agent does not answer: {exc}") from exc
-        return await agent.dial(port)
+        return await dial_guest_port(self.config.id, self.agent(timeout=10.0), port)
 
 
 class QemuEngine:
