@@ -946,34 +946,35 @@ class _Channel:
     async def _read_loop(self) -> None:
         reason = "agent closed the connection"
         try:
-            while (msg := await self._next_message()) is not None:
-                self._route(msg)
+            while True:
+                try:
+                    line = await self._reader.readline()
+                except ValueError:  # a line longer than the limit: skip what was buffered
+                    log.warning("agent %s: oversized line dropped", self.name)
+                    continue
+                if not line.endswith(b"\n"):
+                    break  # EOF (maybe in the middle of a line)
+                msg = self._parse(line)
+                if msg is not None:
+                    self._route(msg)
         except (OSError, asyncio.IncompleteReadError) as exc:
             reason = f"agent connection lost: {exc}"
         finally:
             self.fail_all(reason)
 
-    async def _next_message(self) -> _Msg | None:
-        """The next message from the agent; None at the end of the stream. Lines that
-        are not a message are dropped."""
-        while True:
-            try:
-                line = await self._reader.readline()
-            except ValueError:  # a line longer than the limit: skip what was buffered
-                log.warning("agent %s: oversized line dropped", self.name)
-                continue
-            if not line.endswith(b"\n"):
-                return None  # EOF (maybe in the middle of a line)
-            if not line.strip():
-                continue
-            try:
-                msg = json.loads(line)
-            except ValueError:
-                msg = None
-            if isinstance(msg, dict) and "id" in msg:
-                return msg
-            # A partial line from before a reconnect/fork; the protocol resyncs at \n.
-            log.debug("agent %s: malformed line dropped: %.80r", self.name, line)
+    def _parse(self, line: bytes) -> _Msg | None:
+        """The message on ``line``; None for a blank line or one that is not a message."""
+        if not line.strip():
+            return None
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            msg = None
+        if isinstance(msg, dict) and "id" in msg:
+            return msg
+        # A partial line from before a reconnect/fork; the protocol resyncs at \n.
+        log.debug("agent %s: malformed line dropped: %.80r", self.name, line)
+        return None
 
     def _route(self, msg: _Msg) -> None:
         """Hand ``msg`` to its request (which ends with a terminal event)."""
@@ -987,24 +988,6 @@ class _Channel:
             self.strays.add(msg)
         else:
             log.debug("agent %s: stale reply for id %r dropped", self.name, req_id)
-
-
-class _Acks:
-    """Flow control of one request's output (protocol 1.3): tells the agent, half a
-    window at a time, how much of it the consumer took. The agent sends at most a window
-    ahead, so a slow consumer holds the guest's side, not this process's memory."""
-
-    def __init__(self, channel: _Channel, req_id: int, window: int) -> None:
-        self._channel = channel
-        self._req_id = req_id
-        self._window = window
-        self._acked = 0
-
-    async def consumed(self, total: int) -> None:
-        """The consumer has taken ``total`` bytes so far."""
-        if self._window and total - self._acked >= self._window // 2:
-            self._acked = total
-            await self._channel.ack(self._req_id, total)
 
 
 # ---------------------------------------------------------------------- exec sessions
@@ -1092,8 +1075,7 @@ class _ExecSessions:
         """Exec ``req_id``'s output and exit (sending ``msg`` first, if given); closed
         before the exit, it kills the command."""
         finished = False
-        consumed = 0
-        acks = _Acks(self._channel, req_id, window)
+        consumed = acked = 0
         try:
             if msg is not None:
                 await self._channel.send(msg)
@@ -1105,8 +1087,13 @@ class _ExecSessions:
                 if ev in (P.EV_STDOUT, P.EV_STDERR):
                     data = _unb64(reply)
                     yield ExecOutput("stdout" if ev == P.EV_STDOUT else "stderr", data)
+                    # Acknowledge what the consumer took (half a window at a time): the
+                    # agent sends at most a window ahead, so a slow consumer holds the
+                    # command, not this process's memory.
                     consumed += len(data)
-                    await acks.consumed(consumed)
+                    if window and consumed - acked >= window // 2:
+                        acked = consumed
+                        await self._channel.ack(req_id, consumed)
                 elif ev == P.EV_RESULT:
                     finished = True
                     yield ExecExit(
@@ -1219,8 +1206,7 @@ class _FileTransfer:
         if window:
             fields["window"] = window
         req_id, q, msg = self._channel.open(P.OP_READ, **fields)
-        acks = _Acks(self._channel, req_id, window)
-        size = 0
+        size = acked = 0
         sha = hashlib.sha256()
         finished = False
         try:
@@ -1239,7 +1225,9 @@ class _FileTransfer:
                     sha.update(chunk)
                     size += len(chunk)
                     yield chunk
-                    await acks.consumed(size)
+                    if window and size - acked >= window // 2:
+                        acked = size
+                        await self._channel.ack(req_id, size)
                 elif ev == P.EV_ERROR:
                     finished = True
                     raise _agent_error(reply)
