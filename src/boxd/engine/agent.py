@@ -1004,7 +1004,8 @@ class _ExecSessions:
         self._supports = supports
 
     def events(self, fields: _Msg) -> AsyncGenerator[ExecChunk, None]:
-        """A new exec of ``fields``: its events, the request sent when first iterated."""
+        """A new exec of ``fields``: its events. Its id is registered now and the request
+        sent when they are first iterated, so the caller iterates them at once."""
         window = _window(self._supports)
         if window:
             fields["window"] = window
