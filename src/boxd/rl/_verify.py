@@ -402,7 +402,7 @@ def verify(
     """
     _check(seed=seed, seeds=seeds, steps=steps, runs=runs, jobs=jobs, placement=placement)
     sources = _sources(source)
-    owned = _client() if (placement == "spread" or template) and boxd is None else None
+    owned = _client(sources) if (placement == "spread" or template) and boxd is None else None
     boxd = boxd or owned
     job = _Job(sources=sources, env=env, steps=steps, policy=policy, runs=runs, boxd=boxd,
                pickle_by_value=pickle_by_value, make_kwargs=make_kwargs, template=template)
@@ -419,7 +419,10 @@ def verify(
             owned.close()
 
 
-def _client() -> Boxd:
+def _client(sources: list[str | Home]) -> Boxd | None:
+    """A client for the machines a job forks itself (None: the sources are Homes)."""
+    if not all(isinstance(s, str) for s in sources):
+        return None
     from boxd.sdk._sync import Boxd
 
     return Boxd()
