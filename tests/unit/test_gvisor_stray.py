@@ -181,3 +181,27 @@ def test_the_state_root_does_not_list_machines_to_other_users(tmp_path: Path) ->
     (tmp_path / "state").chmod(0o755)
     _engine(tmp_path)
     assert stat.S_IMODE((tmp_path / "state").stat().st_mode) == 0o711
+
+
+def test_a_stat_read_while_the_process_is_reaped_counts_as_gone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert gvisor_engine.stat_state("4242 (runsc-sandbox) S 1 2 3") == "S"
+    assert gvisor_engine.stat_state("4242 (a) b) Z 1") == "Z"  # the name may hold ")"
+    # /proc/PID/stat of a process being reaped can read as empty: gone, not IndexError
+    # (a machine's DELETE answered 500 when it did)
+    assert gvisor_engine.stat_state("") is None
+    proc = _stand_in("m_reaped")
+    try:
+        vm_id = "m_reaped"
+        real = Path.read_text
+
+        def empty_stat(self: Path, *a: object, **kw: object) -> str:
+            return "" if self.name == "stat" else real(self, *a, **kw)  # type: ignore[arg-type]
+
+        assert gvisor_engine.sandbox_matches(proc.pid, vm_id)
+        monkeypatch.setattr(Path, "read_text", empty_stat)
+        assert not gvisor_engine.sandbox_matches(proc.pid, vm_id)
+    finally:
+        proc.kill()
+        proc.wait()

@@ -137,11 +137,18 @@ def layer_base(path: Path) -> Path:
 
 
 def _proc_state(pid: int) -> str | None:
+    """The state letter of ``pid`` (R, S, Z, ...), or None when it is gone."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat_state(Path(f"/proc/{pid}/stat").read_text())
     except OSError:
         return None
-    return stat.rsplit(")", 1)[-1].split()[0]
+
+
+def stat_state(stat: str) -> str | None:
+    """The state field of a ``/proc/PID/stat`` text; None for a text with none (a
+    process being reaped can read as empty)."""
+    fields = stat.rsplit(")", 1)[-1].split()
+    return fields[0] if fields else None
 
 
 def sandbox_matches(pid: int, vm_id: str) -> bool:
