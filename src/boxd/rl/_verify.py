@@ -367,9 +367,8 @@ def verify(
 ) -> VerifyReport | SweepReport:
     """Run ``env`` in ``runs`` fresh forks of ``source`` with one seed; compare them.
 
-    With ``seeds`` instead of ``seed``: do that for every seed, up to ``jobs`` seeds at
-    once, and return a `SweepReport` (every seed's report, and how many distinct
-    trajectories the seeds gave).
+    With ``seeds`` instead of ``seed``: every seed, ``jobs`` at once, in a `SweepReport`
+    (each seed's report, and how many distinct trajectories the seeds gave).
 
     Args:
         source: the machine to fork (name or id), or a `Home`; or several machine
@@ -394,9 +393,10 @@ def verify(
         **make_kwargs: keyword arguments for the env's constructor.
 
     Raises:
-        InvalidRequest: ``runs`` < 2, ``steps`` < 1, ``jobs`` < 1, no seeds, or both
-            or neither of ``seed`` and ``seeds``; ``"spread"`` over fewer than two
-            nodes, from a `Home` or from a source that cannot leave its node.
+        InvalidRequest: ``runs`` < 2, ``steps`` < 1, ``jobs`` < 1, no seeds, both or
+            neither of ``seed`` and ``seeds``; ``"spread"`` over fewer than two nodes,
+            of a `Home`, or of a source that cannot leave its node. NotFound: a node
+            in ``nodes`` that is not alive.
         EnvError, EnvModuleNotFound: the env failed in a machine (a sweep stops at
             the first such failure and raises it once the seeds in flight are done).
     """
