@@ -199,7 +199,10 @@ def test_a_stat_read_while_the_process_is_reaped_counts_as_gone(
         def empty_stat(self: Path, *a: object, **kw: object) -> str:
             return "" if self.name == "stat" else real(self, *a, **kw)  # type: ignore[arg-type]
 
-        assert gvisor_engine.sandbox_matches(proc.pid, vm_id)
+        deadline = time.monotonic() + 10
+        while not gvisor_engine.sandbox_matches(proc.pid, vm_id):  # until it has exec'd
+            assert time.monotonic() < deadline, "the stand-in never looked like a sandbox"
+            time.sleep(0.05)
         monkeypatch.setattr(Path, "read_text", empty_stat)
         assert not gvisor_engine.sandbox_matches(proc.pid, vm_id)
     finally:
