@@ -48,6 +48,9 @@ qemu_ok() {
 # off the host and private ranges.
 need_pkgs=(qemu-utils mmdebstrap e2fsprogs cpio kmod xz-utils zstd ca-certificates python3-venv
            gcc libc6-dev passt nftables)
+# The tests' own container registry, on loopback (tests/unit/test_oci_import.py imports
+# images from it through `docker://`): only with the dev extra.
+case ",$extras," in *",dev,"*) need_pkgs+=(docker-registry) ;; esac
 find_missing() {
   missing=()
   for p in "${need_pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done

@@ -1,0 +1,509 @@
+"""Import OCI and Docker images into boxd's image store (`boxd.storage.oci`).
+
+Sources use skopeo's transport syntax::
+
+    oci:DIR[:REF]                  an OCI image layout directory
+    oci-archive:FILE[:REF]         a tar of one
+    docker-archive:FILE[:REPO:TAG] what `docker save` writes
+    docker://HOST[:PORT]/REPO[:TAG|@DIGEST]
+                                   a registry (API v2; token or basic auth from
+                                   ~/.docker/config.json or ``creds``; ``insecure``
+                                   allows plain HTTP)
+
+Every blob is verified against its digest as it is stored; a layer already in the store
+(another image's) is not fetched again. An import that fails leaves no name behind, and
+the blobs it wrote alone go with the next collection.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import platform
+import re
+import tarfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Protocol
+
+from boxd.errors import CorruptData, InvalidRequest, NotFound
+from boxd.storage.oci import (
+    DOCKER_MANIFEST_MEDIA,
+    INDEX_MEDIA,
+    MANIFEST_MEDIA,
+    REF_ANNOTATION,
+    Descriptor,
+    ImageStore,
+    parse_digest,
+)
+
+__all__ = [
+    "ImageConfig",
+    "ImageInfo",
+    "Source",
+    "import_image",
+    "inspect_image",
+    "list_images",
+    "parse_name",
+    "parse_source",
+    "remove_image",
+]
+
+Progress = Callable[[str, float | None], None]
+DOCKER_LIST_MEDIA = "application/vnd.docker.distribution.manifest.list.v2+json"
+LAYER_TAR = "application/vnd.oci.image.layer.v1.tar"
+CONFIG_MEDIA = "application/vnd.oci.image.config.v1+json"
+_INDEXES = (INDEX_MEDIA, DOCKER_LIST_MEDIA)
+_ACCEPT = ", ".join((MANIFEST_MEDIA, INDEX_MEDIA, DOCKER_MANIFEST_MEDIA, DOCKER_LIST_MEDIA))
+_NAME = re.compile(r"^[a-z0-9]+(?:[._/-][a-z0-9]+)*$")
+_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+_ARCH = {"x86_64": "amd64", "aarch64": "arm64", "arm64": "arm64", "amd64": "amd64"}
+_CHUNK = 1 << 20
+
+
+def _noop(_step: str, _fraction: float | None) -> None:
+    return None
+
+
+# ------------------------------------------------------------------- names and sources
+
+
+def parse_name(text: str) -> str:
+    """``NAME[:TAG]`` as ``name:tag`` (tag ``latest`` when absent).
+
+    Raises:
+        InvalidRequest: the name or tag is not one boxd stores.
+    """
+    name, sep, tag = text.rpartition(":") if ":" in text.rsplit("/", 1)[-1] else (text, "", "")
+    tag = tag if sep else "latest"
+    if len(name) > 200 or not _NAME.match(name):
+        raise InvalidRequest(
+            f"invalid image name {text!r}",
+            hint="use lower-case letters, digits and . _ - / separators, then :TAG "
+                 "(e.g. envs/cartpole:v1)")
+    if not _TAG.match(tag):
+        raise InvalidRequest(f"invalid image tag {tag!r} in {text!r}",
+                             hint="a tag is up to 128 of A-Z a-z 0-9 _ . - (e.g. v1)")
+    return f"{name}:{tag}"
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where an image comes from (see the module's docstring for the syntax)."""
+
+    transport: str
+    path: str = ""  # oci, oci-archive, docker-archive
+    ref: str | None = None  # a name in the layout / archive
+    host: str = ""  # docker
+    repo: str = ""
+    reference: str = "latest"  # a tag or a digest
+
+    def __str__(self) -> str:
+        if self.transport == "docker":
+            sep = "@" if self.reference.startswith("sha256:") else ":"
+            return f"docker://{self.host}/{self.repo}{sep}{self.reference}"
+        return f"{self.transport}:{self.path}" + (f":{self.ref}" if self.ref else "")
+
+
+def parse_source(text: str) -> Source:
+    """Parse a source in skopeo's transport syntax.
+
+    Raises:
+        InvalidRequest: an unknown transport or a malformed reference, with the syntax.
+    """
+    transport, sep, rest = text.partition(":")
+    if transport == "docker" and rest.startswith("//"):
+        return _parse_docker(rest[2:], text)
+    if not sep or transport not in ("oci", "oci-archive", "docker-archive") or not rest:
+        raise InvalidRequest(
+            f"unknown image source {text!r}",
+            hint="use oci:DIR[:REF], oci-archive:FILE[:REF], docker-archive:FILE or "
+                 "docker://HOST[:PORT]/REPO[:TAG|@DIGEST]")
+    path, _, ref = rest.partition(":")
+    return Source(transport, path=path, ref=ref or None)
+
+
+def _parse_docker(rest: str, text: str) -> Source:
+    host, _, path = rest.partition("/")
+    if not path or not ("." in host or ":" in host or host == "localhost"):
+        raise InvalidRequest(
+            f"{text!r} names no registry host",
+            hint="name the registry: docker://HOST[:PORT]/REPO[:TAG], e.g. "
+                 "docker://localhost:5000/envs/cartpole:v1")
+    repo, reference = path, "latest"
+    if "@" in path:
+        repo, reference = path.split("@", 1)
+        parse_digest(reference)
+    elif ":" in path.rsplit("/", 1)[-1]:
+        repo, reference = path.rsplit(":", 1)
+    if not _NAME.match(repo) or not (reference.startswith("sha256:") or _TAG.match(reference)):
+        raise InvalidRequest(f"invalid registry reference {text!r}",
+                             hint="docker://HOST[:PORT]/REPO[:TAG|@DIGEST]")
+    return Source("docker", host=host, repo=repo, reference=reference)
+
+
+# ------------------------------------------------------------------- what an image is
+
+
+@dataclass(frozen=True)
+class ImageConfig:
+    """The parts of an image's config that decide how it runs."""
+
+    env: tuple[str, ...] = ()
+    entrypoint: tuple[str, ...] = ()
+    cmd: tuple[str, ...] = ()
+    working_dir: str = ""
+    user: str = ""
+    exposed_ports: tuple[str, ...] = ()
+    healthcheck: tuple[str, ...] = ()
+    labels: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, doc: Any) -> ImageConfig:
+        c = doc.get("config") if isinstance(doc, dict) else None
+        c = c if isinstance(c, dict) else {}
+
+        def strs(v: Any) -> tuple[str, ...]:
+            return tuple(str(x) for x in v) if isinstance(v, list) else ()
+
+        raw_health, raw_labels = c.get("Healthcheck"), c.get("Labels")
+        health: dict[str, Any] = raw_health if isinstance(raw_health, dict) else {}
+        labels: dict[str, Any] = raw_labels if isinstance(raw_labels, dict) else {}
+        return cls(
+            env=strs(c.get("Env")), entrypoint=strs(c.get("Entrypoint")),
+            cmd=strs(c.get("Cmd")), working_dir=str(c.get("WorkingDir") or ""),
+            user=str(c.get("User") or ""),
+            exposed_ports=tuple(sorted(str(p) for p in (c.get("ExposedPorts") or {}))),
+            healthcheck=strs(health.get("Test")),
+            labels={str(k): str(v) for k, v in labels.items()},
+        )
+
+
+@dataclass(frozen=True)
+class ImageInfo:
+    """An image in the store."""
+
+    name: str
+    digest: str  # the manifest's
+    config_digest: str
+    layers: tuple[Descriptor, ...]
+    size: int  # compressed layers + config, as stored
+    architecture: str
+    os: str
+    created: str
+    config: ImageConfig
+
+
+class _Reader(Protocol):
+    """One source, read: the manifest to store, and its blobs by digest."""
+
+    def manifest(self) -> tuple[bytes, str]: ...
+    def blob(self, desc: Descriptor) -> Iterator[bytes]: ...
+    def close(self) -> None: ...
+
+
+# ------------------------------------------------------------------- the store's API
+
+
+def import_image(store: ImageStore, source: str, name: str, *, creds: str | None = None,
+                 insecure: bool = False, progress: Progress | None = None) -> ImageInfo:
+    """Import ``source`` into ``store`` as ``name`` and return it.
+
+    Raises:
+        InvalidRequest: a malformed source or name.
+        NotFound: the source (file, directory, image, tag) does not exist.
+        CorruptData / IntegrityError: the source is not a valid image, or a blob does
+            not match its digest (nothing is named then).
+        ConnectionError-like `InvalidRequest`: a registry that cannot be reached.
+    """
+    report = progress or _noop
+    target = parse_name(name)
+    src = parse_source(source)
+    store.ensure()
+    with store.importing():
+        reader = _open(src, creds=creds, insecure=insecure)
+        try:
+            if isinstance(reader, _DockerArchive):
+                manifest = reader.copy_into(store, report)
+            else:
+                manifest = _copy(reader, store, report)
+        finally:
+            reader.close()
+        store.tag(target, manifest)
+    report("imported", 1.0)
+    return inspect_image(store, target)
+
+
+def _copy(reader: _Reader, store: ImageStore, report: Progress) -> Descriptor:
+    raw, media = reader.manifest()
+    doc = _json(raw, "manifest")
+    config = Descriptor.parse(doc.get("config"))
+    layers = [Descriptor.parse(d) for d in doc.get("layers") or []]
+    total = sum(d.size for d in layers) + config.size or 1
+    done = 0
+    for i, d in enumerate([config, *layers]):
+        if not store.has(d.digest, d.size):
+            step = "config" if i == 0 else f"layer {i}/{len(layers)} {d.digest[7:19]}"
+            report(step, done / total)
+            store.ingest(reader.blob(d), d.digest, d.size)
+        done += d.size
+    digest = store.ingest_bytes(raw).digest
+    return Descriptor(media, digest, len(raw))
+
+
+def inspect_image(store: ImageStore, name: str) -> ImageInfo:
+    """The image named ``name``.
+
+    Raises:
+        NotFound: no such image.
+    """
+    target = parse_name(name)
+    desc = store.refs().get(target)
+    if desc is None:
+        raise NotFound(f"no image named {target!r}",
+                       hint="see `boxd image list`; import one with `boxd image import`")
+    return _info(store, target, desc)
+
+
+def list_images(store: ImageStore) -> list[ImageInfo]:
+    """Every image in the store, by name."""
+    return [_info(store, n, d) for n, d in sorted(store.refs().items())]
+
+
+def remove_image(store: ImageStore, name: str) -> ImageInfo:
+    """Remove the name and the blobs only it held; return what was removed.
+
+    Raises:
+        NotFound: no such image.
+    """
+    info = inspect_image(store, name)
+    store.untag(info.name)
+    store.collect()
+    return info
+
+
+def _info(store: ImageStore, name: str, desc: Descriptor) -> ImageInfo:
+    doc = store.read_json(desc.digest)
+    config = Descriptor.parse(doc.get("config"))
+    layers = tuple(Descriptor.parse(d) for d in doc.get("layers") or [])
+    cfg = store.read_json(config.digest)
+    return ImageInfo(
+        name=name, digest=desc.digest, config_digest=config.digest, layers=layers,
+        size=config.size + sum(d.size for d in layers),
+        architecture=str(cfg.get("architecture", "")), os=str(cfg.get("os", "")),
+        created=str(cfg.get("created", "")), config=ImageConfig.parse(cfg),
+    )
+
+
+def _json(raw: bytes, what: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(raw)
+    except ValueError as exc:
+        raise CorruptData(f"the image's {what} is not JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise CorruptData(f"the image's {what} is not a JSON object")
+    return doc
+
+
+def _pick(index: dict[str, Any], ref: str | None, what: str) -> dict[str, Any]:
+    """The entry of an OCI index for ``ref`` (its ref name), or for this host's platform."""
+    entries = [m for m in index.get("manifests") or [] if isinstance(m, dict)]
+    if ref is not None:
+        named = [m for m in entries if (m.get("annotations") or {}).get(REF_ANNOTATION) == ref]
+        if not named:
+            raise NotFound(f"{what} has no image named {ref!r}",
+                           hint="see its index.json for the names it holds")
+        return named[0]
+    arch = _ARCH.get(platform.machine(), platform.machine())
+    for m in entries:
+        p = m.get("platform") or {}
+        if p.get("os", "linux") == "linux" and p.get("architecture", arch) == arch:
+            return m
+    raise NotFound(f"{what} holds no image for linux/{arch}",
+                   hint="name one with :REF, or import an image built for this host")
+
+
+# ------------------------------------------------------------------- readers
+
+
+def _open(src: Source, *, creds: str | None, insecure: bool) -> _Reader:
+    if src.transport == "oci":
+        return _OciDir(Path(src.path), src.ref)
+    if src.transport == "oci-archive":
+        return _OciArchive(Path(src.path), src.ref)
+    if src.transport == "docker-archive":
+        return _DockerArchive(Path(src.path), src.ref)
+    from boxd.images._registry import RegistryReader
+
+    return RegistryReader(src, creds=creds, insecure=insecure)
+
+
+class _Layout:
+    """An OCI layout read through ``open_file`` (a directory or a tar)."""
+
+    what = "the layout"
+
+    def __init__(self, ref: str | None) -> None:
+        self.ref = ref
+
+    def open_file(self, rel: str) -> IO[bytes]:
+        raise NotImplementedError
+
+    def manifest(self) -> tuple[bytes, str]:
+        with self.open_file("index.json") as f:
+            index = _json(f.read(4 << 20), "index.json")
+        entry = _pick(index, self.ref, self.what)
+        desc = Descriptor.parse(entry)
+        raw = self._read(desc)
+        media = desc.media_type or str(_json(raw, "manifest").get("mediaType", ""))
+        if media in _INDEXES:  # a multi-platform image: its manifest for this host
+            inner = Descriptor.parse(_pick(_json(raw, "index"), None, self.what))
+            return self._read(inner), inner.media_type or MANIFEST_MEDIA
+        return raw, media or MANIFEST_MEDIA
+
+    def _read(self, desc: Descriptor) -> bytes:
+        if desc.size > 4 << 20:
+            raise CorruptData(f"{self.what}: manifest {desc.digest} is over 4 MiB")
+        return b"".join(self.blob(desc))
+
+    def blob(self, desc: Descriptor) -> Iterator[bytes]:
+        with self.open_file("blobs/sha256/" + desc.digest.split(":", 1)[1]) as f:
+            while chunk := f.read(_CHUNK):
+                yield chunk
+
+    def close(self) -> None:
+        return None
+
+
+class _OciDir(_Layout):
+    def __init__(self, root: Path, ref: str | None) -> None:
+        super().__init__(ref)
+        if not (root / "index.json").is_file():
+            raise NotFound(f"{root} is not an OCI image layout (no index.json)",
+                           hint="point oci: at a directory that skopeo copy or "
+                                "buildah push wrote")
+        self.root = root
+        self.what = f"the OCI layout {root}"
+
+    def open_file(self, rel: str) -> IO[bytes]:
+        try:
+            return (self.root / rel).open("rb")
+        except FileNotFoundError:
+            raise CorruptData(f"{self.what} lacks {rel}") from None
+
+
+class _Tar:
+    """A tar file whose members are opened by name."""
+
+    def __init__(self, path: Path) -> None:
+        if not path.is_file():
+            raise NotFound(f"no archive at {path}", hint="check the path")
+        try:
+            self.tar = tarfile.open(path, "r:*")  # noqa: SIM115 - closed by close()
+            self.members = {os.path.normpath(m.name): m for m in self.tar.getmembers()
+                            if m.isfile()}
+        except (tarfile.TarError, EOFError) as exc:
+            raise CorruptData(f"{path} is not a tar archive: {exc}") from None
+
+    def open_file(self, rel: str) -> IO[bytes]:
+        m = self.members.get(os.path.normpath(rel))
+        f = self.tar.extractfile(m) if m is not None else None
+        if f is None:
+            raise CorruptData(f"the archive lacks {rel}")
+        return f
+
+    def close(self) -> None:
+        self.tar.close()
+
+
+class _OciArchive(_Layout):
+    def __init__(self, path: Path, ref: str | None) -> None:
+        super().__init__(ref)
+        self.tar = _Tar(path)
+        self.what = f"the archive {path}"
+
+    def open_file(self, rel: str) -> IO[bytes]:
+        return self.tar.open_file(rel)
+
+    def close(self) -> None:
+        self.tar.close()
+
+
+class _DockerArchive:
+    """What `docker save` writes: ``manifest.json`` names a config and layer tars. The
+    import stores them as an OCI manifest (layers as uncompressed tar blobs)."""
+
+    def __init__(self, path: Path, ref: str | None) -> None:
+        self.tar = _Tar(path)
+        self.path = path
+        self.ref = ref
+
+    def manifest(self) -> tuple[bytes, str]:
+        raise NotImplementedError  # copy_into builds it
+
+    def blob(self, desc: Descriptor) -> Iterator[bytes]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.tar.close()
+
+    def _entry(self) -> dict[str, Any]:
+        with self.tar.open_file("manifest.json") as f:
+            try:
+                entries = json.loads(f.read(4 << 20))
+            except ValueError as exc:
+                raise CorruptData(f"{self.path}: manifest.json is not JSON: {exc}") from None
+        if not isinstance(entries, list) or not entries:
+            raise CorruptData(f"{self.path}: manifest.json names no image")
+        if self.ref is None:
+            return dict(entries[0])
+        for e in entries:
+            if self.ref in (e.get("RepoTags") or []):
+                return dict(e)
+        raise NotFound(f"{self.path} holds no image tagged {self.ref!r}")
+
+    def copy_into(self, store: ImageStore, report: Progress) -> Descriptor:
+        entry = self._entry()
+        paths = [str(p) for p in entry.get("Layers") or []]
+        report("config", 0.0)
+        with self.tar.open_file(str(entry.get("Config"))) as f:
+            config = store.ingest(_chunks(f))
+        layers = []
+        for i, rel in enumerate(paths):
+            report(f"layer {i + 1}/{len(paths)}", i / max(len(paths), 1))
+            with self.tar.open_file(rel) as f:
+                layers.append(store.ingest(_chunks(f)))
+        doc = {
+            "schemaVersion": 2, "mediaType": MANIFEST_MEDIA,
+            "config": {**config.to_json(), "mediaType": CONFIG_MEDIA},
+            "layers": [{**d.to_json(), "mediaType": LAYER_TAR} for d in layers],
+        }
+        raw = json.dumps(doc, separators=(",", ":")).encode()
+        return Descriptor(MANIFEST_MEDIA, store.ingest_bytes(raw).digest, len(raw))
+
+
+def _chunks(f: IO[bytes]) -> Iterator[bytes]:
+    while chunk := f.read(_CHUNK):
+        yield chunk
+
+
+def docker_credentials(host: str, config: Path | None = None) -> tuple[str, str] | None:
+    """The user and password ``~/.docker/config.json`` keeps for ``host``, if any."""
+    path = config or Path(os.environ.get("DOCKER_CONFIG", Path.home() / ".docker")) / \
+        "config.json"
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    auths = doc.get("auths") if isinstance(doc, dict) else None
+    for key, entry in (auths or {}).items():
+        bare = re.sub(r"^https?://", "", str(key)).split("/", 1)[0]
+        if bare == host and isinstance(entry, dict) and entry.get("auth"):
+            try:
+                user, _, pw = base64.b64decode(entry["auth"]).decode().partition(":")
+            except (ValueError, UnicodeDecodeError):
+                return None
+            return user, pw
+    return None

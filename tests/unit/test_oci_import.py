@@ -1,0 +1,213 @@
+"""Importing container images into the store: every transport, layers stored once,
+digests verified, bad input refused with nothing left behind (issue 41, item 1).
+
+The registry case runs a real registry (Debian's docker-registry) on loopback."""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from boxd.errors import CorruptData, IntegrityError, InvalidRequest, NotFound
+from boxd.images.oci import (
+    docker_credentials,
+    import_image,
+    inspect_image,
+    list_images,
+    parse_name,
+    parse_source,
+    remove_image,
+)
+from boxd.storage.oci import ImageStore
+from tests._support.oci import (
+    make_image,
+    push,
+    registry,
+    sha,
+    tar_dir,
+    write_docker_archive,
+    write_layout,
+)
+
+BASE = {"bin/tool": b"#!/bin/sh\necho base\n", "etc/os": b"test\n"}
+APP = {"app/main.py": b"print('hi')\n"}
+CONFIG = {"Env": ["PATH=/usr/bin", "MODE=test"], "Entrypoint": ["/bin/tool"],
+          "Cmd": ["serve"], "WorkingDir": "/app", "User": "1000:1000",
+          "ExposedPorts": {"8000/tcp": {}}, "Labels": {"org.example": "yes"},
+          "Healthcheck": {"Test": ["CMD", "/bin/tool", "health"]}}
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> ImageStore:
+    return ImageStore(tmp_path / "store")
+
+
+def _blobs(store: ImageStore) -> set[str]:
+    return {p.name for p in store.blobs.iterdir() if not p.name.startswith(".")}
+
+
+def test_oci_dir_import_keeps_config_and_verifies(store: ImageStore, tmp_path: Path) -> None:
+    img = make_image([BASE, APP], config=CONFIG)
+    layout = write_layout(tmp_path / "layout", {"v1": img})
+    info = import_image(store, f"oci:{layout}:v1", "envs/app:v1")
+    assert info.name == "envs/app:v1"
+    assert info.digest == img.digest
+    assert [d.digest for d in info.layers] == [sha(b) for b in img.layers]
+    c = info.config
+    assert c.env == ("PATH=/usr/bin", "MODE=test") and c.entrypoint == ("/bin/tool",)
+    assert c.cmd == ("serve",) and c.working_dir == "/app" and c.user == "1000:1000"
+    assert c.exposed_ports == ("8000/tcp",) and c.labels == {"org.example": "yes"}
+    assert c.healthcheck == ("CMD", "/bin/tool", "health")
+    assert inspect_image(store, "envs/app:v1") == info
+    # The store is itself an OCI layout that names the image: another tool can read it.
+    index = json.loads((store.root / "index.json").read_text())
+    assert index["manifests"][0]["annotations"]["org.opencontainers.image.ref.name"] == \
+        "envs/app:v1"
+
+
+def test_layers_shared_by_two_images_are_stored_once(store: ImageStore, tmp_path: Path) -> None:
+    a = make_image([BASE, APP])
+    b = make_image([BASE, {"other": b"x"}])
+    import_image(store, f"oci:{write_layout(tmp_path / 'a', {'a': a})}", "a")
+    before = _blobs(store)
+    import_image(store, f"oci:{write_layout(tmp_path / 'b', {'b': b})}", "b")
+    added = _blobs(store) - before
+    # b's base layer is a's: only its own layer, config and manifest are new.
+    assert added == {sha(x)[7:] for x in (b.layers[1], b.config, b.manifest)}
+    # Removing a frees only what a alone held; b still reads whole.
+    remove_image(store, "a")
+    assert sha(a.layers[0])[7:] in _blobs(store)
+    assert sha(a.layers[1])[7:] not in _blobs(store)
+    assert inspect_image(store, "b:latest").digest == b.digest
+    remove_image(store, "b")
+    assert _blobs(store) == set()
+
+
+def test_a_corrupt_layer_is_refused_and_names_nothing(store: ImageStore,
+                                                      tmp_path: Path) -> None:
+    img = make_image([BASE, APP])
+    layout = write_layout(tmp_path / "layout", {"v1": img})
+    bad = layout / "blobs" / "sha256" / sha(img.layers[1])[7:]
+    data = bytearray(bad.read_bytes())
+    data[-1] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="digest"):
+        import_image(store, f"oci:{layout}", "broken")
+    assert list_images(store) == []
+    assert not any(p.name.startswith(".in-") for p in store.blobs.iterdir())
+    store.collect()
+    assert _blobs(store) == set()
+
+
+def test_oci_archive_and_docker_archive(store: ImageStore, tmp_path: Path) -> None:
+    img = make_image([BASE, APP], config=CONFIG)
+    archive = tar_dir(write_layout(tmp_path / "layout", {"v2": img}), tmp_path / "img.tar")
+    info = import_image(store, f"oci-archive:{archive}:v2", "from-archive:v2")
+    assert info.digest == img.digest
+
+    saved = write_docker_archive(tmp_path / "saved.tar", img, "app:v3")
+    info = import_image(store, f"docker-archive:{saved}", "from-docker")
+    # docker save keeps layers uncompressed: their digests are the diff ids.
+    assert [d.digest for d in info.layers] == img.diff_ids
+    assert info.config.cmd == ("serve",)
+    with pytest.raises(NotFound, match="no image tagged"):
+        import_image(store, f"docker-archive:{saved}:app:nope", "x")
+
+
+def test_registry_import_shares_layers_and_pins_digests(store: ImageStore,
+                                                        tmp_path: Path) -> None:
+    img = make_image([BASE, APP], config=CONFIG)
+    with registry(tmp_path) as base:
+        push(base, "envs/app", "v1", img)
+        host = base.removeprefix("http://")
+        info = import_image(store, f"docker://{host}/envs/app:v1", "reg:v1", insecure=True)
+        assert info.digest == img.digest
+        pinned = import_image(store, f"docker://{host}/envs/app@{img.digest}", "reg:pinned",
+                              insecure=True)
+        assert pinned.digest == img.digest
+        with pytest.raises(NotFound, match="does not exist"):
+            import_image(store, f"docker://{host}/envs/app:nope", "x", insecure=True)
+    assert {i.name for i in list_images(store)} == {"reg:v1", "reg:pinned"}
+
+
+def test_concurrent_imports_and_removals_lose_no_name(store: ImageStore,
+                                                      tmp_path: Path) -> None:
+    layouts = []
+    for i in range(6):
+        img = make_image([BASE, {f"f{i}": bytes([i]) * 1000}])
+        layouts.append(write_layout(tmp_path / f"l{i}", {"x": img}))
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            import_image(store, f"oci:{layouts[i]}", f"img{i}")
+            if i % 2:
+                remove_image(store, f"img{i}")
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert {i.name for i in list_images(store)} == {"img0:latest", "img2:latest",
+                                                    "img4:latest"}
+    for i in (0, 2, 4):  # every kept image's blobs survived the others' collection
+        info = inspect_image(store, f"img{i}")
+        assert all(store.has(d.digest, d.size) for d in info.layers)
+
+
+@pytest.mark.parametrize("text", ["", "UPPER", "a b", "x:", "-lead", "a//b", "n:" + "t" * 200])
+def test_bad_names_are_refused(text: str) -> None:
+    with pytest.raises(InvalidRequest):
+        parse_name(text)
+
+
+def test_names_default_to_latest() -> None:
+    assert parse_name("envs/cartpole") == "envs/cartpole:latest"
+    assert parse_name("localhost/x:v1") == "localhost/x:v1"
+
+
+@pytest.mark.parametrize("text,hint", [
+    ("ftp:thing", "oci:DIR"), ("oci:", "oci:DIR"), ("docker://alpine", "registry host"),
+    ("docker://alpine:3", "registry host"), ("docker://h.io/x@sha256:12", "sha256"),
+])
+def test_bad_sources_say_the_syntax(text: str, hint: str) -> None:
+    with pytest.raises(InvalidRequest) as err:
+        parse_source(text)
+    assert hint in str(err.value) + err.value.hint
+
+
+def test_sources_parse() -> None:
+    s = parse_source("docker://localhost:5000/envs/app:v1")
+    assert (s.host, s.repo, s.reference) == ("localhost:5000", "envs/app", "v1")
+    s = parse_source("docker://reg.example/app")
+    assert (s.repo, s.reference) == ("app", "latest")
+    assert parse_source("oci:/x/y:tag").ref == "tag"
+    assert parse_source("oci-archive:/x/y.tar").ref is None
+
+
+def test_missing_sources_are_not_found(store: ImageStore, tmp_path: Path) -> None:
+    with pytest.raises(NotFound):
+        import_image(store, f"oci:{tmp_path / 'none'}", "x")
+    with pytest.raises(NotFound):
+        import_image(store, f"oci-archive:{tmp_path / 'none.tar'}", "x")
+    (tmp_path / "junk.tar").write_bytes(b"not a tar at all" * 100)
+    with pytest.raises(CorruptData):
+        import_image(store, f"docker-archive:{tmp_path / 'junk.tar'}", "x")
+    with pytest.raises(NotFound):
+        inspect_image(store, "nothing")
+
+
+def test_docker_config_credentials(tmp_path: Path) -> None:
+    cfg = tmp_path / "config.json"
+    auth = base64.b64encode(b"me:secret").decode()
+    cfg.write_text(json.dumps({"auths": {"https://reg.example:5000/v1/": {"auth": auth}}}))
+    assert docker_credentials("reg.example:5000", cfg) == ("me", "secret")
+    assert docker_credentials("other", cfg) is None
