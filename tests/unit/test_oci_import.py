@@ -11,6 +11,15 @@ import threading
 from pathlib import Path
 
 import pytest
+from tests._support.oci import (
+    make_image,
+    push,
+    registry,
+    sha,
+    tar_dir,
+    write_docker_archive,
+    write_layout,
+)
 
 from boxd.errors import CorruptData, IntegrityError, InvalidRequest, NotFound
 from boxd.images.oci import (
@@ -23,15 +32,6 @@ from boxd.images.oci import (
     remove_image,
 )
 from boxd.storage.oci import ImageStore
-from tests._support.oci import (
-    make_image,
-    push,
-    registry,
-    sha,
-    tar_dir,
-    write_docker_archive,
-    write_layout,
-)
 
 BASE = {"bin/tool": b"#!/bin/sh\necho base\n", "etc/os": b"test\n"}
 APP = {"app/main.py": b"print('hi')\n"}
