@@ -12,6 +12,7 @@ else ``$XDG_DATA_HOME/boxd`` or ``~/.local/share/boxd``)::
     state.db             SQLite (WAL)
     host.json            cached accelerator probe
     images/<hash>/       guest kernel, initramfs, rootfs (one per recipe)
+    oci/                 imported container images: an OCI layout (blobs/, index.json)
     disks/<layer>.qcow2  disk layers: a machine's writable overlay or a frozen layer
     snapshots/           content-addressed snapshot store (blobs/, manifests)
     machines/<id>/       per-machine persistent files (console log)
@@ -87,6 +88,11 @@ class Paths:
     @property
     def images(self) -> Path:
         return self.home / "images"
+
+    @property
+    def images_store(self) -> Path:
+        """Imported container images: an OCI layout (``boxd image import``)."""
+        return self.home / "oci"
 
     @property
     def disks(self) -> Path:

@@ -493,3 +493,52 @@ class HostInfo(BaseModel):
     limits: str | None = None  # per-machine resource limits (cgroups), or why there are none
     standby_forks: int = 0  # standby fork children ready on this node (not the user's machines)
     standby_memory_bytes: int = 0  # the host memory they hold (proportional set size)
+
+
+# --- container images (boxd image import / list / inspect / rm) ----------------------
+
+
+class ImageImport(BaseModel):
+    source: str = Field(
+        description="oci:DIR[:REF], oci-archive:FILE[:REF], docker-archive:FILE[:REPO:TAG] "
+        "or docker://HOST[:PORT]/REPO[:TAG|@DIGEST]; paths are on the daemon's host")
+    name: str = Field(description="NAME[:TAG] to store it under (tag latest when absent)",
+                      max_length=260)
+    creds: str | None = Field(None, description="USER:PASSWORD for the registry (default: "
+                              "the daemon user's ~/.docker/config.json)")
+    insecure: bool = Field(False, description="allow a registry on plain HTTP")
+
+
+class ImageLayer(BaseModel):
+    digest: str
+    size: int
+    media_type: str
+
+
+class ImageRunConfig(BaseModel):
+    """What the image's config says about running it."""
+
+    env: list[str] = Field(default_factory=list)
+    entrypoint: list[str] = Field(default_factory=list)
+    cmd: list[str] = Field(default_factory=list)
+    working_dir: str = ""
+    user: str = ""
+    exposed_ports: list[str] = Field(default_factory=list)
+    healthcheck: list[str] = Field(default_factory=list)
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
+class Image(BaseModel):
+    name: str = Field(description="NAME:TAG")
+    digest: str = Field(description="the manifest's digest: the image's identity")
+    config_digest: str
+    layers: list[ImageLayer]
+    size: int = Field(description="bytes of its config and layers as stored (compressed)")
+    architecture: str
+    os: str
+    created: str
+    config: ImageRunConfig
+
+
+class ImageList(BaseModel):
+    images: list[Image]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -12,11 +13,13 @@ from boxd import models
 from boxd.api._limits import BodyLimit
 from boxd.api.errors import install_error_handlers
 from boxd.api.routes import accounts as accounts_routes
+from boxd.api.routes import images as images_routes
 from boxd.api.routes import keys as keys_routes
 from boxd.api.routes import machines as machines_routes
 from boxd.api.routes import processes as processes_routes
 from boxd.api.routes import snapshots as snapshots_routes
 from boxd.api.routes import system
+from boxd.api.services.images import ImageService
 from boxd.api.services.keys import KeyService
 from boxd.config import Paths, Settings
 from boxd.control.accounts import Accounts as AccountsService
@@ -39,6 +42,7 @@ def create_app(
     upload_dir: Path | None = None,
     private_dirs: Sequence[Path] | None = None,
     accounts: AccountService | None = None,
+    images: ImageService | None = None,
     max_body: int = Settings.max_body,
     max_upload: int = Settings.max_upload,
     body_timeout: float = Settings.body_timeout,
@@ -55,12 +59,12 @@ def create_app(
         private_dirs: folders whose paths never appear in an error body (default:
             the data directory holding ``upload_dir`` and its tmpfs folder).
         accounts: accounts and limits (default: over the keys' database).
+        images: the container image store (default: ``oci/`` beside ``upload_dir``).
         max_body: bytes a JSON request body may have (``BOXD_MAX_BODY``); more is a 413.
         max_upload: bytes a file upload or snapshot import may have (``BOXD_MAX_UPLOAD``).
         body_timeout: seconds a request body may stall before a 408 (``BOXD_BODY_TIMEOUT``).
 
-    Returns:
-        The ASGI app. Its lifespan does not close the services: whoever built them does.
+    Returns the ASGI app. Its lifespan does not close the services: whoever built them does.
     """
     app = FastAPI(
         title="boxd",
@@ -78,17 +82,23 @@ def create_app(
         home = upload_dir.parent if upload_dir is not None else None
         private_dirs = (home, Paths(home).shm) if home is not None else ()
     app.state.private_dirs = tuple(private_dirs)
-    if accounts is None and keys is not None:
-        accounts = AccountsService(keys.repos)
-    app.state.accounts = accounts
+    app.state.accounts = accounts if accounts is not None or keys is None \
+        else AccountsService(keys.repos)
+    app.state.images = images or _default_images(upload_dir)
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_body=max_body, max_upload=max_upload,
                        body_timeout=body_timeout)
     for module in (system, machines_routes, snapshots_routes, keys_routes, accounts_routes,
-                   processes_routes):
+                   processes_routes, images_routes):
         app.include_router(module.router, prefix=API_PREFIX)
     _document_400_not_422(app)
     return app
+
+
+def _default_images(upload_dir: Path | None) -> ImageService:
+    home = upload_dir.parent if upload_dir is not None else \
+        Path(tempfile.mkdtemp(prefix="boxd-images-"))
+    return ImageService(home / "oci")
 
 
 def _document_400_not_422(app: FastAPI) -> None:

@@ -28,6 +28,7 @@ from boxd import models
 from boxd.api.app import create_app
 from boxd.api.guest import GuestRelay
 from boxd.api.routes.system import version
+from boxd.api.services.images import ImageService
 from boxd.api.services.keys import KeyService
 from boxd.config import Paths, Settings
 from boxd.control import build_services
@@ -301,6 +302,7 @@ class Daemon:
             host_info=host_info,
             upload_dir=paths.home / "uploads",
             private_dirs=(paths.home, paths.shm),
+            images=ImageService(paths.images_store),
             max_body=settings.max_body,
             max_upload=settings.max_upload,
             body_timeout=settings.body_timeout,

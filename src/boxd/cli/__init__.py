@@ -674,7 +674,7 @@ def accounts_update(state: _State, name: str, max_machines: int, as_json: bool) 
 
 @main.group(context_settings=_CONTEXT)
 def image() -> None:
-    """Build and list guest images (kernel, initramfs, root filesystem)."""
+    """Import container images, and build guest images (kernel, initramfs, root fs)."""
 
 
 @image.command("build")
@@ -696,10 +696,36 @@ def image_build(apt: tuple[str, ...], pip: tuple[str, ...], force: bool, as_json
     _render.details([("key", img.key), ("kernel", img.kernel_version), ("dir", img.dir)])
 
 
+@image.command("import")
+@click.argument("source")
+@click.argument("name")
+@click.option("--creds", metavar="USER:PASSWORD",
+              help="Registry credentials (default: ~/.docker/config.json of the daemon's user).")
+@click.option("--insecure", is_flag=True, help="Allow a registry on plain HTTP.")
+@json_option
+@pass_state
+def image_import(state: _State, source: str, name: str, creds: str | None, insecure: bool,
+                 as_json: bool) -> None:
+    """Import a container image as NAME[:TAG]; layers are stored once.
+
+    SOURCE: oci:DIR[:REF], oci-archive:FILE[:REF], docker-archive:FILE[:REPO:TAG] or
+    docker://HOST[:PORT]/REPO[:TAG|@DIGEST] (paths are on the daemon's host).
+    """
+    with _render.activity(f"importing {source}", as_json=as_json):
+        img = state.boxd.images.import_(source, name, creds=creds, insecure=insecure)
+    _show(img, as_json, _render.oci_image)
+
+
 @image.command("list")
+@click.option("--recipes", is_flag=True,
+              help="List the guest images built from recipes (`boxd image build`) instead.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-def image_list(as_json: bool) -> None:
-    """List built guest images, newest first."""
+@click.pass_context
+def image_list(ctx: click.Context, recipes: bool, as_json: bool) -> None:
+    """List imported container images (with --recipes: built guest images)."""
+    if not recipes:
+        ctx.invoke(_oci_image_list, as_json=as_json)
+        return
     from boxd.images import list_images
 
     imgs = list_images(Paths.default())
@@ -720,6 +746,32 @@ def image_list(as_json: bool) -> None:
         ),
         "no images (run `boxd image build`)",
     )
+
+
+@click.command()
+@json_option
+@pass_state
+def _oci_image_list(state: _State, as_json: bool) -> None:
+    _show(state.boxd.images.list(), as_json, _render.oci_images)
+
+
+@image.command("inspect")
+@click.argument("name")
+@json_option
+@pass_state
+def image_inspect(state: _State, name: str, as_json: bool) -> None:
+    """Show image NAME[:TAG]: digest, layers and its run config."""
+    _show(state.boxd.images.get(name), as_json, _render.oci_image)
+
+
+@image.command("rm")
+@click.argument("names", nargs=-1, required=True, metavar="NAME...")
+@pass_state
+def image_rm(state: _State, names: tuple[str, ...]) -> None:
+    """Remove images; layers no other image holds are freed."""
+    for n in names:
+        img = state.boxd.images.remove(n)
+        click.echo(f"removed image {img.name} ({img.digest[:19]})")
 
 
 def _show(obj: Any, as_json: bool, render: Any) -> None:

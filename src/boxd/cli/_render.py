@@ -280,6 +280,28 @@ def snapshots(items: Sequence[models.Snapshot]) -> None:
     )
 
 
+def oci_images(items: Sequence[models.Image]) -> None:
+    table(
+        ["NAME", "DIGEST", "LAYERS", "SIZE", "PLATFORM", "CREATED"],
+        ([i.name, i.digest[:19], str(len(i.layers)), size(i.size), f"{i.os}/{i.architecture}",
+          i.created or "-"] for i in items),
+        "no images (import one: `boxd image import SOURCE NAME`)",
+    )
+
+
+def oci_image(i: models.Image) -> None:
+    c = i.config
+    details([
+        ("name", i.name), ("digest", i.digest), ("platform", f"{i.os}/{i.architecture}"),
+        ("size", size(i.size)), ("created", i.created),
+        ("layers", "\n".join(f"{d.digest[:19]}  {size(d.size)}" for d in i.layers)),
+        ("entrypoint", " ".join(c.entrypoint)), ("cmd", " ".join(c.cmd)),
+        ("env", "\n".join(c.env)), ("workdir", c.working_dir), ("user", c.user),
+        ("exposed", " ".join(c.exposed_ports)), ("healthcheck", " ".join(c.healthcheck)),
+        ("labels", "\n".join(f"{k}={v}" for k, v in sorted(c.labels.items()))),
+    ])
+
+
 def snapshot(s: models.Snapshot) -> None:
     details(
         [

@@ -11,7 +11,7 @@ import httpx
 from boxd.errors import AuthError, InvalidRequest, NotFound
 from boxd.storage.oci import MANIFEST_MEDIA, Descriptor
 
-from .oci import _ACCEPT, _INDEXES, Source, _json, _pick, docker_credentials
+from ._oci_parts import ACCEPT, INDEXES, Source, docker_credentials, manifest_json, pick
 
 __all__ = ["RegistryReader"]
 
@@ -41,13 +41,13 @@ class RegistryReader:
 
     def manifest(self) -> tuple[bytes, str]:
         raw, media = self._manifest(self.src.reference)
-        if media in _INDEXES:
-            entry = Descriptor.parse(_pick(_json(raw, "index"), None, str(self.src)))
+        if media in INDEXES:
+            entry = Descriptor.parse(pick(manifest_json(raw, "index"), None, str(self.src)))
             raw, media = self._manifest(entry.digest)
         return raw, media or MANIFEST_MEDIA
 
     def _manifest(self, reference: str) -> tuple[bytes, str]:
-        r = self._get(f"{self.base}/manifests/{reference}", headers={"Accept": _ACCEPT})
+        r = self._get(f"{self.base}/manifests/{reference}", headers={"Accept": ACCEPT})
         try:
             if len(r.content) > 4 << 20:
                 raise InvalidRequest(f"{self.src}: the manifest is over 4 MiB")

@@ -17,11 +17,8 @@ the blobs it wrote alone go with the next collection.
 
 from __future__ import annotations
 
-import base64
 import json
 import os
-import platform
-import re
 import tarfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -29,20 +26,24 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 from boxd.errors import CorruptData, InvalidRequest, NotFound
-from boxd.storage.oci import (
-    DOCKER_MANIFEST_MEDIA,
-    INDEX_MEDIA,
-    MANIFEST_MEDIA,
-    REF_ANNOTATION,
-    Descriptor,
-    ImageStore,
-    parse_digest,
+from boxd.storage.oci import MANIFEST_MEDIA, Descriptor, ImageStore
+
+from ._oci_parts import (
+    INDEXES,
+    NAME_RE,
+    TAG_RE,
+    Source,
+    docker_credentials,
+    manifest_json,
+    parse_source,
+    pick,
 )
 
 __all__ = [
     "ImageConfig",
     "ImageInfo",
     "Source",
+    "docker_credentials",
     "import_image",
     "inspect_image",
     "list_images",
@@ -52,14 +53,8 @@ __all__ = [
 ]
 
 Progress = Callable[[str, float | None], None]
-DOCKER_LIST_MEDIA = "application/vnd.docker.distribution.manifest.list.v2+json"
 LAYER_TAR = "application/vnd.oci.image.layer.v1.tar"
 CONFIG_MEDIA = "application/vnd.oci.image.config.v1+json"
-_INDEXES = (INDEX_MEDIA, DOCKER_LIST_MEDIA)
-_ACCEPT = ", ".join((MANIFEST_MEDIA, INDEX_MEDIA, DOCKER_MANIFEST_MEDIA, DOCKER_LIST_MEDIA))
-_NAME = re.compile(r"^[a-z0-9]+(?:[._/-][a-z0-9]+)*$")
-_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
-_ARCH = {"x86_64": "amd64", "aarch64": "arm64", "arm64": "arm64", "amd64": "amd64"}
 _CHUNK = 1 << 20
 
 
@@ -78,70 +73,15 @@ def parse_name(text: str) -> str:
     """
     name, sep, tag = text.rpartition(":") if ":" in text.rsplit("/", 1)[-1] else (text, "", "")
     tag = tag if sep else "latest"
-    if len(name) > 200 or not _NAME.match(name):
+    if len(name) > 200 or not NAME_RE.match(name):
         raise InvalidRequest(
             f"invalid image name {text!r}",
             hint="use lower-case letters, digits and . _ - / separators, then :TAG "
                  "(e.g. envs/cartpole:v1)")
-    if not _TAG.match(tag):
+    if not TAG_RE.match(tag):
         raise InvalidRequest(f"invalid image tag {tag!r} in {text!r}",
                              hint="a tag is up to 128 of A-Z a-z 0-9 _ . - (e.g. v1)")
     return f"{name}:{tag}"
-
-
-@dataclass(frozen=True)
-class Source:
-    """Where an image comes from (see the module's docstring for the syntax)."""
-
-    transport: str
-    path: str = ""  # oci, oci-archive, docker-archive
-    ref: str | None = None  # a name in the layout / archive
-    host: str = ""  # docker
-    repo: str = ""
-    reference: str = "latest"  # a tag or a digest
-
-    def __str__(self) -> str:
-        if self.transport == "docker":
-            sep = "@" if self.reference.startswith("sha256:") else ":"
-            return f"docker://{self.host}/{self.repo}{sep}{self.reference}"
-        return f"{self.transport}:{self.path}" + (f":{self.ref}" if self.ref else "")
-
-
-def parse_source(text: str) -> Source:
-    """Parse a source in skopeo's transport syntax.
-
-    Raises:
-        InvalidRequest: an unknown transport or a malformed reference, with the syntax.
-    """
-    transport, sep, rest = text.partition(":")
-    if transport == "docker" and rest.startswith("//"):
-        return _parse_docker(rest[2:], text)
-    if not sep or transport not in ("oci", "oci-archive", "docker-archive") or not rest:
-        raise InvalidRequest(
-            f"unknown image source {text!r}",
-            hint="use oci:DIR[:REF], oci-archive:FILE[:REF], docker-archive:FILE or "
-                 "docker://HOST[:PORT]/REPO[:TAG|@DIGEST]")
-    path, _, ref = rest.partition(":")
-    return Source(transport, path=path, ref=ref or None)
-
-
-def _parse_docker(rest: str, text: str) -> Source:
-    host, _, path = rest.partition("/")
-    if not path or not ("." in host or ":" in host or host == "localhost"):
-        raise InvalidRequest(
-            f"{text!r} names no registry host",
-            hint="name the registry: docker://HOST[:PORT]/REPO[:TAG], e.g. "
-                 "docker://localhost:5000/envs/cartpole:v1")
-    repo, reference = path, "latest"
-    if "@" in path:
-        repo, reference = path.split("@", 1)
-        parse_digest(reference)
-    elif ":" in path.rsplit("/", 1)[-1]:
-        repo, reference = path.rsplit(":", 1)
-    if not _NAME.match(repo) or not (reference.startswith("sha256:") or _TAG.match(reference)):
-        raise InvalidRequest(f"invalid registry reference {text!r}",
-                             hint="docker://HOST[:PORT]/REPO[:TAG|@DIGEST]")
-    return Source("docker", host=host, repo=repo, reference=reference)
 
 
 # ------------------------------------------------------------------- what an image is
@@ -238,7 +178,7 @@ def import_image(store: ImageStore, source: str, name: str, *, creds: str | None
 
 def _copy(reader: _Reader, store: ImageStore, report: Progress) -> Descriptor:
     raw, media = reader.manifest()
-    doc = _json(raw, "manifest")
+    doc = manifest_json(raw, "manifest")
     config = Descriptor.parse(doc.get("config"))
     layers = [Descriptor.parse(d) for d in doc.get("layers") or []]
     total = sum(d.size for d in layers) + config.size or 1
@@ -297,34 +237,6 @@ def _info(store: ImageStore, name: str, desc: Descriptor) -> ImageInfo:
     )
 
 
-def _json(raw: bytes, what: str) -> dict[str, Any]:
-    try:
-        doc = json.loads(raw)
-    except ValueError as exc:
-        raise CorruptData(f"the image's {what} is not JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise CorruptData(f"the image's {what} is not a JSON object")
-    return doc
-
-
-def _pick(index: dict[str, Any], ref: str | None, what: str) -> dict[str, Any]:
-    """The entry of an OCI index for ``ref`` (its ref name), or for this host's platform."""
-    entries = [m for m in index.get("manifests") or [] if isinstance(m, dict)]
-    if ref is not None:
-        named = [m for m in entries if (m.get("annotations") or {}).get(REF_ANNOTATION) == ref]
-        if not named:
-            raise NotFound(f"{what} has no image named {ref!r}",
-                           hint="see its index.json for the names it holds")
-        return named[0]
-    arch = _ARCH.get(platform.machine(), platform.machine())
-    for m in entries:
-        p = m.get("platform") or {}
-        if p.get("os", "linux") == "linux" and p.get("architecture", arch) == arch:
-            return m
-    raise NotFound(f"{what} holds no image for linux/{arch}",
-                   hint="name one with :REF, or import an image built for this host")
-
-
 # ------------------------------------------------------------------- readers
 
 
@@ -353,13 +265,13 @@ class _Layout:
 
     def manifest(self) -> tuple[bytes, str]:
         with self.open_file("index.json") as f:
-            index = _json(f.read(4 << 20), "index.json")
-        entry = _pick(index, self.ref, self.what)
+            index = manifest_json(f.read(4 << 20), "index.json")
+        entry = pick(index, self.ref, self.what)
         desc = Descriptor.parse(entry)
         raw = self._read(desc)
-        media = desc.media_type or str(_json(raw, "manifest").get("mediaType", ""))
-        if media in _INDEXES:  # a multi-platform image: its manifest for this host
-            inner = Descriptor.parse(_pick(_json(raw, "index"), None, self.what))
+        media = desc.media_type or str(manifest_json(raw, "manifest").get("mediaType", ""))
+        if media in INDEXES:  # a multi-platform image: its manifest for this host
+            inner = Descriptor.parse(pick(manifest_json(raw, "index"), None, self.what))
             return self._read(inner), inner.media_type or MANIFEST_MEDIA
         return raw, media or MANIFEST_MEDIA
 
@@ -487,23 +399,3 @@ class _DockerArchive:
 def _chunks(f: IO[bytes]) -> Iterator[bytes]:
     while chunk := f.read(_CHUNK):
         yield chunk
-
-
-def docker_credentials(host: str, config: Path | None = None) -> tuple[str, str] | None:
-    """The user and password ``~/.docker/config.json`` keeps for ``host``, if any."""
-    path = config or Path(os.environ.get("DOCKER_CONFIG", Path.home() / ".docker")) / \
-        "config.json"
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    auths = doc.get("auths") if isinstance(doc, dict) else None
-    for key, entry in (auths or {}).items():
-        bare = re.sub(r"^https?://", "", str(key)).split("/", 1)[0]
-        if bare == host and isinstance(entry, dict) and entry.get("auth"):
-            try:
-                user, _, pw = base64.b64decode(entry["auth"]).decode().partition(":")
-            except (ValueError, UnicodeDecodeError):
-                return None
-            return user, pw
-    return None

@@ -72,6 +72,7 @@ class AsyncBoxd:
         self._closed = False
         self.machines = AsyncMachines(self)
         self.snapshots = AsyncSnapshots(self)
+        self.images = AsyncImages(self)
         self.keys = AsyncKeys(self)
         self.accounts = AsyncAccounts(self)
         self.nodes = AsyncNodes(self)
@@ -750,6 +751,54 @@ class AsyncKeys:
             NotFound: no such key.
         """
         await self._c._call(_base.key_revoke(key_id))
+
+
+class AsyncImages:
+    """Container images machines can start from (``boxd.images``): imported from an OCI
+    layout, an archive or a registry; layers are stored once."""
+
+    def __init__(self, client: AsyncBoxd) -> None:
+        self._c = client
+
+    async def import_(self, source: str, name: str, *, creds: str | None = None,
+                      insecure: bool = False) -> models.Image:
+        """Import ``source`` as ``name`` (``NAME[:TAG]``).
+
+        Args:
+            source: ``oci:DIR[:REF]``, ``oci-archive:FILE[:REF]``,
+                ``docker-archive:FILE`` or ``docker://HOST[:PORT]/REPO[:TAG|@DIGEST]``
+                (paths are on the daemon's host).
+            name: the name to store it under; the tag is ``latest`` when absent.
+            creds: ``USER:PASSWORD`` for the registry (default: the daemon user's
+                ``~/.docker/config.json``).
+            insecure: allow a registry on plain HTTP.
+
+        Raises:
+            InvalidRequest, NotFound, AuthError, IntegrityError (a blob does not match its
+            digest: nothing is named).
+        """
+        return await self._c._parse(models.Image,
+                                    _base.image_import(source, name, creds, insecure))
+
+    async def get(self, name: str) -> models.Image:
+        """One image: digest, layers and run config.
+
+        Raises:
+            NotFound: no such image.
+        """
+        return await self._c._parse(models.Image, _base.image_get(name))
+
+    async def list(self) -> list[models.Image]:
+        """This account's images, by name."""
+        return (await self._c._parse(models.ImageList, _base.image_list())).images
+
+    async def remove(self, name: str) -> models.Image:
+        """Remove an image's name; layers no other image holds are freed.
+
+        Raises:
+            NotFound: no such image.
+        """
+        return await self._c._parse(models.Image, _base.image_remove(name))
 
 
 class AsyncNodes:

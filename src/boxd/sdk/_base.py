@@ -407,6 +407,30 @@ def snapshot_delete(ref: str) -> Req:
     return Req("DELETE", f"/v1/snapshots/{seg(ref)}")
 
 
+def image_import(source: str, name: str, creds: str | None, insecure: bool) -> Req:
+    body: dict[str, Any] = {"source": source, "name": name, "insecure": bool(insecure)}
+    if creds is not None:
+        body["creds"] = creds
+    return Req("POST", "/v1/images", json=body, timeout=NO_READ_TIMEOUT)
+
+
+def image_path(name: str) -> str:
+    """``/v1/images/NAME:TAG`` (a name's ``/`` and ``:`` stay as they are)."""
+    return "/v1/images/" + quote(str(name), safe="/:")
+
+
+def image_get(name: str) -> Req:
+    return Req("GET", image_path(name))
+
+
+def image_list() -> Req:
+    return Req("GET", "/v1/images")
+
+
+def image_remove(name: str) -> Req:
+    return Req("DELETE", image_path(name))
+
+
 def snapshot_export(ref: str) -> Req:
     return Req("GET", f"/v1/snapshots/{seg(ref)}/export", timeout=NO_READ_TIMEOUT)
 

@@ -85,7 +85,7 @@ class ImageStore:
     # ---------------------------------------------------------------- set-up
 
     def ensure(self) -> ImageStore:
-        self.blobs.mkdir(parents=True, exist_ok=True)
+        self.blobs.mkdir(parents=True, exist_ok=True, mode=0o700)
         with self.locked():
             layout = self.root / "oci-layout"
             if not layout.exists():
@@ -138,7 +138,7 @@ class ImageStore:
         """
         if digest is not None:
             parse_digest(digest)
-        self.blobs.mkdir(parents=True, exist_ok=True)
+        self.blobs.mkdir(parents=True, exist_ok=True, mode=0o700)
         h = hashlib.sha256()
         n = 0
         tmp = tempfile.NamedTemporaryFile(  # noqa: SIM115 - renamed or unlinked below
@@ -164,7 +164,7 @@ class ImageStore:
             if size is not None and n != size:
                 raise IntegrityError(f"blob {digest} has {n} bytes, its descriptor says {size}",
                                      hint="the source is corrupt; nothing was stored")
-            os.chmod(tmp.name, 0o644)
+            os.chmod(tmp.name, 0o600)
             os.replace(tmp.name, self.path(got))
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
@@ -280,7 +280,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, 0o600)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

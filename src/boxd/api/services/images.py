@@ -1,0 +1,73 @@
+"""Container images of an account: import, list, inspect, remove. No HTTP types here.
+
+Images live in one store per daemon (an OCI layout under ``<data dir>/oci``), so a layer
+two accounts both import is stored once; each account sees and removes only its own
+names (the store names them ``<account>/<name>:<tag>``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+from pathlib import Path
+
+from boxd import models
+from boxd.errors import NotFound
+from boxd.images.oci import ImageInfo, import_image, inspect_image, list_images, parse_name
+from boxd.images.oci import remove_image as _remove
+from boxd.storage.oci import ImageStore
+
+__all__ = ["ImageService"]
+
+
+class ImageService:
+    """The daemon's image store, per account."""
+
+    def __init__(self, root: Path) -> None:
+        self.store = ImageStore(root)
+
+    async def import_(self, account: str, body: models.ImageImport) -> models.Image:
+        name = parse_name(body.name)
+        info = await asyncio.to_thread(
+            import_image, self.store, body.source, f"{account}/{name}", creds=body.creds,
+            insecure=body.insecure)
+        return _model(account, info)
+
+    async def list(self, account: str) -> builtins.list[models.Image]:
+        infos = await asyncio.to_thread(list_images, self.store)
+        prefix = f"{account}/"
+        return [_model(account, i) for i in infos if i.name.startswith(prefix)]
+
+    async def get(self, account: str, name: str) -> models.Image:
+        full = f"{account}/{parse_name(name)}"
+        try:
+            return _model(account, await asyncio.to_thread(inspect_image, self.store, full))
+        except NotFound:
+            raise _missing(name) from None
+
+    async def remove(self, account: str, name: str) -> models.Image:
+        full = f"{account}/{parse_name(name)}"
+        try:
+            return _model(account, await asyncio.to_thread(_remove, self.store, full))
+        except NotFound:
+            raise _missing(name) from None
+
+
+def _missing(name: str) -> NotFound:
+    return NotFound(f"no image named {parse_name(name)!r}",
+                    hint="see `boxd image list`; import one with `boxd image import`")
+
+
+def _model(account: str, info: ImageInfo) -> models.Image:
+    c = info.config
+    return models.Image(
+        name=info.name.removeprefix(f"{account}/"), digest=info.digest,
+        config_digest=info.config_digest,
+        layers=[models.ImageLayer(digest=d.digest, size=d.size, media_type=d.media_type)
+                for d in info.layers],
+        size=info.size, architecture=info.architecture, os=info.os, created=info.created,
+        config=models.ImageRunConfig(
+            env=list(c.env), entrypoint=list(c.entrypoint), cmd=list(c.cmd),
+            working_dir=c.working_dir, user=c.user, exposed_ports=list(c.exposed_ports),
+            healthcheck=list(c.healthcheck), labels=dict(c.labels)),
+    )

@@ -1,0 +1,106 @@
+"""``/v1/images`` through the real app and the SDK (sync and async), in process: import,
+list, inspect, remove; each account sees only its own names; errors are typed."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from tests._support import sdk_daemon as support
+from tests._support.api_fakes import host_info
+from tests._support.fake_world import ACCOUNT, make_world
+from tests._support.oci import make_image, write_layout
+
+from boxd import AsyncBoxd, Boxd, errors
+from boxd.api import create_app
+from boxd.api.services.images import ImageService
+from boxd.api.services.keys import KeyService
+from boxd.config import Paths
+
+paths = support.paths  # fixtures
+no_daemon = support.no_daemon
+
+
+@dataclass
+class Api:
+    app: object
+    key: str
+    other_key: str
+    layout: Path
+    store: Path
+
+
+@pytest.fixture
+def api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_daemon: Paths) -> Iterator[Api]:
+    w = make_world(tmp_path, monkeypatch)
+    keys = KeyService(w.repos.db)
+    key = keys.create(ACCOUNT, "sdk").secret
+    other = keys.create(w.repos.keys.add_account("other", 10), "sdk").secret
+    app = create_app(machines=w.machines, snapshots=w.snapshots, keys=keys,
+                     host_info=host_info, upload_dir=tmp_path / "uploads",
+                     images=ImageService(tmp_path / "oci"))
+    img = make_image([{"bin/x": b"x"}], config={"Cmd": ["/bin/x"], "Env": ["A=1"]})
+    layout = write_layout(tmp_path / "layout", {"v1": img})
+    yield Api(app, key, other, layout, tmp_path / "oci")
+    w.repos.db.close()
+
+
+def _client(api: Api, key: str) -> Boxd:
+    return Boxd(api_key=key, transport=support.SyncASGITransport(api.app))  # type: ignore[arg-type]
+
+
+def test_import_list_inspect_remove(api: Api) -> None:
+    with _client(api, api.key) as b:
+        img = b.images.import_(f"oci:{api.layout}:v1", "envs/tool:v1")
+        assert img.name == "envs/tool:v1" and img.config.cmd == ["/bin/x"]
+        assert [i.name for i in b.images.list()] == ["envs/tool:v1"]
+        assert b.images.get("envs/tool:v1").digest == img.digest
+        with pytest.raises(errors.NotFound, match="no image named 'envs/tool:v2'"):
+            b.images.get("envs/tool:v2")
+        assert b.images.remove("envs/tool:v1").digest == img.digest
+        assert b.images.list() == []
+        with pytest.raises(errors.NotFound):
+            b.images.remove("envs/tool:v1")
+
+
+def test_accounts_see_only_their_own_images(api: Api) -> None:
+    with _client(api, api.key) as mine, _client(api, api.other_key) as theirs:
+        mine.images.import_(f"oci:{api.layout}", "shared-name")
+        assert theirs.images.list() == []
+        with pytest.raises(errors.NotFound):
+            theirs.images.get("shared-name")
+        with pytest.raises(errors.NotFound):
+            theirs.images.remove("shared-name")
+        theirs.images.import_(f"oci:{api.layout}", "shared-name")
+        theirs.images.remove("shared-name")
+        assert [i.name for i in mine.images.list()] == ["shared-name:latest"]
+
+
+def test_bad_input_is_a_typed_error(api: Api) -> None:
+    with _client(api, api.key) as b:
+        with pytest.raises(errors.InvalidRequest, match="unknown image source"):
+            b.images.import_("ftp://x", "a")
+        with pytest.raises(errors.InvalidRequest, match="invalid image name"):
+            b.images.import_(f"oci:{api.layout}", "Bad Name")
+        with pytest.raises(errors.NotFound):
+            b.images.import_(f"oci:{api.layout}:nope", "a")
+        with pytest.raises(errors.InvalidRequest, match="cannot reach the registry"):
+            # a closed loopback port: refused at once
+            b.images.import_("docker://127.0.0.1:9/x:y", "a", insecure=True)
+        assert b.images.list() == []
+
+
+def test_async_client(api: Api) -> None:
+    async def run() -> None:
+        transport = httpx.ASGITransport(app=api.app)  # type: ignore[arg-type]
+        async with AsyncBoxd(api_key=api.key, transport=transport) as b:
+            img = await b.images.import_(f"oci:{api.layout}", "a:b")
+            assert (await b.images.get("a:b")).digest == img.digest
+            assert len(await b.images.list()) == 1
+            await b.images.remove("a:b")
+
+    asyncio.run(run())
