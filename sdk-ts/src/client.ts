@@ -40,6 +40,7 @@ import type {
   FileInfo,
   Health,
   HostInfo,
+  Image,
   Machine,
   MachineNewOptions,
   NodeInfo,
@@ -107,6 +108,7 @@ const seg = (ref: string): string => encodeURIComponent(String(ref));
 export class Boxd {
   readonly machines: Machines;
   readonly snapshots: Snapshots;
+  readonly images: Images;
   readonly keys: Keys;
   readonly accounts: Accounts;
   readonly nodes: Nodes;
@@ -121,6 +123,7 @@ export class Boxd {
     this.#timeout = options.timeout === undefined ? DEFAULT_TIMEOUT_MS : options.timeout;
     this.machines = new Machines(this);
     this.snapshots = new Snapshots(this);
+    this.images = new Images(this);
     this.keys = new Keys(this);
     this.accounts = new Accounts(this);
     this.nodes = new Nodes(this);
@@ -666,6 +669,45 @@ export class Checkpoints {
 }
 
 /** Durable, named, versioned machine images (`boxd.snapshots`). */
+/** `/v1/images/NAME:TAG`: a name's `/` and `:` stay as they are. */
+const imagePath = (name: string): string =>
+  "/v1/images/" + String(name).split("/").map((p) => encodeURIComponent(p).replace(/%3A/gi, ":")).join("/");
+
+/** Container images machines can start from: imported from an OCI layout, an archive or a registry. */
+export class Images {
+  constructor(private readonly c: Boxd) {}
+
+  /**
+   * Import `source` as `name` (`NAME[:TAG]`; tag `latest` when absent); layers are stored once.
+   * `source`: `oci:DIR[:REF]`, `oci-archive:FILE[:REF]`, `docker-archive:FILE` or
+   * `docker://HOST[:PORT]/REPO[:TAG|@DIGEST]` (paths are on the daemon's host).
+   * @param options.creds `USER:PASSWORD` for the registry.
+   * @param options.insecure allow a registry on plain HTTP.
+   * @throws InvalidRequest, NotFound, AuthError, IntegrityError
+   */
+  async import(source: string, name: string, options: { creds?: string; insecure?: boolean } = {}): Promise<Image> {
+    const json: Record<string, unknown> = { source, name, insecure: Boolean(options.insecure) };
+    if (options.creds !== undefined) json.creds = options.creds;
+    return this.c._json({ method: "POST", path: "/v1/images", json, idleTimeoutMs: null });
+  }
+
+  /** One image: digest, layers and run config. @throws NotFound */
+  async get(name: string): Promise<Image> {
+    return this.c._json({ method: "GET", path: imagePath(name) });
+  }
+
+  /** This account's images, by name. */
+  async list(): Promise<Image[]> {
+    const out = await this.c._json<{ images: Image[] }>({ method: "GET", path: "/v1/images" });
+    return out.images;
+  }
+
+  /** Remove an image's name; layers no other image holds are freed. @throws NotFound */
+  async remove(name: string): Promise<Image> {
+    return this.c._json({ method: "DELETE", path: imagePath(name) });
+  }
+}
+
 export class Snapshots {
   constructor(private readonly c: Boxd) {}
 

@@ -13,6 +13,7 @@ export {
   Checkpoints,
   DEFAULT_TIMEOUT_MS,
   Files,
+  Images,
   Keys,
   Machines,
   Nodes,

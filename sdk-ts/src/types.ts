@@ -27,6 +27,8 @@ export type ExecEvent = Camel<Schemas["ExecEvent"]>;
 export type FileInfo = Camel<Schemas["FileInfo"]>;
 export type Checkpoint = Camel<Schemas["Checkpoint"]>;
 export type Snapshot = Camel<Schemas["Snapshot"]>;
+/** An imported container image: digest, layers and its run config (ENV, ENTRYPOINT, CMD, ...). */
+export type Image = Camel<Schemas["Image"]>;
 export type ApiKey = Camel<Schemas["ApiKey"]>;
 /** A new API key; its `secret` is shown only here. */
 export type ApiKeyCreated = Camel<Schemas["ApiKeyCreated"]>;

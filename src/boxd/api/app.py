@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -96,9 +95,7 @@ def create_app(
 
 
 def _default_images(upload_dir: Path | None) -> ImageService:
-    home = upload_dir.parent if upload_dir is not None else \
-        Path(tempfile.mkdtemp(prefix="boxd-images-"))
-    return ImageService(home / "oci")
+    return ImageService(upload_dir.parent / "oci" if upload_dir is not None else None)
 
 
 def _document_400_not_422(app: FastAPI) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import tempfile
 from pathlib import Path
 
 from boxd import models
@@ -23,8 +24,17 @@ __all__ = ["ImageService"]
 class ImageService:
     """The daemon's image store, per account."""
 
-    def __init__(self, root: Path) -> None:
-        self.store = ImageStore(root)
+    def __init__(self, root: Path | None) -> None:
+        """``root``: the store's folder; None: a new temporary folder, made on first use
+        (an app built only to read its schema makes none)."""
+        self._root = root
+        self._store: ImageStore | None = None
+
+    @property
+    def store(self) -> ImageStore:
+        if self._store is None:
+            self._store = ImageStore(self._root or Path(tempfile.mkdtemp(prefix="boxd-oci-")))
+        return self._store
 
     async def import_(self, account: str, body: models.ImageImport) -> models.Image:
         name = parse_name(body.name)
