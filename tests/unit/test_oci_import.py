@@ -6,12 +6,17 @@ The registry case runs a real registry (Debian's docker-registry) on loopback.""
 from __future__ import annotations
 
 import base64
+import gzip
+import io
 import json
+import os
+import tarfile
 import threading
 from pathlib import Path
 
 import pytest
 from tests._support.oci import (
+    Image,
     make_image,
     push,
     registry,
@@ -30,6 +35,7 @@ from boxd.images.oci import (
     parse_name,
     parse_source,
     remove_image,
+    unpack_image,
 )
 from boxd.storage.oci import ImageStore
 
@@ -211,3 +217,117 @@ def test_docker_config_credentials(tmp_path: Path) -> None:
     cfg.write_text(json.dumps({"auths": {"https://reg.example:5000/v1/": {"auth": auth}}}))
     assert docker_credentials("reg.example:5000", cfg) == ("me", "secret")
     assert docker_credentials("other", cfg) is None
+
+
+# --- root trees: layers applied in a chroot ----------------------------------------
+
+
+def _tar_entries(entries: list[tuple[str, str, object]]) -> bytes:
+    """A layer from (kind, path, data) rows: file (bytes), dir, symlink (target),
+    hardlink (target), in order (whiteouts are files named .wh.*)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for kind, path, data in entries:
+            info = tarfile.TarInfo(path)
+            info.mtime = 1_700_000_000
+            if kind == "file":
+                assert isinstance(data, bytes)
+                info.size, info.mode = len(data), 0o644
+                tar.addfile(info, io.BytesIO(data))
+                continue
+            if kind == "suid":
+                assert isinstance(data, bytes)
+                info.size, info.mode, info.uid, info.gid = len(data), 0o4755, 0, 0
+                tar.addfile(info, io.BytesIO(data))
+                continue
+            info.type = {"dir": tarfile.DIRTYPE, "symlink": tarfile.SYMTYPE,
+                         "hardlink": tarfile.LNKTYPE}[kind]
+            # A hard link's entry carries its file's mode, as tar writes it.
+            info.mode = {"dir": 0o755, "symlink": 0o777, "hardlink": 0o4755}[kind]
+            if kind in ("symlink", "hardlink"):
+                info.linkname = str(data)
+            tar.addfile(info)
+    return buf.getvalue()
+
+
+def _raw_image(layers: list[bytes], gz: bool = True) -> Image:
+    blobs = [gzip.compress(b, mtime=0) if gz else b for b in layers]
+    media = "application/vnd.oci.image.layer.v1.tar" + ("+gzip" if gz else "")
+    cfg = json.dumps({"architecture": "amd64", "os": "linux", "config": {},
+                      "rootfs": {"type": "layers", "diff_ids": [sha(b) for b in layers]}}).encode()
+    manifest = json.dumps({
+        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                   "digest": sha(cfg), "size": len(cfg)},
+        "layers": [{"mediaType": media, "digest": sha(b), "size": len(b)} for b in blobs],
+    }).encode()
+    return Image(cfg, blobs, [sha(b) for b in layers], manifest)
+
+
+def _unpacked(store: ImageStore, tmp_path: Path, img: Image) -> Path:
+    import_image(store, f"oci:{write_layout(tmp_path / 'layout', {'x': img})}", "t")
+    return unpack_image(store, inspect_image(store, "t"), tmp_path / "roots")
+
+
+def test_unpack_applies_layers_and_whiteouts(store: ImageStore, tmp_path: Path) -> None:
+    lower = _tar_entries([
+        ("dir", "etc", None), ("file", "etc/keep", b"k"), ("file", "etc/gone", b"g"),
+        ("dir", "opq", None), ("file", "opq/old", b"o"), ("dir", "var", None),
+        ("symlink", "var/run", "/run"), ("dir", "run", None),
+        ("suid", "bin/su", b"#!"), ("hardlink", "bin/su2", "bin/su"),
+    ])
+    upper = _tar_entries([
+        ("file", "etc/.wh.gone", b""), ("file", "opq/new", b"n"),
+        ("file", "opq/.wh..wh..opq", b""), ("file", "var/run/pid", b"42"),
+        ("file", "etc/keep", b"k2"),
+    ])
+    root = _unpacked(store, tmp_path, _raw_image([lower, upper]))
+    assert (root / "etc/keep").read_bytes() == b"k2"
+    assert not (root / "etc/gone").exists()
+    assert sorted(os.listdir(root / "opq")) == ["new"]  # lower's emptied, its own kept
+    # An absolute symlink resolves inside the tree: the write landed in <root>/run.
+    assert os.readlink(root / "var/run") == "/run"
+    assert (root / "run/pid").read_bytes() == b"42"
+    assert os.stat(root / "bin/su").st_mode & 0o4000  # setuid kept
+    assert os.stat(root / "bin/su").st_ino == os.stat(root / "bin/su2").st_ino
+    assert not any(p.name.startswith(".wh.") for p in root.rglob("*"))
+    # Made once per digest: a second call returns the same tree untouched.
+    assert unpack_image(store, inspect_image(store, "t"), tmp_path / "roots") == root
+
+
+def test_unpack_never_writes_outside_the_tree(store: ImageStore, tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "victim").write_text("safe")
+    hostile = _tar_entries([
+        ("symlink", "escape", str(outside)),  # an absolute link to a host directory
+        ("symlink", "up", "../../../../../../../.."),
+        ("file", f"{outside}/victim", b"pwned"),  # an absolute member name
+        ("file", "../../../../../outside-file", b"pwned"),
+        ("file", "ok", b"fine"),
+    ])
+    hostile2 = _tar_entries([
+        ("file", "escape/victim", b"pwned"),  # written through the link
+        ("file", "up/tmp/boxd-escape-test", b"pwned"),
+        ("hardlink", "hl", str(outside / "victim")),
+        ("file", "escape/.wh.victim", b""),  # a whiteout through the link
+    ])
+    root = _unpacked(store, tmp_path, _raw_image([hostile, hostile2], gz=False))
+    assert (outside / "victim").read_text() == "safe"
+    assert not Path("/tmp/boxd-escape-test").exists()
+    assert not (tmp_path.parent / "outside-file").exists()
+    assert (root / "ok").read_bytes() == b"fine"
+    # What the links pointed at was made inside the tree instead: the absolute name and
+    # the link lead to <root>/<outside>/victim, the hard link to it, and the whiteout
+    # through the link removed that copy, not the host's.
+    assert (root / "hl").read_bytes() == b"pwned"
+    assert not (root / str(outside).lstrip("/") / "victim").exists()
+    assert (root / "tmp/boxd-escape-test").read_bytes() == b"pwned"
+
+
+def test_unpack_refuses_a_corrupt_layer_and_leaves_nothing(store: ImageStore,
+                                                          tmp_path: Path) -> None:
+    img = _raw_image([b"this is not a tar archive" * 40], gz=True)
+    with pytest.raises(CorruptData, match="not a valid tar"):
+        _unpacked(store, tmp_path, img)
+    assert [p for p in (tmp_path / "roots").iterdir()] == []

@@ -17,15 +17,20 @@ the blobs it wrote alone go with the next collection.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import subprocess
+import sys
 import tarfile
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from boxd.errors import CorruptData, InvalidRequest, NotFound
+from boxd.errors import CorruptData, HostSetupError, InvalidRequest, NotFound
 from boxd.storage.oci import MANIFEST_MEDIA, Descriptor, ImageStore
 
 from ._oci_parts import (
@@ -50,6 +55,7 @@ __all__ = [
     "parse_name",
     "parse_source",
     "remove_image",
+    "unpack_image",
 ]
 
 Progress = Callable[[str, float | None], None]
@@ -399,3 +405,76 @@ class _DockerArchive:
 def _chunks(f: IO[bytes]) -> Iterator[bytes]:
     while chunk := f.read(_CHUNK):
         yield chunk
+
+
+# ------------------------------------------------------------------- root trees
+
+_GZIP = ("application/vnd.oci.image.layer.v1.tar+gzip",
+         "application/vnd.oci.image.layer.nondistributable.v1.tar+gzip",
+         "application/vnd.docker.image.rootfs.diff.tar.gzip",
+         "application/vnd.docker.image.rootfs.foreign.diff.tar.gzip")
+_PLAIN = ("application/vnd.oci.image.layer.v1.tar",
+          "application/vnd.oci.image.layer.nondistributable.v1.tar", "")
+
+
+def unpack_image(store: ImageStore, info: ImageInfo, roots: Path) -> Path:
+    """The image's root tree (its layers applied in order), made once per image digest
+    under ``roots`` and shared read-only by what uses it; returns its path.
+
+    The layers are applied by a child process chrooted into the tree
+    (`boxd.images._unpack`), so no path in a layer reaches outside it.
+
+    Raises:
+        CorruptData: a layer is not a tar of a supported compression.
+        HostSetupError: the tree cannot be made (no root and no user namespaces).
+    """
+    final = roots / info.digest.split(":", 1)[1]
+    if final.is_dir():
+        return final
+    specs = []
+    for d in info.layers:
+        if d.media_type in _GZIP:
+            specs.append("gzip")
+        elif d.media_type in _PLAIN:
+            specs.append("")
+        else:
+            raise CorruptData(f"layer {d.digest} of {info.name} is {d.media_type!r}",
+                              hint="boxd unpacks tar and tar+gzip layers; convert the image "
+                                   "(e.g. skopeo copy --dest-compress-format gzip)")
+    roots.mkdir(parents=True, exist_ok=True, mode=0o755)
+    tmp = Path(tempfile.mkdtemp(dir=roots, prefix=f".{final.name[:12]}-"))
+    os.chmod(tmp, 0o755)
+    try:
+        with contextlib.ExitStack() as stack:
+            files = [stack.enter_context(store.open(d.digest)) for d in info.layers]
+            args = [f"{f.fileno()}:{how}" for f, how in zip(files, specs, strict=True)]
+            _run_unpack(tmp, args, [f.fileno() for f in files], info.name)
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another unpack of the same image won: use its tree
+            if not final.is_dir():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def _run_unpack(dest: Path, args: list[str], fds: list[int], name: str) -> None:
+    prefix = [] if os.geteuid() == 0 else ["unshare", "--map-root-user"]
+    cmd = [*prefix, sys.executable, "-I", "-S", str(Path(__file__).with_name("_unpack.py")),
+           str(dest), *args]
+    try:
+        r = subprocess.run(cmd, pass_fds=fds, capture_output=True, timeout=3600, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise HostSetupError(f"cannot unpack {name}: {exc}",
+                             hint="run the daemon as root, or enable user namespaces") from None
+    if r.returncode != 0:
+        tail = r.stderr.decode(errors="replace").strip().splitlines()[-3:]
+        if any("tar" in line.lower() or "gzip" in line.lower() for line in tail):
+            raise CorruptData(f"a layer of {name} is not a valid tar: {' | '.join(tail)}",
+                              hint="import the image again from an intact source")
+        raise HostSetupError(f"unpacking {name} failed: {' | '.join(tail)}",
+                             hint="run the daemon as root, or enable user namespaces "
+                                  "(unshare --map-root-user)")
