@@ -13,7 +13,7 @@ import pytest
 from tests._support import sdk_daemon as support
 from tests._support.api_fakes import host_info
 from tests._support.fake_world import ACCOUNT, make_world
-from tests._support.oci import make_image, write_layout
+from tests._support.oci import make_image, sha, write_layout
 
 from boxd import AsyncBoxd, Boxd, errors
 from boxd.api import create_app
@@ -104,3 +104,19 @@ def test_async_client(api: Api) -> None:
             await b.images.remove("a:b")
 
     asyncio.run(run())
+
+
+def test_a_manifest_alone_claims_no_other_accounts_layer(api: Api, tmp_path: Path) -> None:
+    """A layout (or a registry) that names another account's layer by digest without
+    its bytes imports nothing: the store's copy counts only for its own account's
+    images. The account that holds it re-imports without fetching it again."""
+    secret = make_image([{"secret": b"another account's data"}])
+    with _client(api, api.key) as mine, _client(api, api.other_key) as theirs:
+        mine.images.import_(f"oci:{write_layout(tmp_path / 'full', {'s': secret})}", "s")
+        bare = write_layout(tmp_path / "bare", {"s": secret})
+        (bare / "blobs" / "sha256" / sha(secret.layers[0])[7:]).unlink()
+        with pytest.raises(errors.CorruptData, match="lacks blobs/sha256"):
+            theirs.images.import_(f"oci:{bare}", "stolen")
+        assert theirs.images.list() == []
+        # Its owner holds the layer: the same manifest without the bytes is enough.
+        assert mine.images.import_(f"oci:{bare}", "again").digest == secret.digest

@@ -154,8 +154,14 @@ class _Reader(Protocol):
 
 
 def import_image(store: ImageStore, source: str, name: str, *, creds: str | None = None,
-                 insecure: bool = False, progress: Progress | None = None) -> ImageInfo:
+                 insecure: bool = False, progress: Progress | None = None,
+                 owned: str = "") -> ImageInfo:
     """Import ``source`` into ``store`` as ``name`` and return it.
+
+    A blob the store holds is not fetched again only when a name starting with
+    ``owned`` (the caller's own images: ``"<account>/"``) reaches it. Every other blob
+    is read from the source and verified, stored or not, so a manifest that names a
+    digest (another account's private layer, say) claims nothing without its bytes.
 
     Raises:
         InvalidRequest: a malformed source or name.
@@ -174,7 +180,7 @@ def import_image(store: ImageStore, source: str, name: str, *, creds: str | None
             if isinstance(reader, _DockerArchive):
                 manifest = reader.copy_into(store, report)
             else:
-                manifest = _copy(reader, store, report)
+                manifest = _copy(reader, store, report, store.reachable(owned))
         finally:
             reader.close()
         store.tag(target, manifest)
@@ -182,7 +188,7 @@ def import_image(store: ImageStore, source: str, name: str, *, creds: str | None
     return inspect_image(store, target)
 
 
-def _copy(reader: _Reader, store: ImageStore, report: Progress) -> Descriptor:
+def _copy(reader: _Reader, store: ImageStore, report: Progress, held: set[str]) -> Descriptor:
     raw, media = reader.manifest()
     doc = manifest_json(raw, "manifest")
     config = Descriptor.parse(doc.get("config"))
@@ -190,7 +196,7 @@ def _copy(reader: _Reader, store: ImageStore, report: Progress) -> Descriptor:
     total = sum(d.size for d in layers) + config.size or 1
     done = 0
     for i, d in enumerate([config, *layers]):
-        if not store.has(d.digest, d.size):
+        if not (d.digest in held and store.has(d.digest, d.size)):
             step = "config" if i == 0 else f"layer {i}/{len(layers)} {d.digest[7:19]}"
             report(step, done / total)
             store.ingest(reader.blob(d), d.digest, d.size)

@@ -247,6 +247,14 @@ class ImageStore:
                     removed.append(digest)
             return removed
 
+    def reachable(self, prefix: str) -> set[str]:
+        """The digests of every blob the names starting with ``prefix`` reach."""
+        live: set[str] = set()
+        for name, desc in self.refs().items():
+            if name.startswith(prefix):
+                self._reach(desc, live)
+        return live
+
     def _reach(self, desc: Descriptor, live: set[str]) -> None:
         live.add(desc.digest)
         if not self.has(desc.digest):

@@ -40,7 +40,7 @@ class ImageService:
         name = parse_name(body.name)
         info = await asyncio.to_thread(
             import_image, self.store, body.source, f"{account}/{name}", creds=body.creds,
-            insecure=body.insecure)
+            insecure=body.insecure, owned=f"{account}/")
         return _model(account, info)
 
     async def list(self, account: str) -> builtins.list[models.Image]:
