@@ -46,11 +46,13 @@ qemu_ok() {
 # gcc + libc6-dev: the guest's boxd-init (guest/init.c) is compiled, statically, at image build.
 # passt + nftables: a machine's network (engine/qemu/_net.py) and the filter that keeps it
 # off the host and private ranges.
+# buildah + libgpgme11 (its RUN steps need it): `boxd image build -t` builds Dockerfiles.
 need_pkgs=(qemu-utils mmdebstrap e2fsprogs cpio kmod xz-utils zstd ca-certificates python3-venv
-           gcc libc6-dev passt nftables)
-# The tests' own container registry, on loopback (tests/unit/test_oci_import.py imports
-# images from it through `docker://`): only with the dev extra.
-case ",$extras," in *",dev,"*) need_pkgs+=(docker-registry) ;; esac
+           gcc libc6-dev passt nftables buildah libgpgme11)
+# The tests' own container registry on loopback (tests/unit/test_oci_import.py imports
+# through `docker://`) and busybox-static (the base of the tests' Dockerfile builds):
+# only with the dev extra.
+case ",$extras," in *",dev,"*) need_pkgs+=(docker-registry busybox-static) ;; esac
 find_missing() {
   missing=()
   for p in "${need_pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done

@@ -4,6 +4,8 @@ list, inspect, remove; each account sees only its own names; errors are typed.""
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +22,8 @@ from boxd.api import create_app
 from boxd.api.services.images import ImageService
 from boxd.api.services.keys import KeyService
 from boxd.config import Paths
+from boxd.images.oci import list_images, unpack_image
+from boxd.storage.oci import ImageStore
 
 paths = support.paths  # fixtures
 no_daemon = support.no_daemon
@@ -120,3 +124,38 @@ def test_a_manifest_alone_claims_no_other_accounts_layer(api: Api, tmp_path: Pat
         assert theirs.images.list() == []
         # Its owner holds the layer: the same manifest without the bytes is enough.
         assert mine.images.import_(f"oci:{bare}", "again").digest == secret.digest
+
+
+@pytest.mark.skipif(shutil.which("buildah") is None or not Path("/bin/busybox").exists()
+                    or os.geteuid() != 0,
+                    reason="needs root, buildah and busybox-static (scripts/setup-host.sh "
+                           "server,dev installs them); test_image_build.py covers the "
+                           "Dockerfile check without them")
+def test_build_through_the_sdk(api: Api, tmp_path: Path) -> None:
+    bb = Path("/bin/busybox").read_bytes()
+    base = make_image([{f"bin/{n}": bb for n in ("busybox", "sh")}], config={"Env": ["PATH=/bin"]})
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "Dockerfile").write_text('FROM base\nARG V=1\nRUN echo "$V" > /v\nCOPY . /src/\n'
+                                    'WORKDIR /src\nCMD ["/bin/sh"]\n')
+    (ctx / "keep").write_text("k")
+    (ctx / "secret.key").write_text("s")
+    (ctx / ".dockerignore").write_text("*.key\n")
+    with _client(api, api.key) as b, _client(api, api.other_key) as theirs:
+        b.images.import_(f"oci:{write_layout(tmp_path / 'base', {'b': base})}", "base")
+        img = b.images.build(ctx, "app:v1", build_args={"V": "7"})
+        assert img.name == "app:v1" and img.config.working_dir == "/src"
+        assert [i.name for i in b.images.list()] == ["app:v1", "base:latest"]
+        with pytest.raises(errors.InvalidRequest, match="line 2: ONBUILD"):
+            (ctx / "Dockerfile").write_text("FROM base\nONBUILD RUN x\n")
+            b.images.build(ctx, "app:v2")
+        # Another account's FROM base is not this account's image: buildah finds none.
+        (ctx / "Dockerfile").write_text("FROM base\n")
+        with pytest.raises(errors.InvalidRequest, match="build failed"):
+            theirs.images.build(ctx, "app:v1")
+    store = ImageStore(api.store)
+    info = next(i for i in list_images(store) if i.name.endswith("/app:v1"))
+    root = unpack_image(store, info, tmp_path / "roots")
+    assert (root / "v").read_text() == "7\n"
+    assert sorted(p.name for p in (root / "src").iterdir()) == [".dockerignore", "Dockerfile",
+                                                               "keep"]

@@ -37,11 +37,12 @@ _App = Callable[[_Scope, _Receive, _Send], Awaitable[None]]
 _UPLOADS = (
     ("PUT", re.compile(r"^/v1/machines/[^/]+/files$")),
     ("POST", re.compile(r"^/v1/snapshots/import$")),
+    ("POST", re.compile(r"^/v1/images/build$")),
 )
 
 
 def is_upload(method: str, path: str) -> bool:
-    """True for the streamed-upload routes (file upload, snapshot import)."""
+    """True for the streamed-upload routes (file upload, snapshot import, build context)."""
     return any(method == m and pattern.match(path) for m, pattern in _UPLOADS)
 
 

@@ -678,12 +678,41 @@ def image() -> None:
 
 
 @image.command("build")
-@click.option("--apt", multiple=True, metavar="PKG", help="Extra Debian package (repeat).")
-@click.option("--pip", multiple=True, metavar="PKG", help="Extra pip package (repeat).")
-@click.option("--force", is_flag=True, help="Rebuild even if the image exists.")
+@click.argument("context", required=False,
+                type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("-t", "--tag", "tag", metavar="NAME[:TAG]",
+              help="Build the Dockerfile in CONTEXT into the image store as NAME[:TAG].")
+@click.option("-f", "--file", "dockerfile", default="Dockerfile", show_default=True,
+              metavar="PATH", help="The Dockerfile, relative to CONTEXT.")
+@click.option("--build-arg", "build_args", multiple=True, metavar="K=V",
+              help="An ARG value (repeat).")
+@click.option("--target", metavar="STAGE", help="The stage to build (default: the last).")
+@click.option("--apt", multiple=True, metavar="PKG",
+              help="Recipe build: an extra Debian package (repeat).")
+@click.option("--pip", multiple=True, metavar="PKG",
+              help="Recipe build: an extra pip package (repeat).")
+@click.option("--force", is_flag=True, help="Recipe build: rebuild even if the image exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-def image_build(apt: tuple[str, ...], pip: tuple[str, ...], force: bool, as_json: bool) -> None:
-    """Build the guest image for a recipe (cached: a second build is instant)."""
+@click.pass_context
+def image_build(ctx: click.Context, context: Path | None, tag: str | None, dockerfile: str,
+                build_args: tuple[str, ...], target: str | None, apt: tuple[str, ...],
+                pip: tuple[str, ...], force: bool, as_json: bool) -> None:
+    """Build an image: `-t NAME CONTEXT` builds a Dockerfile (through the daemon, with
+    buildah); without -t, the guest image for a recipe (--apt/--pip; cached: a second
+    build is instant)."""
+    if tag is not None or context is not None:
+        if tag is None or context is None or apt or pip or force:
+            raise click.UsageError("a Dockerfile build takes -t NAME[:TAG] and CONTEXT "
+                                   "(and no --apt, --pip or --force)")
+        args = {}
+        for item in build_args:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise click.BadParameter(f"{item!r} is not K=V", param_hint="--build-arg")
+            args[key] = value
+        ctx.invoke(_dockerfile_build, context=context, tag=tag, dockerfile=dockerfile,
+                   build_args=args, target=target, as_json=as_json)
+        return
     from boxd.images import Recipe, ensure_image
 
     with _render.activity("building guest image", as_json=as_json) as progress:
@@ -694,6 +723,16 @@ def image_build(apt: tuple[str, ...], pip: tuple[str, ...], force: bool, as_json
         _render.print_json(img)
         return
     _render.details([("key", img.key), ("kernel", img.kernel_version), ("dir", img.dir)])
+
+
+@click.command()
+@pass_state
+def _dockerfile_build(state: _State, context: Path, tag: str, dockerfile: str,
+                      build_args: dict[str, str], target: str | None, as_json: bool) -> None:
+    with _render.activity(f"building {tag}", as_json=as_json):
+        img = state.boxd.images.build(context, tag, dockerfile=dockerfile,
+                                      build_args=build_args, target=target)
+    _show(img, as_json, _render.oci_image)
 
 
 @image.command("import")

@@ -14,6 +14,7 @@ import asyncio
 import builtins
 import contextlib
 import os
+import tempfile
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from types import TracebackType
@@ -779,6 +780,34 @@ class AsyncImages:
         """
         return await self._c._parse(models.Image,
                                     _base.image_import(source, name, creds, insecure))
+
+    async def build(self, context: str | os.PathLike[str], name: str, *,
+                    dockerfile: str = "Dockerfile", build_args: dict[str, str] | None = None,
+                    target: str | None = None) -> models.Image:
+        """Build the Dockerfile in ``context`` (a directory, sent to the daemon as a tar)
+        and store the result as ``name``.
+
+        Args:
+            context: the build context directory (``.dockerignore`` is honoured).
+            name: ``NAME[:TAG]``.
+            dockerfile: its path inside the context.
+            build_args: ``ARG`` values.
+            target: the stage to build (default: the last).
+
+        Raises:
+            InvalidRequest: an instruction boxd does not support (its line is named), or
+                a step that failed (the error ends with the build's output).
+        """
+        src = Path(context)
+        if not src.is_dir():
+            raise errors.InvalidRequest(f"the build context {src} is not a directory",
+                                        field="context")
+        with tempfile.TemporaryFile() as f:
+            await asyncio.to_thread(_base.tar_context, src, f)
+            f.seek(0)
+            resp = await self._c._send(_base.image_build(name, dockerfile, build_args, target),
+                                       content=_read_chunks(f))
+        return _base.parse(models.Image, resp.status_code, resp.content)
 
     async def get(self, name: str) -> models.Image:
         """One image: digest, layers and run config.

@@ -8,12 +8,14 @@ send what this module builds, so both stay thin mirrors of each other.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
+import tarfile
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, BinaryIO, Final, TypeVar
 from urllib.parse import quote, urlsplit
 
 import httpx
@@ -206,7 +208,7 @@ class Req:
 
     method: str
     path: str
-    params: dict[str, str] = field(default_factory=dict)
+    params: dict[str, Any] = field(default_factory=dict)  # str, or a list to repeat
     json: Any = None
     content: bytes | None = None
     timeout: float | str | None = DEFAULT
@@ -412,6 +414,40 @@ def image_import(source: str, name: str, creds: str | None, insecure: bool) -> R
     if creds is not None:
         body["creds"] = creds
     return Req("POST", "/v1/images", json=body, timeout=NO_READ_TIMEOUT)
+
+
+def image_build(name: str, dockerfile: str, build_args: dict[str, str] | None,
+                target: str | None) -> Req:
+    params: dict[str, Any] = {"name": name, "dockerfile": dockerfile}
+    if build_args:
+        params["build_arg"] = [f"{k}={v}" for k, v in build_args.items()]
+    if target is not None:
+        params["target"] = target
+    return Req("POST", "/v1/images/build", params=params, timeout=NO_READ_TIMEOUT)
+
+
+def tar_context(context: Path, out: BinaryIO) -> None:
+    """Write the build context ``context`` (a directory) to ``out`` as a tar: files,
+    directories and symlinks as they are, owners not kept. Names listed in its
+    ``.dockerignore`` (plain names and ``*`` patterns, one per line) are left out."""
+    ignore = set()
+    di = context / ".dockerignore"
+    if di.is_file():
+        ignore = {ln.strip().strip("/") for ln in di.read_text().splitlines()
+                  if ln.strip() and not ln.startswith("#")}
+
+    def skip(rel: str) -> bool:
+        return any(fnmatch.fnmatch(rel, pat) or rel.startswith(pat + "/") for pat in ignore)
+
+    def clean(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        if info.name != "." and skip(info.name.removeprefix("./")):
+            return None
+        info.uid = info.gid = 0
+        info.uname = info.gname = ""
+        return info
+
+    with tarfile.open(fileobj=out, mode="w") as tar:
+        tar.add(context, arcname=".", filter=clean)
 
 
 def image_path(name: str) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import os
+import tempfile
 import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -779,6 +780,34 @@ class Images:
         """
         return self._c._parse(models.Image,
                                     _base.image_import(source, name, creds, insecure))
+
+    def build(self, context: str | os.PathLike[str], name: str, *,
+                    dockerfile: str = "Dockerfile", build_args: dict[str, str] | None = None,
+                    target: str | None = None) -> models.Image:
+        """Build the Dockerfile in ``context`` (a directory, sent to the daemon as a tar)
+        and store the result as ``name``.
+
+        Args:
+            context: the build context directory (``.dockerignore`` is honoured).
+            name: ``NAME[:TAG]``.
+            dockerfile: its path inside the context.
+            build_args: ``ARG`` values.
+            target: the stage to build (default: the last).
+
+        Raises:
+            InvalidRequest: an instruction boxd does not support (its line is named), or
+                a step that failed (the error ends with the build's output).
+        """
+        src = Path(context)
+        if not src.is_dir():
+            raise errors.InvalidRequest(f"the build context {src} is not a directory",
+                                        field="context")
+        with tempfile.TemporaryFile() as f:
+            _base.tar_context(src, f)
+            f.seek(0)
+            resp = self._c._send(_base.image_build(name, dockerfile, build_args, target),
+                                       content=_read_chunks(f))
+        return _base.parse(models.Image, resp.status_code, resp.content)
 
     def get(self, name: str) -> models.Image:
         """One image: digest, layers and run config.

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request, status
+from fastapi import APIRouter, Depends, Query, Request, status
 
 from boxd import models
 from boxd.api.auth import Account
 from boxd.api.errors import ERROR_RESPONSES
+from boxd.api.routes._deps import BINARY_BODY, UploadDir
 from boxd.api.services.images import ImageService
+from boxd.errors import InvalidRequest
 
 router = APIRouter(prefix="/images", tags=["images"], responses=ERROR_RESPONSES)
 
@@ -27,6 +31,38 @@ async def import_image(body: models.ImageImport, account: Account,
                        images: Images) -> models.Image:
     """Import an image from a layout, an archive or a registry (layers stored once)."""
     return await images.import_(account, body)
+
+
+@router.post("/build", response_model=models.Image, status_code=status.HTTP_201_CREATED,
+             openapi_extra=BINARY_BODY)
+async def build_image(
+    request: Request, account: Account, images: Images, upload_dir: UploadDir,
+    name: Annotated[str, Query(description="NAME[:TAG] to store the result under")],
+    dockerfile: Annotated[str, Query(description="the Dockerfile's path in the context")]
+    = "Dockerfile",
+    build_arg: Annotated[list[str] | None, Query(description="K=V (repeat)")] = None,
+    target: Annotated[str | None, Query(description="the stage to build")] = None,
+) -> models.Image:
+    """Build a Dockerfile: the body is the context as a tar (optionally gzip), streamed
+    to disk. Each instruction must be one boxd supports (else a 400 naming its line)."""
+    args = {}
+    for item in build_arg or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise InvalidRequest(f"build_arg {item!r} is not K=V", field="build_arg")
+        args[key] = value
+    if upload_dir is not None:
+        upload_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd, tmp = tempfile.mkstemp(prefix="context-", suffix=".tar", dir=upload_dir)
+    path = Path(tmp)
+    try:
+        with open(fd, "wb") as f:  # the file object owns fd
+            async for chunk in request.stream():
+                f.write(chunk)
+        return await images.build(account, path, name, dockerfile=dockerfile,
+                                  build_args=args, target=target)
+    finally:
+        path.unlink(missing_ok=True)
 
 
 @router.get("", response_model=models.ImageList)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from boxd import models
 from boxd.errors import NotFound
+from boxd.images.build import BuildRequest, build_image, unpack_context
 from boxd.images.oci import ImageInfo, import_image, inspect_image, list_images, parse_name
 from boxd.images.oci import remove_image as _remove
 from boxd.storage.oci import ImageStore
@@ -42,6 +43,22 @@ class ImageService:
             import_image, self.store, body.source, f"{account}/{name}", creds=body.creds,
             insecure=body.insecure, owned=f"{account}/")
         return _model(account, info)
+
+    async def build(self, account: str, context: Path, name: str, *, dockerfile: str,
+                    build_args: dict[str, str], target: str | None) -> models.Image:
+        """Build the context archive ``context`` (a tar) as ``name``."""
+        parse_name(name)
+        store = self.store
+
+        def run() -> ImageInfo:
+            with tempfile.TemporaryDirectory(prefix="boxd-context-",
+                                             dir=context.parent) as tmp:
+                unpack_context(context, Path(tmp))
+                return build_image(
+                    store, BuildRequest(name, Path(tmp), dockerfile, build_args, target),
+                    prefix=f"{account}/", cache=store.root.parent / "build")
+
+        return _model(account, await asyncio.to_thread(run))
 
     async def list(self, account: str) -> builtins.list[models.Image]:
         infos = await asyncio.to_thread(list_images, self.store)
