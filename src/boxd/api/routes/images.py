@@ -9,11 +9,12 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query, Request, status
 
 from boxd import models
-from boxd.api.auth import Account
+from boxd.api.auth import Account, KeyHolder
 from boxd.api.errors import ERROR_RESPONSES
 from boxd.api.routes._deps import BINARY_BODY, UploadDir
 from boxd.api.services.images import ImageService
-from boxd.errors import InvalidRequest
+from boxd.api.services.keys import LOCAL_ACCOUNT, KeyService
+from boxd.errors import Forbidden, InvalidRequest
 
 router = APIRouter(prefix="/images", tags=["images"], responses=ERROR_RESPONSES)
 
@@ -26,6 +27,23 @@ def _images(request: Request) -> ImageService:
 Images = Annotated[ImageService, Depends(_images)]
 
 
+def _builder(request: Request, account: KeyHolder) -> str:
+    """The operator's account: a build's RUN steps run as the daemon's user on its host
+    (buildah's chroot isolation, not a sandbox), so no other account, and no machine's
+    credential (not even one of the operator's machines), may start one."""
+    keys: KeyService = request.app.state.keys
+    if keys.repos.keys.account_name(account) != LOCAL_ACCOUNT:
+        raise Forbidden(
+            "only the operator (the local account) builds Dockerfiles on this daemon: a "
+            "build's RUN steps run on the daemon's host, outside any machine",
+            hint="build the image where you trust it (buildah, docker) and import it "
+                 "with `boxd image import`, or ask the operator to build it")
+    return account
+
+
+Builder = Annotated[str, Depends(_builder)]
+
+
 @router.post("", response_model=models.Image, status_code=status.HTTP_201_CREATED)
 async def import_image(body: models.ImageImport, account: Account,
                        images: Images) -> models.Image:
@@ -36,7 +54,7 @@ async def import_image(body: models.ImageImport, account: Account,
 @router.post("/build", response_model=models.Image, status_code=status.HTTP_201_CREATED,
              openapi_extra=BINARY_BODY)
 async def build_image(
-    request: Request, account: Account, images: Images, upload_dir: UploadDir,
+    request: Request, account: Builder, images: Images, upload_dir: UploadDir,
     name: Annotated[str, Query(description="NAME[:TAG] to store the result under")],
     dockerfile: Annotated[str, Query(description="the Dockerfile's path in the context")]
     = "Dockerfile",
@@ -44,7 +62,8 @@ async def build_image(
     target: Annotated[str | None, Query(description="the stage to build")] = None,
 ) -> models.Image:
     """Build a Dockerfile: the body is the context as a tar (optionally gzip), streamed
-    to disk. Each instruction must be one boxd supports (else a 400 naming its line)."""
+    to disk. Each instruction must be one boxd supports (else a 400 naming its line).
+    The operator's keys only (403 otherwise): RUN steps run on the daemon's host."""
     args = {}
     for item in build_arg or []:
         key, sep, value = item.partition("=")
