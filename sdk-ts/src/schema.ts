@@ -633,6 +633,28 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/images/build": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Build Image
+         * @description Build a Dockerfile: the body is the context as a tar (optionally gzip), streamed
+         *     to disk. Each instruction must be one boxd supports (else a 400 naming its line).
+         *     The operator's keys only (403 otherwise): RUN steps run on the daemon's host.
+         */
+        post: operations["build_image_v1_images_build_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/images/{name}": {
         parameters: {
             query?: never;
@@ -5378,7 +5400,10 @@ export interface operations {
     };
     import_image_v1_images_post: {
         parameters: {
-            query?: never;
+            query?: {
+                /** @description stream NDJSON progress lines */
+                progress?: boolean;
+            };
             header?: never;
             path?: never;
             cookie?: never;
@@ -5386,6 +5411,129 @@ export interface operations {
         requestBody: {
             content: {
                 "application/json": components["schemas"]["ImageImport"];
+            };
+        };
+        responses: {
+            /** @description with progress=true: NDJSON lines {"type": "progress", "step", "fraction"}, then {"type": "image", "image"} or {"error": {...}} */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/x-ndjson": unknown;
+                };
+            };
+            /** @description Successful Response */
+            201: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["Image"];
+                };
+            };
+            /** @description invalid_request: malformed input */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description unauthorized: missing, unknown or revoked API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description forbidden: the key's account may not do this */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description not found for this account */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description conflict: duplicate name or wrong machine state */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description quota_exceeded */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description internal_error, integrity_error or host_setup */
+            500: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description machine_failed */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description resource_exhausted */
+            507: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+        };
+    };
+    build_image_v1_images_build_post: {
+        parameters: {
+            query: {
+                /** @description NAME[:TAG] to store the result under */
+                name: string;
+                /** @description the Dockerfile's path in the context */
+                dockerfile?: string;
+                /** @description K=V (repeat) */
+                build_arg?: string[] | null;
+                /** @description the stage to build */
+                target?: string | null;
+            };
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/octet-stream": string;
             };
         };
         responses: {

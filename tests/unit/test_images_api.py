@@ -162,3 +162,23 @@ def test_build_through_the_sdk(api: Api, tmp_path: Path) -> None:
     assert (root / "v").read_text() == "7\n"
     assert sorted(p.name for p in (root / "src").iterdir()) == [".dockerignore", "Dockerfile",
                                                                "keep"]
+
+
+def test_import_with_progress_streams_then_answers(api: Api, tmp_path: Path) -> None:
+    big = make_image([{"big": os.urandom(3 << 20)}, {"small": b"s"}])
+    layout = write_layout(tmp_path / "big", {"b": big})
+    seen: list[tuple[str, float | None]] = []
+    with _client(api, api.key) as b:
+        img = b.images.import_(f"oci:{layout}", "big:v1",
+                               progress=lambda step, f: seen.append((step, f)))
+        assert img.digest == big.digest
+        fractions = [f for _, f in seen if f is not None]
+        assert any(s.startswith("layer 1/2") for s, _ in seen)
+        assert fractions == sorted(fractions) and 0 < fractions[-1] <= 1.0
+        # The same import again: its layers are stored, and it says so.
+        seen.clear()
+        b.images.import_(f"oci:{layout}", "big:v2", progress=lambda s, f: seen.append((s, f)))
+        assert any("(stored)" in s for s, _ in seen)
+        # An error arrives as the stream's last line and is raised typed.
+        with pytest.raises(errors.NotFound):
+            b.images.import_(f"oci:{tmp_path / 'none'}", "x", progress=lambda s, f: None)

@@ -750,8 +750,9 @@ def image_import(state: _State, source: str, name: str, creds: str | None, insec
     SOURCE: oci:DIR[:REF], oci-archive:FILE[:REF], docker-archive:FILE[:REPO:TAG] or
     docker://HOST[:PORT]/REPO[:TAG|@DIGEST] (paths are on the daemon's host).
     """
-    with _render.activity(f"importing {source}", as_json=as_json):
-        img = state.boxd.images.import_(source, name, creds=creds, insecure=insecure)
+    with _render.activity(f"importing {source}", as_json=as_json) as progress:
+        img = state.boxd.images.import_(source, name, creds=creds, insecure=insecure,
+                                        progress=progress)
     _show(img, as_json, _render.oci_image)
 
 

@@ -196,13 +196,28 @@ def _copy(reader: _Reader, store: ImageStore, report: Progress, held: set[str]) 
     total = sum(d.size for d in layers) + config.size or 1
     done = 0
     for i, d in enumerate([config, *layers]):
+        step = "config" if i == 0 else f"layer {i}/{len(layers)} {d.digest[7:19]}"
         if not (d.digest in held and store.has(d.digest, d.size)):
-            step = "config" if i == 0 else f"layer {i}/{len(layers)} {d.digest[7:19]}"
             report(step, done / total)
-            store.ingest(reader.blob(d), d.digest, d.size)
+            store.ingest(_counted(reader.blob(d), step, done, total, report), d.digest,
+                         d.size)
+        else:
+            report(f"{step} (stored)", done / total)
         done += d.size
     digest = store.ingest_bytes(raw).digest
     return Descriptor(media, digest, len(raw))
+
+
+def _counted(chunks: Iterator[bytes], step: str, done: int, total: int,
+             report: Progress) -> Iterator[bytes]:
+    """``chunks``, reporting the fraction of the whole import at most every 1 %."""
+    last = -1.0
+    for chunk in chunks:
+        done += len(chunk)
+        if done / total - last >= 0.01:
+            last = done / total
+            report(step, min(last, 1.0))
+        yield chunk
 
 
 def inspect_image(store: ImageStore, name: str) -> ImageInfo:

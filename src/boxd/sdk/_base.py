@@ -73,6 +73,9 @@ M = TypeVar("M", bound="BaseModel")
 #: total (None when the daemon did not say). Called after every chunk, from the caller's
 #: thread (sync) or task (async).
 TransferProgress = Callable[[int, int | None], None]
+#: ``progress(step, fraction)`` of an image import: what it is fetching and the fraction
+#: of the image's bytes done (None when unknown).
+StepProgress = Callable[[str, float | None], None]
 
 
 def content_length(headers: Mapping[str, str]) -> int | None:
@@ -409,11 +412,35 @@ def snapshot_delete(ref: str) -> Req:
     return Req("DELETE", f"/v1/snapshots/{seg(ref)}")
 
 
-def image_import(source: str, name: str, creds: str | None, insecure: bool) -> Req:
+def image_import(source: str, name: str, creds: str | None, insecure: bool,
+                 progress: bool = False) -> Req:
     body: dict[str, Any] = {"source": source, "name": name, "insecure": bool(insecure)}
     if creds is not None:
         body["creds"] = creds
-    return Req("POST", "/v1/images", json=body, timeout=NO_READ_TIMEOUT)
+    params = {"progress": "true"} if progress else {}
+    return Req("POST", "/v1/images", params=params, json=body, timeout=NO_READ_TIMEOUT)
+
+
+def parse_progress_line(line: str, progress: StepProgress,
+                        ) -> Any | None:
+    """One NDJSON line of an import with progress: reports a progress line and returns
+    None, returns the image's JSON, or raises the error a line carries."""
+    if not line.strip():
+        return None
+    try:
+        obj = json.loads(line)
+    except ValueError as exc:
+        raise errors.InternalError(f"malformed progress line: {line[:200]!r}") from exc
+    if isinstance(obj, dict) and isinstance(obj.get("error"), dict):
+        raise errors.error_from_body(obj)
+    if isinstance(obj, dict) and obj.get("type") == "progress":
+        fraction = obj.get("fraction")
+        progress(str(obj.get("step", "")),
+                 float(fraction) if isinstance(fraction, int | float) else None)
+        return None
+    if isinstance(obj, dict) and obj.get("type") == "image":
+        return obj.get("image")
+    raise errors.InternalError(f"unexpected progress line: {line[:200]!r}")
 
 
 def image_build(name: str, dockerfile: str, build_args: dict[str, str] | None,

@@ -762,7 +762,9 @@ class Images:
         self._c = client
 
     def import_(self, source: str, name: str, *, creds: str | None = None,
-                      insecure: bool = False) -> models.Image:
+                      insecure: bool = False,
+                      progress: _base.StepProgress | None = None,
+                      ) -> models.Image:
         """Import ``source`` as ``name`` (``NAME[:TAG]``).
 
         Args:
@@ -773,13 +775,25 @@ class Images:
             creds: ``USER:PASSWORD`` for the registry (default: the daemon user's
                 ``~/.docker/config.json``).
             insecure: allow a registry on plain HTTP.
+            progress: called as ``progress(step, fraction_or_None)`` while blobs arrive.
 
         Raises:
             InvalidRequest, NotFound, AuthError, IntegrityError (a blob does not match its
             digest: nothing is named).
         """
-        return self._c._parse(models.Image,
-                                    _base.image_import(source, name, creds, insecure))
+        if progress is None:
+            return self._c._parse(models.Image,
+                                        _base.image_import(source, name, creds, insecure))
+        req = _base.image_import(source, name, creds, insecure, progress=True)
+        with self._c._stream(req) as resp:
+            try:
+                for line in resp.iter_lines():
+                    image = _base.parse_progress_line(line, progress)
+                    if image is not None:
+                        return models.Image.model_validate(image)
+            except httpx.HTTPError as exc:
+                raise _base.map_transport_error(exc, self._c._target) from exc
+        raise errors.InternalError("the import's progress stream ended without its image")
 
     def build(self, context: str | os.PathLike[str], name: str, *,
                     dockerfile: str = "Dockerfile", build_args: dict[str, str] | None = None,

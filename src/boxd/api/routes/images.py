@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request, status
+from fastapi.responses import StreamingResponse
 
 from boxd import models
 from boxd.api.auth import Account, KeyHolder
@@ -14,8 +18,9 @@ from boxd.api.errors import ERROR_RESPONSES
 from boxd.api.routes._deps import BINARY_BODY, UploadDir
 from boxd.api.services.images import ImageService
 from boxd.api.services.keys import LOCAL_ACCOUNT, KeyService
-from boxd.errors import Forbidden, InvalidRequest
+from boxd.errors import BoxdError, Forbidden, InvalidRequest
 
+NDJSON = "application/x-ndjson"
 router = APIRouter(prefix="/images", tags=["images"], responses=ERROR_RESPONSES)
 
 
@@ -44,11 +49,60 @@ def _builder(request: Request, account: KeyHolder) -> str:
 Builder = Annotated[str, Depends(_builder)]
 
 
-@router.post("", response_model=models.Image, status_code=status.HTTP_201_CREATED)
-async def import_image(body: models.ImageImport, account: Account,
-                       images: Images) -> models.Image:
+@router.post("", response_model=models.Image, status_code=status.HTTP_201_CREATED,
+             responses={200: {"description": "with progress=true: NDJSON lines "
+                              '{"type": "progress", "step", "fraction"}, then '
+                              '{"type": "image", "image"} or {"error": {...}}',
+                              "content": {NDJSON: {}}}})
+async def import_image(
+    body: models.ImageImport, account: Account, images: Images,
+    progress: Annotated[bool, Query(description="stream NDJSON progress lines")] = False,
+) -> models.Image | StreamingResponse:
     """Import an image from a layout, an archive or a registry (layers stored once)."""
-    return await images.import_(account, body)
+    if not progress:
+        return await images.import_(account, body)
+    return StreamingResponse(_with_progress(
+        lambda report: images.import_(account, body, report)), media_type=NDJSON)
+
+
+async def _with_progress(
+    work: Callable[[Callable[[str, float | None], None]], Awaitable[models.Image]],
+) -> AsyncIterator[bytes]:
+    """NDJSON lines: the newest progress of ``work`` (coalesced: a slow reader gets the
+    latest, not a backlog), then its result or its error."""
+    loop = asyncio.get_running_loop()
+    latest: list[tuple[str, float | None]] = []
+    changed = asyncio.Event()
+
+    def report(step: str, fraction: float | None) -> None:  # from a worker thread
+        def note() -> None:
+            latest[:] = [(step, fraction)]
+            changed.set()
+        loop.call_soon_threadsafe(note)
+
+    task = asyncio.ensure_future(work(report))
+    try:
+        while not task.done():
+            waiter = asyncio.ensure_future(changed.wait())
+            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            changed.clear()
+            for step, fraction in latest:
+                yield _line({"type": "progress", "step": step, "fraction": fraction})
+            latest.clear()
+        try:
+            image = task.result()
+        except BoxdError as exc:
+            yield _line(exc.to_body())
+            return
+        yield _line({"type": "image", "image": image.model_dump(mode="json")})
+    finally:
+        if not task.done():  # the client went away: the import goes on to its end
+            task.add_done_callback(lambda t: t.exception())
+
+
+def _line(obj: object) -> bytes:
+    return json.dumps(obj).encode() + b"\n"
 
 
 @router.post("/build", response_model=models.Image, status_code=status.HTTP_201_CREATED,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from boxd import models
@@ -37,11 +38,15 @@ class ImageService:
             self._store = ImageStore(self._root or Path(tempfile.mkdtemp(prefix="boxd-oci-")))
         return self._store
 
-    async def import_(self, account: str, body: models.ImageImport) -> models.Image:
+    async def import_(self, account: str, body: models.ImageImport,
+                      progress: Callable[[str, float | None], None] | None = None,
+                      ) -> models.Image:
+        """Import for ``account``; ``progress(step, fraction)`` is called from a worker
+        thread as blobs arrive."""
         name = parse_name(body.name)
         info = await asyncio.to_thread(
             import_image, self.store, body.source, f"{account}/{name}", creds=body.creds,
-            insecure=body.insecure, owned=f"{account}/")
+            insecure=body.insecure, owned=f"{account}/", progress=progress)
         return _model(account, info)
 
     async def build(self, account: str, context: Path, name: str, *, dockerfile: str,
