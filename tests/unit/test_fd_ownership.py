@@ -302,3 +302,63 @@ def test_agent_fifos_survive_concurrent_opens(tmp_path: Path) -> None:
             os.close(fd)
     assert stolen == []
 
+
+# ------------------------------------------ a descriptor in use by a worker thread
+
+
+def test_a_cancelled_transfer_never_writes_into_another_file(tmp_path: Path) -> None:
+    # `receive` writes each chunk in a worker thread. Cancelled after the worker took
+    # the write but before the write ran, it closed its descriptor at once; the file
+    # opened next got that number, and the worker's write landed in it (a snapshot blob,
+    # a state file). Now the cancellation waits for the write before the descriptor
+    # closes. A profile hook holds the worker between taking the write and doing it.
+    from concurrent.futures import ThreadPoolExecutor
+    from types import FrameType
+    from typing import Any
+
+    from boxd.node._transfer import FileOffer, receive
+
+    victim = tmp_path / "victim"
+    armed, entered, release = threading.Event(), threading.Event(), threading.Event()
+
+    def hold_before_the_write(frame: FrameType, event: str, arg: Any) -> None:
+        # The work item is running (no longer cancellable); its function is next.
+        if (event == "return" and arg is True and armed.is_set()
+                and frame.f_code.co_name == "set_running_or_notify_cancel"):
+            entered.set()
+            release.wait(10)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        executor = ThreadPoolExecutor(max_workers=1)
+        threading.setprofile(hold_before_the_write)  # for the worker started here
+        try:
+            executor.submit(int).result()
+        finally:
+            threading.setprofile(None)  # type: ignore[arg-type]
+        loop.set_default_executor(executor)
+        armed.set()
+
+        async def fetch(_: FileOffer, offset: int, length: int) -> bytes:
+            return b"x" * length
+
+        offer = FileOffer("blob", "k", 4096, ((0, 4096),))
+        task = asyncio.ensure_future(receive(fetch, offer, tmp_path / "dest"))
+        for _ in range(5000):  # until the worker has the write, not yet started
+            if entered.is_set():
+                break
+            await asyncio.sleep(0.001)
+        assert entered.is_set()
+        task.cancel()
+        for _ in range(20):
+            await asyncio.sleep(0)
+        other = os.open(victim, os.O_RDWR | os.O_CREAT, 0o600)  # the lowest free number
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await loop.shutdown_default_executor()
+        os.close(other)
+
+    asyncio.run(main())
+    assert victim.read_bytes() == b""
+    assert not (tmp_path / "dest").exists() and not (tmp_path / "dest.part").exists()
