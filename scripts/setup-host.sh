@@ -48,6 +48,8 @@ qemu_ok() {
 # off the host and private ranges.
 need_pkgs=(qemu-utils mmdebstrap e2fsprogs cpio kmod xz-utils zstd ca-certificates python3-venv
            gcc libc6-dev passt nftables)
+# strace (the test tools only): tests/unit/test_fd_ownership.py counts close() calls with it.
+case ",$extras," in *,dev,*) need_pkgs+=(strace) ;; esac
 find_missing() {
   missing=()
   for p in "${need_pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
