@@ -49,10 +49,11 @@ qemu_ok() {
 # buildah + libgpgme11 (its RUN steps need it): `boxd image build -t` builds Dockerfiles.
 need_pkgs=(qemu-utils mmdebstrap e2fsprogs cpio kmod xz-utils zstd ca-certificates python3-venv
            gcc libc6-dev passt nftables buildah libgpgme11)
-# The tests' own container registry on loopback (tests/unit/test_oci_import.py imports
-# through `docker://`) and busybox-static (the base of the tests' Dockerfile builds):
-# only with the dev extra.
-case ",$extras," in *",dev,"*) need_pkgs+=(docker-registry busybox-static) ;; esac
+# The test tools only (the dev extra): the tests' own container registry on loopback
+# (tests/unit/test_oci_import.py imports through `docker://`), busybox-static (the base of
+# the tests' Dockerfile builds), strace (tests/unit/test_fd_ownership.py counts close()
+# calls with it).
+case ",$extras," in *",dev,"*) need_pkgs+=(docker-registry busybox-static strace) ;; esac
 find_missing() {
   missing=()
   for p in "${need_pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done

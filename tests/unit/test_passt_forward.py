@@ -7,7 +7,6 @@ connects, and it quits when its socket's other end closes).
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import socket
 from collections.abc import Iterator
@@ -15,9 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from boxd.engine.qemu import _net
+from boxd.engine.base import MachineConfig
+from boxd.engine.qemu import AccelChoice, _argv, _net
+from boxd.engine.qemu._engine import NetSetup, QemuEngine
 from boxd.errors import MachineFailed
 from boxd.node._ports import free_port
+from boxd.storage.fds import OwnedFd
 
 pytestmark = pytest.mark.skipif(
     shutil.which("passt") is None,
@@ -31,8 +33,8 @@ def passt(tmp_path: Path) -> Iterator[list[object]]:
     started: list[object] = []
     yield started
     for item in started:
-        if isinstance(item, int):
-            os.close(item)
+        if isinstance(item, OwnedFd):
+            item.close()
         else:
             item.kill()  # type: ignore[attr-defined]
             item.wait()  # type: ignore[attr-defined]
@@ -102,3 +104,40 @@ def test_a_host_without_a_route_is_told_so(tmp_path: Path) -> None:
         pytest.skip(f"cannot make a network namespace here: {out.stderr.strip()[:200]} "
                     "(the cluster tests run machines in one)")
     assert "no default route" in out.stdout, out.stdout + out.stderr
+
+
+def _passt_state(pid: int) -> str | None:
+    """passt's state letter (``Z``: exited, not reaped), or None once it is reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def test_a_deleted_machines_passt_is_reaped_with_it(tmp_path: Path) -> None:
+    # Through the engine's own launch: QEMU (a stand-in that holds passt's socket as QEMU
+    # does, and ignores its options) and its passt. Killing the machine reaps passt too:
+    # it stayed a zombie of the daemon until the next launch, when subprocess reaps the
+    # children whose Popen objects were dropped.
+    qemu = tmp_path / "qemu-stand-in"
+    qemu.write_text("#!/bin/sh\nexec sleep 60\n")
+    qemu.chmod(0o755)
+    engine = QemuEngine(str(qemu), AccelChoice("tcg", "test"),
+                        net=NetSetup(shutil.which("passt") or "passt", None, filtered=False))
+    config = MachineConfig("m_reap", "m-reap", 1, 64, isolated=False, port=free_port(),
+                           kernel=tmp_path / "k", initrd=tmp_path / "i", cmdline="")
+    files = _argv.RunFiles(tmp_path / "run")
+    proc, forward = engine._spawn(config, tmp_path / "disk.qcow2", files,
+                                  _argv.Memory(files.mem, shared=True),
+                                  tmp_path / "m" / "qemu.log", incoming=False)
+    assert forward is not None
+    passt_pid = forward.passt.pid
+    try:
+        asyncio.run(forward.wait())  # passt runs, its peer is the stand-in
+        asyncio.run(proc.kill())
+        assert _passt_state(passt_pid) is None, \
+            "passt outlives its deleted machine (to end a zombie of the daemon)"
+        assert forward.passt.returncode is not None
+    finally:
+        forward.passt.kill()
+        forward.passt.wait()

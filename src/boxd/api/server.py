@@ -35,6 +35,7 @@ from boxd.control import build_services
 from boxd.errors import Conflict, HostSetupError, InvalidRequest
 from boxd.services import HostInfoFn, MachineService, SnapshotService
 from boxd.state import Database
+from boxd.storage.fds import OwnedFd
 
 #: Seconds the daemon keeps an idle HTTP connection open. Longer than any client's own
 #: idle expiry (the SDK's 5 s, browsers' 60 s), so the client always closes first: with
@@ -102,19 +103,13 @@ def local_key_path(paths: Paths) -> Path:
 def write_local_key(path: Path, secret: str) -> None:
     """Write a secret to ``path`` atomically (temp file, fsync, rename) with mode 0600."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # in case the file existed with wider bits
-        os.write(fd, (secret + "\n").encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with OwnedFd.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600) as fd:
+        os.fchmod(fd.fd, 0o600)  # in case the file existed with wider bits
+        os.write(fd.fd, (secret + "\n").encode())
+        os.fsync(fd.fd)
     os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    with OwnedFd.open(path.parent, os.O_RDONLY) as dir_fd:
+        os.fsync(dir_fd.fd)
 
 
 def _read_local_key(path: Path) -> str | None:
@@ -184,17 +179,17 @@ def _tcp_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _lock_data_dir(paths: Paths) -> int:
+def _lock_data_dir(paths: Paths) -> OwnedFd:
     """Take the data directory's lock; the lock file's descriptor, which holds it.
 
     Raises:
         Conflict: another daemon holds it.
     """
-    fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = OwnedFd.open(paths.lock, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError as exc:
-        os.close(fd)
+        fd.close()
         raise Conflict(
             "a boxd daemon already serves this data directory",
             hint=f"use it (socket {paths.socket}) or stop it; pid in {paths.lock}",
@@ -266,8 +261,8 @@ class Daemon:
         paths.ensure()
         self._lock_fd = _lock_data_dir(paths)
         try:
-            os.ftruncate(self._lock_fd, 0)
-            os.write(self._lock_fd, f"{os.getpid()}\n".encode())
+            os.ftruncate(self._lock_fd.fd, 0)
+            os.write(self._lock_fd.fd, f"{os.getpid()}\n".encode())
             self._log_handler = setup_logging(paths.log)
             self.db = Database(paths.db)
             self.keys = KeyService(self.db)
@@ -310,7 +305,7 @@ class Daemon:
 
     def _unlock(self) -> None:
         with contextlib.suppress(OSError):
-            os.close(self._lock_fd)
+            self._lock_fd.close()  # once, however often the daemon stops
 
     def stop(self) -> None:
         """Ask a running daemon to shut down (thread-safe)."""

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from boxd.storage import Manifest, SnapshotStore
 from boxd.storage._files import data_regions, os_errors
+from boxd.storage.fds import OwnedFd
 
 #: Bytes per chunk: big enough that per-call overhead is small, small enough that a
 #: few in flight stay well under the memory budget.
@@ -76,13 +77,9 @@ class TemplateOffer:
 
 def offer(kind: str, key: str, path: Path) -> FileOffer:
     """Describe ``path`` for a peer (its size and data regions)."""
-    with os_errors("read", path):
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            size = os.fstat(fd).st_size
-            regions = tuple(_split(data_regions(fd, size)))
-        finally:
-            os.close(fd)
+    with os_errors("read", path), OwnedFd.open(path, os.O_RDONLY) as fd:
+        size = os.fstat(fd.fd).st_size
+        regions = tuple(_split(data_regions(fd.fd, size)))
     return FileOffer(kind, key, size, regions)
 
 
@@ -112,30 +109,41 @@ async def receive(fetch: Fetch, file: FileOffer, dest: Path, *, mode: int = 0o60
     Written to a temporary name first: ``dest`` appears whole or not at all.
     """
     tmp = dest.with_name(dest.name + ".part")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    fd = OwnedFd.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     received = 0
     pending: list[tuple[int, asyncio.Future[bytes]]] = []
     regions = list(file.regions)
     try:
-        os.ftruncate(fd, file.size)
-        while regions or pending:
-            while regions and len(pending) < WINDOW:
-                off, n = regions.pop(0)
-                pending.append((off, asyncio.ensure_future(fetch(file, off, n))))
-            off, task = pending.pop(0)
-            data = await task
-            await asyncio.to_thread(os.pwrite, fd, data, off)
-            received += len(data)
-        os.fsync(fd)
+        with fd:
+            os.ftruncate(fd.fd, file.size)
+            while regions or pending:
+                while regions and len(pending) < WINDOW:
+                    off, n = regions.pop(0)
+                    pending.append((off, asyncio.ensure_future(fetch(file, off, n))))
+                off, task = pending.pop(0)
+                data = await task
+                await _write_in_thread(fd, data, off)
+                received += len(data)
+            os.fsync(fd.fd)
     except BaseException:
         for _, task in pending:
             task.cancel()
-        os.close(fd)
         tmp.unlink(missing_ok=True)
         raise
-    os.close(fd)
     os.replace(tmp, dest)
     return received
+
+
+async def _write_in_thread(fd: OwnedFd, data: bytes, offset: int) -> None:
+    """``os.pwrite`` in a worker thread, which the caller's cancellation does not stop:
+    the write is awaited to its end either way, so the descriptor is never closed (and
+    its number given to another file) while the thread still writes through it."""
+    write = asyncio.ensure_future(asyncio.to_thread(os.pwrite, fd.fd, data, offset))
+    try:
+        await asyncio.shield(write)
+    except asyncio.CancelledError:
+        await asyncio.wait([write])
+        raise
 
 
 async def receive_snapshot(

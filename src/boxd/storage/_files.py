@@ -23,6 +23,7 @@ from typing import Protocol
 
 from boxd import config
 from boxd.errors import InternalError, InvalidRequest, ResourceExhausted
+from boxd.storage.fds import OwnedFd
 
 __all__ = [
     "CHUNK",
@@ -214,13 +215,9 @@ def hash_file(path: Path, progress: Progress | None = None) -> tuple[str, int]:
         ResourceExhausted, InternalError: the file could not be read.
     """
     h = hashlib.sha256()
-    with os_errors("read", path):
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            size = os.fstat(fd).st_size
-            _read_regions(fd, size, h, None, progress)
-        finally:
-            os.close(fd)
+    with os_errors("read", path), OwnedFd.open(path, os.O_RDONLY) as fd:
+        size = os.fstat(fd.fd).st_size
+        _read_regions(fd.fd, size, h, None, progress)
     return h.hexdigest(), size
 
 
@@ -242,35 +239,27 @@ def copy_sparse(src: Path, dst: Path, progress: Progress | None = None) -> tuple
     """
     h = hashlib.sha256()
     try:
-        sfd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
+        sfd = OwnedFd.open(src, os.O_RDONLY)
     except FileNotFoundError as exc:
         raise InvalidRequest(f"no such file: {src}", field="src") from exc
-    try:
+    with sfd:
         with os_errors("copy", src):
-            st = os.fstat(sfd)
+            st = os.fstat(sfd.fd)
             if not stat.S_ISREG(st.st_mode):
                 raise InvalidRequest(f"not a regular file: {src}", field="src")
             size = st.st_size
-            os.posix_fadvise(sfd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        with os_errors("write", dst):
-            dfd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            try:
-                _read_regions(sfd, size, h, lambda c, o: write_nonzero(dfd, c, o), progress)
-                os.ftruncate(dfd, size)
-            finally:
-                os.close(dfd)
-    finally:
-        os.close(sfd)
+            os.posix_fadvise(sfd.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        with os_errors("write", dst), \
+                OwnedFd.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600) as dfd:
+            _read_regions(sfd.fd, size, h, lambda c, o: write_nonzero(dfd.fd, c, o), progress)
+            os.ftruncate(dfd.fd, size)
     return h.hexdigest(), size
 
 
 def fsync_path(path: Path) -> None:
     """fsync a file or directory by path (a read-only descriptor is enough on Linux)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with OwnedFd.open(path, os.O_RDONLY) as fd:
+        os.fsync(fd.fd)
 
 
 def fsync_dir(path: Path) -> None:

@@ -16,6 +16,7 @@ import subprocess
 from pathlib import Path
 
 from boxd.errors import HostSetupError, InternalError, ResourceExhausted
+from boxd.storage._files import fsync_path
 
 QEMU_IMG = "qemu-img"
 log = logging.getLogger("boxd.storage")
@@ -80,11 +81,7 @@ async def flatten(src: Path, dest: Path) -> None:
     """Write the whole backing chain of ``src`` into one standalone qcow2 file ``dest``."""
     tmp = dest.with_name(dest.name + ".tmp")
     await _run(QEMU_IMG, "convert", "-q", "-O", "qcow2", str(src), str(tmp))
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(tmp)
     os.replace(tmp, dest)
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from boxd.errors import ResourceExhausted
 from boxd.storage._files import data_regions, os_errors
+from boxd.storage.fds import private_opener
 
 _CHUNK = 8 << 20
 
@@ -52,8 +53,7 @@ def sparse_copy(src: Path, dest: Path) -> int:
         with os_errors("copy guest memory", dest):
             # Guest memory: readable by the daemon's user only (QEMU opens it before
             # it drops privileges).
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            with open(src, "rb") as fin, open(fd, "wb") as fout:
+            with open(src, "rb") as fin, open(tmp, "wb", opener=private_opener) as fout:
                 size = os.fstat(fin.fileno()).st_size
                 fout.truncate(size)
                 for off, length in data_regions(fin.fileno(), size):

@@ -49,6 +49,7 @@ from boxd.errors import (
 )
 from boxd.storage import _files
 from boxd.storage._files import Progress, os_errors
+from boxd.storage.fds import OwnedFd, private_opener
 
 __all__ = [
     "FORMAT_VERSION",
@@ -226,22 +227,21 @@ class _Lock:
     def __init__(self, path: Path, *, blocking: bool = True) -> None:
         self.path = path
         self.blocking = blocking
-        self.fd = -1
+        self.fd: OwnedFd | None = None
 
     def acquire(self) -> bool:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if self.blocking else fcntl.LOCK_NB))
-        except BlockingIOError:
-            os.close(fd)
-            return False
-        self.fd = fd
+        with OwnedFd.open(self.path, os.O_RDWR | os.O_CREAT, 0o600) as fd:
+            try:
+                fcntl.flock(fd.fd, fcntl.LOCK_EX | (0 if self.blocking else fcntl.LOCK_NB))
+            except BlockingIOError:
+                return False
+            self.fd = OwnedFd(fd.detach())
         return True
 
     def release(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)  # closing drops the flock
-            self.fd = -1
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            fd.close()  # closing drops the flock
 
     def __enter__(self) -> _Lock:
         with os_errors("lock the snapshot store", self.path):
@@ -968,11 +968,11 @@ def _write_archive(
 ) -> None:
     blobs = sorted({e.digest: e.size for e in m.blobs.values()}.items())
     fds: list[tuple[str, int, int, list[tuple[int, int]]]] = []
-    try:
+    with contextlib.ExitStack() as opened:
         for digest, size in blobs:
             path = _blob_path(m.root, digest)
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                fd = opened.enter_context(OwnedFd.open(path, os.O_RDONLY)).fd
             except FileNotFoundError:
                 raise IntegrityError(
                     f"snapshot {m.digest[:12]}: blob {digest[:12]} is missing",
@@ -988,8 +988,7 @@ def _write_archive(
         counter = _Counter(
             len(raw) + sum(n for *_, regions in fds for _, n in regions), progress
         )
-        out_fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        with open(out_fd, "wb") as rawf:
+        with open(tmp, "xb", opener=private_opener) as rawf:
             gz = gzip.GzipFile(fileobj=rawf, mode="wb", compresslevel=1, mtime=0) if compress \
                 else None
             out = cast(IO[bytes], gz if gz is not None else rawf)
@@ -999,9 +998,6 @@ def _write_archive(
                 gz.close()  # writes the gzip trailer; leaves rawf open
             rawf.flush()
             os.fsync(rawf.fileno())
-    finally:
-        for _, fd, _, _ in fds:
-            os.close(fd)
 
 
 def _write_members(
@@ -1460,8 +1456,8 @@ def _stage_blob(
         else src.sparse_map(member, size)
     view = memoryview(bytearray(_files.CHUNK))
     h = hashlib.sha256()
-    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
+    with OwnedFd.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600) as owned:
+        fd = owned.fd
         pos = 0
         for i in range(0, len(regions), 2):
             off, length = regions[i], regions[i + 1]
@@ -1479,7 +1475,5 @@ def _stage_blob(
             pos = end
         _files.hash_zeros(h, size - pos)
         os.ftruncate(fd, size)
-    finally:
-        os.close(fd)
     src.read_exact(len(_pad(member.size)))
     return h.hexdigest()

@@ -67,6 +67,7 @@ from boxd.engine.gvisor._spec import Roots, RunFiles
 from boxd.errors import InternalError, MachineFailed
 from boxd.guest import protocol as P
 from boxd.images import AGENT_MOUNT, rootfs_tree
+from boxd.storage.fds import OwnedFd, pipe_file
 
 log = logging.getLogger("boxd.engine")
 
@@ -392,22 +393,22 @@ class GvisorMachine:
 
     async def wait_exit(self) -> str:
         try:
-            fd = os.pidfd_open(self._pid)
+            pidfd = OwnedFd.pidfd(self._pid)
         except ProcessLookupError:
             return self.exit_reason()
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[None] = loop.create_future()
+        with pidfd:
+            loop = asyncio.get_running_loop()
+            done: asyncio.Future[None] = loop.create_future()
 
-        def exited() -> None:
-            if not done.done():
-                done.set_result(None)
+            def exited() -> None:
+                if not done.done():
+                    done.set_result(None)
 
-        loop.add_reader(fd, exited)
-        try:
-            await done  # a pidfd becomes readable when its process exits (zombie or not)
-        finally:
-            loop.remove_reader(fd)
-            os.close(fd)
+            loop.add_reader(pidfd.fd, exited)
+            try:
+                await done  # a pidfd becomes readable when its process exits (zombie or not)
+            finally:
+                loop.remove_reader(pidfd.fd)
         await self.release_cgroup()  # its gofer and stubs end with it
         return self.exit_reason()
 
@@ -418,27 +419,13 @@ class GvisorMachine:
         )
 
     async def _open_channel(self, timeout: float) -> AgentClient:
-        loop = asyncio.get_running_loop()
-        # The sandbox holds both FIFOs read-write: these opens never block or fail for
-        # want of a peer.
-        rfd = os.open(self.files.stdout, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        try:
-            wfd = os.open(self.files.stdin, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError:
-            os.close(rfd)
-            raise
-        reader = asyncio.StreamReader(limit=P.MAX_LINE)
-        rt, _ = await loop.connect_read_pipe(
-            lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(rfd, "rb", buffering=0))
-        wt, wp = await loop.connect_write_pipe(
-            lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()),
-            os.fdopen(wfd, "wb", buffering=0))
-        writer = asyncio.StreamWriter(wt, wp, None, loop)
+        reader, writer, rt = await open_fifo_streams(self.files.stdout, self.files.stdin)
         self._read_transport = rt
         try:
             return await AgentClient.over(reader, writer, self.files.stdin, timeout=timeout)
         except BaseException:
             rt.close()
+            writer.close()
             self._read_transport = None
             raise
 
@@ -888,10 +875,8 @@ class GvisorEngine:
         # Stale runsc state of a previous sandbox with this id (a crashed daemon).
         if (self.runsc.state_root / f"{config.id}_sandbox:{config.id}.state").exists():
             await self._delete(config.id)
-        fin = os.open(files.stdin, os.O_RDWR | os.O_CLOEXEC)
-        fout = os.open(files.stdout, os.O_RDWR | os.O_CLOEXEC)
-        console = os.open(log_path.with_name("console.log"),
-                          os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o640)
+        stdio = _open_stdio(files, log_path)  # runsc's: it gets copies, ours close after
+        fin, fout, console = (f.fd for f in stdio)
         # runsc joins the cgroup before exec; the sandbox and gofer it starts inherit it.
         cgroup = self.cgroups.create(
             config.id, Limits(sandbox_memory_limit(config.memory_mib), pids=GVISOR_PIDS_MAX))
@@ -918,8 +903,8 @@ class GvisorEngine:
                 await self.cgroups.release(cgroup)
             raise
         finally:
-            for fd in (fin, fout, console):
-                os.close(fd)
+            for f in stdio:
+                f.close()
         if cgroup is not None and not cgroup.contains(pid):
             log.warning("machine=%s event=cgroup_not_joined pid=%s", config.id, pid)
         machine = GvisorMachine(self, config, files, pid, disk, log_path, netns, cgroup)
@@ -1008,6 +993,44 @@ class GvisorEngine:
         for p in (path, path.with_name(path.name + ".tmp")):
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()
+
+
+def _open_stdio(files: RunFiles, log_path: Path) -> tuple[OwnedFd, OwnedFd, OwnedFd]:
+    """The sandbox's stdin and stdout (its agent FIFOs) and its console log, for runsc."""
+    with contextlib.ExitStack() as opened:
+        fin = opened.enter_context(OwnedFd.open(files.stdin, os.O_RDWR))
+        fout = opened.enter_context(OwnedFd.open(files.stdout, os.O_RDWR))
+        console = opened.enter_context(OwnedFd.open(
+            log_path.with_name("console.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640))
+        opened.pop_all()
+    return fin, fout, console
+
+
+async def open_fifo_streams(
+    stdout: Path, stdin: Path,
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, asyncio.ReadTransport]:
+    """Streams over a sandbox's agent FIFOs: a reader of its ``stdout``, a writer to its
+    ``stdin``, and the read transport (the writer closes its own).
+
+    Each FIFO end is owned by exactly one object at every step: an `OwnedFd` until the
+    loop's transport takes it (`pipe_file`), then the transport, which closes it once.
+    """
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=P.MAX_LINE)
+    # The sandbox holds both FIFOs read-write: these opens never block or fail for want
+    # of a peer.
+    with OwnedFd.open(stdout, os.O_RDONLY | os.O_NONBLOCK) as rfd, \
+            OwnedFd.open(stdin, os.O_WRONLY | os.O_NONBLOCK) as wfd:
+        rt, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), pipe_file(loop, rfd, "rb"))
+        try:
+            wt, wp = await loop.connect_write_pipe(
+                lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()),
+                pipe_file(loop, wfd, "wb"))
+        except BaseException:
+            rt.close()
+            raise
+    return reader, asyncio.StreamWriter(wt, wp, None, loop), rt
 
 
 def _read_pid(path: Path) -> int | None:

@@ -30,6 +30,7 @@ from boxd.engine.qemu._probe import AccelChoice
 from boxd.engine.qemu._process import QemuProcess, pid_matches
 from boxd.errors import InternalError, MachineFailed
 from boxd.storage import disks
+from boxd.storage.fds import OwnedFd
 from boxd.storage.memory import sparse_copy
 
 log = logging.getLogger("boxd.engine")
@@ -396,12 +397,13 @@ class QemuEngine:
     ) -> tuple[QemuProcess, _Forward | None]:
         """Start QEMU (and its passt); the caller checks the forward with `_Forward.wait`
         once QEMU answers, so passt binds its port while QEMU starts."""
-        net_fd: int | None = None
+        net: OwnedFd | None = None
+        passt: subprocess.Popen[bytes] | None = None
         forward: _Forward | None = None
         if not config.isolated:
             # Its own passt per QEMU process, a fork child's and a restore's too: the
             # migration stream carries the NIC's state, not its backend.
-            passt, net_fd = _net.spawn_passt(
+            passt, net = _net.spawn_passt(
                 self.net.passt, port=config.port, user=self.net.user,
                 log_file=log_path.with_name("passt.log"),
             )
@@ -413,7 +415,8 @@ class QemuEngine:
                 qemu=self.qemu, config=config, accel=self.accel.accelerator, files=files,
                 disk=disk, memory=memory, console_log=log_path.with_name("console.log"),
                 incoming=incoming, readonly_rom_supported=self.readonly_rom,
-                run_as=self.run_as.user if self.run_as else None, net_fd=net_fd,
+                run_as=self.run_as.user if self.run_as else None,
+                net_fd=None if net is None else net.fd,
             )
             for stale in (files.qmp, files.agent, files.pidfile):
                 stale.unlink(missing_ok=True)
@@ -422,16 +425,23 @@ class QemuEngine:
             )
             try:
                 proc = QemuProcess.spawn(config.id, argv, files.qmp, log_path,
-                                         pass_fds=() if net_fd is None else (net_fd,),
+                                         pass_fds=() if net is None else (net.fd,),
                                          cgroup=cgroup, cgroups=self.cgroups)
-                return proc, forward
             except BaseException:
                 self.cgroups.release_now(cgroup)
                 raise
+            proc.passt = passt  # reaped with QEMU (`QemuProcess.reap_passt`)
+            return proc, forward
+        except BaseException:
+            if passt is not None:  # no QEMU will use it: end and reap it now
+                with contextlib.suppress(ProcessLookupError):
+                    passt.kill()
+                passt.wait()
+            raise
         finally:
-            # QEMU holds its own copy now; if QEMU never started, passt sees EOF and quits.
-            if net_fd is not None:
-                os.close(net_fd)
+            # QEMU holds its own copy now (or never started: passt saw EOF).
+            if net is not None:
+                net.close()
 
     async def boot(
         self, config: MachineConfig, disk: BootDisk, run_dir: Path, log_path: Path

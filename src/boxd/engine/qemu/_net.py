@@ -40,6 +40,7 @@ from pathlib import Path
 
 from boxd import config as cfg
 from boxd.errors import HostSetupError, MachineFailed
+from boxd.storage.fds import OwnedFd
 
 log = logging.getLogger("boxd.engine")
 
@@ -215,9 +216,9 @@ def _stderr_file(log_file: Path) -> Path:
 
 
 def spawn_passt(passt: str, *, port: int | None, user: NetUser | None,
-                log_file: Path) -> tuple[subprocess.Popen[bytes], int]:
-    """Start passt on one end of a new socketpair; returns it and QEMU's end (an fd the
-    caller passes to QEMU and closes).
+                log_file: Path) -> tuple[subprocess.Popen[bytes], OwnedFd]:
+    """Start passt on one end of a new socketpair; returns it and QEMU's end (which the
+    caller passes to QEMU and then closes).
 
     Raises:
         HostSetupError: passt could not be started.
@@ -234,13 +235,12 @@ def spawn_passt(passt: str, *, port: int | None, user: NetUser | None,
         try:
             # What passt says before its log is open (a bad option, the user switch) goes
             # to stderr: keep it beside the log.
-            fd = os.open(_stderr_file(log_file), os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-                         | os.O_CLOEXEC, 0o600)  # the machine's files are the daemon's
-            os.fchmod(fd, 0o600)
-            with open(fd, "wb") as err:
+            with OwnedFd.open(_stderr_file(log_file), os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                              0o600) as fd:  # the machine's files are the daemon's
+                os.fchmod(fd.fd, 0o600)
                 popen = subprocess.Popen(
                     argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                    stderr=err, start_new_session=True, pass_fds=(passt_end.fileno(),),
+                    stderr=fd.fd, start_new_session=True, pass_fds=(passt_end.fileno(),),
                 )
         except OSError as exc:
             raise HostSetupError(f"cannot start passt: {exc}",
@@ -250,7 +250,7 @@ def spawn_passt(passt: str, *, port: int | None, user: NetUser | None,
         raise
     finally:
         passt_end.close()
-    return popen, qemu_end.detach()
+    return popen, OwnedFd(qemu_end.detach())
 
 
 def _listeners(port: int, table: Path = Path("/proc/net/tcp")) -> set[str]:

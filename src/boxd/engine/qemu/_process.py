@@ -18,6 +18,7 @@ from qemu.qmp import ConnectError, ExecuteError, QMPClient
 
 from boxd.engine.cgroups import Cgroups, VmCgroup
 from boxd.errors import HostSetupError, InternalError, MachineFailed
+from boxd.storage.fds import OwnedFd
 
 log = logging.getLogger("boxd.engine")
 
@@ -77,6 +78,8 @@ class QemuProcess:
         self.qmp_path = qmp_path
         self.log_path = log_path
         self.popen = popen
+        # Its passt (a child of ours, reaped once QEMU has ended), if it has a network.
+        self.passt: subprocess.Popen[bytes] | None = None
         self.cgroup = cgroup  # its own cgroup (see boxd.engine.cgroups), if any
         self._cgroups = cgroups
         # Read from the cgroup before it is removed, for exit_reason.
@@ -107,9 +110,10 @@ class QemuProcess:
         for d in (qmp_path.parent, log_path.parent):
             d.mkdir(parents=True, exist_ok=True, mode=0o700)
             os.chmod(d, 0o700)
-        fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        os.fchmod(fd, 0o600)
-        with open(fd, "ab") as logf:
+        with OwnedFd.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600) as fd:
+            os.fchmod(fd.fd, 0o600)
+            logf = fd.as_file("ab")
+        with logf:
             logf.write(f"--- {time.strftime('%F %T')} {' '.join(argv)}\n".encode())
             logf.flush()
             try:
@@ -176,6 +180,23 @@ class QemuProcess:
             await self._cgroups.release(cg)
         else:
             cg.remove()
+
+    async def reap_passt(self, grace: float = 2.0) -> None:
+        """Reap this QEMU's passt once QEMU has ended: passt quits when its end of the
+        socket pair closes, and one still running after ``grace`` seconds is killed.
+        (Left alone it stayed a zombie of the daemon until the next launch, when
+        ``subprocess`` reaps the children whose Popen objects were dropped.)"""
+        passt, self.passt = self.passt, None
+        if passt is None:
+            return
+        deadline = time.monotonic() + grace
+        while passt.poll() is None:
+            if time.monotonic() > deadline:
+                with contextlib.suppress(ProcessLookupError):
+                    passt.kill()
+                await asyncio.to_thread(passt.wait)
+                return
+            await asyncio.sleep(0.01)
 
     def log_tail(self, lines: int = 3) -> str:
         try:
@@ -285,30 +306,33 @@ class QemuProcess:
         """
         if not self.alive():
             await self.release_cgroup()
+            await self.reap_passt()
             return
         try:
-            fd = os.pidfd_open(self.pid)
+            pidfd = OwnedFd.pidfd(self.pid)
         except OSError:
             await self.release_cgroup()
+            await self.reap_passt()
             return  # gone already
-        loop = asyncio.get_running_loop()
-        ended: asyncio.Future[None] = loop.create_future()
+        with pidfd:
+            loop = asyncio.get_running_loop()
+            ended: asyncio.Future[None] = loop.create_future()
 
-        def on_exit() -> None:
-            if not ended.done():
-                ended.set_result(None)
+            def on_exit() -> None:
+                if not ended.done():
+                    ended.set_result(None)
 
-        loop.add_reader(fd, on_exit)
-        try:
-            if self.alive():
-                await ended
-            while self.alive():  # readable means exited; reaping may lag a moment
-                await asyncio.sleep(0.01)
-        finally:
-            loop.remove_reader(fd)
-            os.close(fd)
+            loop.add_reader(pidfd.fd, on_exit)
+            try:
+                if self.alive():
+                    await ended
+                while self.alive():  # readable means exited; reaping may lag a moment
+                    await asyncio.sleep(0.01)
+            finally:
+                loop.remove_reader(pidfd.fd)
         if not self.alive():
             await self.release_cgroup()
+            await self.reap_passt()
 
     async def kill(self) -> None:
         """SIGKILL the process and reap it."""
@@ -327,3 +351,4 @@ class QemuProcess:
                 await asyncio.sleep(0.01)
         if not self.alive():
             await self.release_cgroup()
+            await self.reap_passt()
