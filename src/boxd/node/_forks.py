@@ -88,7 +88,9 @@ class Forks:
         # one fork of count N does.
         self._forking: dict[str, int] = {}
         self.spares = SparePool(self, per_template=settings.fork_spares,
-                                total=settings.fork_spares_total, settle=SPARE_SETTLE)
+                                total=settings.fork_spares_total,
+                                per_account=settings.fork_spares_per_account,
+                                settle=SPARE_SETTLE)
 
     async def source(self, source_id: str) -> tuple[MachineRecord, TemplateRecord]:
         """Check a fork's source, wake it if needed, and get its template (pinned: the
@@ -128,7 +130,7 @@ class Forks:
                 self._forking[tpl.id] -= len(child_ids)
                 if not self._forking[tpl.id]:
                     del self._forking[tpl.id]
-            self.spares.want(source_id, tpl, demand)
+            self.spares.want(source_id, tpl, demand, owner=src.account_id)
         finally:
             self._templates.unpin(tpl.id)
         errors = results(out)
@@ -173,14 +175,17 @@ class Forks:
 
     # ------------------------------------------------------------ warm
 
-    async def warm(self, source_id: str, forks: int) -> models.Standby:
+    async def warm(self, source_id: str, forks: int,
+                   claimable: int | None = None) -> models.Standby:
         """Keep ``forks`` standby children of the source's current state (see
-        `SparePool.warm`); 0 releases them without making a template."""
+        `SparePool.warm`); 0 releases them without making a template. ``claimable``: how
+        many more machines the source's account may start (its quota), which bounds the
+        standby children its pools hold here."""
         src = self._machines.record(source_id)
         if forks == 0:
             tpl = self.repos.layers.template_for(source_id, src.generation)
             if tpl is not None:
-                await self.spares.warm(source_id, tpl, 0)
+                await self.spares.warm(source_id, tpl, 0, owner=src.account_id)
             return self._standby(src, tpl)
         if self.spares.total == 0:
             raise ResourceExhausted("standby forks are off on this node "
@@ -188,16 +193,16 @@ class Forks:
                                     hint="set BOXD_FORK_SPARES_TOTAL above 0")
         src, tpl = await self.source(source_id)
         try:
-            count, why = await self.spares.warm(source_id, tpl, forks)
+            count, short = await self.spares.warm(source_id, tpl, forks, owner=src.account_id,
+                                                  claimable=claimable)
         finally:
             self._templates.unpin(tpl.id)
         log.info("machine=%s event=warmed template=%s forks=%d of=%d", source_id, tpl.id,
                  count, forks)
-        if count < forks:
+        if short is not None:
             raise ResourceExhausted(
-                f"{count} of {forks} standby forks of {src.name!r} are ready: {why}",
-                hint="ask for fewer, or free host memory (BOXD_FORK_SPARES_TOTAL caps the "
-                "standby forks of a node)")
+                f"{forks} standby forks of {src.name!r} were asked for and {count} are "
+                f"ready: {short.why}", hint=short.hint, needed=forks, free=count)
         return self._standby(src, tpl)
 
     def _standby(self, src: MachineRecord, tpl: TemplateRecord | None) -> models.Standby:
