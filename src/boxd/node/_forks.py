@@ -170,6 +170,9 @@ class Forks:
                 exc.message = f"fork child {rec.name!r} failed: {exc.message}"
                 exc.args = (exc.message,)
             raise
+        finally:
+            if spare is not None:  # claimed: the child's record (or the fork's pin) holds it
+                self._templates.refs.release(spare.template_id, f"standby:{spare.vm_id}")
         log.info("machine=%s event=forked source=%s spare=%s seconds=%.3f", child_id, src.id,
                  spare is not None, time.monotonic() - t0)
 
@@ -230,17 +233,20 @@ class Forks:
                     backing=self._templates.layer_path(tpl.layer_id), parent_layer=tpl.layer_id,
                     paused=True, disk_gib=src.disk_gib,
                 ), src.engine, record_layer=False)
+                # It maps the template's files: held until it is claimed or discarded.
+                self._templates.refs.acquire(tpl.id, f"standby:{vm_id}")
         except BaseException:
             remove_tree(self.paths.run_dir(vm_id))
             remove_tree(self.paths.machines / vm_id)
             raise
         assert layer_id is not None
-        return Spare(vm_id, layer_id, port, handle)
+        return Spare(vm_id, layer_id, port, handle, tpl.id)
 
     def remove_spare_files(self, spare: Spare) -> None:
         disks.remove(self._templates.layer_path(spare.layer_id))
         remove_tree(self.paths.run_dir(spare.vm_id))
         remove_tree(self.paths.machines / spare.vm_id)
+        self._templates.refs.release(spare.template_id, f"standby:{spare.vm_id}")
 
     def template_is_current(self, template_id: str) -> bool:
         return self._templates.is_current(template_id)

@@ -65,6 +65,7 @@ class Spare:
     layer_id: str
     port: int | None
     handle: MachineHandle
+    template_id: str = ""  # what it was made from (it holds a reference to it until gone)
 
 
 class SpareMaker(Protocol):
@@ -242,9 +243,13 @@ class SparePool:
             task.cancel()
         # Their clean-up (a standby copy half restored is killed) runs before we go on.
         await asyncio.gather(*tasks, return_exceptions=True)
-        for tid in list(self._spares):
-            for spare in self._spares.pop(tid):
+        # A discard drops its template's reference, and the node's gc that may follow
+        # prunes (discards in the background) the spares of templates gone stale.
+        while self._spares:
+            for spare in self._spares.pop(next(iter(self._spares))):
                 await self._discard(spare)
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     # ----------------------------------------------------------------- internals
 
