@@ -187,6 +187,23 @@ def test_an_account_holds_no_more_standby_forks_than_its_quota_could_claim() -> 
     asyncio.run(main())
 
 
+def test_forks_that_use_up_the_quota_shrink_the_accounts_standby_forks() -> None:
+    async def main() -> None:
+        pool, maker = make_pool(per_template=8, total=6)
+        maker.current |= {"t1"}
+        assert (await pool.warm("src1", tpl("t1"), 3, owner="a", claimable=3)) == (3, None)
+        for _ in range(2):  # two forks claim two of them: one more machine may start
+            assert pool.take("t1") is not None
+        pool.forked("a", 2)
+        await settle(pool)
+        assert pool.count("t1") == 1 and pool.reserved("t1") == 1 and pool.held("a") == 1
+        pool.forked("b", 5)  # another account's forks change nothing here
+        assert pool.held("a") == 1
+        await pool.close()
+
+    asyncio.run(main())
+
+
 def test_warm_reservations_take_room_from_spares_forks_refilled_on_their_own() -> None:
     async def main() -> None:
         pool, maker = make_pool(per_template=8, total=6)
@@ -271,6 +288,31 @@ def test_concurrent_warm_calls_on_the_service_keep_the_node_cap(
             if isinstance(r, BaseException):
                 _assert_says_why(r, "")
         assert sum(isinstance(r, models.Standby) for r in out) == 3
+        await w.node.spares.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        w.repos.db.close()
+
+
+def test_a_warmed_pool_is_not_refilled_past_what_the_account_could_claim(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An account with a quota of 3 machines (its source and two more) warms 2 standby
+    forks and forks 2 children: its quota is full, so the pool is not refilled with
+    standby forks it could never claim."""
+    w = make_world(tmp_path, monkeypatch, spares=2, spares_total=6)
+
+    async def main() -> None:
+        _account(w, "a_three", 3)
+        src = await running(w, "three-src", account="a_three")
+        assert (await w.machines.warm("a_three", src.id, 2)).forks == 2
+        kids = await w.machines.fork("a_three", src.id, ["k1", "k2"])
+        assert all(isinstance(k, models.Machine) for k in kids), kids
+        await asyncio.sleep(0.2)
+        while w.node.spares._tasks:
+            await asyncio.gather(*list(w.node.spares._tasks))
+        assert w.node.spares.ready() == []
         await w.node.spares.close()
 
     try:

@@ -137,6 +137,9 @@ class Forks:
         for cid, r in zip(child_ids, errors, strict=True):
             if r is None:
                 self._procs.inherit(source_id, cid)
+        # They count against the account's quota now: its standby forks here shrink to
+        # what it could still claim.
+        self.spares.forked(src.account_id, errors.count(None))
         return errors
 
     async def fork_received(

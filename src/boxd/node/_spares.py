@@ -109,10 +109,11 @@ class SparePool:
         self._failed: dict[str, str] = {}  # why the last refill of a template stopped
         # Standby capacity is shared (see `warm`): whose source each template is, what
         # `warm` reserved for it (held against the caps even before it is made), and how
-        # many more machines its account could start (its quota, when `warm` was told).
+        # many more machines each account could start (its quota, when `warm` was told,
+        # less the children forked since).
         self._owner: dict[str, str] = {}
         self._reserved: dict[str, int] = {}
-        self._claimable: dict[str, int] = {}
+        self._claimable: dict[str, int] = {}  # by account
         # Set (and replaced) whenever a spare is kept or a refill ends: what `warm` waits on.
         self._progress = asyncio.Event()
 
@@ -184,7 +185,7 @@ class SparePool:
         """
         self._owner[tpl.id] = owner
         if claimable is not None:
-            self._claimable[tpl.id] = max(0, claimable)
+            self._claimable[owner] = max(0, claimable)
         before = self._reserved.get(tpl.id, 0)
         if n > before and (short := self._refusal(tpl.id, n)) is not None:
             return self.count(tpl.id), short
@@ -210,6 +211,27 @@ class SparePool:
             "warm it again once the source is ready and no longer changing; if the host is "
             "short of memory, free some or ask for fewer")
 
+    def forked(self, owner: str, children: int) -> None:
+        """``owner`` started ``children`` machines (forks): they count against its quota
+        now, so its pools here hold no more than it could still claim (the standby forks
+        beyond, ready or reserved, are let go; the next `warm` asks the quota again)."""
+        left = self._claimable.get(owner)
+        if left is None or children <= 0:
+            return
+        left = self._claimable[owner] = max(0, left - children)
+        for t in sorted((t for t in self._templates() if self._owner.get(t, "") == owner),
+                        key=self._claimed):
+            keep = min(self._claimed(t), left)
+            left -= keep
+            if t in self._reserved:
+                self._reserved[t] = min(self._reserved[t], keep)
+                if not self._reserved[t]:
+                    del self._reserved[t]
+            self._target[t] = min(self._target.get(t, 0), keep)
+            pool = self._spares.get(t, [])
+            while len(pool) > keep:
+                self._background(self._discard(pool.pop()))
+
     def reserved(self, template_id: str | None = None) -> int:
         """Spares `warm` reserved: for one template, or in all."""
         if template_id is not None:
@@ -233,8 +255,7 @@ class SparePool:
             if not self._maker.template_is_current(tid):
                 for spare in self._spares.pop(tid, []):
                     self._background(self._discard(spare))
-                for table in (self._target, self._last_take, self._reserved, self._owner,
-                              self._claimable):
+                for table in (self._target, self._last_take, self._reserved, self._owner):
                     table.pop(tid, None)
 
     async def close(self) -> None:
@@ -381,7 +402,7 @@ class SparePool:
         out = [(node, "node")]
         if self.per_account < self.total:
             out.insert(0, (share, "share"))
-        if (quota := self._claimable.get(tid)) is not None:
+        if (quota := self._claimable.get(owner)) is not None:
             out.insert(0, (quota - mine, "quota"))
         return min(out, key=lambda cap: cap[0])
 
@@ -405,7 +426,7 @@ class SparePool:
                 f"{self.total} standby forks (BOXD_FORK_SPARES_PER_ACCOUNT) and yours "
                 f"hold {mine} for other machines",
                 f"{ask}release other machines' standby forks (`warm(ref, forks=0)`)")
-        quota = self._claimable.get(tid, 0)
+        quota = self._claimable.get(self._owner.get(tid, ""), 0)
         return Shortfall(
             f"your account's machine quota lets it start {quota} more machine(s), so it "
             f"could claim no more than {quota} standby forks"
