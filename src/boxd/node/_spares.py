@@ -423,8 +423,8 @@ class SparePool:
         if cap == "share":
             return Shortfall(
                 f"one account holds at most {self.per_account} of this node's "
-                f"{self.total} standby forks (BOXD_FORK_SPARES_PER_ACCOUNT) and yours "
-                f"hold {mine} for other machines",
+                f"{self.total} standby forks (BOXD_FORK_SPARES_PER_ACCOUNT)"
+                + (f" and yours hold {mine} for other machines" if mine else ""),
                 f"{ask}release other machines' standby forks (`warm(ref, forks=0)`)")
         quota = self._claimable.get(self._owner.get(tid, ""), 0)
         return Shortfall(
