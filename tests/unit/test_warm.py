@@ -321,6 +321,33 @@ def test_a_warmed_pool_is_not_refilled_past_what_the_account_could_claim(
         w.repos.db.close()
 
 
+def test_forks_within_the_quota_still_refill_their_standby_forks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The quota bound trims only what the account could not claim: an account that
+    warmed one source and forks another, with room to spare, gets that fork's standby
+    child refilled as before."""
+    w = make_world(tmp_path, monkeypatch, spares=2, spares_total=6)
+
+    async def main() -> None:
+        _account(w, "a_roomy", 10)
+        warmed = await running(w, "warmed", account="a_roomy")
+        assert (await w.machines.warm("a_roomy", warmed.id, 2)).forks == 2
+        other = await running(w, "other", account="a_roomy")
+        kids = await w.machines.fork("a_roomy", other.id, ["k1"])
+        assert isinstance(kids[0], models.Machine), kids
+        for _ in range(300):
+            if len(w.node.spares.ready()) == 3:
+                break
+            await asyncio.sleep(0.01)
+        assert len(w.node.spares.ready()) == 3  # 2 warmed + the fork's refill
+        await w.node.spares.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        w.repos.db.close()
+
+
 def _assert_says_why(exc: BaseException, reason: str) -> None:
     assert isinstance(exc, errors.ResourceExhausted), exc
     message = str(exc)

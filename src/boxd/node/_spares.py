@@ -219,9 +219,12 @@ class SparePool:
         if left is None or children <= 0:
             return
         left = self._claimable[owner] = max(0, left - children)
+        def wanted(t: str) -> int:  # held, or the refill's target
+            return max(self._claimed(t), self._target.get(t, 0))
+
         for t in sorted((t for t in self._templates() if self._owner.get(t, "") == owner),
-                        key=self._claimed):
-            keep = min(self._claimed(t), left)
+                        key=wanted):
+            keep = min(wanted(t), left)
             left -= keep
             if t in self._reserved:
                 self._reserved[t] = min(self._reserved[t], keep)
