@@ -517,7 +517,8 @@ export class Machines {
    * that many concurrent `fork` calls) claim them instead of starting children. They use
    * no CPU while they wait; `memoryBytes` says the host memory they hold. A change to the
    * machine (an exec, an upload, a restore) discards them; `{ forks: 0 }` releases them.
-   * They count against no quota until claimed.
+   * They count against no quota until claimed, but an account holds no more than its
+   * quota would let it claim, and at most its share of the node's (docs/fork.md).
    * @throws MachineNotFound, StateError, InvalidRequest, ResourceExhausted
    */
   async warm(ref: string, options: { forks: number }): Promise<Standby> {

@@ -275,6 +275,7 @@ class Settings:
     net_user: str = "boxd-net"  # BOXD_NET_USER: user passt runs as (root daemon)
     fork_spares: int = 8  # BOXD_FORK_SPARES: standby children per template; 0 off
     fork_spares_total: int = 32  # BOXD_FORK_SPARES_TOTAL: standby children per daemon
+    fork_spares_per_account: int = 0  # BOXD_FORK_SPARES_PER_ACCOUNT: 0 = half the total
     log_level: str = "info"  # BOXD_LOG_LEVEL
     image_cache: Path | None = None  # BOXD_IMAGE_CACHE: where guest images are built
     image_apt: tuple[str, ...] = ()  # BOXD_IMAGE_APT: Debian packages in every machine's image
@@ -304,6 +305,7 @@ class Settings:
             net_user=e.get("BOXD_NET_USER", "boxd-net") or "boxd-net",
             fork_spares=_int(e, "BOXD_FORK_SPARES", 8),
             fork_spares_total=_int(e, "BOXD_FORK_SPARES_TOTAL", 32),
+            fork_spares_per_account=_int(e, "BOXD_FORK_SPARES_PER_ACCOUNT", 0),
             log_level=e.get("BOXD_LOG_LEVEL", "info").strip().lower() or "info",
             image_cache=Path(cache).expanduser() if cache else None,
             image_apt=_words(e, "BOXD_IMAGE_APT"),

@@ -56,7 +56,8 @@ class World:
         return node
 
 
-def make_world(tmp: Path, monkeypatch: pytest.MonkeyPatch, spares: int = 0) -> World:
+def make_world(tmp: Path, monkeypatch: pytest.MonkeyPatch, spares: int = 0,
+               spares_total: int = 32) -> World:
     monkeypatch.setenv("BOXD_SHM", str(tmp / "shm"))
     paths = Paths(tmp / "home")
     paths.ensure()
@@ -69,7 +70,7 @@ def make_world(tmp: Path, monkeypatch: pytest.MonkeyPatch, spares: int = 0) -> W
                        rootfs=rootfs, recipe=Recipe(suite="bookworm"), kernel_version="6",
                        cmdline_hint="")
     engine = FakeEngine()
-    settings = Settings(fork_spares=spares)
+    settings = Settings(fork_spares=spares, fork_spares_total=spares_total)
     store = SnapshotStore(paths.snapshots)
     node = NodeRuntime(paths, repos, Host(paths, settings, engine=engine, image=image), settings,
                        store)
@@ -90,9 +91,9 @@ def run(coro: object) -> object:
     return asyncio.run(coro)  # type: ignore[arg-type]
 
 
-async def running(w: World, name: str = "base") -> models.Machine:
-    m = await w.machines.create(ACCOUNT, models.MachineCreate(name=name))
-    return await w.machines.wait_until_ready(ACCOUNT, m.id, timeout=5)
+async def running(w: World, name: str = "base", account: str = ACCOUNT) -> models.Machine:
+    m = await w.machines.create(account, models.MachineCreate(name=name))
+    return await w.machines.wait_until_ready(account, m.id, timeout=5)
 
 
 async def sh(w: World, ref: str, cmd: str) -> str:

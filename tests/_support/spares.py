@@ -52,9 +52,13 @@ class FakeMaker:
         return template_id in self.current
 
 
-def make_pool(per_template: int = 8, total: int = 32) -> tuple[SparePool, FakeMaker]:
+def make_pool(per_template: int = 8, total: int = 32,
+              per_account: int | None = None) -> tuple[SparePool, FakeMaker]:
+    """A pool on a `FakeMaker`; one account's share is the whole node unless
+    ``per_account`` says otherwise (the pool's own default is half of it)."""
     m = FakeMaker()
-    return SparePool(m, per_template=per_template, total=total), m
+    share = total if per_account is None else per_account
+    return SparePool(m, per_template=per_template, total=total, per_account=share), m
 
 
 def tpl(tid: str) -> Any:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -16,7 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from boxd import errors
+from boxd import Boxd, errors, models
+from tests._support.daemon import (
+    Daemon,
+    _shm_of,
+    kill_machines_of,
+    remove_cgroups_of,
+    start_daemon,
+)
 
 pytestmark = pytest.mark.vm
 
@@ -138,3 +146,86 @@ def test_warm_refuses_bad_counts_and_unknown_machines(client) -> None:  # type: 
         client.machines.warm("base", forks=65)
     with pytest.raises(errors.MachineNotFound):
         client.machines.warm("no-such-machine", forks=2)
+
+
+@contextlib.contextmanager
+def _capped_daemon(daemon: Daemon, tmp_path: Path, **env: str) -> Iterator[tuple[Daemon, Boxd]]:
+    """A daemon of its own on gVisor with ``env`` (standby caps), and its client; the
+    session daemon's host probes are copied so it starts without probing again."""
+
+    home = tmp_path / "capped"
+    home.mkdir()
+    for cached in ("host.json", "host-gvisor.json"):
+        if (daemon.home / cached).exists():
+            (home / cached).write_bytes((daemon.home / cached).read_bytes())
+    env = {"BOXD_ENGINE": "gvisor", "BOXD_FORK_SPARES": "0", **env}
+    old = {k: os.environ.get(k) for k in (*env, "BOXD_HOME")}
+    os.environ.update(env)
+    try:
+        d = start_daemon(home)
+        os.environ["BOXD_HOME"] = str(home)
+        try:
+            with Boxd() as b:
+                yield d, b
+        finally:
+            d.stop()
+            kill_machines_of(home)
+            time.sleep(0.2)  # the killed sandboxes leave their cgroups
+            remove_cgroups_of(home)
+            shutil.rmtree(_shm_of(home), ignore_errors=True)  # its templates' RAM files
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _live_standby(log: Path) -> list[str]:
+    """VM ids of standby copies the daemon made whose processes still run."""
+    made = re.findall(r"machine=(m_\w+) event=spare_ready", log.read_text(errors="replace"))
+    return [v for v in made if _pids_of(v)]
+
+
+def test_concurrent_warm_calls_keep_the_node_cap_and_accounts_get_what_they_can_claim(
+        client, daemon, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 39.5 on gVisor: three concurrent ``warm(2)`` calls on a node capped at 4
+    standby forks (``BOXD_FORK_SPARES_TOTAL``) leave at most 4 standby sandboxes, and the
+    call that does not fit is a 507 that says why and what to do (before the fix, every
+    call got its 2: 6 sandboxes). An account whose quota (1 machine: its source) lets it
+    claim no fork is refused standby forks, saying so."""
+    if {e.name: e for e in client.info().engines}["gvisor"].status != "ok":
+        pytest.skip("gvisor unavailable here (the fake-engine tests in tests/unit/"
+                    "test_warm.py still cover the caps)")
+    with _capped_daemon(daemon, tmp_path, BOXD_FORK_SPARES_TOTAL="4",
+                        BOXD_FORK_SPARES_PER_ACCOUNT="4") as (d, b):
+        sources = [b.machines.new(f"cap-src-{i}") for i in range(3)]
+        for s in sources:
+            b.machines.wait_until_ready(s.id, timeout=120)
+
+        def warm(source_id: str) -> models.Standby | errors.ResourceExhausted:
+            try:
+                return b.machines.warm(source_id, forks=2)
+            except errors.ResourceExhausted as exc:
+                return exc
+
+        with ThreadPoolExecutor(3) as pool:
+            out = list(pool.map(warm, [s.id for s in sources]))
+        refused = [r for r in out if isinstance(r, errors.ResourceExhausted)]
+        assert len(refused) == 1, out
+        message = str(refused[0])
+        assert "at most 4 standby forks (BOXD_FORK_SPARES_TOTAL)" in message, message
+        assert refused[0].hint and "ask for at most 0" not in refused[0].hint, refused[0].hint
+        assert b.info().standby_forks == 4
+        assert len(_live_standby(d.log)) == 4, d.log.read_text()[-3000:]
+
+        secret = b.keys.create("warm-one", account="warm-one").secret
+        assert b.accounts.update("warm-one", max_machines=1).max_machines == 1
+        with Boxd(api_key=secret) as one:
+            src = one.machines.new("one-src")
+            one.machines.wait_until_ready(src.id, timeout=120)
+            with pytest.raises(errors.ResourceExhausted) as info:
+                one.machines.warm(src.id, forks=1)
+            assert "quota lets it start 0 more" in str(info.value), str(info.value)
+            assert info.value.hint
+        assert len(_live_standby(d.log)) == 4

@@ -21,13 +21,13 @@ def test_warm_sizes_the_pool_past_the_per_template_cap_and_waits_for_it() -> Non
     async def main() -> None:
         pool, maker = make_pool(per_template=2, total=32)
         maker.current.add("t1")
-        count, why = await pool.warm("src", tpl("t1"), 5)
-        assert (count, why) == (5, "")
+        count, short = await pool.warm("src", tpl("t1"), 5)
+        assert (count, short) == (5, None)
         assert pool.count("t1") == 5 and maker.made == 5
         count, _ = await pool.warm("src", tpl("t1"), 2)  # smaller: the rest are discarded
         await settle(pool)
         assert count == 2 and pool.count("t1") == 2 and len(maker.removed) == 3
-        assert await pool.warm("src", tpl("t1"), 0) == (0, "")
+        assert await pool.warm("src", tpl("t1"), 0) == (0, None)
         await settle(pool)
         assert pool.count("t1") == 0 and len(maker.removed) == 5
 
@@ -38,7 +38,11 @@ def test_warm_is_capped_by_the_total_and_says_why_when_short() -> None:
     async def main() -> None:
         pool, maker = make_pool(per_template=8, total=3)
         maker.current.add("t1")
-        assert (await pool.warm("src", tpl("t1"), 5))[0] == 3
+        count, short = await pool.warm("src", tpl("t1"), 5)  # refused whole: none made
+        assert count == 0 and maker.made == 0 and pool.reserved() == 0
+        assert short is not None and "at most 3 standby forks" in short.why
+        assert "ask for at most 3" in short.hint
+        assert (await pool.warm("src", tpl("t1"), 3)) == (3, None)
 
         failing, fmaker = make_pool()
         fmaker.current.add("t2")
@@ -47,8 +51,9 @@ def test_warm_is_capped_by_the_total_and_says_why_when_short() -> None:
             raise errors.ResourceExhausted("host memory is low")
 
         fmaker.prepare_spare = broken  # type: ignore[method-assign]
-        count, why = await failing.warm("src", tpl("t2"), 4)
-        assert count == 0 and "host memory is low" in why
+        count, short = await failing.warm("src", tpl("t2"), 4)
+        assert count == 0 and short is not None and "host memory is low" in short.why
+        assert failing.reserved() == 0  # a warm that fell short holds nothing for it
 
     asyncio.run(main())
 
@@ -111,3 +116,242 @@ def test_warm_zero_releases_and_bad_counts_are_refused(world: World) -> None:
         await world.node.spares.close()
 
     asyncio.run(main())
+
+
+# ------------------------------------------------ shared standby capacity (issue 39.5)
+
+
+def test_concurrent_warm_calls_never_exceed_the_total_cap() -> None:
+    """Five warm calls of two at once on a node capped at 6: the cap is reserved before
+    any spare is launched, so at no moment do more than 6 exist; the calls it refuses
+    say why."""
+    async def main() -> None:
+        pool, maker = make_pool(per_template=8, total=6)
+        maker.gate = asyncio.Event()
+        peak = 0
+
+        def count_live() -> None:
+            nonlocal peak
+            peak = max(peak, maker.made - len(maker.removed))
+
+        maker.after_prepare = count_live
+        tids = [f"t{i}" for i in range(5)]
+        maker.current |= set(tids)
+        calls = [asyncio.ensure_future(pool.warm(f"src{i}", tpl(t), 2, owner=f"a{i}"))
+                 for i, t in enumerate(tids)]
+        await asyncio.sleep(0.05)  # every call has checked the cap and started its refill
+        maker.gate.set()
+        out = await asyncio.gather(*calls)
+        await settle(pool)
+        assert peak <= 6 and maker.made - len(maker.removed) <= 6, (peak, maker.made)
+        assert len(pool.ready()) == 6 and pool.held() == 6
+        refused = [short for count, short in out if short is not None]
+        assert len(refused) == 2
+        for short in refused:
+            assert "at most 6 standby forks" in short.why and short.hint
+        await pool.close()
+
+    asyncio.run(main())
+
+
+def test_one_account_holds_at_most_its_share_of_the_node() -> None:
+    async def main() -> None:
+        pool, maker = make_pool(per_template=8, total=6, per_account=0)  # default: half
+        maker.current |= {"t1", "t2", "t3"}
+        assert pool.per_account == 3
+        count, short = await pool.warm("src1", tpl("t1"), 6, owner="greedy")
+        assert count == 0 and short is not None and "at most 3 of this node's 6" in short.why
+        assert (await pool.warm("src1", tpl("t1"), 3, owner="greedy")) == (3, None)
+        count, short = await pool.warm("src2", tpl("t2"), 1, owner="greedy")  # another source
+        assert short is not None and "yours hold 3 for other machines" in short.why
+        # Another account still gets standby forks on the node.
+        assert (await pool.warm("src3", tpl("t3"), 3, owner="other")) == (3, None)
+        await pool.close()
+
+    asyncio.run(main())
+
+
+def test_an_account_holds_no_more_standby_forks_than_its_quota_could_claim() -> None:
+    async def main() -> None:
+        pool, maker = make_pool(per_template=8, total=6)
+        maker.current |= {"t1", "t2"}
+        count, short = await pool.warm("src1", tpl("t1"), 6, owner="a", claimable=2)
+        assert count == 0 and short is not None and "start 2 more machine(s)" in short.why
+        assert "ask for at most 2" in short.hint
+        assert (await pool.warm("src1", tpl("t1"), 2, owner="a", claimable=2)) == (2, None)
+        count, short = await pool.warm("src2", tpl("t2"), 1, owner="a", claimable=2)
+        assert short is not None and "(2 held for other machines)" in short.why
+        assert pool.held("a") == 2
+        await pool.close()
+
+    asyncio.run(main())
+
+
+def test_forks_that_use_up_the_quota_shrink_the_accounts_standby_forks() -> None:
+    async def main() -> None:
+        pool, maker = make_pool(per_template=8, total=6)
+        maker.current |= {"t1"}
+        assert (await pool.warm("src1", tpl("t1"), 3, owner="a", claimable=3)) == (3, None)
+        for _ in range(2):  # two forks claim two of them: one more machine may start
+            assert pool.take("t1") is not None
+        pool.forked("a", 2)
+        await settle(pool)
+        assert pool.count("t1") == 1 and pool.reserved("t1") == 1 and pool.held("a") == 1
+        pool.forked("b", 5)  # another account's forks change nothing here
+        assert pool.held("a") == 1
+        await pool.close()
+
+    asyncio.run(main())
+
+
+def test_warm_reservations_take_room_from_spares_forks_refilled_on_their_own() -> None:
+    async def main() -> None:
+        pool, maker = make_pool(per_template=8, total=6)
+        maker.current |= {"auto", "t1"}
+        pool.want("src0", tpl("auto"), 6, owner="a")  # a batch of 6 forks: 6 spares refill
+        await settle(pool)
+        assert pool.count("auto") == 6
+        assert (await pool.warm("src1", tpl("t1"), 4, owner="b")) == (4, None)
+        await settle(pool)
+        assert pool.count("auto") == 2 and pool.held() == 6
+        await pool.close()
+
+    asyncio.run(main())
+
+
+OTHER = "a_other"
+
+
+def _account(world: World, account: str, quota: int) -> None:
+    world.repos.db.execute(
+        "INSERT INTO accounts (id, name, created_at, machine_quota) VALUES (?, ?, 0, ?)",
+        (account, account, quota))
+
+
+def test_warm_on_the_service_bounds_accounts_and_every_507_says_why(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 39.5 (b), through the control plane: an account limited to 1 machine (its
+    source) can warm no standby fork; another account's warm(1) on the same node then
+    works; every refusal is a 507 whose message ends with a reason and has a hint."""
+    w = make_world(tmp_path, monkeypatch, spares=2, spares_total=6)
+
+    async def main() -> None:
+        _account(w, "a_one", 1)
+        _account(w, OTHER, 50)
+        one = await running(w, "one-src", account="a_one")
+        with pytest.raises(errors.ResourceExhausted) as refused:
+            await w.machines.warm("a_one", one.id, 6)
+        _assert_says_why(refused.value, "quota lets it start 0 more")
+        assert w.node.spares.ready() == []
+        other = await running(w, "other-src", account=OTHER)
+        assert (await w.machines.warm(OTHER, other.id, 1)).forks == 1
+        with pytest.raises(errors.ResourceExhausted) as refused:  # past its share (3 of 6)
+            await w.machines.warm(OTHER, other.id, 4)
+        _assert_says_why(refused.value, "one account holds at most 3")
+        assert (await w.machines.warm(OTHER, other.id, 3)).forks == 3
+        mine = await running(w, "mine-src")
+        assert (await w.machines.warm(ACCOUNT, mine.id, 3)).forks == 3
+        _account(w, "a_third", 50)
+        third = await running(w, "third-src", account="a_third")
+        with pytest.raises(errors.ResourceExhausted) as refused:  # the node is full
+            await w.machines.warm("a_third", third.id, 1)
+        _assert_says_why(refused.value, "at most 6 standby forks (BOXD_FORK_SPARES_TOTAL)")
+        with pytest.raises(errors.ResourceExhausted) as refused:  # its quota binds first
+            await w.machines.warm("a_one", one.id, 1)
+        _assert_says_why(refused.value, "quota lets it start 0 more")
+        assert len(w.node.spares.ready()) == 6
+        await w.node.spares.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        w.repos.db.close()
+
+
+def test_concurrent_warm_calls_on_the_service_keep_the_node_cap(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 39.5 (a): five concurrent warm(2) calls of five sources on a node capped at
+    6 (``BOXD_FORK_SPARES_TOTAL``) leave at most 6 standby forks."""
+    w = make_world(tmp_path, monkeypatch, spares=2, spares_total=6)
+
+    async def main() -> None:
+        for i in range(5):
+            _account(w, f"a_{i}", 50)
+        srcs = [await running(w, f"src-{i}", account=f"a_{i}") for i in range(5)]
+        out = await asyncio.gather(
+            *(w.machines.warm(f"a_{i}", s.id, 2) for i, s in enumerate(srcs)),
+            return_exceptions=True)
+        await asyncio.sleep(0.1)
+        assert len(w.node.spares.ready()) <= 6
+        assert len(w.engine.running) - len(srcs) <= 6  # standby VMs the engine runs
+        for r in out:
+            if isinstance(r, BaseException):
+                _assert_says_why(r, "")
+        assert sum(isinstance(r, models.Standby) for r in out) == 3
+        await w.node.spares.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        w.repos.db.close()
+
+
+def test_a_warmed_pool_is_not_refilled_past_what_the_account_could_claim(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An account with a quota of 3 machines (its source and two more) warms 2 standby
+    forks and forks 2 children: its quota is full, so the pool is not refilled with
+    standby forks it could never claim."""
+    w = make_world(tmp_path, monkeypatch, spares=2, spares_total=6)
+
+    async def main() -> None:
+        _account(w, "a_three", 3)
+        src = await running(w, "three-src", account="a_three")
+        assert (await w.machines.warm("a_three", src.id, 2)).forks == 2
+        kids = await w.machines.fork("a_three", src.id, ["k1", "k2"])
+        assert all(isinstance(k, models.Machine) for k in kids), kids
+        await asyncio.sleep(0.2)
+        while w.node.spares._tasks:
+            await asyncio.gather(*list(w.node.spares._tasks))
+        assert w.node.spares.ready() == []
+        await w.node.spares.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        w.repos.db.close()
+
+
+def test_forks_within_the_quota_still_refill_their_standby_forks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The quota bound trims only what the account could not claim: an account that
+    warmed one source and forks another, with room to spare, gets that fork's standby
+    child refilled as before."""
+    w = make_world(tmp_path, monkeypatch, spares=2, spares_total=6)
+
+    async def main() -> None:
+        _account(w, "a_roomy", 10)
+        warmed = await running(w, "warmed", account="a_roomy")
+        assert (await w.machines.warm("a_roomy", warmed.id, 2)).forks == 2
+        other = await running(w, "other", account="a_roomy")
+        kids = await w.machines.fork("a_roomy", other.id, ["k1"])
+        assert isinstance(kids[0], models.Machine), kids
+        for _ in range(300):
+            if len(w.node.spares.ready()) == 3:
+                break
+            await asyncio.sleep(0.01)
+        assert len(w.node.spares.ready()) == 3  # 2 warmed + the fork's refill
+        await w.node.spares.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        w.repos.db.close()
+
+
+def _assert_says_why(exc: BaseException, reason: str) -> None:
+    assert isinstance(exc, errors.ResourceExhausted), exc
+    message = str(exc)
+    assert not message.rstrip().endswith(":"), message
+    assert message.split("are ready: ", 1)[1].strip(), message
+    assert reason in message, message
+    assert exc.hint, message

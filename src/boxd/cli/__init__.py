@@ -368,7 +368,8 @@ def machine_warm(state: _State, name: str, forks: int, as_json: bool) -> None:
 
     The next N forks of the unchanged machine claim them instead of starting children.
     They use no CPU while they wait; a change to NAME (an exec, an upload, a restore)
-    discards them. They count against no quota until claimed.
+    discards them. They count against no quota until claimed, but an account holds no
+    more than its quota would let it claim, and at most its share of the node's.
     """
     with _render.activity(f"preparing {forks} standby forks of {name}", as_json=as_json):
         s = state.boxd.machines.warm(name, forks=forks)

@@ -342,7 +342,14 @@ class Machines:
             raise InvalidRequest(f"forks must be 0-{models.MAX_STANDBY_FORKS}, not {forks}",
                                  field="forks")
         rec = self._find(account, ref)
-        return await self._node(rec).warm(rec.id, forks)
+        # Standby forks the account could never claim would hold memory for nothing: its
+        # pools on the node hold no more than the machines its quota still lets it start.
+        acct = self.repos.accounts.get(account)
+        claimable = (acct.max_machines - acct.used) if acct is not None else (
+            self.default_quota - sum(m.state not in (MachineState.DELETING,
+                                                     MachineState.HIBERNATED)
+                                     for m in self.repos.machines.list(account)))
+        return await self._node(rec).warm(rec.id, forks, claimable)
 
     async def fork(
         self, account: str, ref: str, names: builtins.list[str | None],

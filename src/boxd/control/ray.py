@@ -180,8 +180,9 @@ class RayNode:
         await self.sync([c for c, r in zip(child_ids, results, strict=True) if r is None])
         return results
 
-    async def warm(self, source_id: str, forks: int) -> models.Standby:
-        out: models.Standby = await self._call("warm", source_id, forks)
+    async def warm(self, source_id: str, forks: int,
+                   claimable: int | None = None) -> models.Standby:
+        out: models.Standby = await self._call("warm", source_id, forks, claimable)
         return out
 
     async def wait_until_ready(self, machine_id: str, timeout: float) -> None:

@@ -88,7 +88,9 @@ class Forks:
         # one fork of count N does.
         self._forking: dict[str, int] = {}
         self.spares = SparePool(self, per_template=settings.fork_spares,
-                                total=settings.fork_spares_total, settle=SPARE_SETTLE)
+                                total=settings.fork_spares_total,
+                                per_account=settings.fork_spares_per_account,
+                                settle=SPARE_SETTLE)
 
     async def source(self, source_id: str) -> tuple[MachineRecord, TemplateRecord]:
         """Check a fork's source, wake it if needed, and get its template (pinned: the
@@ -128,13 +130,16 @@ class Forks:
                 self._forking[tpl.id] -= len(child_ids)
                 if not self._forking[tpl.id]:
                     del self._forking[tpl.id]
-            self.spares.want(source_id, tpl, demand)
+            self.spares.want(source_id, tpl, demand, owner=src.account_id)
         finally:
             self._templates.unpin(tpl.id)
         errors = results(out)
         for cid, r in zip(child_ids, errors, strict=True):
             if r is None:
                 self._procs.inherit(source_id, cid)
+        # They count against the account's quota now: its standby forks here shrink to
+        # what it could still claim.
+        self.spares.forked(src.account_id, errors.count(None))
         return errors
 
     async def fork_received(
@@ -168,19 +173,25 @@ class Forks:
                 exc.message = f"fork child {rec.name!r} failed: {exc.message}"
                 exc.args = (exc.message,)
             raise
+        finally:
+            if spare is not None:  # claimed: the child's record (or the fork's pin) holds it
+                self._templates.refs.release(spare.template_id, f"standby:{spare.vm_id}")
         log.info("machine=%s event=forked source=%s spare=%s seconds=%.3f", child_id, src.id,
                  spare is not None, time.monotonic() - t0)
 
     # ------------------------------------------------------------ warm
 
-    async def warm(self, source_id: str, forks: int) -> models.Standby:
+    async def warm(self, source_id: str, forks: int,
+                   claimable: int | None = None) -> models.Standby:
         """Keep ``forks`` standby children of the source's current state (see
-        `SparePool.warm`); 0 releases them without making a template."""
+        `SparePool.warm`); 0 releases them without making a template. ``claimable``: how
+        many more machines the source's account may start (its quota), which bounds the
+        standby children its pools hold here."""
         src = self._machines.record(source_id)
         if forks == 0:
             tpl = self.repos.layers.template_for(source_id, src.generation)
             if tpl is not None:
-                await self.spares.warm(source_id, tpl, 0)
+                await self.spares.warm(source_id, tpl, 0, owner=src.account_id)
             return self._standby(src, tpl)
         if self.spares.total == 0:
             raise ResourceExhausted("standby forks are off on this node "
@@ -188,16 +199,16 @@ class Forks:
                                     hint="set BOXD_FORK_SPARES_TOTAL above 0")
         src, tpl = await self.source(source_id)
         try:
-            count, why = await self.spares.warm(source_id, tpl, forks)
+            count, short = await self.spares.warm(source_id, tpl, forks, owner=src.account_id,
+                                                  claimable=claimable)
         finally:
             self._templates.unpin(tpl.id)
         log.info("machine=%s event=warmed template=%s forks=%d of=%d", source_id, tpl.id,
                  count, forks)
-        if count < forks:
+        if short is not None:
             raise ResourceExhausted(
-                f"{count} of {forks} standby forks of {src.name!r} are ready: {why}",
-                hint="ask for fewer, or free host memory (BOXD_FORK_SPARES_TOTAL caps the "
-                "standby forks of a node)")
+                f"{forks} standby forks of {src.name!r} were asked for and {count} are "
+                f"ready: {short.why}", hint=short.hint, needed=forks, free=count)
         return self._standby(src, tpl)
 
     def _standby(self, src: MachineRecord, tpl: TemplateRecord | None) -> models.Standby:
@@ -225,17 +236,20 @@ class Forks:
                     backing=self._templates.layer_path(tpl.layer_id), parent_layer=tpl.layer_id,
                     paused=True, disk_gib=src.disk_gib,
                 ), src.engine, record_layer=False)
+                # It maps the template's files: held until it is claimed or discarded.
+                self._templates.refs.acquire(tpl.id, f"standby:{vm_id}")
         except BaseException:
             remove_tree(self.paths.run_dir(vm_id))
             remove_tree(self.paths.machines / vm_id)
             raise
         assert layer_id is not None
-        return Spare(vm_id, layer_id, port, handle)
+        return Spare(vm_id, layer_id, port, handle, tpl.id)
 
     def remove_spare_files(self, spare: Spare) -> None:
         disks.remove(self._templates.layer_path(spare.layer_id))
         remove_tree(self.paths.run_dir(spare.vm_id))
         remove_tree(self.paths.machines / spare.vm_id)
+        self._templates.refs.release(spare.template_id, f"standby:{spare.vm_id}")
 
     def template_is_current(self, template_id: str) -> bool:
         return self._templates.is_current(template_id)

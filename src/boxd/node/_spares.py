@@ -19,12 +19,16 @@ turns spares off), and never beyond ``BOXD_FORK_SPARES_TOTAL`` (default 32) acro
 daemon. A fork that finds no ready spare while some are being prepared waits for one of
 them (one fork per spare coming) rather than starting its child from scratch.
 `warm` sizes a template's pool by hand (``machines.warm(ref, forks=N)``): exactly N
-spares, not capped by ``BOXD_FORK_SPARES`` (only by the total), made at once and kept
-at N after forks claim them. Spares live only while their template is the one the next
-fork would use: when the source changes, is deleted or its template is collected, they
-are killed. They are never in the database (a claimed spare's VM id becomes the
-record's ``vm_id``); a restarted daemon kills the VM processes of run directories no
-machine owns (see ``boxd.node._recovery``).
+spares, not capped by ``BOXD_FORK_SPARES``, made at once and kept at N after forks claim
+them. The node's standby capacity is shared: `warm` reserves its N before making any
+(so concurrent calls never exceed a cap), against the total, the account's share of the
+node (``BOXD_FORK_SPARES_PER_ACCOUNT``, default half the total) and the machines its
+quota still lets it start; a request that does not fit is refused whole, saying which
+cap and what to do. Spares that forks refilled on their own give way to it. Spares live
+only while their template is the one the next fork would use: when the source changes,
+is deleted or its template is collected, they are killed. They are never in the
+database (a claimed spare's VM id becomes the record's ``vm_id``); a restarted daemon
+kills the VM processes of run directories no machine owns (see ``boxd.node._recovery``).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -45,6 +49,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("boxd.node")
 
 
+@dataclass(frozen=True)
+class Shortfall:
+    """Why a standby pool holds fewer spares than asked, and what to do about it."""
+
+    why: str
+    hint: str
+
+
 @dataclass
 class Spare:
     """One prepared, paused fork child of a template (its own VM id, no record)."""
@@ -53,6 +65,7 @@ class Spare:
     layer_id: str
     port: int | None
     handle: MachineHandle
+    template_id: str = ""  # what it was made from (it holds a reference to it until gone)
 
 
 class SpareMaker(Protocol):
@@ -69,8 +82,12 @@ class SparePool:
     """The spares of every template, and their background refill."""
 
     def __init__(self, maker: SpareMaker, *, per_template: int, total: int,
-                 parallel: int = 2, settle: float = 0.0) -> None:
+                 per_account: int = 0, parallel: int = 2, settle: float = 0.0) -> None:
         self._maker = maker
+        # One account's share of the node's spares (0: half the total, at least one), so
+        # that one account cannot take the whole node's standby budget from the others.
+        self.per_account = min(total, per_account) if per_account > 0 else (
+            max(1, total // 2) if total > 0 else 0)
         # Refilling waits until forks of the template have paused this long: a burst of
         # forks (the spec's 8 rollouts) claims its spares and runs its work first, and
         # the restores that replace them do not compete with it for the CPU.
@@ -90,6 +107,13 @@ class SparePool:
         # Forks waiting for a spare being prepared (see `claim`), per template.
         self._waiters: dict[str, list[asyncio.Future[Spare | None]]] = {}
         self._failed: dict[str, str] = {}  # why the last refill of a template stopped
+        # Standby capacity is shared (see `warm`): whose source each template is, what
+        # `warm` reserved for it (held against the caps even before it is made), and how
+        # many more machines each account could start (its quota, when `warm` was told,
+        # less the children forked since).
+        self._owner: dict[str, str] = {}
+        self._reserved: dict[str, int] = {}
+        self._claimable: dict[str, int] = {}  # by account
         # Set (and replaced) whenever a spare is kept or a refill ends: what `warm` waits on.
         self._progress = asyncio.Event()
 
@@ -137,35 +161,90 @@ class SparePool:
                 fut.cancel()
         return None if fut.cancelled() else fut.result()
 
-    def want(self, source_id: str, tpl: TemplateRecord, batch: int) -> None:
+    def want(self, source_id: str, tpl: TemplateRecord, batch: int, owner: str = "") -> None:
         """After a fork of ``batch`` children: keep that many spares (capped) ready."""
         if self.per_template == 0:
             return
+        self._owner.setdefault(tpl.id, owner)
         self._target[tpl.id] = max(self._target.get(tpl.id, 0), min(batch, self.per_template))
         self._start_refill(source_id, tpl)
 
-    async def warm(self, source_id: str, tpl: TemplateRecord, n: int) -> tuple[int, str]:
+    async def warm(self, source_id: str, tpl: TemplateRecord, n: int, *, owner: str = "",
+                   claimable: int | None = None) -> tuple[int, Shortfall | None]:
         """Keep exactly ``n`` spares of ``tpl`` (the user sized the pool: not capped by
-        ``per_template``, only by ``total``) and return once they are ready: how many
-        there are, and why fewer, if so. ``n == 0`` releases them."""
-        others = sum(len(v) for k, v in self._spares.items() if k != tpl.id)
-        n = max(0, min(n, self.total - others))
-        self._target[tpl.id] = n
+        ``per_template``) and return once they are ready: how many there are, and why
+        fewer, if so. ``n == 0`` releases them.
+
+        The ``n`` are reserved before any is made, against the node's ``total`` and the
+        share of ``owner`` (the source's account): at most ``per_account`` on this node,
+        and at most ``claimable`` (the machines its quota still lets it start: a spare it
+        could never claim holds memory for nothing). Concurrent calls therefore never
+        exceed either cap. Spares that forks refilled on their own (not reserved) give way
+        to a reservation. Refused by a cap, the pool is left as it was; when the refill
+        falls short (a failed start, the source changed), back to what was reserved before.
+        """
+        self._owner[tpl.id] = owner
+        if claimable is not None:
+            self._claimable[owner] = max(0, claimable)
+        before = self._reserved.get(tpl.id, 0)
+        if n > before and (short := self._refusal(tpl.id, n)) is not None:
+            return self.count(tpl.id), short
+        self._reserve(tpl.id, n)
+        if n:
+            self._make_room(tpl.id)
         self._failed.pop(tpl.id, None)
         self._last_take.pop(tpl.id, None)  # asked for now: no waiting for forks to pause
-        pool = self._spares.get(tpl.id, [])
-        while len(pool) > n:
-            self._background(self._discard(pool.pop()))
         if hurry := self._settling.get(tpl.id):
             hurry.set()
         if self.count(tpl.id) < n:
             self._start_refill(source_id, tpl)
         while self.count(tpl.id) < n and tpl.id in self._refilling:
             await self._progress.wait()
-        why = "" if self.count(tpl.id) >= n else self._failed.get(
-            tpl.id, "the source changed or the pool's total cap (BOXD_FORK_SPARES_TOTAL) "
-            "was reached meanwhile")
-        return self.count(tpl.id), why
+        if self.count(tpl.id) >= n:
+            return self.count(tpl.id), None
+        self._reserve(tpl.id, min(before, n))  # nothing half-made is held for it
+        why = self._failed.get(tpl.id) or (
+            "the source changed meanwhile (an exec, upload or restore discards its "
+            "standby forks)")
+        return self.count(tpl.id), Shortfall(
+            f"preparing them failed: {why}",
+            "warm it again once the source is ready and no longer changing; if the host is "
+            "short of memory, free some or ask for fewer")
+
+    def forked(self, owner: str, children: int) -> None:
+        """``owner`` started ``children`` machines (forks): they count against its quota
+        now, so its pools here hold no more than it could still claim (the standby forks
+        beyond, ready or reserved, are let go; the next `warm` asks the quota again)."""
+        left = self._claimable.get(owner)
+        if left is None or children <= 0:
+            return
+        left = self._claimable[owner] = max(0, left - children)
+        def wanted(t: str) -> int:  # held, or the refill's target
+            return max(self._claimed(t), self._target.get(t, 0))
+
+        for t in sorted((t for t in self._templates() if self._owner.get(t, "") == owner),
+                        key=wanted):
+            keep = min(wanted(t), left)
+            left -= keep
+            if t in self._reserved:
+                self._reserved[t] = min(self._reserved[t], keep)
+                if not self._reserved[t]:
+                    del self._reserved[t]
+            self._target[t] = min(self._target.get(t, 0), keep)
+            pool = self._spares.get(t, [])
+            while len(pool) > keep:
+                self._background(self._discard(pool.pop()))
+
+    def reserved(self, template_id: str | None = None) -> int:
+        """Spares `warm` reserved: for one template, or in all."""
+        if template_id is not None:
+            return self._reserved.get(template_id, 0)
+        return sum(self._reserved.values())
+
+    def held(self, owner: str | None = None) -> int:
+        """Spares held (ready, being made or reserved): by one account, or in all."""
+        return sum(self._claimed(t) for t in self._templates()
+                   if owner is None or self._owner.get(t, "") == owner)
 
     def ready(self, template_id: str | None = None) -> list[Spare]:
         """The spares ready right now, of one template or all (for reporting)."""
@@ -175,12 +254,12 @@ class SparePool:
 
     def prune(self) -> None:
         """Kill the spares of templates the next fork would no longer use."""
-        for tid in list(self._spares):
+        for tid in list(self._templates()):
             if not self._maker.template_is_current(tid):
-                for spare in self._spares.pop(tid):
+                for spare in self._spares.pop(tid, []):
                     self._background(self._discard(spare))
-                self._target.pop(tid, None)
-                self._last_take.pop(tid, None)
+                for table in (self._target, self._last_take, self._reserved, self._owner):
+                    table.pop(tid, None)
 
     async def close(self) -> None:
         tasks = list(self._tasks)
@@ -188,9 +267,13 @@ class SparePool:
             task.cancel()
         # Their clean-up (a standby copy half restored is killed) runs before we go on.
         await asyncio.gather(*tasks, return_exceptions=True)
-        for tid in list(self._spares):
-            for spare in self._spares.pop(tid):
+        # A discard drops its template's reference, and the node's gc that may follow
+        # prunes (discards in the background) the spares of templates gone stale.
+        while self._spares:
+            for spare in self._spares.pop(next(iter(self._spares))):
                 await self._discard(spare)
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     # ----------------------------------------------------------------- internals
 
@@ -229,8 +312,10 @@ class SparePool:
     async def _refill_round(self, source_id: str, tpl: TemplateRecord) -> bool:
         """One round of a refill: up to ``parallel`` spares made at once and kept. False
         when the refill is done (full, its template stale, or a spare failed)."""
-        room = min(self._target.get(tpl.id, 0) - self.count(tpl.id),
-                   self.total - sum(map(len, self._spares.values())), self.parallel)
+        # Reserved before any await: concurrent refills and `warm` calls see these spares
+        # as taken (`_claimed`) from here on, so no cap is exceeded between check and act.
+        room = min(self._target.get(tpl.id, 0), self._budget(tpl.id, self._claimed)[0])
+        room = min(room - self.count(tpl.id), self.parallel)
         if room <= 0:
             return False
         self._making[tpl.id] = room  # from now: a fork finding none waits for one
@@ -293,6 +378,95 @@ class SparePool:
             if self._settling.get(template_id) is hurry:
                 del self._settling[template_id]
 
+    # ------------------------------------------------------- shared capacity
+
+    def _templates(self) -> set[str]:
+        return set(self._spares) | set(self._target) | set(self._reserved) | set(
+            self._making)
+
+    def _claimed(self, tid: str) -> int:
+        """Spares of ``tid`` held against the caps: ready, being made, or reserved."""
+        return max(self._reserved.get(tid, 0), self.count(tid) + self._making.get(tid, 0))
+
+    def _firm(self, tid: str) -> int:
+        """What `_claimed` keeps of ``tid`` once its unreserved ready spares give way."""
+        reserved = self._reserved.get(tid, 0)
+        return max(reserved, min(self.count(tid), reserved) + self._making.get(tid, 0))
+
+    def _budget(self, tid: str, others: Callable[[str], int]) -> tuple[int, str]:
+        """The most spares ``tid`` may hold, counting each other template's as
+        ``others`` says, and the cap that sets it (its reason, for `_refusal`)."""
+        owner = self._owner.get(tid, "")
+        rest = [t for t in self._templates() if t != tid]
+        node = self.total - sum(others(t) for t in rest)
+        mine = sum(others(t) for t in rest if self._owner.get(t, "") == owner)
+        share = self.per_account - mine
+        # On a tie the account's own limit is named: more room on the node would not help.
+        out = [(node, "node")]
+        if self.per_account < self.total:
+            out.insert(0, (share, "share"))
+        if (quota := self._claimable.get(owner)) is not None:
+            out.insert(0, (quota - mine, "quota"))
+        return min(out, key=lambda cap: cap[0])
+
+    def _refusal(self, tid: str, n: int) -> Shortfall | None:
+        """Why ``n`` spares of ``tid`` cannot be reserved, or None when they can."""
+        most, cap = self._budget(tid, self._firm)
+        if n <= most:
+            return None
+        most = max(0, most)
+        mine = self.held(self._owner.get(tid, "")) - self._claimed(tid)
+        ask = f"ask for at most {most}; " if most else ""
+        if cap == "node":
+            return Shortfall(
+                f"this node holds at most {self.total} standby forks "
+                f"(BOXD_FORK_SPARES_TOTAL) and {self.total - most} are held by other "
+                "machines' pools", f"{ask}ask again once some are released; the operator "
+                "raises BOXD_FORK_SPARES_TOTAL")
+        if cap == "share":
+            return Shortfall(
+                f"one account holds at most {self.per_account} of this node's "
+                f"{self.total} standby forks (BOXD_FORK_SPARES_PER_ACCOUNT)"
+                + (f" and yours hold {mine} for other machines" if mine else ""),
+                f"{ask}release other machines' standby forks (`warm(ref, forks=0)`)")
+        quota = self._claimable.get(self._owner.get(tid, ""), 0)
+        return Shortfall(
+            f"your account's machine quota lets it start {quota} more machine(s), so it "
+            f"could claim no more than {quota} standby forks"
+            + (f" ({mine} held for other machines)" if mine else ""),
+            f"{ask}delete or hibernate machines you no longer need, or ask the operator "
+            "to raise the quota")
+
+    def _reserve(self, tid: str, n: int) -> None:
+        """Hold ``n`` spares of ``tid`` (discarding ready ones beyond)."""
+        if n:
+            self._reserved[tid] = n
+        else:
+            self._reserved.pop(tid, None)
+        self._target[tid] = n
+        pool = self._spares.get(tid, [])
+        while len(pool) > n:
+            self._background(self._discard(pool.pop()))
+
+    def _make_room(self, tid: str) -> None:
+        """Discard unreserved ready spares (forks refilled them on their own) until
+        ``tid``'s reservation fits every cap: any template's for the node's cap, its own
+        account's for the account's caps. `_refusal` checked that this is enough."""
+        owner = self._owner.get(tid, "")
+        while True:
+            most, cap = self._budget(tid, self._claimed)
+            if most >= self._reserved.get(tid, 0):
+                return
+            soft = [t for t in self._templates() - {tid}
+                    if self.count(t) > self._reserved.get(t, 0)
+                    and (cap == "node" or self._owner.get(t, "") == owner)]
+            if not soft:
+                return  # being made: refills stop at the caps (`_refill_round`)
+            t = max(soft, key=lambda k: self.count(k) - self._reserved.get(k, 0))
+            spare = self._spares[t].pop()
+            self._target[t] = min(self._target.get(t, 0), self.count(t))
+            self._background(self._discard(spare))
+
     def _give(self, template_id: str, spare: Spare) -> None:
         """A new spare: to the first fork waiting for one, else into the pool."""
         log.info("machine=%s event=spare_ready template=%s", spare.vm_id, template_id)
@@ -312,4 +486,4 @@ class SparePool:
         self._maker.remove_spare_files(spare)
 
 
-__all__ = ["Spare", "SpareMaker", "SparePool"]
+__all__ = ["Shortfall", "Spare", "SpareMaker", "SparePool"]

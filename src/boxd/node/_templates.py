@@ -14,14 +14,16 @@ Where a template comes from (two places, both here):
   its files and the frozen layers it needs are fetched; it is kept while current, so
   further forks of that source here are copy-on-write again.
 
-What keeps one: its row while it is the source's current one or a machine's record
-names it (children map its files); a pin while a launch from it is in flight (`pin`:
-a fork child, a standby child being prepared); a received one while it is the newest
-of its source here.
+What keeps one (one owner, `boxd.node._template_refs`): its row while it is the
+source's current one or a machine's record names it (children map its files); else a
+reference in `refs`, taken and dropped by its holder: a launch in flight from it
+(`pin`: a fork child, a standby child being prepared, an offer being described), a
+standby child made from it (until claimed or discarded), a received one while it is
+the newest of its source here.
 
 Where it is freed: `collect` (the node's gc: after a delete, a restore, a collapse, a
-hibernate, the last unpin of a stale template) drops the rows nothing refers to and
-removes their files and layers. Children map a template's RAM privately
+hibernate, the last reference of a stale template dropped) drops the rows nothing holds
+and removes their files and layers. Children map a template's RAM privately
 (copy-on-write) and get their own overlay on its frozen layer.
 """
 
@@ -42,6 +44,7 @@ from boxd.errors import BoxdError, Conflict, HostSetupError
 from boxd.models import MachineState
 from boxd.node import _transfer as transfer
 from boxd.node._host import Host
+from boxd.node._template_refs import TemplateRefs
 from boxd.node._transfer import Fetch, TemplateOffer
 from boxd.node.lifecycle import Lease
 from boxd.state import MachineRecord, Repos, TemplateRecord, new_id
@@ -92,12 +95,12 @@ class Templates:
         # a concurrent gc (a sibling's delete, a background collapse) must keep them.
         self.unreferenced: set[str] = set()
         self._preparing: dict[str, asyncio.Future[TemplateRecord]] = {}
-        # Templates a launch in flight maps (a fork child, a standby child being
-        # prepared), counted: gc keeps them, with their layers, until the last one let go
-        # (`pin`). A stale template nothing else keeps is collected at that moment.
-        self._pins: dict[str, int] = {}
-        # Templates other nodes sent (cross-node forks): source id -> template id. Kept
-        # while current, so further forks of that source here are copy-on-write again.
+        # Who holds each template besides the records (launches, standby children,
+        # received ones): gc keeps what anyone holds; when the last holder lets a stale
+        # template go, it is collected at that moment.
+        self.refs = TemplateRefs(self._freed)
+        # Templates other nodes sent (cross-node forks): source id -> template id. Held
+        # while the newest, so further forks of that source here are copy-on-write again.
         self._received: dict[str, str] = {}
         self._receiving: dict[str, asyncio.Future[TemplateRecord]] = {}
 
@@ -115,9 +118,8 @@ class Templates:
 
     def collect(self) -> None:
         """Remove templates and disk layers nothing refers to any more."""
-        garbage = self.repos.layers.collect(
-            keep=self.unreferenced, keep_templates={*self._received.values(), *self._pins}
-        )
+        garbage = self.repos.layers.collect(keep=self.unreferenced,
+                                            keep_templates=self.refs.held())
         for d in garbage.template_dirs:
             remove_tree(d)
         for lid in garbage.layer_ids:
@@ -133,15 +135,15 @@ class Templates:
         if self.repos.layers.template(tpl.id) is None or not tpl.state_path.exists():
             raise Conflict(f"template {tpl.id} was collected meanwhile",
                            hint="its source changed or was deleted; fork again")
-        self._pins[tpl.id] = self._pins.get(tpl.id, 0) + 1
+        self.refs.acquire(tpl.id, "launch")
 
     def unpin(self, template_id: str) -> None:
-        """One launch from the template finished; the last one collects it if stale."""
-        left = self._pins.get(template_id, 0) - 1
-        if left > 0:
-            self._pins[template_id] = left
-            return
-        self._pins.pop(template_id, None)
+        """One launch from the template finished (see `TemplateRefs.release`)."""
+        self.refs.release(template_id, "launch")
+
+    def _freed(self, template_id: str) -> None:
+        """No reference holds the template any more: collect it unless its row is kept
+        (the source's current one, or a record names it)."""
         if not self.repos.layers.template_is_current(template_id):
             self._gc()
 
@@ -323,8 +325,11 @@ class Templates:
             for lid in reversed(made):  # children first
                 self.repos.layers.drop(lid)
             raise
-        self._received[o.source_id] = tpl.id  # an older one of that source may go now
-        self._gc()
+        older = self._received.get(o.source_id)
+        self._received[o.source_id] = tpl.id
+        self.refs.acquire(tpl.id, f"received:{o.source_id}")
+        if older is not None:  # an older one of that source goes now, unless held
+            self.refs.release(older, f"received:{o.source_id}")
         log.info("template=%s event=received source=%s bytes=%d seconds=%.3f", tpl.id,
                  o.source_id, received, time.monotonic() - t0)
         return tpl

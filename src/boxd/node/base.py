@@ -63,10 +63,13 @@ class Node(Protocol):
         failed child's record is gone)."""
         ...
 
-    async def warm(self, source_id: str, forks: int) -> models.Standby:
+    async def warm(self, source_id: str, forks: int,
+                   claimable: int | None = None) -> models.Standby:
         """Keep ``forks`` standby children of the source's current state ready (0
-        releases them); returns once they are. Raises: MachineNotFound, StateError,
-        ResourceExhausted (fewer could be made, with why)."""
+        releases them); returns once they are. ``claimable`` bounds the standby children
+        of the source's account (the machines its quota still lets it start). Raises:
+        MachineNotFound, StateError, ResourceExhausted (fewer could be made, with why
+        and what to do)."""
         ...
 
     async def wait_until_ready(self, machine_id: str, timeout: float) -> None: ...

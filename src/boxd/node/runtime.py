@@ -467,10 +467,11 @@ class NodeRuntime:
         """Start recorded children of the source from its template (see `Forks`)."""
         return await self.forks.fork(source_id, child_ids)
 
-    async def warm(self, source_id: str, forks: int) -> models.Standby:
+    async def warm(self, source_id: str, forks: int,
+                   claimable: int | None = None) -> models.Standby:
         """Keep ``forks`` standby children of the source's current state (see
         `SparePool.warm`); 0 releases them without making a template."""
-        return await self.forks.warm(source_id, forks)
+        return await self.forks.warm(source_id, forks, claimable)
 
     # ------------------------------------------- cross-node transfer (boxd.node.ray)
 

@@ -459,11 +459,14 @@ class AsyncMachines:
         children. They use no CPU while they wait; ``Standby.memory_bytes`` (and
         ``info()``) says the host memory they hold. A change to the machine (an exec, an
         upload, a restore) discards them; ``warm(ref, 0)`` releases them. They are not
-        the account's machines and count against no quota until claimed.
+        the account's machines and count against no quota until claimed, but an
+        account holds no more of them than its quota would let it claim, and at most its
+        share of the node's (docs/fork.md).
 
         Raises:
             MachineNotFound, StateError, InvalidRequest (forks outside 0-64),
-            ResourceExhausted (fewer could be prepared: the reason says why).
+            ResourceExhausted (past a bound on standby forks, or fewer could be
+            prepared: the message says which and why, the hint what to do).
         """
         return await self._c._parse(models.Standby, _base.machine_warm(ref, forks))
 
