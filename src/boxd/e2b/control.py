@@ -1,0 +1,242 @@
+"""E2B's control API: sandboxes created, listed, timed, paused, woken, forked, killed.
+
+Routes parse E2B's camelCase JSON and call `Sandboxes`; every answer is E2B's shape
+and every error ``{"code": <status>, "message"}``. The key comes in ``X-API-KEY`` (an
+``e2b_<hex>`` spelling of a boxd key, or the boxd key itself).
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.parse
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from boxd.e2b._common import sandbox_json, state_of
+from boxd.e2b._sandboxes import BASE_TEMPLATE, MAX_FORKS, check_timeout
+from boxd.e2b.env import from_e2b_key
+from boxd.errors import BoxdError, InvalidRequest
+
+__all__ = ["DEFAULT_TIMEOUT", "routes"]
+
+#: A sandbox's lifetime when the create request gives none (E2B's API default).
+DEFAULT_TIMEOUT = 15
+#: Sandboxes one list page holds at most (E2B's limit).
+MAX_PAGE = 100
+_MAX_BODY = 1 << 20
+
+
+def account_of(request: Request) -> str:
+    """The account whose key the request carries.
+
+    Raises:
+        AuthError: no key, or an unknown or revoked one.
+    """
+    key = request.headers.get("x-api-key")
+    if key is None:
+        scheme, _, rest = request.headers.get("authorization", "").partition(" ")
+        key = rest.strip() if scheme.lower() == "bearer" else None
+    secret = (from_e2b_key(key) or key) if key else None
+    return state_of(request).authenticate(secret)
+
+
+async def body_of(request: Request) -> dict[str, Any]:
+    """The JSON object of the request (``{}`` when empty).
+
+    Raises:
+        InvalidRequest: not a JSON object, or over 1 MiB.
+    """
+    data = b""
+    async for chunk in request.stream():
+        data += chunk
+        if len(data) > _MAX_BODY:
+            raise InvalidRequest("the request body is over 1 MiB", field="body")
+    if not data.strip():
+        return {}
+    try:
+        value = json.loads(data)
+    except ValueError as exc:
+        raise InvalidRequest(f"the body is not JSON: {exc}", field="body") from exc
+    if not isinstance(value, dict):
+        raise InvalidRequest("the body must be a JSON object", field="body")
+    return value
+
+
+def _strings(value: object, field: str) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise InvalidRequest(f"{field} must be an object of strings", field=field)
+    return dict(value)
+
+
+def _bool(value: object, field: str, default: bool) -> bool:
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"{field} must be true or false", field=field)
+    return value
+
+
+async def create(request: Request) -> Response:
+    """``POST /sandboxes`` and ``/v2/sandboxes``."""
+    account = account_of(request)
+    body = await body_of(request)
+    template = body.get("templateID", BASE_TEMPLATE)
+    if not isinstance(template, str) or not template:
+        raise InvalidRequest("templateID must be a template name", field="templateID")
+    timeout = check_timeout(body.get("timeout", DEFAULT_TIMEOUT))
+    sandbox = await state_of(request).sandboxes.create(
+        account, template, timeout,
+        metadata=_strings(body.get("metadata"), "metadata"),
+        env_vars=_strings(body.get("envVars"), "envVars"),
+        auto_pause=_bool(body.get("autoPause"), "autoPause", False),
+        isolated=not _bool(body.get("allow_internet_access"), "allow_internet_access", True),
+    )
+    return JSONResponse(sandbox_json(sandbox), status_code=201)
+
+
+async def get_one(request: Request) -> Response:
+    """``GET /sandboxes/{id}``."""
+    sandbox = await state_of(request).sandboxes.get(account_of(request),
+                                                    request.path_params["id"])
+    return JSONResponse(sandbox_json(sandbox, detail=True))
+
+
+def _metadata_filter(text: str | None) -> dict[str, str]:
+    # The SDK sends metadata=urlencode({quote(k): quote(v)}): unquote twice.
+    if not text:
+        return {}
+    return {urllib.parse.unquote(k): urllib.parse.unquote(v)
+            for k, v in urllib.parse.parse_qsl(text, keep_blank_values=True)}
+
+
+def _states(text: str | None, default: tuple[str, ...]) -> set[str]:
+    if not text:
+        return set(default)
+    states = {s.strip() for s in text.split(",") if s.strip()}
+    if not states <= {"running", "paused"}:
+        raise InvalidRequest(f"state must be running and/or paused, not {text!r}",
+                             field="state")
+    return states
+
+
+def _limit(text: str | None) -> int:
+    if text is None:
+        return MAX_PAGE
+    if not text.isdigit() or not 1 <= int(text) <= MAX_PAGE:
+        raise InvalidRequest(f"limit must be 1-{MAX_PAGE}", field="limit")
+    return int(text)
+
+
+async def _listed(request: Request, default_states: tuple[str, ...]) -> list[dict[str, Any]]:
+    q = request.query_params
+    wanted = _metadata_filter(q.get("metadata"))
+    states = _states(q.get("state"), default_states)
+    found = await state_of(request).sandboxes.list(account_of(request))
+    return [sandbox_json(s, detail=True, token=False) for s in found
+            if s.state in states and all(s.record.metadata.get(k) == v
+                                         for k, v in wanted.items())]
+
+
+async def list_v1(request: Request) -> Response:
+    """``GET /sandboxes``: the running sandboxes."""
+    return JSONResponse(await _listed(request, ("running",)))
+
+
+async def list_v2(request: Request) -> Response:
+    """``GET /v2/sandboxes``: one page; the next page's token in ``x-next-token``."""
+    items = await _listed(request, ("running", "paused"))
+    limit = _limit(request.query_params.get("limit"))
+    start = 0
+    token = request.query_params.get("nextToken")
+    if token:
+        ids = [i["sandboxID"] for i in items]
+        if token not in ids:
+            raise InvalidRequest("nextToken is not a token of this list (its sandbox is "
+                                 "gone): list again from the start", field="nextToken")
+        start = ids.index(token)
+    page = items[start:start + limit]
+    headers = {}
+    if start + limit < len(items):
+        headers["x-next-token"] = items[start + limit]["sandboxID"]
+    return JSONResponse(page, headers=headers)
+
+
+async def kill(request: Request) -> Response:
+    """``DELETE /sandboxes/{id}``: 204, or 404."""
+    state = state_of(request)
+    sandbox_id = request.path_params["id"]
+    await state.sandboxes.kill(account_of(request), sandbox_id)
+    state.processes.forget(sandbox_id)
+    return Response(status_code=204)
+
+
+async def set_timeout(request: Request) -> Response:
+    """``POST /sandboxes/{id}/timeout {timeout}``: it now ends that many seconds on."""
+    account = account_of(request)
+    timeout = check_timeout((await body_of(request)).get("timeout"))
+    await state_of(request).sandboxes.set_timeout(account, request.path_params["id"], timeout)
+    return Response(status_code=204)
+
+
+async def pause(request: Request) -> Response:
+    """``POST /sandboxes/{id}/pause``: 204, 409 when already paused."""
+    await state_of(request).sandboxes.pause(account_of(request), request.path_params["id"])
+    return Response(status_code=204)
+
+
+async def connect(request: Request) -> Response:
+    """``POST /sandboxes/{id}/connect`` (v1, v2) and ``/resume``: 200 running, 201 woken."""
+    account = account_of(request)
+    body = await body_of(request)
+    timeout = body.get("timeout")
+    sandbox, woken = await state_of(request).sandboxes.connect(
+        account, request.path_params["id"],
+        None if timeout is None else check_timeout(timeout))
+    return JSONResponse(sandbox_json(sandbox), status_code=201 if woken else 200)
+
+
+async def fork(request: Request) -> Response:
+    """``POST /sandboxes/{id}/fork {count, timeout}`` -> 201 ``[{sandbox} | {error}]``."""
+    account = account_of(request)
+    body = await body_of(request)
+    count = body.get("count", 1)
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_FORKS:
+        raise InvalidRequest(f"count must be 1-{MAX_FORKS}", field="count")
+    timeout = body.get("timeout")
+    results = await state_of(request).sandboxes.fork(
+        account, request.path_params["id"], count,
+        None if timeout is None else check_timeout(timeout))
+    items: list[dict[str, Any]] = []
+    for item in results:
+        if isinstance(item, BoxdError):
+            items.append({"error": {"code": item.status, "message": item.message}})
+        else:
+            items.append({"sandbox": sandbox_json(item)})
+    return JSONResponse(items, status_code=201)
+
+
+async def health(request: Request) -> Response:
+    return Response(status_code=200)
+
+
+routes = [
+    Route("/health", health, methods=["GET"]),
+    Route("/sandboxes", create, methods=["POST"]),
+    Route("/v2/sandboxes", create, methods=["POST"]),
+    Route("/sandboxes", list_v1, methods=["GET"]),
+    Route("/v2/sandboxes", list_v2, methods=["GET"]),
+    Route("/sandboxes/{id}", get_one, methods=["GET"]),
+    Route("/sandboxes/{id}", kill, methods=["DELETE"]),
+    Route("/sandboxes/{id}/timeout", set_timeout, methods=["POST"]),
+    Route("/sandboxes/{id}/pause", pause, methods=["POST"]),
+    Route("/sandboxes/{id}/connect", connect, methods=["POST"]),
+    Route("/v2/sandboxes/{id}/connect", connect, methods=["POST"]),
+    Route("/sandboxes/{id}/resume", connect, methods=["POST"]),
+    Route("/sandboxes/{id}/fork", fork, methods=["POST"]),
+]
