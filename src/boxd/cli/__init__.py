@@ -654,11 +654,13 @@ def e2b_env(state: _State, e2b_url: str | None) -> None:
     E2B_API_KEY is an e2b_<hex> spelling of your boxd API key (same account; revoking
     the key revokes it). Starts the local daemon if needed.
     """
+    from boxd.config import ClientSettings
     from boxd.e2b.env import to_e2b_key, url_file
 
     state.boxd.keys.list()  # the daemon answers (started if local) and the key is valid
     paths = Paths.default()
-    key = state.api_key or os.environ.get("BOXD_API_KEY")
+    client = ClientSettings.from_env()
+    key = state.api_key or client.api_key
     if key is None:
         try:
             key = (paths.home / "local.key").read_text().strip()
@@ -667,7 +669,7 @@ def e2b_env(state: _State, e2b_url: str | None) -> None:
                  "(pass --api-key or set BOXD_API_KEY)")
     url = e2b_url
     if url is None:
-        if state.url or os.environ.get("BOXD_URL"):
+        if state.url or client.url:
             fail("the daemon is remote: give its E2B URL with --e2b-url "
                  "(its BOXD_E2B_LISTEN, e.g. http://HOST:3000)")
         try:

@@ -16,7 +16,7 @@ import builtins
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -70,17 +70,19 @@ class Proc:
         for q in list(self.subscribers):
             await q.put(event)
 
-    @contextlib.asynccontextmanager
-    async def subscribe(self) -> AsyncIterator[asyncio.Queue[Item]]:
+    def attach(self) -> asyncio.Queue[Item]:
+        """A new subscriber's queue. Attach in the same step as the command starts
+        (before any await): then no event is published before it is there."""
         q: asyncio.Queue[Item] = asyncio.Queue(_QUEUE)
         self.subscribers.append(q)
-        try:
-            yield q
-        finally:
+        return q
+
+    def detach(self, q: asyncio.Queue[Item]) -> None:
+        with contextlib.suppress(ValueError):
             self.subscribers.remove(q)
-            # A command blocked on this full queue must not wait for a reader that left.
-            while not q.empty():
-                q.get_nowait()
+        # A command blocked on this full queue must not wait for a reader that left.
+        while not q.empty():
+            q.get_nowait()
 
 
 def end_event(exit_code: int, signal: int | None, error: str | None = None) -> Event:

@@ -162,17 +162,19 @@ async def _events(proc: Proc, queue: asyncio.Queue[Item], interval: float
 
 
 def _stream(request: Request, proc: Proc) -> StreamingResponse:
+    """The process's events as a response stream. Attached now, before the command's
+    task first runs (no await in between): no output is missed."""
     interval = _keepalive(request)
+    queue = proc.attach()
 
     async def body() -> AsyncIterator[bytes]:
-        # Subscribed before the command's task first runs: no output is missed.
-        async with proc.subscribe() as queue:
-            events = _events(proc, queue, interval)
-            try:
-                async for envelope in events:
-                    yield envelope
-            finally:
-                await cast("AsyncGenerator[bytes, None]", events).aclose()
+        events = _events(proc, queue, interval)
+        try:
+            async for envelope in events:
+                yield envelope
+        finally:
+            await cast("AsyncGenerator[bytes, None]", events).aclose()
+            proc.detach(queue)
 
     return StreamingResponse(body(), media_type=CONNECT_JSON)
 
