@@ -285,3 +285,18 @@ def test_files_round_trip(api: tuple[TestClient, FakeMachines]) -> None:
     assert r.json()[0]["path"] == "/b.bin"
     r = client.get("/files", params={"path": "/nope"}, headers=headers)
     assert r.status_code == 404 and r.json()["code"] == 404
+
+
+def test_a_paused_sandbox_outlives_its_timeout(api: tuple[TestClient, FakeMachines]) -> None:
+    """On E2B a paused sandbox's timeout stops; connect starts a new one."""
+    client, machines = api
+    sid = _create(client, timeout=1)["sandboxID"]
+    assert client.post(f"/sandboxes/{sid}/pause", headers=ALICE).status_code == 204
+    time.sleep(1.5)
+    assert client.get(f"/sandboxes/{sid}", headers=ALICE).json()["state"] == "paused"
+    r = client.post(f"/v2/sandboxes/{sid}/connect", json={"timeout": 1}, headers=ALICE)
+    assert r.status_code == 201
+    deadline = time.monotonic() + 10
+    while sid in [m.name for _, m in machines.machines.values()]:
+        assert time.monotonic() < deadline, "the woken sandbox outlived its new timeout"
+        time.sleep(0.05)

@@ -35,6 +35,11 @@ MAX_FORKS = 100
 #: Longest sandbox lifetime accepted, in seconds (E2B's longest: 24 hours).
 MAX_TIMEOUT = 24 * 3600
 _READY_TIMEOUT = 120.0
+#: The end of life of a paused sandbox: none (on E2B a paused sandbox's timeout stops;
+#: it lives until killed or woken).
+NEVER = float("inf")
+#: A woken sandbox's lifetime when connect names none (E2B's SDK default).
+WOKEN_TIMEOUT = 300
 _PAUSED = (models.MachineState.HIBERNATED, models.MachineState.HIBERNATING)
 
 
@@ -203,6 +208,7 @@ class Sandboxes:
             raise StateError(f"sandbox {sandbox_id} is already paused", machine=sandbox_id,
                              state=sandbox.machine.state.value, required="running")
         await self.machines.hibernate(account, sandbox_id)
+        self.store.put(sandbox.record.with_end(NEVER))
 
     async def connect(self, account: str, sandbox_id: str, timeout: int | None) -> tuple[
             Sandbox, bool]:
@@ -218,10 +224,10 @@ class Sandboxes:
         if woken:
             machine = await self.machines.resume(account, sandbox_id)
         rec = sandbox.record
-        if timeout is not None and now() + timeout > rec.end_at:
+        if woken or rec.end_at == NEVER:  # a new life from now
+            rec = rec.with_end(now() + (timeout if timeout is not None else WOKEN_TIMEOUT))
+        elif timeout is not None and now() + timeout > rec.end_at:
             rec = rec.with_end(now() + timeout)
-        if woken and rec.end_at <= now():  # woken past its end: give it a default life
-            rec = rec.with_end(now() + 300)
         self.store.put(rec)
         self._wakeup.set()
         return Sandbox(rec, machine), woken
@@ -249,8 +255,7 @@ class Sandboxes:
                 machine = await self.machines.get(rec.account, rec.sandbox_id)
                 if machine.state not in _PAUSED:
                     await self.machines.hibernate(rec.account, rec.sandbox_id)
-                # Paused: it lives on (E2B keeps paused sandboxes) until killed.
-                self.store.put(rec.with_end(float("inf")))
+                self.store.put(rec.with_end(NEVER))
                 log.info("sandbox paused at its timeout", extra={"machine": rec.sandbox_id})
             else:
                 await self.kill(rec.account, rec.sandbox_id)
