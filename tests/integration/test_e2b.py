@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
+import socket
 import subprocess
 import sys
 import time
@@ -22,9 +23,19 @@ e2b = pytest.importorskip("e2b", reason="the dev extra installs the e2b SDK")
 pytestmark = pytest.mark.vm
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+_DAEMON: list[object] = []
+
+
 @pytest.fixture(scope="module")
 def e2b_env(daemon) -> Iterator[dict[str, str]]:  # type: ignore[no-untyped-def]
-    """A gVisor daemon of its own, and E2B's variables from `boxd e2b env` in os.environ."""
+    """A gVisor daemon of its own, and E2B's variables from `boxd e2b env` in os.environ.
+    Its E2B port is fixed, so the URL outlives a restart."""
     from boxd import Boxd
 
     home = Path(f"/tmp/boxd-e2b-{os.getpid()}")
@@ -33,8 +44,10 @@ def e2b_env(daemon) -> Iterator[dict[str, str]]:  # type: ignore[no-untyped-def]
         if (daemon.home / cached).exists():
             (home / cached).write_bytes((daemon.home / cached).read_bytes())
     saved = dict(os.environ)
-    os.environ.update({"BOXD_ENGINE": "gvisor", "BOXD_E2B_LISTEN": "127.0.0.1:0"})
+    os.environ.update({"BOXD_ENGINE": "gvisor",
+                       "BOXD_E2B_LISTEN": f"127.0.0.1:{_free_port()}"})
     d = start_daemon(home)
+    _DAEMON[:] = [d]
     try:
         os.environ["BOXD_HOME"] = str(home)
         with Boxd() as b:
@@ -49,7 +62,7 @@ def e2b_env(daemon) -> Iterator[dict[str, str]]:  # type: ignore[no-untyped-def]
     finally:
         os.environ.clear()
         os.environ.update(saved)
-        d.stop()
+        _DAEMON[0].stop()  # type: ignore[attr-defined]
         kill_machines_of(home)
         time.sleep(0.2)
         remove_cgroups_of(home)
@@ -220,3 +233,42 @@ def test_bad_requests_get_e2b_errors(e2b_env: dict[str, str], sbx) -> None:  # t
                    headers={**envd, "X-Access-Token": "wrong",
                             "Content-Type": "application/json"})
     assert r.status_code == 401 and r.json()["code"] == "unauthenticated"
+
+
+def test_is_running_and_reconnecting_to_a_command(sbx) -> None:  # type: ignore[no-untyped-def]
+    assert sbx.is_running() is True
+    h = sbx.commands.run("sleep 1; echo done", background=True)
+    again = sbx.commands.connect(h.pid)
+    assert again.wait().stdout == "done\n"
+
+
+def test_async_sdk(e2b_env: dict[str, str]) -> None:
+    """AsyncSandbox: the same calls through the SDK's async client."""
+    import asyncio
+
+    async def main() -> None:
+        s = await e2b.AsyncSandbox.create(timeout=120)
+        try:
+            r = await s.commands.run("echo async")
+            assert r.stdout == "async\n"
+            await s.files.write("/home/user/x", "y")
+            assert await s.files.read("/home/user/x") == "y"
+        finally:
+            await s.kill()
+
+    asyncio.run(main())
+
+
+def test_sandboxes_survive_a_daemon_restart(e2b_env: dict[str, str]) -> None:
+    """The id -> machine alias and the record (metadata, timeout, token) are kept across
+    a daemon restart; the same SDK object goes on working."""
+    s = e2b.Sandbox.create(timeout=300, metadata={"restart": "yes"})
+    try:
+        s.files.write("/home/user/before", "kept")
+        end = s.get_info().end_at
+        _DAEMON[0].restart()  # type: ignore[attr-defined]
+        info = s.get_info()
+        assert (info.metadata, info.end_at) == ({"restart": "yes"}, end)
+        assert s.commands.run("cat /home/user/before").stdout == "kept"
+    finally:
+        s.kill()

@@ -154,6 +154,18 @@ def test_create_answers_e2bs_shape(api: tuple[TestClient, FakeMachines]) -> None
     assert "envdAccessToken" in info
 
 
+def test_a_create_without_timeout_lives_five_minutes(api: tuple[TestClient, FakeMachines]
+                                                     ) -> None:
+    """SDK 2.63 sends no timeout by default: the sandbox gets E2B's 300 s, not 15 s."""
+    import datetime
+
+    client, _ = api
+    sid = _create(client)["sandboxID"]
+    info = client.get(f"/sandboxes/{sid}", headers=ALICE).json()
+    start, end = (datetime.datetime.fromisoformat(info[k]) for k in ("startedAt", "endAt"))
+    assert (end - start).total_seconds() == pytest.approx(300, abs=1)
+
+
 def test_errors_are_code_and_message(api: tuple[TestClient, FakeMachines]) -> None:
     client, _ = api
     sb = _create(client)
@@ -300,3 +312,16 @@ def test_a_paused_sandbox_outlives_its_timeout(api: tuple[TestClient, FakeMachin
     while sid in [m.name for _, m in machines.machines.values()]:
         assert time.monotonic() < deadline, "the woken sandbox outlived its new timeout"
         time.sleep(0.05)
+
+
+def test_ended_commands_leave_no_table_behind(tmp_path: Path) -> None:
+    """Memory stays bounded: a sandbox whose commands all ended holds no process table."""
+    app = create_e2b_app(FakeMachines(), _authenticate, tmp_path / "e2b")
+    with TestClient(app) as client:
+        sb = _create(client)
+        body = encode_envelope({"process": {"cmd": "true"}})
+        for _ in range(3):
+            r = client.post("/process.Process/Start", content=body, headers={
+                **_envd(client, sb), "Content-Type": "application/connect+json"})
+            assert _split(r.content)[-1] == (END_STREAM, {})
+        assert app.state.e2b.processes._procs == {}

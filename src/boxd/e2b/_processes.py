@@ -174,7 +174,10 @@ class ProcessTable:
             end = ConnectError("internal", f"the command failed: {exc}")
         finally:
             await cast("AsyncGenerator[models.ExecEvent, None]", events).aclose()
-            self._procs.get(proc.sandbox_id, {}).pop(proc.pid, None)
+            running = self._procs.get(proc.sandbox_id, {})
+            running.pop(proc.pid, None)
+            if not running:  # no empty table per sandbox that ever ran a command
+                self._procs.pop(proc.sandbox_id, None)
             with contextlib.suppress(Exception):
                 await proc.publish(end or end_event(-1, None, "the command ended unseen"))
                 await proc.publish(None)

@@ -22,8 +22,9 @@ from boxd.errors import BoxdError, InvalidRequest
 
 __all__ = ["DEFAULT_TIMEOUT", "routes"]
 
-#: A sandbox's lifetime when the create request gives none (E2B's API default).
-DEFAULT_TIMEOUT = 15
+#: A sandbox's lifetime when the create request gives none: E2B's documented default of
+#: 5 minutes (SDK 2.63 sends no timeout unless the caller gives one; older ones send 300).
+DEFAULT_TIMEOUT = 300
 #: Sandboxes one list page holds at most (E2B's limit).
 MAX_PAGE = 100
 _MAX_BODY = 1 << 20
