@@ -272,3 +272,13 @@ def test_sandboxes_survive_a_daemon_restart(e2b_env: dict[str, str]) -> None:
         assert s.commands.run("cat /home/user/before").stdout == "kept"
     finally:
         s.kill()
+
+
+def test_a_sandbox_killed_mid_command(e2b_env: dict[str, str]) -> None:
+    """The command's stream ends with the SDK's SandboxNotRunningException, not an exit
+    code the command never had."""
+    s = e2b.Sandbox.create(timeout=120)
+    h = s.commands.run("sleep 60", background=True)
+    s.kill()
+    with pytest.raises(e2b.SandboxNotRunningException):
+        h.wait()

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from boxd import models
 from boxd.e2b._connect import ConnectError
-from boxd.errors import BoxdError
+from boxd.errors import BoxdError, MachineFailed, MachineNotFound
 from boxd.services import MachineService
 
 __all__ = ["MAX_PROCESSES", "Item", "Proc", "ProcessTable", "connect_code", "end_event"]
@@ -54,6 +54,7 @@ class Proc:
     cwd: str | None
     tag: str | None
     task: asyncio.Task[None] | None = None
+    gone: bool = False  # its sandbox was killed
     subscribers: list[asyncio.Queue[Item]] = field(default_factory=list)
 
     def info(self) -> Event:
@@ -83,6 +84,12 @@ class Proc:
         # A command blocked on this full queue must not wait for a reader that left.
         while not q.empty():
             q.get_nowait()
+
+
+def sandbox_gone(sandbox_id: str) -> ConnectError:
+    """How a command's stream ends when its sandbox is killed or dies: the words of E2B's
+    proxy, so the SDK raises its ``SandboxNotRunningException``."""
+    return ConnectError("unavailable", f"The sandbox {sandbox_id} was not found")
 
 
 def end_event(exit_code: int, signal: int | None, error: str | None = None) -> Event:
@@ -165,8 +172,10 @@ class ProcessTable:
                 elif ev.type == "error" and ev.error is not None:
                     end = end_event(-1, None, ev.error.message)
         except asyncio.CancelledError:
-            end = end_event(-1, 9)
+            end = sandbox_gone(proc.sandbox_id) if proc.gone else end_event(-1, 9)
             raise
+        except (MachineNotFound, MachineFailed):
+            end = sandbox_gone(proc.sandbox_id)
         except BoxdError as exc:
             end = ConnectError(connect_code(exc), exc.message)
         except Exception as exc:
@@ -197,6 +206,7 @@ class ProcessTable:
     def forget(self, sandbox_id: str) -> None:
         """Drop a killed sandbox's table (its commands died with it)."""
         for proc in self._procs.pop(sandbox_id, {}).values():
+            proc.gone = True
             if proc.task is not None:
                 proc.task.cancel()
 
