@@ -282,3 +282,21 @@ def test_a_sandbox_killed_mid_command(e2b_env: dict[str, str]) -> None:
     s.kill()
     with pytest.raises(e2b.SandboxNotRunningException):
         h.wait()
+
+
+def test_over_quota_is_the_sdks_rate_limit(e2b_env: dict[str, str]) -> None:
+    """A create over the account's machine quota is a 429 naming the limit: the SDK's
+    RateLimitException, and no sandbox or record is left behind."""
+    from boxd import Boxd
+
+    with Boxd() as b:
+        account = b.accounts.get("local")
+        b.accounts.update("local", max_machines=account.machines)
+        try:
+            before = [s.sandbox_id for s in e2b.Sandbox.list().next_items()]
+            with pytest.raises(e2b.RateLimitException) as info:
+                e2b.Sandbox.create(timeout=60)
+            assert "limit" in str(info.value) or str(account.machines) in str(info.value)
+            assert [s.sandbox_id for s in e2b.Sandbox.list().next_items()] == before
+        finally:
+            b.accounts.update("local", max_machines=account.max_machines)
