@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -66,6 +67,10 @@ def e2b_env(daemon) -> Iterator[dict[str, str]]:  # type: ignore[no-untyped-def]
         kill_machines_of(home)
         time.sleep(0.2)
         remove_cgroups_of(home)
+        from boxd.config import Paths
+
+        shutil.rmtree(Paths(home.resolve()).shm, ignore_errors=True)
+        shutil.rmtree(home, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
