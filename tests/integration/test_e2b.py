@@ -305,3 +305,19 @@ def test_over_quota_is_the_sdks_rate_limit(e2b_env: dict[str, str]) -> None:
             assert [s.sandbox_id for s in e2b.Sandbox.list().next_items()] == before
         finally:
             b.accounts.update("local", max_machines=account.max_machines)
+
+
+def test_snapshot_then_create_from_it(sbx) -> None:  # type: ignore[no-untyped-def]
+    """Sandbox.create_snapshot is a boxd snapshot; a sandbox created from its id starts
+    with the source's files; delete_snapshot removes it."""
+    sbx.files.write("/home/user/baked", "in the snapshot")
+    snap = sbx.create_snapshot()
+    assert snap.snapshot_id.startswith(f"snapshot-{sbx.sandbox_id}@")
+    assert snap.snapshot_id in [s.snapshot_id for s in sbx.list_snapshots().next_items()]
+    child = e2b.Sandbox.create(template=snap.snapshot_id, timeout=120)
+    try:
+        assert child.files.read("/home/user/baked") == "in the snapshot"
+    finally:
+        child.kill()
+    assert e2b.Sandbox.delete_snapshot(snap.snapshot_id) is True
+    assert e2b.Sandbox.delete_snapshot(snap.snapshot_id) is False

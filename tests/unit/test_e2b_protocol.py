@@ -325,3 +325,29 @@ def test_ended_commands_leave_no_table_behind(tmp_path: Path) -> None:
                 **_envd(client, sb), "Content-Type": "application/connect+json"})
             assert _split(r.content)[-1] == (END_STREAM, {})
         assert app.state.e2b.processes._procs == {}
+
+
+def test_snapshots_are_boxd_snapshots(tmp_path: Path) -> None:
+    """create_snapshot -> a boxd snapshot version; list by sandbox; create from its id;
+    delete it through DELETE /templates/{id}."""
+    from tests._support.api_fakes import FakeSnapshots
+
+    machines = FakeMachines()
+    snapshots = FakeSnapshots(machines, tmp_path)
+    app = create_e2b_app(machines, _authenticate, tmp_path / "e2b", snapshots)
+    with TestClient(app) as client:
+        sid = _create(client)["sandboxID"]
+        r = client.post(f"/sandboxes/{sid}/snapshots", json={"name": "env-v1"}, headers=ALICE)
+        assert r.status_code == 201 and r.json() == {"snapshotID": "env-v1@1",
+                                                     "names": ["env-v1"]}
+        r = client.post(f"/sandboxes/{sid}/snapshots", json={"name": "Bad Name"},
+                        headers=ALICE)
+        assert r.status_code == 400
+        listed = client.get("/snapshots", params={"sandboxID": sid}, headers=ALICE).json()
+        assert listed == [{"snapshotID": "env-v1@1", "names": ["env-v1"]}]
+        assert client.get("/snapshots", headers=BOB).json() == []
+        child = _create(client, templateID="env-v1@1")
+        assert child["templateID"] == "env-v1@1"
+        assert client.delete("/templates/env-v1@1", headers=BOB).status_code == 404
+        assert client.delete("/templates/env-v1@1", headers=ALICE).status_code == 204
+        assert client.delete("/templates/env-v1@1", headers=ALICE).status_code == 404

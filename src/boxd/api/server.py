@@ -308,7 +308,8 @@ class Daemon:
             # E2B's API (docs/e2b.md) on its own loopback TCP listener, same services.
             self.e2b_tcp = _e2b_listen(settings)
             self.e2b_server = _QuietServer(uvicorn.Config(
-                create_e2b_app(self.machines, self.keys.authenticate, paths.home / "e2b"),
+                create_e2b_app(self.machines, self.keys.authenticate, paths.home / "e2b",
+                               self.snapshots),
                 log_config=None, access_log=True, proxy_headers=False,
                 timeout_graceful_shutdown=10, timeout_keep_alive=KEEP_ALIVE_SECONDS,
                 http="h11", ws="none",

@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse
 from boxd.e2b._processes import ProcessTable
 from boxd.e2b._sandboxes import Sandbox, Sandboxes
 from boxd.errors import BoxdError
+from boxd.services import SnapshotService
 
 __all__ = [
     "CLIENT_ID", "ENVD_PORT", "ENVD_VERSION", "Authenticate", "E2BState", "e2b_error",
@@ -39,6 +40,7 @@ class E2BState:
     sandboxes: Sandboxes
     processes: ProcessTable
     authenticate: Authenticate
+    snapshots: SnapshotService | None = None
 
 
 def state_of(request: Request) -> E2BState:

@@ -20,7 +20,7 @@ from boxd.e2b._processes import ProcessTable
 from boxd.e2b._sandboxes import Sandboxes
 from boxd.e2b._store import SandboxStore
 from boxd.errors import BoxdError
-from boxd.services import MachineService
+from boxd.services import MachineService, SnapshotService
 
 __all__ = ["create_e2b_app"]
 
@@ -78,19 +78,21 @@ def _port_closed(sandbox: bytes, port: bytes) -> Response:
 
 
 def create_e2b_app(machines: MachineService, authenticate: Authenticate,
-                   directory: Path) -> Starlette:
+                   directory: Path, snapshots: SnapshotService | None = None) -> Starlette:
     """The E2B API over ``machines``.
 
     Args:
         machines: the machine service (the same one the HTTP API serves).
         authenticate: an API key's secret -> its account id (raises AuthError).
         directory: where sandbox records are kept (``<data dir>/e2b``).
+        snapshots: the snapshot service (E2B's snapshots are boxd's); None: no
+            snapshot routes.
 
     Returns:
         The ASGI app. Its lifespan runs the task that ends sandboxes at their timeout.
     """
     state = E2BState(Sandboxes(machines, SandboxStore(directory)), ProcessTable(machines),
-                     authenticate)
+                     authenticate, snapshots)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -15,10 +15,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from boxd import models
 from boxd.e2b._common import sandbox_json, state_of
 from boxd.e2b._sandboxes import BASE_TEMPLATE, MAX_FORKS, check_timeout
 from boxd.e2b.env import from_e2b_key
-from boxd.errors import BoxdError, InvalidRequest
+from boxd.errors import BoxdError, InvalidRequest, NotFound
+from boxd.services import SnapshotService
 
 __all__ = ["DEFAULT_TIMEOUT", "routes"]
 
@@ -222,6 +224,52 @@ async def fork(request: Request) -> Response:
     return JSONResponse(items, status_code=201)
 
 
+def _snapshot_service(request: Request) -> SnapshotService:
+    service = state_of(request).snapshots
+    if service is None:
+        raise NotFound("this daemon serves no snapshots through E2B's API")
+    return service
+
+
+def _snapshot_json(snap: models.Snapshot) -> dict[str, Any]:
+    # The id is a version: creating from it (templateID) starts from exactly that one.
+    return {"snapshotID": f"{snap.name}@{snap.version}", "names": [snap.name]}
+
+
+async def create_snapshot(request: Request) -> Response:
+    """``POST /sandboxes/{id}/snapshots {name?}`` -> 201 ``{snapshotID, names}``: a boxd
+    snapshot (a new version when the name exists); create from it by its id or name."""
+    account = account_of(request)
+    sandbox_id = request.path_params["id"]
+    name = (await body_of(request)).get("name") or f"snapshot-{sandbox_id}"
+    if not isinstance(name, str) or not models.NAME_RE.match(name):
+        raise InvalidRequest(f"invalid snapshot name {name!r}", hint=models.NAME_RULE,
+                             field="name")
+    await state_of(request).sandboxes.get(account, sandbox_id)
+    snap = await _snapshot_service(request).save(account, sandbox_id, name, new_version=True)
+    return JSONResponse(_snapshot_json(snap), status_code=201)
+
+
+async def list_snapshots(request: Request) -> Response:
+    """``GET /snapshots?sandboxID=&name=``: the account's snapshots, newest first."""
+    account = account_of(request)
+    q = request.query_params
+    snaps = await _snapshot_service(request).list(account)
+    if sandbox_id := q.get("sandboxID"):
+        snaps = [s for s in snaps if s.source_machine == sandbox_id]
+    if name := q.get("name"):
+        snaps = [s for s in snaps if s.name == name]
+    snaps.sort(key=lambda s: s.created_at, reverse=True)
+    return JSONResponse([_snapshot_json(s) for s in snaps[:_limit(q.get("limit"))]])
+
+
+async def delete_snapshot(request: Request) -> Response:
+    """``DELETE /templates/{id}``: a snapshot (by id or name): 204, or 404."""
+    account = account_of(request)
+    await _snapshot_service(request).delete(account, request.path_params["id"])
+    return Response(status_code=204)
+
+
 async def health(request: Request) -> Response:
     return Response(status_code=200)
 
@@ -240,4 +288,7 @@ routes = [
     Route("/v2/sandboxes/{id}/connect", connect, methods=["POST"]),
     Route("/sandboxes/{id}/resume", connect, methods=["POST"]),
     Route("/sandboxes/{id}/fork", fork, methods=["POST"]),
+    Route("/sandboxes/{id}/snapshots", create_snapshot, methods=["POST"]),
+    Route("/snapshots", list_snapshots, methods=["GET"]),
+    Route("/templates/{id}", delete_snapshot, methods=["DELETE"]),
 ]
