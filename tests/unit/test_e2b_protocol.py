@@ -351,3 +351,16 @@ def test_snapshots_are_boxd_snapshots(tmp_path: Path) -> None:
         assert client.delete("/templates/env-v1@1", headers=BOB).status_code == 404
         assert client.delete("/templates/env-v1@1", headers=ALICE).status_code == 204
         assert client.delete("/templates/env-v1@1", headers=ALICE).status_code == 404
+
+
+def test_idempotency_key_makes_one_sandbox(api: tuple[TestClient, FakeMachines]) -> None:
+    client, machines = api
+    first = _create(client, {**ALICE, "Idempotency-Key": "job-1"})
+    again = _create(client, {**ALICE, "Idempotency-Key": "job-1"})
+    assert again["sandboxID"] == first["sandboxID"]
+    assert len(machines.machines) == 1
+    other = _create(client, {**BOB, "Idempotency-Key": "job-1"})  # another account's key
+    assert other["sandboxID"] != first["sandboxID"]
+    client.delete(f"/sandboxes/{first['sandboxID']}", headers=ALICE)
+    fresh = _create(client, {**ALICE, "Idempotency-Key": "job-1"})  # the first is gone
+    assert fresh["sandboxID"] != first["sandboxID"]

@@ -14,6 +14,7 @@ import builtins
 import contextlib
 import logging
 import secrets
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 from boxd import models
@@ -35,6 +36,8 @@ MAX_FORKS = 100
 #: Longest sandbox lifetime accepted, in seconds (E2B's longest: 24 hours).
 MAX_TIMEOUT = 24 * 3600
 _READY_TIMEOUT = 120.0
+#: Idempotency keys remembered (the newest; in memory: a daemon restart forgets them).
+IDEMPOTENCY_KEYS = 4096
 #: The end of life of a paused sandbox: none (on E2B a paused sandbox's timeout stops;
 #: it lives until killed or woken).
 NEVER = float("inf")
@@ -74,6 +77,8 @@ class Sandboxes:
         self.machines = machines
         self.store = store
         self._wakeup = asyncio.Event()
+        # (account, Idempotency-Key) -> the create it started; the newest IDEMPOTENCY_KEYS
+        self._creates: OrderedDict[tuple[str, str], asyncio.Task[Sandbox]] = OrderedDict()
 
     # -- lookup -------------------------------------------------------------------------
 
@@ -112,13 +117,42 @@ class Sandboxes:
     async def create(
         self, account: str, template: str, timeout: int, *, metadata: dict[str, str],
         env_vars: dict[str, str], auto_pause: bool, isolated: bool,
+        idempotency_key: str | None = None,
     ) -> Sandbox:
-        """Create a sandbox and return once it runs a command.
+        """Create a sandbox and return once it runs a command. A create repeated with the
+        same ``idempotency_key`` (E2B's ``Idempotency-Key``) returns the same sandbox while
+        it exists, and waits for the first one if it is still being made; the create goes
+        on when its client goes, so a retry after a lost reply finds it.
 
         Raises:
             InvalidRequest, QuotaExceeded, SnapshotNotFound (an unknown template),
             MachineFailed, HostSetupError.
         """
+        make = self._create(account, template, timeout, metadata=metadata,
+                            env_vars=env_vars, auto_pause=auto_pause, isolated=isolated)
+        if idempotency_key is None:
+            return await make
+        key = (account, idempotency_key)
+        task = self._creates.get(key)
+        if task is not None and task.done() and (
+                task.cancelled() or task.exception() is not None
+                or self.store.get(task.result().record.sandbox_id) is None):
+            task = None  # failed, or made and since killed: a new create
+        if task is not None:
+            make.close()
+            made = await asyncio.shield(task)
+            return await self.get(account, made.record.sandbox_id)
+        task = asyncio.create_task(make)
+        self._creates[key] = task
+        self._creates.move_to_end(key)
+        while len(self._creates) > IDEMPOTENCY_KEYS:
+            self._creates.popitem(last=False)
+        return await asyncio.shield(task)
+
+    async def _create(
+        self, account: str, template: str, timeout: int, *, metadata: dict[str, str],
+        env_vars: dict[str, str], auto_pause: bool, isolated: bool,
+    ) -> Sandbox:
         sandbox_id = new_sandbox_id()
         req = models.MachineCreate.model_validate({
             "name": sandbox_id, "isolated": isolated,

@@ -93,12 +93,17 @@ async def create(request: Request) -> Response:
     if not isinstance(template, str) or not template:
         raise InvalidRequest("templateID must be a template name", field="templateID")
     timeout = check_timeout(body.get("timeout", DEFAULT_TIMEOUT))
+    key = request.headers.get("idempotency-key")
+    if key is not None and not 1 <= len(key) <= 256:
+        raise InvalidRequest("Idempotency-Key must have 1-256 characters",
+                             field="Idempotency-Key")
     sandbox = await state_of(request).sandboxes.create(
         account, template, timeout,
         metadata=_strings(body.get("metadata"), "metadata"),
         env_vars=_strings(body.get("envVars"), "envVars"),
         auto_pause=_bool(body.get("autoPause"), "autoPause", False),
         isolated=not _bool(body.get("allow_internet_access"), "allow_internet_access", True),
+        idempotency_key=key,
     )
     return JSONResponse(sandbox_json(sandbox), status_code=201)
 
