@@ -32,6 +32,8 @@ from boxd.api.services.images import ImageService
 from boxd.api.services.keys import KeyService
 from boxd.config import Paths, Settings
 from boxd.control import build_services
+from boxd.e2b.app import create_e2b_app
+from boxd.e2b.env import url_file
 from boxd.errors import Conflict, HostSetupError, InvalidRequest
 from boxd.services import HostInfoFn, MachineService, SnapshotService
 from boxd.state import Database
@@ -235,6 +237,26 @@ def _uvicorn_server(app: FastAPI) -> _Server:
     )
 
 
+class _QuietServer(_Server):
+    """A second server in the same process (the E2B listener): the first one handles
+    the signals and stops it."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _e2b_listen(settings: Settings) -> tuple[str, int] | None:
+    """Where the E2B API listens (``BOXD_E2B_LISTEN``), or None when it is ``off``."""
+    if settings.e2b_listen.lower() == "off":
+        return None
+    try:
+        return _parse_listen(settings.e2b_listen)
+    except InvalidRequest as exc:
+        raise InvalidRequest(f"BOXD_E2B_LISTEN: {exc.message}", hint="use HOST:PORT (port 0: "
+                             "any free one) or off", field="BOXD_E2B_LISTEN") from exc
+
+
 class Daemon:
     """A prepared daemon: data directory locked, services built, key file written.
 
@@ -279,6 +301,15 @@ class Daemon:
             write_local_key(key_file, secret)
             self.app = self._create_app(settings, host_info or _fallback_host_info(paths))
             self.server = _uvicorn_server(self.app)
+            # E2B's API (docs/e2b.md) on its own loopback TCP listener, same services.
+            self.e2b_tcp = _e2b_listen(settings)
+            self.e2b_server = _QuietServer(uvicorn.Config(
+                create_e2b_app(self.machines, self.keys.authenticate, paths.home / "e2b",
+                               self.snapshots),
+                log_config=None, access_log=True, proxy_headers=False,
+                timeout_graceful_shutdown=10, timeout_keep_alive=KEEP_ALIVE_SECONDS,
+                http="h11", ws="none",
+            )) if self.e2b_tcp else None
             # Each non-isolated machine's /run/boxd/boxd.sock, relayed to this app.
             serve_guests = getattr(machines, "serve_guests", None)
             if serve_guests is not None:
@@ -303,6 +334,41 @@ class Daemon:
             body_timeout=settings.body_timeout,
         )
 
+    async def _start_e2b(self) -> tuple[asyncio.Task[None], socket.socket] | None:
+        """Bind the E2B listener, write its URL to ``<data dir>/e2b.url`` and serve it."""
+        url_path = url_file(self.paths.home)
+        with contextlib.suppress(FileNotFoundError):
+            url_path.unlink()
+        if self.e2b_server is None or self.e2b_tcp is None:
+            return None
+        try:
+            sock = _tcp_socket(*self.e2b_tcp)
+        except OSError as exc:
+            # boxd's own API still serves; `boxd e2b env` says E2B's is not there.
+            log.error("cannot listen for the E2B API on %s:%s (BOXD_E2B_LISTEN): %s",
+                      *self.e2b_tcp, exc)
+            return None
+        host, port = sock.getsockname()[:2]
+        url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        write_local_key(url_path, url)  # atomic, 0600: the same as the key file
+        log.info("e2b api listening", extra={"url": url})
+        task = asyncio.create_task(self.e2b_server.serve(sockets=[sock]))
+        return task, sock
+
+    async def _stop_e2b(self, e2b: tuple[asyncio.Task[None], socket.socket] | None) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            url_file(self.paths.home).unlink()
+        if e2b is None or self.e2b_server is None:
+            return
+        task, sock = e2b
+        self.e2b_server.should_exit = True
+        try:
+            await task
+        except Exception:
+            log.exception("the e2b listener failed")
+        finally:
+            sock.close()
+
     def _unlock(self) -> None:
         with contextlib.suppress(OSError):
             self._lock_fd.close()  # once, however often the daemon stops
@@ -319,11 +385,14 @@ class Daemon:
         log.info("daemon started", extra={"pid": os.getpid(), "socket": str(self.paths.socket),
                                           "tcp": self.tcp, "home": str(self.paths.home)})
         started = time.monotonic()
+        e2b = None
         try:
             # Find the VMs of machines recorded before a restart (they kept running).
             await self.machines.recover()
+            e2b = await self._start_e2b()
             await self.server.serve(sockets=sockets)
         finally:
+            await self._stop_e2b(e2b)
             try:
                 await self.machines.close()
             except Exception:

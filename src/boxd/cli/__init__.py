@@ -635,6 +635,55 @@ def serve(listen: str | None, ray_address: str | None) -> None:
     run(Paths.default(), listen=listen)
 
 
+@main.group("e2b", context_settings=_CONTEXT)
+def e2b() -> None:
+    """Run code written for E2B's SDKs on this daemon (docs/e2b.md)."""
+
+
+@e2b.command("env")
+@click.option("--e2b-url", metavar="URL",
+              help="The daemon's E2B URL (for a daemon on another host: its BOXD_E2B_LISTEN). "
+              "Default: the local daemon's, from <data dir>/e2b.url.")
+@pass_state
+def e2b_env(state: _State, e2b_url: str | None) -> None:
+    """Print the shell exports that point E2B's SDKs at this daemon.
+
+    \b
+    eval "$(boxd e2b env)"
+    python my_e2b_agent.py     # unchanged E2B code now runs on boxd
+
+    E2B_API_KEY is an e2b_<hex> spelling of your boxd API key (same account; revoking
+    the key revokes it). Starts the local daemon if needed.
+    """
+    from boxd.config import ClientSettings
+    from boxd.e2b.env import to_e2b_key, url_file
+
+    state.boxd.keys.list()  # the daemon answers (started if local) and the key is valid
+    paths = Paths.default()
+    client = ClientSettings.from_env()
+    key = state.api_key or client.api_key
+    if key is None:
+        try:
+            key = (paths.home / "local.key").read_text().strip()
+        except OSError as exc:
+            fail(f"cannot read the local key {paths.home / 'local.key'}: {exc.strerror} "
+                 "(pass --api-key or set BOXD_API_KEY)")
+    url = e2b_url
+    if url is None:
+        if state.url or client.url:
+            fail("the daemon is remote: give its E2B URL with --e2b-url "
+                 "(its BOXD_E2B_LISTEN, e.g. http://HOST:3000)")
+        try:
+            url = url_file(paths.home).read_text().strip()
+        except OSError:
+            fail(f"the daemon serves no E2B API (no {url_file(paths.home)}): see "
+                 f"BOXD_E2B_LISTEN and its log {paths.log}")
+    url = url.rstrip("/")
+    for name, value in (("E2B_API_URL", url), ("E2B_SANDBOX_URL", url),
+                        ("E2B_API_KEY", to_e2b_key(key))):
+        click.echo(f"export {name}={value}")
+
+
 @main.group(context_settings=_CONTEXT)
 def nodes() -> None:
     """The nodes machines run on (one on a single host; each boxd node of a Ray cluster)."""

@@ -1,0 +1,86 @@
+"""What the control routes and the envd shim share: the app's state, E2B's error body."""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from boxd.e2b._processes import ProcessTable
+from boxd.e2b._sandboxes import Sandbox, Sandboxes
+from boxd.errors import BoxdError
+from boxd.services import SnapshotService
+
+__all__ = [
+    "CLIENT_ID", "ENVD_PORT", "ENVD_VERSION", "Authenticate", "E2BState", "e2b_error",
+    "iso", "sandbox_json", "state_of",
+]
+
+#: The envd version boxd's shim answers for: the highest E2B version whose features the
+#: SDKs gate on that the shim implements (docs/e2b.md: e.g. not yet stdin, octet-stream
+#: uploads or the default user of envd 0.3-0.4).
+ENVD_VERSION = "0.2.0"
+#: E2B's ``clientID``: a constant.
+CLIENT_ID = "boxd"
+#: The port envd listens on in an E2B sandbox (the ``E2b-Sandbox-Port`` of its calls).
+ENVD_PORT = 49983
+
+Authenticate = Callable[[str | None], str]
+"""Turns an API key's secret into its account id; raises AuthError."""
+
+
+@dataclass
+class E2BState:
+    """The E2B app's collaborators."""
+
+    sandboxes: Sandboxes
+    processes: ProcessTable
+    authenticate: Authenticate
+    snapshots: SnapshotService | None = None
+
+
+def state_of(request: Request) -> E2BState:
+    state: E2BState = request.app.state.e2b
+    return state
+
+
+def e2b_error(status: int, message: str) -> JSONResponse:
+    """E2B's error body: ``{"code": <status>, "message"}``."""
+    return JSONResponse({"code": status, "message": message}, status_code=status)
+
+
+def boxd_error(exc: BoxdError) -> JSONResponse:
+    """A boxd error in E2B's shape, at its own status (its hint after the message)."""
+    message = exc.message + (f" ({exc.hint})" if exc.hint else "")
+    return e2b_error(exc.status, message)
+
+
+def iso(ts: float) -> str:
+    """RFC 3339 in UTC, as E2B's API writes times."""
+    when = datetime.datetime.fromtimestamp(min(ts, 253402300799.0), datetime.UTC)
+    return when.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def sandbox_json(sandbox: Sandbox, *, detail: bool = False, token: bool = True) -> dict[
+        str, Any]:
+    """E2B's ``Sandbox`` (create, connect, fork) or, with ``detail``, ``SandboxDetail`` /
+    ``ListedSandbox``."""
+    rec, machine = sandbox.record, sandbox.machine
+    out: dict[str, Any] = {
+        "sandboxID": rec.sandbox_id, "templateID": rec.template, "clientID": CLIENT_ID,
+        "envdVersion": ENVD_VERSION,
+    }
+    if token:
+        out["envdAccessToken"] = rec.token
+    if detail:
+        out.update({
+            "startedAt": iso(rec.started_at), "endAt": iso(rec.end_at),
+            "cpuCount": machine.vcpus, "memoryMB": machine.memory_mib,
+            "diskSizeMB": machine.disk_gib * 1024, "state": sandbox.state,
+            "metadata": rec.metadata,
+        })
+    return out

@@ -1,0 +1,220 @@
+"""envd's processes on top of boxd's streamed exec.
+
+E2B's ``Process/Start`` names a process by a pid that later calls (``List``,
+``Connect``, ``SendSignal``) refer to. boxd's exec has no pid, so the shim gives each
+command one (per sandbox, counting up) and runs it in a task of its own: the command
+keeps running when the client that started it goes (as a background command does on
+E2B), its events go to whoever is connected, and a signal ends it by closing the exec
+stream, which kills the command in the guest. An ended process leaves the table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import builtins
+import contextlib
+import itertools
+import logging
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from pydantic import ValidationError
+
+from boxd import models
+from boxd.e2b._connect import ConnectError
+from boxd.errors import BoxdError, MachineFailed, MachineNotFound
+from boxd.services import MachineService
+
+__all__ = ["MAX_PROCESSES", "Item", "Proc", "ProcessTable", "connect_code", "end_event"]
+
+log = logging.getLogger("boxd.e2b")
+
+#: Running commands one sandbox may have through the shim.
+MAX_PROCESSES = 1024
+#: Events one connected client may lag behind before the command waits for it.
+_QUEUE = 256
+
+Event = dict[str, Any]
+#: What a subscriber receives: an event, the error that ended the command, or None (the
+#: end of the stream).
+Item = Event | ConnectError | None
+
+
+@dataclass
+class Proc:
+    """One command started through ``Process/Start``."""
+
+    pid: int
+    sandbox_id: str
+    cmd: str
+    args: list[str]
+    envs: dict[str, str]
+    cwd: str | None
+    tag: str | None
+    task: asyncio.Task[None] | None = None
+    gone: bool = False  # its sandbox was killed
+    subscribers: list[asyncio.Queue[Item]] = field(default_factory=list)
+
+    def info(self) -> Event:
+        """Its ``ProcessInfo`` (proto3 JSON)."""
+        config: Event = {"cmd": self.cmd, "args": self.args, "envs": self.envs}
+        if self.cwd is not None:
+            config["cwd"] = self.cwd
+        out: Event = {"config": config, "pid": self.pid}
+        if self.tag is not None:
+            out["tag"] = self.tag
+        return out
+
+    async def publish(self, event: Item) -> None:
+        for q in list(self.subscribers):
+            await q.put(event)
+
+    def attach(self) -> asyncio.Queue[Item]:
+        """A new subscriber's queue. Attach in the same step as the command starts
+        (before any await): then no event is published before it is there."""
+        q: asyncio.Queue[Item] = asyncio.Queue(_QUEUE)
+        self.subscribers.append(q)
+        return q
+
+    def detach(self, q: asyncio.Queue[Item]) -> None:
+        with contextlib.suppress(ValueError):
+            self.subscribers.remove(q)
+        # A command blocked on this full queue must not wait for a reader that left.
+        while not q.empty():
+            q.get_nowait()
+
+
+def sandbox_gone(sandbox_id: str) -> ConnectError:
+    """How a command's stream ends when its sandbox is killed or dies: the words of E2B's
+    proxy, so the SDK raises its ``SandboxNotRunningException``."""
+    return ConnectError("unavailable", f"The sandbox {sandbox_id} was not found")
+
+
+def end_event(exit_code: int, signal: int | None, error: str | None = None) -> Event:
+    """envd's ``end`` event for a command that exited, or was killed by ``signal``."""
+    end: Event = {"exitCode": exit_code, "exited": signal is None,
+                  "status": f"exit status {exit_code}" if signal is None
+                  else f"signal: {_signal_name(signal)}"}
+    if error is not None:
+        end["error"] = error
+    return {"end": end}
+
+
+def _signal_name(signal: int) -> str:
+    return {9: "killed", 15: "terminated", 2: "interrupt", 1: "hangup"}.get(signal,
+                                                                            f"signal {signal}")
+
+
+def _data_event(kind: str, text: str) -> Event:
+    return {"data": {kind: base64.b64encode(text.encode("utf-8", "surrogateescape")).decode()}}
+
+
+class ProcessTable:
+    """The running commands of every sandbox, by sandbox id and pid."""
+
+    def __init__(self, machines: MachineService) -> None:
+        self.machines = machines
+        self._procs: dict[str, dict[int, Proc]] = {}
+        self._pids = itertools.count(1000)
+
+    def list(self, sandbox_id: str) -> builtins.list[Proc]:
+        return list(self._procs.get(sandbox_id, {}).values())
+
+    def find(self, sandbox_id: str, selector: Event | None) -> Proc:
+        """The process a ``ProcessSelector`` (``{"pid": N}`` or ``{"tag": T}``) names.
+
+        Raises:
+            ConnectError: ``invalid_argument`` (no selector), ``not_found``.
+        """
+        if not isinstance(selector, dict) or not ({"pid", "tag"} & selector.keys()):
+            raise ConnectError("invalid_argument", "give the process as {\"pid\": N} or "
+                               "{\"tag\": T}")
+        for proc in self.list(sandbox_id):
+            if ("pid" in selector and proc.pid == selector["pid"]) or (
+                    "tag" in selector and proc.tag == selector["tag"]):
+                return proc
+        raise ConnectError("not_found", f"process {selector} not found (it may have ended)")
+
+    def start(self, account: str, sandbox_id: str, argv: builtins.list[str],
+              envs: dict[str, str],
+              cwd: str | None, tag: str | None) -> Proc:
+        """Start a command in its own task; a client subscribes to see its events.
+
+        Raises:
+            ConnectError: ``invalid_argument`` (a bad command), ``resource_exhausted``.
+        """
+        running = self._procs.setdefault(sandbox_id, {})
+        if len(running) >= MAX_PROCESSES:
+            raise ConnectError("resource_exhausted", f"sandbox {sandbox_id} runs "
+                               f"{MAX_PROCESSES} commands already: end some first")
+        try:
+            req = models.ExecRequest.model_validate({"command": argv, "env": envs, "cwd": cwd})
+        except ValidationError as exc:
+            raise ConnectError("invalid_argument", "bad command: " + "; ".join(
+                str(e.get("msg")) for e in exc.errors())) from exc
+        proc = Proc(next(self._pids), sandbox_id, argv[0], argv[1:], envs, cwd, tag)
+        running[proc.pid] = proc
+        proc.task = asyncio.create_task(self._run(account, proc, req))
+        return proc
+
+    async def _run(self, account: str, proc: Proc, req: models.ExecRequest) -> None:
+        events = self.machines.exec_stream(account, proc.sandbox_id, req)
+        end: Item = None
+        try:
+            async for ev in events:
+                if ev.type in ("stdout", "stderr") and ev.data:
+                    await proc.publish(_data_event(ev.type, ev.data))
+                elif ev.type == "exit":
+                    end = end_event(ev.exit_code if ev.exit_code is not None else -1,
+                                    ev.signal)
+                elif ev.type == "error" and ev.error is not None:
+                    end = end_event(-1, None, ev.error.message)
+        except asyncio.CancelledError:
+            end = sandbox_gone(proc.sandbox_id) if proc.gone else end_event(-1, 9)
+            raise
+        except (MachineNotFound, MachineFailed):
+            end = sandbox_gone(proc.sandbox_id)
+        except BoxdError as exc:
+            end = ConnectError(connect_code(exc), exc.message)
+        except Exception as exc:
+            log.exception("command %s in %s failed", proc.pid, proc.sandbox_id)
+            end = ConnectError("internal", f"the command failed: {exc}")
+        finally:
+            await cast("AsyncGenerator[models.ExecEvent, None]", events).aclose()
+            running = self._procs.get(proc.sandbox_id, {})
+            running.pop(proc.pid, None)
+            if not running:  # no empty table per sandbox that ever ran a command
+                self._procs.pop(proc.sandbox_id, None)
+            with contextlib.suppress(Exception):
+                await proc.publish(end or end_event(-1, None, "the command ended unseen"))
+                await proc.publish(None)
+
+    async def kill(self, sandbox_id: str, selector: Event | None) -> None:
+        """End a process (SIGKILL or SIGTERM alike: its exec stream is closed).
+
+        Raises:
+            ConnectError: ``not_found``.
+        """
+        proc = self.find(sandbox_id, selector)
+        if proc.task is not None:
+            proc.task.cancel()
+            with contextlib.suppress(BaseException):
+                await proc.task
+
+    def forget(self, sandbox_id: str) -> None:
+        """Drop a killed sandbox's table (its commands died with it)."""
+        for proc in self._procs.pop(sandbox_id, {}).values():
+            proc.gone = True
+            if proc.task is not None:
+                proc.task.cancel()
+
+
+def connect_code(exc: BoxdError) -> str:
+    """The Connect code of a boxd error."""
+    return {400: "invalid_argument", 401: "unauthenticated", 403: "permission_denied",
+            404: "not_found", 408: "deadline_exceeded", 409: "failed_precondition",
+            413: "resource_exhausted", 429: "resource_exhausted", 503: "unavailable",
+            507: "resource_exhausted"}.get(exc.status, "internal")
+

@@ -1,0 +1,302 @@
+"""E2B's sandbox operations over boxd's machine service (no HTTP here).
+
+A sandbox is a machine named by its sandbox id, plus a `SandboxRecord`. Create waits
+until the machine runs a command; pause is boxd's hibernate and connect wakes it;
+fork is boxd's copy-on-write fork batch. Each sandbox's end of life is kept by
+`Sandboxes.reap`, which the app runs as a task: at its end a sandbox is killed, or
+hibernated if it was created with ``autoPause``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import logging
+import secrets
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+
+from boxd import models
+from boxd.e2b._ids import is_sandbox_id, new_sandbox_id
+from boxd.e2b._store import SandboxRecord, SandboxStore, now
+from boxd.errors import BoxdError, InvalidRequest, MachineNotFound, StateError
+from boxd.services import MachineService
+
+__all__ = ["BASE_TEMPLATE", "HOME", "MAX_FORKS", "Sandbox", "Sandboxes"]
+
+log = logging.getLogger("boxd.e2b")
+
+#: E2B's default template: boxd's default image.
+BASE_TEMPLATE = "base"
+#: The working directory of commands and of relative paths, as on E2B's base template.
+HOME = "/home/user"
+#: Children one fork request may ask for (E2B's limit).
+MAX_FORKS = 100
+#: Longest sandbox lifetime accepted, in seconds (E2B's longest: 24 hours).
+MAX_TIMEOUT = 24 * 3600
+_READY_TIMEOUT = 120.0
+#: Idempotency keys remembered (the newest; in memory: a daemon restart forgets them).
+IDEMPOTENCY_KEYS = 4096
+#: The end of life of a paused sandbox: none (on E2B a paused sandbox's timeout stops;
+#: it lives until killed or woken).
+NEVER = float("inf")
+#: A woken sandbox's lifetime when connect names none (E2B's SDK default).
+WOKEN_TIMEOUT = 300
+_PAUSED = (models.MachineState.HIBERNATED, models.MachineState.HIBERNATING)
+
+
+@dataclass(frozen=True)
+class Sandbox:
+    """A sandbox as E2B shows it: its record and its machine."""
+
+    record: SandboxRecord
+    machine: models.Machine
+
+    @property
+    def state(self) -> str:
+        return "paused" if self.machine.state in _PAUSED else "running"
+
+
+def check_timeout(value: object, field: str = "timeout") -> int:
+    """A lifetime in whole seconds, 0..`MAX_TIMEOUT`.
+
+    Raises:
+        InvalidRequest: not an integer in range.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TIMEOUT:
+        raise InvalidRequest(f"{field} must be whole seconds from 0 to {MAX_TIMEOUT}, not "
+                             f"{value!r}", field=field)
+    return value
+
+
+class Sandboxes:
+    """Create, find, list, time out, pause, wake, fork and kill sandboxes."""
+
+    def __init__(self, machines: MachineService, store: SandboxStore) -> None:
+        self.machines = machines
+        self.store = store
+        self._wakeup = asyncio.Event()
+        # (account, Idempotency-Key) -> the create it started; the newest IDEMPOTENCY_KEYS
+        self._creates: OrderedDict[tuple[str, str], asyncio.Task[Sandbox]] = OrderedDict()
+
+    # -- lookup -------------------------------------------------------------------------
+
+    def record(self, account: str, sandbox_id: str) -> SandboxRecord:
+        """The record of one of ``account``'s sandboxes.
+
+        Raises:
+            MachineNotFound: no such sandbox for this account (another's looks the same).
+        """
+        rec = self.store.get(sandbox_id) if is_sandbox_id(sandbox_id) else None
+        if rec is None or rec.account != account:
+            raise MachineNotFound(f"sandbox {sandbox_id!r} not found", machine=sandbox_id)
+        return rec
+
+    async def get(self, account: str, sandbox_id: str) -> Sandbox:
+        """Raises: MachineNotFound (its machine gone too: the record is dropped)."""
+        rec = self.record(account, sandbox_id)
+        try:
+            machine = await self.machines.get(account, sandbox_id)
+        except MachineNotFound:
+            self.store.remove(sandbox_id)  # deleted through boxd's own API
+            raise
+        return Sandbox(rec, machine)
+
+    async def list(self, account: str) -> builtins.list[Sandbox]:
+        """The account's sandboxes whose machines still exist, oldest first."""
+        machines = {m.name: m for m in await self.machines.list(account)}
+        found = []
+        for rec in self.store.all():
+            if rec.account == account and rec.sandbox_id in machines:
+                found.append(Sandbox(rec, machines[rec.sandbox_id]))
+        return sorted(found, key=lambda s: (s.record.started_at, s.record.sandbox_id))
+
+    # -- create, fork -------------------------------------------------------------------
+
+    async def create(
+        self, account: str, template: str, timeout: int, *, metadata: dict[str, str],
+        env_vars: dict[str, str], auto_pause: bool, isolated: bool,
+        idempotency_key: str | None = None,
+    ) -> Sandbox:
+        """Create a sandbox and return once it runs a command. A create repeated with the
+        same ``idempotency_key`` (E2B's ``Idempotency-Key``) returns the same sandbox while
+        it exists, and waits for the first one if it is still being made; the create goes
+        on when its client goes, so a retry after a lost reply finds it.
+
+        Raises:
+            InvalidRequest, QuotaExceeded, SnapshotNotFound (an unknown template),
+            MachineFailed, HostSetupError.
+        """
+        make = self._create(account, template, timeout, metadata=metadata,
+                            env_vars=env_vars, auto_pause=auto_pause, isolated=isolated)
+        if idempotency_key is None:
+            return await make
+        key = (account, idempotency_key)
+        task = self._creates.get(key)
+        if task is not None and task.done() and (
+                task.cancelled() or task.exception() is not None
+                or self.store.get(task.result().record.sandbox_id) is None):
+            task = None  # failed, or made and since killed: a new create
+        if task is not None:
+            make.close()
+            made = await asyncio.shield(task)
+            return await self.get(account, made.record.sandbox_id)
+        task = asyncio.create_task(make)
+        self._creates[key] = task
+        self._creates.move_to_end(key)
+        while len(self._creates) > IDEMPOTENCY_KEYS:
+            self._creates.popitem(last=False)
+        return await asyncio.shield(task)
+
+    async def _create(
+        self, account: str, template: str, timeout: int, *, metadata: dict[str, str],
+        env_vars: dict[str, str], auto_pause: bool, isolated: bool,
+    ) -> Sandbox:
+        sandbox_id = new_sandbox_id()
+        req = models.MachineCreate.model_validate({
+            "name": sandbox_id, "isolated": isolated,
+            "from_snapshot": None if template == BASE_TEMPLATE else template,
+            # It lives until its timeout, as on E2B: no idle suspend in between.
+            "suspend_after": 0, "hibernate_after": 0,
+        })
+        start = now()
+        rec = SandboxRecord(
+            sandbox_id=sandbox_id, account=account, template=template,
+            token=secrets.token_hex(16), started_at=start, end_at=start + timeout,
+            auto_pause=auto_pause, metadata=metadata, env_vars=env_vars,
+        )
+        self.store.put(rec)
+        try:
+            await self.machines.create(account, req)
+            machine = await self._ready(account, sandbox_id)
+        except BaseException:
+            self.store.remove(sandbox_id)
+            with contextlib.suppress(Exception):
+                await self.machines.delete(account, sandbox_id)
+            raise
+        self._wakeup.set()
+        return Sandbox(rec, machine)
+
+    async def _ready(self, account: str, sandbox_id: str) -> models.Machine:
+        machine = await self.machines.wait_until_ready(account, sandbox_id, _READY_TIMEOUT)
+        # E2B's base template works in /home/user; this also proves a command runs.
+        await self.machines.exec(account, sandbox_id, models.ExecRequest(
+            command=["mkdir", "-p", HOME], timeout=60))
+        return machine
+
+    async def fork(
+        self, account: str, sandbox_id: str, count: int, timeout: int | None
+    ) -> builtins.list[Sandbox | BoxdError]:
+        """Fork a running sandbox into ``count`` children (boxd's copy-on-write fork:
+        the source keeps running); one result per child.
+
+        Raises:
+            MachineNotFound: no such sandbox.
+        """
+        parent = self.record(account, sandbox_id)
+        ids = [new_sandbox_id() for _ in range(count)]
+        start = now()
+        life = timeout if timeout is not None else round(parent.end_at - parent.started_at)
+        results: builtins.list[Sandbox | BoxdError] = []
+        items = await self.machines.fork(account, sandbox_id, list[str | None](ids))
+        for child_id, item in zip(ids, items, strict=True):
+            if isinstance(item, BoxdError):
+                results.append(item)
+                continue
+            if isinstance(item, Exception):
+                log.error("fork child failed", exc_info=item)
+                results.append(BoxdError("the fork child failed to start"))
+                continue
+            rec = replace(parent, sandbox_id=child_id, token=secrets.token_hex(16),
+                          started_at=start, end_at=start + life)
+            self.store.put(rec)
+            results.append(Sandbox(rec, item))
+        self._wakeup.set()
+        return results
+
+    # -- lifetime -----------------------------------------------------------------------
+
+    async def set_timeout(self, account: str, sandbox_id: str, timeout: int) -> None:
+        """The sandbox now ends ``timeout`` seconds from now. Raises: MachineNotFound."""
+        sandbox = await self.get(account, sandbox_id)
+        self.store.put(sandbox.record.with_end(now() + timeout))
+        self._wakeup.set()
+
+    async def kill(self, account: str, sandbox_id: str) -> None:
+        """Delete the sandbox's machine and record. Raises: MachineNotFound."""
+        self.record(account, sandbox_id)
+        try:
+            await self.machines.delete(account, sandbox_id)
+        finally:
+            self.store.remove(sandbox_id)
+
+    async def pause(self, account: str, sandbox_id: str) -> None:
+        """Hibernate it (memory to disk; it no longer counts against the quota).
+
+        Raises:
+            MachineNotFound; StateError when it is already paused.
+        """
+        sandbox = await self.get(account, sandbox_id)
+        if sandbox.state == "paused":
+            raise StateError(f"sandbox {sandbox_id} is already paused", machine=sandbox_id,
+                             state=sandbox.machine.state.value, required="running")
+        await self.machines.hibernate(account, sandbox_id)
+        self.store.put(sandbox.record.with_end(NEVER))
+
+    async def connect(self, account: str, sandbox_id: str, timeout: int | None) -> tuple[
+            Sandbox, bool]:
+        """Wake a paused sandbox (or find a running one) and extend its life to at least
+        ``timeout`` seconds from now; the sandbox and whether it was woken.
+
+        Raises:
+            MachineNotFound, MachineFailed, QuotaExceeded.
+        """
+        sandbox = await self.get(account, sandbox_id)
+        woken = sandbox.state == "paused"
+        machine = sandbox.machine
+        if woken:
+            machine = await self.machines.resume(account, sandbox_id)
+        rec = sandbox.record
+        if woken or rec.end_at == NEVER:  # a new life from now
+            rec = rec.with_end(now() + (timeout if timeout is not None else WOKEN_TIMEOUT))
+        elif timeout is not None and now() + timeout > rec.end_at:
+            rec = rec.with_end(now() + timeout)
+        self.store.put(rec)
+        self._wakeup.set()
+        return Sandbox(rec, machine), woken
+
+    async def reap(self) -> None:
+        """Forever: end each sandbox at its end of life (kill, or hibernate with
+        ``autoPause``). Runs in the daemon; records outlive restarts, so a sandbox whose
+        end passed while the daemon was down is ended when it starts again."""
+        while True:
+            due = sorted(self.store.all(), key=lambda r: r.end_at)
+            wait = 60.0
+            for rec in due:
+                left = rec.end_at - now()
+                if left > 0:
+                    wait = min(wait, left)
+                    break
+                await self._end(rec)
+            self._wakeup.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), timeout=max(wait, 0.05))
+
+    async def _end(self, rec: SandboxRecord) -> None:
+        try:
+            if rec.auto_pause:
+                machine = await self.machines.get(rec.account, rec.sandbox_id)
+                if machine.state not in _PAUSED:
+                    await self.machines.hibernate(rec.account, rec.sandbox_id)
+                self.store.put(rec.with_end(NEVER))
+                log.info("sandbox paused at its timeout", extra={"machine": rec.sandbox_id})
+            else:
+                await self.kill(rec.account, rec.sandbox_id)
+                log.info("sandbox killed at its timeout", extra={"machine": rec.sandbox_id})
+        except MachineNotFound:
+            self.store.remove(rec.sandbox_id)
+        except Exception:
+            # Tried again at the next pass, a minute on, rather than in a tight loop.
+            log.exception("ending sandbox %s at its timeout failed", rec.sandbox_id)
+            self.store.put(rec.with_end(now() + 60))

@@ -1,0 +1,114 @@
+"""The E2B app: control routes, and the envd shim for requests naming a sandbox."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from boxd.e2b import control, envd
+from boxd.e2b._common import ENVD_PORT, Authenticate, E2BState, boxd_error, e2b_error
+from boxd.e2b._processes import ProcessTable
+from boxd.e2b._sandboxes import Sandboxes
+from boxd.e2b._store import SandboxStore
+from boxd.errors import BoxdError
+from boxd.services import MachineService, SnapshotService
+
+__all__ = ["create_e2b_app"]
+
+log = logging.getLogger("boxd.e2b")
+
+
+async def _boxd_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, BoxdError)
+    if exc.status >= 500:
+        log.error("e2b request failed: %s %s: %s", request.method, request.url.path, exc)
+    return boxd_error(exc)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return e2b_error(exc.status_code, f"{exc.detail}: {request.method} {request.url.path} "
+                     "(docs/e2b.md lists the supported calls)")
+
+
+async def _internal(request: Request, exc: Exception) -> Response:
+    log.error("e2b request failed: %s %s", request.method, request.url.path, exc_info=exc)
+    return e2b_error(500, "internal error: the daemon's log has the details")
+
+
+_HANDLERS = {BoxdError: _boxd_error, HTTPException: _http_error, Exception: _internal}
+
+
+class _Dispatch:
+    """Requests naming a sandbox (``E2b-Sandbox-Id``) go to envd, the rest to control."""
+
+    def __init__(self, control_app: ASGIApp, envd_app: ASGIApp) -> None:
+        self.control = control_app
+        self.envd = envd_app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            sandbox = headers.get(b"e2b-sandbox-id")
+            if sandbox is not None:
+                port = headers.get(b"e2b-sandbox-port", str(ENVD_PORT).encode())
+                if port != str(ENVD_PORT).encode():
+                    await _port_closed(sandbox, port)(scope, receive, send)
+                    return
+                await self.envd(scope, receive, send)
+                return
+        await self.control(scope, receive, send)
+
+
+def _port_closed(sandbox: bytes, port: bytes) -> Response:
+    return JSONResponse({"sandboxId": sandbox.decode(errors="replace"), "code": 502,
+                         "message": f"The sandbox is running but port is not open: boxd's "
+                         f"E2B listener serves envd ({ENVD_PORT}) only, not port "
+                         f"{port.decode(errors='replace')} (docs/e2b.md)"},
+                        status_code=502)
+
+
+def create_e2b_app(machines: MachineService, authenticate: Authenticate,
+                   directory: Path, snapshots: SnapshotService | None = None) -> Starlette:
+    """The E2B API over ``machines``.
+
+    Args:
+        machines: the machine service (the same one the HTTP API serves).
+        authenticate: an API key's secret -> its account id (raises AuthError).
+        directory: where sandbox records are kept (``<data dir>/e2b``).
+        snapshots: the snapshot service (E2B's snapshots are boxd's); None: no
+            snapshot routes.
+
+    Returns:
+        The ASGI app. Its lifespan runs the task that ends sandboxes at their timeout.
+    """
+    state = E2BState(Sandboxes(machines, SandboxStore(directory)), ProcessTable(machines),
+                     authenticate, snapshots)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        reaper = asyncio.create_task(state.sandboxes.reap())
+        try:
+            yield
+        finally:
+            reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reaper
+
+    control_app = Starlette(routes=control.routes, exception_handlers=_HANDLERS)
+    envd_app = Starlette(routes=envd.routes, exception_handlers=_HANDLERS)
+    for sub in (control_app, envd_app):
+        sub.state.e2b = state
+    app = Starlette(lifespan=lifespan)
+    app.state.e2b = state
+    app.mount("/", _Dispatch(control_app, envd_app))
+    return app

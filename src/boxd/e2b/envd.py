@@ -1,0 +1,390 @@
+"""The envd data plane: what the E2B SDKs send to a sandbox, served on the host.
+
+A request carrying ``E2b-Sandbox-Id`` (and ``E2b-Sandbox-Port`` 49983, envd's) comes
+here. It must carry the sandbox's ``X-Access-Token`` (returned by create). Served:
+the Connect JSON ``process.Process`` service (``Start`` and ``Connect`` streams,
+``List``, ``SendSignal``), the ``filesystem.Filesystem`` unary calls (``Stat``,
+``ListDir``, ``MakeDir``, ``Remove``, ``Move``), ``GET/POST /files`` and ``/health``.
+Any other call is a Connect ``unimplemented``. A sandbox that is gone answers 502
+"... was not found", as E2B's proxy does, so the SDK raises its
+``SandboxNotRunningException``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import posixpath
+import zlib
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any, cast
+
+from starlette.datastructures import UploadFile
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from boxd.e2b._common import ENVD_PORT, boxd_error, e2b_error, state_of
+from boxd.e2b._connect import (
+    MAX_MESSAGE,
+    ConnectError,
+    decode_envelopes,
+    encode_envelope,
+    end_stream,
+    parse_json,
+)
+from boxd.e2b._fs import absolute, fs_call
+from boxd.e2b._processes import Item, Proc, connect_code
+from boxd.e2b._sandboxes import HOME
+from boxd.e2b._store import SandboxRecord
+from boxd.errors import BoxdError, MachineNotFound
+
+__all__ = ["routes", "sandbox_of"]
+
+CONNECT_JSON = "application/connect+json"
+#: Seconds between keepalive events on a quiet process stream (when the client names
+#: none in ``Keepalive-Ping-Interval``).
+KEEPALIVE = 50.0
+
+
+class Gone(Exception):
+    """The sandbox named by the request does not exist (any more)."""
+
+
+def not_found_response(sandbox_id: str) -> JSONResponse:
+    """What E2B's proxy answers for a sandbox that is gone (the SDK looks for "was not
+    found")."""
+    return JSONResponse({"sandboxId": sandbox_id, "code": 502,
+                         "message": f"The sandbox {sandbox_id} was not found"},
+                        status_code=502)
+
+
+def sandbox_of(request: Request) -> SandboxRecord:
+    """The record of the sandbox the request is for, its access token checked.
+
+    Raises:
+        Gone: no such sandbox.
+        ConnectError: ``unauthenticated`` (a missing or wrong ``X-Access-Token``).
+    """
+    sandbox_id = request.headers.get("e2b-sandbox-id", "")
+    rec = state_of(request).sandboxes.store.get(sandbox_id)
+    if rec is None:
+        raise Gone(sandbox_id)
+    token = request.headers.get("x-access-token", "")
+    if not hmac.compare_digest(token.encode(), rec.token.encode()):
+        raise ConnectError("unauthenticated", "missing or wrong X-Access-Token: send the "
+                           "envdAccessToken the sandbox was created with")
+    return rec
+
+
+Handler = Callable[[Request, SandboxRecord], Awaitable[Response]]
+
+
+def _guarded(handler: Handler, *, rpc: bool) -> Callable[[Request], Awaitable[Response]]:
+    """The route around ``handler``: the sandbox looked up, errors in the right shape
+    (Connect's for RPC, E2B's ``{code, message}`` for ``/files``)."""
+
+    async def route(request: Request) -> Response:
+        sandbox_id = request.headers.get("e2b-sandbox-id", "")
+        try:
+            return await handler(request, sandbox_of(request))
+        except Gone:
+            return not_found_response(sandbox_id)
+        except MachineNotFound:
+            return not_found_response(sandbox_id)
+        except ConnectError as exc:
+            if rpc:
+                return JSONResponse(exc.body(), status_code=exc.status)
+            return e2b_error(exc.status, exc.message)
+        except BoxdError as exc:
+            if rpc:
+                err = ConnectError(connect_code(exc), exc.message)
+                return JSONResponse(err.body(), status_code=err.status)
+            return boxd_error(exc)
+
+    return route
+
+
+async def _read_body(request: Request) -> bytes:
+    data = b""
+    async for chunk in request.stream():
+        data += chunk
+        if len(data) > MAX_MESSAGE + 5:
+            raise ConnectError("resource_exhausted", f"the request is over {MAX_MESSAGE} "
+                               "bytes")
+    return data
+
+
+async def _unary_body(request: Request) -> dict[str, Any]:
+    return parse_json(await _read_body(request))
+
+
+async def _stream_body(request: Request) -> dict[str, Any]:
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind != CONNECT_JSON:
+        raise ConnectError("invalid_argument", f"a streaming call is sent as {CONNECT_JSON}, "
+                           f"not {kind or 'nothing'}")
+    messages = decode_envelopes(await _read_body(request))
+    if len(messages) != 1:
+        raise ConnectError("invalid_argument", f"a server-streaming call takes one message, "
+                           f"not {len(messages)}")
+    return messages[0]
+
+
+# -- process.Process ---------------------------------------------------------------------
+
+
+def _keepalive(request: Request) -> float:
+    try:
+        return max(1.0, float(request.headers.get("keepalive-ping-interval", KEEPALIVE)))
+    except ValueError:
+        return KEEPALIVE
+
+
+async def _events(proc: Proc, queue: asyncio.Queue[Item], interval: float
+                  ) -> AsyncIterator[bytes]:
+    """The stream's envelopes: start, then data and keepalives, then end."""
+    yield encode_envelope({"event": {"start": {"pid": proc.pid}}})
+    while True:
+        try:
+            item = await asyncio.wait_for(queue.get(), timeout=interval)
+        except TimeoutError:
+            yield encode_envelope({"event": {"keepalive": {}}})
+            continue
+        if item is None:
+            yield end_stream()
+            return
+        if isinstance(item, ConnectError):
+            yield end_stream(item)
+            return
+        yield encode_envelope({"event": item})
+
+
+def _stream(request: Request, proc: Proc) -> StreamingResponse:
+    """The process's events as a response stream. Attached now, before the command's
+    task first runs (no await in between): no output is missed."""
+    interval = _keepalive(request)
+    queue = proc.attach()
+
+    async def body() -> AsyncIterator[bytes]:
+        events = _events(proc, queue, interval)
+        try:
+            async for envelope in events:
+                yield envelope
+        finally:
+            await cast("AsyncGenerator[bytes, None]", events).aclose()
+            proc.detach(queue)
+
+    return StreamingResponse(body(), media_type=CONNECT_JSON)
+
+
+def _stream_error(exc: ConnectError) -> Response:
+    return Response(end_stream(exc), media_type=CONNECT_JSON)
+
+
+async def process_start(request: Request, rec: SandboxRecord) -> Response:
+    try:
+        msg = await _stream_body(request)
+        config = msg.get("process")
+        if not isinstance(config, dict) or not isinstance(config.get("cmd"), str):
+            raise ConnectError("invalid_argument", "process.cmd is required")
+        args = config.get("args") or []
+        envs = config.get("envs") or {}
+        if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+            raise ConnectError("invalid_argument", "process.args must be strings")
+        if not isinstance(envs, dict):
+            raise ConnectError("invalid_argument", "process.envs must be an object")
+        if msg.get("pty"):
+            raise ConnectError("unimplemented", "PTY commands are not supported by boxd yet")
+        cwd = config.get("cwd")
+        tag = msg.get("tag")
+        proc = state_of(request).processes.start(
+            rec.account, rec.sandbox_id, [config["cmd"], *args],
+            {**rec.env_vars, **{str(k): str(v) for k, v in envs.items()}},
+            absolute(cwd, "cwd") if cwd else HOME, tag if isinstance(tag, str) else None)
+    except ConnectError as exc:
+        return _stream_error(exc)
+    return _stream(request, proc)
+
+
+async def process_connect(request: Request, rec: SandboxRecord) -> Response:
+    try:
+        msg = await _stream_body(request)
+        proc = state_of(request).processes.find(rec.sandbox_id, msg.get("process"))
+    except ConnectError as exc:
+        return _stream_error(exc)
+    return _stream(request, proc)
+
+
+async def process_list(request: Request, rec: SandboxRecord) -> Response:
+    await _unary_body(request)
+    procs = state_of(request).processes.list(rec.sandbox_id)
+    return JSONResponse({"processes": [p.info() for p in procs]})
+
+
+async def process_signal(request: Request, rec: SandboxRecord) -> Response:
+    msg = await _unary_body(request)
+    signal = msg.get("signal")
+    if signal not in ("SIGNAL_SIGKILL", "SIGNAL_SIGTERM", 9, 15):
+        raise ConnectError("invalid_argument", "signal must be SIGNAL_SIGKILL or "
+                           "SIGNAL_SIGTERM")
+    await state_of(request).processes.kill(rec.sandbox_id, msg.get("process"))
+    return JSONResponse({})
+
+
+def _unimplemented(what: str) -> Handler:
+    async def handler(request: Request, rec: SandboxRecord) -> Response:
+        raise ConnectError("unimplemented", f"{what} is not supported by boxd yet "
+                           "(docs/e2b.md lists what is)")
+
+    return handler
+
+
+# -- filesystem.Filesystem ---------------------------------------------------------------
+
+
+async def fs_stat(request: Request, rec: SandboxRecord) -> Response:
+    path = absolute((await _unary_body(request)).get("path"))
+    machines = state_of(request).sandboxes.machines
+    return JSONResponse(await fs_call(machines, rec.account, rec.sandbox_id, "stat", path))
+
+
+async def fs_list(request: Request, rec: SandboxRecord) -> Response:
+    msg = await _unary_body(request)
+    depth = msg.get("depth", 1) or 1
+    if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= 64:
+        raise ConnectError("invalid_argument", "depth must be 1-64")
+    machines = state_of(request).sandboxes.machines
+    return JSONResponse(await fs_call(machines, rec.account, rec.sandbox_id, "list",
+                                      absolute(msg.get("path")), str(depth)))
+
+
+async def fs_make_dir(request: Request, rec: SandboxRecord) -> Response:
+    path = absolute((await _unary_body(request)).get("path"))
+    machines = state_of(request).sandboxes.machines
+    return JSONResponse(await fs_call(machines, rec.account, rec.sandbox_id, "mkdir", path))
+
+
+async def fs_remove(request: Request, rec: SandboxRecord) -> Response:
+    path = absolute((await _unary_body(request)).get("path"))
+    machines = state_of(request).sandboxes.machines
+    return JSONResponse(await fs_call(machines, rec.account, rec.sandbox_id, "remove", path))
+
+
+async def fs_move(request: Request, rec: SandboxRecord) -> Response:
+    msg = await _unary_body(request)
+    src = absolute(msg.get("source"), "source")
+    dst = absolute(msg.get("destination"), "destination")
+    machines = state_of(request).sandboxes.machines
+    return JSONResponse(await fs_call(machines, rec.account, rec.sandbox_id, "move", src,
+                                      dst))
+
+
+# -- /files, /health ---------------------------------------------------------------------
+
+
+async def files_get(request: Request, rec: SandboxRecord) -> Response:
+    path = absolute(request.query_params.get("path"))
+    machines = state_of(request).sandboxes.machines
+    chunks = aiter(machines.download(rec.account, rec.sandbox_id, path))
+    # The first chunk before the answer: a missing file gets its 404, not a 200.
+    try:
+        first: bytes | None = await anext(chunks)
+    except StopAsyncIteration:
+        first = None
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            if first is not None:
+                yield first
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            await cast("AsyncGenerator[bytes, None]", chunks).aclose()
+
+    return StreamingResponse(body(), media_type="application/octet-stream")
+
+
+async def _gunzip(stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    async for chunk in stream:
+        # Bounded output per step: a small compressed body cannot balloon in memory.
+        data = inflate.decompress(chunk, 1 << 20)
+        while data:
+            yield data
+            data = inflate.decompress(inflate.unconsumed_tail, 1 << 20)
+    if not inflate.eof:
+        raise ConnectError("invalid_argument", "the gzip body is truncated")
+
+
+async def _upload_chunks(upload: UploadFile) -> AsyncIterator[bytes]:
+    while chunk := await upload.read(1 << 20):
+        yield chunk
+
+
+async def files_post(request: Request, rec: SandboxRecord) -> Response:
+    machines = state_of(request).sandboxes.machines
+    query_path = request.query_params.get("path")
+    written: list[dict[str, str]] = []
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind == "multipart/form-data":
+        async with request.form(max_files=1000) as form:
+            uploads = [v for k, v in form.multi_items()
+                       if k == "file" and isinstance(v, UploadFile)]
+            if not uploads:
+                raise ConnectError("invalid_argument", "no multipart field 'file'")
+            for upload in uploads:
+                name = query_path if len(uploads) == 1 and query_path else upload.filename
+                path = absolute(name)
+                await machines.upload(rec.account, rec.sandbox_id, path,
+                                      _upload_chunks(upload))
+                written.append({"name": posixpath.basename(path), "type": "file",
+                                "path": path})
+    else:
+        path = absolute(query_path)
+        stream: AsyncIterator[bytes] = request.stream()
+        if request.headers.get("content-encoding", "").lower() == "gzip":
+            stream = _gunzip(stream)
+        await machines.upload(rec.account, rec.sandbox_id, path, stream)
+        written.append({"name": posixpath.basename(path), "type": "file", "path": path})
+    return JSONResponse(written)
+
+
+async def health(request: Request, rec: SandboxRecord) -> Response:
+    return Response(status_code=204)
+
+
+def _rpc(name: str, handler: Handler) -> Route:
+    return Route(f"/{name}", _guarded(handler, rpc=True), methods=["POST"])
+
+
+_UNIMPLEMENTED = [
+    "process.Process/SendInput", "process.Process/StreamInput", "process.Process/Update",
+    "process.Process/CloseStdin", "filesystem.Filesystem/WatchDir",
+    "filesystem.Filesystem/CreateWatcher", "filesystem.Filesystem/GetWatcherEvents",
+    "filesystem.Filesystem/RemoveWatcher",
+]
+
+routes = [
+    _rpc("process.Process/Start", process_start),
+    _rpc("process.Process/Connect", process_connect),
+    _rpc("process.Process/List", process_list),
+    _rpc("process.Process/SendSignal", process_signal),
+    _rpc("filesystem.Filesystem/Stat", fs_stat),
+    _rpc("filesystem.Filesystem/ListDir", fs_list),
+    _rpc("filesystem.Filesystem/MakeDir", fs_make_dir),
+    _rpc("filesystem.Filesystem/Remove", fs_remove),
+    _rpc("filesystem.Filesystem/Move", fs_move),
+    *(_rpc(name, _unimplemented(name)) for name in _UNIMPLEMENTED),
+    Route("/files", _guarded(files_get, rpc=False), methods=["GET"]),
+    Route("/files", _guarded(files_post, rpc=False), methods=["POST"]),
+    Route("/health", _guarded(health, rpc=False), methods=["GET"]),
+]
+
+
+def port_of(request: Request) -> int | None:
+    """The ``E2b-Sandbox-Port`` of a data-plane request (None if absent or malformed)."""
+    with contextlib.suppress(ValueError):
+        return int(request.headers.get("e2b-sandbox-port", ENVD_PORT))
+    return None

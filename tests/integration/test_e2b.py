@@ -1,0 +1,323 @@
+"""The unmodified ``e2b`` SDK (PyPI ``e2b``) against a real daemon's E2B listener, on
+gVisor machines: ``eval "$(boxd e2b env)"`` and E2B code runs (docs/e2b.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests._support.daemon import kill_machines_of, remove_cgroups_of, start_daemon
+
+e2b = pytest.importorskip("e2b", reason="the dev extra installs the e2b SDK")
+
+pytestmark = pytest.mark.vm
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+_DAEMON: list[object] = []
+
+
+@pytest.fixture(scope="module")
+def e2b_env(daemon) -> Iterator[dict[str, str]]:  # type: ignore[no-untyped-def]
+    """A gVisor daemon of its own, and E2B's variables from `boxd e2b env` in os.environ.
+    Its E2B port is fixed, so the URL outlives a restart."""
+    from boxd import Boxd
+
+    home = Path(f"/tmp/boxd-e2b-{os.getpid()}")
+    home.mkdir(parents=True, exist_ok=True)
+    for cached in ("host.json", "host-gvisor.json"):  # the session daemon's probes
+        if (daemon.home / cached).exists():
+            (home / cached).write_bytes((daemon.home / cached).read_bytes())
+    saved = dict(os.environ)
+    os.environ.update({"BOXD_ENGINE": "gvisor",
+                       "BOXD_E2B_LISTEN": f"127.0.0.1:{_free_port()}"})
+    d = start_daemon(home)
+    _DAEMON[:] = [d]
+    try:
+        os.environ["BOXD_HOME"] = str(home)
+        with Boxd() as b:
+            gvisor = next(e for e in b.info().engines if e.name == "gvisor")
+        if gvisor.status != "ok":
+            pytest.skip(f"gvisor unavailable here: {gvisor.reason}")
+        out = subprocess.run([sys.executable, "-m", "boxd", "e2b", "env"], check=True,
+                             capture_output=True, text=True, env=dict(os.environ)).stdout
+        exports = dict(line.removeprefix("export ").split("=", 1) for line in out.splitlines())
+        os.environ.update(exports)
+        yield exports
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        _DAEMON[0].stop()  # type: ignore[attr-defined]
+        kill_machines_of(home)
+        time.sleep(0.2)
+        remove_cgroups_of(home)
+        from boxd.config import Paths
+
+        shutil.rmtree(Paths(home.resolve()).shm, ignore_errors=True)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def sbx(e2b_env: dict[str, str]) -> Iterator[object]:
+    """One sandbox for the module's read-mostly tests."""
+    s = e2b.Sandbox.create(timeout=600, metadata={"suite": "e2b"}, envs={"GREETING": "hi"})
+    yield s
+    with contextlib.suppress(Exception):
+        s.kill()
+
+
+def test_env_prints_the_three_exports(e2b_env: dict[str, str]) -> None:
+    """`boxd e2b env`: both URLs the same loopback URL, the key in E2B's key format."""
+    assert set(e2b_env) == {"E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY"}
+    assert e2b_env["E2B_API_URL"] == e2b_env["E2B_SANDBOX_URL"]
+    assert e2b_env["E2B_API_URL"].startswith("http://127.0.0.1:")
+    key = e2b_env["E2B_API_KEY"]
+    assert key.startswith("e2b_") and all(c in "0123456789abcdef" for c in key[4:])
+    assert shlex.split(f"x={key}") == [f"x={key}"]  # eval-safe
+
+
+def test_commands_run(sbx) -> None:  # type: ignore[no-untyped-def]
+    """stdout, stderr, the exit code, the sandbox's envVars; a failing command raises
+    CommandExitException with its code."""
+    r = sbx.commands.run("echo $GREETING; echo oops >&2")
+    assert (r.stdout, r.stderr, r.exit_code) == ("hi\n", "oops\n", 0)
+    with pytest.raises(e2b.CommandExitException) as info:
+        sbx.commands.run("echo partial; exit 3")
+    assert info.value.exit_code == 3
+    assert info.value.stdout == "partial\n"
+    assert sbx.commands.run("pwd", cwd="/tmp").stdout == "/tmp\n"
+
+
+def test_background_command_listed_and_killed(sbx) -> None:  # type: ignore[no-untyped-def]
+    h = sbx.commands.run("sleep 60", background=True)
+    assert h.pid in [p.pid for p in sbx.commands.list()]
+    assert sbx.commands.kill(h.pid) is True
+    with pytest.raises(e2b.CommandExitException):
+        h.wait()
+    assert h.pid not in [p.pid for p in sbx.commands.list()]
+    assert sbx.commands.kill(h.pid) is False
+
+
+def test_files(sbx) -> None:  # type: ignore[no-untyped-def]
+    """write/read/list/make_dir/exists/rename/remove through /files and Filesystem."""
+    info = sbx.files.write("notes/a.txt", "hello file")
+    assert info.path == "/home/user/notes/a.txt"
+    assert sbx.files.read("/home/user/notes/a.txt") == "hello file"
+    assert sbx.files.read("notes/a.txt", format="bytes") == bytearray(b"hello file")
+    assert sbx.commands.run("cat /home/user/notes/a.txt").stdout == "hello file"
+    entries = sbx.files.list("/home/user/notes")
+    assert [(e.name, e.type, e.size) for e in entries] == [("a.txt", e2b.FileType.FILE, 10)]
+    assert sbx.files.make_dir("/home/user/notes/sub") is True
+    assert sbx.files.make_dir("/home/user/notes/sub") is False
+    assert sbx.files.get_info("/home/user/notes/sub").type == e2b.FileType.DIR
+    moved = sbx.files.rename("/home/user/notes/a.txt", "/home/user/notes/sub/b.txt")
+    assert moved.path == "/home/user/notes/sub/b.txt"
+    assert not sbx.files.exists("/home/user/notes/a.txt")
+    sbx.files.remove("/home/user/notes")
+    assert not sbx.files.exists("/home/user/notes")
+    with pytest.raises(e2b.NotFoundException):
+        sbx.files.read("/home/user/nothing-here")
+
+
+def test_list_info_and_timeout(sbx) -> None:  # type: ignore[no-untyped-def]
+    listed = e2b.Sandbox.list(query=e2b.SandboxQuery(metadata={"suite": "e2b"})).next_items()
+    assert sbx.sandbox_id in [s.sandbox_id for s in listed]
+    assert e2b.Sandbox.list(query=e2b.SandboxQuery(metadata={"suite": "none"})).next_items() \
+        == []
+    before = sbx.get_info().end_at
+    sbx.set_timeout(900)
+    after = sbx.get_info()
+    assert after.end_at > before and after.state == e2b.SandboxState.RUNNING
+    assert after.metadata == {"suite": "e2b"}
+
+
+def test_list_pages_with_x_next_token(sbx, e2b_env: dict[str, str]) -> None:  # type: ignore[no-untyped-def]
+    extra = e2b.Sandbox.create(timeout=120, metadata={"suite": "e2b"})
+    try:
+        pager = e2b.Sandbox.list(query=e2b.SandboxQuery(metadata={"suite": "e2b"}), limit=1)
+        ids = []
+        while pager.has_next:
+            ids += [s.sandbox_id for s in pager.next_items()]
+        assert sorted(ids) == sorted([sbx.sandbox_id, extra.sandbox_id])
+    finally:
+        extra.kill()
+
+
+def test_fork_is_a_live_copy(sbx) -> None:  # type: ignore[no-untyped-def]
+    """Sandbox.fork: children start from the source's bytes; the source keeps running."""
+    sbx.files.write("/home/user/state", "42")
+    children = sbx.fork(count=2)
+    try:
+        assert len(children) == 2 and all(isinstance(c, e2b.Sandbox) for c in children)
+        for c in children:
+            assert c.sandbox_id != sbx.sandbox_id and len(c.sandbox_id) == 20
+            assert c.files.read("/home/user/state") == "42"
+            c.files.write("/home/user/state", c.sandbox_id)
+        assert sbx.files.read("/home/user/state") == "42"
+    finally:
+        for c in children:
+            c.kill()
+
+
+def test_pause_and_connect(e2b_env: dict[str, str]) -> None:
+    s = e2b.Sandbox.create(timeout=120)
+    try:
+        s.commands.run("echo kept > /home/user/kept")
+        assert s.pause() is True
+        assert s.pause() is False  # 409: already paused
+        assert s.get_info().state == e2b.SandboxState.PAUSED
+        again = e2b.Sandbox.connect(s.sandbox_id, timeout=120)
+        assert again.commands.run("cat /home/user/kept").stdout == "kept\n"
+        assert again.get_info().state == e2b.SandboxState.RUNNING
+    finally:
+        s.kill()
+
+
+def test_timeout_kills_the_sandbox(e2b_env: dict[str, str]) -> None:
+    s = e2b.Sandbox.create(timeout=3)
+    deadline = time.monotonic() + 60
+    while s.sandbox_id in [x.sandbox_id for x in e2b.Sandbox.list().next_items()]:
+        assert time.monotonic() < deadline, "the sandbox outlived its timeout"
+        time.sleep(0.5)
+    with pytest.raises(e2b.SandboxException):
+        s.commands.run("true")
+
+
+def test_kill_and_unknown_sandboxes(e2b_env: dict[str, str]) -> None:
+    """A killed sandbox's commands raise SandboxNotRunningException (502 "was not found"),
+    an unknown one is the SDK's NotFound, a kill of it False."""
+    s = e2b.Sandbox.create(timeout=60)
+    assert s.kill() is True
+    with pytest.raises(e2b.SandboxNotRunningException):
+        s.commands.run("true")
+    assert e2b.Sandbox.kill(s.sandbox_id) is False
+    with pytest.raises(e2b.NotFoundException):
+        e2b.Sandbox.connect("0" * 20)
+    with pytest.raises(e2b.NotFoundException):
+        e2b.Sandbox.get_info("0" * 20)
+
+
+def test_bad_requests_get_e2b_errors(e2b_env: dict[str, str], sbx) -> None:  # type: ignore[no-untyped-def]
+    """A wrong key is a 401, bad input a 400 in E2B's {code, message}; a malformed
+    Connect frame a Connect error, never a 500."""
+    url = e2b_env["E2B_API_URL"]
+    key = {"X-API-KEY": e2b_env["E2B_API_KEY"]}
+    r = httpx.post(f"{url}/sandboxes", json={}, headers={"X-API-KEY": "e2b_00"})
+    assert r.status_code == 401 and r.json()["code"] == 401
+    r = httpx.post(f"{url}/v2/sandboxes", json={"timeout": "soon"}, headers=key)
+    assert r.status_code == 400 and "timeout" in r.json()["message"]
+    r = httpx.post(f"{url}/sandboxes/{sbx.sandbox_id}/fork", json={"count": 101}, headers=key)
+    assert r.status_code == 400 and r.json()["code"] == 400
+    r = httpx.post(f"{url}/v2/sandboxes", json={"templateID": "no-such-template"},
+                   headers=key)
+    assert r.status_code == 404 and "no-such-template" in r.json()["message"]
+    envd = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49983",
+            "X-Access-Token": sbx._envd_access_token,
+            "Content-Type": "application/connect+json"}
+    r = httpx.post(f"{url}/process.Process/Start", content=b"\x00\x00\x00\x00\x09{}",
+                   headers=envd)
+    assert r.status_code == 200 and r.content[0] == 0x02
+    assert b"invalid_argument" in r.content
+    r = httpx.post(f"{url}/process.Process/List", content=b"{}",
+                   headers={**envd, "X-Access-Token": "wrong",
+                            "Content-Type": "application/json"})
+    assert r.status_code == 401 and r.json()["code"] == "unauthenticated"
+
+
+def test_is_running_and_reconnecting_to_a_command(sbx) -> None:  # type: ignore[no-untyped-def]
+    assert sbx.is_running() is True
+    h = sbx.commands.run("sleep 1; echo done", background=True)
+    again = sbx.commands.connect(h.pid)
+    assert again.wait().stdout == "done\n"
+
+
+def test_async_sdk(e2b_env: dict[str, str]) -> None:
+    """AsyncSandbox: the same calls through the SDK's async client."""
+    import asyncio
+
+    async def main() -> None:
+        s = await e2b.AsyncSandbox.create(timeout=120)
+        try:
+            r = await s.commands.run("echo async")
+            assert r.stdout == "async\n"
+            await s.files.write("/home/user/x", "y")
+            assert await s.files.read("/home/user/x") == "y"
+        finally:
+            await s.kill()
+
+    asyncio.run(main())
+
+
+def test_sandboxes_survive_a_daemon_restart(e2b_env: dict[str, str]) -> None:
+    """The id -> machine alias and the record (metadata, timeout, token) are kept across
+    a daemon restart; the same SDK object goes on working."""
+    s = e2b.Sandbox.create(timeout=300, metadata={"restart": "yes"})
+    try:
+        s.files.write("/home/user/before", "kept")
+        end = s.get_info().end_at
+        _DAEMON[0].restart()  # type: ignore[attr-defined]
+        info = s.get_info()
+        assert (info.metadata, info.end_at) == ({"restart": "yes"}, end)
+        assert s.commands.run("cat /home/user/before").stdout == "kept"
+    finally:
+        s.kill()
+
+
+def test_a_sandbox_killed_mid_command(e2b_env: dict[str, str]) -> None:
+    """The command's stream ends with the SDK's SandboxNotRunningException, not an exit
+    code the command never had."""
+    s = e2b.Sandbox.create(timeout=120)
+    h = s.commands.run("sleep 60", background=True)
+    s.kill()
+    with pytest.raises(e2b.SandboxNotRunningException):
+        h.wait()
+
+
+def test_over_quota_is_the_sdks_rate_limit(e2b_env: dict[str, str]) -> None:
+    """A create over the account's machine quota is a 429 naming the limit: the SDK's
+    RateLimitException, and no sandbox or record is left behind."""
+    from boxd import Boxd
+
+    with Boxd() as b:
+        account = b.accounts.get("local")
+        b.accounts.update("local", max_machines=account.machines)
+        try:
+            before = [s.sandbox_id for s in e2b.Sandbox.list().next_items()]
+            with pytest.raises(e2b.RateLimitException) as info:
+                e2b.Sandbox.create(timeout=60)
+            assert "limit" in str(info.value) or str(account.machines) in str(info.value)
+            assert [s.sandbox_id for s in e2b.Sandbox.list().next_items()] == before
+        finally:
+            b.accounts.update("local", max_machines=account.max_machines)
+
+
+def test_snapshot_then_create_from_it(sbx) -> None:  # type: ignore[no-untyped-def]
+    """Sandbox.create_snapshot is a boxd snapshot; a sandbox created from its id starts
+    with the source's files; delete_snapshot removes it."""
+    sbx.files.write("/home/user/baked", "in the snapshot")
+    snap = sbx.create_snapshot()
+    assert snap.snapshot_id.startswith(f"snapshot-{sbx.sandbox_id}@")
+    assert snap.snapshot_id in [s.snapshot_id for s in sbx.list_snapshots().next_items()]
+    child = e2b.Sandbox.create(template=snap.snapshot_id, timeout=120)
+    try:
+        assert child.files.read("/home/user/baked") == "in the snapshot"
+    finally:
+        child.kill()
+    assert e2b.Sandbox.delete_snapshot(snap.snapshot_id) is True
+    assert e2b.Sandbox.delete_snapshot(snap.snapshot_id) is False

@@ -1,0 +1,366 @@
+"""The E2B front door's pieces without machines: Connect envelopes, ids and keys, the
+sandbox records, and the control and envd routes over the in-memory fake services
+(tests/integration/test_e2b.py runs the real SDK against real machines)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from starlette.testclient import TestClient
+from tests._support.api_fakes import FakeMachines
+
+from boxd.e2b._connect import (
+    END_STREAM,
+    MAX_MESSAGE,
+    ConnectError,
+    decode_envelopes,
+    encode_envelope,
+    end_stream,
+)
+from boxd.e2b._ids import is_sandbox_id, new_sandbox_id
+from boxd.e2b._store import SandboxRecord, SandboxStore
+from boxd.e2b.app import create_e2b_app
+from boxd.e2b.env import from_e2b_key, to_e2b_key
+from boxd.errors import AuthError
+
+KEYS = {"boxd_alice": "acct-a", "boxd_bob": "acct-b"}
+
+
+def _authenticate(secret: str | None) -> str:
+    if secret not in KEYS:
+        raise AuthError("unknown API key")
+    return KEYS[secret]
+
+
+def _split(body: bytes) -> list[tuple[int, dict[str, object]]]:
+    out = []
+    at = 0
+    while at < len(body):
+        flags, n = struct.unpack_from(">BI", body, at)
+        out.append((flags, json.loads(body[at + 5:at + 5 + n])))
+        at += 5 + n
+    return out
+
+
+# -- envelopes -----------------------------------------------------------------------
+
+
+def test_envelope_round_trip() -> None:
+    data = encode_envelope({"process": {"cmd": "ls"}}) + encode_envelope({"b": 1})
+    assert data[:5] == struct.pack(">BI", 0, len(b'{"process":{"cmd":"ls"}}'))
+    assert decode_envelopes(data) == [{"process": {"cmd": "ls"}}, {"b": 1}]
+    assert decode_envelopes(b"") == []
+
+
+def test_end_stream_carries_the_error() -> None:
+    assert _split(end_stream()) == [(END_STREAM, {})]
+    err = ConnectError("not_found", "no such process")
+    assert _split(end_stream(err)) == [
+        (END_STREAM, {"error": {"code": "not_found", "message": "no such process"}})]
+
+
+@pytest.mark.parametrize("body, code, words", [
+    (b"\x00\x00\x00", "invalid_argument", "fewer than 5"),
+    (b"\x00\x00\x00\x00\x09{}", "invalid_argument", "9 bytes announced, 2 sent"),
+    (b"\x01\x00\x00\x00\x02{}", "invalid_argument", "compressed"),
+    (struct.pack(">BI", 0, MAX_MESSAGE + 1), "resource_exhausted", "limit"),
+    (b"\x00\x00\x00\x00\x02[]", "invalid_argument", "JSON object"),
+    (b"\x00\x00\x00\x00\x02{x", "invalid_argument", "not JSON"),
+])
+def test_malformed_envelopes_are_connect_errors(body: bytes, code: str, words: str) -> None:
+    with pytest.raises(ConnectError) as info:
+        decode_envelopes(body)
+    assert info.value.code == code and words in info.value.message
+
+
+# -- ids, keys, records ------------------------------------------------------------------
+
+
+def test_sandbox_ids_are_e2b_shaped_machine_names() -> None:
+    from boxd import models
+
+    ids = {new_sandbox_id() for _ in range(200)}
+    assert len(ids) == 200
+    for i in ids:
+        assert is_sandbox_id(i) and models.NAME_RE.match(i)
+    assert not is_sandbox_id("ABCDEFGHIJKLMNOPQRST")
+    assert not is_sandbox_id("a" * 21) and not is_sandbox_id("a" * 19 + "\n")
+
+
+def test_e2b_key_spells_the_boxd_key() -> None:
+    key = to_e2b_key("boxd_Ab-_9")
+    assert key.startswith("e2b_") and set(key[4:]) <= set("0123456789abcdef")
+    assert from_e2b_key(key) == "boxd_Ab-_9"
+    assert from_e2b_key("boxd_Ab-_9") is None
+    assert from_e2b_key("e2b_zz") is None and from_e2b_key("e2b_abc") is None
+    assert from_e2b_key("e2b_ff") is None  # not UTF-8
+
+
+def test_records_survive_a_new_store(tmp_path: Path) -> None:
+    store = SandboxStore(tmp_path / "e2b")
+    rec = SandboxRecord(sandbox_id="a" * 20, account="acct-a", template="base", token="t",
+                        started_at=1.0, end_at=2.0, metadata={"k": "v"}, env_vars={"A": "1"})
+    store.put(rec)
+    (tmp_path / "e2b" / ("b" * 20 + ".json")).write_text("{not json")
+    (tmp_path / "e2b" / ("c" * 20 + ".json")).write_text(json.dumps(
+        {**rec.__dict__, "sandbox_id": "d" * 20}))  # a file named for another id
+    again = SandboxStore(tmp_path / "e2b")
+    assert again.all() == [rec]
+    again.remove(rec.sandbox_id)
+    assert SandboxStore(tmp_path / "e2b").get(rec.sandbox_id) is None
+    assert oct((tmp_path / "e2b").stat().st_mode & 0o777) == "0o700"
+
+
+# -- the routes over the fakes -----------------------------------------------------------
+
+
+@pytest.fixture
+def api(tmp_path: Path) -> Iterator[tuple[TestClient, FakeMachines]]:
+    machines = FakeMachines()
+    app = create_e2b_app(machines, _authenticate, tmp_path / "e2b")
+    with TestClient(app) as client:
+        yield client, machines
+
+
+ALICE = {"X-API-KEY": to_e2b_key("boxd_alice")}
+BOB = {"X-API-KEY": "boxd_bob"}
+
+
+def _create(client: TestClient, headers: dict[str, str] = ALICE, **body: object) -> dict[
+        str, object]:
+    r = client.post("/v2/sandboxes", json=body, headers=headers)
+    assert r.status_code == 201, r.text
+    out: dict[str, object] = r.json()
+    return out
+
+
+def test_create_answers_e2bs_shape(api: tuple[TestClient, FakeMachines]) -> None:
+    client, machines = api
+    sb = _create(client, timeout=60, metadata={"a": "b"})
+    assert set(sb) == {"sandboxID", "templateID", "clientID", "envdVersion",
+                       "envdAccessToken"}
+    assert sb["templateID"] == "base" and is_sandbox_id(str(sb["sandboxID"]))
+    assert tuple(int(x) for x in str(sb["envdVersion"]).split(".")) >= (0, 1, 0)
+    (name,) = [m.name for _, m in machines.machines.values()]
+    assert name == sb["sandboxID"]  # the machine is named by the sandbox id
+    info = client.get(f"/sandboxes/{sb['sandboxID']}", headers=ALICE).json()
+    assert info["state"] == "running" and info["metadata"] == {"a": "b"}
+    assert "envdAccessToken" in info
+
+
+def test_a_create_without_timeout_lives_five_minutes(api: tuple[TestClient, FakeMachines]
+                                                     ) -> None:
+    """SDK 2.63 sends no timeout by default: the sandbox gets E2B's 300 s, not 15 s."""
+    import datetime
+
+    client, _ = api
+    sid = _create(client)["sandboxID"]
+    info = client.get(f"/sandboxes/{sid}", headers=ALICE).json()
+    start, end = (datetime.datetime.fromisoformat(info[k]) for k in ("startedAt", "endAt"))
+    assert (end - start).total_seconds() == pytest.approx(300, abs=1)
+
+
+def test_errors_are_code_and_message(api: tuple[TestClient, FakeMachines]) -> None:
+    client, _ = api
+    sb = _create(client)
+    r = client.get(f"/sandboxes/{sb['sandboxID']}", headers=BOB)
+    assert (r.status_code, r.json()["code"]) == (404, 404)  # another account's
+    r = client.delete(f"/sandboxes/{sb['sandboxID']}", headers=BOB)
+    assert r.status_code == 404
+    r = client.post("/v2/sandboxes", json={"timeout": -1}, headers=ALICE)
+    assert (r.status_code, r.json()["code"]) == (400, 400)
+    r = client.post("/v2/sandboxes", content=b"[1]", headers=ALICE)
+    assert r.status_code == 400 and "object" in r.json()["message"]
+    r = client.post("/v2/sandboxes", json={}, headers={"X-API-KEY": "e2b_00"})
+    assert (r.status_code, r.json()["code"]) == (401, 401)
+    r = client.get("/no/such/route", headers=ALICE)
+    assert r.status_code == 404 and r.json()["code"] == 404
+
+
+def test_list_filters_and_pages(api: tuple[TestClient, FakeMachines]) -> None:
+    client, _ = api
+    made = [_create(client, metadata={"job": "x"})["sandboxID"] for _ in range(3)]
+    _create(client, metadata={"job": "y"})
+    _create(client, BOB, metadata={"job": "x"})
+    seen: list[object] = []
+    token = None
+    while True:
+        params = {"metadata": "job=x", "limit": "2", **({"nextToken": token} if token else {})}
+        r = client.get("/v2/sandboxes", params=params, headers=ALICE)
+        assert r.status_code == 200
+        seen += [s["sandboxID"] for s in r.json()]
+        token = r.headers.get("x-next-token")
+        if token is None:
+            break
+    assert sorted(map(str, seen)) == sorted(map(str, made))
+    client.post(f"/sandboxes/{made[0]}/pause", headers=ALICE)
+    r = client.get("/v2/sandboxes", params={"state": "paused"}, headers=ALICE)
+    assert [s["sandboxID"] for s in r.json()] == [made[0]]
+    assert len(client.get("/sandboxes", headers=ALICE).json()) == 3  # v1: running only
+    r = client.get("/v2/sandboxes", params={"state": "gone"}, headers=ALICE)
+    assert r.status_code == 400
+
+
+def test_pause_connect_and_fork(api: tuple[TestClient, FakeMachines]) -> None:
+    client, _ = api
+    sid = _create(client, envVars={"A": "1"})["sandboxID"]
+    assert client.post(f"/sandboxes/{sid}/pause", headers=ALICE).status_code == 204
+    assert client.post(f"/sandboxes/{sid}/pause", headers=ALICE).status_code == 409
+    r = client.post(f"/v2/sandboxes/{sid}/connect", json={"timeout": 30}, headers=ALICE)
+    assert r.status_code == 201 and r.json()["sandboxID"] == sid  # woken
+    r = client.post(f"/v2/sandboxes/{sid}/connect", json={"timeout": 30}, headers=ALICE)
+    assert r.status_code == 200
+    r = client.post(f"/sandboxes/{sid}/fork", json={"count": 3}, headers=ALICE)
+    assert r.status_code == 201
+    kids = [item["sandbox"]["sandboxID"] for item in r.json()]
+    assert len(set(kids)) == 3 and sid not in kids
+    assert client.post(f"/sandboxes/{sid}/fork", json={"count": 0},
+                       headers=ALICE).status_code == 400
+
+
+def test_timeout_ends_the_sandbox(api: tuple[TestClient, FakeMachines]) -> None:
+    """The reaper kills a sandbox at its end of life, and pauses one with autoPause."""
+    client, machines = api
+    killed = _create(client, timeout=0)["sandboxID"]
+    paused = _create(client, timeout=0, autoPause=True)["sandboxID"]
+    deadline = time.monotonic() + 10
+    while True:
+        states = {m.name: m.state.value for _, m in machines.machines.values()}
+        if killed not in states and states.get(str(paused)) == "hibernated":
+            break
+        assert time.monotonic() < deadline, states
+        time.sleep(0.05)
+    assert client.get(f"/sandboxes/{killed}", headers=ALICE).status_code == 404
+
+
+def _envd(client: TestClient, sb: dict[str, object]) -> dict[str, str]:
+    return {"E2b-Sandbox-Id": str(sb["sandboxID"]), "E2b-Sandbox-Port": "49983",
+            "X-Access-Token": str(sb["envdAccessToken"])}
+
+
+def test_process_start_streams_envelopes(api: tuple[TestClient, FakeMachines]) -> None:
+    client, _ = api
+    sb = _create(client)
+    body = encode_envelope({"process": {"cmd": "/bin/bash", "args": ["-l", "-c", "hi"]}})
+    r = client.post("/process.Process/Start", content=body, headers={
+        **_envd(client, sb), "Content-Type": "application/connect+json"})
+    assert r.status_code == 200
+    assert r.headers["content-type"] == "application/connect+json"
+    frames = _split(r.content)
+    assert "pid" in frames[0][1]["event"]["start"]  # type: ignore[index]
+    out = b"".join(base64.b64decode(f[1]["event"]["data"]["stdout"])  # type: ignore[index]
+                   for f in frames if "data" in f[1].get("event", {}))  # type: ignore[union-attr]
+    assert out == b"/bin/bash -l -c hi 0\n/bin/bash -l -c hi 1\n/bin/bash -l -c hi 2\n"
+    assert frames[-2][1]["event"]["end"] == {  # type: ignore[index]
+        "exitCode": 0, "exited": True, "status": "exit status 0"}
+    assert frames[-1] == (END_STREAM, {})
+
+
+def test_envd_requests_are_checked(api: tuple[TestClient, FakeMachines]) -> None:
+    client, _ = api
+    sb = _create(client)
+    headers = _envd(client, sb)
+    r = client.post("/process.Process/List", json={}, headers={**headers,
+                                                                "X-Access-Token": "x"})
+    assert r.status_code == 401 and r.json()["code"] == "unauthenticated"
+    r = client.post("/process.Process/Start", content=b"\x00\x00\x00",
+                    headers={**headers, "Content-Type": "application/connect+json"})
+    assert r.status_code == 200
+    assert _split(r.content)[0][1]["error"]["code"] == "invalid_argument"  # type: ignore[index]
+    r = client.post("/process.Process/SendInput", json={}, headers=headers)
+    assert r.status_code == 501 and r.json()["code"] == "unimplemented"
+    r = client.get("/health", headers={**headers, "E2b-Sandbox-Port": "8080"})
+    assert r.status_code == 502 and "port is not open" in r.json()["message"]
+    client.delete(f"/sandboxes/{sb['sandboxID']}", headers=ALICE)
+    r = client.get("/health", headers=headers)
+    assert r.status_code == 502 and "was not found" in r.json()["message"]
+
+
+def test_files_round_trip(api: tuple[TestClient, FakeMachines]) -> None:
+    client, _ = api
+    sb = _create(client)
+    headers = _envd(client, sb)
+    r = client.post("/files", params={"path": "dir/a.txt", "username": "user"},
+                    files={"file": ("dir/a.txt", b"hello")}, headers=headers)
+    assert r.status_code == 200
+    assert r.json() == [{"name": "a.txt", "type": "file", "path": "/home/user/dir/a.txt"}]
+    r = client.get("/files", params={"path": "/home/user/dir/a.txt"}, headers=headers)
+    assert r.content == b"hello"
+    r = client.post("/files", params={"path": "/b.bin"}, content=b"\x00\x01",
+                    headers={**headers, "Content-Type": "application/octet-stream"})
+    assert r.json()[0]["path"] == "/b.bin"
+    r = client.get("/files", params={"path": "/nope"}, headers=headers)
+    assert r.status_code == 404 and r.json()["code"] == 404
+
+
+def test_a_paused_sandbox_outlives_its_timeout(api: tuple[TestClient, FakeMachines]) -> None:
+    """On E2B a paused sandbox's timeout stops; connect starts a new one."""
+    client, machines = api
+    sid = _create(client, timeout=1)["sandboxID"]
+    assert client.post(f"/sandboxes/{sid}/pause", headers=ALICE).status_code == 204
+    time.sleep(1.5)
+    assert client.get(f"/sandboxes/{sid}", headers=ALICE).json()["state"] == "paused"
+    r = client.post(f"/v2/sandboxes/{sid}/connect", json={"timeout": 1}, headers=ALICE)
+    assert r.status_code == 201
+    deadline = time.monotonic() + 10
+    while sid in [m.name for _, m in machines.machines.values()]:
+        assert time.monotonic() < deadline, "the woken sandbox outlived its new timeout"
+        time.sleep(0.05)
+
+
+def test_ended_commands_leave_no_table_behind(tmp_path: Path) -> None:
+    """Memory stays bounded: a sandbox whose commands all ended holds no process table."""
+    app = create_e2b_app(FakeMachines(), _authenticate, tmp_path / "e2b")
+    with TestClient(app) as client:
+        sb = _create(client)
+        body = encode_envelope({"process": {"cmd": "true"}})
+        for _ in range(3):
+            r = client.post("/process.Process/Start", content=body, headers={
+                **_envd(client, sb), "Content-Type": "application/connect+json"})
+            assert _split(r.content)[-1] == (END_STREAM, {})
+        assert app.state.e2b.processes._procs == {}
+
+
+def test_snapshots_are_boxd_snapshots(tmp_path: Path) -> None:
+    """create_snapshot -> a boxd snapshot version; list by sandbox; create from its id;
+    delete it through DELETE /templates/{id}."""
+    from tests._support.api_fakes import FakeSnapshots
+
+    machines = FakeMachines()
+    snapshots = FakeSnapshots(machines, tmp_path)
+    app = create_e2b_app(machines, _authenticate, tmp_path / "e2b", snapshots)
+    with TestClient(app) as client:
+        sid = _create(client)["sandboxID"]
+        r = client.post(f"/sandboxes/{sid}/snapshots", json={"name": "env-v1"}, headers=ALICE)
+        assert r.status_code == 201 and r.json() == {"snapshotID": "env-v1@1",
+                                                     "names": ["env-v1"]}
+        r = client.post(f"/sandboxes/{sid}/snapshots", json={"name": "Bad Name"},
+                        headers=ALICE)
+        assert r.status_code == 400
+        listed = client.get("/snapshots", params={"sandboxID": sid}, headers=ALICE).json()
+        assert listed == [{"snapshotID": "env-v1@1", "names": ["env-v1"]}]
+        assert client.get("/snapshots", headers=BOB).json() == []
+        child = _create(client, templateID="env-v1@1")
+        assert child["templateID"] == "env-v1@1"
+        assert client.delete("/templates/env-v1@1", headers=BOB).status_code == 404
+        assert client.delete("/templates/env-v1@1", headers=ALICE).status_code == 204
+        assert client.delete("/templates/env-v1@1", headers=ALICE).status_code == 404
+
+
+def test_idempotency_key_makes_one_sandbox(api: tuple[TestClient, FakeMachines]) -> None:
+    client, machines = api
+    first = _create(client, {**ALICE, "Idempotency-Key": "job-1"})
+    again = _create(client, {**ALICE, "Idempotency-Key": "job-1"})
+    assert again["sandboxID"] == first["sandboxID"]
+    assert len(machines.machines) == 1
+    other = _create(client, {**BOB, "Idempotency-Key": "job-1"})  # another account's key
+    assert other["sandboxID"] != first["sandboxID"]
+    client.delete(f"/sandboxes/{first['sandboxID']}", headers=ALICE)
+    fresh = _create(client, {**ALICE, "Idempotency-Key": "job-1"})  # the first is gone
+    assert fresh["sandboxID"] != first["sandboxID"]
