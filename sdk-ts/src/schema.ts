@@ -293,7 +293,8 @@ export interface paths {
          *     they are ready: the next that many forks of the unchanged machine are claims, not
          *     starts. A change to the machine (an exec, an upload, a restore) discards them;
          *     ``forks: 0`` releases them. They are not the account's machines (no quota) until a
-         *     fork claims one.
+         *     fork claims one, but an account holds no more than its quota would let it claim, and
+         *     at most its share of the node's (507 otherwise, saying which bound and what to do).
          */
         post: operations["warm_v1_machines__ref__warm_post"];
         delete?: never;
