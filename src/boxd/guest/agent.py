@@ -1284,11 +1284,17 @@ class RelayStream:
         self.conn = conn
         self.id = stream_id
         self.sock = sock
-        self.outbox: queue.Queue[bytes | None] = queue.Queue()  # host -> guest; None: EOF
+        self.outbox: queue.Queue[bytes | None] = queue.Queue()  # host -> guest; b"": EOF; None: end
         self.closed = False
         self.announced = False  # a host saw its relay_open
 
+    def finish(self) -> None:
+        """The host ended it: close it once what the host sent before is written (its
+        ``close`` follows the response's last bytes, which may still be in ``outbox``)."""
+        self.outbox.put(None)
+
     def close(self) -> None:
+        """End it now (what is still in ``outbox`` is dropped)."""
         if self.closed:
             return
         self.closed = True
@@ -1415,7 +1421,10 @@ class ApiRelay:
         only its own stream)."""
         while True:
             data = stream.outbox.get()
-            if data is None or stream.closed:
+            if stream.closed:
+                return
+            if data is None:  # the host's close, after all it sent
+                stream.close()
                 return
             if not data:  # the host's end of the request stream
                 with contextlib.suppress(OSError):
@@ -1446,7 +1455,10 @@ class ApiRelay:
         if msg.get("eof"):
             stream.outbox.put(b"")
         if msg.get("close"):
-            self.end(stream)
+            with self.lock:
+                if self.streams.get(stream.id) is stream:
+                    del self.streams[stream.id]
+            stream.finish()
 
 
 # --------------------------------------------------------------------------- agent

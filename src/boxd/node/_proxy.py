@@ -25,13 +25,14 @@ QEMU's port 8080 is the forward its passt process gives, another port a dialer p
 in the guest; gVisor: a dialer process in the sandbox for every port).
 
 A VM process that has not yet answered through the URL (just booted, woken or
-restored) may drop the first connections into it: passt's connect into a guest that has
-just been restored waits ~10 s and gives up, and ends the host side with no byte. Until
-a process first answers, the proxy keeps the client's bytes (up to `REPLAY_LIMIT`) and,
-when the guest's side ends or fails before its first byte, opens the forward again and
-resends them, for up to `WAKE_GRACE` seconds; so the request that wakes a machine is
-the one served. A process that has answered once is trusted: a later connection that
-ends with no byte ends the client's the same way at once.
+restored) may drop the first connections into it: its server is not listening yet, or
+(QEMU, before the engine's `announce-self`) passt's connect into it waited 10 s and
+gave up, ending the host side with no byte. Until a process first answers, the proxy
+keeps the client's bytes (up to `REPLAY_LIMIT`) and, when the guest's side ends or fails
+before its first byte, opens the forward again and resends them, for up to `WAKE_GRACE`
+seconds; so the request that wakes a machine is the one served. A process that has
+answered once is trusted: a later connection that ends with no byte ends the client's
+the same way at once.
 """
 
 from __future__ import annotations

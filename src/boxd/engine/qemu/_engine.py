@@ -28,7 +28,7 @@ from boxd.engine.cgroups import Cgroups, Limits, memory_limit
 from boxd.engine.qemu import _argv, _net
 from boxd.engine.qemu._probe import AccelChoice
 from boxd.engine.qemu._process import QemuProcess, pid_matches
-from boxd.errors import InternalError, MachineFailed
+from boxd.errors import BoxdError, InternalError, MachineFailed
 from boxd.storage import disks
 from boxd.storage.fds import OwnedFd
 from boxd.storage.memory import sparse_copy
@@ -123,6 +123,7 @@ class QemuMachine:
         self._ram_shared = ram_shared
         self._agent: AgentClient | None = None
         self._agent_lock = asyncio.Lock()
+        self._announced = False  # passt has seen a frame of this VM process's NIC
 
     @property
     def pid(self) -> int:
@@ -292,8 +293,29 @@ class QemuMachine:
         if self.config.port is None:
             raise OSError(f"machine {self.config.id} has no network (isolated)")
         if port == GUEST_HTTP_PORT:
+            if not self._announced:
+                await self._announce()
             return await asyncio.open_connection("127.0.0.1", self.config.port)
         return await dial_guest_port(self.config.id, self.agent(timeout=10.0), port)
+
+    async def _announce(self) -> None:
+        """Show this VM process's passt the guest's MAC address before its forward's
+        first connection (QEMU sends one RARP frame from the guest's NIC).
+
+        passt learns the guest's MAC from the guest's first frame and sends to the
+        broadcast address until then; the guest's TCP drops a SYN so addressed, and passt
+        gives the connection up after 10 s. A guest that continues from an image (wake,
+        restore, fork child, RAM swap) is silent on its NIC with a new passt (no
+        self-announce after the load: docs/fork.md), so every URL request to port 8080
+        was closed after 10 s until the guest happened to send a frame.
+        """
+        try:
+            await self.process.execute(
+                "announce-self", {"initial": 1, "max": 1, "rounds": 1, "step": 1})
+        except BoxdError as exc:
+            log.warning("machine=%s event=announce_failed error=%s", self.config.id, exc)
+            return
+        self._announced = True
 
 
 class QemuEngine:
