@@ -10,9 +10,11 @@ Where a template comes from (two places, both here):
   made share it; a later fork of an unchanged source (same generation: no exec, upload
   or restore since) reuses it. A source that maps an image privately first gets RAM of
   its own (the node's RAM swap).
-- `Templates.receive` makes another node's template a local one (a cross-node fork):
-  its files and the frozen layers it needs are fetched; it is kept while current, so
-  further forks of that source here are copy-on-write again.
+- `Templates.receive` makes another node's template a local one (a cross-node fork, on
+  any engine whose `portable_templates` says so): its files and the frozen layers it
+  needs are fetched, the layers re-pointed and the files laid out by the engine
+  (`retarget_disk`, `receive_image`); it is kept while current, so further forks of
+  that source here are copy-on-write again.
 
 What keeps one: its row while it is the source's current one or a machine's record
 names it (children map its files); a pin while a launch from it is in flight (`pin`:
@@ -302,7 +304,8 @@ class Templates:
                 f"{o.image}",
                 hint="run the same boxd version (and image recipe) on every node",
             )
-        ensure_space(self.paths.shm, o.mem.data_bytes + o.state.size)
+        # the state twice: an engine may lay it out anew beside the copy (gVisor)
+        ensure_space(self.paths.shm, o.mem.data_bytes + 2 * o.state.size)
         t0 = time.monotonic()
         dest = self.paths.templates / o.template_id
         dest.mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -19,6 +19,8 @@ Capture = ``runsc checkpoint --leave-running --compression=none`` into a directo
 the other two plus the host trees the sandbox was built on, so a snapshot's two blobs
 hold everything (and the node finds a hibernation image by the names QEMU uses).
 Start-from = ``runsc restore``. Copies share no memory: each restore reads the image.
+A fork template moves to another node as these files (`portable_templates`); the
+receiving node lays it out the same way on its own trees (`unpack_received`).
 
 Deleting a sandbox (``runsc delete``) takes 1.5-2 s when its parent does not reap it
 promptly: `destroy` kills the sandbox at once and deletes its runsc state in the
