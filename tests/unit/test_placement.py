@@ -273,7 +273,9 @@ def test_forks_whose_template_cannot_move_keep_their_nodes_cap(tmp_path: Path) -
         asyncio.run(plane._fork_targets(src, cast(Node, a), 1, "b"))
     assert "fake machine's forks stay on its node (a)" in str(bad.value)
     assert bad.value.details["field"] == "node" and "--node" in bad.value.hint
-    assert _ids(asyncio.run(plane._fork_targets(src, cast(Node, a), 2, "a"))) == ["a", "a"]
+    own = asyncio.run(plane._fork_targets(src, cast(Node, a), 3, "a"))
+    assert _ids(own) == ["a", "a", "ResourceExhausted"]
+    assert "another node" not in own[2].hint  # type: ignore[union-attr]
     # one host: its own id is the only node a fork may name
     one = NumbersNode("h", 4, 100)
     (tmp_path / "one").mkdir()

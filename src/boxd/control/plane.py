@@ -467,7 +467,7 @@ class Machines:
             room = {only: room[only]} if only in room else {}
         chosen = self.placement.fork_targets(room, node.id, count,
                                              self._received.get(src.id, set()))
-        why = "" if portable or hint is not None else (
+        why = "" if portable else (
             f"a {src.engine} machine's forks stay on its node (the engine cannot move a "
             "template to another node)")
         return [self.nodes[nid] if nid is not None else no_room(room, chosen, only=only,
