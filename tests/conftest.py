@@ -125,6 +125,9 @@ def _live_daemons() -> set[bytes]:
             continue
         home = Path(env.get(b"BOXD_HOME", b"/var/lib/boxd").decode()).expanduser()
         names.add(Paths(home.resolve()).shm.name.encode())
+        if b"--ray" in argv:  # a cluster's control plane: its nodes' folders are its too
+            root = Path(env.get(b"BOXD_NODE_ROOT", bytes(home)).decode()).expanduser()
+            names.update(Paths(n).shm.name.encode() for n in (root / "nodes").glob("*"))
     return names
 
 

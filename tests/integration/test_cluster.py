@@ -6,6 +6,10 @@ its TEST-NET-2 address, passt has a route to start on, and nothing leaves the
 namespace); the test talks to the control plane over its unix socket, which a network
 namespace does not fence. Each node caps at two machines, so a batch of five forks
 must spread over all three nodes.
+
+The scale-out tests run on both engines (`ON_BOTH`): QEMU, and gVisor, which ``auto``
+picks where KVM is missing (issue 39: its fork batches stayed on the source's node,
+past its cap). Each engine gets a cluster of its own, one after the other.
 """
 
 from __future__ import annotations
@@ -44,9 +48,19 @@ ECHO = (  # a process that sends back every frame it gets (4-byte length, then t
 )
 
 
+def _on(*engines: str) -> pytest.MarkDecorator:
+    """Run a test on a cluster of each of ``engines`` (the module's clusters)."""
+    return pytest.mark.parametrize("cluster", engines, indirect=True, scope="module")
+
+
+ON_BOTH = _on("qemu", "gvisor")
+ON_QEMU = _on("qemu")
+
+
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
-    with local_cluster(nodes=3, cap=CAP) as c:
+def cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
+    engine: str = request.param
+    with local_cluster(nodes=3, cap=CAP, BOXD_ENGINE=engine) as c:
         yield c
 
 
@@ -58,6 +72,7 @@ def base(cluster: LocalCluster) -> Any:
     b = cluster.client
     m = b.machines.new("base", suspend_after=0, hibernate_after=0)
     m = b.machines.wait_until_ready(m.id, timeout=300)
+    assert m.engine == cluster.env["BOXD_ENGINE"]
     b.machines.exec(m.id, "nohup sh -c 'v=$(head -c 12 /dev/urandom | od -An -tx1 | tr -d \" \");"
                           " while :; do echo $v > /dev/shm/v.tmp; mv /dev/shm/v.tmp /dev/shm/value;"
                           " sleep 0.2; done' "
@@ -78,6 +93,7 @@ def _value_from_memory(b: Any, machine_id: str) -> str:
     return str(r.stdout.strip())
 
 
+@ON_QEMU
 def test_control_plane_sees_three_nodes_with_their_own_data(cluster: LocalCluster) -> None:
     nodes = cluster.client.nodes.list()
     assert sorted(n.id for n in nodes) == sorted(cluster.node_ids)
@@ -88,17 +104,23 @@ def test_control_plane_sees_three_nodes_with_their_own_data(cluster: LocalCluste
         assert (cluster.node_home(nid) / "state.db").exists()
 
 
+@ON_BOTH
 def test_batch_fork_spreads_over_nodes_with_the_same_memory(
     cluster: LocalCluster, base: Any
 ) -> None:
     b = cluster.client
     want = _value_from_memory(b, base.id)
+    token = os.urandom(8).hex()  # a file written in the source just before the fork
+    assert b.machines.exec(base.id, f"echo {token} > /var/tmp/before-fork").exit_code == 0
     children = b.machines.fork(base.id, count=2 * CAP + 1)  # more than one node holds
     assert all(not isinstance(c, Exception) for c in children), children
     nodes = {c.node for c in children}
     assert nodes == set(cluster.node_ids), "five children on three nodes of two slots each"
+    on = {n: sum(c.node == n for c in children) for n in cluster.node_ids}
+    assert on[base.node] == CAP - 1 and all(k <= CAP for k in on.values()), on
     for c in children:
-        assert c.node is not None and c.state == "running"
+        assert c.node is not None and c.state == "running" and c.engine == base.engine
+        assert b.machines.exec(c.id, "cat /var/tmp/before-fork").stdout.strip() == token
         assert _value_from_memory(b, c.id) == want, f"child on node {c.node[:8]}"
     # Files go both ways on a child of another node (streamed through its node actor).
     far = next(c for c in children if c.node != base.node)
@@ -116,6 +138,31 @@ def test_batch_fork_spreads_over_nodes_with_the_same_memory(
         b.machines.delete(c.id)
 
 
+@ON_BOTH
+def test_a_batch_bigger_than_every_cap_gets_per_item_resource_exhausted(
+    cluster: LocalCluster, base: Any
+) -> None:
+    b = cluster.client
+    free = 3 * CAP - 1  # the base takes a slot of its node
+    out = b.machines.fork(base.id, count=free + 2)
+    try:
+        kids = [c for c in out if not isinstance(c, Exception)]
+        assert len(kids) == free, out
+        on = {n: sum(c.node == n for c in kids) for n in cluster.node_ids}
+        assert on == {n: CAP - (n == base.node) for n in cluster.node_ids}
+        full = [e for e in out if isinstance(e, Exception)]
+        assert len(full) == 2 and all(isinstance(e, errors.ResourceExhausted) for e in full)
+        assert "no node has room for this fork child" in full[0].message
+        assert f"2 of {CAP}" in full[0].message and "BOXD_NODE_MAX_MACHINES" in full[0].hint
+        for c in kids:  # the other items went on: their children run
+            assert b.machines.exec(c.id, "echo ok").stdout == "ok\n"
+    finally:
+        for c in out:
+            if not isinstance(c, Exception):
+                b.machines.delete(c.id)
+
+
+@ON_BOTH
 def test_a_fork_named_to_a_node_lands_there_with_the_same_memory(
     cluster: LocalCluster, base: Any
 ) -> None:
@@ -136,6 +183,7 @@ def test_a_fork_named_to_a_node_lands_there_with_the_same_memory(
         b.machines.delete(kid.id)
 
 
+@ON_QEMU
 def test_snapshot_taken_on_one_node_starts_on_another(
     cluster: LocalCluster, base: Any, tmp_path: Path
 ) -> None:
@@ -160,6 +208,7 @@ def test_snapshot_taken_on_one_node_starts_on_another(
         assert not list((cluster.node_home(nid) / "snapshots" / "manifests").glob("*.json"))
 
 
+@ON_QEMU
 def test_a_restarted_control_plane_finds_its_nodes_and_machines(
     cluster: LocalCluster, base: Any
 ) -> None:
@@ -182,6 +231,7 @@ def test_a_restarted_control_plane_finds_its_nodes_and_machines(
     b.machines.delete(kid.id)
 
 
+@ON_QEMU
 def test_losing_a_node_marks_exactly_its_machines(cluster: LocalCluster, base: Any) -> None:
     from boxd import errors
 

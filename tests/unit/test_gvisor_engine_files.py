@@ -19,10 +19,11 @@ from boxd.engine.gvisor._engine import (
     STATE_TAR,
     _image_dir,
     _pack_state,
+    unpack_received,
 )
 from boxd.engine.gvisor._spec import Roots, RunFiles, build
 from boxd.engine.registry import ENGINES
-from boxd.errors import MachineFailed
+from boxd.errors import HostSetupError, MachineFailed
 
 
 def test_layer_chain_resolves_to_the_raw_rootfs(tmp_path: Path) -> None:
@@ -80,6 +81,33 @@ def test_snapshot_blobs_are_reassembled(tmp_path: Path) -> None:
     assert (src / PAGES).read_bytes() == b"pages"
     with tarfile.open(blobs / "sha-state") as tar:
         assert set(tar.getnames()) == {CHECKPOINT, PAGES_META, "roots.json"}
+
+
+def test_a_capture_from_another_node_is_laid_out_in_place_on_this_nodes_trees(
+    tmp_path: Path
+) -> None:
+    # A fork template streamed from another node: its mem and state files only, the
+    # state naming that node's trees. Restores here use it in place, on this node's.
+    theirs = Roots(tmp_path / "there" / "root", tmp_path / "there" / "agent-abc123")
+    img = _capture(tmp_path / "sent", theirs)
+    got_dir = tmp_path / "templates" / "t1"
+    got_dir.mkdir(parents=True)
+    for f in (img.mem_path, img.state_path):
+        assert f is not None
+        (got_dir / f.name).write_bytes(f.read_bytes())
+    received = MemoryImage(got_dir / MEM, got_dir / STATE_TAR, 512)
+    here = tmp_path / "here"
+    (here / "agent-abc123").mkdir(parents=True)
+    unpack_received(received, here / "root", here)
+    src, roots = _image_dir(received, RunFiles(tmp_path / "run"))
+    assert src == got_dir, "used in place, not unpacked again for every child"
+    assert roots == Roots(here / "root", here / "agent-abc123")
+    assert (got_dir / CHECKPOINT).read_bytes() == b"state"
+    assert (got_dir / PAGES).samefile(got_dir / MEM)
+    # an agent tree this node lacks (another boxd version) is said, not restored
+    (here / "agent-abc123").rmdir()
+    with pytest.raises(HostSetupError, match="no agent tree agent-abc123"):
+        unpack_received(received, here / "root", here)
 
 
 def test_a_qemu_state_is_refused(tmp_path: Path) -> None:

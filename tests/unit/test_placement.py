@@ -39,8 +39,10 @@ class NumbersNode:
     goes to ``running``) or raise ``fail`` (the record removed, as `Node.create` says)."""
 
     def __init__(self, node_id: str, cap: int, free_mib: int,
-                 fail: BoxdError | None = None) -> None:
+                 fail: BoxdError | None = None,
+                 portable: frozenset[str] = frozenset({"qemu", "gvisor"})) -> None:
         self.id = node_id
+        self.portable = portable  # engines whose templates may leave this node
         self.cap = cap
         self.free_mib = free_mib
         self.fail = fail
@@ -69,6 +71,24 @@ class NumbersNode:
             self.repos.machines.delete(machine_id)
             raise self.fail
         Lifecycle(self.repos.machines).move(machine_id, MachineState.RUNNING)
+
+    async def portable_templates(self, engine: str) -> bool:
+        return engine in self.portable
+
+    async def fork(self, source_id: str, child_ids: list[str]) -> list[Exception | None]:
+        assert self.repos is not None
+        self.launched += child_ids
+        for cid in child_ids:
+            Lifecycle(self.repos.machines).move(cid, MachineState.RUNNING)
+        return [None] * len(child_ids)
+
+    async def fork_from(self, source: ClusterNode, source_id: str,
+                        child_ids: list[str]) -> list[Exception | None]:
+        return await self.fork(source_id, child_ids)
+
+    async def delete(self, machine_id: str) -> None:
+        assert self.repos is not None
+        self.repos.machines.delete(machine_id)
 
 
 class FakeCluster:
@@ -185,17 +205,77 @@ def test_a_fork_with_a_node_puts_every_child_on_that_node(tmp_path: Path) -> Non
     assert bad.value.details["field"] == "node"
 
 
-def test_a_fork_that_cannot_leave_its_node_says_so(tmp_path: Path) -> None:
-    a = NumbersNode("a", 3, 100)
+def _source(plane: Machines, node: str, engine: str) -> MachineRecord:
+    return plane.repos.machines.claim(
+        _acct(plane), f"src-{engine}", machine_id=f"m_{engine}", vcpus=1, memory_mib=256,
+        disk_gib=1, isolated=False, image="img", node_id=node, engine=engine,
+        default_quota=100)
+
+
+def test_a_gvisor_fork_batch_spreads_past_its_nodes_cap(tmp_path: Path) -> None:
+    # issue 39 item 2: every child went to the source's node, past its cap
+    a, b, c = NumbersNode("a", 2, 100), NumbersNode("b", 2, 900), NumbersNode("c", 2, 500)
+    plane = _plane(tmp_path, [a, b, c])
+    src = _source(plane, "a", "gvisor")  # 1 free slot left on a
+    assert _ids(asyncio.run(plane._fork_targets(src, cast(Node, a), 5))) == [
+        "a", "b", "b", "c", "c"]
+    # a node named for the batch: its template moves there as a QEMU one does
+    assert _ids(asyncio.run(plane._fork_targets(src, cast(Node, a), 2, "b"))) == ["b", "b"]
+
+
+def test_a_batch_bigger_than_every_cap_gets_per_item_resource_exhausted(
+    tmp_path: Path
+) -> None:
+    a, b = NumbersNode("a", 2, 100), NumbersNode("b", 2, 900)
+    plane = _plane(tmp_path, [a, b])
+    src = _source(plane, "a", "gvisor")
+    out = asyncio.run(plane.fork(_acct(plane), src.id, [None] * 5))
+    kids = [m for m in out if isinstance(m, models.Machine)]
+    assert sorted(m.node or "" for m in kids) == ["a", "b", "b"]
+    full = [e for e in out if isinstance(e, Exception)]
+    assert len(full) == 2 and all(isinstance(e, ResourceExhausted) for e in full)
+    assert "every node is at its machine cap (a 2 of 2, b 2 of 2" in str(full[0])
+    assert "BOXD_NODE_MAX_MACHINES" in full[0].hint and "add a node" in full[0].hint
+    # nothing was claimed for them: each node holds exactly its cap
+    assert plane.repos.machines.count_by_node() == {"a": 2, "b": 2}
+
+
+def test_concurrent_fork_batches_keep_every_cap(tmp_path: Path) -> None:
+    a, b = NumbersNode("a", 3, 100), NumbersNode("b", 2, 900)
+    plane = _plane(tmp_path, [a, b])
+    src = _source(plane, "a", "gvisor")  # 4 slots left in all
+
+    async def both() -> list[models.Machine | Exception]:
+        one, two = await asyncio.gather(plane.fork(_acct(plane), src.id, [None] * 3),
+                                        plane.fork(_acct(plane), src.id, [None] * 3))
+        return [*one, *two]
+
+    out = asyncio.run(both())
+    assert sum(isinstance(m, models.Machine) for m in out) == 4
+    assert sum(isinstance(e, ResourceExhausted) for e in out) == 2
+    assert plane.repos.machines.count_by_node() == {"a": 3, "b": 2}
+
+
+def test_forks_whose_template_cannot_move_keep_their_nodes_cap(tmp_path: Path) -> None:
+    # an engine that cannot move a template: its children stay, up to the node's cap
+    a = NumbersNode("a", 3, 100, portable=frozenset())
     plane = _plane(tmp_path, [a, NumbersNode("b", 2, 900)])
-    src = plane.repos.machines.claim(
-        _acct(plane), "gv", machine_id="m_gv", vcpus=1, memory_mib=256, disk_gib=1,
-        isolated=False, image="img", node_id="a", engine="gvisor", default_quota=100)
+    src = _source(plane, "a", "fake")
+    targets = asyncio.run(plane._fork_targets(src, cast(Node, a), 4))
+    assert _ids(targets) == ["a", "a", "ResourceExhausted", "ResourceExhausted"]
+    err = targets[2]
+    assert isinstance(err, ResourceExhausted) and err.details["node"] == "a"
+    assert err.details["cap"] == 3
+    assert "node a has no room for this fork child: it is at its machine cap (3 of 3" \
+        in err.message and "fake machine's forks stay on its node" in err.message
+    assert "delete machines on node a" in err.hint
     with pytest.raises(InvalidRequest) as bad:
         asyncio.run(plane._fork_targets(src, cast(Node, a), 1, "b"))
-    assert "gvisor machine's forks stay on its node (a)" in str(bad.value)
+    assert "fake machine's forks stay on its node (a)" in str(bad.value)
     assert bad.value.details["field"] == "node" and "--node" in bad.value.hint
-    assert _ids(asyncio.run(plane._fork_targets(src, cast(Node, a), 2, "a"))) == ["a", "a"]
+    own = asyncio.run(plane._fork_targets(src, cast(Node, a), 3, "a"))
+    assert _ids(own) == ["a", "a", "ResourceExhausted"]
+    assert "another node" not in own[2].hint  # type: ignore[union-attr]
     # one host: its own id is the only node a fork may name
     one = NumbersNode("h", 4, 100)
     (tmp_path / "one").mkdir()

@@ -59,7 +59,7 @@ def _csv(ctx: click.Context, param: click.Parameter, value: str | None) -> list[
               "the same recipe (a snapshot cannot move between engines).")
 @click.option("--nodes", callback=_csv, metavar="all|ID,ID",
               help="Spread a seed's runs over these cluster nodes (all: every alive node; "
-              "`boxd nodes list`), one node per run. QEMU sources only.")
+              "`boxd nodes list`), one node per run.")
 @click.option("--template", is_flag=True, help="Fork every run from a template in which "
               "the env was built once (per source and node): no env build per run, but "
               "what the env's constructor reads outside its seed goes unseen.")

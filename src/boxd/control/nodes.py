@@ -54,6 +54,11 @@ class ClusterNode(Node, Protocol):
         per child None or its error (a failed child's record is gone)."""
         ...
 
+    async def portable_templates(self, engine: str) -> bool:
+        """True when this node's templates of ``engine``'s machines can stream to a
+        peer (the engine's capability): a fork batch may then spread past this node."""
+        ...
+
     async def snapshot_digests(self) -> set[str]:
         """The snapshots whose blobs this node's store holds."""
         ...

@@ -10,7 +10,7 @@ host there is nothing to choose: the control plane asks its node directly.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -38,10 +38,12 @@ NODE_FAULTS: tuple[type[BoxdError], ...] = (
 
 @dataclass(frozen=True)
 class Room:
-    """A live node's room: machines it may still take under its cap, free memory."""
+    """A live node's room: machines it may still take under its cap, free memory, and
+    the cap itself (BOXD_NODE_MAX_MACHINES; for errors)."""
 
     slots: int
     free_mib: int
+    cap: int = 0
 
 
 class Chooser(Protocol):
@@ -145,6 +147,36 @@ class Placement:
                             len(failed), exc)
 
 
+#: What to do when fork children fit nowhere.
+MORE_ROOM = ("delete machines, fork fewer, add a node (`ray start --resources "
+             "'{\"boxd\": 1}'`), or raise BOXD_NODE_MAX_MACHINES")
+
+
+def no_room(room: Mapping[str, Room], chosen: Sequence[str | None], *,
+            only: str | None = None, why: str = "") -> ResourceExhausted:
+    """The error of a fork child that fits on no node of ``room``: which nodes it could
+    go to and their caps, counting the children ``chosen`` put there. ``only`` names the
+    one node it could go to (a hint, or the source's node: ``why``)."""
+    def load(n: str) -> str:
+        r = room[n]
+        return f"{r.cap - r.slots + chosen.count(n)} of {r.cap}"
+
+    if only is not None:
+        state = (f"it is at its machine cap ({load(only)}, counting this batch)"
+                 if only in room else "it is not alive")
+        todo = (f"delete machines on node {only}, fork fewer, or raise its "
+                "BOXD_NODE_MAX_MACHINES" + ("" if why else "; or name another node"))
+        return ResourceExhausted(
+            f"node {only} has no room for this fork child: {state}"
+            + (f"; {why}" if why else ""), hint=todo, needed=1, free=0, node=only,
+            cap=room[only].cap if only in room else 0)
+    nodes = ", ".join(f"{n} {load(n)}" for n in sorted(room)) or "no node is alive"
+    return ResourceExhausted(
+        f"no node has room for this fork child: every node is at its machine cap "
+        f"({nodes}, counting this batch)", hint=MORE_ROOM, needed=1, free=0,
+        caps={n: r.cap for n, r in room.items()})
+
+
 def check_hint(hint: str | None, nodes: Collection[str]) -> None:
     """Raise `NotFound` if a placement hint names no node."""
     if hint is not None and hint not in nodes:
@@ -153,6 +185,6 @@ def check_hint(hint: str | None, nodes: Collection[str]) -> None:
 
 
 __all__ = [
-    "LAUNCH_ATTEMPTS", "NODE_FAULTS", "Chooser", "MostFreeMemory", "Placement", "Room",
-    "check_hint",
+    "LAUNCH_ATTEMPTS", "MORE_ROOM", "NODE_FAULTS", "Chooser", "MostFreeMemory", "Placement",
+    "Room", "check_hint", "no_room",
 ]

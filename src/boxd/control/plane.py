@@ -26,14 +26,13 @@ from boxd import models
 from boxd import process_models as pm
 from boxd.config import DEFAULT_MACHINE_QUOTA
 from boxd.control.nodes import Cluster, ClusterNode, LocalNode
-from boxd.control.placement import Placement, Room, check_hint
+from boxd.control.placement import Placement, Room, check_hint, no_room
 from boxd.engine.registry import ENGINES
 from boxd.errors import (
     BoxdError,
     InvalidRequest,
     MachineNotFound,
     NodeLost,
-    ResourceExhausted,
     SnapshotNotFound,
 )
 from boxd.models import NAME_RE, NAME_RULE, MachineState
@@ -101,6 +100,9 @@ class Machines:
         self.placement = placement or Placement()
         # source machine id -> nodes that received its template (placement prefers them)
         self._received: dict[str, set[str]] = {}
+        # Held from a fork batch's placement to its claims: a concurrent batch reads
+        # the room after them, so together they keep every node's cap.
+        self._placing = asyncio.Lock()
 
     @property
     def nodes(self) -> Mapping[str, Node]:
@@ -149,7 +151,8 @@ class Machines:
         counts = self.repos.machines.count_by_node()
         live = self._live_cluster_nodes()
         infos = await asyncio.gather(*(n.info() for n in live))
-        return {n.id: Room(i.max_machines - counts.get(n.id, 0), i.memory_free_mib)
+        return {n.id: Room(i.max_machines - counts.get(n.id, 0), i.memory_free_mib,
+                           i.max_machines)
                 for n, i in zip(live, infos, strict=True)}
 
     async def _place(
@@ -363,8 +366,9 @@ class Machines:
             if n is not None:
                 validate_name(n)
         node = self._node(src)
-        targets = await self._fork_targets(src, node, len(names), node_hint)
-        claimed = await self._claim_children(account, src, names, targets)
+        async with self._placing:  # room counts claims: batches choose one at a time
+            targets = await self._fork_targets(src, node, len(names), node_hint)
+            claimed = await self._claim_children(account, src, names, targets)
         results = await self._launch_children(src, node, claimed)
         out: builtins.list[models.Machine | Exception] = []
         for c in claimed:
@@ -442,30 +446,40 @@ class Machines:
     async def _fork_targets(
         self, src: MachineRecord, node: Node, count: int, hint: str | None = None
     ) -> builtins.list[Node | Exception]:
-        """Where each of ``count`` children goes: the source's node while it has room
-        (copy-on-write there), then the other nodes (the template streams to them); with
-        a ``hint``, that node only."""
-        if hint is not None and hint != node.id:
-            check_hint(hint, self.nodes)
-            if self.cluster is None or src.engine != "qemu":
-                raise InvalidRequest(
-                    f"a {src.engine} machine's forks stay on its node ({node.id}): only a "
-                    "QEMU machine's template can stream to another node",
-                    hint="prepare a baseline on that node (`boxd machine new --node`) "
-                    "and fork it there, or fork without a node", field="node")
-        if self.cluster is None or src.engine != "qemu":
+        """Where each of ``count`` children goes, every node up to its cap: the source's
+        node while it has room (copy-on-write there), then, when the source's engine
+        can move a template (`ClusterNode.portable_templates`), the other nodes (the
+        template streams to them); with a ``hint``, that node only. A child that fits
+        nowhere is its item's `ResourceExhausted`. One host has no cap.
+
+        Raises:
+            NotFound: ``hint`` names no node.
+            InvalidRequest: ``hint`` names another node and the template cannot move.
+        """
+        check_hint(hint, self.nodes)
+        if self.cluster is None:
             return [node] * count
+        portable = await self.cluster.nodes[node.id].portable_templates(src.engine)
+        if hint is not None and hint != node.id and not portable:
+            raise InvalidRequest(
+                f"a {src.engine} machine's forks stay on its node ({node.id}): the "
+                f"{src.engine} engine cannot move a template to another node",
+                hint="prepare a baseline on that node (`boxd machine new --node`) "
+                "and fork it there, or fork without a node", field="node")
+        only = hint  # the one node the children may go to, if any
+        if only is None and not portable:
+            only = node.id
         room = await self._room()
-        if hint is not None:
-            room = {hint: room[hint]} if hint in room else {}
+        if only is not None:
+            room = {only: room[only]} if only in room else {}
         chosen = self.placement.fork_targets(room, node.id, count,
                                              self._received.get(src.id, set()))
-        return [self.nodes[nid] if nid is not None else ResourceExhausted(
-            f"node {hint} has no room for another fork child" if hint is not None
-            else "no node has room for another fork child",
-            hint="delete machines, add a node, or raise BOXD_NODE_MAX_MACHINES",
-            needed=count, free=count - 1,
-        ) for nid in chosen]
+        why = "" if portable else (
+            f"a {src.engine} machine's forks stay on its node (the engine cannot move a "
+            "template to another node)")
+        return [self.nodes[nid] if nid is not None else no_room(room, chosen, only=only,
+                                                                 why=why)
+                for nid in chosen]
 
     async def _forget(self, machine_id: str, node: Node) -> None:
         """Remove the record of a machine that was never launched."""

@@ -70,6 +70,7 @@ class RayNode:
         self.error: str | None = None
         self.last_info: models.NodeInfo | None = None
         self._info_at = 0.0
+        self._portable: dict[str, bool] = {}  # engine -> `portable_templates` answer
 
     @property
     def id(self) -> str:
@@ -134,6 +135,12 @@ class RayNode:
     async def engine_name(self) -> str:
         name: str = await self._ask(self.actor.engine_name.remote())
         return name
+
+    async def portable_templates(self, engine: str) -> bool:
+        if engine not in self._portable:  # an engine's capability: asked once
+            self._portable[engine] = bool(
+                await self._ask(self.actor.portable_templates.remote(engine)))
+        return self._portable[engine]
 
     def _forget(self, ids: list[str]) -> None:
         for mid in ids:

@@ -275,6 +275,14 @@ class Engine(Protocol):
         """(uid, gid) the files the VM process reopens must belong to, if not ours."""
         ...
 
+    @property
+    def portable_templates(self) -> bool:
+        """True when what this engine captures for a fork (a `MemoryImage`'s two files
+        and the disk layers under it) can be copied to another node that runs the same
+        engine version and guest image, and started there (`receive_image`,
+        `retarget_disk`): a cluster then spreads a fork batch over its nodes."""
+        ...
+
     def info(self) -> EngineInfo: ...
 
     async def boot(
@@ -324,6 +332,21 @@ class Engine(Protocol):
         ...
 
     def remove_disk(self, path: Path) -> None: ...
+
+    async def retarget_disk(self, path: Path, backing: Path, backing_format: str) -> None:
+        """Point a frozen layer copied from another node at this node's copy of its
+        backing (same content, another path): the ``raw`` image or a ``layer``."""
+        ...
+
+    async def receive_image(self, image: MemoryImage, disk: Path) -> MemoryImage:
+        """Make a memory image copied from another node's `capture` (its two files, as
+        written there) startable here on ``disk`` (its frozen layer, retargeted);
+        returns the image to start from.
+
+        Raises:
+            HostSetupError: this node lacks what the image was captured on.
+        """
+        ...
 
 
 __all__ = [

@@ -354,6 +354,7 @@ class FakeEngine:
         self.failures: dict[str, Exception] = {}
         self.gates: dict[str, tuple[asyncio.Event, asyncio.Event]] = {}
         self.calls: list[str] = []
+        self.portable = True  # its templates move between nodes (`portable_templates`)
 
     @property
     def name(self) -> str:
@@ -450,6 +451,18 @@ class FakeEngine:
 
     def remove_disk(self, path: Path) -> None:
         path.unlink(missing_ok=True)
+
+    @property
+    def portable_templates(self) -> bool:
+        return self.portable
+
+    async def retarget_disk(self, path: Path, backing: Path, backing_format: str) -> None:
+        await self._step("retarget_disk")
+        path.write_text(json.dumps({"backing": str(backing), "format": backing_format}))
+
+    async def receive_image(self, image: MemoryImage, disk: Path) -> MemoryImage:
+        await self._step("receive_image")
+        return image
 
 
 __all__ = ["FakeAgent", "FakeEngine", "FakeGuest", "FakeMachine"]

@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from boxd.errors import InvalidRequest, NotFound
+from boxd.errors import NotFound
 from boxd.node import _transfer as transfer
 from boxd.node._transfer import Fetch, FileOffer, LayerOffer, TemplateOffer
 from boxd.state import MachineRecord, Repos, TemplateRecord
@@ -55,12 +55,8 @@ class Offers:
             self._unpin(tpl.id)
 
     async def _offer(self, src: MachineRecord, tpl: TemplateRecord) -> TemplateOffer:
-        if src.engine != "qemu":
-            raise InvalidRequest(
-                f"machine {src.name!r} runs on the {src.engine} engine; only qemu machines "
-                "fork across nodes", field="node",
-                hint="fork it on its own node (leave the node out)",
-            )
+        # Any engine's template is described; the receiving node refuses one its
+        # engine cannot start there (`Engine.portable_templates`, `Templates.receive`).
         self._offered[tpl.id] = tpl
         cached = self._offers.get(tpl.id)
         if cached is not None:

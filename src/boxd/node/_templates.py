@@ -10,9 +10,11 @@ Where a template comes from (two places, both here):
   made share it; a later fork of an unchanged source (same generation: no exec, upload
   or restore since) reuses it. A source that maps an image privately first gets RAM of
   its own (the node's RAM swap).
-- `Templates.receive` makes another node's template a local one (a cross-node fork):
-  its files and the frozen layers it needs are fetched; it is kept while current, so
-  further forks of that source here are copy-on-write again.
+- `Templates.receive` makes another node's template a local one (a cross-node fork, on
+  any engine whose `portable_templates` says so): its files and the frozen layers it
+  needs are fetched, the layers re-pointed and the files laid out by the engine
+  (`retarget_disk`, `receive_image`); it is kept while current, so further forks of
+  that source here are copy-on-write again.
 
 What keeps one (one owner, `boxd.node._template_refs`): its row while it is the
 source's current one or a machine's record names it (children map its files); else a
@@ -39,8 +41,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from boxd.config import Paths
-from boxd.engine.base import MachineHandle, MemoryImage
-from boxd.errors import BoxdError, Conflict, HostSetupError
+from boxd.engine.base import Engine, MachineHandle, MemoryImage
+from boxd.errors import BoxdError, Conflict, HostSetupError, InvalidRequest
 from boxd.models import MachineState
 from boxd.node import _transfer as transfer
 from boxd.node._host import Host
@@ -294,13 +296,18 @@ class Templates:
 
     async def _receive(self, o: TemplateOffer, fetch: Fetch) -> TemplateRecord:
         image, engine = await self.host.ready(o.engine)
+        if not engine.portable_templates:
+            raise InvalidRequest(
+                f"the {o.engine} engine's templates cannot move to another node",
+                hint="fork the machine on its own node (leave the node out)", field="node")
         if image.key != o.image:
             raise HostSetupError(
                 f"node {self.node_id} runs guest image {image.key}, the source runs "
                 f"{o.image}",
                 hint="run the same boxd version (and image recipe) on every node",
             )
-        ensure_space(self.paths.shm, o.mem.data_bytes + o.state.size)
+        # the state twice: an engine may lay it out anew beside the copy (gVisor)
+        ensure_space(self.paths.shm, o.mem.data_bytes + 2 * o.state.size)
         t0 = time.monotonic()
         dest = self.paths.templates / o.template_id
         dest.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -312,10 +319,15 @@ class Templates:
                 # As a template made here: QEMU reads the state file as its own user.
                 for p in (dest, dest / "mem", dest / "state"):
                     os.chown(p, *engine.file_owner)
-            received += await self._receive_layers(o, fetch, image.rootfs, engine.file_owner,
-                                                   made)
+            received += await self._receive_layers(o, fetch, image.rootfs, engine, made)
+            # The engine lays the copy out as its own captures are (gVisor: the files
+            # runsc restores from, naming this node's root and agent trees).
+            got = await engine.receive_image(
+                MemoryImage(dest / "mem", dest / "state", o.memory_mib),
+                self.layer_path(o.layers[0].id))
+            assert got.mem_path is not None
             tpl = self.repos.layers.add_template(
-                o.source_id, o.layers[0].id, dest / "mem", dest / "state", o.generation,
+                o.source_id, o.layers[0].id, got.mem_path, got.state_path, o.generation,
                 template_id=o.template_id,
             )
         except BaseException:
@@ -335,11 +347,11 @@ class Templates:
         return tpl
 
     async def _receive_layers(
-        self, o: TemplateOffer, fetch: Fetch, rootfs: Path,
-        file_owner: tuple[int, int] | None, made: list[str],
+        self, o: TemplateOffer, fetch: Fetch, rootfs: Path, engine: Engine, made: list[str],
     ) -> int:
         """Fetch the frozen layers of ``o`` this node lacks (their ids go into ``made``
-        as each is written); returns the bytes received."""
+        as each is written), each re-pointed at this node's copy of its backing (the
+        engine's layer format); returns the bytes received."""
         received = 0
         for layer in reversed(o.layers):  # the base image's layer first
             if self.repos.layers.get(layer.id) is not None:
@@ -348,9 +360,9 @@ class Templates:
             received += await transfer.receive(fetch, layer.file, path)
             made.append(layer.id)
             backing = rootfs if layer.parent is None else self.layer_path(layer.parent)
-            await disks.retarget(path, backing, "raw" if layer.parent is None else "qcow2")
-            if file_owner is not None:
-                os.chown(path, *file_owner)
+            await engine.retarget_disk(path, backing, "raw" if layer.parent is None else "layer")
+            if engine.file_owner is not None:
+                os.chown(path, *engine.file_owner)
             self.repos.layers.received(
                 layer.id, layer.parent, str(rootfs) if layer.parent is None else ""
             )

@@ -168,6 +168,12 @@ class NodeActor:
     async def snapshot_digests(self) -> list[str]:
         return [m.digest for m in self.rt.store.list()]
 
+    async def portable_templates(self, engine: str) -> bool:
+        """Whether templates of ``engine``'s machines here can move to a peer node
+        (`Engine.portable_templates`)."""
+        _, eng = await self.rt.host.ready(engine)
+        return eng.portable_templates
+
     # --------------------------------------------------------------- launch
 
     async def create(self, rec: MachineRecord, quota: int, source: Boot | FromSnapshot,

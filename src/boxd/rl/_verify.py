@@ -26,8 +26,8 @@ prepared per engine from the same recipe compares the engines (a snapshot cannot
 between engines).
 
 ``placement="spread"`` puts a pair's runs on different cluster nodes: run ``i`` of the
-``k``-th seed forks onto ``nodes[(i + k) % len(nodes)]``, which needs QEMU sources (a
-gVisor machine's forks stay on its node). ``"same-node"`` (the default) leaves the
+``k``-th seed forks onto ``nodes[(i + k) % len(nodes)]`` (the source's template
+streams there, on either engine). ``"same-node"`` (the default) leaves the
 forks where the source's forks go (its node while it has room).
 
 ``template=True`` builds the env once per source (and node) in a template machine and
@@ -477,13 +477,8 @@ def _spread_nodes(boxd: Boxd | None, sources: list[str | Home],
             f"placement='spread' needs two nodes or more; {len(set(chosen))} given",
             hint="start boxd on a Ray cluster (`boxd serve --ray`), or verify on one "
             "node (placement='same-node')", field="nodes")
-    for s in sources:
-        m = boxd.machines.get(str(s))
-        if m.engine != "qemu":
-            raise errors.InvalidRequest(
-                f"{m.name} runs on {m.engine}: its forks stay on its node, so its runs "
-                "cannot spread", hint="spread a QEMU baseline, or give one baseline per "
-                "node as source=[...]", field="placement")
+    for s in sources:  # each source exists (either engine's forks spread)
+        boxd.machines.get(str(s))
     return chosen
 
 

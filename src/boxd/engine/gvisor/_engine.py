@@ -19,6 +19,8 @@ Capture = ``runsc checkpoint --leave-running --compression=none`` into a directo
 the other two plus the host trees the sandbox was built on, so a snapshot's two blobs
 hold everything (and the node finds a hibernation image by the names QEMU uses).
 Start-from = ``runsc restore``. Copies share no memory: each restore reads the image.
+A fork template moves to another node as these files (`portable_templates`); the
+receiving node lays it out the same way on its own trees (`unpack_received`).
 
 Deleting a sandbox (``runsc delete``) takes 1.5-2 s when its parent does not reap it
 promptly: `destroy` kills the sandbox at once and deletes its runsc state in the
@@ -64,7 +66,7 @@ from boxd.engine.cgroups import (
 )
 from boxd.engine.gvisor import _net, _spec
 from boxd.engine.gvisor._spec import Roots, RunFiles
-from boxd.errors import InternalError, MachineFailed
+from boxd.errors import HostSetupError, InternalError, MachineFailed
 from boxd.guest import protocol as P
 from boxd.images import AGENT_MOUNT, rootfs_tree
 from boxd.storage.fds import OwnedFd, pipe_file
@@ -652,6 +654,42 @@ def _pack_state(dest: Path, roots: bytes) -> None:
         tar.addfile(info, io.BytesIO(roots))
 
 
+def unpack_received(image: MemoryImage, rootfs: Path, agent_dir: Path) -> None:
+    """Give a capture copied from another node (its ``mem`` and ``state`` files) the
+    layout `capture` writes (checkpoint.img, pages_meta.img and pages.img beside them),
+    its state naming this node's trees: ``rootfs``, and the agent tree in ``agent_dir``
+    with the name of the one it was captured on (an agent tree is named by the digest
+    of its files).
+
+    Raises:
+        MachineFailed: ``state`` is not a gvisor capture's.
+        HostSetupError: this node has no agent tree of that content.
+    """
+    dest = image.state_path.parent
+    if image.mem_path is None:
+        raise MachineFailed("this memory image has no pages file: it was not made by the "
+                            "gvisor engine", hint="fork it on its own node")
+    try:
+        with tarfile.open(image.state_path) as tar:
+            for name in (CHECKPOINT, PAGES_META):
+                tar.extract(name, dest, filter="data")
+            member = tar.extractfile(ROOTS)
+            assert member is not None
+            theirs = Roots.from_json(json.loads(member.read()))
+    except (OSError, tarfile.TarError, KeyError, ValueError) as exc:
+        raise MachineFailed(f"{image.state_path} is not a gvisor capture ({exc})",
+                            hint="fork it on its own node") from exc
+    agent = agent_dir / theirs.agent.name
+    if not agent.is_dir():
+        raise HostSetupError(
+            f"this node has no agent tree {theirs.agent.name} (the fork's source runs "
+            "another boxd version)", hint="run the same boxd version on every node")
+    pages = dest / PAGES
+    pages.unlink(missing_ok=True)
+    os.link(image.mem_path, pages)
+    _pack_state(dest, json.dumps(Roots(rootfs, agent).to_json()).encode())
+
+
 def _image_dir(image: MemoryImage, files: RunFiles) -> tuple[Path, Roots]:
     """A directory runsc can restore from, and the host trees the sandbox needs.
 
@@ -993,6 +1031,27 @@ class GvisorEngine:
         for p in (path, path.with_name(path.name + ".tmp")):
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()
+
+    # ------------------------------------------------- templates between nodes
+
+    @property
+    def portable_templates(self) -> bool:
+        # A capture is files (pages, a tar of the rest) and a layer is a JSON file: a
+        # node with the same runsc and guest image restores it (and the same CPU
+        # features: runsc refuses a restore on a CPU that lacks one the image used).
+        return True
+
+    async def retarget_disk(self, path: Path, backing: Path, backing_format: str) -> None:
+        fmt = "raw" if backing_format == "raw" else "layer"
+        await asyncio.to_thread(write_layer, path, backing, fmt)
+
+    async def receive_image(self, image: MemoryImage, disk: Path) -> MemoryImage:
+        """Lay a capture copied from another node out as `capture` does here, naming
+        this node's root tree (under ``disk``'s chain) and its agent tree of the same
+        content, so its restores use it in place (`_image_dir`)."""
+        roots = await asyncio.to_thread(self._roots, disk)
+        await asyncio.to_thread(unpack_received, image, roots.rootfs, self.agent_tree.parent)
+        return image
 
 
 def _open_stdio(files: RunFiles, log_path: Path) -> tuple[OwnedFd, OwnedFd, OwnedFd]:

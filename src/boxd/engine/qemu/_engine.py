@@ -402,6 +402,17 @@ class QemuEngine:
         disks.remove(path)
 
     @property
+    def portable_templates(self) -> bool:
+        # A template is a RAM file, a device state stream and qcow2 layers: files.
+        return True
+
+    async def retarget_disk(self, path: Path, backing: Path, backing_format: str) -> None:
+        await disks.retarget(path, backing, "raw" if backing_format == "raw" else "qcow2")
+
+    async def receive_image(self, image: MemoryImage, disk: Path) -> MemoryImage:
+        return image  # the RAM file and the device state start as they are
+
+    @property
     def accelerator(self) -> str:
         return self.accel.accelerator
 
