@@ -275,10 +275,10 @@ def test_rl_verify_stopped_by_sigterm_deletes_its_forks(client: Any, branch_base
         time.sleep(3)  # the rollouts step in both
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=300)
+        assert client.machines.list(labels={"boxd.rl/run": run.pop()}) == [], err
+        assert _children(client, branch_base.id) == []
         assert proc.returncode == 128 + signal.SIGTERM, (out, err)
         assert b"stopped by SIGTERM" in err, err
-        assert client.machines.list(labels={"boxd.rl/run": run.pop()}) == []
-        assert _children(client, branch_base.id) == []
     finally:
         if proc.poll() is None:
             proc.kill()
