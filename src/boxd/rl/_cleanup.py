@@ -105,8 +105,11 @@ CREATIONS = Creations()
 def delete_labelled(boxd: Boxd, labels: Mapping[str, str]) -> int:
     """Delete every machine carrying ``labels``, best effort; how many were deleted.
 
-    A failure is logged, never raised: this runs on close and on the way out.
+    A failure is logged, never raised: this runs on close and on the way out. No
+    labels select nothing (an empty selector would be every machine).
     """
+    if not labels:
+        return 0
     try:
         result = boxd.machines.delete_many(labels)
     except errors.BoxdError as exc:

@@ -522,7 +522,7 @@ class _Job:
     #: every run forks a template in which the env was built once (per source and node)
     template: bool = False
     #: the labels of every machine the job makes (`boxd.rl._cleanup`)
-    labels: dict[str, str] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=lambda: run_labels("verify"))
     _homes: dict[tuple[str, str | None], Home] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
