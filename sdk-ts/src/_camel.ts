@@ -9,8 +9,8 @@ export function camelize<T>(value: unknown): T {
   if (typeof value === "object" && value !== null) {
     const out: Record<string, unknown> = {};
     for (const [k, v] of Object.entries(value)) {
-      // An error body's details are free-form: keep them as sent.
-      out[camelKey(k)] = k === "details" ? v : camelize(v);
+      // An error body's details and a machine's labels are user data: keep them as sent.
+      out[camelKey(k)] = k === "details" || k === "labels" ? v : camelize(v);
     }
     return out as T;
   }

@@ -19,7 +19,8 @@ export interface Endpoint {
 export interface RequestSpec {
   method: string;
   path: string;
-  query?: Record<string, string | number | undefined>;
+  /** Query parameters; an array repeats the parameter once per item. */
+  query?: Record<string, string | number | string[] | undefined>;
   json?: unknown;
   body?: Buffer | Readable;
   /**
@@ -45,7 +46,8 @@ export function isConnectRefused(err: unknown): boolean {
 export function url(endpoint: Endpoint, spec: RequestSpec): URL {
   const u = new URL(endpoint.baseUrl.replace(/\/+$/, "") + spec.path);
   for (const [k, v] of Object.entries(spec.query ?? {})) {
-    if (v !== undefined) u.searchParams.set(k, String(v));
+    if (Array.isArray(v)) for (const item of v) u.searchParams.append(k, item);
+    else if (v !== undefined) u.searchParams.set(k, String(v));
   }
   return u;
 }

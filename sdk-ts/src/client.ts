@@ -41,8 +41,11 @@ import type {
   Health,
   HostInfo,
   Image,
+  LabelSelector,
   Machine,
   MachineNewOptions,
+  MachinePage,
+  MachinesDeleted,
   NodeInfo,
   Process,
   Snapshot,
@@ -272,10 +275,21 @@ function execBody(opts: ExecOptions): Wire["ExecRequest"] {
  * Options of `machines.fork`: one child (`name`), or a batch (`count` and/or `names`);
  * `node` puts the children on that cluster node (QEMU machines only).
  */
-export type ForkOptions = { name?: string; node?: string; count?: undefined; names?: undefined };
+export type ForkOptions = {
+  name?: string; node?: string; labels?: Record<string, string>; count?: undefined;
+  names?: undefined;
+};
 export type ForkBatchOptions =
-  | { count: number; names?: string[]; node?: string; name?: undefined }
-  | { names: string[]; count?: number; node?: string; name?: undefined };
+  | { count: number; names?: string[]; node?: string; labels?: Record<string, string>;
+      name?: undefined }
+  | { names: string[]; count?: number; node?: string; labels?: Record<string, string>;
+      name?: undefined };
+
+/** Query parameters of a label selector: `label=K=V` once per label. */
+function selectorQuery(sel: LabelSelector): Record<string, string | string[] | undefined> {
+  const label = Object.entries(sel.labels ?? {}).map(([k, v]) => `${k}=${v}`);
+  return { label: label.length ? label : undefined, state: sel.state };
+}
 
 /** Machines: create, inspect, run commands in, fork and delete (`boxd.machines`). */
 export class Machines {
@@ -307,6 +321,7 @@ export class Machines {
       ["node", options.node],
     ];
     for (const [k, v] of fields) if (v !== undefined && v !== null) body[k] = v; // daemon defaults
+    if (options.labels && Object.keys(options.labels).length) body.labels = { ...options.labels };
     return this.c._json({ method: "POST", path: "/v1/machines", json: body });
   }
 
@@ -346,10 +361,54 @@ export class Machines {
     return `${m.url.replace(/\/+$/, "")}.${port}`;
   }
 
-  /** Every machine of this account. */
-  async list(): Promise<Machine[]> {
-    const out = await this.c._json<{ machines: Machine[] }>({ method: "GET", path: "/v1/machines" });
-    return out.machines;
+  /**
+   * Every machine of this account (oldest first) that carries all of `labels` and is in
+   * `state` if given; the pages are followed ({@link listPage} takes one at a time).
+   * @throws InvalidRequest a bad label or state
+   */
+  async list(options: LabelSelector = {}): Promise<Machine[]> {
+    const out: Machine[] = [];
+    let cursor: string | undefined;
+    for (;;) {
+      const page = await this.listPage({ ...options, cursor });
+      out.push(...page.machines);
+      if (page.nextCursor == null) return out;
+      cursor = page.nextCursor;
+    }
+  }
+
+  /**
+   * One page of {@link list}: up to `limit` machines (the daemon's default, at most 1000)
+   * after `cursor` (a page's `nextCursor`), and the next page's cursor (null on the last).
+   * @throws InvalidRequest a bad label, state, limit or cursor
+   */
+  async listPage(
+    options: LabelSelector & { limit?: number; cursor?: string } = {},
+  ): Promise<MachinePage> {
+    const query = { ...selectorQuery(options), limit: options.limit, cursor: options.cursor };
+    return this.c._json({ method: "GET", path: "/v1/machines", query });
+  }
+
+  /**
+   * Delete every machine that carries all of `labels` (and is in `options.state`): a
+   * crashed run's cleanup. One failure does not stop the others: the result lists what
+   * was deleted and each machine that could not be, with its error.
+   * @throws InvalidRequest no label (an empty selector is refused), or a bad one
+   */
+  async deleteMany(
+    labels: Record<string, string>,
+    options: { state?: LabelSelector["state"] } = {},
+  ): Promise<MachinesDeleted> {
+    if (!labels || Object.keys(labels).length === 0) {
+      throw new InvalidRequest(
+        "deleteMany needs at least one label: an empty selector would delete every machine",
+        { details: { field: "labels" }, hint: "e.g. deleteMany({ run: 'r-7' })" },
+      );
+    }
+    return this.c._json({
+      method: "DELETE", path: "/v1/machines", query: selectorQuery({ labels, ...options }),
+      idleTimeoutMs: null,
+    });
   }
 
   /**
@@ -477,16 +536,18 @@ export class Machines {
     src: string,
     options: ForkOptions | ForkBatchOptions = {},
   ): Promise<Machine | (Machine | BoxdError)[]> {
-    const { name, count, names, node } = options as {
+    const { name, count, names, node, labels } = options as {
       name?: string;
       count?: number;
       names?: string[];
       node?: string;
+      labels?: Record<string, string>;
     };
     if (count === undefined && names === undefined) {
       const one: Wire["ForkRequest"] = {};
       if (name !== undefined && name !== null) one.name = name;
       if (node !== undefined) one.node = node;
+      if (labels !== undefined) one.labels = { ...labels };
       return this.c._json({ method: "POST", path: `/v1/machines/${seg(src)}/fork`, json: one });
     }
     if (name !== undefined) {
@@ -496,6 +557,7 @@ export class Machines {
     if (count !== undefined) body.count = count;
     if (names !== undefined) body.names = [...names];
     if (node !== undefined) body.node = node;
+    if (labels !== undefined) body.labels = { ...labels };
     // Raw JSON: the per-item errors are rebuilt from their snake_case bodies.
     const raw = await this.c._bytes({
       method: "POST",

@@ -70,7 +70,8 @@ export interface paths {
         };
         /**
          * List Machines
-         * @description Every machine of the account.
+         * @description The account's machines, oldest first, a page at a time (``next_cursor`` is set
+         *     while more follow); ``label`` and ``state`` select.
          */
         get: operations["list_machines_v1_machines_get"];
         put?: never;
@@ -79,7 +80,13 @@ export interface paths {
          * @description Create and boot a machine (returns while it is still starting).
          */
         post: operations["create_machine_v1_machines_post"];
-        delete?: never;
+        /**
+         * Delete Machines
+         * @description Delete every machine that carries all the labels given (at least one: an empty
+         *     selector is refused) and is in ``state`` if given: what was deleted, and each
+         *     machine that could not be with its error.
+         */
+        delete: operations["delete_machines_v1_machines_delete"];
         options?: never;
         head?: never;
         patch?: never;
@@ -784,6 +791,11 @@ export interface components {
             /** Checkpoints */
             checkpoints: components["schemas"]["Checkpoint"][];
         };
+        /** DeleteItemError */
+        DeleteItemError: {
+            machine: components["schemas"]["MachineRef"];
+            error: components["schemas"]["ErrorBody"];
+        };
         /**
          * EngineInfo
          * @description One engine on the host: whether it can run machines here, and why.
@@ -924,6 +936,13 @@ export interface components {
              * @description id of the cluster node to put the children on (`boxd nodes list`); default: the source's node while it has room, then the others. Only a QEMU machine's forks can go to another node
              */
             node?: string | null;
+            /**
+             * Labels
+             * @description labels of the children, merged over the source's (which they inherit). at most 32 labels; a key is 1-128 letters, digits, '.', '_', '/' or '-', starting and ending with a letter or digit; a value is 0-256 characters without control characters
+             */
+            labels?: {
+                [key: string]: string;
+            };
         } | {
             count: number;
         } | {
@@ -949,6 +968,13 @@ export interface components {
              * @description id of the cluster node to put the children on (`boxd nodes list`); default: the source's node while it has room, then the others. Only a QEMU machine's forks can go to another node
              */
             node?: string | null;
+            /**
+             * Labels
+             * @description labels of the children, merged over the source's (which they inherit). at most 32 labels; a key is 1-128 letters, digits, '.', '_', '/' or '-', starting and ending with a letter or digit; a value is 0-256 characters without control characters
+             */
+            labels?: {
+                [key: string]: string;
+            };
         };
         /** ForkResult */
         ForkResult: {
@@ -1173,6 +1199,13 @@ export interface components {
              * @description seconds since a request needed it
              */
             idle_seconds?: number | null;
+            /**
+             * Labels
+             * @description its labels (a fork's: its source's merged with its own)
+             */
+            labels?: {
+                [key: string]: string;
+            };
         };
         /** MachineCreate */
         MachineCreate: {
@@ -1233,11 +1266,30 @@ export interface components {
              * @description id of the cluster node to place it on (`boxd nodes list`); default: the node with the most free memory
              */
             node?: string | null;
+            /**
+             * Labels
+             * @description labels to find it by (list and delete by selector). at most 32 labels; a key is 1-128 letters, digits, '.', '_', '/' or '-', starting and ending with a letter or digit; a value is 0-256 characters without control characters
+             */
+            labels?: {
+                [key: string]: string;
+            };
         };
         /** MachineList */
         MachineList: {
             /** Machines */
             machines: components["schemas"]["Machine"][];
+            /**
+             * Next Cursor
+             * @description pass as ``cursor`` for the next page; None: this was the last
+             */
+            next_cursor?: string | null;
+        };
+        /** MachineRef */
+        MachineRef: {
+            /** Id */
+            id: string;
+            /** Name */
+            name: string;
         };
         /**
          * MachineState
@@ -1250,6 +1302,16 @@ export interface components {
          * @enum {string}
          */
         MachineState: "starting" | "running" | "suspended" | "hibernating" | "hibernated" | "waking" | "swapping" | "restoring" | "failed" | "lost" | "deleting";
+        /**
+         * MachinesDeleted
+         * @description What a delete by labels removed, and the machines it could not remove.
+         */
+        MachinesDeleted: {
+            /** Deleted */
+            deleted: components["schemas"]["MachineRef"][];
+            /** Errors */
+            errors?: components["schemas"]["DeleteItemError"][];
+        };
         /**
          * NodeInfo
          * @description One node that runs machines: this host, or a Ray node (``boxd serve --ray``).
@@ -1738,7 +1800,16 @@ export interface operations {
     };
     list_machines_v1_machines_get: {
         parameters: {
-            query?: never;
+            query?: {
+                /** @description KEY=VALUE; repeat it: a machine must carry every label given */
+                label?: string[] | null;
+                /** @description only machines in this state */
+                state?: components["schemas"]["MachineState"] | null;
+                /** @description machines per page */
+                limit?: number;
+                /** @description a page's next_cursor: the page after it */
+                cursor?: string | null;
+            };
             header?: never;
             path?: never;
             cookie?: never;
@@ -1857,6 +1928,112 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["Machine"];
+                };
+            };
+            /** @description invalid_request: malformed input */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description unauthorized: missing, unknown or revoked API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description forbidden: the key's account may not do this */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description not found for this account */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description conflict: duplicate name or wrong machine state */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description quota_exceeded */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description internal_error, integrity_error or host_setup */
+            500: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description machine_failed */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description resource_exhausted */
+            507: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+        };
+    };
+    delete_machines_v1_machines_delete: {
+        parameters: {
+            query?: {
+                /** @description KEY=VALUE; repeat it: a machine must carry every label given */
+                label?: string[] | null;
+                /** @description only machines in this state */
+                state?: components["schemas"]["MachineState"] | null;
+            };
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["MachinesDeleted"];
                 };
             };
             /** @description invalid_request: malformed input */

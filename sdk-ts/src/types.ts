@@ -40,6 +40,18 @@ export type Health = Camel<Schemas["Health"]>;
 export type ErrorBody = Schemas["ErrorBody"];
 /** A process started with `machines.spawn` (a long-lived command with framed messages). */
 export type Process = Camel<Schemas["Process"]>;
+/** One page of `machines.listPage`: its machines and the cursor of the next (null: last). */
+export type MachinePage = Camel<Schemas["MachineList"]>;
+/** What `machines.deleteMany` removed, and each machine it could not with its error. */
+export type MachinesDeleted = Camel<Schemas["MachinesDeleted"]>;
+
+/** A label selector: every label given must match; `state` narrows it. */
+export interface LabelSelector {
+  /** Labels (string keys and values) a machine must all carry. */
+  labels?: Record<string, string>;
+  /** Only machines in this state. */
+  state?: MachineState;
+}
 
 /** Options of `machines.new`. */
 export interface MachineNewOptions {
@@ -70,6 +82,11 @@ export interface MachineNewOptions {
    * machine's token; use it as given.
    */
   public?: boolean;
+  /**
+   * Labels to find it by (`list({ labels })`, `deleteMany(labels)`); its forks inherit
+   * them. At most 32; a key is 1-128 letters, digits, `._/-`; a value 0-256 characters.
+   */
+  labels?: Record<string, string>;
 }
 
 /** What `machines.exec` and `machines.execStream` run. */

@@ -201,3 +201,54 @@ test("lineage: forks, a fork of a fork, snapshots saved and machines made from t
   assert.deepEqual(sub.snapshots.map((n) => n.snapshot.id), ["s2"]);
   assert.throws(() => sdk.buildLineage(machines, snapshots, "nope"));
 });
+
+test("labels: sent on new and fork, kept verbatim, selectors as repeated label=K=V", async () => {
+  const { createServer } = await import("node:http");
+  const seen = [];
+  const machine = (name, labels) => ({
+    id: `m_${name}`, name, state: "running", vcpus: 1, memory_mib: 128, disk_gib: 1,
+    isolated: false, created_at: 1, labels,
+  });
+  const srv = createServer((req, res) => {
+    let body = "";
+    req.on("data", (c) => (body += c));
+    req.on("end", () => {
+      const u = new URL(req.url, "http://x");
+      seen.push({ method: req.method, path: u.pathname, labels: u.searchParams.getAll("label"),
+                  query: Object.fromEntries(u.searchParams), body: body && JSON.parse(body) });
+      res.setHeader("content-type", "application/json");
+      let out;
+      if (req.method === "DELETE") out = { deleted: [{ id: "m_a", name: "a" }], errors: [] };
+      else if (req.method === "GET" && !u.searchParams.get("cursor")) {
+        out = { machines: [machine("a", { exp_run: "1" })], next_cursor: "c1" };
+      } else if (req.method === "GET") out = { machines: [machine("b", {})], next_cursor: null };
+      else out = machine("a", { "boxd.rl/run": "r-1", exp_run: "1" });
+      res.end(JSON.stringify(out));
+    });
+  });
+  await new Promise((ok) => srv.listen(0, "127.0.0.1", ok));
+  try {
+    const boxd = new sdk.Boxd({ baseUrl: `http://127.0.0.1:${srv.address().port}`, apiKey: "k" });
+    const m = await boxd.machines.new("a", { labels: { "boxd.rl/run": "r-1", exp_run: "1" } });
+    assert.deepEqual(m.labels, { "boxd.rl/run": "r-1", exp_run: "1" }); // not camelCased
+    assert.deepEqual(seen[0].body.labels, { "boxd.rl/run": "r-1", exp_run: "1" });
+    await boxd.machines.fork("a", { name: "b", labels: { x: "y" } });
+    assert.deepEqual(seen[1].body, { name: "b", labels: { x: "y" } });
+    await boxd.machines.fork("a", { count: 2, labels: { x: "y" } }).catch(() => {});
+    assert.deepEqual(seen[2].body, { count: 2, labels: { x: "y" } });
+    const all = await boxd.machines.list({ labels: { run: "1", team: "a" }, state: "running" });
+    assert.deepEqual(all.map((x) => x.name), ["a", "b"]); // both pages
+    assert.deepEqual(seen[3].labels, ["run=1", "team=a"]);
+    assert.equal(seen[3].query.state, "running");
+    assert.equal(seen[4].query.cursor, "c1");
+    const gone = await boxd.machines.deleteMany({ run: "1" });
+    assert.deepEqual(gone.deleted, [{ id: "m_a", name: "a" }]);
+    assert.equal(seen[5].method, "DELETE");
+    assert.deepEqual(seen[5].labels, ["run=1"]);
+    const before = seen.length;
+    await assert.rejects(boxd.machines.deleteMany({}), sdk.InvalidRequest);
+    assert.equal(seen.length, before); // an empty selector is never sent
+  } finally {
+    srv.close();
+  }
+});

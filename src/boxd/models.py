@@ -118,6 +118,65 @@ def check_env(env: dict[str, str], argv: str | list[str] | None) -> dict[str, st
     return env
 
 
+#: A machine label's key: 1-128 letters, digits, '.', '_', '/' or '-', starting and
+#: ending with a letter or digit (``boxd.rl/run``, ``team``, ``exp_7``).
+LABEL_KEY_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,126}[A-Za-z0-9])?$"
+_LABEL_KEY_RE = re.compile(LABEL_KEY_PATTERN.removesuffix("$") + r"\Z")
+#: A label's value: 0-256 characters, no control characters.
+LABEL_VALUE_PATTERN = r"^[^\x00-\x1f\x7f]{0,256}$"
+_LABEL_VALUE_RE = re.compile(LABEL_VALUE_PATTERN.removesuffix("$") + r"\Z")
+#: Labels one machine may carry (its own and those it inherits from its source).
+MAX_LABELS = 32
+LABEL_RULE = (f"at most {MAX_LABELS} labels; a key is 1-128 letters, digits, '.', '_', '/' "
+              "or '-', starting and ending with a letter or digit; a value is 0-256 "
+              "characters without control characters")
+_LABELS_SCHEMA = {
+    "type": "object", "maxProperties": MAX_LABELS,
+    "propertyNames": {"minLength": 1, "maxLength": 128, "pattern": LABEL_KEY_PATTERN},
+    "additionalProperties": {"type": "string", "maxLength": 256,
+                             "pattern": LABEL_VALUE_PATTERN},
+}
+
+
+def check_labels(labels: object, field: str = "labels") -> dict[str, str]:
+    """A copy of ``labels`` if it is a mapping of label keys to values within the bounds
+    (`LABEL_RULE`).
+
+    Raises:
+        InvalidRequest: it is not, saying which key or value breaks which rule.
+    """
+    if not isinstance(labels, dict):
+        from collections.abc import Mapping
+
+        if not isinstance(labels, Mapping):
+            raise InvalidRequest(f"labels must be a mapping of strings to strings, not "
+                                 f"{type(labels).__name__}", field=field, hint=LABEL_RULE)
+    out = dict(labels)
+    if len(out) > MAX_LABELS:
+        raise InvalidRequest(f"{len(out)} labels: the limit is {MAX_LABELS} per machine "
+                             "(inherited labels included)", field=field, hint=LABEL_RULE)
+    for key, value in out.items():
+        if not isinstance(key, str) or not _LABEL_KEY_RE.match(key):
+            raise InvalidRequest(f"invalid label key {str(key)[:140]!r}", field=field,
+                                 hint=LABEL_RULE)
+        if not isinstance(value, str) or not _LABEL_VALUE_RE.match(value):
+            raise InvalidRequest(f"invalid value for label {key!r}: {str(value)[:60]!r}",
+                                 field=field, hint=LABEL_RULE)
+    return out
+
+
+def _labels_field(labels: object) -> dict[str, str]:
+    """`check_labels` for a pydantic validator (its ValueError becomes a 400)."""
+    try:
+        return check_labels(labels)
+    except InvalidRequest as exc:
+        raise ValueError(f"{exc.message} ({exc.hint})") from None
+
+
+#: A machine's labels in a request: checked by `check_labels`; the schema states it.
+Labels = Annotated[dict[str, str], WithJsonSchema(_LABELS_SCHEMA)]
+
+
 #: An API key's label: 1-64 printable characters (no control characters).
 KEY_NAME_RE = r"^[^\x00-\x1f\x7f]{1,64}$"
 
@@ -174,6 +233,14 @@ class MachineCreate(BaseModel):
         description="id of the cluster node to place it on (`boxd nodes list`); default: "
         "the node with the most free memory",
     )
+    labels: Labels = Field(
+        default_factory=dict,
+        description=f"labels to find it by (list and delete by selector). {LABEL_RULE}")
+
+    @field_validator("labels", mode="before")
+    @classmethod
+    def _labels(cls, labels: object) -> object:
+        return _labels_field(labels)
 
 
 class Machine(BaseModel):
@@ -199,6 +266,9 @@ class Machine(BaseModel):
     suspend_after: float | None = Field(None, description="its idle timer (None: default)")
     hibernate_after: float | None = Field(None, description="its idle timer (None: default)")
     idle_seconds: float | None = Field(None, description="seconds since a request needed it")
+    labels: dict[str, str] = Field(
+        default_factory=dict, description="its labels (a fork's: its source's merged with "
+        "its own)")
 
     def url_for(self, port: int = config.GUEST_HTTP_PORT) -> str:
         """Its URL for a guest TCP port: ``url`` for 8080, ``http://127.0.0.1:PORT/TOKEN.N``
@@ -226,6 +296,13 @@ class Machine(BaseModel):
 
 class MachineList(BaseModel):
     machines: list[Machine]
+    next_cursor: str | None = Field(
+        None, description="pass as ``cursor`` for the next page; None: this was the last")
+
+
+#: Machines one list page holds at most (``limit``), and its default.
+MAX_LIST_LIMIT = 1000
+DEFAULT_LIST_LIMIT = 1000
 
 
 FORK_NODE = ("id of the cluster node to put the children on (`boxd nodes list`); default: "
@@ -233,9 +310,19 @@ FORK_NODE = ("id of the cluster node to put the children on (`boxd nodes list`);
              "forks can go to another node")
 
 
+FORK_LABELS = ("labels of the children, merged over the source's (which they inherit). "
+               + LABEL_RULE)
+
+
 class ForkRequest(BaseModel):
     name: Name | None = Field(None, description="name of the child; generated if absent")
     node: str | None = Field(None, description=FORK_NODE)
+    labels: Labels = Field(default_factory=dict, description=FORK_LABELS)
+
+    @field_validator("labels", mode="before")
+    @classmethod
+    def _labels(cls, labels: object) -> object:
+        return _labels_field(labels)
 
 
 MAX_STANDBY_FORKS = 64  # standby forks one warm request may ask for (a fork batch's max)
@@ -272,6 +359,12 @@ class ForkBatchRequest(BaseModel):
         json_schema_extra={"minItems": 1, "maxItems": 64, "uniqueItems": True},
     )
     node: str | None = Field(None, description=FORK_NODE)
+    labels: Labels = Field(default_factory=dict, description=FORK_LABELS)
+
+    @field_validator("labels", mode="before")
+    @classmethod
+    def _labels(cls, labels: object) -> object:
+        return _labels_field(labels)
 
 
 class ErrorBody(BaseModel):
@@ -290,6 +383,23 @@ class ForkItem(BaseModel):
 
 class ForkResult(BaseModel):
     children: list[ForkItem]
+
+
+class MachineRef(BaseModel):
+    id: str
+    name: str
+
+
+class DeleteItemError(BaseModel):
+    machine: MachineRef
+    error: ErrorBody
+
+
+class MachinesDeleted(BaseModel):
+    """What a delete by labels removed, and the machines it could not remove."""
+
+    deleted: list[MachineRef]
+    errors: list[DeleteItemError] = Field(default_factory=list)
 
 
 class ExecRequest(BaseModel):

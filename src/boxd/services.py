@@ -10,7 +10,7 @@ HTTP types here.
 from __future__ import annotations
 
 import builtins
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,8 +75,27 @@ class MachineService(Protocol):
     async def list(self, account: str) -> list[models.Machine]:
         ...
 
+    async def list_page(
+        self, account: str, *, labels: Mapping[str, str] | None = None,
+        state: models.MachineState | None = None, limit: int = models.DEFAULT_LIST_LIMIT,
+        cursor: str | None = None,
+    ) -> models.MachineList:
+        """One page of the machines carrying every label of ``labels`` (in ``state``),
+        oldest first, after ``cursor`` (a page's ``next_cursor``).
+        Raises: InvalidRequest (labels, limit, cursor)."""
+        ...
+
     async def delete(self, account: str, ref: str) -> None:
         """Stop the VM and remove every file of the machine. Raises: MachineNotFound."""
+        ...
+
+    async def delete_many(
+        self, account: str, labels: Mapping[str, str],
+        state: models.MachineState | None = None,
+    ) -> builtins.list[tuple[models.MachineRef, Exception | None]]:
+        """Delete every machine carrying all of ``labels`` (in ``state``): each machine
+        with the error that stopped its delete, or None.
+        Raises: InvalidRequest (no label, a bad one)."""
         ...
 
     async def wait_until_ready(self, account: str, ref: str, timeout: float) -> models.Machine:
@@ -109,10 +128,11 @@ class MachineService(Protocol):
 
     async def fork(
         self, account: str, ref: str, names: builtins.list[str | None],
-        node_hint: str | None = None,
+        node_hint: str | None = None, labels: Mapping[str, str] | None = None,
     ) -> builtins.list[models.Machine | Exception]:
         """Fork ``ref`` into ``len(names)`` children (None = generated name), per item,
-        on node ``node_hint`` if given. Raises: MachineNotFound, NotFound (no such
+        on node ``node_hint`` if given, with the source's labels merged with
+        ``labels``. Raises: InvalidRequest (labels), MachineNotFound, NotFound (no such
         node), InvalidRequest (the source's forks cannot go to that node)."""
         ...
 

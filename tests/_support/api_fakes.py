@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import hashlib
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,10 @@ from boxd.errors import (
 )
 from boxd.services import MachineService, SnapshotService
 from boxd.state import Database, new_id
+
+
+def labels_match(m: models.Machine, labels: Mapping[str, str] | None) -> bool:
+    return all(m.labels.get(k) == v for k, v in (labels or {}).items())
 
 
 class FakeMachines(MachineService):
@@ -57,7 +61,7 @@ class FakeMachines(MachineService):
 
     def _add(
         self, account: str, name: str | None, parent: str | None = None,
-        snapshot: str | None = None,
+        snapshot: str | None = None, labels: Mapping[str, str] | None = None,
     ) -> models.Machine:
         if name is not None and not models.NAME_RE.match(name):
             raise InvalidRequest(f"invalid name {name!r}", field="name")
@@ -67,7 +71,7 @@ class FakeMachines(MachineService):
         m = models.Machine(
             id=new_id("m"), name=name, state=models.MachineState.RUNNING, vcpus=1,
             memory_mib=1024, disk_gib=8, isolated=False, parent_id=parent,
-            snapshot=snapshot, created_at=time.time(),
+            snapshot=snapshot, created_at=time.time(), labels=dict(labels or {}),
         )
         self.machines[m.id] = (account, m)
         return m
@@ -77,7 +81,7 @@ class FakeMachines(MachineService):
         digest = None
         if req.from_snapshot is not None and self.snapshot_digest is not None:
             digest = self.snapshot_digest(account, req.from_snapshot)
-        return self._add(account, req.name, snapshot=digest)
+        return self._add(account, req.name, snapshot=digest, labels=req.labels)
 
     async def get(self, account: str, ref: str) -> models.Machine:
         return self._find(account, ref)
@@ -85,8 +89,34 @@ class FakeMachines(MachineService):
     async def list(self, account: str) -> list[models.Machine]:  # type: ignore[valid-type]
         return [m for o, m in self.machines.values() if o == account]
 
+    async def list_page(
+        self, account: str, *, labels: Mapping[str, str] | None = None,
+        state: models.MachineState | None = None, limit: int = models.DEFAULT_LIST_LIMIT,
+        cursor: str | None = None,
+    ) -> models.MachineList:
+        found = [m for o, m in self.machines.values() if o == account
+                 and labels_match(m, labels) and state in (None, m.state)]
+        if cursor and not cursor.isdigit():
+            raise InvalidRequest(f"invalid cursor {cursor!r}", field="cursor")
+        start = int(cursor) if cursor else 0
+        more = len(found) > start + limit
+        return models.MachineList(machines=found[start:start + limit],
+                                  next_cursor=str(start + limit) if more else None)
+
     async def delete(self, account: str, ref: str) -> None:
         del self.machines[self._find(account, ref).id]
+
+    async def delete_many(
+        self, account: str, labels: Mapping[str, str],
+        state: models.MachineState | None = None,
+    ) -> list[tuple[models.MachineRef, Exception | None]]:  # type: ignore[valid-type]
+        if not labels:
+            raise InvalidRequest("needs a label", field="label")
+        gone = [m for o, m in list(self.machines.values()) if o == account
+                and labels_match(m, labels) and state in (None, m.state)]
+        for m in gone:
+            del self.machines[m.id]
+        return [(models.MachineRef(id=m.id, name=m.name), None) for m in gone]
 
     async def wait_until_ready(self, account: str, ref: str, timeout: float) -> models.Machine:
         return self._find(account, ref)
@@ -135,7 +165,8 @@ class FakeMachines(MachineService):
             yield data[i : i + (1 << 16)]
 
     async def fork(  # type: ignore[valid-type]
-        self, account: str, ref: str, names: list[str | None], node_hint: str | None = None
+        self, account: str, ref: str, names: list[str | None], node_hint: str | None = None,
+        labels: Mapping[str, str] | None = None,
     ) -> list[models.Machine | Exception]:
         src = self._find(account, ref)
         if node_hint not in (None, "local"):  # one node, as nodes_list says
@@ -143,7 +174,8 @@ class FakeMachines(MachineService):
         out: list[models.Machine | Exception] = []
         for n in names:
             try:
-                out.append(self._add(account, n, parent=src.id, snapshot=src.snapshot))
+                out.append(self._add(account, n, parent=src.id, snapshot=src.snapshot,
+                                     labels={**src.labels, **(labels or {})}))
             except Exception as exc:
                 out.append(exc)
         return out

@@ -9,7 +9,13 @@ module (gVisor forks are the fast ones here); every env forks it.
 from __future__ import annotations
 
 import contextlib
+import os
 import runpy
+import signal
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -231,3 +237,86 @@ def test_branches_outlive_the_original_and_refork_from_its_template(
             b.close()
         env.close()
     assert _machines(client) <= before
+
+
+# ------------------------------------------------------- cleanup after a crash (issue 39.6)
+
+
+def _children(client: Any, parent: str) -> list[Any]:
+    return [m for m in client.machines.list() if m.parent_id == parent]
+
+
+def _wait_for(what: str, cond: Any, timeout: float = 300.0, every: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (got := cond()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(every)
+    return got
+
+
+def test_rl_verify_stopped_by_sigterm_deletes_its_forks(client: Any, branch_base: Any) -> None:
+    """`boxd rl verify` stopped by SIGTERM while its two forks run deletes them (by their
+    labels) before it exits; none counts against the quota after."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "boxd", "rl", "verify", branch_base.id, "branchenv:make",
+         "--seed", "1", "--steps", "10000000"],
+        env={**os.environ, "NO_COLOR": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        def running() -> list[Any]:
+            assert proc.poll() is None, proc.communicate()
+            forks = [m for m in _children(client, branch_base.id) if m.state == "running"]
+            return forks if len(forks) == 2 else []
+
+        forks = _wait_for("verify's two forks to run", running, every=0.2)
+        assert {m.labels.get("boxd.rl/owner") for m in forks} == {"verify"}
+        run = {m.labels["boxd.rl/run"] for m in forks}
+        assert len(run) == 1, "one verify call is one run"
+        time.sleep(3)  # the rollouts step in both
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=300)
+        assert client.machines.list(labels={"boxd.rl/run": run.pop()}) == [], err
+        assert _children(client, branch_base.id) == []
+        assert proc.returncode == 128 + signal.SIGTERM, (out, err)
+        assert b"stopped by SIGTERM" in err, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for m in _children(client, branch_base.id):  # what a failure leaves
+            with contextlib.suppress(errors.NotFound):
+                client.machines.delete(m.id)
+
+
+def test_a_branch_cut_by_a_daemon_kill_leaves_nothing_after_restart_and_close(
+        client: Any, branch_base: Any, daemon: Any) -> None:
+    """SIGKILL the daemon while `Env.branch(4)` forks; restart it; `env.close()` leaves no
+    branch machine (running or failed), as a branch is all or nothing. Last in the
+    module: it restarts the session's daemon."""
+    before = _machines(client)
+    env = rl.Env("branchenv:make", source=branch_base.id, boxd=client)
+    outcome: dict[str, Any] = {}
+    try:
+        env.reset(seed=3)
+        _roll(env, ACTIONS[:5])
+        parent = env.machine
+        assert parent is not None
+
+        def branch() -> None:
+            try:
+                outcome["branches"] = env.branch(4)
+            except BaseException as exc:
+                outcome["error"] = exc
+
+        t = threading.Thread(target=branch)
+        t.start()
+        _wait_for("a branch machine's record", lambda: _children(client, parent), every=0.01)
+        daemon.stop(signal.SIGKILL)
+        t.join(600)
+        assert not t.is_alive()
+        daemon.restart()
+    finally:
+        for b in outcome.get("branches", []):  # the branch may have been completed
+            b.close()
+        env.close()
+    assert _machines(client) <= before, "every branch machine is deleted"

@@ -174,7 +174,9 @@ def test_a_spread_runs_homes_rotate_over_the_nodes(boxd: Boxd) -> None:
     job.close()
     plain = _verify._Job(sources=["a"], env="x", steps=1, policy=None, runs=2, boxd=boxd,
                          pickle_by_value=(), make_kwargs={})
-    assert plain.home(1, 0) == "a"
+    home = plain.home(1, 0)  # one home for the source: its machines carry the job's labels
+    assert isinstance(home, MachineHome) and home.node is None and home.source == "a"
+    assert plain.home(0, 3) is home and home.labels["boxd.rl/owner"] == "verify"
     shared = _verify._Job(sources=["a"], env="x", steps=1, policy=None, runs=2, boxd=boxd,
                           pickle_by_value=(), make_kwargs={}, template=True)
     first = shared.home(0, 0)

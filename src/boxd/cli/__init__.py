@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -17,6 +17,7 @@ import click
 from boxd import __version__, errors
 from boxd.cli import _render
 from boxd.config import Paths, parse_duration
+from boxd.models import MachineState
 from boxd.sdk import Boxd
 
 __all__ = ["main"]
@@ -112,6 +113,28 @@ class _Duration(click.ParamType):  # type: ignore[type-arg]  # generic only in c
 _DURATION = _Duration()
 
 
+def _labels(ctx: click.Context, param: click.Parameter,
+            value: tuple[str, ...]) -> dict[str, str]:
+    """Repeated ``--label K=V`` as a mapping (checked by the SDK and the daemon)."""
+    out: dict[str, str] = {}
+    for item in value:
+        key, sep, val = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"expected K=V, got {item!r}")
+        if key in out:
+            raise click.BadParameter(f"label {key!r} is given twice")
+        out[key] = val
+    return out
+
+
+def label_option(help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    return click.option("--label", "-l", "labels", multiple=True, metavar="K=V",
+                        callback=_labels, help=help)
+
+
+_STATES = click.Choice([s.value for s in MachineState])
+
+
 @main.group(context_settings=_CONTEXT)
 def machine() -> None:
     """Create, run commands in, fork, checkpoint and delete machines."""
@@ -135,6 +158,8 @@ def machine() -> None:
 @click.option("--hibernate-after", type=_DURATION, metavar="DURATION",
               help="Hibernate after this long idle (0 never). Default: daemon's.")
 @click.option("--node", metavar="ID", help="Cluster node to place it on (`boxd nodes list`).")
+@label_option("Label it KEY=VALUE (repeat); its forks inherit it; `machine list --label` "
+              "and `machine delete --label` select by it.")
 @click.option("--wait/--no-wait", default=True, show_default=True, help="Wait until ready.")
 @click.option("--timeout", type=float, default=120.0, show_default=True, help="Seconds to wait.")
 @json_option
@@ -151,6 +176,7 @@ def machine_new(
     suspend_after: float | None,
     hibernate_after: float | None,
     node: str | None,
+    labels: dict[str, str],
     wait: bool,
     timeout: float,
     as_json: bool,
@@ -168,6 +194,7 @@ def machine_new(
         hibernate_after=hibernate_after,
         engine=engine,
         node=node,
+        labels=labels,
     )
     if wait:
         with _render.activity(f"waiting for {m.name} to boot", as_json=as_json):
@@ -176,11 +203,14 @@ def machine_new(
 
 
 @machine.command("list")
+@label_option("Only machines labelled KEY=VALUE (repeat: every label must match).")
+@click.option("--state", "in_state", type=_STATES, help="Only machines in this state.")
 @json_option
 @pass_state
-def machine_list(state: _State, as_json: bool) -> None:
-    """List machines."""
-    _show(state.boxd.machines.list(), as_json, _render.machines)
+def machine_list(state: _State, labels: dict[str, str], in_state: str | None,
+                 as_json: bool) -> None:
+    """List machines (oldest first)."""
+    _show(state.boxd.machines.list(labels=labels, state=in_state), as_json, _render.machines)
 
 
 @machine.command("info")
@@ -247,10 +277,31 @@ def machine_resume(state: _State, name: str, as_json: bool) -> None:
 
 
 @machine.command("delete")
-@click.argument("names", nargs=-1, required=True, metavar="NAME...")
+@click.argument("names", nargs=-1, metavar="[NAME]...")
+@label_option("Delete every machine labelled KEY=VALUE (repeat: every label must match), "
+              "instead of NAMEs: a crashed run's cleanup.")
+@click.option("--state", "in_state", type=_STATES,
+              help="With --label: only machines in this state.")
+@json_option
 @pass_state
-def machine_delete(state: _State, names: tuple[str, ...]) -> None:
-    """Delete machines (their checkpoints go with them). Tries every NAME."""
+def machine_delete(state: _State, names: tuple[str, ...], labels: dict[str, str],
+                   in_state: str | None, as_json: bool) -> None:
+    """Delete machines (their checkpoints go with them). Tries every NAME.
+
+    \b
+    With --label instead of names, deletes every machine that carries the labels:
+      boxd machine delete --label boxd.rl/run=r-1a2b3c4d
+    """
+    if names and labels:
+        raise click.UsageError("give NAMEs or --label, not both")
+    if not names and not labels:
+        raise click.UsageError("give the NAMEs to delete, or --label K=V to delete by "
+                               "labels (an empty selector would delete every machine)")
+    if in_state is not None and not labels:
+        raise click.UsageError("--state selects with --label only")
+    if labels:
+        _delete_labelled(state, labels, in_state, as_json)
+        return
     failed = 0
     for n in names:
         try:
@@ -263,6 +314,22 @@ def machine_delete(state: _State, names: tuple[str, ...]) -> None:
         else:
             click.echo(f"deleted {n}")
     if failed:
+        sys.exit(1)
+
+
+def _delete_labelled(state: _State, labels: dict[str, str], in_state: str | None,
+                     as_json: bool) -> None:
+    result = state.boxd.machines.delete_many(labels, state=in_state)
+    if as_json:
+        _render.print_json(result.model_dump(mode="json"))
+    else:
+        for m in result.deleted:
+            click.echo(f"deleted {m.name} ({m.id})")
+        if not result.deleted and not result.errors:
+            click.echo("no machine carries those labels")
+        for item in result.errors:
+            click.echo(f"error: {item.machine.name}: {item.error.message}", err=True)
+    if result.errors:
         sys.exit(1)
 
 
@@ -328,11 +395,12 @@ def machine_exec(
 @click.option("--node", default=None, help="Put the children on this cluster node "
               "(`boxd nodes list`; QEMU machines only). [default: the source's node while "
               "it has room, then the others]")
+@label_option("Label the children KEY=VALUE (repeat), over the labels they inherit from SRC.")
 @json_option
 @pass_state
 def machine_fork(
     state: _State, src: str, new: tuple[str, ...], count: int | None, node: str | None,
-    as_json: bool,
+    labels: dict[str, str], as_json: bool,
 ) -> None:
     """Fork running machine SRC into NEW (the child continues from the same instruction).
 
@@ -340,13 +408,13 @@ def machine_fork(
     """
     b = state.boxd
     if count is None and len(new) <= 1:
-        m = b.machines.fork(src, new[0] if new else None, node=node)
+        m = b.machines.fork(src, new[0] if new else None, node=node, labels=labels)
         _show(m, as_json, _render.machine)
         return
     results = (
-        b.machines.fork(src, names=list(new), count=count, node=node)
+        b.machines.fork(src, names=list(new), count=count, node=node, labels=labels)
         if new
-        else b.machines.fork(src, count=count or 1, node=node)
+        else b.machines.fork(src, count=count or 1, node=node, labels=labels)
     )
     made = [r for r in results if not isinstance(r, errors.BoxdError)]
     errs = [r for r in results if isinstance(r, errors.BoxdError)]

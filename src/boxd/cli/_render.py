@@ -244,6 +244,7 @@ def machine(m: models.Machine) -> None:
             ("snapshot", m.snapshot),
             ("accelerator", m.accelerator),
             ("error", m.error),
+            ("labels", ", ".join(f"{k}={v}" for k, v in sorted(m.labels.items())) or None),
             ("created", ago(m.created_at)),
         ]
     )

@@ -98,6 +98,12 @@ def verify(state: Any, source: str, env: str, seed: int | None, seeds: range | N
     where: dict[str, Any] = {"template": template} if nodes is None else {
         "placement": "spread", "nodes": None if nodes == ["all"] else nodes,
         "template": template}
+    # Its machines carry this run's labels; SIGTERM or SIGINT deletes them by label
+    # before the process ends (docs/rl.md, "Cleanup after a crash").
+    from boxd.rl._cleanup import delete_on_signals, run_labels
+
+    where["labels"] = run_labels("verify")
+    click.get_current_context().with_resource(delete_on_signals(state.boxd, where["labels"]))
     if seeds is not None:
         _sweep(state, sources, env, seeds, steps, runs, jobs, as_json, boxd_rl, where)
         return

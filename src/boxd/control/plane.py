@@ -13,8 +13,10 @@ those capabilities; it never asks what kind of node it holds (`control/nodes.py`
 from __future__ import annotations
 
 import asyncio
+import base64
 import builtins
 import contextlib
+import json
 import logging
 import secrets
 import time
@@ -80,6 +82,7 @@ def machine_model(rec: MachineRecord, host: str = "127.0.0.1") -> models.Machine
         created_at=rec.created_at, node=rec.node_id, engine=rec.engine,
         suspend_after=rec.suspend_after, hibernate_after=rec.hibernate_after,
         idle_seconds=round(max(0.0, time.time() - rec.last_active), 3),
+        labels=dict(rec.labels),
     )
 
 
@@ -208,7 +211,7 @@ class Machines:
         disk_gib: int, isolated: bool, parent_id: str | None = None,
         snapshot: str | None = None, image: str | None = None, engine: str | None = None,
         suspend_after: float | None = None, hibernate_after: float | None = None,
-        public: bool = False,
+        public: bool = False, labels: Mapping[str, str] | None = None,
     ) -> MachineRecord:
         if name is None:
             name = f"machine-{secrets.token_hex(3)}"
@@ -219,6 +222,7 @@ class Machines:
             node_id=node.id, engine=engine or await node.engine_name(), parent_id=parent_id,
             snapshot=snapshot, default_quota=self.default_quota,
             suspend_after=suspend_after, hibernate_after=hibernate_after, url_public=public,
+            labels=models.check_labels(labels or {}),
         )
 
     # ---------------------------------------------------------------- create
@@ -237,7 +241,7 @@ class Machines:
                 account, req.name, node, vcpus=req.vcpus, memory_mib=req.memory_mib,
                 disk_gib=req.disk_gib, isolated=req.isolated, engine=req.engine,
                 suspend_after=req.suspend_after, hibernate_after=req.hibernate_after,
-                public=req.public,
+                public=req.public, labels=req.labels,
             )
             await node.create(rec.id, Boot())  # on failure the record is gone
             return rec
@@ -279,7 +283,7 @@ class Machines:
                 isolated=req.isolated or bool(meta.get("isolated", False)),
                 snapshot=manifest.digest, engine=engine,
                 suspend_after=req.suspend_after, hibernate_after=req.hibernate_after,
-                public=req.public,
+                public=req.public, labels=req.labels,
             )
             if self.cluster is None:
                 await node.create(rec.id, source)
@@ -300,6 +304,62 @@ class Machines:
 
     async def list(self, account: str) -> builtins.list[models.Machine]:
         return [self._model(r) for r in self.repos.machines.list(account)]
+
+    async def list_page(
+        self, account: str, *, labels: Mapping[str, str] | None = None,
+        state: MachineState | None = None, limit: int = models.DEFAULT_LIST_LIMIT,
+        cursor: str | None = None,
+    ) -> models.MachineList:
+        """One page of the account's machines that carry every label of ``labels`` (and
+        are in ``state``), oldest first; its ``next_cursor`` continues after it.
+
+        Raises:
+            InvalidRequest: bad labels, a ``limit`` outside 1-MAX_LIST_LIMIT, or a cursor
+                this daemon did not make.
+        """
+        if not 1 <= limit <= models.MAX_LIST_LIMIT:
+            raise InvalidRequest(f"limit must be 1-{models.MAX_LIST_LIMIT}, not {limit}",
+                                 field="limit")
+        recs = self.repos.machines.page(
+            account, labels=models.check_labels(labels or {}, "label"), state=state,
+            after=_decode_cursor(cursor) if cursor else None, limit=limit)
+        last = recs[-1] if len(recs) == limit else None
+        return models.MachineList(
+            machines=[self._model(r) for r in recs],
+            next_cursor=_encode_cursor(last.created_at, last.id) if last else None)
+
+    async def delete_many(
+        self, account: str, labels: Mapping[str, str], state: MachineState | None = None,
+    ) -> builtins.list[tuple[models.MachineRef, Exception | None]]:
+        """Delete every machine of the account that carries all of ``labels`` (and is in
+        ``state``): a crashed run's cleanup. Each item is a machine and the error that
+        stopped its delete, or None; one failure does not stop the others.
+
+        Raises:
+            InvalidRequest: no label (an empty selector would take every machine), or a
+                bad one.
+        """
+        labels = models.check_labels(labels, "label")
+        if not labels:
+            raise InvalidRequest(
+                "delete by labels needs at least one label: an empty selector would "
+                "delete every machine", field="label",
+                hint="give the labels of what to delete, e.g. label=boxd.rl/run=ID")
+        out: builtins.list[tuple[models.MachineRef, Exception | None]] = []
+        after: tuple[float, str] | None = None
+        while True:  # a page at a time: the records in memory are one page's
+            recs = self.repos.machines.page(account, labels=labels, state=state,
+                                            after=after, limit=_DELETE_PAGE)
+            if not recs:
+                return out
+            after = (recs[-1].created_at, recs[-1].id)
+            results = await asyncio.gather(*(self.delete(account, r.id) for r in recs),
+                                           return_exceptions=True)
+            for rec, res in zip(recs, results, strict=True):
+                if isinstance(res, BaseException) and not isinstance(res, Exception):
+                    raise res  # a cancellation is the request's, not an item's
+                err = None if isinstance(res, MachineNotFound) else res  # gone meanwhile
+                out.append((models.MachineRef(id=rec.id, name=rec.name), err))
 
     async def wait_until_ready(self, account: str, ref: str, timeout: float) -> models.Machine:
         rec = self._find(account, ref)
@@ -356,19 +416,26 @@ class Machines:
 
     async def fork(
         self, account: str, ref: str, names: builtins.list[str | None],
-        node_hint: str | None = None,
+        node_hint: str | None = None, labels: Mapping[str, str] | None = None,
     ) -> builtins.list[models.Machine | Exception]:
         """Fork ``ref`` into one child per name (None: a generated name); each item is
         the child or the error that stopped it. ``node_hint`` puts every child on that
-        node (a cluster's other node receives the source's template)."""
+        node (a cluster's other node receives the source's template). The children
+        carry the source's labels merged with ``labels``.
+
+        Raises:
+            InvalidRequest: a bad name, or labels that break `models.LABEL_RULE` (with
+                the source's).
+        """
         src = self._find(account, ref)
         for n in names:
             if n is not None:
                 validate_name(n)
+        inherited = models.check_labels({**src.labels, **models.check_labels(labels or {})})
         node = self._node(src)
         async with self._placing:  # room counts claims: batches choose one at a time
             targets = await self._fork_targets(src, node, len(names), node_hint)
-            claimed = await self._claim_children(account, src, names, targets)
+            claimed = await self._claim_children(account, src, names, targets, inherited)
         results = await self._launch_children(src, node, claimed)
         out: builtins.list[models.Machine | Exception] = []
         for c in claimed:
@@ -384,7 +451,7 @@ class Machines:
 
     async def _claim_children(
         self, account: str, src: MachineRecord, names: builtins.list[str | None],
-        targets: builtins.list[Node | Exception],
+        targets: builtins.list[Node | Exception], labels: Mapping[str, str],
     ) -> builtins.list[MachineRecord | Exception]:
         """Claim every child's name and quota slot first: one that fails is that item's
         error and the others go on."""
@@ -400,6 +467,7 @@ class Machines:
                     isolated=src.isolated, parent_id=src.id, snapshot=src.snapshot,
                     image=src.image, engine=src.engine, suspend_after=src.suspend_after,
                     hibernate_after=src.hibernate_after, public=src.url_public,
+                    labels=labels,
                 ))
             except Exception as exc:
                 claimed.append(exc)
@@ -585,6 +653,29 @@ class Machines:
         node (a remote node's machines have no route to this daemon's app yet)."""
         for node in self.local.values():
             node.serve_guests(handler)
+
+
+#: Machines a delete by labels deletes at once (one page of its selector).
+_DELETE_PAGE = 32
+
+
+def _encode_cursor(created_at: float, machine_id: str) -> str:
+    """An opaque list cursor: the (created_at, id) key of the last machine of a page."""
+    raw = json.dumps([created_at, machine_id], separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _decode_cursor(cursor: str) -> tuple[float, str]:
+    """Raises: InvalidRequest: not a cursor of `_encode_cursor`."""
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        created_at, machine_id = json.loads(raw)
+        if isinstance(created_at, int | float) and isinstance(machine_id, str):
+            return float(created_at), machine_id
+    except (ValueError, TypeError):
+        pass
+    raise InvalidRequest(f"invalid cursor {cursor[:40]!r}", field="cursor",
+                         hint="pass the next_cursor of the previous page as given")
 
 
 def _check_engine(req: models.MachineCreate, engine: str) -> None:

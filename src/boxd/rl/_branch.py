@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from boxd import errors
 from boxd.rl._channel import Home, MakeRequest, Rpc, Slot
+from boxd.rl._cleanup import BRANCH_LABEL, CREATIONS, delete_labelled, new_id
 from boxd.rl._machines import READY_TIMEOUT, MachineHome, MachineSlot
 
 if TYPE_CHECKING:
@@ -168,10 +169,19 @@ def fork_slots(point: _Point, k: int, indices: Sequence[int | None]) -> list[For
     """``k`` forks of ``point``'s machine, each attached to its copy of the server.
 
     All or nothing: when one fails, the others are deleted and its error is raised.
+    The forks carry the env's labels (inherited) and one ``boxd.rl/branch`` label of
+    their own, by which the failure path deletes them all, those whose answer was lost
+    too (the fork request itself failed: a daemon killed midway).
     """
     c = point.home.boxd
     names = [f"rl-branch-{secrets.token_hex(4)}" for _ in range(k)]
-    items = c.machines.fork(point.machine, names=names)
+    labels = {**point.home.labels, BRANCH_LABEL: new_id("b")}
+    try:
+        with CREATIONS.creating():
+            items = c.machines.fork(point.machine, names=names, labels=labels)
+    except BaseException:
+        delete_labelled(c, labels)
+        raise
     made = [m.id for m in items if not isinstance(m, errors.BoxdError)]
     failed: BaseException | None = next(
         (m for m in items if isinstance(m, errors.BoxdError)), None)
@@ -194,6 +204,7 @@ def fork_slots(point: _Point, k: int, indices: Sequence[int | None]) -> list[For
         for m in made:
             with contextlib.suppress(errors.BoxdError):
                 c.machines.delete(m)
+        delete_labelled(c, labels)  # and any the daemon made that no answer named
         raise failed
     return [ForkSlot(point, m, p, i) for m, p, i in zip(made, procs, indices, strict=True)]
 

@@ -114,6 +114,13 @@ class Env(gym.Env[Any, Any]):
         """The id of the machine the env runs in (None for a local server)."""
         return self._slot.machine
 
+    @property
+    def labels(self) -> dict[str, str]:
+        """The labels every machine of this env carries (its branches' too; {} for a
+        local server): ``boxd machine delete --label boxd.rl/run=ID`` removes them after
+        a crash of this process; `close` deletes them by these labels."""
+        return dict(getattr(self._home, "labels", None) or {})
+
     def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> tuple[Any, dict[str, Any]]:

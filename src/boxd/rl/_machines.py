@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from boxd import errors
 from boxd.rl._channel import GUEST_SERVER, REWIND_CHECKPOINT, SERVER_FILE, MakeRequest, Rpc
+from boxd.rl._cleanup import CREATIONS, delete_labelled, run_labels
 
 if TYPE_CHECKING:
     from boxd.sdk._process_sync import ProcessHandle
@@ -99,7 +100,9 @@ class MachineSlot:
         if tpl is not None and self._from_template(tpl):
             return
         c = self._home.boxd
-        fork = c.machines.fork(self._home.source, _name("rl"), node=self._home.node)
+        with CREATIONS.creating():
+            fork = c.machines.fork(self._home.source, _name("rl"), node=self._home.node,
+                                   labels=self._home.labels)
         self._machine = fork.id
         try:
             c.machines.wait_until_ready(fork.id, timeout=READY_TIMEOUT)
@@ -117,7 +120,8 @@ class MachineSlot:
         """Fork the built template and re-attach to the child's copy of its server;
         False (nothing left behind) when the agent cannot re-attach."""
         c = self._home.boxd
-        fork = c.machines.fork(tpl.machine, _name("rl"))
+        with CREATIONS.creating():  # the template's labels are the home's: inherited
+            fork = c.machines.fork(tpl.machine, _name("rl"))
         self._machine = fork.id
         try:
             c.machines.wait_until_ready(fork.id, timeout=READY_TIMEOUT)
@@ -178,10 +182,15 @@ class MachineHome:
     the env is built once in a template machine and each slot forks it; `close`
     deletes the templates. With ``node``, the forks of ``source`` go to that cluster
     node (``machines.fork(..., node=)``).
+
+    Every machine it makes carries ``labels`` (by default a new run's:
+    ``boxd.rl/run=<id>``, ``boxd.rl/owner=env``; `boxd.rl._cleanup`), and `close`
+    deletes every machine that carries them: those whose creation answered and those
+    whose answer was lost (a crash, a branch that failed partway).
     """
 
     def __init__(self, source: str, boxd: Boxd | None = None, *,
-                 node: str | None = None) -> None:
+                 node: str | None = None, labels: dict[str, str] | None = None) -> None:
         if boxd is None:
             from boxd.sdk._sync import Boxd
 
@@ -191,6 +200,7 @@ class MachineHome:
             self._owns = False
         self.source = source
         self.node = node
+        self.labels = dict(labels) if labels is not None else run_labels("env")
         self.boxd = boxd
         self.can_attach: bool | None = None  # learnt from the first attempt
         self._lock = threading.Lock()
@@ -220,7 +230,9 @@ class MachineHome:
 
     def _build_template(self, make: MakeRequest, index: int | None) -> _Template:
         c = self.boxd
-        fork = c.machines.fork(self.source, _name("rl-template"), node=self.node)
+        with CREATIONS.creating():
+            fork = c.machines.fork(self.source, _name("rl-template"), node=self.node,
+                                   labels=self.labels)
         try:
             c.machines.wait_until_ready(fork.id, timeout=READY_TIMEOUT)
             c.machines.files.upload(fork.id, GUEST_SERVER, SERVER_FILE.read_bytes())
@@ -238,11 +250,13 @@ class MachineHome:
             raise
 
     def close(self) -> None:
-        """Delete the templates (and close the client if this home made it)."""
+        """Delete the templates, then every machine that carries this home's labels
+        (and close the client if this home made it)."""
         templates, self._templates = list(self._templates.values()), {}
         for tpl in templates:
             with contextlib.suppress(errors.BoxdError):
                 self.boxd.machines.delete(tpl.machine)
+        delete_labelled(self.boxd, self.labels)
         if self._owns:
             self.boxd.close()
 

@@ -429,8 +429,15 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
             [("set_attr", name, v) for v in values]))
 
     def close_extras(self, **kwargs: Any) -> None:
-        """Close every sub-env and delete its machine."""
+        """Close every sub-env and delete its machine (by label: those whose creation
+        answered and those whose answer was lost)."""
         self._pool.close()
+
+    @property
+    def labels(self) -> dict[str, str]:
+        """The labels every machine of this vector env carries ({} for local servers):
+        ``boxd machine delete --label boxd.rl/run=ID`` removes them after a crash."""
+        return dict(getattr(self._pool.home, "labels", None) or {})
 
     def _check_open(self) -> None:
         if self.closed:

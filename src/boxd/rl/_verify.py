@@ -46,7 +46,7 @@ import logging
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, get_args, overload
@@ -56,6 +56,7 @@ from gymnasium.utils.env_checker import data_equivalence
 
 from boxd.rl import _trace
 from boxd.rl._channel import Home
+from boxd.rl._cleanup import run_labels
 from boxd.rl._env import Env, ResetMode
 
 if TYPE_CHECKING:
@@ -64,6 +65,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Policy = Callable[[Any], Any]
+Labels = Mapping[str, str] | None
 Placement = Literal["same-node", "spread"]
 PLACEMENTS: tuple[str, ...] = get_args(Placement)
 FIELDS = ("action", "obs", "reward", "terminated", "truncated")
@@ -342,7 +344,8 @@ def verify(
     source: str | Home | Sequence[str], env: str | Callable[..., Any], *, seed: int,
     steps: int, policy: Policy | None = None, runs: int = 2, boxd: Boxd | None = None,
     placement: Placement = "same-node", nodes: Sequence[str] | None = None,
-    template: bool = False, pickle_by_value: Sequence[Any] = (), **make_kwargs: Any,
+    template: bool = False, pickle_by_value: Sequence[Any] = (),
+    labels: Mapping[str, str] | None = None, **make_kwargs: Any,
 ) -> VerifyReport: ...
 
 
@@ -353,7 +356,8 @@ def verify(
     jobs: int = 4, progress: Callable[[VerifyReport], None] | None = None,
     boxd: Boxd | None = None, placement: Placement = "same-node",
     nodes: Sequence[str] | None = None, template: bool = False,
-    pickle_by_value: Sequence[Any] = (), **make_kwargs: Any,
+    pickle_by_value: Sequence[Any] = (), labels: Mapping[str, str] | None = None,
+    **make_kwargs: Any,
 ) -> SweepReport: ...
 
 
@@ -363,7 +367,8 @@ def verify(
     policy: Policy | None = None, runs: int = 2, jobs: int = 4,
     progress: Callable[[VerifyReport], None] | None = None, boxd: Boxd | None = None,
     placement: Placement = "same-node", nodes: Sequence[str] | None = None,
-    template: bool = False, pickle_by_value: Sequence[Any] = (), **make_kwargs: Any,
+    template: bool = False, pickle_by_value: Sequence[Any] = (), labels: Labels = None,
+    **make_kwargs: Any,
 ) -> VerifyReport | SweepReport:
     """Run ``env`` in ``runs`` fresh forks of ``source`` with one seed; compare them.
 
@@ -390,6 +395,7 @@ def verify(
         template: fork every run from a template in which the env was built once
             (per source and node): faster, but blind to the constructor (see above).
         pickle_by_value: modules whose code travels with the factory.
+        labels: over ``boxd.rl/run=<id>``, ``boxd.rl/owner=verify``: its machines' labels.
         **make_kwargs: keyword arguments for the env's constructor.
 
     Raises:
@@ -401,14 +407,12 @@ def verify(
             the first such failure and raises it once the seeds in flight are done).
     """
     _check(seed=seed, seeds=seeds, steps=steps, runs=runs, jobs=jobs, placement=placement)
-    sources = _sources(source)
-    owned = _client(sources) if (placement == "spread" or template) and boxd is None else None
-    boxd = boxd or owned
-    job = _Job(sources=sources, env=env, steps=steps, policy=policy, runs=runs, boxd=boxd,
-               pickle_by_value=pickle_by_value, make_kwargs=make_kwargs, template=template)
+    job, owned = _new_job(source, env, boxd, labels, steps=steps, policy=policy, runs=runs,
+                          pickle_by_value=pickle_by_value, make_kwargs=make_kwargs,
+                          template=template)
     try:
         if placement == "spread":
-            job.nodes = _spread_nodes(boxd, sources, nodes)
+            job.nodes = _spread_nodes(job.boxd, job.sources, nodes)
         if seeds is not None:
             return _sweep(job, list(seeds), jobs=jobs, progress=progress)
         assert seed is not None
@@ -417,6 +421,16 @@ def verify(
         job.close()
         if owned is not None:
             owned.close()
+
+
+def _new_job(source: str | Home | Sequence[str], env: str | Callable[..., Any],
+             boxd: Boxd | None, labels: Labels, **fields: Any) -> tuple[_Job, Boxd | None]:
+    """The job of one `verify` call, its machines labelled with a new verify run (and
+    ``labels``); and the client it made (None: the caller's)."""
+    sources = _sources(source)
+    owned = _client(sources) if boxd is None else None
+    return _Job(sources=sources, env=env, boxd=boxd or owned,
+                labels={**run_labels("verify"), **(labels or {})}, **fields), owned
 
 
 def _client(sources: list[str | Home]) -> Boxd | None:
@@ -502,15 +516,17 @@ class _Job:
     nodes: tuple[str, ...] = ()
     #: every run forks a template in which the env was built once (per source and node)
     template: bool = False
+    #: the labels of every machine the job makes (`boxd.rl._cleanup`)
+    labels: dict[str, str] = field(default_factory=lambda: run_labels("verify"))
     _homes: dict[tuple[str, str | None], Home] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def home(self, i: int, k: int) -> str | Home:
-        """What run ``i`` of the ``k``-th seed forks: its source, or the `Home` this
-        job keeps for that source (and node) when runs are pinned to nodes or share a
-        built template."""
+        """What run ``i`` of the ``k``-th seed forks: the `Home` this job keeps for its
+        source (and node, when runs are pinned to nodes), whose machines carry the job's
+        labels; or the source itself when it is a `Home`."""
         source = self.sources[i % len(self.sources)]
-        if not (self.nodes or self.template) or not isinstance(source, str):
+        if not isinstance(source, str):
             return source
         node = self.nodes[(i + k) % len(self.nodes)] if self.nodes else None
         with self._lock:
@@ -518,17 +534,19 @@ class _Job:
             if home is None:
                 from boxd.rl._machines import MachineHome
 
-                home = self._homes[source, node] = MachineHome(source, self.boxd, node=node)
+                home = self._homes[source, node] = MachineHome(source, self.boxd, node=node,
+                                                               labels=self.labels)
             return home
 
     def close(self) -> None:
-        """Delete the templates of the homes this job made."""
+        """Delete the templates of the homes this job made, and every machine labelled
+        with the job's labels."""
         homes, self._homes = list(self._homes.values()), {}
         for home in homes:
             home.close()
 
     def replay(self) -> _Replay:
-        return _Replay(self.sources[0], self.env, self.boxd, self.pickle_by_value,
+        return _Replay(self.home(0, 0), self.env, self.boxd, self.pickle_by_value,
                        self.make_kwargs)
 
 

@@ -216,6 +216,7 @@ class AsyncMachines:
         hibernate_after: float | None = None,
         node: str | None = None,
         public: bool = False,
+        labels: Mapping[str, str] | None = None,
     ) -> models.Machine:
         """Create and boot a machine; returns while it starts (see ``wait_until_ready``).
 
@@ -237,6 +238,9 @@ class AsyncMachines:
             public: its URL needs no token (the bare ``http://127.0.0.1:PORT``, any TCP
                 protocol): every local user reaches its port 8080 and wakes it. Default:
                 ``Machine.url`` carries the machine's token; use it as given.
+            labels: string keys and values to find it by (``list(labels=)``,
+                ``delete_many(labels=)``); its forks inherit them. At most 32; a key is
+                1-128 of letters, digits, ``._/-``; a value 0-256 characters.
 
         Raises:
             InvalidRequest, AlreadyExists, QuotaExceeded, SnapshotNotFound, HostSetupError.
@@ -244,7 +248,8 @@ class AsyncMachines:
         return await self._c._parse(
             models.Machine,
             _base.machine_create(name, vcpus, memory_mib, disk_gib, isolated, from_snapshot,
-                                 engine, suspend_after, hibernate_after, node, public),
+                                 engine, suspend_after, hibernate_after, node, public,
+                                 labels),
         )
 
     async def get(self, ref: str) -> models.Machine:
@@ -267,13 +272,54 @@ class AsyncMachines:
         """
         return (await self.get(ref)).url_for(port)
 
-    async def list(self) -> list[models.Machine]:
-        """Every machine of this account.
+    async def list(
+        self, *, labels: Mapping[str, str] | None = None, state: str | None = None,
+    ) -> builtins.list[models.Machine]:
+        """Every machine of this account (oldest first) that carries all of ``labels``
+        and is in ``state`` (a `MachineState` value) if given; the pages are followed
+        (`list_page` takes one at a time).
 
         Raises:
+            InvalidRequest: a bad label or state.
             BoxdError: the daemon refused the request.
         """
-        return (await self._c._parse(models.MachineList, _base.machine_list())).machines
+        out: builtins.list[models.Machine] = []
+        cursor: str | None = None
+        while True:
+            page = await self.list_page(labels=labels, state=state, cursor=cursor)
+            out.extend(page.machines)
+            if page.next_cursor is None:
+                return out
+            cursor = page.next_cursor
+
+    async def list_page(
+        self, *, labels: Mapping[str, str] | None = None, state: str | None = None,
+        limit: int | None = None, cursor: str | None = None,
+    ) -> models.MachineList:
+        """One page of `list`: up to ``limit`` machines (the daemon's default if None,
+        at most 1000) after ``cursor``, and ``next_cursor`` (None on the last page).
+
+        Raises:
+            InvalidRequest: a bad label, state, limit or cursor.
+        """
+        return await self._c._parse(models.MachineList,
+                                    _base.machine_list(labels, state, limit, cursor))
+
+    async def delete_many(
+        self, labels: Mapping[str, str], *, state: str | None = None,
+    ) -> models.MachinesDeleted:
+        """Delete every machine that carries all of ``labels`` (and is in ``state`` if
+        given): a crashed run's cleanup. One failure does not stop the others.
+
+        Returns:
+            ``MachinesDeleted``: ``deleted`` (id and name of each) and ``errors`` (each
+            machine that could not be deleted, with its error).
+
+        Raises:
+            InvalidRequest: no label (an empty selector is refused), or a bad one.
+        """
+        return await self._c._parse(models.MachinesDeleted,
+                                    _base.machine_delete_many(labels, state))
 
     async def lineage(self, ref: str | None = None) -> _lineage.Lineage:
         """Fork trees and snapshot lineage, built from the machine and snapshot lists.
@@ -405,19 +451,22 @@ class AsyncMachines:
 
     @overload
     async def fork(
-        self, src: str, name: str | None = None, *, node: str | None = None
+        self, src: str, name: str | None = None, *, node: str | None = None,
+        labels: Mapping[str, str] | None = None,
     ) -> models.Machine: ...
 
     @overload
     async def fork(
         self, src: str, name: None = None, *, count: int,
         names: builtins.list[str] | None = None, node: str | None = None,
+        labels: Mapping[str, str] | None = None,
     ) -> builtins.list[models.Machine | errors.BoxdError]: ...
 
     @overload
     async def fork(
         self, src: str, name: None = None, *, count: int | None = None,
         names: builtins.list[str], node: str | None = None,
+        labels: Mapping[str, str] | None = None,
     ) -> builtins.list[models.Machine | errors.BoxdError]: ...
 
     async def fork(
@@ -428,6 +477,7 @@ class AsyncMachines:
         count: int | None = None,
         names: builtins.list[str] | None = None,
         node: str | None = None,
+        labels: Mapping[str, str] | None = None,
     ) -> models.Machine | builtins.list[models.Machine | errors.BoxdError]:
         """Fork a running machine: the child continues from the same instruction.
 
@@ -435,7 +485,8 @@ class AsyncMachines:
         entry per child: its ``Machine`` or the ``BoxdError`` that stopped it (one failure
         doesn't sink the batch). Otherwise return the single child. ``node`` puts the
         children on that cluster node (`nodes.list`); by default they go to the
-        source's node while it has room, then to the others.
+        source's node while it has room, then to the others. The children carry the
+        source's labels merged with ``labels``.
 
         Raises:
             MachineNotFound, StateError, AlreadyExists, QuotaExceeded (single fork; a
@@ -444,11 +495,12 @@ class AsyncMachines:
             and the source cannot leave it (a gVisor machine, or no cluster).
         """
         if count is None and names is None:
-            return await self._c._parse(models.Machine, _base.machine_fork(src, name, node))
+            return await self._c._parse(models.Machine,
+                                        _base.machine_fork(src, name, node, labels))
         if name is not None:
             raise errors.InvalidRequest("pass either name or count/names", field="name")
         result = await self._c._parse(
-            models.ForkResult, _base.machine_fork_batch(src, count, names, node)
+            models.ForkResult, _base.machine_fork_batch(src, count, names, node, labels)
         )
         return _base.fork_items(result)
 

@@ -211,7 +211,7 @@ class Req:
 
     method: str
     path: str
-    params: dict[str, Any] = field(default_factory=dict)  # str, or a list to repeat
+    params: Mapping[str, str | list[str]] = field(default_factory=dict)  # a list repeats
     json: Any = None
     content: bytes | None = None
     timeout: float | str | None = DEFAULT
@@ -240,10 +240,13 @@ def machine_create(
     hibernate_after: float | None = None,
     node: str | None = None,
     public: bool = False,
+    labels: Mapping[str, str] | None = None,
 ) -> Req:
     body: dict[str, Any] = {"isolated": bool(isolated)}
     if public:
         body["public"] = True
+    if labels:
+        body["labels"] = models.check_labels(labels)
     for k, v in (
         ("name", name),
         ("vcpus", vcpus),
@@ -264,8 +267,40 @@ def machine_get(ref: str) -> Req:
     return Req("GET", f"/v1/machines/{seg(ref)}")
 
 
-def machine_list() -> Req:
-    return Req("GET", "/v1/machines")
+def label_params(labels: Mapping[str, str] | None, state: str | None) -> dict[str, Any]:
+    """Query parameters of a label selector: ``label=K=V`` once per label.
+
+    Raises:
+        InvalidRequest: a label breaks `models.LABEL_RULE`.
+    """
+    params: dict[str, Any] = {}
+    if labels:
+        params["label"] = [f"{k}={v}" for k, v in models.check_labels(labels).items()]
+    if state is not None:
+        params["state"] = str(state)
+    return params
+
+
+def machine_list(
+    labels: Mapping[str, str] | None = None, state: str | None = None,
+    limit: int | None = None, cursor: str | None = None,
+) -> Req:
+    params = label_params(labels, state)
+    if limit is not None:
+        params["limit"] = str(int(limit))
+    if cursor is not None:
+        params["cursor"] = cursor
+    return Req("GET", "/v1/machines", params=params)
+
+
+def machine_delete_many(labels: Mapping[str, str], state: str | None = None) -> Req:
+    """Raises: InvalidRequest: no label (an empty selector would take every machine)."""
+    if not labels:
+        raise errors.InvalidRequest(
+            "delete_many needs at least one label: an empty selector would delete every "
+            "machine", field="labels", hint="e.g. delete_many(labels={'run': 'r-7'})")
+    return Req("DELETE", "/v1/machines", params=label_params(labels, state),
+               timeout=NO_READ_TIMEOUT)
 
 
 def machine_delete(ref: str) -> Req:
@@ -346,14 +381,21 @@ def machine_warm(ref: str, forks: int) -> Req:
     return Req("POST", f"/v1/machines/{seg(ref)}/warm", json={"forks": forks})
 
 
-def machine_fork(src: str, name: str | None, node: str | None = None) -> Req:
-    body = {k: v for k, v in (("name", name), ("node", node)) if v is not None}
+def machine_fork(src: str, name: str | None, node: str | None = None,
+                 labels: Mapping[str, str] | None = None) -> Req:
+    body: dict[str, Any] = {k: v for k, v in (("name", name), ("node", node))
+                            if v is not None}
+    if labels:
+        body["labels"] = models.check_labels(labels)
     return Req("POST", f"/v1/machines/{seg(src)}/fork", json=body)
 
 
 def machine_fork_batch(src: str, count: int | None, names: list[str] | None,
-                       node: str | None = None) -> Req:
+                       node: str | None = None,
+                       labels: Mapping[str, str] | None = None) -> Req:
     body: dict[str, Any] = {} if node is None else {"node": node}
+    if labels:
+        body["labels"] = models.check_labels(labels)
     if count is not None:
         body["count"] = count
     if names is not None:

@@ -117,7 +117,7 @@ class AsyncProcessHandle:
 
         try:
             await (await self._conn()).send(data)
-        except ConnectionClosed as exc:
+        except (ConnectionClosed, OSError) as exc:  # OSError: the socket broke (EPIPE)
             raise await self._closed(exc) from exc
 
     async def recv(self, timeout: float | None = None) -> bytes:

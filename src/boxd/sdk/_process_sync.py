@@ -118,7 +118,7 @@ class ProcessHandle:
 
         try:
             self._conn().send(data)
-        except ConnectionClosed as exc:
+        except (ConnectionClosed, OSError) as exc:  # OSError: the socket broke (EPIPE)
             raise self._closed(exc) from exc
 
     def recv(self, timeout: float | None = None) -> bytes:

@@ -6,8 +6,9 @@ repository (`boxd.state.repos`) to write, which returns a new record where it ma
 
 from __future__ import annotations
 
+import json
 import sqlite3
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from boxd.models import MachineState
@@ -46,6 +47,7 @@ class MachineRecord:
     hibernate_after: float | None
     url_token: str | None = None  # the URL's secret path segment (None: no URL is served)
     url_public: bool = False  # the URL needs no token (an explicit opt-out)
+    labels: dict[str, str] = field(default_factory=dict, hash=False)  # checked by the plane
 
     @classmethod
     def of(cls, row: sqlite3.Row) -> MachineRecord:
@@ -62,6 +64,7 @@ class MachineRecord:
             last_active=row["last_active"] or row["created_at"],
             suspend_after=row["suspend_after"], hibernate_after=row["hibernate_after"],
             url_token=row["url_token"], url_public=bool(row["url_public"]),
+            labels=json.loads(row["labels"] or "{}"),
         )
 
 

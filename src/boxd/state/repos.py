@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import builtins
 import functools
+import json
 import secrets
 import sqlite3
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import ParamSpec, TypeVar
 
@@ -88,6 +89,36 @@ class Machines:
         )
         return [MachineRecord.of(r) for r in rows]
 
+    def page(
+        self, account: str, *, labels: Mapping[str, str] | None = None,
+        state: MachineState | None = None, after: tuple[float, str] | None = None,
+        limit: int = 100,
+    ) -> builtins.list[MachineRecord]:
+        """Up to ``limit`` machines of ``account`` (deleting ones excluded) after the
+        key ``after`` (``(created_at, id)`` of the last one of the previous page), in that
+        order, that carry every label of ``labels`` and are in ``state`` if given.
+
+        One indexed query per page (``machines_by_account`` from the key, each label an
+        ``EXISTS`` on the ``machine_labels`` primary key): a page costs the same at the
+        10,000th machine as at the first.
+        """
+        where = ["m.account_id=?", "m.state!='deleting'"]
+        params: builtins.list[object] = [account]
+        if state is not None:
+            where.append("m.state=?")
+            params.append(state.value)
+        if after is not None:
+            where.append("(m.created_at, m.id) > (?, ?)")
+            params.extend(after)
+        for key, value in sorted((labels or {}).items()):
+            where.append("EXISTS (SELECT 1 FROM machine_labels l WHERE l.machine_id=m.id"
+                         " AND l.key=? AND l.value=?)")
+            params.extend((key, value))
+        rows = self._db.all(
+            f"SELECT m.* FROM machines m WHERE {' AND '.join(where)}"
+            " ORDER BY m.created_at, m.id LIMIT ?", (*params, limit))
+        return [MachineRecord.of(r) for r in rows]
+
     def in_states(
         self, states: Iterable[MachineState], node_id: str
     ) -> builtins.list[MachineRecord]:
@@ -112,9 +143,11 @@ class Machines:
         parent_id: str | None = None, snapshot: str | None = None,
         default_quota: int, suspend_after: float | None = None,
         hibernate_after: float | None = None, url_public: bool = False,
+        labels: Mapping[str, str] | None = None,
     ) -> MachineRecord:
         """Claim a name and a quota slot and insert the record (state ``starting``),
-        with a new URL token (a machine's own: a new one even for the same name).
+        with a new URL token (a machine's own: a new one even for the same name) and
+        its ``labels`` (checked by the caller), in one transaction.
 
         Raises:
             QuotaExceeded: the account's concurrent machines would exceed its quota.
@@ -132,13 +165,16 @@ class Machines:
             conn.execute(
                 "INSERT INTO machines (id, account_id, name, state, vcpus, memory_mib, disk_gib,"
                 " isolated, image, parent_id, snapshot, created_at, node_id, engine, vm_id,"
-                " last_active, suspend_after, hibernate_after, url_token, url_public)"
-                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                " last_active, suspend_after, hibernate_after, url_token, url_public, labels)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (machine_id, account, name, MachineState.STARTING.value, vcpus, memory_mib,
                  disk_gib, int(isolated), image, parent_id, snapshot, time.time(), node_id,
                  engine, machine_id, time.time(), suspend_after, hibernate_after,
-                 secrets.token_hex(16), int(url_public)),
+                 secrets.token_hex(16), int(url_public), json.dumps(dict(labels or {}))),
             )
+            conn.executemany(
+                "INSERT INTO machine_labels (machine_id, key, value) VALUES (?,?,?)",
+                [(machine_id, k, v) for k, v in (labels or {}).items()])
         rec = self.get(machine_id)
         assert rec is not None
         return rec
@@ -217,12 +253,12 @@ class Machines:
                 "INSERT OR REPLACE INTO machines (id, account_id, name, state, vcpus, memory_mib,"
                 " disk_gib, isolated, image, parent_id, snapshot, created_at, node_id, engine,"
                 " vm_id, last_active, suspend_after, hibernate_after, port, url_token,"
-                " url_public) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                " url_public, labels) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (rec.id, rec.account_id, rec.name, rec.state.value, rec.vcpus, rec.memory_mib,
                  rec.disk_gib, int(rec.isolated), rec.image, rec.parent_id, rec.snapshot,
                  rec.created_at, rec.node_id, rec.engine, rec.vm_id, rec.last_active,
                  rec.suspend_after, rec.hibernate_after, rec.port, rec.url_token,
-                 int(rec.url_public)),
+                 int(rec.url_public), json.dumps(rec.labels)),
             )
 
     @_writes

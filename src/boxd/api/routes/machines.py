@@ -33,10 +33,67 @@ async def create_machine(
     return await machines.create(account, body)
 
 
+LabelQuery = Annotated[
+    list[str] | None,
+    Query(description="KEY=VALUE; repeat it: a machine must carry every label given",
+          max_length=models.MAX_LABELS),
+]
+StateQuery = Annotated[models.MachineState | None, Query(description="only machines in "
+                                                           "this state")]
+
+
+def _selector(label: list[str] | None) -> dict[str, str]:
+    """``["k=v", ...]`` as a mapping.
+
+    Raises:
+        InvalidRequest: an item without '=', or a key given twice.
+    """
+    out: dict[str, str] = {}
+    for item in label or []:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise InvalidRequest(f"label {item[:140]!r} is not KEY=VALUE", field="label",
+                                 hint="e.g. label=boxd.rl/run=r-1a2b")
+        if key in out:
+            raise InvalidRequest(f"label {key!r} is given twice", field="label",
+                                 hint="a machine has one value per key")
+        out[key] = value
+    return out
+
+
 @router.get("", response_model=models.MachineList)
-async def list_machines(account: Account, machines: Machines) -> models.MachineList:
-    """Every machine of the account."""
-    return models.MachineList(machines=await machines.list(account))
+async def list_machines(
+    account: Account,
+    machines: Machines,
+    label: LabelQuery = None,
+    state: StateQuery = None,
+    limit: Annotated[int, Query(ge=1, le=models.MAX_LIST_LIMIT,
+                                description="machines per page")] = models.DEFAULT_LIST_LIMIT,
+    cursor: Annotated[str | None, Query(max_length=512, description="a page's next_cursor: "
+                                        "the page after it")] = None,
+) -> models.MachineList:
+    """The account's machines, oldest first, a page at a time (``next_cursor`` is set
+    while more follow); ``label`` and ``state`` select."""
+    return await machines.list_page(account, labels=_selector(label), state=state,
+                                    limit=limit, cursor=cursor)
+
+
+@router.delete("", response_model=models.MachinesDeleted)
+async def delete_machines(
+    account: Account, machines: Machines, label: LabelQuery = None, state: StateQuery = None,
+) -> models.MachinesDeleted:
+    """Delete every machine that carries all the labels given (at least one: an empty
+    selector is refused) and is in ``state`` if given: what was deleted, and each
+    machine that could not be with its error."""
+    out = models.MachinesDeleted(deleted=[])
+    for ref, err in await machines.delete_many(account, _selector(label), state):
+        if err is None:
+            out.deleted.append(ref)
+        else:
+            if not isinstance(err, BoxdError):
+                log.error("delete of %s failed", ref.id, exc_info=err)
+            out.errors.append(models.DeleteItemError(machine=ref, error=error_body(err)))
+    return out
 
 
 @router.get("/{ref}", response_model=models.Machine)
@@ -224,7 +281,8 @@ async def fork(
     name = body.name if body is not None else None
     check_name(name)
     node = body.node if body is not None else None
-    (item,) = _items(await machines.fork(account, ref, [name], node))
+    labels = body.labels if body is not None else {}
+    (item,) = _items(await machines.fork(account, ref, [name], node, labels))
     if isinstance(item, Exception):
         raise item
     return item
@@ -270,7 +328,7 @@ async def fork_batch(
         names = [None] * body.count
     else:
         raise InvalidRequest("give count or names", hint='e.g. {"count": 8}', field="count")
-    items = _items(await machines.fork(account, ref, names, body.node))
+    items = _items(await machines.fork(account, ref, names, body.node, body.labels))
     children = []
     for item in items:
         if isinstance(item, models.Machine):
