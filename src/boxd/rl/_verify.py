@@ -414,14 +414,9 @@ def verify(
             ``source[i % len(source)]``), e.g. one baseline per engine.
         env: a Gymnasium id, ``"module:function"`` importable in the machine, or a
             callable (see `boxd.rl.Env`).
-        seed: the reset seed and the default policy's seed, ``0 <= seed <
-            SEED_LIMIT`` (2**32).
-        seeds: many seeds, one pair of runs each, drawn as they are needed (a sweep's
-            memory does not grow with its length; see `SweepReport`). A range, or a
-            collection such as a list, is checked whole before any fork (no repeats,
-            each in range); any other iterable seed by seed as it is drawn (a bad seed
-            then stops the sweep as a failing pair does), and not for repeats (that
-            would keep every seed: a repeated seed is verified again).
+        seed: the reset seed and the default policy's seed (0 to 2**32 - 1).
+        seeds: many seeds, one pair of runs each, drawn as pairs start (see
+            `_seed_stream` for how they are checked, `SweepReport` for what is kept).
         steps: steps per run.
         policy: ``policy(obs) -> action``; it must be deterministic itself (and, with
             ``jobs`` > 1, safe to call from several threads).
@@ -437,18 +432,14 @@ def verify(
         **make_kwargs: keyword arguments for the env's constructor.
 
     Raises:
-        InvalidRequest: ``runs`` < 2, ``steps`` < 1, ``jobs`` < 1, no seeds, a seed that
-            is not an int or is outside ``0 <= seed < 2**32``, repeated seeds (of a
-            range or a collection), both or neither of ``seed`` and ``seeds``;
-            ``"spread"`` over fewer than two nodes,
-            of a `Home`, or of a source that cannot leave its node. NotFound: a node
-            in ``nodes`` that is not alive.
+        InvalidRequest: ``runs`` < 2, ``steps`` < 1, ``jobs`` < 1, no seeds, a bad or
+            repeated seed, both or neither of ``seed`` and ``seeds``; ``"spread"`` over
+            fewer than two nodes, of a `Home`, or of a source that cannot leave its
+            node. NotFound: a node in ``nodes`` that is not alive.
         EnvError, EnvModuleNotFound: the env failed in a machine (a sweep stops at
             the first such failure and raises it once the seeds in flight are done).
     """
-    _check(seed=seed, seeds=seeds, steps=steps, runs=runs, jobs=jobs, placement=placement)
-    stream = None if seeds is None else _seed_stream(seeds)
-    seed = None if seed is None else check_seed(seed)
+    what = _check(seed=seed, seeds=seeds, steps=steps, runs=runs, jobs=jobs, placement=placement)
     sources = _sources(source)
     owned = _client(sources) if (placement == "spread" or template) and boxd is None else None
     boxd = boxd or owned
@@ -457,10 +448,9 @@ def verify(
     try:
         if placement == "spread":
             job.nodes = _spread_nodes(boxd, sources, nodes)
-        if stream is not None:
-            return _sweep(job, stream, jobs=jobs, progress=progress)
-        assert seed is not None
-        return _one_seed(job, seed)
+        if isinstance(what, int):
+            return _one_seed(job, what)
+        return _sweep(job, what, jobs=jobs, progress=progress)
     finally:
         job.close()
         if owned is not None:
@@ -477,7 +467,9 @@ def _client(sources: list[str | Home]) -> Boxd | None:
 
 
 def _check(*, seed: int | None, seeds: Iterable[int] | None, steps: int, runs: int,
-           jobs: int, placement: str) -> None:
+           jobs: int, placement: str) -> int | Iterator[int]:
+    """The arguments checked before anything is made; the seed, or the seeds'
+    stream (`_seed_stream`)."""
     from boxd import errors
 
     if runs < 2:
@@ -492,6 +484,7 @@ def _check(*, seed: int | None, seeds: Iterable[int] | None, steps: int, runs: i
     if placement not in PLACEMENTS:
         raise errors.InvalidRequest(f"placement must be one of {', '.join(PLACEMENTS)}, "
                                     f"not {placement!r}", field="placement")
+    return check_seed(seed) if seeds is None else _seed_stream(seeds)
 
 
 def check_seed(seed: object) -> int:
@@ -518,8 +511,10 @@ def check_seed(seed: object) -> int:
 
 def _seed_stream(seeds: Iterable[int]) -> Iterator[int]:
     """The seeds as an iterator, checked as far as can be before any fork: a range by
-    its ends (it cannot repeat), a collection whole (the caller holds it already);
-    any other iterable seed by seed as it is drawn, and not for repeats.
+    its ends (it cannot repeat), a collection such as a list whole (each seed, and no
+    repeats: the caller holds it already); any other iterable seed by seed as it is
+    drawn (a bad seed then stops the sweep as a failing pair does), and not for
+    repeats (that would keep every seed: a repeated seed is verified again).
 
     Raises:
         InvalidRequest: no seeds, a bad seed, or a repeated one (range, collection).
