@@ -16,7 +16,7 @@ from boxd import errors
 from boxd.rl import _server as W
 from boxd.rl._channel import Home, MakeRequest
 from boxd.rl._env import DEFAULT_RESET_MODE, ResetMode, check_reset_mode, resolve_home
-from boxd.rl._pool import RECOVERABLE, Pool
+from boxd.rl._pool import RECOVERABLE, PendingStep, Pool
 
 if TYPE_CHECKING:
     from boxd.rl._branch import EnvState
@@ -154,7 +154,8 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
         self._terminations = np.zeros((self.num_envs,), dtype=np.bool_)
         self._truncations = np.zeros((self.num_envs,), dtype=np.bool_)
         self._autoreset_envs = np.zeros((self.num_envs,), dtype=np.bool_)
-        self._pending: Any = None
+        #: the step `step_async` sent (or the error `step_wait` raises), or None
+        self._pending: PendingStep | _StepOfFinishedEnv | None = None
 
     def _init_spaces(self) -> None:
         infos = self._pool.infos
@@ -264,7 +265,9 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
         return self.step_wait()
 
     def step_async(self, actions: Any) -> None:
-        """Send the actions; `step_wait` collects the results.
+        """Send the actions: every sub-env starts its step now, while the caller goes
+        on (as `AsyncVectorEnv`); `step_wait` collects the results. A sub-env's failure
+        is raised by `step_wait`.
 
         Raises:
             VectorEnvClosed: after `close`.
@@ -279,10 +282,23 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
         # sub-env is stepped).
         acts = [a for a, _ in zip(iterate(self.action_space, actions), range(self.num_envs),
                                   strict=True)]
-        self._pending = acts
+        mode = self.autoreset_mode
+        if mode == AutoresetMode.DISABLED and np.any(self._autoreset_envs):
+            # SyncVectorEnv's `assert not self._autoreset_envs[i], f"{self._autoreset_envs=}"`
+            # (the finished sub-envs need reset(options={"reset_mask": ...}) first):
+            # nothing is sent, step_wait raises it.
+            self._pending = _StepOfFinishedEnv(f"self._autoreset_envs={self._autoreset_envs!r}")
+            return
+        resets = [i for i in range(self.num_envs) if mode == AutoresetMode.NEXT_STEP
+                  and self._autoreset_envs[i]]
+        # One frame per machine: the NEXT_STEP resets travel with the others' steps.
+        self._pending = self._pool.start_step(
+            acts, resets=resets,
+            autoreset=(lambda i: (None, None)) if mode == AutoresetMode.SAME_STEP else None)
 
     def step_wait(self, timeout: float | None = None) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
-        """Collect the step sent by `step_async` (``timeout`` overrides ``step_timeout``).
+        """Collect the step sent by `step_async` (``timeout``, from this call, overrides
+        ``step_timeout``).
 
         Raises:
             VectorEnvClosed: after `close`.
@@ -295,33 +311,24 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
         if self._pending is None:
             raise NoPendingCallError(
                 "Calling `step_wait` without any prior call to `step_async`.", "step")
-        acts, self._pending = self._pending, None
+        pending, self._pending = self._pending, None
+        if isinstance(pending, _StepOfFinishedEnv):
+            raise pending
         n = self.num_envs
-        mode = self.autoreset_mode
-        if mode == AutoresetMode.DISABLED and np.any(self._autoreset_envs):
-            # SyncVectorEnv's `assert not self._autoreset_envs[i], f"{self._autoreset_envs=}"`
-            # (the finished sub-envs need reset(options={"reset_mask": ...}) first).
-            raise _StepOfFinishedEnv(f"self._autoreset_envs={self._autoreset_envs!r}")
-        resets = [i for i in range(n) if mode == AutoresetMode.NEXT_STEP
-                  and self._autoreset_envs[i]]
-        # One frame per machine: the NEXT_STEP resets travel with the others' steps.
-        results = self._pool.step(
-            acts, resets=resets,
-            autoreset=(lambda i: (None, None)) if mode == AutoresetMode.SAME_STEP else None,
-            timeout=timeout)
+        results = self._pool.finish_step(pending, timeout)
         recovered = self._recover_or_raise(results, list(range(n)))
         infos: dict[str, Any] = {}
         for i in range(n):
             if i in recovered:
                 infos = self._record_cut_short(i, infos)
-            elif i in resets:
+            elif i in pending.resets:
                 infos = self._record_reset(i, results[i], infos)
             else:
                 infos = self._record_step(i, results[i], infos)
         self._observations = concatenate(self.single_observation_space, self._obs,
                                          self._observations)
         self._autoreset_envs = np.logical_or(self._terminations, self._truncations)
-        if mode == AutoresetMode.NEXT_STEP:
+        if self.autoreset_mode == AutoresetMode.NEXT_STEP:
             # A recovered slot is fresh (built, not reset): the next step resets it.
             for i in recovered:
                 self._autoreset_envs[i] = True
@@ -429,8 +436,17 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
             [("set_attr", name, v) for v in values]))
 
     def close_extras(self, **kwargs: Any) -> None:
-        """Close every sub-env and delete its machine."""
+        """Close every sub-env and delete its machine (a pending step is collected
+        first, its results dropped, as `AsyncVectorEnv.close` waits for it)."""
+        self._drain_pending()
         self._pool.close()
+
+    def _drain_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if isinstance(pending, PendingStep):
+            with contextlib.suppress(Exception):
+                self._pool.collect(pending.sent, 30.0 if self.step_timeout is None
+                                   else self.step_timeout)
 
     def _check_open(self) -> None:
         if self.closed:
