@@ -13,6 +13,7 @@ from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
 from boxd import errors
+from boxd.rl import _conformance
 from boxd.rl import _server as W
 from boxd.rl._channel import Home, MakeRequest
 from boxd.rl._env import DEFAULT_RESET_MODE, ResetMode, check_reset_mode, resolve_home
@@ -162,8 +163,20 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
         first = infos[0]
         self.single_observation_space = W.space_from_wire(first["observation_space"])
         self.single_action_space = W.space_from_wire(first["action_space"])
-        for info in infos:  # SyncVectorEnv's checks, in its order, with its messages
-            obs_space = W.space_from_wire(info["observation_space"])
+        subs = [(W.space_from_wire(i["observation_space"]), W.space_from_wire(i["action_space"]))
+                for i in infos]
+        try:
+            self._check_spaces(subs)
+        except RuntimeError as ours:  # the installed SyncVectorEnv's error, if it has one
+            raise _conformance.spaces_error(subs) or ours from None
+        self.observation_space = batch_space(self.single_observation_space, self.num_envs)
+        self.action_space = batch_space(self.single_action_space, self.num_envs)
+        self.metadata = dict(first.get("metadata") or {})
+        self.metadata["autoreset_mode"] = self.autoreset_mode
+        self.render_mode = first.get("render_mode")
+
+    def _check_spaces(self, subs: list[tuple[Any, Any]]) -> None:
+        for obs_space, act_space in subs:  # SyncVectorEnv 1.4's checks, in its order
             if obs_space != self.single_observation_space:
                 raise RuntimeError(
                     "SyncVectorEnv(..., observation_mode='same') however the "
@@ -171,17 +184,11 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
                     f"single_observation_space={self.single_observation_space}, "
                     f"sub-environment observation_space={obs_space}. If this is "
                     "intentional, use `observation_mode='different'` instead.")
-            act_space = W.space_from_wire(info["action_space"])
             if act_space != self.single_action_space:
                 raise RuntimeError(
                     "Sub-environment action space doesn't make the `single_action_space`, "
                     f"action_space={act_space}, "
                     f"single_action_space={self.single_action_space}")
-        self.observation_space = batch_space(self.single_observation_space, self.num_envs)
-        self.action_space = batch_space(self.single_action_space, self.num_envs)
-        self.metadata = dict(first.get("metadata") or {})
-        self.metadata["autoreset_mode"] = self.autoreset_mode
-        self.render_mode = first.get("render_mode")
 
     @property
     def machines(self) -> list[str | None]:
@@ -205,11 +212,18 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
         self._check_open()
         if isinstance(seed, int) and not isinstance(seed, bool):
             super().reset(seed=seed)
-        seeds = _seeds(seed, self.num_envs)
+        given = options
+        try:
+            seeds = _seeds(seed, self.num_envs)
+        except (TypeError, ValueError) as ours:
+            raise self._as_installed(ours, seed, given) from None
         self._check_no_pending("reset_async", period=False)
         # Copied, where SyncVectorEnv pops "reset_mask" from the caller's dict.
         options = dict(options) if isinstance(options, dict) else options
-        mask = self._reset_mask(options)
+        try:
+            mask = self._reset_mask(options)
+        except (TypeError, ValueError) as ours:
+            raise self._as_installed(ours, seed, given) from None
         indices = [i for i in range(self.num_envs) if mask is None or mask[i]]
         mask_set = set(indices)
         results = self._pool.reset(indices, seeds, [options] * self.num_envs)
@@ -235,6 +249,11 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
         self._observations = concatenate(self.single_observation_space, self._obs,
                                          self._observations)
         return (deepcopy(self._observations) if self.copy else self._observations), infos
+
+    def _as_installed(self, ours: Exception, seed: Any, options: Any) -> BaseException:
+        """What the installed Gymnasium's `SyncVectorEnv` raises for this bad reset
+        (its version's type and message: see `boxd.rl._conformance`), else ``ours``."""
+        return _conformance.reset_error(self.num_envs, seed, options) or ours
 
     def _reset_mask(self, options: Any) -> np.ndarray[Any, Any] | None:
         if options is None or "reset_mask" not in options:
