@@ -45,7 +45,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import Row, row_from, say, standalone
+from _common import Row, median, row_from, say, standalone
 
 GROUP = "rl"
 REPO = Path(__file__).resolve().parents[1]
@@ -284,25 +284,31 @@ def _overlap(client: Any, source: str, tell: Callable[[str], None]) -> list[Row]
         try:
             accel = _accel(client, str(env.machines[0]))
             env.reset()
-            sent, stored = [], []
+            sent, stored, waits, bare = [], [], [], []
             for _ in range(VECTOR_STEPS // BLOCK or 1):
                 for _ in range(BLOCK):  # now: the envs step during the learner's work
                     t = time.perf_counter()
                     env.step_async(actions)
                     _learner_work()
+                    w = time.perf_counter()
                     env.step_wait()
                     sent.append(time.perf_counter() - t)
+                    waits.append(time.perf_counter() - w)
                 for _ in range(BLOCK):  # before: nothing left until step_wait
                     t = time.perf_counter()
                     _learner_work()
+                    w = time.perf_counter()
                     env.step(actions)
                     stored.append(time.perf_counter() - t)
+                    bare.append(time.perf_counter() - w)
         finally:
             env.close()
         rows.append(row_from(
             GROUP, f"{kind} step with {LEARNER_S * 1e3:g} ms of learner work between "
             f"step_async and step_wait, {n} envs (s per step)", sent, accel=accel,
-            note="step_async sends; the sub-envs step while the learner works",
+            note=(f"step_async sends; the sub-envs step while the learner works: "
+                  f"step_wait {median(waits) * 1e3:.2f} ms after it, against "
+                  f"{median(bare) * 1e3:.2f} ms for a whole step"),
             baseline="step_async storing the actions (emulated)", baseline_values=stored))
     return rows
 
