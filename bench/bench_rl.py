@@ -18,10 +18,17 @@ taken from ``BOXD_BENCH_RL_SOURCE`` (a machine name that already has them). Figu
   Gymnasium's ``AsyncVectorEnv`` on the host in the same run, with a breakdown per
   vector step of the time inside the guests' ``env.step`` (the env server's own
   clock) and the rest (channel, daemon, agent);
+- overlap: a learner that works ``BENCH_RL_LEARNER_MS`` (default 5) between
+  ``step_async`` and ``step_wait`` of a ``boxd.rl.VectorEnv`` and a
+  ``boxd.rl.sb3.VecEnv`` of 4 CartPole sub-envs: time per step now that
+  ``step_async`` sends (the sub-envs step while the learner works) against the same
+  env stepped the way ``step_async`` used to (it stored the actions, so the whole round
+  trip came after the learner's work: emulated as the work, then ``step``), the two
+  alternating in blocks;
 - reset: ``boxd.rl.Env.reset`` per reset mode (env, rewind, refork), after 10 steps;
 - ppo: PPO wall time over ``boxd.rl.sb3.VecEnv`` against a local ``DummyVecEnv``.
 
-``BENCH_RL_PARTS=channel,vector`` measures only those parts (default: all four).
+``BENCH_RL_PARTS=channel,vector`` measures only those parts (default: all five).
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import Row, row_from, say, standalone
+from _common import Row, median, row_from, say, standalone
 
 GROUP = "rl"
 REPO = Path(__file__).resolve().parents[1]
@@ -61,6 +68,9 @@ VECTOR_SIZES = tuple(int(x) for x in os.environ.get("BENCH_RL_SIZES", "1,4,8,16"
 VECTOR_PER_MACHINE = (1, 8)
 VECTOR_STEPS = int(os.environ.get("BENCH_RL_STEPS", "100"))
 RESETS = 5
+#: The learner's work between step_async and step_wait (the overlap part), and its envs.
+LEARNER_S = float(os.environ.get("BENCH_RL_LEARNER_MS", "5")) / 1e3
+OVERLAP_ENVS = 4
 
 
 def _accel(client: Any, machine: str) -> str:
@@ -250,6 +260,59 @@ def _vector(client: Any, source: str, tell: Callable[[str], None]) -> list[Row]:
     return rows
 
 
+def _learner_work() -> None:
+    """The learner's share of a step (a policy's forward pass, say): ``LEARNER_S`` of
+    waiting, which takes no CPU from the envs (on a 2-core host a busy loop would
+    measure the contention instead)."""
+    time.sleep(LEARNER_S)
+
+
+def _overlap(client: Any, source: str, tell: Callable[[str], None]) -> list[Row]:
+    import numpy as np
+
+    import boxd.rl as rl
+    from boxd.rl.sb3 import VecEnv
+
+    rows: list[Row] = []
+    n = OVERLAP_ENVS
+    actions = np.zeros(n, dtype=np.int64)
+    for kind in ("VectorEnv", "sb3.VecEnv"):
+        tell(f"bench_rl: {kind} of {n} CartPole envs, learner {LEARNER_S * 1e3:g} ms "
+             "between step_async and step_wait")
+        env: Any = (rl.VectorEnv if kind == "VectorEnv" else VecEnv)(
+            "CartPole-v1", n, source=source, boxd=client)
+        try:
+            accel = _accel(client, str(env.machines[0]))
+            env.reset()
+            sent, stored, waits, bare = [], [], [], []
+            for _ in range(VECTOR_STEPS // BLOCK or 1):
+                for _ in range(BLOCK):  # now: the envs step during the learner's work
+                    t = time.perf_counter()
+                    env.step_async(actions)
+                    _learner_work()
+                    w = time.perf_counter()
+                    env.step_wait()
+                    sent.append(time.perf_counter() - t)
+                    waits.append(time.perf_counter() - w)
+                for _ in range(BLOCK):  # before: nothing left until step_wait
+                    t = time.perf_counter()
+                    _learner_work()
+                    w = time.perf_counter()
+                    env.step(actions)
+                    stored.append(time.perf_counter() - t)
+                    bare.append(time.perf_counter() - w)
+        finally:
+            env.close()
+        rows.append(row_from(
+            GROUP, f"{kind} step with {LEARNER_S * 1e3:g} ms of learner work between "
+            f"step_async and step_wait, {n} envs (s per step)", sent, accel=accel,
+            note=(f"step_async sends; the sub-envs step while the learner works: "
+                  f"step_wait {median(waits) * 1e3:.2f} ms after it, against "
+                  f"{median(bare) * 1e3:.2f} ms for a whole step"),
+            baseline="step_async storing the actions (emulated)", baseline_values=stored))
+    return rows
+
+
 def _resets(client: Any, source: str, tell: Callable[[str], None]) -> list[Row]:
     import boxd.rl as rl
 
@@ -314,7 +377,8 @@ def run(client: Any | None = None, log: Callable[[str], None] | None = None) -> 
     c = client if client is not None else Boxd()
     source, made = _prepare_source(c, tell)
     try:
-        parts = {"channel": _channel, "vector": _vector, "reset": _resets, "ppo": _ppo}
+        parts = {"channel": _channel, "vector": _vector, "overlap": _overlap,
+                 "reset": _resets, "ppo": _ppo}
         unknown = set(PARTS) - set(parts)
         if unknown:
             raise SystemExit(f"BENCH_RL_PARTS: no part {sorted(unknown)}; parts: {list(parts)}")

@@ -137,7 +137,7 @@ def _cell(report: Any) -> list[str]:
     bad = report.diverged
     first = bad[0].first_divergence if bad else None
     cause = (bad[0].likely_cause or "").split(" (step")[0] if bad else ""
-    return [str(len(report.pairs)), f"{len(report.pairs) - len(bad)}",
+    return [str(report.seeds), f"{report.seeds - report.diverged_seeds}",
             str(report.distinct),
             f"step {first.step}, {first.field}" if first else "-",
             cause or "-", f"{report.pairs_per_minute:.0f}"]

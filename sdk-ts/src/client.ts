@@ -107,6 +107,28 @@ export function resolveTarget(options: BoxdOptions = {}, env = process.env): Tar
 
 const seg = (ref: string): string => encodeURIComponent(String(ref));
 
+/**
+ * `port` as a guest TCP port: an integer number in 1-65535. A boolean, a fraction or a
+ * string (even "80") is refused, not converted, as the Python SDK's `tcp_port` does: a
+ * string port is most often a parsing step the caller forgot.
+ */
+function tcpPort(port: unknown): number {
+  if (typeof port !== "number" || !Number.isInteger(port)) {
+    const text = typeof port === "string" ? JSON.stringify(port) : String(port);
+    const digits = typeof port === "string" && /^\s*\d+\s*$/.test(port);
+    throw new InvalidRequest(`port must be an integer, not ${typeof port} ${text}`, {
+      details: { field: "port" },
+      hint: digits ? `convert it first: Number(${text})` : "give the port as a number, e.g. 8000",
+    });
+  }
+  if (port < 1 || port > 65535) {
+    throw new InvalidRequest(`port ${port} is not a TCP port (1-65535)`, {
+      details: { field: "port" },
+    });
+  }
+  return port;
+}
+
 /** Client of a boxd daemon. */
 export class Boxd {
   readonly machines: Machines;
@@ -335,16 +357,13 @@ export class Machines {
    * `http://127.0.0.1:PORT/TOKEN.N` for port N. Any HTTP or WebSocket client uses it as
    * given; a request through it wakes the machine and keeps it awake.
    *
-   * @throws InvalidRequest a port outside 1-65535, an isolated machine, or another port
-   *   of a public machine (its bare URL relays raw TCP to port 8080 only).
+   * @throws InvalidRequest a port that is not an integer number (a string of digits
+   *   such as "80" included: convert it first) or is outside 1-65535, checked before the
+   *   machine is looked up; an isolated machine; or another port of a public machine
+   *   (its bare URL relays raw TCP to port 8080 only).
    */
   async url(ref: string, options: { port?: number } = {}): Promise<string> {
-    const port = options.port ?? 8080;
-    if (!Number.isInteger(port) || port < 1 || port > 65535) {
-      throw new InvalidRequest(`port ${port} is not a TCP port (1-65535)`, {
-        details: { field: "port" },
-      });
-    }
+    const port = tcpPort(options.port ?? 8080);
     const m = await this.get(ref);
     if (m.url == null) {
       throw new InvalidRequest(`machine ${JSON.stringify(m.name)} has no URL (isolated)`, {

@@ -112,6 +112,22 @@ test("exec rejects an empty command before sending", async () => {
   await assert.rejects(boxd.machines.exec("m", { command: "" }), sdk.InvalidRequest);
 });
 
+test("machines.url refuses a port that is not a TCP port, before any request", async () => {
+  // 127.0.0.1:9 answers nothing: a lookup would be a ConnectionError
+  const boxd = new sdk.Boxd({ baseUrl: "http://127.0.0.1:9", apiKey: "boxd_x" });
+  for (const [port, why] of [
+    [8000.5, /not number 8000.5/], [true, /not boolean true/], ["80", /not string "80"/],
+    [Number.NaN, /not number NaN/], [0, /port 0 is not a TCP port/], [65536, /port 65536 is not/],
+  ]) {
+    await assert.rejects(boxd.machines.url("m", { port }), (e) =>
+      e instanceof sdk.InvalidRequest && e.field === "port" && why.test(e.message), String(port));
+  }
+  await assert.rejects(boxd.machines.url("m", { port: "80" }),
+    (e) => e instanceof sdk.InvalidRequest && e.hint === 'convert it first: Number("80")');
+  // a valid port gets as far as the lookup
+  await assert.rejects(boxd.machines.url("m", { port: 8000 }), sdk.ConnectionError);
+});
+
 test("the tree matches boxd.errors in the Python package (codes, names, parents, statuses)", async () => {
   const { execFileSync } = await import("node:child_process");
   const { PYTHON } = await import("./daemon.mjs");

@@ -6,9 +6,10 @@ TypeScript types are generated from them.
 
 from __future__ import annotations
 
+import operator
 import re
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, SupportsIndex
 
 from pydantic import (
     BaseModel,
@@ -276,12 +277,12 @@ class Machine(BaseModel):
         same token, wake and keep-awake rules).
 
         Raises:
-            InvalidRequest: a port outside 1-65535, a machine without a URL (isolated),
-                or another port than 8080 of a public machine (its bare URL is a raw
-                TCP relay to port 8080: there is no path to name a port in).
+            InvalidRequest: a port that is not an int (a bool, a float, a str of digits
+                included: see `tcp_port`) or is outside 1-65535, a machine without a URL
+                (isolated), or another port than 8080 of a public machine (its bare URL
+                is a raw TCP relay to port 8080: there is no path to name a port in).
         """
-        if not 1 <= port <= 65535:
-            raise InvalidRequest(f"port {port} is not a TCP port (1-65535)", field="port")
+        port = tcp_port(port)
         if self.url is None:
             raise InvalidRequest(f"machine {self.name!r} has no URL (isolated)", field="port")
         if port == config.GUEST_HTTP_PORT:
@@ -292,6 +293,26 @@ class Machine(BaseModel):
                 f"{config.GUEST_HTTP_PORT} only", field="port",
                 hint="create it without public=True for a URL per guest port")
         return f"{self.url.rstrip('/')}.{port}"
+
+
+def tcp_port(port: object) -> int:
+    """``port`` as a guest TCP port: an int (or any integer type, such as numpy's) in
+    1-65535. A bool, a float (even ``8000.0``) or a str (even ``"80"``) is refused, not
+    converted: the URL would name what was given (``.8000.0``, ``.True``), which the
+    proxy rejects, and a str port is most often a parsing step the caller forgot.
+
+    Raises:
+        InvalidRequest: not an integer, or outside 1-65535.
+    """
+    if isinstance(port, bool) or not isinstance(port, SupportsIndex):
+        hint = (f"convert it first: int({port!r})" if isinstance(port, str)
+                and port.strip().isdecimal() else "give the port as an int, e.g. 8000")
+        raise InvalidRequest(f"port must be an int, not {type(port).__name__} {port!r}",
+                             field="port", hint=hint)
+    number = operator.index(port)
+    if not 1 <= number <= 65535:
+        raise InvalidRequest(f"port {number} is not a TCP port (1-65535)", field="port")
+    return number
 
 
 class MachineList(BaseModel):

@@ -124,3 +124,18 @@ class CrashEnv(CountEnv):
         if self.count + 1 >= self.crash_at:
             raise ValueError(f"crash at {self.count + 1}")
         return super().step(action)
+
+
+class MarkEnv(CountEnv):
+    """A `CountEnv` whose ``step`` appends its counter, one line, to the file ``marks``:
+    the host sees when the env server stepped (issue 39: `step_async` sends)."""
+
+    def __init__(self, marks: str, delay: float = 0.0) -> None:
+        super().__init__(ends=100, delay=delay)
+        self.marks = marks
+
+    def step(self, action: Any) -> tuple[np.int64, float, bool, bool, dict[str, Any]]:
+        out = super().step(action)
+        with open(self.marks, "a") as f:
+            f.write(f"{self.count}\n")
+        return out

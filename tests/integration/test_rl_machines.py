@@ -278,6 +278,26 @@ def test_vector_env_in_machines_matches_sync_vector_env(
     assert not set(machines) & {m.id for m in client.machines.list()}
 
 
+@pytest.mark.parametrize("kind", ["VectorEnv", "sb3.VecEnv"])
+def test_step_async_sends_to_the_machines(client: Any, rl_warm: Any, kind: str) -> None:
+    """Sub-envs whose step takes 2 s: after step_async and 6 s of the learner's work,
+    step_wait collects within 1 s (were the frames sent only by step_wait, the step
+    would take 2 s, and the 1 s timeout would fire)."""
+    from boxd.rl.sb3 import VecEnv
+
+    fns = [functools.partial(_rl_envs.CountEnv, delay=2.0) for _ in range(2)]
+    env: Any = (rl.VectorEnv if kind == "VectorEnv" else VecEnv)(
+        fns, source=rl_warm.id, boxd=client, pickle_by_value=[_rl_envs], step_timeout=1.0)
+    try:
+        env.reset()
+        env.step_async(np.zeros(2, dtype=np.int64))
+        time.sleep(6.0)  # the learner's work
+        obs = env.step_wait()[0]
+        assert obs.tolist() == [1, 1]
+    finally:
+        env.close()
+
+
 def _qemu_pid(home: Path, machine_id: str) -> int | None:
     """The machine's QEMU process, found by the ``-name boxd-<vm id>`` on its command
     line (the VM id from the daemon's database: a claimed standby child keeps its own)."""

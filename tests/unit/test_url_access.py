@@ -427,3 +427,41 @@ def test_httpx_and_websockets_clients_work_with_the_url_exactly_as_given(
         guest.server.close()  # type: ignore[union-attr]
 
     asyncio.run(main())
+
+
+def _plain_machine(**kw: object) -> models.Machine:
+    fields: dict[str, object] = {
+        "id": "m-1", "name": "web", "state": MachineState.RUNNING, "vcpus": 1,
+        "memory_mib": 256, "disk_gib": 1, "isolated": False, "created_at": 0.0,
+        "port": 41000, "url": "http://127.0.0.1:41000/tok"}
+    fields.update(kw)
+    return models.Machine.model_validate(fields)
+
+
+@pytest.mark.parametrize(("port", "why"), [
+    (8000.0, "not float 8000.0"), (True, "not bool True"), (False, "not bool False"),
+    ("80", "not str '80'"), ("http", "not str 'http'"), (None, "not NoneType"),
+    (0, "port 0 is not a TCP port"), (65536, "port 65536 is not a TCP port"),
+])
+def test_url_for_refuses_what_is_not_a_tcp_port_with_a_typed_error(port: object,
+                                                                    why: str) -> None:
+    m = _plain_machine()
+    with pytest.raises(InvalidRequest, match=why) as got:
+        m.url_for(port)  # type: ignore[arg-type]
+    assert got.value.details["field"] == "port"
+    if port == "80":
+        assert got.value.hint == "convert it first: int('80')"
+    # the SDK's machines.url checks the port before it looks the machine up (the
+    # address below answers nothing: a lookup would be a ConnectionError)
+    from boxd.sdk import Boxd
+
+    with Boxd(base_url="http://127.0.0.1:9") as boxd, pytest.raises(InvalidRequest, match=why):
+        boxd.machines.url("web", port)  # type: ignore[arg-type]
+
+
+def test_url_for_takes_any_integer_type() -> None:
+    import numpy as np
+
+    m = _plain_machine()
+    assert m.url_for(np.int64(8000)) == m.url_for(8000) == "http://127.0.0.1:41000/tok.8000"  # type: ignore[arg-type]
+    assert m.url_for(np.int32(8080)) == m.url  # type: ignore[arg-type]

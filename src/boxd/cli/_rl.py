@@ -19,17 +19,34 @@ def rl() -> None:
     """Reinforcement-learning tools (boxd.rl)."""
 
 
+#: boxd.rl's SEED_LIMIT (checked equal by tests/unit/test_rl_verify_sweep.py): this
+#: module must not import gymnasium before it knows boxd[rl] is installed.
+SEED_LIMIT = 2**32
+SEEDS_FORM = "give START:STOP, both ints, STOP excluded (e.g. 0:1000)"
+
+
 def _seed_range(ctx: click.Context, param: click.Parameter, value: str | None) -> range | None:
+    """``--seeds START:STOP`` as a range, checked whole before anything is made: an
+    open range (``0:``, ``:5``, ``:``) or a lone seed is a usage error, as are seeds
+    outside 0 to 2**32 - 1."""
     if value is None:
         return None
+    lo, colon, hi = value.partition(":")
     try:
-        lo, _, hi = value.partition(":")
-        seeds = range(int(lo), int(hi)) if hi else range(int(lo), int(lo) + 1)
+        if not colon:
+            raise ValueError
+        start, stop = int(lo), int(hi)
     except ValueError:
-        raise click.BadParameter("give START:STOP (STOP excluded), e.g. 0:1000") from None
-    if not seeds:
+        hint = f" (one seed: --seed {lo.strip()})" if not colon and lo.strip().isdecimal() else ""
+        raise click.BadParameter(f"{value!r}: {SEEDS_FORM}{hint}") from None
+    if start < 0 or stop > SEED_LIMIT:
+        raise click.BadParameter(
+            f"{value}: seeds are 0 to {SEED_LIMIT - 1} (so START >= 0 and STOP <= "
+            f"{SEED_LIMIT}): Gymnasium refuses a negative seed, and numpy's legacy seeding "
+            "(np.random.seed), which many envs call with it, takes only 0 to 2**32 - 1")
+    if stop <= start:
         raise click.BadParameter(f"{value} holds no seed: STOP must be above START")
-    return seeds
+    return range(start, stop)
 
 
 def _csv(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str] | None:
@@ -44,10 +61,12 @@ def _csv(ctx: click.Context, param: click.Parameter, value: str | None) -> list[
 @rl.command("verify")
 @click.argument("source")
 @click.argument("env")
-@click.option("--seed", type=int, default=None, help="Reset and policy seed (one pair). "
-              "[default: 42]")
+@click.option("--seed", type=click.IntRange(0, SEED_LIMIT - 1), default=None,
+              help="Reset and policy seed (one pair), 0 to 2**32 - 1. [default: 42]")
 @click.option("--seeds", callback=_seed_range, metavar="START:STOP",
-              help="Many seeds, one pair each (STOP excluded), e.g. 0:1000.")
+              help="Many seeds, one pair each (STOP excluded), e.g. 0:1000; seeds are 0 "
+              "to 2**32 - 1. The seeds are drawn as pairs start: a long sweep's memory "
+              "stays bounded.")
 @click.option("--steps", type=click.IntRange(min=1), default=500, show_default=True)
 @click.option("--runs", type=click.IntRange(min=2), default=2, show_default=True,
               help="Fresh forks to compare per seed.")
@@ -167,8 +186,10 @@ def _sweep(state: Any, sources: str | list[str], env: str, seeds: range, steps: 
                   f"step {p.first_divergence.step}, {p.first_divergence.field}"
                   if p.first_divergence else "", p.likely_cause or "")
                  for p in bad[:20]], empty="")
-            if len(bad) > 20:
-                _render.console().print(f"... and {len(bad) - 20} more seeds (--json: all)")
+            more = report.diverged_seeds - min(len(bad), 20)
+            if more > 0:
+                kept = "all" if report.pairs_complete else f"the first {len(bad)}"
+                _render.console().print(f"... and {more} more seeds (--json: {kept})")
         _render.details(report.rows())
     if not report.identical:
         sys.exit(1)

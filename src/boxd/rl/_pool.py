@@ -11,6 +11,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 from boxd import errors
@@ -25,6 +26,29 @@ RECOVERABLE = (EnvServerLost, EnvTimeout)
 MAX_PARALLEL_OPEN = 8
 
 Request = tuple[Any, ...] | None  # (op, *args) or None: skip this slot
+
+
+@dataclass
+class Sent:
+    """Frames sent and not yet answered: what `Pool.collect` reads."""
+
+    requests: list[Request]
+    #: per sub-env: the failure to send, or None until collected
+    out: list[Any]
+    #: the slots whose reply is still to be read
+    slots: list[int]
+
+
+@dataclass
+class PendingStep:
+    """A step `Pool.start_step` sent and `Pool.finish_step` collects."""
+
+    sent: Sent
+    resets: set[int]
+    #: the NEXT_STEP resets already done by a rewind or refork (reset mode not "env")
+    prior: list[Any]
+    #: SAME_STEP outside the server: the finished episodes are reset after the step
+    autoreset: Callable[[int], tuple[int | None, Any]] | None = field(default=None)
 
 
 class Pool:
@@ -129,14 +153,24 @@ class Pool:
         is marked broken (every sub-env of it fails): later requests fail at once until
         it is replaced.
         """
-        timeout = self.step_timeout if timeout is None else timeout
+        return self.collect(self.send(requests), timeout)
+
+    def send(self, requests: Sequence[Request]) -> Sent:
+        """The first half of `broadcast`: one frame to each slot with a request. A
+        failure to send is kept for `collect`, not raised."""
         out: list[Any] = [None] * self.n
-        sent = self._send_all(requests, out)
+        return Sent(list(requests), out, self._send_all(requests, out))
+
+    def collect(self, sent: Sent, timeout: float | None = None) -> list[Any]:
+        """The second half of `broadcast`: every reply to ``sent``, waiting at most
+        ``timeout`` (default ``step_timeout``) seconds from now."""
+        timeout = self.step_timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
-        for g in sent:
+        for g in sent.slots:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            self._collect(g, left, requests, out)
-        return out
+            self._collect(g, left, sent.requests, sent.out)
+        sent.slots = []
+        return sent.out
 
     def _fail(self, g: int, exc: BaseException, requests: Sequence[Request],
               out: list[Any]) -> None:
@@ -162,6 +196,8 @@ class Pool:
                 sent.append(g)
             except errors.BoxdError as exc:
                 self._fail(g, self._mark(g, exc), requests, out)
+            except W.WireError as exc:  # a value the codec cannot carry: nothing sent
+                self._fail(g, exc, requests, out)
         return sent
 
     def _collect(self, g: int, left: float | None, requests: Sequence[Request],
@@ -266,6 +302,16 @@ class Pool:
         reset right after. Per sub-env ``(obs, reward, terminated, truncated, info,
         final)`` (``final`` is ``(obs, info)`` of the finished episode, or None), ``(obs,
         info)`` for those in ``resets``, or an exception."""
+        return self.finish_step(self.start_step(actions, resets=resets,
+                                                autoreset=autoreset), timeout)
+
+    def start_step(
+        self, actions: Sequence[Any], *, resets: Sequence[int] = (),
+        autoreset: Callable[[int], tuple[int | None, Any]] | None = None,
+    ) -> PendingStep:
+        """The first half of `step`: the step frames are sent (after the rewinds or
+        reforks of NEXT_STEP resets outside reset mode "env", which wait for their
+        machines); `finish_step` collects. Failures are kept for `finish_step`."""
         in_server = autoreset is not None and self.reset_mode == "env"
         reqs: list[Request] = [None] * self.n
         reset_set = set(resets)
@@ -279,12 +325,19 @@ class Pool:
                 continue
             reqs[i] = ("step", actions[i], autoreset(i) if in_server and autoreset else None)
             self.pristine[i] = False
-        results = self.broadcast(reqs, timeout)
+        return PendingStep(self.send(reqs), reset_set, prior,
+                           None if in_server else autoreset)
+
+    def finish_step(self, pending: PendingStep, timeout: float | None = None) -> list[Any]:
+        """The second half of `step`: the replies to `start_step`'s frames (waiting at
+        most ``timeout`` s from now), and SAME_STEP's resets outside the server."""
+        results = self.collect(pending.sent, timeout)
+        reset_set, prior, autoreset = pending.resets, pending.prior, pending.autoreset
         for i in reset_set:
             self.pristine[i] = False
             if self.reset_mode != "env":
                 results[i] = prior[i]
-        if autoreset is None or in_server:
+        if autoreset is None:
             return results
         return self._reset_finished(results, reset_set, autoreset)
 

@@ -13,10 +13,11 @@ from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
 from boxd import errors
+from boxd.rl import _conformance
 from boxd.rl import _server as W
 from boxd.rl._channel import Home, MakeRequest
 from boxd.rl._env import DEFAULT_RESET_MODE, ResetMode, check_reset_mode, resolve_home
-from boxd.rl._pool import RECOVERABLE, Pool
+from boxd.rl._pool import RECOVERABLE, PendingStep, Pool
 
 if TYPE_CHECKING:
     from boxd.rl._branch import EnvState
@@ -154,15 +155,28 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
         self._terminations = np.zeros((self.num_envs,), dtype=np.bool_)
         self._truncations = np.zeros((self.num_envs,), dtype=np.bool_)
         self._autoreset_envs = np.zeros((self.num_envs,), dtype=np.bool_)
-        self._pending: Any = None
+        #: the step `step_async` sent (or the error `step_wait` raises), or None
+        self._pending: PendingStep | _StepOfFinishedEnv | None = None
 
     def _init_spaces(self) -> None:
         infos = self._pool.infos
         first = infos[0]
         self.single_observation_space = W.space_from_wire(first["observation_space"])
         self.single_action_space = W.space_from_wire(first["action_space"])
-        for info in infos:  # SyncVectorEnv's checks, in its order, with its messages
-            obs_space = W.space_from_wire(info["observation_space"])
+        subs = [(W.space_from_wire(i["observation_space"]), W.space_from_wire(i["action_space"]))
+                for i in infos]
+        try:
+            self._check_spaces(subs)
+        except RuntimeError as ours:  # the installed SyncVectorEnv's error, if it has one
+            raise _conformance.spaces_error(subs) or ours from None
+        self.observation_space = batch_space(self.single_observation_space, self.num_envs)
+        self.action_space = batch_space(self.single_action_space, self.num_envs)
+        self.metadata = dict(first.get("metadata") or {})
+        self.metadata["autoreset_mode"] = self.autoreset_mode
+        self.render_mode = first.get("render_mode")
+
+    def _check_spaces(self, subs: list[tuple[Any, Any]]) -> None:
+        for obs_space, act_space in subs:  # SyncVectorEnv 1.4's checks, in its order
             if obs_space != self.single_observation_space:
                 raise RuntimeError(
                     "SyncVectorEnv(..., observation_mode='same') however the "
@@ -170,17 +184,11 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
                     f"single_observation_space={self.single_observation_space}, "
                     f"sub-environment observation_space={obs_space}. If this is "
                     "intentional, use `observation_mode='different'` instead.")
-            act_space = W.space_from_wire(info["action_space"])
             if act_space != self.single_action_space:
                 raise RuntimeError(
                     "Sub-environment action space doesn't make the `single_action_space`, "
                     f"action_space={act_space}, "
                     f"single_action_space={self.single_action_space}")
-        self.observation_space = batch_space(self.single_observation_space, self.num_envs)
-        self.action_space = batch_space(self.single_action_space, self.num_envs)
-        self.metadata = dict(first.get("metadata") or {})
-        self.metadata["autoreset_mode"] = self.autoreset_mode
-        self.render_mode = first.get("render_mode")
 
     @property
     def machines(self) -> list[str | None]:
@@ -204,11 +212,18 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
         self._check_open()
         if isinstance(seed, int) and not isinstance(seed, bool):
             super().reset(seed=seed)
-        seeds = _seeds(seed, self.num_envs)
+        given = options
+        try:
+            seeds = _seeds(seed, self.num_envs)
+        except (TypeError, ValueError) as ours:
+            raise self._as_installed(ours, seed, given) from None
         self._check_no_pending("reset_async", period=False)
         # Copied, where SyncVectorEnv pops "reset_mask" from the caller's dict.
         options = dict(options) if isinstance(options, dict) else options
-        mask = self._reset_mask(options)
+        try:
+            mask = self._reset_mask(options)
+        except (TypeError, ValueError) as ours:
+            raise self._as_installed(ours, seed, given) from None
         indices = [i for i in range(self.num_envs) if mask is None or mask[i]]
         mask_set = set(indices)
         results = self._pool.reset(indices, seeds, [options] * self.num_envs)
@@ -234,6 +249,11 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
         self._observations = concatenate(self.single_observation_space, self._obs,
                                          self._observations)
         return (deepcopy(self._observations) if self.copy else self._observations), infos
+
+    def _as_installed(self, ours: Exception, seed: Any, options: Any) -> BaseException:
+        """What the installed Gymnasium's `SyncVectorEnv` raises for this bad reset
+        (its version's type and message: see `boxd.rl._conformance`), else ``ours``."""
+        return _conformance.reset_error(self.num_envs, seed, options) or ours
 
     def _reset_mask(self, options: Any) -> np.ndarray[Any, Any] | None:
         if options is None or "reset_mask" not in options:
@@ -264,7 +284,9 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
         return self.step_wait()
 
     def step_async(self, actions: Any) -> None:
-        """Send the actions; `step_wait` collects the results.
+        """Send the actions: every sub-env starts its step now, while the caller goes
+        on (as `AsyncVectorEnv`); `step_wait` collects the results. A sub-env's failure
+        is raised by `step_wait`.
 
         Raises:
             VectorEnvClosed: after `close`.
@@ -279,10 +301,23 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
         # sub-env is stepped).
         acts = [a for a, _ in zip(iterate(self.action_space, actions), range(self.num_envs),
                                   strict=True)]
-        self._pending = acts
+        mode = self.autoreset_mode
+        if mode == AutoresetMode.DISABLED and np.any(self._autoreset_envs):
+            # SyncVectorEnv's `assert not self._autoreset_envs[i], f"{self._autoreset_envs=}"`
+            # (the finished sub-envs need reset(options={"reset_mask": ...}) first):
+            # nothing is sent, step_wait raises it.
+            self._pending = _StepOfFinishedEnv(f"self._autoreset_envs={self._autoreset_envs!r}")
+            return
+        resets = [i for i in range(self.num_envs) if mode == AutoresetMode.NEXT_STEP
+                  and self._autoreset_envs[i]]
+        # One frame per machine: the NEXT_STEP resets travel with the others' steps.
+        self._pending = self._pool.start_step(
+            acts, resets=resets,
+            autoreset=(lambda i: (None, None)) if mode == AutoresetMode.SAME_STEP else None)
 
     def step_wait(self, timeout: float | None = None) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
-        """Collect the step sent by `step_async` (``timeout`` overrides ``step_timeout``).
+        """Collect the step sent by `step_async` (``timeout``, from this call, overrides
+        ``step_timeout``).
 
         Raises:
             VectorEnvClosed: after `close`.
@@ -295,33 +330,24 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
         if self._pending is None:
             raise NoPendingCallError(
                 "Calling `step_wait` without any prior call to `step_async`.", "step")
-        acts, self._pending = self._pending, None
+        pending, self._pending = self._pending, None
+        if isinstance(pending, _StepOfFinishedEnv):
+            raise pending
         n = self.num_envs
-        mode = self.autoreset_mode
-        if mode == AutoresetMode.DISABLED and np.any(self._autoreset_envs):
-            # SyncVectorEnv's `assert not self._autoreset_envs[i], f"{self._autoreset_envs=}"`
-            # (the finished sub-envs need reset(options={"reset_mask": ...}) first).
-            raise _StepOfFinishedEnv(f"self._autoreset_envs={self._autoreset_envs!r}")
-        resets = [i for i in range(n) if mode == AutoresetMode.NEXT_STEP
-                  and self._autoreset_envs[i]]
-        # One frame per machine: the NEXT_STEP resets travel with the others' steps.
-        results = self._pool.step(
-            acts, resets=resets,
-            autoreset=(lambda i: (None, None)) if mode == AutoresetMode.SAME_STEP else None,
-            timeout=timeout)
+        results = self._pool.finish_step(pending, timeout)
         recovered = self._recover_or_raise(results, list(range(n)))
         infos: dict[str, Any] = {}
         for i in range(n):
             if i in recovered:
                 infos = self._record_cut_short(i, infos)
-            elif i in resets:
+            elif i in pending.resets:
                 infos = self._record_reset(i, results[i], infos)
             else:
                 infos = self._record_step(i, results[i], infos)
         self._observations = concatenate(self.single_observation_space, self._obs,
                                          self._observations)
         self._autoreset_envs = np.logical_or(self._terminations, self._truncations)
-        if mode == AutoresetMode.NEXT_STEP:
+        if self.autoreset_mode == AutoresetMode.NEXT_STEP:
             # A recovered slot is fresh (built, not reset): the next step resets it.
             for i in recovered:
                 self._autoreset_envs[i] = True
@@ -429,8 +455,10 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
             [("set_attr", name, v) for v in values]))
 
     def close_extras(self, **kwargs: Any) -> None:
-        """Close every sub-env and delete its machine (by label: those whose creation
-        answered and those whose answer was lost)."""
+        """Close every sub-env and delete its machine, by label: those whose creation
+        answered and those whose answer was lost (a pending step is collected first, its
+        results dropped, as `AsyncVectorEnv.close` waits for it)."""
+        self._drain_pending()
         self._pool.close()
 
     @property
@@ -438,6 +466,13 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
         """The labels every machine of this vector env carries ({} for local servers):
         ``boxd machine delete --label boxd.rl/run=ID`` removes them after a crash."""
         return dict(getattr(self._pool.home, "labels", None) or {})
+
+    def _drain_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if isinstance(pending, PendingStep):
+            with contextlib.suppress(Exception):
+                self._pool.collect(pending.sent, 30.0 if self.step_timeout is None
+                                   else self.step_timeout)
 
     def _check_open(self) -> None:
         if self.closed:

@@ -43,13 +43,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import operator
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, get_args, overload
+from typing import TYPE_CHECKING, Any, Literal, SupportsIndex, get_args, overload
 
 import numpy as np
 from gymnasium.utils.env_checker import data_equivalence
@@ -69,6 +70,18 @@ Labels = Mapping[str, str] | None
 Placement = Literal["same-node", "spread"]
 PLACEMENTS: tuple[str, ...] = get_args(Placement)
 FIELDS = ("action", "obs", "reward", "terminated", "truncated")
+
+#: Seeds are ``0 <= seed < SEED_LIMIT``. Gymnasium's own seeding takes any non-negative
+#: int, but numpy's legacy seeding (``np.random.seed``, ``RandomState``), which many envs
+#: and SB3's ``set_random_seed`` call with the seed they are given, takes only these.
+SEED_LIMIT = 2**32
+#: A sweep keeps every seed's report while it has verified at most this many seeds;
+#: past that only the diverged seeds' (the first `DIVERGED_KEPT`), so that its memory
+#: does not grow with its length. The counts stay exact.
+PAIRS_KEPT = 10_000
+DIVERGED_KEPT = 1_000
+#: ``distinct`` is exact up to this many different trajectories, a lower bound past it.
+DISTINCT_KEPT = 100_000
 
 CAUSE_POLICY = ("the policy chose different actions for the same observations: seed it "
                 "(the default policy samples the action space seeded with `seed`)")
@@ -154,7 +167,13 @@ class VerifyReport:
 
 @dataclass(frozen=True)
 class SweepReport:
-    """The verdict of `verify` over many seeds: one `VerifyReport` per seed."""
+    """The verdict of `verify` over many seeds.
+
+    ``pairs`` holds every seed's `VerifyReport` (in the order the seeds were given)
+    when the sweep verified at most `PAIRS_KEPT` seeds, else only the diverged seeds'
+    (at most `DIVERGED_KEPT`): ``pairs_complete`` says which. The counts (``seeds``,
+    ``diverged_seeds``, ``causes``) cover every seed either way.
+    """
 
     identical: bool
     env: str
@@ -162,51 +181,63 @@ class SweepReport:
     runs: int
     sources: tuple[str, ...]
     pairs: tuple[VerifyReport, ...]
-    #: how many different trajectories the seeds gave (their first runs' digests)
+    #: how many different trajectories the seeds gave (their first runs' digests); a
+    #: lower bound when ``distinct_exact`` is False
     distinct: int
     wall_s: float
+    #: how many seeds were verified, and how many of them diverged
+    seeds: int
+    diverged_seeds: int
     placement: str = "same-node"
     #: ``"spread"``: the nodes the runs rotated over
     nodes: tuple[str, ...] = ()
+    #: ``pairs`` holds every seed's report (else the diverged seeds' only)
+    pairs_complete: bool = True
+    #: ``distinct`` counts every trajectory (past `DISTINCT_KEPT`: at least that many)
+    distinct_exact: bool = True
+    #: how many diverged seeds each kind of likely cause has, over every seed
+    causes: tuple[tuple[str, int], ...] = ()
 
     @property
     def diverged(self) -> list[VerifyReport]:
-        """The seeds whose runs differ."""
+        """The seeds whose runs differ (those kept in ``pairs``)."""
         return [p for p in self.pairs if not p.identical]
 
     def rows(self) -> list[tuple[str, str]]:
         """The summary as (label, value) rows for a table."""
-        bad = self.diverged
         out = [("env", self.env), ("sources", ", ".join(self.sources)),
                ("placement", self.placement + (f" over {', '.join(self.nodes)}"
                                                if self.nodes else "")),
-               ("seeds", str(len(self.pairs))), ("steps", str(self.steps)),
+               ("seeds", str(self.seeds)), ("steps", str(self.steps)),
                ("runs per seed", str(self.runs)),
-               ("identical", "yes" if self.identical else f"NO ({len(bad)} of "
-                f"{len(self.pairs)} seeds diverge)"),
-               ("distinct trajectories", str(self.distinct)),
+               ("identical", "yes" if self.identical else f"NO ({self.diverged_seeds} of "
+                f"{self.seeds} seeds diverge)"),
+               ("distinct trajectories",
+                str(self.distinct) if self.distinct_exact else f"at least {self.distinct}"),
                ("wall time", f"{self.wall_s:.1f} s"),
                ("pairs per minute", f"{self.pairs_per_minute:.1f}")]
-        causes: dict[str, int] = {}
-        for p in bad:
-            kind = (p.likely_cause or "?").split(" (step")[0]
-            causes[kind] = causes.get(kind, 0) + 1
-        out += [(f"cause ({n} seeds)", c) for c, n in causes.items()]
+        out += [(f"cause ({n} seeds)", c) for c, n in self.causes]
         return out
 
     @property
     def pairs_per_minute(self) -> float:
-        return 60 * len(self.pairs) / self.wall_s if self.wall_s > 0 else 0.0
+        return 60 * self.seeds / self.wall_s if self.wall_s > 0 else 0.0
 
     def to_json(self) -> dict[str, Any]:
         """The report as JSON values; `REPORT_SCHEMA` describes them."""
         return {
             "format": 1, "identical": self.identical, "env": self.env, "steps": self.steps,
             "runs": self.runs, "sources": list(self.sources),
-            "placement": self.placement, "nodes": list(self.nodes), "seeds": len(self.pairs),
-            "distinct": self.distinct, "wall_s": round(self.wall_s, 3),
-            "diverged": len(self.diverged), "pairs": [p.to_json() for p in self.pairs],
+            "placement": self.placement, "nodes": list(self.nodes), "seeds": self.seeds,
+            "distinct": self.distinct, "distinct_exact": self.distinct_exact,
+            "wall_s": round(self.wall_s, 3), "diverged": self.diverged_seeds,
+            "pairs_complete": self.pairs_complete,
+            "pairs": [p.to_json() for p in self.pairs],
         }
+
+
+def _cause_kind(report: VerifyReport) -> str:
+    return (report.likely_cause or "?").split(" (step")[0]
 
 
 _DIVERGENCE_SCHEMA: dict[str, Any] = {
@@ -246,8 +277,15 @@ REPORT_SCHEMA: dict[str, Any] = {
                   "description": "spread: the nodes the runs rotated over"},
         "seeds": {"type": "integer", "minimum": 1},
         "distinct": {"type": "integer", "minimum": 1},
+        "distinct_exact": {"type": "boolean",
+                           "description": "false: distinct is a lower bound (past "
+                                          f"{DISTINCT_KEPT} trajectories)"},
         "wall_s": {"type": "number", "minimum": 0},
         "diverged": {"type": "integer", "minimum": 0},
+        "pairs_complete": {"type": "boolean",
+                           "description": "pairs holds every seed; false (past "
+                                          f"{PAIRS_KEPT} seeds): only the diverged ones, "
+                                          f"at most {DIVERGED_KEPT}"},
         "pairs": {"type": "array", "items": {
             "type": "object",
             "required": ["seed", "identical", "episodes", "digest", "likely_cause",
@@ -381,8 +419,9 @@ def verify(
             ``source[i % len(source)]``), e.g. one baseline per engine.
         env: a Gymnasium id, ``"module:function"`` importable in the machine, or a
             callable (see `boxd.rl.Env`).
-        seed: the reset seed and the default policy's seed.
-        seeds: many seeds, one pair of runs each.
+        seed: the reset seed and the default policy's seed (0 to 2**32 - 1).
+        seeds: many seeds, one pair of runs each, drawn as pairs start (see
+            `_seed_stream` for how they are checked, `SweepReport` for what is kept).
         steps: steps per run.
         policy: ``policy(obs) -> action``; it must be deterministic itself (and, with
             ``jobs`` > 1, safe to call from several threads).
@@ -399,24 +438,23 @@ def verify(
         **make_kwargs: keyword arguments for the env's constructor.
 
     Raises:
-        InvalidRequest: ``runs`` < 2, ``steps`` < 1, ``jobs`` < 1, no seeds, both or
-            neither of ``seed`` and ``seeds``; ``"spread"`` over fewer than two nodes,
-            of a `Home`, or of a source that cannot leave its node. NotFound: a node
-            in ``nodes`` that is not alive.
+        InvalidRequest: ``runs`` < 2, ``steps`` < 1, ``jobs`` < 1, no seeds, a bad or
+            repeated seed, both or neither of ``seed`` and ``seeds``; ``"spread"`` over
+            fewer than two nodes, of a `Home`, or of a source that cannot leave its
+            node. NotFound: a node in ``nodes`` that is not alive.
         EnvError, EnvModuleNotFound: the env failed in a machine (a sweep stops at
             the first such failure and raises it once the seeds in flight are done).
     """
-    _check(seed=seed, seeds=seeds, steps=steps, runs=runs, jobs=jobs, placement=placement)
+    what = _check(seed=seed, seeds=seeds, steps=steps, runs=runs, jobs=jobs, placement=placement)
     job, owned = _new_job(source, env, boxd, labels, steps=steps, policy=policy, runs=runs,
                           pickle_by_value=pickle_by_value, make_kwargs=make_kwargs,
                           template=template)
     try:
         if placement == "spread":
             job.nodes = _spread_nodes(job.boxd, job.sources, nodes)
-        if seeds is not None:
-            return _sweep(job, list(seeds), jobs=jobs, progress=progress)
-        assert seed is not None
-        return _one_seed(job, seed)
+        if isinstance(what, int):
+            return _one_seed(job, what)
+        return _sweep(job, what, jobs=jobs, progress=progress)
     finally:
         job.close()
         if owned is not None:
@@ -443,7 +481,9 @@ def _client(sources: list[str | Home]) -> Boxd | None:
 
 
 def _check(*, seed: int | None, seeds: Iterable[int] | None, steps: int, runs: int,
-           jobs: int, placement: str) -> None:
+           jobs: int, placement: str) -> int | Iterator[int]:
+    """The arguments checked before anything is made; the seed, or the seeds'
+    stream (`_seed_stream`)."""
     from boxd import errors
 
     if runs < 2:
@@ -458,6 +498,61 @@ def _check(*, seed: int | None, seeds: Iterable[int] | None, steps: int, runs: i
     if placement not in PLACEMENTS:
         raise errors.InvalidRequest(f"placement must be one of {', '.join(PLACEMENTS)}, "
                                     f"not {placement!r}", field="placement")
+    return check_seed(seed) if seeds is None else _seed_stream(seeds)
+
+
+def check_seed(seed: object) -> int:
+    """``seed`` as a verify seed: an int (numpy's integers too) with ``0 <= seed <
+    SEED_LIMIT``.
+
+    Raises:
+        InvalidRequest: not an int (a bool or a float included), or out of range.
+    """
+    from boxd import errors
+
+    if isinstance(seed, bool) or not isinstance(seed, SupportsIndex):
+        raise errors.InvalidRequest(f"a seed must be an int, not {type(seed).__name__} "
+                                    f"{seed!r}", field="seeds")
+    value = operator.index(seed)
+    if not 0 <= value < SEED_LIMIT:
+        raise errors.InvalidRequest(
+            f"seed {value} is out of range: seeds are 0 to {SEED_LIMIT - 1} (2**32 - 1)",
+            hint="Gymnasium refuses a negative seed, and numpy's legacy seeding "
+            "(np.random.seed), which many envs call with it, takes only 0 to 2**32 - 1",
+            field="seeds")
+    return value
+
+
+def _seed_stream(seeds: Iterable[int]) -> Iterator[int]:
+    """The seeds as an iterator, checked as far as can be before any fork: a range by
+    its ends (it cannot repeat), a collection such as a list whole (each seed, and no
+    repeats: the caller holds it already); any other iterable seed by seed as it is
+    drawn (a bad seed then stops the sweep as a failing pair does), and not for
+    repeats (that would keep every seed: a repeated seed is verified again).
+
+    Raises:
+        InvalidRequest: no seeds, a bad seed, or a repeated one (range, collection).
+    """
+    from boxd import errors
+
+    empty = errors.InvalidRequest("seeds is empty", field="seeds")
+    if isinstance(seeds, range):
+        if not seeds:
+            raise empty
+        check_seed(min(seeds[0], seeds[-1]))
+        check_seed(max(seeds[0], seeds[-1]))
+        return iter(seeds)
+    if isinstance(seeds, Collection):  # numpy arrays too: len(), not truthiness
+        if len(seeds) == 0:
+            raise empty
+        seen: set[int] = set()
+        for s in seeds:
+            if check_seed(s) in seen:
+                raise errors.InvalidRequest(f"seeds repeat ({s} twice)",
+                                            hint="give each seed once", field="seeds")
+            seen.add(operator.index(s))
+        return (operator.index(s) for s in seeds)
+    return (check_seed(s) for s in seeds)
 
 
 def _sources(source: str | Home | Sequence[str]) -> list[str | Home]:
@@ -550,31 +645,67 @@ class _Job:
                        self.make_kwargs)
 
 
-def _sweep(job: _Job, seeds: list[int], *, jobs: int,
+def _sweep(job: _Job, seeds: Iterator[int], *, jobs: int,
            progress: Callable[[VerifyReport], None] | None) -> SweepReport:
     from boxd import errors
 
-    if not seeds:
-        raise errors.InvalidRequest("seeds is empty", field="seeds")
-    if len(set(seeds)) != len(seeds):
-        raise errors.InvalidRequest("seeds repeat", hint="give each seed once",
-                                    field="seeds")
     started = time.monotonic()
-    done = _Pool(jobs, progress).run(
-        lambda k, s: _one_seed(job, s, k=k, rewind=False), seeds)
-    pairs = tuple(done[s] for s in seeds)
+    tally = _Tally()
+    _Pool(jobs, progress).run(lambda k, s: _one_seed(job, s, k=k, rewind=False), seeds,
+                              tally)
+    if tally.seeds == 0:  # an empty iterator: nothing was started
+        raise errors.InvalidRequest("seeds is empty", field="seeds")
     return SweepReport(
-        identical=all(p.identical for p in pairs), env=_env_name(job.env),
+        identical=tally.diverged == 0, env=_env_name(job.env),
         steps=job.steps, runs=job.runs,
         sources=tuple(s if isinstance(s, str) else type(s).__name__ for s in job.sources),
-        pairs=pairs, distinct=len({p.digest for p in pairs}),
-        wall_s=time.monotonic() - started,
-        placement="spread" if job.nodes else "same-node", nodes=job.nodes)
+        pairs=tuple(r for _, r in sorted(tally.kept, key=lambda kr: kr[0])),
+        distinct=len(tally.digests), wall_s=time.monotonic() - started,
+        seeds=tally.seeds, diverged_seeds=tally.diverged,
+        placement="spread" if job.nodes else "same-node", nodes=job.nodes,
+        pairs_complete=tally.complete, distinct_exact=tally.distinct_exact,
+        causes=tuple(tally.causes.items()))
+
+
+@dataclass
+class _Tally:
+    """What a sweep keeps of its seeds' reports: counts, and a bounded sample (every
+    report up to `PAIRS_KEPT` seeds, then the diverged ones up to `DIVERGED_KEPT`)."""
+
+    seeds: int = 0
+    diverged: int = 0
+    #: (position in the stream, report)
+    kept: list[tuple[int, VerifyReport]] = field(default_factory=list)
+    complete: bool = True
+    #: the first runs' digests (a 128-bit prefix each), up to `DISTINCT_KEPT`
+    digests: set[str] = field(default_factory=set)
+    distinct_exact: bool = True
+    causes: dict[str, int] = field(default_factory=dict)
+
+    def add(self, k: int, report: VerifyReport) -> None:
+        self.seeds += 1
+        if not report.identical:
+            self.diverged += 1
+            kind = _cause_kind(report)
+            self.causes[kind] = self.causes.get(kind, 0) + 1
+        key = report.digest[:32]
+        if key not in self.digests:
+            if len(self.digests) < DISTINCT_KEPT:
+                self.digests.add(key)
+            else:
+                self.distinct_exact = False
+        if self.complete and self.seeds > PAIRS_KEPT:
+            self.complete = False
+            bad = sorted((kr for kr in self.kept if not kr[1].identical), key=lambda kr: kr[0])
+            self.kept = bad[:DIVERGED_KEPT]
+        if self.complete or (not report.identical and len(self.kept) < DIVERGED_KEPT):
+            self.kept.append((k, report))
 
 
 class _Pool:
-    """Up to ``jobs`` seeds at once; the first failure stops new seeds and is raised
-    once the seeds in flight are done."""
+    """Up to ``jobs`` seeds at once, drawn from their iterator only as a place frees
+    (never ahead); the first failure stops new seeds and is raised once the seeds in
+    flight are done."""
 
     def __init__(self, jobs: int, progress: Callable[[VerifyReport], None] | None) -> None:
         self.jobs = jobs
@@ -582,26 +713,38 @@ class _Pool:
         self.stop = threading.Event()
         self.failure: BaseException | None = None
 
-    def run(self, one: Callable[[int, int], VerifyReport],
-            seeds: list[int]) -> dict[int, VerifyReport]:
-        done: dict[int, VerifyReport] = {}
-        todo = iter(enumerate(seeds))
-        with ThreadPoolExecutor(max_workers=min(self.jobs, len(seeds))) as ex:
+    def run(self, one: Callable[[int, int], VerifyReport], seeds: Iterator[int],
+            tally: _Tally) -> None:
+        todo = enumerate(seeds)
+        with ThreadPoolExecutor(max_workers=self.jobs) as ex:
             pending: dict[Future[VerifyReport], int] = {}
             while True:
                 while len(pending) < self.jobs and not self.stop.is_set():
-                    item = next(todo, None)
+                    item = self._draw(todo)
                     if item is None:
                         break
-                    pending[ex.submit(self._guarded, one, *item)] = item[1]
+                    pending[ex.submit(self._guarded, one, *item)] = item[0]
                 if not pending:
                     break
                 finished, _ = wait(pending, return_when=FIRST_COMPLETED)
                 for fut in finished:
-                    self._collect(fut, pending.pop(fut), done)
+                    self._collect(fut, pending.pop(fut), tally)
         if self.failure is not None:
             raise self.failure
-        return done
+
+    def _draw(self, todo: Iterator[tuple[int, int]]) -> tuple[int, int] | None:
+        """The next (position, seed), or None at the end or when the seed failed its
+        check (or the caller's iterator raised): that stops the sweep."""
+        try:
+            return next(todo, None)
+        except Exception as exc:
+            self._fail(exc)
+            return None
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.failure is None:
+            self.failure = exc
+            self.stop.set()
 
     def _guarded(self, one: Callable[[int, int], VerifyReport], k: int,
                  s: int) -> VerifyReport:
@@ -609,16 +752,15 @@ class _Pool:
             raise _Skipped
         return one(k, s)
 
-    def _collect(self, fut: Future[VerifyReport], s: int,
-                 done: dict[int, VerifyReport]) -> None:
+    def _collect(self, fut: Future[VerifyReport], k: int, tally: _Tally) -> None:
         exc = fut.exception()
         if exc is None:
-            done[s] = report = fut.result()
+            report = fut.result()
+            tally.add(k, report)
             if self.progress is not None:
                 self.progress(report)
-        elif not isinstance(exc, _Skipped) and self.failure is None:
-            self.failure = exc
-            self.stop.set()
+        elif not isinstance(exc, _Skipped):
+            self._fail(exc)
 
 
 class _Skipped(Exception):
@@ -753,4 +895,5 @@ def _traced_cause(d: Divergence, seed: int, policy: Policy | None, replay: _Repl
     return f"{'; '.join(causes)} ({where} {names})"
 
 
-__all__ = ["REPORT_SCHEMA", "Divergence", "SweepReport", "VerifyReport", "verify"]
+__all__ = ["REPORT_SCHEMA", "SEED_LIMIT", "Divergence", "SweepReport", "VerifyReport", "check_seed",
+           "verify"]

@@ -14,6 +14,7 @@ every reset of the sub-envs from then on, autoresets included, until changed.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from copy import deepcopy
@@ -27,7 +28,8 @@ from stable_baselines3.common.vec_env.base_vec_env import VecEnv as _SB3VecEnv
 from boxd.rl import _server as W
 from boxd.rl._channel import Home, MakeRequest
 from boxd.rl._env import DEFAULT_RESET_MODE, ResetMode, check_reset_mode, resolve_home
-from boxd.rl._pool import RECOVERABLE, Pool
+from boxd.rl._pool import RECOVERABLE, PendingStep, Pool
+from boxd.rl._vector import NoPendingCallError, PendingCallError
 
 if TYPE_CHECKING:
     from boxd.sdk._sync import Boxd
@@ -97,7 +99,8 @@ class VecEnv(_SB3VecEnv):
             self._buf: Any = create_empty_array(obs_space, n=n, fn=np.zeros)
             self._obs: list[Any] = [None] * n
             self._last_obs: list[Any] = [None] * n
-            self._actions: Any = None
+            #: the step `step_async` sent, until `step_wait` collects it
+            self._pending: PendingStep | None = None
             self._persistent_options: list[dict[str, Any]] = [{} for _ in range(n)]
             super().__init__(n, obs_space, act_space)
         except BaseException:
@@ -130,7 +133,12 @@ class VecEnv(_SB3VecEnv):
 
     def reset(self) -> Any:
         """Reset every sub-env; returns the batched observations (infos in
-        ``reset_infos``)."""
+        ``reset_infos``).
+
+        Raises:
+            PendingCallError: a `step_async` awaits its `step_wait`.
+        """
+        self._check_no_pending("reset")
         n = self.num_envs
         args = [self._next_reset(i) for i in range(n)]
         results = self._pool.reset(range(n), [a[0] for a in args], [a[1] for a in args])
@@ -144,13 +152,39 @@ class VecEnv(_SB3VecEnv):
         return self._batch()
 
     def step_async(self, actions: np.ndarray[Any, Any]) -> None:
-        self._actions = actions
+        """Send the actions: every sub-env starts its step now, while the learner goes
+        on (as SB3's `SubprocVecEnv`); `step_wait` collects. A sub-env's failure is
+        raised by `step_wait`.
+
+        Raises:
+            PendingCallError: a step is already pending (Gymnasium's
+                `AlreadyPendingCallError`; SB3's vectorisers do not check).
+        """
+        self._check_no_pending("step_async")
+        acts = [actions[i] for i in range(self.num_envs)]
+        self._pending = self._pool.start_step(acts, autoreset=self._reset_args)
+
+    def _check_no_pending(self, what: str) -> None:
+        """A request to the sub-envs while a step is sent and not collected would read
+        the step's replies as its own."""
+        if self._pending is not None:
+            raise PendingCallError(f"Calling `{what}` while waiting for a pending call to "
+                                   "`step` to complete.", "step")
 
     def step_wait(self) -> tuple[Any, np.ndarray[Any, Any], np.ndarray[Any, Any],
                                  list[dict[str, Any]]]:
+        """Collect the step `step_async` sent.
+
+        Raises:
+            NoPendingCallError: no step is pending.
+            EnvError, EnvServerLost, EnvTimeout: a sub-env failed (without ``recover``).
+        """
+        if self._pending is None:
+            raise NoPendingCallError(
+                "Calling `step_wait` without any prior call to `step_async`.", "step")
+        pending, self._pending = self._pending, None
         n = self.num_envs
-        actions = [self._actions[i] for i in range(n)]
-        results = self._pool.step(actions, autoreset=self._reset_args)
+        results = self._pool.finish_step(pending)
         recovered = self._recover(results)
         rewards = np.zeros(n, dtype=np.float32)
         dones = np.zeros(n, dtype=np.bool_)
@@ -206,6 +240,10 @@ class VecEnv(_SB3VecEnv):
         """Close every sub-env and delete its machine. Idempotent."""
         if not self._closed:
             self._closed = True
+            pending, self._pending = self._pending, None
+            if pending is not None:  # its replies first, as SubprocVecEnv.close reads them
+                with contextlib.suppress(Exception):
+                    self._pool.collect(pending.sent, 30.0)
             self._pool.close()
 
     def _indices(self, indices: int | Iterable[int] | None) -> list[int]:
@@ -213,6 +251,7 @@ class VecEnv(_SB3VecEnv):
 
     def _broadcast(self, indices: int | Iterable[int] | None,
                    make: Callable[[int], tuple[Any, ...]]) -> list[Any]:
+        self._check_no_pending("env_method")
         idx = self._indices(indices)
         reqs: list[Any] = [None] * self.num_envs
         for i in idx:

@@ -267,9 +267,11 @@ class AsyncMachines:
 
         Raises:
             MachineNotFound: no such machine.
-            InvalidRequest: a port outside 1-65535, an isolated machine, or another port
+            InvalidRequest: a port that is not an int or is outside 1-65535 (checked
+                before the machine is looked up), an isolated machine, or another port
                 of a public machine.
         """
+        models.tcp_port(port)
         return (await self.get(ref)).url_for(port)
 
     async def list(
