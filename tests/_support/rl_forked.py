@@ -14,6 +14,7 @@ server cannot import, PYTHONHASHSEED), as tests/unit/test_rl_env.py does.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import subprocess
@@ -36,6 +37,9 @@ class _ForkedServer:
         pid = os.fork()
         if pid == 0:  # the child: the server on fds 0 and 1, nothing else of the parent's
             code = 1
+            # The inherited heap (a pytest worker's: torch and all) is never collected
+            # here: a collection would touch, so copy, every page of it.
+            gc.freeze()
             try:
                 os.dup2(to_child, 0)
                 os.dup2(from_child, 1)

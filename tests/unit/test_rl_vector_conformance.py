@@ -66,7 +66,10 @@ def _make(kind: str, fns: Any, **kw: Any) -> Any:
     if kind == "sync":
         return SyncVectorEnv(fns, **kw)
     if kind == "async":
-        return AsyncVectorEnv(fns, **kw)
+        # Forked workers, whatever the process's default start method: importing torchrl
+        # (test_rl_torchrl, in the same pytest process) sets it to "spawn", which made
+        # every reference env start 3 interpreters. The errors compared are the same.
+        return AsyncVectorEnv(fns, context="fork", **kw)
     # Servers forked from this process (tests/_support/rl_forked.py): the same server code
     # and channel as rl.local()'s, without each one importing Gymnasium anew (the tests
     # at the end of this file use rl.local() itself).
