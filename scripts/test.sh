@@ -9,7 +9,7 @@
 #   --fast   the fast tier: ruff, mypy, import-linter and every test not marked vm,
 #            fresh_host or packaging (tests/unit and the probe logic of tests/integration):
 #            no machine (a test that starts one fails, tests/_support/vm_guard.py), no
-#            guest image, under 3 minutes on a 2-core host. pytest runs on every core
+#            guest image, about 3 minutes on a quiet 2-core host. pytest runs on every core
 #            (pytest-xdist: one worker per CPU, at most 8; BOXD_TEST_WORKERS=N sets it,
 #            1 runs it in one process) and mypy runs beside it (its report follows
 #            pytest's). The set-up step only checks a set-up host (no apt, no sudo; pip
