@@ -20,6 +20,7 @@ import pytest
 from gymnasium.utils.env_checker import data_equivalence
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from tests._support import rl_envs as _rl_envs
+from tests._support.rl_forked import forked
 
 import boxd.rl as rl
 from boxd import errors
@@ -51,7 +52,9 @@ def _fns(n: int = 3, **kw: Any) -> list[Any]:
 
 def _pair(mode: AutoresetMode, n: int = 3, **kw: Any) -> tuple[rl.VectorEnv, SyncVectorEnv]:
     fns = _fns(n, **kw)
-    ours = rl.VectorEnv(fns, source=rl.local(), autoreset_mode=mode,
+    # forked(): rl.local()'s servers, forked from this process rather than spawned
+    # (tests/_support/rl_forked.py); the tests below that name rl.local() spawn them.
+    ours = rl.VectorEnv(fns, source=forked(), autoreset_mode=mode,
                         pickle_by_value=[_rl_envs])
     return ours, SyncVectorEnv(fns, autoreset_mode=mode)
 

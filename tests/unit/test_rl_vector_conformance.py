@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 from gymnasium.vector import AsyncVectorEnv, SyncVectorEnv
 from tests._support import rl_envs as _rl_envs
+from tests._support.rl_forked import forked
 
 import boxd.rl as rl
 from boxd import errors
@@ -65,8 +66,14 @@ def _make(kind: str, fns: Any, **kw: Any) -> Any:
     if kind == "sync":
         return SyncVectorEnv(fns, **kw)
     if kind == "async":
-        return AsyncVectorEnv(fns, **kw)
-    return rl.VectorEnv(fns, source=rl.local(), pickle_by_value=[_rl_envs], **kw)
+        # Forked workers, whatever the process's default start method: importing torchrl
+        # (test_rl_torchrl, in the same pytest process) sets it to "spawn", which made
+        # every reference env start 3 interpreters. The errors compared are the same.
+        return AsyncVectorEnv(fns, context="fork", **kw)
+    # Servers forked from this process (tests/_support/rl_forked.py): the same server code
+    # and channel as rl.local()'s, without each one importing Gymnasium anew (the tests
+    # at the end of this file use rl.local() itself).
+    return rl.VectorEnv(fns, source=forked(), pickle_by_value=[_rl_envs], **kw)
 
 
 def _zeros(n: int = N) -> np.ndarray[Any, Any]:
