@@ -229,7 +229,7 @@ class ProcessStream(Protocol):
 
     async def send(self, data: bytes) -> None: ...
 
-    async def recv(self) -> bytes | None:
+    async def recv(self) -> bytes | bytearray | None:
         """The next frame, or None once the process has exited."""
         ...
 

@@ -355,7 +355,7 @@ class _RemoteStream:
     async def send(self, data: bytes) -> None:
         await self._node._ask(self._node.actor.send.remote(self._sid, data))
 
-    async def recv(self) -> bytes | None:
+    async def recv(self) -> bytes | bytearray | None:
         out: bytes | None = await self._node._ask(self._node.actor.recv.remote(self._sid))
         return out
 

@@ -313,7 +313,7 @@ class NodeActor:
     async def send(self, sid: str, data: bytes) -> None:
         await self._sessions[sid][1].send(data)
 
-    async def recv(self, sid: str) -> bytes | None:
+    async def recv(self, sid: str) -> bytes | bytearray | None:
         return await self._sessions[sid][1].recv()
 
     async def detach(self, sid: str) -> None:
