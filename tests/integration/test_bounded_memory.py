@@ -231,3 +231,40 @@ def test_giant_process_frames_are_refused_and_say_why(  # type: ignore[no-untype
         assert p["reason"] and "frame header" in p["reason"], p
         assert p["signal"] == 9 or p["exit_code"] in (137, None), p
     assert rss["growth"] <= GROWTH_BOUND, rss
+
+
+def test_large_frames_nobody_reads_cost_the_daemon_what_they_count(  # type: ignore[no-untyped-def]
+    daemon, machine, http
+) -> None:
+    """Six guest processes each write one 63 MiB frame and nobody reads them: the node
+    holds what fits its 256 MiB bound (four) and kills the rest, and the daemon's RSS
+    grows by about what it counts, not by a copy or two of each frame on top (round 4:
+    330-373 MiB of growth, each frame held three times while it was cut out)."""
+    # 0x03f00000 = 63 MiB, big-endian, in printf's octal escapes (dash has no \x)
+    script = "printf '\\003\\360\\000\\000'; head -c 63M /dev/zero; exec sleep 600"
+    ids = []
+    with _peak_rss(daemon.proc.pid) as rss:
+        for _ in range(6):
+            r = http.post(f"/v1/machines/{machine.id}/processes",
+                          json={"argv": ["sh", "-c", script]})
+            assert r.status_code == 201, r.text
+            ids.append(r.json()["id"])
+        deadline = time.monotonic() + 180
+        while True:
+            procs = {p["id"]: p for p in http.get(
+                f"/v1/machines/{machine.id}/processes").json()["processes"]}
+            killed = [i for i in ids if procs[i]["state"] == "exited"]
+            if len(killed) >= 2:
+                break
+            assert time.monotonic() < deadline, procs
+            time.sleep(0.5)
+        time.sleep(2)  # the held frames settle
+    try:
+        for i in killed:
+            assert "for all processes" in (procs[i]["reason"] or ""), procs[i]
+        # What the node counts (256 MiB) plus the agent channel's flow-control windows
+        # of the six streams (8 MiB each) and slack.
+        assert rss["growth"] <= 256 * MIB + 6 * 8 * MIB + 16 * MIB, rss
+    finally:
+        for i in ids:
+            http.post(f"/v1/machines/{machine.id}/processes/{i}/kill", json={"signal": 9})
