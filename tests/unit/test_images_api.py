@@ -17,7 +17,7 @@ from tests._support.api_fakes import host_info
 from tests._support.fake_world import ACCOUNT, make_world
 from tests._support.oci import make_image, sha, write_layout
 
-from boxd import AsyncBoxd, Boxd, errors
+from boxd import AsyncBoxd, Boxd, errors, models
 from boxd.api import create_app
 from boxd.api.services.images import ImageService
 from boxd.api.services.keys import KeyService
@@ -37,6 +37,14 @@ class Api:
     layout: Path
     store: Path
     operator_key: str
+    service: ImageService
+    account: str  # the id of `key`'s account (not the operator's)
+
+    def seed(self, account: str, source: str, name: str) -> models.Image:
+        """Import through the service, as an account whose route would refuse the
+        source (a path): the service's per-account rules are what is tested."""
+        return asyncio.run(self.service.import_(account, models.ImageImport(
+            source=source, name=name)))
 
 
 @pytest.fixture
@@ -47,12 +55,12 @@ def api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_daemon: Paths) -> It
     other = keys.create(w.repos.keys.add_account("other", 10), "sdk").secret
     local = w.repos.keys.account_id("local") or w.repos.keys.add_account("local", 10)
     operator = keys.create(local, "operator").secret
+    service = ImageService(tmp_path / "oci")
     app = create_app(machines=w.machines, snapshots=w.snapshots, keys=keys,
-                     host_info=host_info, upload_dir=tmp_path / "uploads",
-                     images=ImageService(tmp_path / "oci"))
+                     host_info=host_info, upload_dir=tmp_path / "uploads", images=service)
     img = make_image([{"bin/x": b"x"}], config={"Cmd": ["/bin/x"], "Env": ["A=1"]})
     layout = write_layout(tmp_path / "layout", {"v1": img})
-    yield Api(app, key, other, layout, tmp_path / "oci", operator)
+    yield Api(app, key, other, layout, tmp_path / "oci", operator, service, ACCOUNT)
     w.repos.db.close()
 
 
@@ -61,7 +69,7 @@ def _client(api: Api, key: str) -> Boxd:
 
 
 def test_import_list_inspect_remove(api: Api) -> None:
-    with _client(api, api.key) as b:
+    with _client(api, api.operator_key) as b:
         img = b.images.import_(f"oci:{api.layout}:v1", "envs/tool:v1")
         assert img.name == "envs/tool:v1" and img.config.cmd == ["/bin/x"]
         assert [i.name for i in b.images.list()] == ["envs/tool:v1"]
@@ -75,20 +83,40 @@ def test_import_list_inspect_remove(api: Api) -> None:
 
 
 def test_accounts_see_only_their_own_images(api: Api) -> None:
-    with _client(api, api.key) as mine, _client(api, api.other_key) as theirs:
+    with _client(api, api.operator_key) as mine, _client(api, api.key) as theirs:
         mine.images.import_(f"oci:{api.layout}", "shared-name")
         assert theirs.images.list() == []
         with pytest.raises(errors.NotFound):
             theirs.images.get("shared-name")
         with pytest.raises(errors.NotFound):
             theirs.images.remove("shared-name")
-        theirs.images.import_(f"oci:{api.layout}", "shared-name")
+        api.seed(api.account, f"oci:{api.layout}", "shared-name")
+        assert [i.name for i in theirs.images.list()] == ["shared-name:latest"]
         theirs.images.remove("shared-name")
         assert [i.name for i in mine.images.list()] == ["shared-name:latest"]
 
 
-def test_bad_input_is_a_typed_error(api: Api) -> None:
+def test_paths_and_private_registries_are_the_operators(api: Api) -> None:
+    """An account other than the operator imports only from registries on public
+    addresses: a path names a file of the daemon's host (its answer would tell whether
+    it exists), and a registry on loopback or a private range is a service the daemon
+    itself would connect to."""
     with _client(api, api.key) as b:
+        for source in (f"oci:{api.layout}", "oci-archive:/etc/shadow",
+                       "docker-archive:/root/x.tar"):
+            with pytest.raises(errors.Forbidden, match="paths on the daemon's host"):
+                b.images.import_(source, "x")
+        for host in ("127.0.0.1:5000", "localhost:5000", "10.1.2.3", "[::1]:5000",
+                     "169.254.169.254"):
+            with pytest.raises(errors.Forbidden, match="loopback, private or reserved"):
+                b.images.import_(f"docker://{host}/x:y", "x", insecure=True)
+        with pytest.raises(errors.InvalidRequest, match="unknown image source"):
+            b.images.import_("ftp:x", "x")
+        assert b.images.list() == []
+
+
+def test_bad_input_is_a_typed_error(api: Api) -> None:
+    with _client(api, api.operator_key) as b:
         with pytest.raises(errors.InvalidRequest, match="unknown image source"):
             b.images.import_("ftp://x", "a")
         with pytest.raises(errors.InvalidRequest, match="invalid image name"):
@@ -104,8 +132,8 @@ def test_bad_input_is_a_typed_error(api: Api) -> None:
 def test_async_client(api: Api) -> None:
     async def run() -> None:
         transport = httpx.ASGITransport(app=api.app)  # type: ignore[arg-type]
-        async with AsyncBoxd(api_key=api.key, transport=transport) as b:
-            img = await b.images.import_(f"oci:{api.layout}", "a:b")
+        async with AsyncBoxd(api_key=api.operator_key, transport=transport) as b:
+            img = await b.images.import_(f"oci:{api.layout}", "a:b")  # the operator's key
             assert (await b.images.get("a:b")).digest == img.digest
             assert len(await b.images.list()) == 1
             await b.images.remove("a:b")
@@ -118,12 +146,12 @@ def test_a_manifest_alone_claims_no_other_accounts_layer(api: Api, tmp_path: Pat
     its bytes imports nothing: the store's copy counts only for its own account's
     images. The account that holds it re-imports without fetching it again."""
     secret = make_image([{"secret": b"another account's data"}])
-    with _client(api, api.key) as mine, _client(api, api.other_key) as theirs:
+    with _client(api, api.operator_key) as mine, _client(api, api.key) as theirs:
         mine.images.import_(f"oci:{write_layout(tmp_path / 'full', {'s': secret})}", "s")
         bare = write_layout(tmp_path / "bare", {"s": secret})
         (bare / "blobs" / "sha256" / sha(secret.layers[0])[7:]).unlink()
         with pytest.raises(errors.CorruptData, match="lacks blobs/sha256"):
-            theirs.images.import_(f"oci:{bare}", "stolen")
+            api.seed(api.account, f"oci:{bare}", "stolen")
         assert theirs.images.list() == []
         # Its owner holds the layer: the same manifest without the bytes is enough.
         assert mine.images.import_(f"oci:{bare}", "again").digest == secret.digest
@@ -168,7 +196,7 @@ def test_import_with_progress_streams_then_answers(api: Api, tmp_path: Path) -> 
     big = make_image([{"big": os.urandom(3 << 20)}, {"small": b"s"}])
     layout = write_layout(tmp_path / "big", {"b": big})
     seen: list[tuple[str, float | None]] = []
-    with _client(api, api.key) as b:
+    with _client(api, api.operator_key) as b:
         img = b.images.import_(f"oci:{layout}", "big:v1",
                                progress=lambda step, f: seen.append((step, f)))
         assert img.digest == big.digest

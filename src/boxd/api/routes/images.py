@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -19,6 +20,7 @@ from boxd.api.routes._deps import BINARY_BODY, UploadDir
 from boxd.api.services.images import ImageService
 from boxd.api.services.keys import LOCAL_ACCOUNT, KeyService
 from boxd.errors import BoxdError, Forbidden, InvalidRequest
+from boxd.images.oci import parse_source
 
 NDJSON = "application/x-ndjson"
 router = APIRouter(prefix="/images", tags=["images"], responses=ERROR_RESPONSES)
@@ -49,16 +51,59 @@ def _builder(request: Request, account: KeyHolder) -> str:
 Builder = Annotated[str, Depends(_builder)]
 
 
+def _is_operator(request: Request, account: str) -> bool:
+    keys: KeyService = request.app.state.keys
+    return keys.repos.keys.account_name(account) == LOCAL_ACCOUNT and not getattr(
+        request.state, "machine_credential", False)
+
+
+async def _check_source(request: Request, account: str, source: str) -> None:
+    """What an account other than the operator may import from: a registry on a public
+    address. A path (``oci:``, ``oci-archive:``, ``docker-archive:``) names a file of the
+    daemon's host, and a registry on a loopback, private or link-local address is a
+    service the daemon (not a machine) would connect to: both are the operator's.
+
+    Raises:
+        Forbidden: the source is the operator's alone.
+        InvalidRequest: a malformed source, or a host that does not resolve.
+    """
+    src = parse_source(source)
+    if _is_operator(request, account):
+        return
+    if src.transport != "docker":
+        raise Forbidden(
+            f"only the operator imports from paths on the daemon's host ({src.transport}:)",
+            hint="push the image to a registry and import docker://HOST/REPO:TAG, or ask "
+                 "the operator to import it")
+    host = src.host.rsplit(":", 1)[0] if not src.host.startswith("[") else \
+        src.host[1:].split("]", 1)[0]
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, None)
+    except OSError as exc:
+        raise InvalidRequest(f"the registry host {host!r} does not resolve: {exc}",
+                             hint="check the host name") from None
+    for info in infos:
+        ip = ipaddress.ip_address(info[4][0])
+        if not ip.is_global:
+            raise Forbidden(
+                f"the registry {src.host} is at {ip}, a loopback, private or reserved "
+                "address: only the operator imports from one (the daemon connects to it)",
+                hint="import from a registry on a public address, or ask the operator")
+
+
 @router.post("", response_model=models.Image, status_code=status.HTTP_201_CREATED,
              responses={200: {"description": "with progress=true: NDJSON lines "
                               '{"type": "progress", "step", "fraction"}, then '
                               '{"type": "image", "image"} or {"error": {...}}',
                               "content": {NDJSON: {}}}})
 async def import_image(
-    body: models.ImageImport, account: Account, images: Images,
+    request: Request, body: models.ImageImport, account: Account, images: Images,
     progress: Annotated[bool, Query(description="stream NDJSON progress lines")] = False,
 ) -> models.Image | StreamingResponse:
-    """Import an image from a layout, an archive or a registry (layers stored once)."""
+    """Import an image from a layout, an archive or a registry (layers stored once).
+    Paths on the daemon's host and registries on non-public addresses are the operator's
+    (403 for other accounts)."""
+    await _check_source(request, account, body.source)
     if not progress:
         return await images.import_(account, body)
     return StreamingResponse(_with_progress(
