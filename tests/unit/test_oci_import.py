@@ -331,3 +331,18 @@ def test_unpack_refuses_a_corrupt_layer_and_leaves_nothing(store: ImageStore,
     with pytest.raises(CorruptData, match="not a valid tar"):
         _unpacked(store, tmp_path, img)
     assert [p for p in (tmp_path / "roots").iterdir()] == []
+
+
+def test_the_store_is_the_daemons_alone(store: ImageStore, tmp_path: Path) -> None:
+    """Every folder and file of the store is 0700/0600, whatever the umask: another
+    local user lists and reads nothing of it (tests/integration/test_file_access.py
+    walks the whole data directory as `nobody`)."""
+    old = os.umask(0o022)
+    try:
+        import_image(store, f"oci:{write_layout(tmp_path / 'l', {'a': make_image([BASE])})}",
+                     "a")
+    finally:
+        os.umask(old)
+    for path in [store.root, *store.root.rglob("*")]:
+        mode = path.stat().st_mode & 0o777
+        assert mode == (0o700 if path.is_dir() else 0o600), (path, oct(mode))

@@ -132,6 +132,7 @@ def build_image(store: ImageStore, req: BuildRequest, *, prefix: str, cache: Pat
         return f"oci:{link}:{name}" if name in refs else None
 
     store.ensure()
+    cache.mkdir(parents=True, exist_ok=True, mode=0o700)  # buildah's storage: the daemon's
     # buildah names what it builds FROM after the oci: path, and refuses a name that is
     # not lower case: the store is reached through a link whose path is (hex only).
     work = Path(tempfile.gettempdir()) / f"boxd-build-{secrets.token_hex(8)}"

@@ -462,7 +462,7 @@ def unpack_image(store: ImageStore, info: ImageInfo, roots: Path) -> Path:
             raise CorruptData(f"layer {d.digest} of {info.name} is {d.media_type!r}",
                               hint="boxd unpacks tar and tar+gzip layers; convert the image "
                                    "(e.g. skopeo copy --dest-compress-format gzip)")
-    roots.mkdir(parents=True, exist_ok=True, mode=0o755)
+    roots.mkdir(parents=True, exist_ok=True, mode=0o700)  # the trees inside: the image's modes
     tmp = Path(tempfile.mkdtemp(dir=roots, prefix=f".{final.name[:12]}-"))
     os.chmod(tmp, 0o755)
     try:

@@ -85,7 +85,7 @@ class ImageStore:
     # ---------------------------------------------------------------- set-up
 
     def ensure(self) -> ImageStore:
-        self.blobs.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._dirs()
         with self.locked():
             layout = self.root / "oci-layout"
             if not layout.exists():
@@ -93,6 +93,12 @@ class ImageStore:
             if not (self.root / "index.json").exists():
                 self._write_index([])
         return self
+
+    def _dirs(self) -> None:
+        """The store's folders, each the daemon's alone (0700; ``parents=True`` would
+        make the missing ones with the default mode)."""
+        for d in (self.root, self.root / "blobs", self.blobs):
+            d.mkdir(exist_ok=True, mode=0o700)
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
@@ -109,7 +115,7 @@ class ImageStore:
 
     @contextlib.contextmanager
     def _flock(self, name: str, how: int) -> Iterator[None]:
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)  # the daemon's alone
         fd = os.open(self.root / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         with open(fd, "rb", closefd=True):  # one owner of the fd: the file object
             fcntl.flock(fd, how)
@@ -138,7 +144,7 @@ class ImageStore:
         """
         if digest is not None:
             parse_digest(digest)
-        self.blobs.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._dirs()
         h = hashlib.sha256()
         n = 0
         tmp = tempfile.NamedTemporaryFile(  # noqa: SIM115 - renamed or unlinked below
@@ -281,7 +287,7 @@ class ImageStore:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with open(fd, "wb") as f:  # the file object owns fd from here
