@@ -629,12 +629,19 @@ class HostInfo(BaseModel):
 # --- container images (boxd image import / list / inspect / rm) ----------------------
 
 
+#: What an image name looks like (``NAME[:TAG]``; `boxd.images.oci.parse_name` is the rule).
+IMAGE_NAME_PATTERN = r"^[a-z0-9]+(?:[._/-][a-z0-9]+)*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?$"
+#: The transports an import takes (the rest of a source is checked when it is read).
+IMAGE_SOURCE_PATTERN = r"^(?:(?:oci|oci-archive|docker-archive):.|docker://.)"
+
+
 class ImageImport(BaseModel):
     source: str = Field(
         description="oci:DIR[:REF], oci-archive:FILE[:REF], docker-archive:FILE[:REPO:TAG] "
-        "or docker://HOST[:PORT]/REPO[:TAG|@DIGEST]; paths are on the daemon's host")
+        "or docker://HOST[:PORT]/REPO[:TAG|@DIGEST]; paths are on the daemon's host",
+        pattern=IMAGE_SOURCE_PATTERN, max_length=4096)
     name: str = Field(description="NAME[:TAG] to store it under (tag latest when absent)",
-                      max_length=260)
+                      max_length=330, pattern=IMAGE_NAME_PATTERN)
     creds: str | None = Field(None, description="USER:PASSWORD for the registry (default: "
                               "the daemon user's ~/.docker/config.json)")
     insecure: bool = Field(False, description="allow a registry on plain HTTP")

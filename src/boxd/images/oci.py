@@ -79,7 +79,7 @@ def parse_name(text: str) -> str:
     """
     name, sep, tag = text.rpartition(":") if ":" in text.rsplit("/", 1)[-1] else (text, "", "")
     tag = tag if sep else "latest"
-    if len(name) > 200 or not NAME_RE.match(name):
+    if len(text) > 330 or not NAME_RE.match(name):
         raise InvalidRequest(
             f"invalid image name {text!r}",
             hint="use lower-case letters, digits and . _ - / separators, then :TAG "

@@ -7,10 +7,10 @@ import ipaddress
 import json
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
+from pathlib import Path as FsPath
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Request, status
+from fastapi import APIRouter, Depends, Path, Query, Request, status
 from fastapi.responses import StreamingResponse
 
 from boxd import models
@@ -154,7 +154,8 @@ def _line(obj: object) -> bytes:
              openapi_extra=BINARY_BODY)
 async def build_image(
     request: Request, account: Builder, images: Images, upload_dir: UploadDir,
-    name: Annotated[str, Query(description="NAME[:TAG] to store the result under")],
+    name: Annotated[str, Query(description="NAME[:TAG] to store the result under",
+                               pattern=models.IMAGE_NAME_PATTERN, max_length=330)],
     dockerfile: Annotated[str, Query(description="the Dockerfile's path in the context")]
     = "Dockerfile",
     build_arg: Annotated[list[str] | None, Query(description="K=V (repeat)")] = None,
@@ -172,7 +173,7 @@ async def build_image(
     if upload_dir is not None:
         upload_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd, tmp = tempfile.mkstemp(prefix="context-", suffix=".tar", dir=upload_dir)
-    path = Path(tmp)
+    path = FsPath(tmp)
     try:
         with open(fd, "wb") as f:  # the file object owns fd
             async for chunk in request.stream():
@@ -189,13 +190,17 @@ async def list_images(account: Account, images: Images) -> models.ImageList:
     return models.ImageList(images=await images.list(account))
 
 
+ImageName = Annotated[str, Path(description="NAME[:TAG]", pattern=models.IMAGE_NAME_PATTERN,
+                                max_length=330)]
+
+
 @router.get("/{name:path}", response_model=models.Image)
-async def get_image(name: str, account: Account, images: Images) -> models.Image:
+async def get_image(name: ImageName, account: Account, images: Images) -> models.Image:
     """One image: its digest, layers and run config (ENV, ENTRYPOINT, CMD, ...)."""
     return await images.get(account, name)
 
 
 @router.delete("/{name:path}", response_model=models.Image)
-async def remove_image(name: str, account: Account, images: Images) -> models.Image:
+async def remove_image(name: ImageName, account: Account, images: Images) -> models.Image:
     """Remove the name; layers no other image holds are freed."""
     return await images.remove(account, name)
