@@ -119,7 +119,7 @@ def test_bad_input_is_a_typed_error(api: Api) -> None:
     with _client(api, api.operator_key) as b:
         with pytest.raises(errors.InvalidRequest, match="source: String should match pattern"):
             b.images.import_("ftp://x", "a")
-        with pytest.raises(errors.InvalidRequest, match="invalid image name"):
+        with pytest.raises(errors.InvalidRequest, match="name: String should match pattern"):
             b.images.import_(f"oci:{api.layout}", "Bad Name")
         with pytest.raises(errors.NotFound):
             b.images.import_(f"oci:{api.layout}:nope", "a")
