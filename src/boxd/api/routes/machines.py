@@ -9,6 +9,7 @@ from typing import Annotated, cast
 from fastapi import APIRouter, Query, Request, Response, status
 from fastapi import Path as PathParam
 from fastapi.responses import StreamingResponse
+from pydantic import StringConstraints
 
 from boxd import models
 from boxd.api.auth import Account
@@ -33,8 +34,11 @@ async def create_machine(
     return await machines.create(account, body)
 
 
+#: One ``KEY=VALUE`` of a selector, as the schema states it (`models.LABEL_RULE`).
+LABEL_SELECTOR_PATTERN = (models.LABEL_KEY_PATTERN.removesuffix("$") + "="
+                          + models.LABEL_VALUE_PATTERN.removeprefix("^"))
 LabelQuery = Annotated[
-    list[str] | None,
+    list[Annotated[str, StringConstraints(pattern=LABEL_SELECTOR_PATTERN)]] | None,
     Query(description="KEY=VALUE; repeat it: a machine must carry every label given",
           max_length=models.MAX_LABELS),
 ]
@@ -42,11 +46,12 @@ StateQuery = Annotated[models.MachineState | None, Query(description="only machi
                                                            "this state")]
 
 
-def _selector(label: list[str] | None) -> dict[str, str]:
-    """``["k=v", ...]`` as a mapping.
+def _selector(label: list[str] | None) -> dict[str, str] | None:
+    """``["k=v", ...]`` as a mapping; None when no machine can match it (one key asked
+    with two values: a machine has one value per key). The same item twice is once.
 
     Raises:
-        InvalidRequest: an item without '=', or a key given twice.
+        InvalidRequest: an item without '='.
     """
     out: dict[str, str] = {}
     for item in label or []:
@@ -54,10 +59,8 @@ def _selector(label: list[str] | None) -> dict[str, str]:
         if not eq:
             raise InvalidRequest(f"label {item[:140]!r} is not KEY=VALUE", field="label",
                                  hint="e.g. label=boxd.rl/run=r-1a2b")
-        if key in out:
-            raise InvalidRequest(f"label {key!r} is given twice", field="label",
-                                 hint="a machine has one value per key")
-        out[key] = value
+        if out.setdefault(key, value) != value:
+            return None
     return out
 
 
@@ -74,19 +77,30 @@ async def list_machines(
 ) -> models.MachineList:
     """The account's machines, oldest first, a page at a time (``next_cursor`` is set
     while more follow); ``label`` and ``state`` select."""
-    return await machines.list_page(account, labels=_selector(label), state=state,
+    selector = _selector(label)
+    if selector is None:
+        return models.MachineList(machines=[], next_cursor=None)
+    return await machines.list_page(account, labels=selector, state=state,
                                     limit=limit, cursor=cursor)
 
 
 @router.delete("", response_model=models.MachinesDeleted)
 async def delete_machines(
-    account: Account, machines: Machines, label: LabelQuery = None, state: StateQuery = None,
+    account: Account, machines: Machines,
+    label: Annotated[list[Annotated[str, StringConstraints(pattern=LABEL_SELECTOR_PATTERN)]],
+                     Query(description="KEY=VALUE; repeat it: a machine must carry every "
+                           "label given (at least one)", min_length=1,
+                           max_length=models.MAX_LABELS)],
+    state: StateQuery = None,
 ) -> models.MachinesDeleted:
     """Delete every machine that carries all the labels given (at least one: an empty
     selector is refused) and is in ``state`` if given: what was deleted, and each
     machine that could not be with its error."""
     out = models.MachinesDeleted(deleted=[])
-    for ref, err in await machines.delete_many(account, _selector(label), state):
+    selector = _selector(label)
+    if selector is None:
+        return out
+    for ref, err in await machines.delete_many(account, selector, state):
         if err is None:
             out.deleted.append(ref)
         else:
