@@ -633,6 +633,8 @@ export interface paths {
         /**
          * Import Image
          * @description Import an image from a layout, an archive or a registry (layers stored once).
+         *     Paths on the daemon's host and registries on non-public addresses are the operator's
+         *     (403 for other accounts).
          */
         post: operations["import_image_v1_images_post"];
         delete?: never;
@@ -2015,9 +2017,9 @@ export interface operations {
     };
     delete_machines_v1_machines_delete: {
         parameters: {
-            query?: {
-                /** @description KEY=VALUE; repeat it: a machine must carry every label given */
-                label?: string[] | null;
+            query: {
+                /** @description KEY=VALUE; repeat it: a machine must carry every label given (at least one) */
+                label: string[];
                 /** @description only machines in this state */
                 state?: components["schemas"]["MachineState"] | null;
             };
@@ -5812,6 +5814,7 @@ export interface operations {
             query?: never;
             header?: never;
             path: {
+                /** @description NAME[:TAG] */
                 name: string;
             };
             cookie?: never;
@@ -5915,6 +5918,7 @@ export interface operations {
             query?: never;
             header?: never;
             path: {
+                /** @description NAME[:TAG] */
                 name: string;
             };
             cookie?: never;
