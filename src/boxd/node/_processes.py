@@ -64,9 +64,9 @@ class _Overflow(Exception):
     """A process's output passed a bound: it is killed with this reason."""
 
 
-#: A frame this large is received into a buffer of its own, allocated when its header
-#: arrives and handed over whole: no growth, no copy (three copies of a 63 MiB frame,
-#: buffer, slice and bytes, once took the daemon past its accounted bound).
+#: A frame this large is received into a buffer of its own, grown as its bytes arrive
+#: and handed over whole: no copy (three copies of a 63 MiB frame, buffer, slice and
+#: bytes, once took the daemon past its accounted bound).
 BIG_FRAME = 1 << 20
 
 
@@ -100,21 +100,22 @@ def _whole(data: bytes, out: list[bytes | bytearray]) -> int:
 class _Cutter:
     """Cuts a process's stdout into frames (a 4-byte big-endian length, then the bytes).
 
-    Small frames are sliced out of one buffer. A frame of `BIG_FRAME` bytes or more is
-    received into a ``bytearray`` of exactly its size (fresh zero pages: host memory
-    grows only as its bytes arrive, as they are counted) and is itself the frame handed
-    on, so the node holds each byte of it once.
+    Small frames are sliced out of one buffer (one copy). A frame of `BIG_FRAME` bytes
+    or more is received into a ``bytearray`` of its own that grows as its bytes arrive
+    (not one allocated, and zeroed, at its full size when its header arrives: that
+    would hold memory the node has not counted) and is itself the frame handed on, so
+    the node holds each byte of it once.
     """
 
     def __init__(self) -> None:
         self.buf = bytearray()
         self.big: bytearray | None = None
-        self.filled = 0
+        self.need = 0  # the size of the large frame being received
 
     def clear(self) -> None:
         self.buf.clear()
         self.big = None
-        self.filled = 0
+        self.need = 0
 
     def feed(self, data: bytes) -> list[bytes | bytearray]:
         """The frames ``data`` completes, in order.
@@ -131,13 +132,12 @@ class _Cutter:
         view = memoryview(data)
         while view:
             if self.big is not None:
-                k = min(len(view), len(self.big) - self.filled)
-                self.big[self.filled : self.filled + k] = view[:k]
-                self.filled += k
+                k = min(len(view), self.need - len(self.big))
+                self.big += view[:k]
                 view = view[k:]
-                if self.filled == len(self.big):
+                if len(self.big) == self.need:
                     out.append(self.big)
-                    self.big, self.filled = None, 0
+                    self.big, self.need = None, 0
                 continue
             self.buf += view
             view = view[len(view):]
@@ -153,11 +153,10 @@ class _Cutter:
                     out.append(bytes(mv[4 : 4 + n]))
                 del buf[: 4 + n]
                 continue
-            if n >= BIG_FRAME:  # the rest of it arrives into its own buffer
-                self.big = bytearray(n)
-                self.filled = len(buf) - 4
-                self.big[: self.filled] = buf[4:]
-                buf.clear()
+            if n >= BIG_FRAME:  # the rest of it arrives into a buffer of its own
+                del buf[:4]  # at the front: O(1), no copy
+                self.big, self.need = buf, n
+                self.buf = bytearray()
             return
 
 
