@@ -56,7 +56,12 @@ need_pkgs=(qemu-utils mmdebstrap e2fsprogs cpio kmod xz-utils zstd ca-certificat
 case ",$extras," in *",dev,"*) need_pkgs+=(docker-registry busybox-static strace) ;; esac
 find_missing() {
   missing=()
-  for p in "${need_pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  for p in "${need_pkgs[@]}"; do
+    dpkg -s "$p" >/dev/null 2>&1 && continue
+    # Debian 13 renamed it (the 64-bit time_t transition); apt installs that for this name.
+    [ "$p" = libgpgme11 ] && dpkg -s libgpgme11t64 >/dev/null 2>&1 && continue
+    missing+=("$p")
+  done
   # Node.js and npm for the TypeScript SDK (skipped when a node is already installed).
   if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
     missing+=(nodejs npm)
