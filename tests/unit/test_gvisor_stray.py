@@ -208,3 +208,16 @@ def test_a_stat_read_while_the_process_is_reaped_counts_as_gone(
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_the_engine_wide_runsc_log_is_the_daemons_alone(tmp_path: Path) -> None:
+    """runsc's log for commands that name no machine lives in the state folder, which
+    other users may pass through (0711): the engine makes it 0600 before runsc writes
+    to it, and makes a log left 0644 by an older daemon private again."""
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "runsc.log").write_text("old\n")
+    (state / "runsc.log").chmod(0o644)
+    _engine(tmp_path)
+    assert (state / "runsc.log").stat().st_mode & 0o777 == 0o600
+    assert (state / "runsc.log").read_text() == "old\n"  # appended to, not truncated

@@ -744,6 +744,12 @@ class GvisorEngine:
         # runsc's state files are named after the machines: other users may pass
         # through (by a known name) but not list them
         state_root.chmod(STATE_ROOT_MODE)
+        # The log of runsc commands that name no machine's own: made here, the daemon's
+        # alone, before runsc appends to it (runsc would make it 0644 in a folder others
+        # pass through: test_file_access found it readable by another local user).
+        os.close(os.open(state_root / "runsc.log",
+                         os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600))
+        (state_root / "runsc.log").chmod(0o600)
         self.runsc = Runsc(runsc, state_root, state_root)
         self.agent_tree = agent_tree
         self.reason = reason
