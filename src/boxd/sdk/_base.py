@@ -467,14 +467,9 @@ def parse_progress_line(line: str, progress: StepProgress,
                         ) -> Any | None:
     """One NDJSON line of an import with progress: reports a progress line and returns
     None, returns the image's JSON, or raises the error a line carries."""
-    if not line.strip():
+    obj = _ndjson(line, "progress line")
+    if obj is None:
         return None
-    try:
-        obj = json.loads(line)
-    except ValueError as exc:
-        raise errors.InternalError(f"malformed progress line: {line[:200]!r}") from exc
-    if isinstance(obj, dict) and isinstance(obj.get("error"), dict):
-        raise errors.error_from_body(obj)
     if isinstance(obj, dict) and obj.get("type") == "progress":
         fraction = obj.get("fraction")
         progress(str(obj.get("step", "")),
@@ -624,20 +619,33 @@ def parse(model: type[M], status: int, content: bytes) -> M:
         ) from exc
 
 
-def parse_event(line: str | bytes) -> models.ExecEvent | None:
-    """One NDJSON line of an exec stream as an event (None for blank lines).
+def _ndjson(line: str | bytes, what: str) -> Any | None:
+    """One NDJSON line of a stream, decoded (None for a blank line).
 
     Raises:
-        BoxdError: the line carries an error body instead of an event.
+        InternalError: not JSON.
+        BoxdError: the line carries an error body.
     """
     if not line.strip():
         return None
     try:
         obj = json.loads(line)
     except ValueError as exc:
-        raise errors.InternalError(f"malformed exec stream line: {line[:200]!r}") from exc
+        raise errors.InternalError(f"malformed {what}: {line[:200]!r}") from exc
     if isinstance(obj, dict) and isinstance(obj.get("error"), dict):
         raise errors.error_from_body(obj)
+    return obj
+
+
+def parse_event(line: str | bytes) -> models.ExecEvent | None:
+    """One NDJSON line of an exec stream as an event (None for blank lines).
+
+    Raises:
+        BoxdError: the line carries an error body instead of an event.
+    """
+    obj = _ndjson(line, "exec stream line")
+    if obj is None:
+        return None
     try:
         return models.ExecEvent.model_validate(obj)
     except ValidationError as exc:
