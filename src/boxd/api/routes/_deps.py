@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import tempfile
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Annotated
 
@@ -52,3 +55,21 @@ def check_name(name: str | None, field: str = "name") -> None:
     """
     if name is not None and not models.NAME_RE.match(name):
         raise InvalidRequest(f"invalid name {name!r}", hint=models.NAME_RULE, field=field)
+
+
+@contextlib.asynccontextmanager
+async def spooled(request: Request, upload_dir: Path | None, *, prefix: str,
+                  suffix: str) -> AsyncIterator[Path]:
+    """The request's body streamed to a private file in ``upload_dir`` (not held in
+    memory); the file is removed when the block ends."""
+    if upload_dir is not None:
+        upload_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=upload_dir)
+    path = Path(tmp)
+    try:
+        with open(fd, "wb") as f:  # the file object owns fd
+            async for chunk in request.stream():
+                f.write(chunk)
+        yield path
+    finally:
+        path.unlink(missing_ok=True)

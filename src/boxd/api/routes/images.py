@@ -5,9 +5,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
-import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path as FsPath
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Query, Request, status
@@ -16,7 +14,7 @@ from fastapi.responses import StreamingResponse
 from boxd import models
 from boxd.api.auth import Account, KeyHolder
 from boxd.api.errors import ERROR_RESPONSES
-from boxd.api.routes._deps import BINARY_BODY, UploadDir
+from boxd.api.routes._deps import BINARY_BODY, UploadDir, spooled
 from boxd.api.services.images import ImageService
 from boxd.api.services.keys import LOCAL_ACCOUNT, KeyService
 from boxd.errors import BoxdError, Forbidden, InvalidRequest
@@ -34,12 +32,17 @@ def _images(request: Request) -> ImageService:
 Images = Annotated[ImageService, Depends(_images)]
 
 
+def _is_operator(request: Request, account: str) -> bool:
+    keys: KeyService = request.app.state.keys
+    return keys.repos.keys.account_name(account) == LOCAL_ACCOUNT and not getattr(
+        request.state, "machine_credential", False)
+
+
 def _builder(request: Request, account: KeyHolder) -> str:
     """The operator's account: a build's RUN steps run as the daemon's user on its host
     (buildah's chroot isolation, not a sandbox), so no other account, and no machine's
     credential (not even one of the operator's machines), may start one."""
-    keys: KeyService = request.app.state.keys
-    if keys.repos.keys.account_name(account) != LOCAL_ACCOUNT:
+    if not _is_operator(request, account):
         raise Forbidden(
             "only the operator (the local account) builds Dockerfiles on this daemon: a "
             "build's RUN steps run on the daemon's host, outside any machine",
@@ -49,12 +52,6 @@ def _builder(request: Request, account: KeyHolder) -> str:
 
 
 Builder = Annotated[str, Depends(_builder)]
-
-
-def _is_operator(request: Request, account: str) -> bool:
-    keys: KeyService = request.app.state.keys
-    return keys.repos.keys.account_name(account) == LOCAL_ACCOUNT and not getattr(
-        request.state, "machine_credential", False)
 
 
 async def _check_source(request: Request, account: str, source: str) -> None:
@@ -170,18 +167,9 @@ async def build_image(
         if not sep or not key:
             raise InvalidRequest(f"build_arg {item!r} is not K=V", field="build_arg")
         args[key] = value
-    if upload_dir is not None:
-        upload_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd, tmp = tempfile.mkstemp(prefix="context-", suffix=".tar", dir=upload_dir)
-    path = FsPath(tmp)
-    try:
-        with open(fd, "wb") as f:  # the file object owns fd
-            async for chunk in request.stream():
-                f.write(chunk)
+    async with spooled(request, upload_dir, prefix="context-", suffix=".tar") as path:
         return await images.build(account, path, name, dockerfile=dockerfile,
                                   build_args=args, target=target)
-    finally:
-        path.unlink(missing_ok=True)
 
 
 @router.get("", response_model=models.ImageList)

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
-from pathlib import Path
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response, status
@@ -21,6 +18,7 @@ from boxd.api.routes._deps import (
     Snapshots,
     UploadDir,
     check_name,
+    spooled,
 )
 
 router = APIRouter(prefix="/snapshots", tags=["snapshots"], responses=ERROR_RESPONSES)
@@ -58,17 +56,8 @@ async def import_snapshot(
 ) -> models.Snapshot:
     """Import a file written by export; the body is streamed to disk, not held in memory."""
     check_name(name)
-    if upload_dir is not None:
-        upload_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd, tmp = tempfile.mkstemp(prefix="import-", suffix=".boxd", dir=upload_dir)
-    path = Path(tmp)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            async for chunk in request.stream():
-                f.write(chunk)
+    async with spooled(request, upload_dir, prefix="import-", suffix=".boxd") as path:
         return await snapshots.import_(account, path, name)
-    finally:
-        path.unlink(missing_ok=True)
 
 
 @router.get("/{ref}", response_model=models.Snapshot)
