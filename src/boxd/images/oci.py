@@ -267,7 +267,7 @@ def _info(store: ImageStore, name: str, desc: Descriptor) -> ImageInfo:
 # ------------------------------------------------------------------- readers
 
 
-def _open(src: Source, *, creds: str | None, insecure: bool) -> _Reader:
+def _open(src: Source, *, creds: str | None, insecure: bool) -> _Reader | _DockerArchive:
     if src.transport == "oci":
         return _OciDir(Path(src.path), src.ref)
     if src.transport == "oci-archive":
@@ -378,12 +378,6 @@ class _DockerArchive:
         self.tar = _Tar(path)
         self.path = path
         self.ref = ref
-
-    def manifest(self) -> tuple[bytes, str]:
-        raise NotImplementedError  # copy_into builds it
-
-    def blob(self, desc: Descriptor) -> Iterator[bytes]:
-        raise NotImplementedError
 
     def close(self) -> None:
         self.tar.close()
