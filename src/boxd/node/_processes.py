@@ -84,9 +84,9 @@ def _length(data: bytes | bytearray, i: int) -> int:
     return n
 
 
-def _whole(data: bytes, out: list[bytes | bytearray]) -> int:
-    """Append the whole frames at the head of ``data`` to ``out``; return where the
-    first incomplete one starts."""
+def _whole(data: bytes | bytearray, out: list[bytes | bytearray]) -> int:
+    """Append the whole frames at the head of ``data`` to ``out`` (each one copy, of
+    ``data``'s type); return where the first incomplete one starts."""
     i, end = 0, len(data)
     while end - i >= 4:
         n = _length(data, i)
@@ -146,18 +146,12 @@ class _Cutter:
 
     def _cut(self, out: list[bytes | bytearray]) -> None:
         buf = self.buf
-        while len(buf) >= 4:
-            n = _length(buf, 0)
-            if len(buf) >= 4 + n:
-                with memoryview(buf) as mv:
-                    out.append(bytes(mv[4 : 4 + n]))
-                del buf[: 4 + n]
-                continue
-            if n >= BIG_FRAME:  # the rest of it arrives into a buffer of its own
-                del buf[:4]  # at the front: O(1), no copy
-                self.big, self.need = buf, n
-                self.buf = bytearray()
-            return
+        del buf[: _whole(buf, out)]
+        if len(buf) >= 4 and (n := _length(buf, 0)) >= BIG_FRAME:
+            # the rest of it arrives into a buffer of its own
+            del buf[:4]  # at the front: O(1), no copy
+            self.big, self.need = buf, n
+            self.buf = bytearray()
 
 
 @dataclass
