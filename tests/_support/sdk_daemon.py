@@ -140,6 +140,17 @@ def scripted_app(tmp: Path) -> tuple[ASGIApp, str]:
     return app, secret
 
 
+def world_app(world: Any, tmp: Path, **kwargs: Any) -> tuple[ASGIApp, KeyService]:
+    """The real app over a fake world's control plane (`tests._support.fake_world`), and
+    its key service: what a test's in-process `Boxd` (``SyncASGITransport``) talks to.
+    ``kwargs`` go to `create_app` (``images=``, say)."""
+    keys = KeyService(world.repos.db)
+    app = create_app(machines=world.machines, snapshots=world.snapshots, keys=keys,
+                     host_info=host_info, upload_dir=tmp / "uploads",
+                     private_dirs=(world.paths.home, world.paths.shm), **kwargs)
+    return app, keys
+
+
 @pytest.fixture
 def no_daemon(paths: Paths, monkeypatch: pytest.MonkeyPatch) -> Paths:
     """A client with ``transport=`` must neither start nor dial the local daemon."""

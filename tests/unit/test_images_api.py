@@ -13,14 +13,11 @@ from pathlib import Path
 import httpx
 import pytest
 from tests._support import sdk_daemon as support
-from tests._support.api_fakes import host_info
 from tests._support.fake_world import ACCOUNT, make_world
 from tests._support.oci import make_image, sha, write_layout
 
 from boxd import AsyncBoxd, Boxd, errors, models
-from boxd.api import create_app
 from boxd.api.services.images import ImageService
-from boxd.api.services.keys import KeyService
 from boxd.config import Paths
 from boxd.images.oci import list_images, unpack_image
 from boxd.storage.oci import ImageStore
@@ -50,14 +47,12 @@ class Api:
 @pytest.fixture
 def api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_daemon: Paths) -> Iterator[Api]:
     w = make_world(tmp_path, monkeypatch)
-    keys = KeyService(w.repos.db)
+    service = ImageService(tmp_path / "oci")
+    app, keys = support.world_app(w, tmp_path, images=service)
     key = keys.create(ACCOUNT, "sdk").secret
     other = keys.create(w.repos.keys.add_account("other", 10), "sdk").secret
     local = w.repos.keys.account_id("local") or w.repos.keys.add_account("local", 10)
     operator = keys.create(local, "operator").secret
-    service = ImageService(tmp_path / "oci")
-    app = create_app(machines=w.machines, snapshots=w.snapshots, keys=keys,
-                     host_info=host_info, upload_dir=tmp_path / "uploads", images=service)
     img = make_image([{"bin/x": b"x"}], config={"Cmd": ["/bin/x"], "Env": ["A=1"]})
     layout = write_layout(tmp_path / "layout", {"v1": img})
     yield Api(app, key, other, layout, tmp_path / "oci", operator, service, ACCOUNT)

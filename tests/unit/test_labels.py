@@ -17,13 +17,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from tests._support import sdk_daemon as support
-from tests._support.api_fakes import host_info
 from tests._support.fake_world import ACCOUNT, World, make_world
 
 from boxd import Boxd, errors, models
-from boxd.api import create_app
 from boxd.api.server import Daemon
-from boxd.api.services.keys import KeyService
 from boxd.cli import main
 from boxd.config import Paths
 from boxd.state import Database, Repos
@@ -42,11 +39,8 @@ def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_daemon: Paths) -> 
 
 @pytest.fixture
 def boxd(world: World, tmp_path: Path) -> Iterator[Boxd]:
-    keys = KeyService(world.repos.db)
+    app, keys = support.world_app(world, tmp_path)
     key = keys.create(ACCOUNT, "sdk").secret
-    app = create_app(machines=world.machines, snapshots=world.snapshots, keys=keys,
-                     host_info=host_info, upload_dir=tmp_path / "uploads",
-                     private_dirs=(world.paths.home, world.paths.shm))
     with Boxd(api_key=key, transport=support.SyncASGITransport(app)) as b:
         yield b
 

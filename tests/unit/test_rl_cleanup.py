@@ -17,12 +17,9 @@ from typing import Any
 
 import pytest
 from tests._support import sdk_daemon as support
-from tests._support.api_fakes import host_info
 from tests._support.fake_world import ACCOUNT, World, make_world
 
 from boxd import Boxd, errors
-from boxd.api import create_app
-from boxd.api.services.keys import KeyService
 from boxd.config import Paths
 from boxd.rl._branch import _Point, fork_slots
 from boxd.rl._channel import MakeRequest
@@ -43,10 +40,7 @@ def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_daemon: Paths) -> 
 
 @pytest.fixture
 def boxd(world: World, tmp_path: Path) -> Iterator[Boxd]:
-    keys = KeyService(world.repos.db)
-    app = create_app(machines=world.machines, snapshots=world.snapshots, keys=keys,
-                     host_info=host_info, upload_dir=tmp_path / "uploads",
-                     private_dirs=(world.paths.home, world.paths.shm))
+    app, keys = support.world_app(world, tmp_path)
     with Boxd(api_key=keys.create(ACCOUNT, "sdk").secret,
               transport=support.SyncASGITransport(app)) as b:
         b.machines.new("base")
