@@ -752,6 +752,59 @@ def e2b_env(state: _State, e2b_url: str | None) -> None:
         click.echo(f"export {name}={value}")
 
 
+@e2b.command("warm")
+@click.argument("template")
+@click.option("--forks", default=8, show_default=True, type=click.IntRange(0, 64),
+              help="Standby forks to keep ready (0 releases them; the machine stays).")
+@click.option("--isolated", is_flag=True,
+              help="For sandboxes created with allow_internet_access=False.")
+@json_option
+@pass_state
+def e2b_warm(state: _State, template: str, forks: int, isolated: bool,
+             as_json: bool) -> None:
+    """Make E2B creates of TEMPLATE forks of one running machine.
+
+    \b
+    boxd e2b warm base --forks 8
+    boxd e2b warm my-snapshot          # a boxd snapshot name is an E2B template
+
+    Starts (once) a machine of TEMPLATE labelled boxd.e2b/template=TEMPLATE and keeps
+    FORKS standby forks of it: Sandbox.create(TEMPLATE) then claims one (a live
+    copy-on-write fork, tens of ms) instead of booting or restoring a machine. Every
+    sandbox starts from the same bytes. Undo it with
+    `boxd machine delete --label boxd.e2b/template=TEMPLATE`.
+    """
+    import json
+    import secrets
+
+    from boxd.e2b.env import source_labels
+
+    b = state.boxd
+    labels = source_labels(template)
+    found = [m for m in b.machines.list(labels=labels, state="running")
+             if m.isolated == isolated]
+    if found:
+        src = found[0]
+    else:
+        src = b.machines.new(
+            f"e2b-warm-{secrets.token_hex(4)}", isolated=isolated, labels=labels,
+            from_snapshot=None if template == "base" else template,
+            suspend_after=0, hibernate_after=0)  # a source that sleeps forks slowly
+        b.machines.wait_until_ready(src.id, timeout=300)
+        # E2B's base template works in /home/user (what a cold create makes first).
+        r = b.machines.exec(src.id, ["mkdir", "-p", "/home/user"], timeout=60)
+        if r.exit_code != 0:
+            fail(f"preparing {src.name} failed: {r.stderr.strip()}")
+    standby = b.machines.warm(src.id, forks)
+    if as_json:
+        click.echo(json.dumps({"template": template, "machine": src.id, "name": src.name,
+                               "forks": standby.forks,
+                               "memory_bytes": standby.memory_bytes}))
+        return
+    click.echo(f"template {template} is warm: machine {src.name}, {standby.forks} standby "
+               f"forks ({standby.memory_bytes / 2**20:.0f} MiB)")
+
+
 @main.group(context_settings=_CONTEXT)
 def nodes() -> None:
     """The nodes machines run on (one on a single host; each boxd node of a Ray cluster)."""
