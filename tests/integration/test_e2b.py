@@ -365,3 +365,16 @@ def test_a_warm_template_create_is_a_fork_of_its_source(e2b_env: dict[str, str])
             assert cold.commands.run("cat /home/user/mark || true").stdout == ""
         finally:
             cold.kill()
+
+
+@pytest.mark.parametrize("example", ["reward_loop.py", "code_agent.py"])
+def test_the_e2b_examples_run_unchanged(e2b_env: dict[str, str], example: str) -> None:
+    """examples/e2b/: plain E2B code (an open-r1-style reward, a smolagents-style agent
+    loop with a fork), run with nothing but `boxd e2b env`'s exports; each checks its
+    own results and exits non-zero when they are wrong."""
+    path = Path(__file__).resolve().parents[2] / "examples" / "e2b" / example
+    source = path.read_text()
+    assert "import boxd" not in source and "from boxd" not in source
+    r = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
+                       env=dict(os.environ), timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
