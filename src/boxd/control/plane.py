@@ -27,15 +27,18 @@ from typing import TypeVar
 from boxd import models
 from boxd import process_models as pm
 from boxd.config import DEFAULT_MACHINE_QUOTA
+from boxd.control.idempotency import Idempotency, fingerprint
 from boxd.control.nodes import Cluster, ClusterNode, LocalNode
 from boxd.control.placement import Placement, Room, check_hint, no_room
 from boxd.engine.registry import ENGINES
 from boxd.errors import (
     BoxdError,
+    InternalError,
     InvalidRequest,
     MachineNotFound,
     NodeLost,
     SnapshotNotFound,
+    error_from_body,
 )
 from boxd.models import NAME_RE, NAME_RULE, MachineState
 from boxd.node.base import Boot, FromSnapshot, Node, ProcessStream
@@ -106,6 +109,7 @@ class Machines:
         # Held from a fork batch's placement to its claims: a concurrent batch reads
         # the room after them, so together they keep every node's cap.
         self._placing = asyncio.Lock()
+        self.idempotency = Idempotency(repos)
 
     @property
     def nodes(self) -> Mapping[str, Node]:
@@ -227,7 +231,31 @@ class Machines:
 
     # ---------------------------------------------------------------- create
 
-    async def create(self, account: str, req: models.MachineCreate) -> models.Machine:
+    async def create(
+        self, account: str, req: models.MachineCreate, idempotency_key: str | None = None,
+    ) -> models.Machine:
+        """Create and boot a machine; with ``idempotency_key``, a retry of the same
+        request returns the first one's machine (`control/idempotency.py`).
+
+        Raises:
+            InvalidRequest, AlreadyExists, QuotaExceeded, SnapshotNotFound,
+            HostSetupError; IdempotencyKeyReused: the key named another request.
+        """
+        if idempotency_key is None:
+            return await self._create(account, req)
+        return await self.idempotency.run(
+            account, idempotency_key, fingerprint("create", req.model_dump(mode="json")),
+            lambda: self._create(account, req), dump=lambda m: m.model_dump_json(),
+            load=lambda raw: self._replayed(account, models.Machine.model_validate_json(raw)))
+
+    def _replayed(self, account: str, kept: models.Machine) -> models.Machine:
+        """A machine a keyed request made, as it is now (as it was made, if deleted)."""
+        rec = self.repos.machines.get(kept.id)
+        if rec is None or rec.account_id != account or rec.state == MachineState.DELETING:
+            return kept
+        return self._model(rec)
+
+    async def _create(self, account: str, req: models.MachineCreate) -> models.Machine:
         if req.name is not None:
             validate_name(req.name)
         if req.engine is not None and req.engine not in ENGINES:
@@ -417,16 +445,35 @@ class Machines:
     async def fork(
         self, account: str, ref: str, names: builtins.list[str | None],
         node_hint: str | None = None, labels: Mapping[str, str] | None = None,
+        idempotency_key: str | None = None,
     ) -> builtins.list[models.Machine | Exception]:
         """Fork ``ref`` into one child per name (None: a generated name); each item is
         the child or the error that stopped it. ``node_hint`` puts every child on that
         node (a cluster's other node receives the source's template). The children
-        carry the source's labels merged with ``labels``.
+        carry the source's labels merged with ``labels``. With ``idempotency_key``, a
+        retry of the same request returns the first one's items (a request that made
+        no child releases the key: `control/idempotency.py`).
 
         Raises:
             InvalidRequest: a bad name, or labels that break `models.LABEL_RULE` (with
                 the source's).
+            IdempotencyKeyReused: the key named another request.
         """
+        if idempotency_key is None:
+            return await self._fork(account, ref, names, node_hint, labels)
+        fp = fingerprint("fork", ref, names, node_hint, dict(labels or {}))
+        return await self.idempotency.run(
+            account, idempotency_key, fp,
+            lambda: self._fork(account, ref, names, node_hint, labels),
+            dump=_dump_items, load=lambda raw: [
+                self._replayed(account, i) if isinstance(i, models.Machine) else i
+                for i in _load_items(raw)],
+            made=lambda items: any(isinstance(i, models.Machine) for i in items))
+
+    async def _fork(
+        self, account: str, ref: str, names: builtins.list[str | None],
+        node_hint: str | None = None, labels: Mapping[str, str] | None = None,
+    ) -> builtins.list[models.Machine | Exception]:
         src = self._find(account, ref)
         for n in names:
             if n is not None:
@@ -633,6 +680,7 @@ class Machines:
         await node.delete(rec.id)
 
     async def recover(self) -> None:
+        self.idempotency.recover()  # keys of requests the last daemon was running
         if self.cluster is not None:
             await self.cluster.start()  # joins Ray; nodes recover their machines
         for node in self.nodes.values():
@@ -653,6 +701,25 @@ class Machines:
         node (a remote node's machines have no route to this daemon's app yet)."""
         for node in self.local.values():
             node.serve_guests(handler)
+
+
+def _dump_items(items: builtins.list[models.Machine | Exception]) -> str:
+    """A fork's items as JSON: each child, or its error's body."""
+    out: builtins.list[dict[str, object]] = []
+    for item in items:
+        if isinstance(item, models.Machine):
+            out.append({"machine": item.model_dump(mode="json")})
+        else:
+            err = item if isinstance(item, BoxdError) else InternalError(
+                "internal error", hint="the daemon's log has the details")
+            out.append(err.to_body())
+    return json.dumps(out, separators=(",", ":"), default=str)
+
+
+def _load_items(raw: str) -> builtins.list[models.Machine | Exception]:
+    """The inverse of `_dump_items` (an error comes back as its typed `BoxdError`)."""
+    return [models.Machine.model_validate(i["machine"]) if "machine" in i
+            else error_from_body(i) for i in json.loads(raw)]
 
 
 #: Machines a delete by labels deletes at once (one page of its selector).
