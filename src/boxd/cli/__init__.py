@@ -25,6 +25,11 @@ __all__ = ["main"]
 _CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
+#: `machine exec`'s exit status when the machine, its engine, agent or node (or the
+#: daemon) failed: the command has no status of its own (as `docker run` exits 125).
+EXIT_INFRASTRUCTURE = 125
+
+
 def fail(message: str, code: int = 1) -> NoReturn:
     """Print one ``error:`` line to stderr and exit."""
     click.echo(f"error: {message}", err=True)
@@ -359,7 +364,9 @@ def machine_exec(
     env: tuple[str, ...],
     cwd: str | None,
 ) -> None:
-    """Run COMMAND in machine NAME, streaming its output; exit with its exit code.
+    """Run COMMAND in machine NAME, streaming its output; exit with its exit code
+    (124: its --timeout passed; 125: the machine, its engine, agent or node failed, so
+    the command has no exit code).
 
     \b
     One argument is a shell string; several are an argv:
@@ -375,17 +382,22 @@ def machine_exec(
         variables[key] = value
     cmd: str | list[str] = command[0] if len(command) == 1 else list(command)
     exit_event = None
-    for event in state.boxd.machines.exec_stream(
-        name, cmd, env=variables or None, cwd=cwd, timeout=timeout
-    ):
-        if event.type == "stdout" and event.data:
-            click.echo(event.data, nl=False)
-        elif event.type == "stderr" and event.data:
-            click.echo(event.data, nl=False, err=True)
-        elif event.type == "exit":
-            exit_event = event
+    try:
+        for event in state.boxd.machines.exec_stream(
+            name, cmd, env=variables or None, cwd=cwd, timeout=timeout
+        ):
+            if event.type == "stdout" and event.data:
+                click.echo(event.data, nl=False)
+            elif event.type == "stderr" and event.data:
+                click.echo(event.data, nl=False, err=True)
+            elif event.type == "exit":
+                exit_event = event
+    except errors.InfrastructureError as exc:
+        # Not the command's status: the machine, engine, agent, node or daemon failed.
+        fail(str(exc), EXIT_INFRASTRUCTURE)
     if exit_event is None:
-        fail("the command's output stream ended without an exit status (see the daemon log)")
+        fail("the command's output stream ended without an exit status (see the daemon log)",
+             EXIT_INFRASTRUCTURE)
     if exit_event.timed_out:
         fail(
             f"command timed out after {timeout:g} s and was killed"

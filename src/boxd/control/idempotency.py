@@ -33,7 +33,15 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from boxd.errors import IdempotencyKeyReused, InvalidRequest, QuotaExceeded
+from boxd import models
+from boxd.errors import (
+    BoxdError,
+    IdempotencyKeyReused,
+    InternalError,
+    InvalidRequest,
+    QuotaExceeded,
+    error_from_body,
+)
 from boxd.models import IDEMPOTENCY_KEY_PATTERN
 from boxd.state import Repos
 
@@ -166,6 +174,47 @@ class Idempotency:
             del self._running[slot]
             done.set()
         return result
+
+    async def machine(
+        self, account: str, key: str, fp: str, call: Callable[[], Awaitable[models.Machine]],
+        fresh: Callable[[models.Machine], models.Machine],
+    ) -> models.Machine:
+        """`run` for a create: its retries get ``fresh`` of the machine it made."""
+        return await self.run(
+            account, key, fp, call, dump=lambda m: m.model_dump_json(),
+            load=lambda raw: fresh(models.Machine.model_validate_json(raw)))
+
+    async def items(
+        self, account: str, key: str, fp: str,
+        call: Callable[[], Awaitable[list[models.Machine | Exception]]],
+        fresh: Callable[[models.Machine], models.Machine],
+    ) -> list[models.Machine | Exception]:
+        """`run` for a fork: its retries get each child (``fresh``) or its typed error;
+        a fork that made no child releases the key."""
+        return await self.run(
+            account, key, fp, call, dump=_dump_items,
+            load=lambda raw: [fresh(i) if isinstance(i, models.Machine) else i
+                              for i in _load_items(raw)],
+            made=lambda items: any(isinstance(i, models.Machine) for i in items))
+
+
+def _dump_items(items: list[models.Machine | Exception]) -> str:
+    """A fork's items as JSON: each child, or its error's body."""
+    out: list[dict[str, Any]] = []
+    for item in items:
+        if isinstance(item, models.Machine):
+            out.append({"machine": item.model_dump(mode="json")})
+        else:
+            err = item if isinstance(item, BoxdError) else InternalError(
+                "internal error", hint="the daemon's log has the details")
+            out.append(err.to_body())
+    return json.dumps(out, separators=(",", ":"), default=str)
+
+
+def _load_items(raw: str) -> list[models.Machine | Exception]:
+    """The inverse of `_dump_items` (an error comes back as its typed `BoxdError`)."""
+    return [models.Machine.model_validate(i["machine"]) if "machine" in i
+            else error_from_body(i) for i in json.loads(raw)]
 
 
 __all__ = ["KEY_MIN_TTL", "KEY_TTL", "MAX_KEYS", "Idempotency", "check_key", "fingerprint"]

@@ -33,12 +33,10 @@ from boxd.control.placement import Placement, Room, check_hint, no_room
 from boxd.engine.registry import ENGINES
 from boxd.errors import (
     BoxdError,
-    InternalError,
     InvalidRequest,
     MachineNotFound,
     NodeLost,
     SnapshotNotFound,
-    error_from_body,
 )
 from boxd.models import NAME_RE, NAME_RULE, MachineState
 from boxd.node.base import Boot, FromSnapshot, Node, ProcessStream
@@ -234,8 +232,8 @@ class Machines:
     async def create(
         self, account: str, req: models.MachineCreate, idempotency_key: str | None = None,
     ) -> models.Machine:
-        """Create and boot a machine; with ``idempotency_key``, a retry of the same
-        request returns the first one's machine (`control/idempotency.py`).
+        """Create and boot a machine; a retry with ``idempotency_key`` returns the first
+        request's machine (`control/idempotency.py`).
 
         Raises:
             InvalidRequest, AlreadyExists, QuotaExceeded, SnapshotNotFound,
@@ -243,17 +241,9 @@ class Machines:
         """
         if idempotency_key is None:
             return await self._create(account, req)
-        return await self.idempotency.run(
+        return await self.idempotency.machine(
             account, idempotency_key, fingerprint("create", req.model_dump(mode="json")),
-            lambda: self._create(account, req), dump=lambda m: m.model_dump_json(),
-            load=lambda raw: self._replayed(account, models.Machine.model_validate_json(raw)))
-
-    def _replayed(self, account: str, kept: models.Machine) -> models.Machine:
-        """A machine a keyed request made, as it is now (as it was made, if deleted)."""
-        rec = self.repos.machines.get(kept.id)
-        if rec is None or rec.account_id != account or rec.state == MachineState.DELETING:
-            return kept
-        return self._model(rec)
+            lambda: self._create(account, req), lambda m: _as_now(self, account, m))
 
     async def _create(self, account: str, req: models.MachineCreate) -> models.Machine:
         if req.name is not None:
@@ -450,9 +440,8 @@ class Machines:
         """Fork ``ref`` into one child per name (None: a generated name); each item is
         the child or the error that stopped it. ``node_hint`` puts every child on that
         node (a cluster's other node receives the source's template). The children
-        carry the source's labels merged with ``labels``. With ``idempotency_key``, a
-        retry of the same request returns the first one's items (a request that made
-        no child releases the key: `control/idempotency.py`).
+        carry the source's labels merged with ``labels``. A retry with
+        ``idempotency_key`` returns the first request's items (`control/idempotency.py`).
 
         Raises:
             InvalidRequest: a bad name, or labels that break `models.LABEL_RULE` (with
@@ -461,14 +450,10 @@ class Machines:
         """
         if idempotency_key is None:
             return await self._fork(account, ref, names, node_hint, labels)
-        fp = fingerprint("fork", ref, names, node_hint, dict(labels or {}))
-        return await self.idempotency.run(
-            account, idempotency_key, fp,
+        return await self.idempotency.items(
+            account, idempotency_key, fingerprint("fork", ref, names, node_hint, labels or {}),
             lambda: self._fork(account, ref, names, node_hint, labels),
-            dump=_dump_items, load=lambda raw: [
-                self._replayed(account, i) if isinstance(i, models.Machine) else i
-                for i in _load_items(raw)],
-            made=lambda items: any(isinstance(i, models.Machine) for i in items))
+            lambda m: _as_now(self, account, m))
 
     async def _fork(
         self, account: str, ref: str, names: builtins.list[str | None],
@@ -703,23 +688,11 @@ class Machines:
             node.serve_guests(handler)
 
 
-def _dump_items(items: builtins.list[models.Machine | Exception]) -> str:
-    """A fork's items as JSON: each child, or its error's body."""
-    out: builtins.list[dict[str, object]] = []
-    for item in items:
-        if isinstance(item, models.Machine):
-            out.append({"machine": item.model_dump(mode="json")})
-        else:
-            err = item if isinstance(item, BoxdError) else InternalError(
-                "internal error", hint="the daemon's log has the details")
-            out.append(err.to_body())
-    return json.dumps(out, separators=(",", ":"), default=str)
-
-
-def _load_items(raw: str) -> builtins.list[models.Machine | Exception]:
-    """The inverse of `_dump_items` (an error comes back as its typed `BoxdError`)."""
-    return [models.Machine.model_validate(i["machine"]) if "machine" in i
-            else error_from_body(i) for i in json.loads(raw)]
+def _as_now(plane: Machines, account: str, kept: models.Machine) -> models.Machine:
+    """A machine a keyed request made, as it is now (as it was made, if deleted)."""
+    rec = plane.repos.machines.get(kept.id)
+    ok = rec is not None and rec.account_id == account and rec.state != MachineState.DELETING
+    return plane._model(rec) if rec is not None and ok else kept
 
 
 #: Machines a delete by labels deletes at once (one page of its selector).
