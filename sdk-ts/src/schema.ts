@@ -1652,7 +1652,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -1679,7 +1679,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -1753,7 +1753,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -1780,7 +1780,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -1863,7 +1863,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -1890,7 +1890,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -1913,7 +1913,10 @@ export interface operations {
     create_machine_v1_machines_post: {
         parameters: {
             query?: never;
-            header?: never;
+            header?: {
+                /** @description a key of the logical request (e.g. a UUID), the same on each of its retries: a retry within 24 h returns the first request's machines, never new ones; waits for the first if it still runs; a key sent with another request is a 409 idempotency_key_reused; a failed request frees its key */
+                "Idempotency-Key"?: string | null;
+            };
             path?: never;
             cookie?: never;
         };
@@ -1968,7 +1971,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -1995,7 +1998,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -2074,7 +2077,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -2101,7 +2104,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -2177,7 +2180,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -2204,7 +2207,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -2278,7 +2281,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -2305,7 +2308,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -2381,7 +2384,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -2408,7 +2411,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -2484,7 +2487,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -2511,7 +2514,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -2587,7 +2590,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -2614,7 +2617,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -2693,7 +2696,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -2720,7 +2723,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -2809,7 +2812,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -2836,7 +2839,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -2916,7 +2919,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -2943,7 +2946,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -3022,7 +3025,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -3049,7 +3052,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -3134,7 +3137,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -3161,7 +3164,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -3184,7 +3187,10 @@ export interface operations {
     fork_v1_machines__ref__fork_post: {
         parameters: {
             query?: never;
-            header?: never;
+            header?: {
+                /** @description a key of the logical request (e.g. a UUID), the same on each of its retries: a retry within 24 h returns the first request's machines, never new ones; waits for the first if it still runs; a key sent with another request is a 409 idempotency_key_reused; a failed request frees its key */
+                "Idempotency-Key"?: string | null;
+            };
             path: {
                 ref: string;
             };
@@ -3241,7 +3247,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -3268,7 +3274,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -3348,7 +3354,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -3375,7 +3381,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -3398,7 +3404,10 @@ export interface operations {
     fork_batch_v1_machines__ref__fork_batch_post: {
         parameters: {
             query?: never;
-            header?: never;
+            header?: {
+                /** @description a key of the logical request (e.g. a UUID), the same on each of its retries: a retry within 24 h returns the first request's machines, never new ones; waits for the first if it still runs; a key sent with another request is a 409 idempotency_key_reused; a failed request frees its key */
+                "Idempotency-Key"?: string | null;
+            };
             path: {
                 ref: string;
             };
@@ -3455,7 +3464,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -3482,7 +3491,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -3558,7 +3567,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -3585,7 +3594,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -3665,7 +3674,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -3692,7 +3701,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -3770,7 +3779,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -3797,7 +3806,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -3873,7 +3882,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -3900,7 +3909,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -3974,7 +3983,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -4001,7 +4010,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -4079,7 +4088,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -4106,7 +4115,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -4187,7 +4196,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -4214,7 +4223,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -4290,7 +4299,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -4317,7 +4326,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -4391,7 +4400,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -4418,7 +4427,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -4494,7 +4503,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -4521,7 +4530,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -4595,7 +4604,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -4622,7 +4631,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -4700,7 +4709,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -4727,7 +4736,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -4801,7 +4810,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -4828,7 +4837,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -4902,7 +4911,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -4929,7 +4938,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -5005,7 +5014,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -5032,7 +5041,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -5112,7 +5121,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -5139,7 +5148,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -5215,7 +5224,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -5242,7 +5251,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -5322,7 +5331,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -5349,7 +5358,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -5430,7 +5439,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -5457,7 +5466,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -5531,7 +5540,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -5558,7 +5567,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -5648,7 +5657,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -5675,7 +5684,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -5762,7 +5771,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -5789,7 +5798,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -5866,7 +5875,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -5893,7 +5902,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -5970,7 +5979,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -5997,7 +6006,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;

@@ -87,6 +87,13 @@ export interface MachineNewOptions {
    * them. At most 32; a key is 1-128 letters, digits, `._/-`; a value 0-256 characters.
    */
   labels?: Record<string, string>;
+  /**
+   * A key of this logical request (e.g. `crypto.randomUUID()`), the same on each of its
+   * retries (HTTP `Idempotency-Key`): a retry within 24 h resolves to the first request's
+   * machine, never a new one (it waits for the first if that still runs); a key sent with
+   * another request rejects with `IdempotencyKeyReused`; a failed request frees its key.
+   */
+  idempotencyKey?: string;
 }
 
 /** What `machines.exec` and `machines.execStream` run. */

@@ -25,6 +25,11 @@ __all__ = ["main"]
 _CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
+#: `machine exec`'s exit status when the machine, its engine, agent or node (or the
+#: daemon) failed: the command has no status of its own (as `docker run` exits 125).
+EXIT_INFRASTRUCTURE = 125
+
+
 def fail(message: str, code: int = 1) -> NoReturn:
     """Print one ``error:`` line to stderr and exit."""
     click.echo(f"error: {message}", err=True)
@@ -127,6 +132,14 @@ def _labels(ctx: click.Context, param: click.Parameter,
     return out
 
 
+def idempotency_option(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    return click.option(
+        "--idempotency-key", metavar="KEY",
+        help=f"A key of this request (e.g. a UUID), the same on each retry: a retry within "
+        f"24 h returns the first request's {what}, never new ones (1-255 printable ASCII "
+        "characters).")
+
+
 def label_option(help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     return click.option("--label", "-l", "labels", multiple=True, metavar="K=V",
                         callback=_labels, help=help)
@@ -160,6 +173,7 @@ def machine() -> None:
 @click.option("--node", metavar="ID", help="Cluster node to place it on (`boxd nodes list`).")
 @label_option("Label it KEY=VALUE (repeat); its forks inherit it; `machine list --label` "
               "and `machine delete --label` select by it.")
+@idempotency_option("machine")
 @click.option("--wait/--no-wait", default=True, show_default=True, help="Wait until ready.")
 @click.option("--timeout", type=float, default=120.0, show_default=True, help="Seconds to wait.")
 @json_option
@@ -177,6 +191,7 @@ def machine_new(
     hibernate_after: float | None,
     node: str | None,
     labels: dict[str, str],
+    idempotency_key: str | None,
     wait: bool,
     timeout: float,
     as_json: bool,
@@ -195,6 +210,7 @@ def machine_new(
         engine=engine,
         node=node,
         labels=labels,
+        idempotency_key=idempotency_key,
     )
     if wait:
         with _render.activity(f"waiting for {m.name} to boot", as_json=as_json):
@@ -348,7 +364,9 @@ def machine_exec(
     env: tuple[str, ...],
     cwd: str | None,
 ) -> None:
-    """Run COMMAND in machine NAME, streaming its output; exit with its exit code.
+    """Run COMMAND in machine NAME, streaming its output; exit with its exit code
+    (124: its --timeout passed; 125: the machine, its engine, agent or node failed, so
+    the command has no exit code).
 
     \b
     One argument is a shell string; several are an argv:
@@ -364,17 +382,22 @@ def machine_exec(
         variables[key] = value
     cmd: str | list[str] = command[0] if len(command) == 1 else list(command)
     exit_event = None
-    for event in state.boxd.machines.exec_stream(
-        name, cmd, env=variables or None, cwd=cwd, timeout=timeout
-    ):
-        if event.type == "stdout" and event.data:
-            click.echo(event.data, nl=False)
-        elif event.type == "stderr" and event.data:
-            click.echo(event.data, nl=False, err=True)
-        elif event.type == "exit":
-            exit_event = event
+    try:
+        for event in state.boxd.machines.exec_stream(
+            name, cmd, env=variables or None, cwd=cwd, timeout=timeout
+        ):
+            if event.type == "stdout" and event.data:
+                click.echo(event.data, nl=False)
+            elif event.type == "stderr" and event.data:
+                click.echo(event.data, nl=False, err=True)
+            elif event.type == "exit":
+                exit_event = event
+    except errors.InfrastructureError as exc:
+        # Not the command's status: the machine, engine, agent, node or daemon failed.
+        fail(str(exc), EXIT_INFRASTRUCTURE)
     if exit_event is None:
-        fail("the command's output stream ended without an exit status (see the daemon log)")
+        fail("the command's output stream ended without an exit status (see the daemon log)",
+             EXIT_INFRASTRUCTURE)
     if exit_event.timed_out:
         fail(
             f"command timed out after {timeout:g} s and was killed"
@@ -396,11 +419,12 @@ def machine_exec(
               "(`boxd nodes list`; QEMU machines only). [default: the source's node while "
               "it has room, then the others]")
 @label_option("Label the children KEY=VALUE (repeat), over the labels they inherit from SRC.")
+@idempotency_option("children")
 @json_option
 @pass_state
 def machine_fork(
     state: _State, src: str, new: tuple[str, ...], count: int | None, node: str | None,
-    labels: dict[str, str], as_json: bool,
+    labels: dict[str, str], idempotency_key: str | None, as_json: bool,
 ) -> None:
     """Fork running machine SRC into NEW (the child continues from the same instruction).
 
@@ -408,13 +432,16 @@ def machine_fork(
     """
     b = state.boxd
     if count is None and len(new) <= 1:
-        m = b.machines.fork(src, new[0] if new else None, node=node, labels=labels)
+        m = b.machines.fork(src, new[0] if new else None, node=node, labels=labels,
+                            idempotency_key=idempotency_key)
         _show(m, as_json, _render.machine)
         return
     results = (
-        b.machines.fork(src, names=list(new), count=count, node=node, labels=labels)
+        b.machines.fork(src, names=list(new), count=count, node=node, labels=labels,
+                        idempotency_key=idempotency_key)
         if new
-        else b.machines.fork(src, count=count or 1, node=node, labels=labels)
+        else b.machines.fork(src, count=count or 1, node=node, labels=labels,
+                             idempotency_key=idempotency_key)
     )
     made = [r for r in results if not isinstance(r, errors.BoxdError)]
     errs = [r for r in results if isinstance(r, errors.BoxdError)]
