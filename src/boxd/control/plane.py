@@ -21,12 +21,14 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TypeVar
 
 from boxd import models
 from boxd import process_models as pm
 from boxd.config import DEFAULT_MACHINE_QUOTA
+from boxd.control.lifetimes import Reaper
 from boxd.control.nodes import Cluster, ClusterNode, LocalNode
 from boxd.control.placement import Placement, Room, check_hint, no_room
 from boxd.engine.registry import ENGINES
@@ -83,6 +85,9 @@ def machine_model(rec: MachineRecord, host: str = "127.0.0.1") -> models.Machine
         suspend_after=rec.suspend_after, hibernate_after=rec.hibernate_after,
         idle_seconds=round(max(0.0, time.time() - rec.last_active), 3),
         labels=dict(rec.labels),
+        end_at=(datetime.fromtimestamp(rec.end_at, UTC) if rec.end_at is not None else None),
+        on_timeout=models.check_on_timeout(rec.on_timeout or "delete")
+        if rec.end_at is not None else None,
     )
 
 
@@ -106,6 +111,8 @@ class Machines:
         # Held from a fork batch's placement to its claims: a concurrent batch reads
         # the room after them, so together they keep every node's cap.
         self._placing = asyncio.Lock()
+        # Ends machines at their lifetime's end (one task for all; started by recover)
+        self.reaper = Reaper(repos, self.end_of_life)
 
     @property
     def nodes(self) -> Mapping[str, Node]:
@@ -212,6 +219,7 @@ class Machines:
         snapshot: str | None = None, image: str | None = None, engine: str | None = None,
         suspend_after: float | None = None, hibernate_after: float | None = None,
         public: bool = False, labels: Mapping[str, str] | None = None,
+        timeout: int | None = None, on_timeout: str = "delete",
     ) -> MachineRecord:
         if name is None:
             name = f"machine-{secrets.token_hex(3)}"
@@ -223,6 +231,7 @@ class Machines:
             snapshot=snapshot, default_quota=self.default_quota,
             suspend_after=suspend_after, hibernate_after=hibernate_after, url_public=public,
             labels=models.check_labels(labels or {}),
+            end_at=self._end_at(timeout), on_timeout=models.check_on_timeout(on_timeout),
         )
 
     # ---------------------------------------------------------------- create
@@ -233,6 +242,7 @@ class Machines:
         if req.engine is not None and req.engine not in ENGINES:
             raise InvalidRequest(f"unknown engine {req.engine!r}", field="engine",
                                  hint=f"use one of {', '.join(ENGINES)}")
+        self._check_lifetime(req.timeout, req.on_timeout)
         if req.from_snapshot:
             return await self._create_from_snapshot(account, req)
 
@@ -241,12 +251,15 @@ class Machines:
                 account, req.name, node, vcpus=req.vcpus, memory_mib=req.memory_mib,
                 disk_gib=req.disk_gib, isolated=req.isolated, engine=req.engine,
                 suspend_after=req.suspend_after, hibernate_after=req.hibernate_after,
-                public=req.public, labels=req.labels,
+                public=req.public, labels=req.labels, timeout=req.timeout,
+                on_timeout=req.on_timeout,
             )
             await node.create(rec.id, Boot())  # on failure the record is gone
             return rec
 
         rec = await self._launch(req.node, set(), launch)
+        if rec.end_at is not None:
+            self.reaper.changed()
         return await self.get(account, rec.id)
 
     async def _create_from_snapshot(
@@ -283,7 +296,8 @@ class Machines:
                 isolated=req.isolated or bool(meta.get("isolated", False)),
                 snapshot=manifest.digest, engine=engine,
                 suspend_after=req.suspend_after, hibernate_after=req.hibernate_after,
-                public=req.public, labels=req.labels,
+                public=req.public, labels=req.labels, timeout=req.timeout,
+                on_timeout=req.on_timeout,
             )
             if self.cluster is None:
                 await node.create(rec.id, source)
@@ -295,6 +309,8 @@ class Machines:
             return rec
 
         rec = await self._launch(req.node, set(holders), launch)
+        if rec.end_at is not None:
+            self.reaper.changed()
         return await self.get(account, rec.id)
 
     # ------------------------------------------------------------ inspection
@@ -417,16 +433,20 @@ class Machines:
     async def fork(
         self, account: str, ref: str, names: builtins.list[str | None],
         node_hint: str | None = None, labels: Mapping[str, str] | None = None,
+        timeout: int | None = None, on_timeout: str = "delete",
     ) -> builtins.list[models.Machine | Exception]:
         """Fork ``ref`` into one child per name (None: a generated name); each item is
         the child or the error that stopped it. ``node_hint`` puts every child on that
         node (a cluster's other node receives the source's template). The children
-        carry the source's labels merged with ``labels``.
+        carry the source's labels merged with ``labels``. Each child's lifetime is
+        ``timeout`` seconds from now (None: none); a child never inherits its
+        source's.
 
         Raises:
-            InvalidRequest: a bad name, or labels that break `models.LABEL_RULE` (with
-                the source's).
+            InvalidRequest: a bad name, labels that break `models.LABEL_RULE` (with
+                the source's), or a bad ``timeout`` or ``on_timeout``.
         """
+        self._check_lifetime(timeout, on_timeout)
         src = self._find(account, ref)
         for n in names:
             if n is not None:
@@ -435,7 +455,10 @@ class Machines:
         node = self._node(src)
         async with self._placing:  # room counts claims: batches choose one at a time
             targets = await self._fork_targets(src, node, len(names), node_hint)
-            claimed = await self._claim_children(account, src, names, targets, inherited)
+            claimed = await self._claim_children(account, src, names, targets, inherited,
+                                                 timeout, on_timeout)
+        if timeout is not None:
+            self.reaper.changed()
         results = await self._launch_children(src, node, claimed)
         out: builtins.list[models.Machine | Exception] = []
         for c in claimed:
@@ -452,6 +475,7 @@ class Machines:
     async def _claim_children(
         self, account: str, src: MachineRecord, names: builtins.list[str | None],
         targets: builtins.list[Node | Exception], labels: Mapping[str, str],
+        timeout: int | None = None, on_timeout: str = "delete",
     ) -> builtins.list[MachineRecord | Exception]:
         """Claim every child's name and quota slot first: one that fails is that item's
         error and the others go on."""
@@ -467,7 +491,7 @@ class Machines:
                     isolated=src.isolated, parent_id=src.id, snapshot=src.snapshot,
                     image=src.image, engine=src.engine, suspend_after=src.suspend_after,
                     hibernate_after=src.hibernate_after, public=src.url_public,
-                    labels=labels,
+                    labels=labels, timeout=timeout, on_timeout=on_timeout,
                 ))
             except Exception as exc:
                 claimed.append(exc)
@@ -621,6 +645,74 @@ class Machines:
         async with self._node(rec).process_attach(rec.id, process_id) as stream:
             yield stream
 
+    # ------------------------------------------------------------- lifetimes
+
+    def _end_at(self, timeout: int | None) -> float | None:
+        """The end of a lifetime of ``timeout`` seconds from now (None: none)."""
+        if timeout is None:
+            return None
+        return self.reaper.clock() + models.check_timeout(timeout)
+
+    @staticmethod
+    def _check_lifetime(timeout: int | None, on_timeout: str) -> None:
+        """Raises: InvalidRequest: a bad ``timeout`` or ``on_timeout``."""
+        if timeout is not None:
+            models.check_timeout(timeout)
+        models.check_on_timeout(on_timeout)
+
+    async def set_timeout(
+        self, account: str, ref: str, timeout: int | None, on_timeout: str | None = None,
+    ) -> models.Machine:
+        """Give a machine a new end, ``timeout`` seconds from now (None: no lifetime;
+        it then runs until deleted). ``on_timeout`` None keeps what its end did
+        ('delete' if it had no lifetime).
+
+        Raises:
+            InvalidRequest: ``timeout`` is not 1-`models.MAX_TIMEOUT`, or a bad
+                ``on_timeout``.
+            MachineNotFound: no such machine (or it is being deleted).
+        """
+        if timeout is not None:
+            models.check_timeout(timeout)
+        rec = self._find(account, ref)
+        action = models.check_on_timeout(on_timeout if on_timeout is not None
+                                         else rec.on_timeout or "delete")
+        end = self._end_at(timeout)
+        if not self.repos.machines.set_end(rec.id, end, action):
+            raise MachineNotFound(f"no machine named {ref!r}", machine=ref,
+                                  hint="it was deleted meanwhile")
+        log.info("machine=%s event=lifetime_set end_at=%s on_timeout=%s", rec.id,
+                 f"{end:.3f}" if end is not None else None, action)
+        self.reaper.changed()
+        return await self.get(account, rec.id)
+
+    async def end_of_life(self, rec: MachineRecord) -> None:
+        """End a machine whose lifetime is over (the reaper calls it): delete it, or
+        hibernate it and drop its lifetime (woken, it runs without one until a
+        ``set_timeout``). Nothing if it is gone or its end moved meanwhile.
+
+        Raises:
+            BoxdError: the delete or hibernate failed (the reaper tries again).
+        """
+        now = self.reaper.clock()
+        fresh = self.repos.machines.get(rec.id)
+        if (fresh is None or fresh.state == MachineState.DELETING or fresh.end_at is None
+                or fresh.end_at > now):
+            return  # deleted by hand, or given another end meanwhile
+        if fresh.on_timeout == "hibernate":
+            if fresh.state in (MachineState.FAILED, MachineState.LOST):
+                log.warning("machine=%s event=lifetime_ended action=none state=%s "
+                            "(a %s machine cannot hibernate; its lifetime is dropped)",
+                            fresh.id, fresh.state, fresh.state)
+            elif fresh.state != MachineState.HIBERNATED:
+                await self._node(fresh).hibernate(fresh.id)
+            self.repos.machines.clear_end(fresh.id, fresh.end_at)
+            log.info("machine=%s event=lifetime_ended action=hibernate", fresh.id)
+            return
+        with contextlib.suppress(MachineNotFound):  # deleted meanwhile: as good
+            await self.delete(fresh.account_id, fresh.id)
+        log.info("machine=%s event=lifetime_ended action=delete", fresh.id)
+
     # ---------------------------------------------------------------- delete
 
     async def delete(self, account: str, ref: str) -> None:
@@ -641,8 +733,12 @@ class Machines:
             # interrupted saves and imports leave staging files and unreferenced blobs
             report = await asyncio.to_thread(self.store.gc, in_use=self.snapshots.in_use)
             log.info("event=snapshot_store_gc report=%s", report)
+        # after the nodes recovered: the ends that passed while the daemon was down
+        # are ended at once, the others when they come
+        self.reaper.start()
 
     async def close(self) -> None:
+        await self.reaper.stop()
         if self.cluster is not None:
             await self.cluster.close()
         for node in self.nodes.values():

@@ -217,6 +217,8 @@ class AsyncMachines:
         node: str | None = None,
         public: bool = False,
         labels: Mapping[str, str] | None = None,
+        timeout: int | None = None,
+        on_timeout: str = "delete",
     ) -> models.Machine:
         """Create and boot a machine; returns while it starts (see ``wait_until_ready``).
 
@@ -241,6 +243,11 @@ class AsyncMachines:
             labels: string keys and values to find it by (``list(labels=)``,
                 ``delete_many(labels=)``); its forks inherit them. At most 32; a key is
                 1-128 of letters, digits, ``._/-``; a value 0-256 characters.
+            timeout: its lifetime, whole seconds from now (1 to 30 days): at its end
+                the daemon deletes it (``Machine.end_at`` says when; ``set_timeout``
+                moves it). None: it runs until deleted. A daemon restart keeps it.
+            on_timeout: what its end does: ``"delete"`` or ``"hibernate"`` (its state
+                is kept on disk and any request wakes it, with no lifetime).
 
         Raises:
             InvalidRequest, AlreadyExists, QuotaExceeded, SnapshotNotFound, HostSetupError.
@@ -249,8 +256,29 @@ class AsyncMachines:
             models.Machine,
             _base.machine_create(name, vcpus, memory_mib, disk_gib, isolated, from_snapshot,
                                  engine, suspend_after, hibernate_after, node, public,
-                                 labels),
+                                 labels, timeout, on_timeout),
         )
+
+    async def set_timeout(
+        self, ref: str, timeout: int | None, *, on_timeout: str | None = None,
+    ) -> models.Machine:
+        """Give a machine a new end, ``timeout`` whole seconds from now (1 to 30 days),
+        extending or shortening its lifetime; None clears it (it runs until deleted).
+
+        Args:
+            ref: the machine's name or id.
+            timeout: seconds from now, or None for no lifetime. 0 is refused, not taken
+                as "never" or "now": delete it for that.
+            on_timeout: ``"delete"`` or ``"hibernate"``; None keeps what its end did
+                (``"delete"`` if it had no lifetime).
+
+        Raises:
+            InvalidRequest: ``timeout`` is not an int of 1 to 30 days of seconds, or a
+                bad ``on_timeout``.
+            MachineNotFound: no such machine.
+        """
+        return await self._c._parse(models.Machine,
+                                    _base.machine_set_timeout(ref, timeout, on_timeout))
 
     async def get(self, ref: str) -> models.Machine:
         """The machine with this name or id.
@@ -454,21 +482,24 @@ class AsyncMachines:
     @overload
     async def fork(
         self, src: str, name: str | None = None, *, node: str | None = None,
-        labels: Mapping[str, str] | None = None,
+        labels: Mapping[str, str] | None = None, timeout: int | None = None,
+        on_timeout: str = "delete",
     ) -> models.Machine: ...
 
     @overload
     async def fork(
         self, src: str, name: None = None, *, count: int,
         names: builtins.list[str] | None = None, node: str | None = None,
-        labels: Mapping[str, str] | None = None,
+        labels: Mapping[str, str] | None = None, timeout: int | None = None,
+        on_timeout: str = "delete",
     ) -> builtins.list[models.Machine | errors.BoxdError]: ...
 
     @overload
     async def fork(
         self, src: str, name: None = None, *, count: int | None = None,
         names: builtins.list[str], node: str | None = None,
-        labels: Mapping[str, str] | None = None,
+        labels: Mapping[str, str] | None = None, timeout: int | None = None,
+        on_timeout: str = "delete",
     ) -> builtins.list[models.Machine | errors.BoxdError]: ...
 
     async def fork(
@@ -480,6 +511,8 @@ class AsyncMachines:
         names: builtins.list[str] | None = None,
         node: str | None = None,
         labels: Mapping[str, str] | None = None,
+        timeout: int | None = None,
+        on_timeout: str = "delete",
     ) -> models.Machine | builtins.list[models.Machine | errors.BoxdError]:
         """Fork a running machine: the child continues from the same instruction.
 
@@ -488,7 +521,10 @@ class AsyncMachines:
         doesn't sink the batch). Otherwise return the single child. ``node`` puts the
         children on that cluster node (`nodes.list`); by default they go to the
         source's node while it has room, then to the others. The children carry the
-        source's labels merged with ``labels``.
+        source's labels merged with ``labels``. ``timeout`` gives each child a
+        lifetime of that many whole seconds from now (deleted at its end, or
+        hibernated with ``on_timeout="hibernate"``; see ``new``); a child never
+        inherits its source's lifetime.
 
         Raises:
             MachineNotFound, StateError, AlreadyExists, QuotaExceeded (single fork; a
@@ -498,11 +534,13 @@ class AsyncMachines:
         """
         if count is None and names is None:
             return await self._c._parse(models.Machine,
-                                        _base.machine_fork(src, name, node, labels))
+                                        _base.machine_fork(src, name, node, labels, timeout,
+                                                           on_timeout))
         if name is not None:
             raise errors.InvalidRequest("pass either name or count/names", field="name")
         result = await self._c._parse(
-            models.ForkResult, _base.machine_fork_batch(src, count, names, node, labels)
+            models.ForkResult, _base.machine_fork_batch(src, count, names, node, labels,
+                                                        timeout, on_timeout)
         )
         return _base.fork_items(result)
 

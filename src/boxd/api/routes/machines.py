@@ -135,6 +135,16 @@ async def hibernate_machine(ref: str, account: Account, machines: Machines) -> m
     return await machines.hibernate(account, ref)
 
 
+@router.post("/{ref}/timeout", response_model=models.Machine)
+async def set_timeout(
+    ref: str, body: models.SetTimeout, account: Account, machines: Machines
+) -> models.Machine:
+    """Give the machine a new end, ``timeout`` seconds from now (``null``: no lifetime;
+    it runs until deleted). At its end it is deleted, or hibernated with
+    ``on_timeout: "hibernate"`` (omitted: what it was)."""
+    return await machines.set_timeout(account, ref, body.timeout, body.on_timeout)
+
+
 @router.post("/{ref}/resume", response_model=models.Machine)
 async def resume_machine(ref: str, account: Account, machines: Machines) -> models.Machine:
     """Wake a suspended or hibernated machine."""
@@ -295,8 +305,9 @@ async def fork(
     name = body.name if body is not None else None
     check_name(name)
     node = body.node if body is not None else None
-    labels = body.labels if body is not None else {}
-    (item,) = _items(await machines.fork(account, ref, [name], node, labels))
+    body = body or models.ForkRequest.model_validate({})
+    (item,) = _items(await machines.fork(account, ref, [name], node, body.labels,
+                                         body.timeout, body.on_timeout))
     if isinstance(item, Exception):
         raise item
     return item
@@ -342,7 +353,8 @@ async def fork_batch(
         names = [None] * body.count
     else:
         raise InvalidRequest("give count or names", hint='e.g. {"count": 8}', field="count")
-    items = _items(await machines.fork(account, ref, names, body.node, body.labels))
+    items = _items(await machines.fork(account, ref, names, body.node, body.labels,
+                                       body.timeout, body.on_timeout))
     children = []
     for item in items:
         if isinstance(item, models.Machine):
