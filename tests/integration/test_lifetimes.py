@@ -53,18 +53,19 @@ def gone_after(client: Any, ref: str, limit: float) -> float:
 def test_a_machine_with_timeout_3_is_deleted_after_about_3_s(
     client: Any, gvisor: list[str],
 ) -> None:
-    t0 = time.monotonic()
+    t0, wall = time.monotonic(), time.time()
     m = client.machines.new("life-3", engine="gvisor", timeout=3)
+    created = time.monotonic() - t0  # a loaded host may take longer than the lifetime
     gvisor.append(m.id)
     assert m.end_at is not None and m.on_timeout == "delete"
-    assert m.end_at.timestamp() - time.time() == pytest.approx(3, abs=1)
-    client.machines.wait_until_ready(m.id, timeout=30)
-    # it ran: a command answers while it lives
-    with contextlib.suppress(errors.MachineNotFound):  # unless a slow boot left no time
+    assert m.end_at.timestamp() - wall == pytest.approx(3, abs=1)  # from the request
+    with contextlib.suppress(errors.MachineNotFound):  # unless the boot took it all
+        client.machines.wait_until_ready(m.id, timeout=30)
         assert client.machines.exec(m.id, "echo alive").stdout == "alive\n"
     ended = gone_after(client, m.id, 15) - t0
     assert ended >= 2.5, f"deleted {ended:.1f}s after the create, before its end"
-    assert ended <= 9, f"deleted {ended:.1f}s after the create"
+    # at its end, or (a boot longer than its lifetime) as soon as the create returned
+    assert ended <= max(3.0, created) + 3, f"deleted {ended:.1f}s after ({created:.1f}s)"
     assert m.id not in [x.id for x in client.machines.list()]
 
 

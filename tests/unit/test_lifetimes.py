@@ -217,6 +217,42 @@ def test_hibernate_at_the_end_then_wake_without_a_lifetime(
     assert boxd.machines.get("m").state == MachineState.RUNNING
 
 
+def test_an_end_that_passes_during_the_create_waits_for_the_create_to_return(
+    boxd: Boxd, world: World, transport: support.SyncASGITransport, clock: Clock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A boot longer than the lifetime: the create still returns its machine (not a
+    404), and the machine is ended right after."""
+    real_create, real_fork = world.node.create, world.node.fork
+    seen: list[int] = []
+
+    async def create(machine_id: str, source: Any) -> None:
+        await real_create(machine_id, source)
+        clock.now += 10  # the boot took longer than the lifetime
+        await world.machines.reaper.run_once()
+        seen.append(len(names(world)))
+
+    async def fork(src: str, ids: list[str]) -> Any:
+        out = await real_fork(src, ids)
+        clock.now += 10
+        await world.machines.reaper.run_once()
+        seen.append(len(names(world)))
+        return out
+
+    monkeypatch.setattr(world.node, "create", create)
+    m = boxd.machines.new("m", timeout=5)
+    assert m.name == "m" and seen == [1]  # not ended during its create
+    reap(transport, world)
+    assert names(world) == []  # ended once it returned
+    boxd.machines.new("base")
+    boxd.machines.wait_until_ready("base")
+    monkeypatch.setattr(world.node, "fork", fork)
+    kids = boxd.machines.fork("base", count=2, timeout=5)
+    assert all(isinstance(k, models.Machine) for k in kids) and seen == [1, 1, 3]
+    reap(transport, world)
+    assert names(world) == ["base"]
+
+
 def test_a_failing_end_is_logged_retried_with_backoff_and_stops_nothing_else(
     boxd: Boxd, world: World, transport: support.SyncASGITransport, clock: Clock,
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,

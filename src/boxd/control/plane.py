@@ -113,6 +113,10 @@ class Machines:
         self._placing = asyncio.Lock()
         # Ends machines at their lifetime's end (one task for all; started by recover)
         self.reaper = Reaper(repos, self.end_of_life)
+        # Machines with a lifetime whose create or fork is still in flight: their end
+        # waits for the call to return (a boot longer than the lifetime never turns
+        # the create into a 404); the reaper then ends them at once.
+        self._launching: set[str] = set()
 
     @property
     def nodes(self) -> Mapping[str, Node]:
@@ -224,7 +228,7 @@ class Machines:
         if name is None:
             name = f"machine-{secrets.token_hex(3)}"
         validate_name(name)
-        return self.repos.machines.claim(
+        rec = self.repos.machines.claim(
             account, name, machine_id=new_id("m"), vcpus=vcpus, memory_mib=memory_mib,
             disk_gib=disk_gib, isolated=isolated, image=image or await node.image_key(),
             node_id=node.id, engine=engine or await node.engine_name(), parent_id=parent_id,
@@ -233,6 +237,15 @@ class Machines:
             labels=models.check_labels(labels or {}),
             end_at=self._end_at(timeout), on_timeout=models.check_on_timeout(on_timeout),
         )
+        if rec.end_at is not None:
+            self._launching.add(rec.id)  # the caller releases it (`_launched`)
+        return rec
+
+    def _launched(self, ids: builtins.list[str]) -> None:
+        """The create or fork of ``ids`` returned: the reaper may end them now."""
+        if ids:
+            self._launching.difference_update(ids)
+            self.reaper.changed()
 
     # ---------------------------------------------------------------- create
 
@@ -246,6 +259,8 @@ class Machines:
         if req.from_snapshot:
             return await self._create_from_snapshot(account, req)
 
+        held: builtins.list[str] = []
+
         async def launch(node: Node) -> MachineRecord:
             rec = await self._claim(
                 account, req.name, node, vcpus=req.vcpus, memory_mib=req.memory_mib,
@@ -254,13 +269,15 @@ class Machines:
                 public=req.public, labels=req.labels, timeout=req.timeout,
                 on_timeout=req.on_timeout,
             )
+            held.append(rec.id)
             await node.create(rec.id, Boot())  # on failure the record is gone
             return rec
 
-        rec = await self._launch(req.node, set(), launch)
-        if rec.end_at is not None:
-            self.reaper.changed()
-        return await self.get(account, rec.id)
+        try:
+            rec = await self._launch(req.node, set(), launch)
+            return await self.get(account, rec.id)
+        finally:
+            self._launched(held)
 
     async def _create_from_snapshot(
         self, account: str, req: models.MachineCreate
@@ -287,6 +304,8 @@ class Machines:
             manifest.blob_path("disk"),
         )
 
+        held: builtins.list[str] = []
+
         async def launch(node: Node) -> MachineRecord:
             _check_engine(req, engine)  # after placement, as its errors come first
             rec = await self._claim(
@@ -299,6 +318,7 @@ class Machines:
                 public=req.public, labels=req.labels, timeout=req.timeout,
                 on_timeout=req.on_timeout,
             )
+            held.append(rec.id)
             if self.cluster is None:
                 await node.create(rec.id, source)
             else:  # a node that lacks the blobs pulls them from one that holds them
@@ -308,10 +328,11 @@ class Machines:
                                     holder=None if holder.id == node.id else holder)
             return rec
 
-        rec = await self._launch(req.node, set(holders), launch)
-        if rec.end_at is not None:
-            self.reaper.changed()
-        return await self.get(account, rec.id)
+        try:
+            rec = await self._launch(req.node, set(holders), launch)
+            return await self.get(account, rec.id)
+        finally:
+            self._launched(held)
 
     # ------------------------------------------------------------ inspection
 
@@ -457,20 +478,22 @@ class Machines:
             targets = await self._fork_targets(src, node, len(names), node_hint)
             claimed = await self._claim_children(account, src, names, targets, inherited,
                                                  timeout, on_timeout)
-        if timeout is not None:
-            self.reaper.changed()
-        results = await self._launch_children(src, node, claimed)
-        out: builtins.list[models.Machine | Exception] = []
-        for c in claimed:
-            if isinstance(c, Exception):
-                out.append(c)
-                continue
-            err = results[c.id]
-            try:
-                out.append(err if err is not None else self._model(self._find(account, c.id)))
-            except MachineNotFound as exc:  # deleted as soon as it was made: its item only
-                out.append(exc)
-        return out
+        try:
+            results = await self._launch_children(src, node, claimed)
+            out: builtins.list[models.Machine | Exception] = []
+            for c in claimed:
+                if isinstance(c, Exception):
+                    out.append(c)
+                    continue
+                err = results[c.id]
+                try:
+                    out.append(err if err is not None
+                               else self._model(self._find(account, c.id)))
+                except MachineNotFound as exc:  # deleted as soon as it was made
+                    out.append(exc)
+            return out
+        finally:
+            self._launched([c.id for c in claimed if isinstance(c, MachineRecord)])
 
     async def _claim_children(
         self, account: str, src: MachineRecord, names: builtins.list[str | None],
@@ -699,6 +722,8 @@ class Machines:
         if (fresh is None or fresh.state == MachineState.DELETING or fresh.end_at is None
                 or fresh.end_at > now):
             return  # deleted by hand, or given another end meanwhile
+        if fresh.id in self._launching:
+            return  # its create or fork ends it when it returns (`_launched`)
         if fresh.on_timeout == "hibernate":
             if fresh.state in (MachineState.FAILED, MachineState.LOST):
                 log.warning("machine=%s event=lifetime_ended action=none state=%s "
