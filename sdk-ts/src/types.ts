@@ -87,7 +87,18 @@ export interface MachineNewOptions {
    * them. At most 32; a key is 1-128 letters, digits, `._/-`; a value 0-256 characters.
    */
   labels?: Record<string, string>;
+  /**
+   * Its lifetime: whole seconds from now (1 to 30 days). At its end the daemon deletes
+   * it, or hibernates it with `onTimeout: "hibernate"`; `Machine.endAt` says when and
+   * `machines.setTimeout` moves it. Absent: it runs until deleted.
+   */
+  timeout?: number;
+  /** What its end does: `"delete"` (default) or `"hibernate"`. */
+  onTimeout?: OnTimeout;
 }
+
+/** What a machine's end does (`timeout`): delete it or hibernate it. */
+export type OnTimeout = "delete" | "hibernate";
 
 /** What `machines.exec` and `machines.execStream` run. */
 export interface ExecOptions {

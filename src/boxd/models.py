@@ -295,7 +295,7 @@ class MachineCreate(BaseModel):
         default_factory=dict,
         description=f"labels to find it by (list and delete by selector). {LABEL_RULE}")
     timeout: Timeout = Field(None, description=TIMEOUT_DOC)
-    on_timeout: OnTimeout = Field("delete", description=ON_TIMEOUT_DOC)
+    on_timeout: OnTimeout | None = Field(None, description=ON_TIMEOUT_DOC)
 
     @field_validator("labels", mode="before")
     @classmethod
@@ -427,7 +427,7 @@ class ForkRequest(BaseModel):
     node: str | None = Field(None, description=FORK_NODE)
     labels: Labels = Field(default_factory=dict, description=FORK_LABELS)
     timeout: Timeout = Field(None, description=FORK_TIMEOUT)
-    on_timeout: OnTimeout = Field("delete", description=ON_TIMEOUT_DOC)
+    on_timeout: OnTimeout | None = Field(None, description=ON_TIMEOUT_DOC)
 
     @field_validator("labels", mode="before")
     @classmethod
@@ -476,7 +476,7 @@ class ForkBatchRequest(BaseModel):
     node: str | None = Field(None, description=FORK_NODE)
     labels: Labels = Field(default_factory=dict, description=FORK_LABELS)
     timeout: Timeout = Field(None, description=FORK_TIMEOUT)
-    on_timeout: OnTimeout = Field("delete", description=ON_TIMEOUT_DOC)
+    on_timeout: OnTimeout | None = Field(None, description=ON_TIMEOUT_DOC)
 
     @field_validator("labels", mode="before")
     @classmethod

@@ -85,7 +85,7 @@ class FakeMachines(MachineService):
         m = self._add(account, req.name, snapshot=digest, labels=req.labels)
         if req.timeout is None:
             return m
-        return await self.set_timeout(account, m.id, req.timeout, req.on_timeout)
+        return await self.set_timeout(account, m.id, req.timeout, req.on_timeout or "delete")
 
     async def get(self, account: str, ref: str) -> models.Machine:
         return self._find(account, ref)

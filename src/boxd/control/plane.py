@@ -255,7 +255,7 @@ class Machines:
         if req.engine is not None and req.engine not in ENGINES:
             raise InvalidRequest(f"unknown engine {req.engine!r}", field="engine",
                                  hint=f"use one of {', '.join(ENGINES)}")
-        self._check_lifetime(req.timeout, req.on_timeout)
+        self._check_lifetime(req.timeout, req.on_timeout or "delete")
         if req.from_snapshot:
             return await self._create_from_snapshot(account, req)
 
@@ -267,7 +267,7 @@ class Machines:
                 disk_gib=req.disk_gib, isolated=req.isolated, engine=req.engine,
                 suspend_after=req.suspend_after, hibernate_after=req.hibernate_after,
                 public=req.public, labels=req.labels, timeout=req.timeout,
-                on_timeout=req.on_timeout,
+                on_timeout=req.on_timeout or "delete",
             )
             held.append(rec.id)
             await node.create(rec.id, Boot())  # on failure the record is gone
@@ -316,7 +316,7 @@ class Machines:
                 snapshot=manifest.digest, engine=engine,
                 suspend_after=req.suspend_after, hibernate_after=req.hibernate_after,
                 public=req.public, labels=req.labels, timeout=req.timeout,
-                on_timeout=req.on_timeout,
+                on_timeout=req.on_timeout or "delete",
             )
             held.append(rec.id)
             if self.cluster is None:

@@ -307,7 +307,7 @@ async def fork(
     node = body.node if body is not None else None
     body = body or models.ForkRequest.model_validate({})
     (item,) = _items(await machines.fork(account, ref, [name], node, body.labels,
-                                         body.timeout, body.on_timeout))
+                                         body.timeout, body.on_timeout or "delete"))
     if isinstance(item, Exception):
         raise item
     return item
@@ -354,7 +354,7 @@ async def fork_batch(
     else:
         raise InvalidRequest("give count or names", hint='e.g. {"count": 8}', field="count")
     items = _items(await machines.fork(account, ref, names, body.node, body.labels,
-                                       body.timeout, body.on_timeout))
+                                       body.timeout, body.on_timeout or "delete"))
     children = []
     for item in items:
         if isinstance(item, models.Machine):
