@@ -53,7 +53,7 @@ def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_daemon: Paths) -> 
 @pytest.fixture
 def clock(world: World) -> Clock:
     c = Clock()
-    world.machines.reaper.clock = c
+    world.machines.lifetimes.reaper.clock = c
     return c
 
 
@@ -74,7 +74,7 @@ def boxd(world: World, tmp_path: Path, transport: support.SyncASGITransport,
 
 def reap(transport: support.SyncASGITransport, world: World) -> float:
     """One pass of the reaper, on the app's loop (where the fake engine lives)."""
-    return transport.run(world.machines.reaper.run_once())
+    return transport.run(world.machines.lifetimes.reaper.run_once())
 
 
 def names(world: World) -> list[str]:
@@ -229,13 +229,13 @@ def test_an_end_that_passes_during_the_create_waits_for_the_create_to_return(
     async def create(machine_id: str, source: Any) -> None:
         await real_create(machine_id, source)
         clock.now += 10  # the boot took longer than the lifetime
-        await world.machines.reaper.run_once()
+        await world.machines.lifetimes.reaper.run_once()
         seen.append(len(names(world)))
 
     async def fork(src: str, ids: list[str]) -> Any:
         out = await real_fork(src, ids)
         clock.now += 10
-        await world.machines.reaper.run_once()
+        await world.machines.lifetimes.reaper.run_once()
         seen.append(len(names(world)))
         return out
 
@@ -272,18 +272,18 @@ def test_a_failing_end_is_logged_retried_with_backoff_and_stops_nothing_else(
     with caplog.at_level("WARNING", logger="boxd.control"):
         reap(transport, world)
     assert names(world) == ["bad"]  # the other one ended
-    assert world.machines.reaper.failing == {bad.id: 1}
+    assert world.machines.lifetimes.reaper.failing == {bad.id: 1}
     assert any("lifetime_end_failed" in r.message and bad.id in r.message
                for r in caplog.records)
     delay = reap(transport, world)  # before its backoff: not tried again
-    assert world.machines.reaper.failing == {bad.id: 1} and 0 < delay <= 1.0
+    assert world.machines.lifetimes.reaper.failing == {bad.id: 1} and 0 < delay <= 1.0
     clock.now += 1
     reap(transport, world)
-    assert world.machines.reaper.failing == {bad.id: 2}  # tried again, failed again
+    assert world.machines.lifetimes.reaper.failing == {bad.id: 2}  # tried again, failed again
     clock.now += 2
     broken = False
     reap(transport, world)
-    assert names(world) == [] and world.machines.reaper.failing == {}
+    assert names(world) == [] and world.machines.lifetimes.reaper.failing == {}
 
 
 def test_a_machine_deleted_by_hand_is_gone_from_the_reaper(
@@ -292,13 +292,13 @@ def test_a_machine_deleted_by_hand_is_gone_from_the_reaper(
 ) -> None:
     m = boxd.machines.new("m", timeout=5)
     calls: list[str] = []
-    real = world.machines.end_of_life
+    real = world.machines.lifetimes.end_of_life
 
     async def end(rec: Any) -> None:
         calls.append(rec.id)
         await real(rec)
 
-    monkeypatch.setattr(world.machines.reaper, "_end", end)
+    monkeypatch.setattr(world.machines.lifetimes.reaper, "_end", end)
     boxd.machines.delete("m")
     clock.now += 10
     assert reap(transport, world) == lifetimes.MAX_SLEEP
@@ -308,7 +308,7 @@ def test_a_machine_deleted_by_hand_is_gone_from_the_reaper(
 def test_many_due_machines_end_a_batch_at_a_time(
     boxd: Boxd, world: World, transport: support.SyncASGITransport, clock: Clock,
 ) -> None:
-    world.machines.reaper._batch = 3
+    world.machines.lifetimes.reaper._batch = 3
     for i in range(7):
         boxd.machines.new(f"m{i}", timeout=1 + i)
     clock.now += 100
@@ -348,7 +348,7 @@ def test_deadlines_survive_a_restart_and_past_ones_end_at_once(
 def test_the_loop_ends_a_machine_on_time_with_the_real_clock(
     boxd: Boxd, world: World, transport: support.SyncASGITransport,
 ) -> None:
-    world.machines.reaper.clock = time.time
+    world.machines.lifetimes.reaper.clock = time.time
     transport.run(_start(world))
     try:
         boxd.machines.new("idle")  # no lifetime: the loop sleeps
@@ -359,11 +359,11 @@ def test_the_loop_ends_a_machine_on_time_with_the_real_clock(
             time.sleep(0.02)
         assert time.monotonic() - started >= 0.9
     finally:
-        transport.run(world.machines.reaper.stop())
+        transport.run(world.machines.lifetimes.reaper.stop())
 
 
 async def _start(world: World) -> None:
-    world.machines.reaper.start()
+    world.machines.lifetimes.reaper.start()
 
 
 def test_the_loop_survives_a_broken_table(
@@ -382,9 +382,9 @@ def test_the_loop_survives_a_broken_table(
     while len(failures) < 3:
         assert time.monotonic() < deadline, "the loop died on the first failure"
         time.sleep(0.02)
-    task = world.machines.reaper._task
+    task = world.machines.lifetimes.reaper._task
     assert task is not None and not task.done()
-    transport.run(world.machines.reaper.stop())
+    transport.run(world.machines.lifetimes.reaper.stop())
 
 
 # ------------------------------------------------------------------- CLI

@@ -1,4 +1,4 @@
-"""Machine lifetimes: the reaper that ends machines at their deadline.
+"""Machine lifetimes: their ends, and the reaper that ends machines at their deadline.
 
 A machine's end (``end_at``) and what it does (``on_timeout``: delete or hibernate)
 are columns of the control plane's ``machines`` table, so a restarted daemon (even
@@ -19,8 +19,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 
+from boxd import models
+from boxd.errors import MachineNotFound
+from boxd.models import MachineState
 from boxd.state import MachineRecord, Repos
 
 log = logging.getLogger("boxd.control")
@@ -120,4 +123,112 @@ class Reaper:
         return min([MAX_SLEEP] + [max(0.0, t - now) for t in wake])
 
 
-__all__ = ["Reaper"]
+class Lifetimes:
+    """The control plane's part of lifetimes (`Machines` delegates to it): the end a
+    claim records, ``set_timeout``'s new end, and what an end does (`end_of_life`,
+    which its `Reaper` calls). ``delete`` and ``hibernate`` end a machine through its
+    node (`Machines.delete`, its node's hibernate).
+    """
+
+    def __init__(
+        self, repos: Repos, *, delete: Callable[[MachineRecord], Awaitable[None]],
+        hibernate: Callable[[MachineRecord], Awaitable[None]],
+    ) -> None:
+        self._repos = repos
+        self._delete = delete
+        self._hibernate = hibernate
+        self.reaper = Reaper(repos, self.end_of_life)
+        # Machines with a lifetime whose create or fork is still in flight: their end
+        # waits for the call to return (a boot longer than the lifetime never turns the
+        # create into a 404); the reaper ends them as soon as it did. One entry per
+        # create or fork in flight.
+        self._launching: set[str] = set()
+
+    @staticmethod
+    def check(timeout: int | None, on_timeout: str) -> None:
+        """Raises: InvalidRequest: a bad ``timeout`` or ``on_timeout``."""
+        if timeout is not None:
+            models.check_timeout(timeout)
+        models.check_on_timeout(on_timeout)
+
+    def end_at(self, timeout: int | None) -> float | None:
+        """The end of a lifetime of ``timeout`` seconds from now (None: none).
+
+        Raises:
+            InvalidRequest: ``timeout`` is not 1-`models.MAX_TIMEOUT`.
+        """
+        if timeout is None:
+            return None
+        return self.reaper.clock() + models.check_timeout(timeout)
+
+    def hold(self, rec: MachineRecord) -> MachineRecord:
+        """``rec`` was just claimed: its end waits for `launched` (`launching`)."""
+        if rec.end_at is not None:
+            self._launching.add(rec.id)
+        return rec
+
+    @contextlib.contextmanager
+    def launching(self, claimed: Iterable[object] = ()) -> Iterator[list[object]]:
+        """Release the records of ``claimed`` and those the body appends to the list
+        it gets (`launched`) when the body ends, however it ends."""
+        held = list(claimed)
+        try:
+            yield held
+        finally:
+            self.launched([r.id for r in held if isinstance(r, MachineRecord)])
+
+    def launched(self, ids: list[str]) -> None:
+        """The create or fork of ``ids`` returned (or failed): they may end now."""
+        if ids:
+            self._launching.difference_update(ids)
+            self.reaper.changed()
+
+    def set(self, rec: MachineRecord, timeout: int | None, on_timeout: str | None) -> None:
+        """Give ``rec`` a new end, ``timeout`` seconds from now (None: no lifetime; it
+        then runs until deleted); ``on_timeout`` None keeps what its end did ('delete'
+        if it had no lifetime).
+
+        Raises:
+            InvalidRequest: a bad ``timeout`` or ``on_timeout``.
+            MachineNotFound: it was deleted meanwhile.
+        """
+        action = models.check_on_timeout(on_timeout if on_timeout is not None
+                                         else rec.on_timeout or "delete")
+        end = self.end_at(timeout)
+        if not self._repos.machines.set_end(rec.id, end, action):
+            raise MachineNotFound(f"no machine named {rec.name!r}", machine=rec.name,
+                                  hint="it was deleted meanwhile")
+        log.info("machine=%s event=lifetime_set end_at=%s on_timeout=%s", rec.id,
+                 f"{end:.3f}" if end is not None else None, action)
+        self.reaper.changed()
+
+    async def end_of_life(self, rec: MachineRecord) -> None:
+        """End a machine whose lifetime is over: delete it, or hibernate it and drop its
+        lifetime (woken, it runs without one until a ``set_timeout``). Nothing if it is
+        gone, its end moved meanwhile, or its create or fork is still in flight.
+
+        Raises:
+            BoxdError: the delete or hibernate failed (the reaper tries again).
+        """
+        fresh = self._repos.machines.get(rec.id)
+        if (fresh is None or fresh.state == MachineState.DELETING or fresh.end_at is None
+                or fresh.end_at > self.reaper.clock()):
+            return  # deleted by hand, or given another end meanwhile
+        if fresh.id in self._launching:
+            return  # `launched` wakes the reaper for it
+        if fresh.on_timeout == "hibernate":
+            if fresh.state in (MachineState.FAILED, MachineState.LOST):
+                log.warning("machine=%s event=lifetime_ended action=none state=%s (it "
+                            "cannot hibernate; its lifetime is dropped)", fresh.id,
+                            fresh.state)
+            elif fresh.state != MachineState.HIBERNATED:
+                await self._hibernate(fresh)
+            self._repos.machines.clear_end(fresh.id, fresh.end_at)
+            log.info("machine=%s event=lifetime_ended action=hibernate", fresh.id)
+            return
+        with contextlib.suppress(MachineNotFound):  # deleted meanwhile: as good
+            await self._delete(fresh)
+        log.info("machine=%s event=lifetime_ended action=delete", fresh.id)
+
+
+__all__ = ["Lifetimes", "Reaper"]

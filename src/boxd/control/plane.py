@@ -28,7 +28,7 @@ from typing import TypeVar
 from boxd import models
 from boxd import process_models as pm
 from boxd.config import DEFAULT_MACHINE_QUOTA
-from boxd.control.lifetimes import Reaper
+from boxd.control.lifetimes import Lifetimes
 from boxd.control.nodes import Cluster, ClusterNode, LocalNode
 from boxd.control.placement import Placement, Room, check_hint, no_room
 from boxd.engine.registry import ENGINES
@@ -112,11 +112,8 @@ class Machines:
         # the room after them, so together they keep every node's cap.
         self._placing = asyncio.Lock()
         # Ends machines at their lifetime's end (one task for all; started by recover)
-        self.reaper = Reaper(repos, self.end_of_life)
-        # Machines with a lifetime whose create or fork is still in flight: their end
-        # waits for the call to return (a boot longer than the lifetime never turns
-        # the create into a 404); the reaper then ends them at once.
-        self._launching: set[str] = set()
+        self.lifetimes = Lifetimes(repos, delete=lambda r: self.delete(r.account_id, r.id),
+                                   hibernate=lambda r: self._node(r).hibernate(r.id))
 
     @property
     def nodes(self) -> Mapping[str, Node]:
@@ -228,24 +225,16 @@ class Machines:
         if name is None:
             name = f"machine-{secrets.token_hex(3)}"
         validate_name(name)
-        rec = self.repos.machines.claim(
+        return self.lifetimes.hold(self.repos.machines.claim(
             account, name, machine_id=new_id("m"), vcpus=vcpus, memory_mib=memory_mib,
             disk_gib=disk_gib, isolated=isolated, image=image or await node.image_key(),
             node_id=node.id, engine=engine or await node.engine_name(), parent_id=parent_id,
             snapshot=snapshot, default_quota=self.default_quota,
             suspend_after=suspend_after, hibernate_after=hibernate_after, url_public=public,
             labels=models.check_labels(labels or {}),
-            end_at=self._end_at(timeout), on_timeout=models.check_on_timeout(on_timeout),
-        )
-        if rec.end_at is not None:
-            self._launching.add(rec.id)  # the caller releases it (`_launched`)
-        return rec
-
-    def _launched(self, ids: builtins.list[str]) -> None:
-        """The create or fork of ``ids`` returned: the reaper may end them now."""
-        if ids:
-            self._launching.difference_update(ids)
-            self.reaper.changed()
+            end_at=self.lifetimes.end_at(timeout),
+            on_timeout=models.check_on_timeout(on_timeout),
+        ))
 
     # ---------------------------------------------------------------- create
 
@@ -255,11 +244,8 @@ class Machines:
         if req.engine is not None and req.engine not in ENGINES:
             raise InvalidRequest(f"unknown engine {req.engine!r}", field="engine",
                                  hint=f"use one of {', '.join(ENGINES)}")
-        self._check_lifetime(req.timeout, req.on_timeout or "delete")
         if req.from_snapshot:
             return await self._create_from_snapshot(account, req)
-
-        held: builtins.list[str] = []
 
         async def launch(node: Node) -> MachineRecord:
             rec = await self._claim(
@@ -269,15 +255,13 @@ class Machines:
                 public=req.public, labels=req.labels, timeout=req.timeout,
                 on_timeout=req.on_timeout or "delete",
             )
-            held.append(rec.id)
+            held.append(rec)
             await node.create(rec.id, Boot())  # on failure the record is gone
             return rec
 
-        try:
+        with self.lifetimes.launching() as held:  # its end waits for the create
             rec = await self._launch(req.node, set(), launch)
-            return await self.get(account, rec.id)
-        finally:
-            self._launched(held)
+        return await self.get(account, rec.id)
 
     async def _create_from_snapshot(
         self, account: str, req: models.MachineCreate
@@ -304,8 +288,6 @@ class Machines:
             manifest.blob_path("disk"),
         )
 
-        held: builtins.list[str] = []
-
         async def launch(node: Node) -> MachineRecord:
             _check_engine(req, engine)  # after placement, as its errors come first
             rec = await self._claim(
@@ -318,7 +300,7 @@ class Machines:
                 public=req.public, labels=req.labels, timeout=req.timeout,
                 on_timeout=req.on_timeout or "delete",
             )
-            held.append(rec.id)
+            held.append(rec)
             if self.cluster is None:
                 await node.create(rec.id, source)
             else:  # a node that lacks the blobs pulls them from one that holds them
@@ -328,11 +310,9 @@ class Machines:
                                     holder=None if holder.id == node.id else holder)
             return rec
 
-        try:
+        with self.lifetimes.launching() as held:
             rec = await self._launch(req.node, set(holders), launch)
-            return await self.get(account, rec.id)
-        finally:
-            self._launched(held)
+        return await self.get(account, rec.id)
 
     # ------------------------------------------------------------ inspection
 
@@ -459,15 +439,14 @@ class Machines:
         """Fork ``ref`` into one child per name (None: a generated name); each item is
         the child or the error that stopped it. ``node_hint`` puts every child on that
         node (a cluster's other node receives the source's template). The children
-        carry the source's labels merged with ``labels``. Each child's lifetime is
-        ``timeout`` seconds from now (None: none); a child never inherits its
-        source's.
+        carry the source's labels merged with ``labels``, and a lifetime of ``timeout``
+        seconds (None: none; never the source's).
 
         Raises:
             InvalidRequest: a bad name, labels that break `models.LABEL_RULE` (with
                 the source's), or a bad ``timeout`` or ``on_timeout``.
         """
-        self._check_lifetime(timeout, on_timeout)
+        Lifetimes.check(timeout, on_timeout)
         src = self._find(account, ref)
         for n in names:
             if n is not None:
@@ -478,22 +457,19 @@ class Machines:
             targets = await self._fork_targets(src, node, len(names), node_hint)
             claimed = await self._claim_children(account, src, names, targets, inherited,
                                                  timeout, on_timeout)
-        try:
+        with self.lifetimes.launching(claimed):  # their ends wait for the launch
             results = await self._launch_children(src, node, claimed)
-            out: builtins.list[models.Machine | Exception] = []
-            for c in claimed:
-                if isinstance(c, Exception):
-                    out.append(c)
-                    continue
-                err = results[c.id]
-                try:
-                    out.append(err if err is not None
-                               else self._model(self._find(account, c.id)))
-                except MachineNotFound as exc:  # deleted as soon as it was made
-                    out.append(exc)
-            return out
-        finally:
-            self._launched([c.id for c in claimed if isinstance(c, MachineRecord)])
+        out: builtins.list[models.Machine | Exception] = []
+        for c in claimed:
+            if isinstance(c, Exception):
+                out.append(c)
+                continue
+            err = results[c.id]
+            try:
+                out.append(err if err is not None else self._model(self._find(account, c.id)))
+            except MachineNotFound as exc:  # deleted as soon as it was made: its item only
+                out.append(exc)
+        return out
 
     async def _claim_children(
         self, account: str, src: MachineRecord, names: builtins.list[str | None],
@@ -668,75 +644,14 @@ class Machines:
         async with self._node(rec).process_attach(rec.id, process_id) as stream:
             yield stream
 
-    # ------------------------------------------------------------- lifetimes
-
-    def _end_at(self, timeout: int | None) -> float | None:
-        """The end of a lifetime of ``timeout`` seconds from now (None: none)."""
-        if timeout is None:
-            return None
-        return self.reaper.clock() + models.check_timeout(timeout)
-
-    @staticmethod
-    def _check_lifetime(timeout: int | None, on_timeout: str) -> None:
-        """Raises: InvalidRequest: a bad ``timeout`` or ``on_timeout``."""
-        if timeout is not None:
-            models.check_timeout(timeout)
-        models.check_on_timeout(on_timeout)
-
     async def set_timeout(
         self, account: str, ref: str, timeout: int | None, on_timeout: str | None = None,
     ) -> models.Machine:
-        """Give a machine a new end, ``timeout`` seconds from now (None: no lifetime;
-        it then runs until deleted). ``on_timeout`` None keeps what its end did
-        ('delete' if it had no lifetime).
-
-        Raises:
-            InvalidRequest: ``timeout`` is not 1-`models.MAX_TIMEOUT`, or a bad
-                ``on_timeout``.
-            MachineNotFound: no such machine (or it is being deleted).
-        """
-        if timeout is not None:
-            models.check_timeout(timeout)
+        """`Lifetimes.set`. Raises: InvalidRequest, MachineNotFound."""
+        Lifetimes.check(timeout, on_timeout or "delete")
         rec = self._find(account, ref)
-        action = models.check_on_timeout(on_timeout if on_timeout is not None
-                                         else rec.on_timeout or "delete")
-        end = self._end_at(timeout)
-        if not self.repos.machines.set_end(rec.id, end, action):
-            raise MachineNotFound(f"no machine named {ref!r}", machine=ref,
-                                  hint="it was deleted meanwhile")
-        log.info("machine=%s event=lifetime_set end_at=%s on_timeout=%s", rec.id,
-                 f"{end:.3f}" if end is not None else None, action)
-        self.reaper.changed()
+        self.lifetimes.set(rec, timeout, on_timeout)
         return await self.get(account, rec.id)
-
-    async def end_of_life(self, rec: MachineRecord) -> None:
-        """End a machine whose lifetime is over (the reaper calls it): delete it, or
-        hibernate it and drop its lifetime (woken, it runs without one until a
-        ``set_timeout``). Nothing if it is gone or its end moved meanwhile.
-
-        Raises:
-            BoxdError: the delete or hibernate failed (the reaper tries again).
-        """
-        now = self.reaper.clock()
-        fresh = self.repos.machines.get(rec.id)
-        if (fresh is None or fresh.state == MachineState.DELETING or fresh.end_at is None
-                or fresh.end_at > now):
-            return  # deleted by hand, or given another end meanwhile
-        if fresh.id in self._launching:
-            return  # its create or fork ends it when it returns (`_launched`)
-        if fresh.on_timeout == "hibernate":
-            if fresh.state in (MachineState.FAILED, MachineState.LOST):
-                log.warning("machine=%s event=lifetime_ended action=none state=%s "
-                            "(a %s machine cannot hibernate; its lifetime is dropped)",
-                            fresh.id, fresh.state, fresh.state)
-            elif fresh.state != MachineState.HIBERNATED:
-                await self._node(fresh).hibernate(fresh.id)
-            self.repos.machines.clear_end(fresh.id, fresh.end_at)
-            log.info("machine=%s event=lifetime_ended action=hibernate", fresh.id)
-            return
-        with contextlib.suppress(MachineNotFound):  # deleted meanwhile: as good
-            await self.delete(fresh.account_id, fresh.id)
-        log.info("machine=%s event=lifetime_ended action=delete", fresh.id)
 
     # ---------------------------------------------------------------- delete
 
@@ -760,10 +675,10 @@ class Machines:
             log.info("event=snapshot_store_gc report=%s", report)
         # after the nodes recovered: the ends that passed while the daemon was down
         # are ended at once, the others when they come
-        self.reaper.start()
+        self.lifetimes.reaper.start()
 
     async def close(self) -> None:
-        await self.reaper.stop()
+        await self.lifetimes.reaper.stop()
         if self.cluster is not None:
             await self.cluster.close()
         for node in self.nodes.values():
