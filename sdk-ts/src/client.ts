@@ -48,6 +48,7 @@ import type {
   MachinePage,
   MachinesDeleted,
   NodeInfo,
+  OnTimeout,
   Process,
   Snapshot,
   Standby,
@@ -301,12 +302,12 @@ function execBody(opts: ExecOptions): Wire["ExecRequest"] {
 export type ForkOptions = {
   name?: string; node?: string; labels?: Record<string, string>; count?: undefined;
   names?: undefined; idempotencyKey?: string;
-};
+} & Lifetime;
 export type ForkBatchOptions =
-  | { count: number; names?: string[]; node?: string; labels?: Record<string, string>;
-      name?: undefined; idempotencyKey?: string }
-  | { names: string[]; count?: number; node?: string; labels?: Record<string, string>;
-      name?: undefined; idempotencyKey?: string };
+  | ({ count: number; names?: string[]; node?: string; labels?: Record<string, string>;
+      name?: undefined; idempotencyKey?: string } & Lifetime)
+  | ({ names: string[]; count?: number; node?: string; labels?: Record<string, string>;
+      name?: undefined; idempotencyKey?: string } & Lifetime);
 
 /** The `Idempotency-Key` header of a create or fork (none without a key). */
 function idempotencyHeaders(key: string | undefined): Record<string, string> {
@@ -320,6 +321,44 @@ function idempotencyHeaders(key: string | undefined): Record<string, string> {
     );
   }
   return { "Idempotency-Key": key };
+}
+
+/**
+ * A child's lifetime on fork: `timeout` whole seconds from now (1 to 30 days), then
+ * deleted (or hibernated with `onTimeout: "hibernate"`). A child never inherits its
+ * source's lifetime.
+ */
+export type Lifetime = { timeout?: number; onTimeout?: OnTimeout };
+
+/** The longest lifetime (`timeout`, `setTimeout`): 30 days, in seconds. */
+export const MAX_TIMEOUT = 30 * 24 * 3600;
+
+function checkTimeout(timeout: unknown): number {
+  if (typeof timeout !== "number" || !Number.isInteger(timeout) || timeout < 1
+      || timeout > MAX_TIMEOUT) {
+    throw new InvalidRequest(
+      `timeout must be a whole number of seconds, 1-${MAX_TIMEOUT}, not ${String(timeout)}`,
+      { details: { field: "timeout" }, hint: "setTimeout(ref, null) clears a lifetime" },
+    );
+  }
+  return timeout;
+}
+
+function checkOnTimeout(action: unknown): OnTimeout {
+  if (action !== "delete" && action !== "hibernate") {
+    throw new InvalidRequest(`onTimeout must be "delete" or "hibernate", not ${String(action)}`,
+                             { details: { field: "on_timeout" } });
+  }
+  return action;
+}
+
+/** The body fields of a lifetime (none without `timeout`). @throws InvalidRequest */
+function lifetimeBody(opts: Lifetime): Record<string, unknown> {
+  const action = checkOnTimeout(opts.onTimeout ?? "delete");
+  if (opts.timeout === undefined || opts.timeout === null) return {};
+  const out: Record<string, unknown> = { timeout: checkTimeout(opts.timeout) };
+  if (action !== "delete") out.on_timeout = action;
+  return out;
 }
 
 /** Query parameters of a label selector: `label=K=V` once per label. */
@@ -359,10 +398,28 @@ export class Machines {
     ];
     for (const [k, v] of fields) if (v !== undefined && v !== null) body[k] = v; // daemon defaults
     if (options.labels && Object.keys(options.labels).length) body.labels = { ...options.labels };
+    Object.assign(body, lifetimeBody(options));
     return this.c._json({
       method: "POST", path: "/v1/machines", json: body,
       headers: idempotencyHeaders(options.idempotencyKey),
     });
+  }
+
+  /**
+   * Give a machine a new end, `timeout` whole seconds from now (1 to 30 days), extending
+   * or shortening its lifetime; `null` clears it (it runs until deleted). 0 is refused.
+   * `onTimeout` absent keeps what its end did ("delete" if it had no lifetime).
+   * @throws InvalidRequest a bad timeout or onTimeout
+   * @throws MachineNotFound
+   */
+  async setTimeout(
+    ref: string, timeout: number | null, options: { onTimeout?: OnTimeout } = {},
+  ): Promise<Machine> {
+    const body: Record<string, unknown> = {
+      timeout: timeout === null ? null : checkTimeout(timeout),
+    };
+    if (options.onTimeout !== undefined) body.on_timeout = checkOnTimeout(options.onTimeout);
+    return this.c._json({ method: "POST", path: `/v1/machines/${seg(ref)}/timeout`, json: body });
   }
 
   /** The machine with this name or id. @throws MachineNotFound */
@@ -603,11 +660,13 @@ export class Machines {
       idempotencyKey?: string;
     };
     const headers = idempotencyHeaders(idempotencyKey);
+    const lifetime = lifetimeBody(options as Lifetime);
     if (count === undefined && names === undefined) {
       const one: Wire["ForkRequest"] = {};
       if (name !== undefined && name !== null) one.name = name;
       if (node !== undefined) one.node = node;
       if (labels !== undefined) one.labels = { ...labels };
+      Object.assign(one, lifetime);
       return this.c._json({
         method: "POST", path: `/v1/machines/${seg(src)}/fork`, json: one, headers,
       });
@@ -620,6 +679,7 @@ export class Machines {
     if (names !== undefined) body.names = [...names];
     if (node !== undefined) body.node = node;
     if (labels !== undefined) body.labels = { ...labels };
+    Object.assign(body, lifetime);
     // Raw JSON: the per-item errors are rebuilt from their snake_case bodies.
     const raw = await this.c._bytes({
       method: "POST",

@@ -15,6 +15,7 @@ export {
   Files,
   Images,
   Keys,
+  MAX_TIMEOUT,
   Machines,
   Nodes,
   Snapshots,
@@ -23,6 +24,7 @@ export {
   type BoxdOptions,
   type ForkBatchOptions,
   type ForkOptions,
+  type Lifetime,
   type Target,
 } from "./client.js";
 export { dataDir } from "./_local.js";

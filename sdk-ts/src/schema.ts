@@ -156,6 +156,28 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/machines/{ref}/timeout": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Set Timeout
+         * @description Give the machine a new end, ``timeout`` seconds from now (``null``: no lifetime;
+         *     it runs until deleted). At its end it is deleted, or hibernated with
+         *     ``on_timeout: "hibernate"`` (omitted: what it was).
+         */
+        post: operations["set_timeout_v1_machines__ref__timeout_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/machines/{ref}/resume": {
         parameters: {
             query?: never;
@@ -945,6 +967,16 @@ export interface components {
             labels?: {
                 [key: string]: string;
             };
+            /**
+             * Timeout
+             * @description each child's lifetime in seconds, counted from the fork (1-2592000); a child does not inherit its source's; default none
+             */
+            timeout?: number | null;
+            /**
+             * On Timeout
+             * @description what its end does: 'delete' (default) or 'hibernate'
+             */
+            on_timeout?: ("delete" | "hibernate") | null;
         } | {
             count: number;
         } | {
@@ -977,6 +1009,16 @@ export interface components {
             labels?: {
                 [key: string]: string;
             };
+            /**
+             * Timeout
+             * @description each child's lifetime in seconds, counted from the fork (1-2592000); a child does not inherit its source's; default none
+             */
+            timeout?: number | null;
+            /**
+             * On Timeout
+             * @description what its end does: 'delete' (default) or 'hibernate'
+             */
+            on_timeout?: ("delete" | "hibernate") | null;
         };
         /** ForkResult */
         ForkResult: {
@@ -1208,6 +1250,16 @@ export interface components {
             labels?: {
                 [key: string]: string;
             };
+            /**
+             * End At
+             * @description when its lifetime ends (UTC; None: it has none): it is then deleted, or hibernated (see on_timeout)
+             */
+            end_at?: string | null;
+            /**
+             * On Timeout
+             * @description what its end does: 'delete' or 'hibernate' (None: no lifetime)
+             */
+            on_timeout?: ("delete" | "hibernate") | null;
         };
         /** MachineCreate */
         MachineCreate: {
@@ -1275,6 +1327,16 @@ export interface components {
             labels?: {
                 [key: string]: string;
             };
+            /**
+             * Timeout
+             * @description lifetime in seconds (1-2592000): at its end the machine is deleted, or hibernated with on_timeout='hibernate'; default none
+             */
+            timeout?: number | null;
+            /**
+             * On Timeout
+             * @description what its end does: 'delete' (default) or 'hibernate'
+             */
+            on_timeout?: ("delete" | "hibernate") | null;
         };
         /** MachineList */
         MachineList: {
@@ -1419,6 +1481,22 @@ export interface components {
         ProcessList: {
             /** Processes */
             processes: components["schemas"]["Process"][];
+        };
+        /**
+         * SetTimeout
+         * @description A machine's new lifetime, counted from the request.
+         */
+        SetTimeout: {
+            /**
+             * Timeout
+             * @description seconds from now (1-2592000); null clears the lifetime
+             */
+            timeout: number | null;
+            /**
+             * On Timeout
+             * @description 'delete' or 'hibernate'; default: what it was ('delete' if none)
+             */
+            on_timeout?: ("delete" | "hibernate") | null;
         };
         /** Snapshot */
         Snapshot: {
@@ -2441,6 +2519,113 @@ export interface operations {
             cookie?: never;
         };
         requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["Machine"];
+                };
+            };
+            /** @description invalid_request: malformed input */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description unauthorized: missing, unknown or revoked API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description forbidden: the key's account may not do this */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description not found for this account */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description quota_exceeded */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description internal_error, integrity_error or host_setup */
+            500: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description resource_exhausted */
+            507: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+        };
+    };
+    set_timeout_v1_machines__ref__timeout_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                ref: string;
+            };
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["SetTimeout"];
+            };
+        };
         responses: {
             /** @description Successful Response */
             200: {

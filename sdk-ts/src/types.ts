@@ -94,7 +94,18 @@ export interface MachineNewOptions {
    * another request rejects with `IdempotencyKeyReused`; a failed request frees its key.
    */
   idempotencyKey?: string;
+  /**
+   * Its lifetime: whole seconds from now (1 to 30 days). At its end the daemon deletes
+   * it, or hibernates it with `onTimeout: "hibernate"`; `Machine.endAt` says when and
+   * `machines.setTimeout` moves it. Absent: it runs until deleted.
+   */
+  timeout?: number;
+  /** What its end does: `"delete"` (default) or `"hibernate"`. */
+  onTimeout?: OnTimeout;
 }
+
+/** What a machine's end does (`timeout`): delete it or hibernate it. */
+export type OnTimeout = "delete" | "hibernate";
 
 /** What `machines.exec` and `machines.execStream` run. */
 export interface ExecOptions {

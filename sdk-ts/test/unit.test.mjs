@@ -278,6 +278,57 @@ test("labels: sent on new and fork, kept verbatim, selectors as repeated label=K
   }
 });
 
+test("lifetimes: timeout and onTimeout on new and fork, setTimeout, checked before sending", async () => {
+  const { createServer } = await import("node:http");
+  const seen = [];
+  const machine = {
+    id: "m_a", name: "a", state: "running", vcpus: 1, memory_mib: 128, disk_gib: 1,
+    isolated: false, created_at: 1, end_at: "2026-12-05T14:00:00Z", on_timeout: "hibernate",
+  };
+  const srv = createServer((req, res) => {
+    let body = "";
+    req.on("data", (c) => (body += c));
+    req.on("end", () => {
+      seen.push({ method: req.method, path: new URL(req.url, "http://x").pathname,
+                  body: body && JSON.parse(body) });
+      res.setHeader("content-type", "application/json");
+      const batch = req.url.endsWith("/fork/batch");
+      res.end(JSON.stringify(batch ? { children: [{ machine }] } : machine));
+    });
+  });
+  await new Promise((ok) => srv.listen(0, "127.0.0.1", ok));
+  try {
+    const boxd = new sdk.Boxd({ baseUrl: `http://127.0.0.1:${srv.address().port}`, apiKey: "k" });
+    const m = await boxd.machines.new("a", { timeout: 60, onTimeout: "hibernate" });
+    assert.equal(m.endAt, "2026-12-05T14:00:00Z");
+    assert.equal(m.onTimeout, "hibernate");
+    assert.equal(seen[0].body.timeout, 60);
+    assert.equal(seen[0].body.on_timeout, "hibernate");
+    await boxd.machines.new("b");
+    assert.equal(seen[1].body.timeout, undefined); // no lifetime unless asked
+    await boxd.machines.fork("a", { name: "c", timeout: 5 });
+    assert.deepEqual(seen[2].body, { name: "c", timeout: 5 });
+    await boxd.machines.fork("a", { count: 2, timeout: 7, onTimeout: "hibernate" });
+    assert.deepEqual(seen[3].body, { count: 2, timeout: 7, on_timeout: "hibernate" });
+    await boxd.machines.setTimeout("a", 90);
+    assert.deepEqual(seen[4], { method: "POST", path: "/v1/machines/a/timeout",
+                                body: { timeout: 90 } });
+    await boxd.machines.setTimeout("a", null, { onTimeout: "delete" });
+    assert.deepEqual(seen[5].body, { timeout: null, on_timeout: "delete" });
+    const before = seen.length;
+    for (const bad of [0, -1, 1.5, sdk.MAX_TIMEOUT + 1, "3"]) {
+      await assert.rejects(boxd.machines.new("x", { timeout: bad }), sdk.InvalidRequest);
+      await assert.rejects(boxd.machines.setTimeout("a", bad), sdk.InvalidRequest);
+      await assert.rejects(boxd.machines.fork("a", { timeout: bad }), sdk.InvalidRequest);
+    }
+    await assert.rejects(boxd.machines.new("x", { timeout: 5, onTimeout: "stop" }),
+                         sdk.InvalidRequest);
+    assert.equal(seen.length, before); // nothing bad is sent
+  } finally {
+    srv.close();
+  }
+});
+
 test("idempotency keys: sent as Idempotency-Key on new and fork, bad ones refused unsent", async () => {
   const { createServer } = await import("node:http");
   const seen = [];

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import operator
 import re
+from datetime import datetime
 from enum import StrEnum
-from typing import Annotated, SupportsIndex
+from typing import Annotated, Literal, SupportsIndex
 
 from pydantic import (
     BaseModel,
@@ -178,6 +179,62 @@ def _labels_field(labels: object) -> dict[str, str]:
         raise ValueError(f"{exc.message} ({exc.hint})") from None
 
 
+#: The longest lifetime a machine may be given (``timeout=``, ``set_timeout``): 30 days.
+MAX_TIMEOUT = 30 * 24 * 3600
+#: What a machine's end does: delete it (the default) or hibernate it.
+OnTimeout = Literal["delete", "hibernate"]
+ON_TIMEOUT = ("delete", "hibernate")
+TIMEOUT_RULE = (f"a whole number of seconds, 1-{MAX_TIMEOUT} (30 days), counted from "
+                "the request")
+
+
+def check_timeout(seconds: object, field: str = "timeout") -> int:
+    """``seconds`` as a machine lifetime: an int (not a bool, not a float) in
+    1-`MAX_TIMEOUT`.
+
+    Raises:
+        InvalidRequest: it is not.
+    """
+    if isinstance(seconds, bool) or not isinstance(seconds, SupportsIndex) \
+            or isinstance(seconds, float):
+        raise InvalidRequest(f"{field} must be an int of seconds, not "
+                             f"{type(seconds).__name__} {seconds!r}", field=field,
+                             hint=TIMEOUT_RULE)
+    number = operator.index(seconds)
+    if not 1 <= number <= MAX_TIMEOUT:
+        raise InvalidRequest(f"{field} {number} is out of range", field=field,
+                             hint=TIMEOUT_RULE + "; set_timeout(ref, None) clears a lifetime")
+    return number
+
+
+def check_on_timeout(action: object) -> OnTimeout:
+    """Raises: InvalidRequest: ``action`` is neither "delete" nor "hibernate"."""
+    if action == "delete":
+        return "delete"
+    if action == "hibernate":
+        return "hibernate"
+    raise InvalidRequest(f"on_timeout must be 'delete' or 'hibernate', not {action!r}",
+                         field="on_timeout", hint="the default is 'delete'")
+
+
+def _timeout_field(seconds: object) -> int | None:
+    """`check_timeout` for a pydantic validator (its ValueError becomes a 400)."""
+    if seconds is None:
+        return None
+    try:
+        return check_timeout(seconds)
+    except InvalidRequest as exc:
+        raise ValueError(f"{exc.message} ({exc.hint})") from None
+
+
+#: A lifetime in a request: checked by `check_timeout`; the schema states it.
+Timeout = Annotated[int | None, WithJsonSchema(
+    {"anyOf": [{"type": "integer", "minimum": 1, "maximum": MAX_TIMEOUT}, {"type": "null"}]})]
+TIMEOUT_DOC = (f"lifetime in seconds (1-{MAX_TIMEOUT}): at its end the machine is deleted, "
+               "or hibernated with on_timeout='hibernate'; default none")
+ON_TIMEOUT_DOC = "what its end does: 'delete' (default) or 'hibernate'"
+
+
 #: A machine's labels in a request: checked by `check_labels`; the schema states it.
 Labels = Annotated[dict[str, str], WithJsonSchema(_LABELS_SCHEMA)]
 
@@ -241,11 +298,18 @@ class MachineCreate(BaseModel):
     labels: Labels = Field(
         default_factory=dict,
         description=f"labels to find it by (list and delete by selector). {LABEL_RULE}")
+    timeout: Timeout = Field(None, description=TIMEOUT_DOC)
+    on_timeout: OnTimeout | None = Field(None, description=ON_TIMEOUT_DOC)
 
     @field_validator("labels", mode="before")
     @classmethod
     def _labels(cls, labels: object) -> object:
         return _labels_field(labels)
+
+    @field_validator("timeout", mode="before")
+    @classmethod
+    def _timeout(cls, seconds: object) -> object:
+        return _timeout_field(seconds)
 
 
 class Machine(BaseModel):
@@ -274,6 +338,11 @@ class Machine(BaseModel):
     labels: dict[str, str] = Field(
         default_factory=dict, description="its labels (a fork's: its source's merged with "
         "its own)")
+    end_at: datetime | None = Field(
+        None, description="when its lifetime ends (UTC; None: it has none): it is then "
+        "deleted, or hibernated (see on_timeout)")
+    on_timeout: OnTimeout | None = Field(
+        None, description="what its end does: 'delete' or 'hibernate' (None: no lifetime)")
 
     def url_for(self, port: int = config.GUEST_HTTP_PORT) -> str:
         """Its URL for a guest TCP port: ``url`` for 8080, ``http://127.0.0.1:PORT/TOKEN.N``
@@ -339,15 +408,40 @@ FORK_LABELS = ("labels of the children, merged over the source's (which they inh
                + LABEL_RULE)
 
 
+FORK_TIMEOUT = ("each child's lifetime in seconds, counted from the fork (1-"
+                f"{MAX_TIMEOUT}); a child does not inherit its source's; default none")
+
+
+class SetTimeout(BaseModel):
+    """A machine's new lifetime, counted from the request."""
+
+    timeout: Timeout = Field(
+        ..., description=f"seconds from now (1-{MAX_TIMEOUT}); null clears the lifetime")
+    on_timeout: OnTimeout | None = Field(
+        None, description="'delete' or 'hibernate'; default: what it was ('delete' if none)")
+
+    @field_validator("timeout", mode="before")
+    @classmethod
+    def _timeout(cls, seconds: object) -> object:
+        return _timeout_field(seconds)
+
+
 class ForkRequest(BaseModel):
     name: Name | None = Field(None, description="name of the child; generated if absent")
     node: str | None = Field(None, description=FORK_NODE)
     labels: Labels = Field(default_factory=dict, description=FORK_LABELS)
+    timeout: Timeout = Field(None, description=FORK_TIMEOUT)
+    on_timeout: OnTimeout | None = Field(None, description=ON_TIMEOUT_DOC)
 
     @field_validator("labels", mode="before")
     @classmethod
     def _labels(cls, labels: object) -> object:
         return _labels_field(labels)
+
+    @field_validator("timeout", mode="before")
+    @classmethod
+    def _timeout(cls, seconds: object) -> object:
+        return _timeout_field(seconds)
 
 
 MAX_STANDBY_FORKS = 64  # standby forks one warm request may ask for (a fork batch's max)
@@ -385,11 +479,18 @@ class ForkBatchRequest(BaseModel):
     )
     node: str | None = Field(None, description=FORK_NODE)
     labels: Labels = Field(default_factory=dict, description=FORK_LABELS)
+    timeout: Timeout = Field(None, description=FORK_TIMEOUT)
+    on_timeout: OnTimeout | None = Field(None, description=ON_TIMEOUT_DOC)
 
     @field_validator("labels", mode="before")
     @classmethod
     def _labels(cls, labels: object) -> object:
         return _labels_field(labels)
+
+    @field_validator("timeout", mode="before")
+    @classmethod
+    def _timeout(cls, seconds: object) -> object:
+        return _timeout_field(seconds)
 
 
 class ErrorBody(BaseModel):

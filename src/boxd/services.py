@@ -133,14 +133,23 @@ class MachineService(Protocol):
     async def fork(
         self, account: str, ref: str, names: builtins.list[str | None],
         node_hint: str | None = None, labels: Mapping[str, str] | None = None,
-        idempotency_key: str | None = None,
+        idempotency_key: str | None = None, timeout: int | None = None,
+        on_timeout: str = "delete",
     ) -> builtins.list[models.Machine | Exception]:
         """Fork ``ref`` into ``len(names)`` children (None = generated name), per item,
         on node ``node_hint`` if given, with the source's labels merged with
-        ``labels``; a retry with the same ``idempotency_key`` returns the first
-        request's items. Raises: InvalidRequest (labels), MachineNotFound, NotFound (no
-        such node), InvalidRequest (the source's forks cannot go to that node),
-        IdempotencyKeyReused (the key named another request)."""
+        ``labels``, each with a lifetime of ``timeout`` seconds (None: none; never the
+        source's); a retry with the same ``idempotency_key`` returns the first
+        request's items. Raises: InvalidRequest (labels, timeout), MachineNotFound,
+        NotFound (no such node), InvalidRequest (the source's forks cannot go to that
+        node), IdempotencyKeyReused (the key named another request)."""
+        ...
+
+    async def set_timeout(
+        self, account: str, ref: str, timeout: int | None, on_timeout: str | None = None,
+    ) -> models.Machine:
+        """A new end, ``timeout`` seconds from now (None: no lifetime); ``on_timeout``
+        None keeps the current action. Raises: InvalidRequest, MachineNotFound."""
         ...
 
     async def warm(self, account: str, ref: str, forks: int) -> models.Standby:

@@ -10,6 +10,7 @@ import contextlib
 import hashlib
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +84,10 @@ class FakeMachines(MachineService):
         digest = None
         if req.from_snapshot is not None and self.snapshot_digest is not None:
             digest = self.snapshot_digest(account, req.from_snapshot)
-        return self._add(account, req.name, snapshot=digest, labels=req.labels)
+        m = self._add(account, req.name, snapshot=digest, labels=req.labels)
+        if req.timeout is None:
+            return m
+        return await self.set_timeout(account, m.id, req.timeout, req.on_timeout or "delete")
 
     async def get(self, account: str, ref: str) -> models.Machine:
         return self._find(account, ref)
@@ -169,6 +173,7 @@ class FakeMachines(MachineService):
     async def fork(  # type: ignore[valid-type]
         self, account: str, ref: str, names: list[str | None], node_hint: str | None = None,
         labels: Mapping[str, str] | None = None, idempotency_key: str | None = None,
+        timeout: int | None = None, on_timeout: str = "delete",
     ) -> list[models.Machine | Exception]:
         src = self._find(account, ref)
         if node_hint not in (None, "local"):  # one node, as nodes_list says
@@ -228,6 +233,18 @@ class FakeMachines(MachineService):
 
     async def resume(self, account: str, ref: str) -> models.Machine:
         return self._set_state(account, ref, models.MachineState.RUNNING)
+
+    async def set_timeout(
+        self, account: str, ref: str, timeout: int | None, on_timeout: str | None = None,
+    ) -> models.Machine:
+        m = self._find(account, ref)
+        end = (None if timeout is None else
+               datetime.fromtimestamp(time.time() + models.check_timeout(timeout), UTC))
+        action = None if end is None else models.check_on_timeout(
+            on_timeout or m.on_timeout or "delete")
+        m = m.model_copy(update={"end_at": end, "on_timeout": action})
+        self.machines[m.id] = (account, m)
+        return m
 
     async def close(self) -> None:
         self.closed = True

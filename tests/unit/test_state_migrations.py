@@ -23,7 +23,7 @@ def test_a_version_1_database_is_migrated_in_place_and_keeps_its_records(tmp_pat
         )
     db = Database(path)
     try:
-        assert db.one("PRAGMA user_version")[0] == 7  # type: ignore[index]
+        assert db.one("PRAGMA user_version")[0] == 8  # type: ignore[index]
         rec = Repos(db).machines.get("m_old")
         assert rec is not None
         assert (rec.name, rec.state, rec.port) == ("old", MachineState.RUNNING, 40001)
@@ -33,10 +33,11 @@ def test_a_version_1_database_is_migrated_in_place_and_keeps_its_records(tmp_pat
         assert rec.url_token and len(rec.url_token) == 32 and not rec.url_public  # v5
         assert rec.labels == {}  # v6
         assert Repos(db).idempotency.count("a_1") == 0  # v7: the table is there
+        assert rec.end_at is None and rec.on_timeout is None  # v8
     finally:
         db.close()
     again = Database(path)  # a second open migrates nothing
     try:
-        assert again.one("PRAGMA user_version")[0] == 7  # type: ignore[index]
+        assert again.one("PRAGMA user_version")[0] == 8  # type: ignore[index]
     finally:
         again.close()

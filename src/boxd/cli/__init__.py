@@ -17,7 +17,7 @@ import click
 from boxd import __version__, errors
 from boxd.cli import _render
 from boxd.config import Paths, parse_duration
-from boxd.models import MachineState
+from boxd.models import MAX_TIMEOUT, MachineState
 from boxd.sdk import Boxd
 
 __all__ = ["main"]
@@ -118,6 +118,38 @@ class _Duration(click.ParamType):  # type: ignore[type-arg]  # generic only in c
 _DURATION = _Duration()
 
 
+class _Lifetime(_Duration):
+    """``90``, ``90s``, ``10m``, ``1h``, ``2d`` -> whole seconds, 1 to 30 days."""
+
+    name = "lifetime"
+
+    def convert(self, value: object, param: click.Parameter | None,
+                ctx: click.Context | None) -> int:
+        text = str(value)
+        seconds = super().convert(int(text[:-1]) * 86400 if text.endswith("d")
+                                  and text[:-1].isdigit() else value, param, ctx)
+        if seconds != int(seconds) or not 1 <= seconds <= MAX_TIMEOUT:
+            self.fail(f"{value!r}: a lifetime is whole seconds from 1s to 30d", param, ctx)
+        return int(seconds)
+
+
+_LIFETIME = _Lifetime()
+
+
+def lifetime_options(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``--timeout`` (a lifetime) and ``--on-timeout`` on new and fork."""
+    def wrap(f: Callable[..., Any]) -> Callable[..., Any]:
+        f = click.option("--on-timeout", type=click.Choice(["delete", "hibernate"]),
+                         default="delete", show_default=True,
+                         help=f"What the end of {what} lifetime does.")(f)
+        return click.option(
+            "--timeout", "lifetime", type=_LIFETIME, metavar="DURATION",
+            help=f"Give {what} a lifetime (90, 90s, 10m, 1h, 2d; at most 30d): at its end "
+            "the daemon deletes it, or hibernates it with --on-timeout hibernate. "
+            "`machine set-timeout` moves the end. Default: none.")(f)
+    return wrap
+
+
 def _labels(ctx: click.Context, param: click.Parameter,
             value: tuple[str, ...]) -> dict[str, str]:
     """Repeated ``--label K=V`` as a mapping (checked by the SDK and the daemon)."""
@@ -174,8 +206,10 @@ def machine() -> None:
 @label_option("Label it KEY=VALUE (repeat); its forks inherit it; `machine list --label` "
               "and `machine delete --label` select by it.")
 @idempotency_option("machine")
+@lifetime_options("the machine")
 @click.option("--wait/--no-wait", default=True, show_default=True, help="Wait until ready.")
-@click.option("--timeout", type=float, default=120.0, show_default=True, help="Seconds to wait.")
+@click.option("--wait-timeout", type=float, default=120.0, show_default=True,
+              metavar="SECONDS", help="Seconds to wait until ready.")
 @json_option
 @pass_state
 def machine_new(
@@ -192,8 +226,10 @@ def machine_new(
     node: str | None,
     labels: dict[str, str],
     idempotency_key: str | None,
+    lifetime: int | None,
+    on_timeout: str,
     wait: bool,
-    timeout: float,
+    wait_timeout: float,
     as_json: bool,
 ) -> None:
     """Create machine NAME and boot it (waits until it is ready unless --no-wait)."""
@@ -211,10 +247,12 @@ def machine_new(
         node=node,
         labels=labels,
         idempotency_key=idempotency_key,
+        timeout=lifetime,
+        on_timeout=on_timeout,
     )
     if wait:
         with _render.activity(f"waiting for {m.name} to boot", as_json=as_json):
-            m = b.machines.wait_until_ready(m.id, timeout=timeout)
+            m = b.machines.wait_until_ready(m.id, timeout=wait_timeout)
     _show(m, as_json, _render.machine)
 
 
@@ -281,6 +319,29 @@ def machine_suspend(state: _State, name: str, as_json: bool) -> None:
 def machine_hibernate(state: _State, name: str, as_json: bool) -> None:
     """Write NAME's memory to disk and end its VM. Any request wakes it."""
     _show(state.boxd.machines.hibernate(name), as_json, _render.machine)
+
+
+@machine.command("set-timeout")
+@click.argument("name")
+@click.argument("duration", type=_LIFETIME, required=False)
+@click.option("--clear", is_flag=True, help="Drop its lifetime: it runs until deleted.")
+@click.option("--on-timeout", type=click.Choice(["delete", "hibernate"]),
+              help="What the end does. [default: what it was, delete if none]")
+@json_option
+@pass_state
+def machine_set_timeout(state: _State, name: str, duration: int | None, clear: bool,
+                        on_timeout: str | None, as_json: bool) -> None:
+    """End NAME DURATION from now (90, 90s, 10m, 1h, 2d; at most 30d), extending or
+    shortening its lifetime; --clear drops it.
+
+    \b
+      boxd machine set-timeout rollout-3 10m
+      boxd machine set-timeout rl-base --clear
+    """
+    if (duration is None) == (not clear):
+        raise click.UsageError("give a DURATION or --clear (not both)")
+    _show(state.boxd.machines.set_timeout(name, duration, on_timeout=on_timeout), as_json,
+          _render.machine)
 
 
 @machine.command("resume")
@@ -420,11 +481,13 @@ def machine_exec(
               "it has room, then the others]")
 @label_option("Label the children KEY=VALUE (repeat), over the labels they inherit from SRC.")
 @idempotency_option("children")
+@lifetime_options("each child (not inherited from SRC):")
 @json_option
 @pass_state
 def machine_fork(
     state: _State, src: str, new: tuple[str, ...], count: int | None, node: str | None,
-    labels: dict[str, str], idempotency_key: str | None, as_json: bool,
+    labels: dict[str, str], idempotency_key: str | None, lifetime: int | None,
+    on_timeout: str, as_json: bool,
 ) -> None:
     """Fork running machine SRC into NEW (the child continues from the same instruction).
 
@@ -433,15 +496,18 @@ def machine_fork(
     b = state.boxd
     if count is None and len(new) <= 1:
         m = b.machines.fork(src, new[0] if new else None, node=node, labels=labels,
-                            idempotency_key=idempotency_key)
+                            idempotency_key=idempotency_key, timeout=lifetime,
+                            on_timeout=on_timeout)
         _show(m, as_json, _render.machine)
         return
     results = (
         b.machines.fork(src, names=list(new), count=count, node=node, labels=labels,
-                        idempotency_key=idempotency_key)
+                        idempotency_key=idempotency_key, timeout=lifetime,
+                        on_timeout=on_timeout)
         if new
         else b.machines.fork(src, count=count or 1, node=node, labels=labels,
-                             idempotency_key=idempotency_key)
+                             idempotency_key=idempotency_key, timeout=lifetime,
+                             on_timeout=on_timeout)
     )
     made = [r for r in results if not isinstance(r, errors.BoxdError)]
     errs = [r for r in results if isinstance(r, errors.BoxdError)]

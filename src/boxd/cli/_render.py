@@ -245,9 +245,26 @@ def machine(m: models.Machine) -> None:
             ("accelerator", m.accelerator),
             ("error", m.error),
             ("labels", ", ".join(f"{k}={v}" for k, v in sorted(m.labels.items())) or None),
+            ("ends", _end(m)),
             ("created", ago(m.created_at)),
         ]
     )
+
+
+def _end(m: models.Machine) -> str | None:
+    """``in 4m 10s (delete, 2026-12-05 14:02:11 UTC)``; None without a lifetime."""
+    if m.end_at is None:
+        return None
+    left = m.end_at.timestamp() - time.time()
+    when = m.end_at.strftime("%Y-%m-%d %H:%M:%S UTC")
+    return f"{'in ' + _span(left) if left > 0 else 'now'} ({m.on_timeout}, {when})"
+
+
+def _span(seconds: float) -> str:
+    s = int(seconds)
+    parts = [(s // 86400, "d"), (s % 86400 // 3600, "h"), (s % 3600 // 60, "m"), (s % 60, "s")]
+    shown = [f"{n}{unit}" for n, unit in parts if n][:2]
+    return " ".join(shown) or "0s"
 
 
 def standby(s: models.Standby) -> None:

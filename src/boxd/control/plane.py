@@ -21,6 +21,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TypeVar
 
@@ -28,6 +29,7 @@ from boxd import models
 from boxd import process_models as pm
 from boxd.config import DEFAULT_MACHINE_QUOTA
 from boxd.control.idempotency import Idempotency, fingerprint
+from boxd.control.lifetimes import Lifetimes
 from boxd.control.nodes import Cluster, ClusterNode, LocalNode
 from boxd.control.placement import Placement, Room, check_hint, no_room
 from boxd.engine.registry import ENGINES
@@ -84,6 +86,9 @@ def machine_model(rec: MachineRecord, host: str = "127.0.0.1") -> models.Machine
         suspend_after=rec.suspend_after, hibernate_after=rec.hibernate_after,
         idle_seconds=round(max(0.0, time.time() - rec.last_active), 3),
         labels=dict(rec.labels),
+        end_at=(datetime.fromtimestamp(rec.end_at, UTC) if rec.end_at is not None else None),
+        on_timeout=models.check_on_timeout(rec.on_timeout or "delete")
+        if rec.end_at is not None else None,
     )
 
 
@@ -108,6 +113,9 @@ class Machines:
         # the room after them, so together they keep every node's cap.
         self._placing = asyncio.Lock()
         self.idempotency = Idempotency(repos)
+        # Ends machines at their lifetime's end (one task for all; started by recover)
+        self.lifetimes = Lifetimes(repos, delete=lambda r: self.delete(r.account_id, r.id),
+                                   hibernate=lambda r: self._node(r).hibernate(r.id))
 
     @property
     def nodes(self) -> Mapping[str, Node]:
@@ -214,18 +222,21 @@ class Machines:
         snapshot: str | None = None, image: str | None = None, engine: str | None = None,
         suspend_after: float | None = None, hibernate_after: float | None = None,
         public: bool = False, labels: Mapping[str, str] | None = None,
+        timeout: int | None = None, on_timeout: str = "delete",
     ) -> MachineRecord:
         if name is None:
             name = f"machine-{secrets.token_hex(3)}"
         validate_name(name)
-        return self.repos.machines.claim(
+        return self.lifetimes.hold(self.repos.machines.claim(
             account, name, machine_id=new_id("m"), vcpus=vcpus, memory_mib=memory_mib,
             disk_gib=disk_gib, isolated=isolated, image=image or await node.image_key(),
             node_id=node.id, engine=engine or await node.engine_name(), parent_id=parent_id,
             snapshot=snapshot, default_quota=self.default_quota,
             suspend_after=suspend_after, hibernate_after=hibernate_after, url_public=public,
             labels=models.check_labels(labels or {}),
-        )
+            end_at=self.lifetimes.end_at(timeout),
+            on_timeout=models.check_on_timeout(on_timeout),
+        ))
 
     # ---------------------------------------------------------------- create
 
@@ -259,12 +270,15 @@ class Machines:
                 account, req.name, node, vcpus=req.vcpus, memory_mib=req.memory_mib,
                 disk_gib=req.disk_gib, isolated=req.isolated, engine=req.engine,
                 suspend_after=req.suspend_after, hibernate_after=req.hibernate_after,
-                public=req.public, labels=req.labels,
+                public=req.public, labels=req.labels, timeout=req.timeout,
+                on_timeout=req.on_timeout or "delete",
             )
+            held.append(rec)
             await node.create(rec.id, Boot())  # on failure the record is gone
             return rec
 
-        rec = await self._launch(req.node, set(), launch)
+        with self.lifetimes.launching() as held:  # its end waits for the create
+            rec = await self._launch(req.node, set(), launch)
         return await self.get(account, rec.id)
 
     async def _create_from_snapshot(
@@ -301,8 +315,10 @@ class Machines:
                 isolated=req.isolated or bool(meta.get("isolated", False)),
                 snapshot=manifest.digest, engine=engine,
                 suspend_after=req.suspend_after, hibernate_after=req.hibernate_after,
-                public=req.public, labels=req.labels,
+                public=req.public, labels=req.labels, timeout=req.timeout,
+                on_timeout=req.on_timeout or "delete",
             )
+            held.append(rec)
             if self.cluster is None:
                 await node.create(rec.id, source)
             else:  # a node that lacks the blobs pulls them from one that holds them
@@ -312,7 +328,8 @@ class Machines:
                                     holder=None if holder.id == node.id else holder)
             return rec
 
-        rec = await self._launch(req.node, set(holders), launch)
+        with self.lifetimes.launching() as held:
+            rec = await self._launch(req.node, set(holders), launch)
         return await self.get(account, rec.id)
 
     # ------------------------------------------------------------ inspection
@@ -435,29 +452,35 @@ class Machines:
     async def fork(
         self, account: str, ref: str, names: builtins.list[str | None],
         node_hint: str | None = None, labels: Mapping[str, str] | None = None,
-        idempotency_key: str | None = None,
+        idempotency_key: str | None = None, timeout: int | None = None,
+        on_timeout: str = "delete",
     ) -> builtins.list[models.Machine | Exception]:
         """Fork ``ref`` into one child per name (None: a generated name); each item is
         the child or the error that stopped it. ``node_hint`` puts every child on that
         node (a cluster's other node receives the source's template). The children
-        carry the source's labels merged with ``labels``. A retry with
-        ``idempotency_key`` returns the first request's items (`control/idempotency.py`).
+        carry the source's labels merged with ``labels``, and a lifetime of ``timeout``
+        seconds (None: none; never the source's). A retry with ``idempotency_key``
+        returns the first request's items (`control/idempotency.py`).
 
         Raises:
-            InvalidRequest: a bad name, or labels that break `models.LABEL_RULE` (with
-                the source's).
+            InvalidRequest: a bad name, labels that break `models.LABEL_RULE` (with
+                the source's), or a bad ``timeout`` or ``on_timeout``.
             IdempotencyKeyReused: the key named another request.
         """
+        Lifetimes.check(timeout, on_timeout)
         if idempotency_key is None:
-            return await self._fork(account, ref, names, node_hint, labels)
+            return await self._fork(account, ref, names, node_hint, labels, timeout,
+                                    on_timeout)
         return await self.idempotency.items(
-            account, idempotency_key, fingerprint("fork", ref, names, node_hint, labels or {}),
-            lambda: self._fork(account, ref, names, node_hint, labels),
+            account, idempotency_key,
+            fingerprint("fork", ref, names, node_hint, labels or {}, timeout, on_timeout),
+            lambda: self._fork(account, ref, names, node_hint, labels, timeout, on_timeout),
             lambda m: _as_now(self, account, m))
 
     async def _fork(
         self, account: str, ref: str, names: builtins.list[str | None],
         node_hint: str | None = None, labels: Mapping[str, str] | None = None,
+        timeout: int | None = None, on_timeout: str = "delete",
     ) -> builtins.list[models.Machine | Exception]:
         src = self._find(account, ref)
         for n in names:
@@ -467,8 +490,10 @@ class Machines:
         node = self._node(src)
         async with self._placing:  # room counts claims: batches choose one at a time
             targets = await self._fork_targets(src, node, len(names), node_hint)
-            claimed = await self._claim_children(account, src, names, targets, inherited)
-        results = await self._launch_children(src, node, claimed)
+            claimed = await self._claim_children(account, src, names, targets, inherited,
+                                                 timeout, on_timeout)
+        with self.lifetimes.launching(claimed):  # their ends wait for the launch
+            results = await self._launch_children(src, node, claimed)
         out: builtins.list[models.Machine | Exception] = []
         for c in claimed:
             if isinstance(c, Exception):
@@ -484,6 +509,7 @@ class Machines:
     async def _claim_children(
         self, account: str, src: MachineRecord, names: builtins.list[str | None],
         targets: builtins.list[Node | Exception], labels: Mapping[str, str],
+        timeout: int | None = None, on_timeout: str = "delete",
     ) -> builtins.list[MachineRecord | Exception]:
         """Claim every child's name and quota slot first: one that fails is that item's
         error and the others go on."""
@@ -499,7 +525,7 @@ class Machines:
                     isolated=src.isolated, parent_id=src.id, snapshot=src.snapshot,
                     image=src.image, engine=src.engine, suspend_after=src.suspend_after,
                     hibernate_after=src.hibernate_after, public=src.url_public,
-                    labels=labels,
+                    labels=labels, timeout=timeout, on_timeout=on_timeout,
                 ))
             except Exception as exc:
                 claimed.append(exc)
@@ -653,6 +679,15 @@ class Machines:
         async with self._node(rec).process_attach(rec.id, process_id) as stream:
             yield stream
 
+    async def set_timeout(
+        self, account: str, ref: str, timeout: int | None, on_timeout: str | None = None,
+    ) -> models.Machine:
+        """`Lifetimes.set`. Raises: InvalidRequest, MachineNotFound."""
+        Lifetimes.check(timeout, on_timeout or "delete")
+        rec = self._find(account, ref)
+        self.lifetimes.set(rec, timeout, on_timeout)
+        return await self.get(account, rec.id)
+
     # ---------------------------------------------------------------- delete
 
     async def delete(self, account: str, ref: str) -> None:
@@ -674,8 +709,12 @@ class Machines:
             # interrupted saves and imports leave staging files and unreferenced blobs
             report = await asyncio.to_thread(self.store.gc, in_use=self.snapshots.in_use)
             log.info("event=snapshot_store_gc report=%s", report)
+        # after the nodes recovered: the ends that passed while the daemon was down
+        # are ended at once, the others when they come
+        self.lifetimes.reaper.start()
 
     async def close(self) -> None:
+        await self.lifetimes.reaper.stop()
         if self.cluster is not None:
             await self.cluster.close()
         for node in self.nodes.values():

@@ -244,12 +244,15 @@ def machine_create(
     public: bool = False,
     labels: Mapping[str, str] | None = None,
     idempotency_key: str | None = None,
+    timeout: int | None = None,
+    on_timeout: str = "delete",
 ) -> Req:
     body: dict[str, Any] = {"isolated": bool(isolated)}
     if public:
         body["public"] = True
     if labels:
         body["labels"] = models.check_labels(labels)
+    body.update(lifetime(timeout, on_timeout))
     for k, v in (
         ("name", name),
         ("vcpus", vcpus),
@@ -281,6 +284,31 @@ def idempotency(key: str | None) -> dict[str, str]:
             "characters without spaces", field="idempotency_key",
             hint="e.g. str(uuid.uuid4()) per logical request, the same on its retries")
     return {"Idempotency-Key": key}
+
+
+def lifetime(timeout: int | None, on_timeout: str = "delete") -> dict[str, Any]:
+    """The body fields of a lifetime on new and fork (none without ``timeout``).
+
+    Raises:
+        InvalidRequest: ``timeout`` is not an int of 1-`models.MAX_TIMEOUT` seconds, or
+            ``on_timeout`` is neither "delete" nor "hibernate".
+    """
+    action = models.check_on_timeout(on_timeout)
+    if timeout is None:
+        return {}
+    out: dict[str, Any] = {"timeout": models.check_timeout(timeout)}
+    if action != "delete":
+        out["on_timeout"] = action
+    return out
+
+
+def machine_set_timeout(ref: str, timeout: int | None, on_timeout: str | None = None) -> Req:
+    """Raises: InvalidRequest: a bad ``timeout`` or ``on_timeout``."""
+    body: dict[str, Any] = {
+        "timeout": None if timeout is None else models.check_timeout(timeout)}
+    if on_timeout is not None:
+        body["on_timeout"] = models.check_on_timeout(on_timeout)
+    return Req("POST", f"/v1/machines/{seg(ref)}/timeout", json=body)
 
 
 def machine_get(ref: str) -> Req:
@@ -403,11 +431,13 @@ def machine_warm(ref: str, forks: int) -> Req:
 
 def machine_fork(src: str, name: str | None, node: str | None = None,
                  labels: Mapping[str, str] | None = None,
-                 idempotency_key: str | None = None) -> Req:
+                 idempotency_key: str | None = None, timeout: int | None = None,
+                 on_timeout: str = "delete") -> Req:
     body: dict[str, Any] = {k: v for k, v in (("name", name), ("node", node))
                             if v is not None}
     if labels:
         body["labels"] = models.check_labels(labels)
+    body.update(lifetime(timeout, on_timeout))
     return Req("POST", f"/v1/machines/{seg(src)}/fork", json=body,
                headers=idempotency(idempotency_key))
 
@@ -415,10 +445,12 @@ def machine_fork(src: str, name: str | None, node: str | None = None,
 def machine_fork_batch(src: str, count: int | None, names: list[str] | None,
                        node: str | None = None,
                        labels: Mapping[str, str] | None = None,
-                       idempotency_key: str | None = None) -> Req:
+                       idempotency_key: str | None = None, timeout: int | None = None,
+                       on_timeout: str = "delete") -> Req:
     body: dict[str, Any] = {} if node is None else {"node": node}
     if labels:
         body["labels"] = models.check_labels(labels)
+    body.update(lifetime(timeout, on_timeout))
     if count is not None:
         body["count"] = count
     if names is not None:

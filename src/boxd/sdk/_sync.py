@@ -219,6 +219,8 @@ class Machines:
         public: bool = False,
         labels: Mapping[str, str] | None = None,
         idempotency_key: str | None = None,
+        timeout: int | None = None,
+        on_timeout: str = "delete",
     ) -> models.Machine:
         """Create and boot a machine; returns while it starts (see ``wait_until_ready``).
 
@@ -247,6 +249,11 @@ class Machines:
                 the same on each of its retries: a retry within 24 h returns the first
                 request's machine, never a new one (it waits for the first if that still
                 runs); a failed request frees its key. 1-255 printable ASCII characters.
+            timeout: its lifetime, whole seconds from now (1 to 30 days): at its end
+                the daemon deletes it (``Machine.end_at`` says when; ``set_timeout``
+                moves it). None: it runs until deleted. A daemon restart keeps it.
+            on_timeout: what its end does: ``"delete"`` or ``"hibernate"`` (its state
+                is kept on disk and any request wakes it, with no lifetime).
 
         Raises:
             InvalidRequest, AlreadyExists, QuotaExceeded, SnapshotNotFound, HostSetupError.
@@ -256,8 +263,29 @@ class Machines:
             models.Machine,
             _base.machine_create(name, vcpus, memory_mib, disk_gib, isolated, from_snapshot,
                                  engine, suspend_after, hibernate_after, node, public,
-                                 labels, idempotency_key),
+                                 labels, idempotency_key, timeout, on_timeout),
         )
+
+    def set_timeout(
+        self, ref: str, timeout: int | None, *, on_timeout: str | None = None,
+    ) -> models.Machine:
+        """Give a machine a new end, ``timeout`` whole seconds from now (1 to 30 days),
+        extending or shortening its lifetime; None clears it (it runs until deleted).
+
+        Args:
+            ref: the machine's name or id.
+            timeout: seconds from now, or None for no lifetime. 0 is refused, not taken
+                as "never" or "now": delete it for that.
+            on_timeout: ``"delete"`` or ``"hibernate"``; None keeps what its end did
+                (``"delete"`` if it had no lifetime).
+
+        Raises:
+            InvalidRequest: ``timeout`` is not an int of 1 to 30 days of seconds, or a
+                bad ``on_timeout``.
+            MachineNotFound: no such machine.
+        """
+        return self._c._parse(models.Machine,
+                                    _base.machine_set_timeout(ref, timeout, on_timeout))
 
     def get(self, ref: str) -> models.Machine:
         """The machine with this name or id.
@@ -473,6 +501,7 @@ class Machines:
     def fork(
         self, src: str, name: str | None = None, *, node: str | None = None,
         labels: Mapping[str, str] | None = None, idempotency_key: str | None = None,
+        timeout: int | None = None, on_timeout: str = "delete",
     ) -> models.Machine: ...
 
     @overload
@@ -480,6 +509,7 @@ class Machines:
         self, src: str, name: None = None, *, count: int,
         names: builtins.list[str] | None = None, node: str | None = None,
         labels: Mapping[str, str] | None = None, idempotency_key: str | None = None,
+        timeout: int | None = None, on_timeout: str = "delete",
     ) -> builtins.list[models.Machine | errors.BoxdError]: ...
 
     @overload
@@ -487,6 +517,7 @@ class Machines:
         self, src: str, name: None = None, *, count: int | None = None,
         names: builtins.list[str], node: str | None = None,
         labels: Mapping[str, str] | None = None, idempotency_key: str | None = None,
+        timeout: int | None = None, on_timeout: str = "delete",
     ) -> builtins.list[models.Machine | errors.BoxdError]: ...
 
     def fork(
@@ -499,6 +530,8 @@ class Machines:
         node: str | None = None,
         labels: Mapping[str, str] | None = None,
         idempotency_key: str | None = None,
+        timeout: int | None = None,
+        on_timeout: str = "delete",
     ) -> models.Machine | builtins.list[models.Machine | errors.BoxdError]:
         """Fork a running machine: the child continues from the same instruction.
 
@@ -510,6 +543,9 @@ class Machines:
         source's labels merged with ``labels``. With ``idempotency_key`` (the same on
         each retry of this request), a retry within 24 h returns the first request's
         children, never new ones; a request that made no child frees its key.
+        ``timeout`` gives each child a lifetime of that many whole seconds from now
+        (deleted at its end, or hibernated with ``on_timeout="hibernate"``; see
+        ``new``); a child never inherits its source's lifetime.
 
         Raises:
             MachineNotFound, StateError, AlreadyExists, QuotaExceeded (single fork; a
@@ -520,12 +556,14 @@ class Machines:
         """
         if count is None and names is None:
             return self._c._parse(
-                models.Machine, _base.machine_fork(src, name, node, labels, idempotency_key))
+                models.Machine, _base.machine_fork(src, name, node, labels, idempotency_key,
+                                                   timeout, on_timeout))
         if name is not None:
             raise errors.InvalidRequest("pass either name or count/names", field="name")
         result = self._c._parse(
             models.ForkResult,
-            _base.machine_fork_batch(src, count, names, node, labels, idempotency_key),
+            _base.machine_fork_batch(src, count, names, node, labels, idempotency_key,
+                                     timeout, on_timeout),
         )
         return _base.fork_items(result)
 

@@ -48,6 +48,8 @@ class MachineRecord:
     url_token: str | None = None  # the URL's secret path segment (None: no URL is served)
     url_public: bool = False  # the URL needs no token (an explicit opt-out)
     labels: dict[str, str] = field(default_factory=dict, hash=False)  # checked by the plane
+    end_at: float | None = None  # its lifetime's end (epoch seconds); None: none
+    on_timeout: str | None = None  # what the end does: "delete" or "hibernate"
 
     @classmethod
     def of(cls, row: sqlite3.Row) -> MachineRecord:
@@ -65,6 +67,7 @@ class MachineRecord:
             suspend_after=row["suspend_after"], hibernate_after=row["hibernate_after"],
             url_token=row["url_token"], url_public=bool(row["url_public"]),
             labels=json.loads(row["labels"] or "{}"),
+            end_at=row["end_at"], on_timeout=row["on_timeout"],
         )
 
 

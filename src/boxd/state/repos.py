@@ -144,11 +144,12 @@ class Machines:
         parent_id: str | None = None, snapshot: str | None = None,
         default_quota: int, suspend_after: float | None = None,
         hibernate_after: float | None = None, url_public: bool = False,
-        labels: Mapping[str, str] | None = None,
+        labels: Mapping[str, str] | None = None, end_at: float | None = None,
+        on_timeout: str | None = None,
     ) -> MachineRecord:
         """Claim a name and a quota slot and insert the record (state ``starting``),
-        with a new URL token (a machine's own: a new one even for the same name) and
-        its ``labels`` (checked by the caller), in one transaction.
+        with a new URL token (a machine's own: a new one even for the same name), its
+        ``labels`` (checked by the caller) and its lifetime's end, in one transaction.
 
         Raises:
             QuotaExceeded: the account's concurrent machines would exceed its quota.
@@ -166,12 +167,13 @@ class Machines:
             conn.execute(
                 "INSERT INTO machines (id, account_id, name, state, vcpus, memory_mib, disk_gib,"
                 " isolated, image, parent_id, snapshot, created_at, node_id, engine, vm_id,"
-                " last_active, suspend_after, hibernate_after, url_token, url_public, labels)"
-                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                " last_active, suspend_after, hibernate_after, url_token, url_public, labels,"
+                " end_at, on_timeout) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (machine_id, account, name, MachineState.STARTING.value, vcpus, memory_mib,
                  disk_gib, int(isolated), image, parent_id, snapshot, time.time(), node_id,
                  engine, machine_id, time.time(), suspend_after, hibernate_after,
-                 secrets.token_hex(16), int(url_public), json.dumps(dict(labels or {}))),
+                 secrets.token_hex(16), int(url_public), json.dumps(dict(labels or {})),
+                 end_at, on_timeout if end_at is not None else None),
             )
             conn.executemany(
                 "INSERT INTO machine_labels (machine_id, key, value) VALUES (?,?,?)",
@@ -218,6 +220,34 @@ class Machines:
         cols = ", ".join(f"{k}=?" for k in fields)
         values = [int(v) if isinstance(v, bool) else v for v in fields.values()]
         self._db.execute(f"UPDATE machines SET {cols} WHERE id=?", (*values, machine_id))
+
+    def set_end(self, machine_id: str, end_at: float | None, on_timeout: str | None) -> bool:
+        """Give a machine a new end (None: no lifetime); False if it is gone or being
+        deleted. The control plane's columns: `update` does not write them."""
+        return self._db.execute(
+            "UPDATE machines SET end_at=?, on_timeout=? WHERE id=? AND state!='deleting'",
+            (end_at, on_timeout if end_at is not None else None, machine_id)) == 1
+
+    def clear_end(self, machine_id: str, end_at: float) -> bool:
+        """Drop a machine's lifetime if its end is still ``end_at`` (a ``set_timeout``
+        meanwhile wins); False if it changed or the machine is gone."""
+        return self._db.execute(
+            "UPDATE machines SET end_at=NULL, on_timeout=NULL WHERE id=? AND end_at=?",
+            (machine_id, end_at)) == 1
+
+    def due(self, now: float, limit: int) -> builtins.list[MachineRecord]:
+        """Up to ``limit`` machines whose end is at or before ``now``, earliest first
+        (deleting ones excluded): one indexed query (``machines_by_end``)."""
+        rows = self._db.all(
+            "SELECT * FROM machines WHERE end_at IS NOT NULL AND end_at<=?"
+            " AND state!='deleting' ORDER BY end_at LIMIT ?", (now, limit))
+        return [MachineRecord.of(r) for r in rows]
+
+    def next_end(self) -> float | None:
+        """The earliest end of any machine not being deleted (None: no lifetime)."""
+        row = self._db.one("SELECT end_at FROM machines WHERE end_at IS NOT NULL"
+                           " AND state!='deleting' ORDER BY end_at LIMIT 1")
+        return None if row is None else float(row[0])
 
     def bump_generation(self, machine_id: str) -> None:
         self._db.execute("UPDATE machines SET generation=generation+1 WHERE id=?", (machine_id,))

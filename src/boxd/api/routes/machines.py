@@ -148,6 +148,16 @@ async def hibernate_machine(ref: str, account: Account, machines: Machines) -> m
     return await machines.hibernate(account, ref)
 
 
+@router.post("/{ref}/timeout", response_model=models.Machine)
+async def set_timeout(
+    ref: str, body: models.SetTimeout, account: Account, machines: Machines
+) -> models.Machine:
+    """Give the machine a new end, ``timeout`` seconds from now (``null``: no lifetime;
+    it runs until deleted). At its end it is deleted, or hibernated with
+    ``on_timeout: "hibernate"`` (omitted: what it was)."""
+    return await machines.set_timeout(account, ref, body.timeout, body.on_timeout)
+
+
 @router.post("/{ref}/resume", response_model=models.Machine)
 async def resume_machine(ref: str, account: Account, machines: Machines) -> models.Machine:
     """Wake a suspended or hibernated machine."""
@@ -309,9 +319,11 @@ async def fork(
     name = body.name if body is not None else None
     check_name(name)
     node = body.node if body is not None else None
-    labels = body.labels if body is not None else {}
-    (item,) = _items(await machines.fork(account, ref, [name], node, labels,
-                                         idempotency_key=idempotency_key))
+    body = body or models.ForkRequest.model_validate({})
+    (item,) = _items(await machines.fork(account, ref, [name], node, body.labels,
+                                         idempotency_key=idempotency_key,
+                                         timeout=body.timeout,
+                                         on_timeout=body.on_timeout or "delete"))
     if isinstance(item, Exception):
         raise item
     return item
@@ -359,7 +371,8 @@ async def fork_batch(
     else:
         raise InvalidRequest("give count or names", hint='e.g. {"count": 8}', field="count")
     items = _items(await machines.fork(account, ref, names, body.node, body.labels,
-                                      idempotency_key=idempotency_key))
+                                      idempotency_key=idempotency_key, timeout=body.timeout,
+                                      on_timeout=body.on_timeout or "delete"))
     children = []
     for item in items:
         if isinstance(item, models.Machine):
