@@ -20,7 +20,14 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Mapping,
+)
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TypeVar
@@ -291,14 +298,8 @@ class Machines:
         if self.cluster is None:
             await asyncio.to_thread(self.store.ensure_verified, manifest.digest)
         else:  # the blobs are on the nodes that saved or received it
-            for n in self._live_cluster_nodes():
-                if manifest.digest in await n.snapshot_digests():
-                    holders[n.id] = n
-            if not holders:
-                raise SnapshotNotFound(
-                    f"snapshot {req.from_snapshot!r} is on no live node", snapshot=snap.name,
-                    hint="the nodes that held it are gone; import it again",
-                )
+            holders = await _holders(self._live_cluster_nodes(), manifest.digest,
+                                     req.from_snapshot, snap.name)
         meta = manifest.meta
         engine = str(meta.get("engine") or "qemu")
         source = FromSnapshot(
@@ -374,27 +375,7 @@ class Machines:
             InvalidRequest: no label (an empty selector would take every machine), or a
                 bad one.
         """
-        labels = models.check_labels(labels, "label")
-        if not labels:
-            raise InvalidRequest(
-                "delete by labels needs at least one label: an empty selector would "
-                "delete every machine", field="label",
-                hint="give the labels of what to delete, e.g. label=boxd.rl/run=ID")
-        out: builtins.list[tuple[models.MachineRef, Exception | None]] = []
-        after: tuple[float, str] | None = None
-        while True:  # a page at a time: the records in memory are one page's
-            recs = self.repos.machines.page(account, labels=labels, state=state,
-                                            after=after, limit=_DELETE_PAGE)
-            if not recs:
-                return out
-            after = (recs[-1].created_at, recs[-1].id)
-            results = await asyncio.gather(*(self.delete(account, r.id) for r in recs),
-                                           return_exceptions=True)
-            for rec, res in zip(recs, results, strict=True):
-                if isinstance(res, BaseException) and not isinstance(res, Exception):
-                    raise res  # a cancellation is the request's, not an item's
-                err = None if isinstance(res, MachineNotFound) else res  # gone meanwhile
-                out.append((models.MachineRef(id=rec.id, name=rec.name), err))
+        return await _delete_by_labels(self.repos, self.delete, account, labels, state)
 
     async def wait_until_ready(self, account: str, ref: str, timeout: float) -> models.Machine:
         rec = self._find(account, ref)
@@ -737,6 +718,33 @@ def _as_now(plane: Machines, account: str, kept: models.Machine) -> models.Machi
 #: Machines a delete by labels deletes at once (one page of its selector).
 _DELETE_PAGE = 32
 
+async def _delete_by_labels(
+    repos: Repos, delete: Callable[[str, str], Awaitable[None]], account: str,
+    labels: Mapping[str, str], state: MachineState | None,
+) -> list[tuple[models.MachineRef, Exception | None]]:
+    """`Machines.delete_many`: a page of records in memory at a time, each deleted."""
+    labels = models.check_labels(labels, "label")
+    if not labels:
+        raise InvalidRequest(
+            "delete by labels needs at least one label: an empty selector would "
+            "delete every machine", field="label",
+            hint="give the labels of what to delete, e.g. label=boxd.rl/run=ID")
+    out: list[tuple[models.MachineRef, Exception | None]] = []
+    after: tuple[float, str] | None = None
+    while True:  # a page at a time: the records in memory are one page's
+        recs = repos.machines.page(account, labels=labels, state=state,
+                                        after=after, limit=_DELETE_PAGE)
+        if not recs:
+            return out
+        after = (recs[-1].created_at, recs[-1].id)
+        results = await asyncio.gather(*(delete(account, r.id) for r in recs),
+                                       return_exceptions=True)
+        for rec, res in zip(recs, results, strict=True):
+            if isinstance(res, BaseException) and not isinstance(res, Exception):
+                raise res  # a cancellation is the request's, not an item's
+            err = None if isinstance(res, MachineNotFound) else res  # gone meanwhile
+            out.append((models.MachineRef(id=rec.id, name=rec.name), err))
+
 
 def _encode_cursor(created_at: float, machine_id: str) -> str:
     """An opaque list cursor: the (created_at, id) key of the last machine of a page."""
@@ -896,6 +904,17 @@ class Snapshots:
             return self._model(existing)
         return self._model(self.repos.snapshots.add(account, name, manifest.digest,
                                                     new_version=True))
+
+
+async def _holders(nodes: Iterable[ClusterNode], digest: str, ref: str,
+                   name: str) -> dict[str, ClusterNode]:
+    """The live nodes holding snapshot ``digest``'s blobs (those that saved or received
+    it). Raises: SnapshotNotFound: none does."""
+    holders = {n.id: n for n in nodes if digest in await n.snapshot_digests()}
+    if not holders:
+        raise SnapshotNotFound(f"snapshot {ref!r} is on no live node", snapshot=name,
+                               hint="the nodes that held it are gone; import it again")
+    return holders
 
 
 __all__ = ["Machines", "Snapshots", "machine_model", "validate_name"]

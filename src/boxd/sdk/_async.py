@@ -233,25 +233,19 @@ class AsyncMachines:
             from_snapshot: start from a snapshot (``NAME``, ``NAME@N`` or ``sha256:...``).
             engine: ``qemu`` or ``gvisor`` (the daemon's default if None; a snapshot
                 starts on the engine it was saved on). ``info().engines`` lists them.
-            suspend_after: idle seconds before its vCPUs stop (0 never; daemon default if
-                None).
-            hibernate_after: idle seconds before it goes to disk (0 never; daemon default
-                if None).
+            suspend_after: idle seconds before its vCPUs stop (0: never; None: default).
+            hibernate_after: idle seconds before it goes to disk (0: never; None: default).
             node: the cluster node to place it on (``nodes.list()``); None lets the
                 daemon place it (the node with the most free memory).
             public: its URL needs no token (the bare ``http://127.0.0.1:PORT``, any TCP
-                protocol): every local user reaches its port 8080 and wakes it. Default:
-                ``Machine.url`` carries the machine's token; use it as given.
-            labels: string keys and values to find it by (``list(labels=)``,
-                ``delete_many(labels=)``); its forks inherit them. At most 32; a key is
-                1-128 of letters, digits, ``._/-``; a value 0-256 characters.
-            idempotency_key: a key of this logical request (e.g. ``str(uuid.uuid4())``),
-                the same on each of its retries: a retry within 24 h returns the first
-                request's machine, never a new one (it waits for the first if that still
-                runs); a failed request frees its key. 1-255 printable ASCII characters.
-            timeout: its lifetime, whole seconds from now (1 to 30 days): at its end
-                the daemon deletes it (``Machine.end_at`` says when; ``set_timeout``
-                moves it). None: it runs until deleted. A daemon restart keeps it.
+                protocol): every local user reaches its port 8080 and wakes it.
+            labels: string keys and values to find it by (``list(labels=)``), inherited
+                by its forks; at most 32 (`models.LABEL_RULE`).
+            idempotency_key: one per logical request (``str(uuid.uuid4())``), the same on
+                its retries: a retry within 24 h returns the first request's machine
+                (waiting for it if need be); a failed request frees it.
+            timeout: its lifetime, whole seconds from now (1 to 30 days; ``end_at``,
+                ``set_timeout``); kept across daemon restarts. None: until deleted.
             on_timeout: what its end does: ``"delete"`` or ``"hibernate"`` (its state
                 is kept on disk and any request wakes it, with no lifetime).
 
