@@ -567,15 +567,7 @@ class Machines:
         if self.cluster is None:
             return [node] * count
         portable = await self.cluster.nodes[node.id].portable_templates(src.engine)
-        if hint is not None and hint != node.id and not portable:
-            raise InvalidRequest(
-                f"a {src.engine} machine's forks stay on its node ({node.id}): the "
-                f"{src.engine} engine cannot move a template to another node",
-                hint="prepare a baseline on that node (`boxd machine new --node`) "
-                "and fork it there, or fork without a node", field="node")
-        only = hint  # the one node the children may go to, if any
-        if only is None and not portable:
-            only = node.id
+        only = _fork_only(src.engine, node.id, hint, portable)
         room = await self._room()
         if only is not None:
             room = {only: room[only]} if only in room else {}
@@ -744,6 +736,23 @@ async def _delete_by_labels(
                 raise res  # a cancellation is the request's, not an item's
             err = None if isinstance(res, MachineNotFound) else res  # gone meanwhile
             out.append((models.MachineRef(id=rec.id, name=rec.name), err))
+
+
+def _fork_only(engine: str, source_node: str, hint: str | None,
+               portable: bool) -> str | None:
+    """The one node a fork's children may go to, if any: the ``hint``, or the source's
+    node when its engine cannot move a template.
+
+    Raises:
+        InvalidRequest: ``hint`` names another node and the template cannot move.
+    """
+    if hint is not None and hint != source_node and not portable:
+        raise InvalidRequest(
+            f"a {engine} machine's forks stay on its node ({source_node}): the "
+            f"{engine} engine cannot move a template to another node",
+            hint="prepare a baseline on that node (`boxd machine new --node`) "
+            "and fork it there, or fork without a node", field="node")
+    return hint if hint is not None or portable else source_node
 
 
 def _encode_cursor(created_at: float, machine_id: str) -> str:
