@@ -326,7 +326,8 @@ export class Machines {
   /**
    * Create and boot a machine; resolves while it starts (see {@link waitUntilReady}).
    * @param name DNS-label name, unique per account; generated if absent.
-   * @throws InvalidRequest, AlreadyExists, QuotaExceeded, SnapshotNotFound, HostSetupError
+   * @throws InvalidRequest, AlreadyExists, QuotaExceeded, SnapshotNotFound, HostSetupError,
+   *   NotFound (`options.image` is not imported for this account)
    */
   async new(name?: string | null, options: MachineNewOptions = {}): Promise<Machine> {
     const body: Record<string, unknown> = { isolated: Boolean(options.isolated) };
@@ -341,6 +342,7 @@ export class Machines {
       ["suspend_after", options.suspendAfter],
       ["hibernate_after", options.hibernateAfter],
       ["node", options.node],
+      ["image", options.image],
     ];
     for (const [k, v] of fields) if (v !== undefined && v !== null) body[k] = v; // daemon defaults
     if (options.labels && Object.keys(options.labels).length) body.labels = { ...options.labels };

@@ -1208,6 +1208,8 @@ export interface components {
             labels?: {
                 [key: string]: string;
             };
+            /** @description the container image it runs (None: boxd's default guest image) */
+            image?: components["schemas"]["MachineImage"] | null;
         };
         /** MachineCreate */
         MachineCreate: {
@@ -1275,6 +1277,27 @@ export interface components {
             labels?: {
                 [key: string]: string;
             };
+            /**
+             * Image
+             * @description an image imported for the account (`boxd image import`): NAME[:TAG] or sha256:DIGEST; the machine's root is that image's files, and its ENV and WORKDIR are exec's defaults. gVisor only for now; not with from_snapshot
+             */
+            image?: string | null;
+        };
+        /**
+         * MachineImage
+         * @description The container image a machine runs (`MachineCreate.image`).
+         */
+        MachineImage: {
+            /**
+             * Name
+             * @description the image's name as given (NAME:TAG or its digest)
+             */
+            name: string;
+            /**
+             * Digest
+             * @description its manifest's digest
+             */
+            digest: string;
         };
         /** MachineList */
         MachineList: {

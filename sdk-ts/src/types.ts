@@ -87,6 +87,12 @@ export interface MachineNewOptions {
    * them. At most 32; a key is 1-128 letters, digits, `._/-`; a value 0-256 characters.
    */
   labels?: Record<string, string>;
+  /**
+   * A container image imported for this account (`images.import`, `boxd image import`):
+   * `NAME[:TAG]` or `sha256:DIGEST`. The machine's root is the image's files; its ENV and
+   * WORKDIR are exec's defaults. gVisor only for now (`engine: "gvisor"`).
+   */
+  image?: string;
 }
 
 /** What `machines.exec` and `machines.execStream` run. */

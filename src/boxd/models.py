@@ -204,6 +204,19 @@ class MachineState(StrEnum):
     DELETING = "deleting"
 
 
+#: What an image name looks like (``NAME[:TAG]``; `boxd.images.oci.parse_name` is the rule).
+IMAGE_NAME_PATTERN = r"^[a-z0-9]+(?:[._/-][a-z0-9]+)*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?$"
+#: An imported image a machine runs: ``NAME[:TAG]``, or its manifest digest.
+IMAGE_REF_PATTERN = r"^(?:sha256:[0-9a-f]{64}|" + IMAGE_NAME_PATTERN[1:-1] + r")$"
+
+
+class MachineImage(BaseModel):
+    """The container image a machine runs (`MachineCreate.image`)."""
+
+    name: str = Field(description="the image's name as given (NAME:TAG or its digest)")
+    digest: str = Field(description="its manifest's digest")
+
+
 class MachineCreate(BaseModel):
     name: Name | None = Field(
         None, description=f"unique per account; generated if absent. {NAME_RULE}")
@@ -237,6 +250,11 @@ class MachineCreate(BaseModel):
     labels: Labels = Field(
         default_factory=dict,
         description=f"labels to find it by (list and delete by selector). {LABEL_RULE}")
+    image: str | None = Field(
+        None, max_length=330, pattern=IMAGE_REF_PATTERN,
+        description="an image imported for the account (`boxd image import`): NAME[:TAG] "
+        "or sha256:DIGEST; the machine's root is that image's files, and its ENV and "
+        "WORKDIR are exec's defaults. gVisor only for now; not with from_snapshot")
 
     @field_validator("labels", mode="before")
     @classmethod
@@ -270,6 +288,8 @@ class Machine(BaseModel):
     labels: dict[str, str] = Field(
         default_factory=dict, description="its labels (a fork's: its source's merged with "
         "its own)")
+    image: MachineImage | None = Field(
+        None, description="the container image it runs (None: boxd's default guest image)")
 
     def url_for(self, port: int = config.GUEST_HTTP_PORT) -> str:
         """Its URL for a guest TCP port: ``url`` for 8080, ``http://127.0.0.1:PORT/TOKEN.N``
@@ -629,8 +649,6 @@ class HostInfo(BaseModel):
 # --- container images (boxd image import / list / inspect / rm) ----------------------
 
 
-#: What an image name looks like (``NAME[:TAG]``; `boxd.images.oci.parse_name` is the rule).
-IMAGE_NAME_PATTERN = r"^[a-z0-9]+(?:[._/-][a-z0-9]+)*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?$"
 #: The transports an import takes (the rest of a source is checked when it is read).
 IMAGE_SOURCE_PATTERN = r"^(?:(?:oci|oci-archive|docker-archive):.|docker://.)"
 

@@ -143,6 +143,10 @@ def machine() -> None:
 @machine.command("new")
 @click.argument("name")
 @click.option("--from-snapshot", metavar="SNAPSHOT", help="Start from NAME, NAME@N or sha256:...")
+@click.option("--image", metavar="REF",
+              help="Run an image imported with `boxd image import` (NAME[:TAG] or "
+              "sha256:DIGEST): its files are the root, its ENV and WORKDIR exec's defaults. "
+              "gvisor only for now.")
 @click.option(
     "--isolated", is_flag=True,
     help="No network: the machine reaches nothing. The boundary is the engine's "
@@ -168,6 +172,7 @@ def machine_new(
     state: _State,
     name: str,
     from_snapshot: str | None,
+    image: str | None,
     isolated: bool,
     engine: str | None,
     vcpus: int | None,
@@ -195,6 +200,7 @@ def machine_new(
         engine=engine,
         node=node,
         labels=labels,
+        image=image,
     )
     if wait:
         with _render.activity(f"waiting for {m.name} to boot", as_json=as_json):

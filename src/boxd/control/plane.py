@@ -35,13 +35,16 @@ from boxd.errors import (
     InvalidRequest,
     MachineNotFound,
     NodeLost,
+    NotFound,
     SnapshotNotFound,
 )
+from boxd.images.oci import resolve_image
 from boxd.models import NAME_RE, NAME_RULE, MachineState
 from boxd.node.base import Boot, FromSnapshot, Node, ProcessStream
 from boxd.services import GuestApi
-from boxd.state import MachineRecord, Repos, SnapshotRecord, new_id
+from boxd.state import MachineRecord, Repos, RunImage, SnapshotRecord, new_id
 from boxd.storage import SnapshotStore
+from boxd.storage.oci import ImageStore
 
 log = logging.getLogger("boxd.control")
 
@@ -83,6 +86,8 @@ def machine_model(rec: MachineRecord, host: str = "127.0.0.1") -> models.Machine
         suspend_after=rec.suspend_after, hibernate_after=rec.hibernate_after,
         idle_seconds=round(max(0.0, time.time() - rec.last_active), 3),
         labels=dict(rec.labels),
+        image=models.MachineImage(name=rec.run_image.name, digest=rec.run_image.digest)
+        if rec.run_image is not None else None,
     )
 
 
@@ -92,9 +97,10 @@ class Machines:
     def __init__(
         self, repos: Repos, nodes: Mapping[str, LocalNode], store: SnapshotStore, *,
         default_quota: int = DEFAULT_MACHINE_QUOTA, cluster: Cluster | None = None,
-        placement: Placement | None = None,
+        placement: Placement | None = None, images: ImageStore | None = None,
     ) -> None:
         self.repos = repos
+        self.images = images  # imported container images (`MachineCreate.image`)
         self.local = nodes  # this host's nodes (none on a cluster's control plane)
         self.store = store
         self.default_quota = default_quota
@@ -212,6 +218,7 @@ class Machines:
         snapshot: str | None = None, image: str | None = None, engine: str | None = None,
         suspend_after: float | None = None, hibernate_after: float | None = None,
         public: bool = False, labels: Mapping[str, str] | None = None,
+        run_image: RunImage | None = None,
     ) -> MachineRecord:
         if name is None:
             name = f"machine-{secrets.token_hex(3)}"
@@ -222,7 +229,7 @@ class Machines:
             node_id=node.id, engine=engine or await node.engine_name(), parent_id=parent_id,
             snapshot=snapshot, default_quota=self.default_quota,
             suspend_after=suspend_after, hibernate_after=hibernate_after, url_public=public,
-            labels=models.check_labels(labels or {}),
+            labels=models.check_labels(labels or {}), run_image=run_image,
         )
 
     # ---------------------------------------------------------------- create
@@ -233,15 +240,19 @@ class Machines:
         if req.engine is not None and req.engine not in ENGINES:
             raise InvalidRequest(f"unknown engine {req.engine!r}", field="engine",
                                  hint=f"use one of {', '.join(ENGINES)}")
+        if req.from_snapshot and req.image:
+            raise InvalidRequest("a machine starts from an image or from a snapshot, not "
+                                 "both", field="image")
         if req.from_snapshot:
             return await self._create_from_snapshot(account, req)
+        run_image = await _run_image(self.images, account, req.image) if req.image else None
 
         async def launch(node: Node) -> MachineRecord:
             rec = await self._claim(
                 account, req.name, node, vcpus=req.vcpus, memory_mib=req.memory_mib,
                 disk_gib=req.disk_gib, isolated=req.isolated, engine=req.engine,
                 suspend_after=req.suspend_after, hibernate_after=req.hibernate_after,
-                public=req.public, labels=req.labels,
+                public=req.public, labels=req.labels, run_image=run_image,
             )
             await node.create(rec.id, Boot())  # on failure the record is gone
             return rec
@@ -284,6 +295,7 @@ class Machines:
                 snapshot=manifest.digest, engine=engine,
                 suspend_after=req.suspend_after, hibernate_after=req.hibernate_after,
                 public=req.public, labels=req.labels,
+                run_image=RunImage.from_json(meta.get("run_image")),
             )
             if self.cluster is None:
                 await node.create(rec.id, source)
@@ -467,7 +479,7 @@ class Machines:
                     isolated=src.isolated, parent_id=src.id, snapshot=src.snapshot,
                     image=src.image, engine=src.engine, suspend_after=src.suspend_after,
                     hibernate_after=src.hibernate_after, public=src.url_public,
-                    labels=labels,
+                    labels=labels, run_image=src.run_image,
                 ))
             except Exception as exc:
                 claimed.append(exc)
@@ -676,6 +688,21 @@ def _decode_cursor(cursor: str) -> tuple[float, str]:
         pass
     raise InvalidRequest(f"invalid cursor {cursor[:40]!r}", field="cursor",
                          hint="pass the next_cursor of the previous page as given")
+
+
+async def _run_image(images: ImageStore | None, account: str, ref: str) -> RunImage:
+    """The imported image ``ref`` of ``account`` as a machine records it.
+
+    Raises:
+        NotFound: the account has no such image (the hint names `boxd image import`).
+    """
+    if images is None:
+        raise NotFound(f"no image {ref!r}: this daemon keeps no imported images",
+                       hint="import it with `boxd image import` on a daemon")
+    info = await asyncio.to_thread(resolve_image, images, account, ref)
+    c = info.config
+    return RunImage(info.name.removeprefix(f"{account}/"), info.digest, c.env,
+                    c.working_dir, c.user)
 
 
 def _check_engine(req: models.MachineCreate, engine: str) -> None:

@@ -283,6 +283,13 @@ class Engine(Protocol):
         `retarget_disk`): a cluster then spreads a fork batch over its nodes."""
         ...
 
+    @property
+    def image_roots(self) -> bool:
+        """True when a machine can boot on a directory tree (an imported container
+        image, unpacked): `create_disk` then takes that directory as a raw backing and
+        the engine brings its own agent runtime, whatever the tree holds."""
+        ...
+
     def info(self) -> EngineInfo: ...
 
     async def boot(

@@ -355,6 +355,7 @@ class FakeEngine:
         self.gates: dict[str, tuple[asyncio.Event, asyncio.Event]] = {}
         self.calls: list[str] = []
         self.portable = True  # its templates move between nodes (`portable_templates`)
+        self.roots_from_images = True  # boots on an image's tree (`image_roots`)
 
     @property
     def name(self) -> str:
@@ -451,6 +452,10 @@ class FakeEngine:
 
     def remove_disk(self, path: Path) -> None:
         path.unlink(missing_ok=True)
+
+    @property
+    def image_roots(self) -> bool:
+        return self.roots_from_images
 
     @property
     def portable_templates(self) -> bool:

@@ -217,6 +217,7 @@ class AsyncMachines:
         node: str | None = None,
         public: bool = False,
         labels: Mapping[str, str] | None = None,
+        image: str | None = None,
     ) -> models.Machine:
         """Create and boot a machine; returns while it starts (see ``wait_until_ready``).
 
@@ -241,15 +242,20 @@ class AsyncMachines:
             labels: string keys and values to find it by (``list(labels=)``,
                 ``delete_many(labels=)``); its forks inherit them. At most 32; a key is
                 1-128 of letters, digits, ``._/-``; a value 0-256 characters.
+            image: a container image imported for this account (``images.import_``,
+                ``boxd image import``): ``NAME[:TAG]`` or ``sha256:DIGEST``. The
+                machine's root is the image's files; its ENV and WORKDIR are exec's
+                defaults. gVisor only for now (``engine="gvisor"``).
 
         Raises:
-            InvalidRequest, AlreadyExists, QuotaExceeded, SnapshotNotFound, HostSetupError.
+            InvalidRequest, AlreadyExists, QuotaExceeded, SnapshotNotFound, HostSetupError;
+            NotFound: ``image`` is not imported for this account.
         """
         return await self._c._parse(
             models.Machine,
             _base.machine_create(name, vcpus, memory_mib, disk_gib, isolated, from_snapshot,
                                  engine, suspend_after, hibernate_after, node, public,
-                                 labels),
+                                 labels, image),
         )
 
     async def get(self, ref: str) -> models.Machine:

@@ -241,6 +241,7 @@ def machine_create(
     node: str | None = None,
     public: bool = False,
     labels: Mapping[str, str] | None = None,
+    image: str | None = None,
 ) -> Req:
     body: dict[str, Any] = {"isolated": bool(isolated)}
     if public:
@@ -257,6 +258,7 @@ def machine_create(
         ("suspend_after", suspend_after),
         ("hibernate_after", hibernate_after),
         ("node", node),
+        ("image", image),
     ):
         if v is not None:  # absent fields take the daemon's defaults
             body[k] = v

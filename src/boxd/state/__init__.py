@@ -8,6 +8,7 @@ from boxd.state.records import (
     KeyRecord,
     LayerRecord,
     MachineRecord,
+    RunImage,
     SnapshotRecord,
     TemplateRecord,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "LayerRecord",
     "MachineRecord",
     "Repos",
+    "RunImage",
     "SnapshotRecord",
     "TemplateRecord",
     "new_id",

@@ -26,6 +26,7 @@ from boxd.state.records import (
     KeyRecord,
     LayerRecord,
     MachineRecord,
+    RunImage,
     SnapshotRecord,
     TemplateRecord,
 )
@@ -143,7 +144,7 @@ class Machines:
         parent_id: str | None = None, snapshot: str | None = None,
         default_quota: int, suspend_after: float | None = None,
         hibernate_after: float | None = None, url_public: bool = False,
-        labels: Mapping[str, str] | None = None,
+        labels: Mapping[str, str] | None = None, run_image: RunImage | None = None,
     ) -> MachineRecord:
         """Claim a name and a quota slot and insert the record (state ``starting``),
         with a new URL token (a machine's own: a new one even for the same name) and
@@ -165,12 +166,13 @@ class Machines:
             conn.execute(
                 "INSERT INTO machines (id, account_id, name, state, vcpus, memory_mib, disk_gib,"
                 " isolated, image, parent_id, snapshot, created_at, node_id, engine, vm_id,"
-                " last_active, suspend_after, hibernate_after, url_token, url_public, labels)"
-                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                " last_active, suspend_after, hibernate_after, url_token, url_public, labels,"
+                " run_image) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (machine_id, account, name, MachineState.STARTING.value, vcpus, memory_mib,
                  disk_gib, int(isolated), image, parent_id, snapshot, time.time(), node_id,
                  engine, machine_id, time.time(), suspend_after, hibernate_after,
-                 secrets.token_hex(16), int(url_public), json.dumps(dict(labels or {}))),
+                 secrets.token_hex(16), int(url_public), json.dumps(dict(labels or {})),
+                 json.dumps(run_image.to_json()) if run_image is not None else None),
             )
             conn.executemany(
                 "INSERT INTO machine_labels (machine_id, key, value) VALUES (?,?,?)",
