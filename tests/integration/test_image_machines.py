@@ -124,6 +124,14 @@ def test_the_agent_does_not_use_the_images_python(client, images, made) -> None:
     client.machines.checkpoints.restore(m.id, "before")
     assert client.machines.files.download(m.id, "/srv/app/up.txt") == b"uploaded"
     assert client.machines.exec(m.id, ["hello-image"]).exit_code == 0
+    # a snapshot records the image; a machine from it runs on the same trees
+    snap = client.snapshots.save(m.id, "img-badpy-snap")
+    again = _new(client, made, "img-from-snap", from_snapshot=snap.name)
+    assert again.image is not None and again.image.digest == images["badpy"]
+    assert client.machines.files.download(again.id, "/srv/app/up.txt") == b"uploaded"
+    assert client.machines.exec(again.id, ["hello-image"]).exit_code == 0
+    client.machines.delete(again.id)
+    client.snapshots.delete(snap.name)
 
 
 def test_an_image_that_is_not_imported_or_on_qemu_is_refused(client, images, made) -> None:  # type: ignore[no-untyped-def]

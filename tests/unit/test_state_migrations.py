@@ -23,7 +23,7 @@ def test_a_version_1_database_is_migrated_in_place_and_keeps_its_records(tmp_pat
         )
     db = Database(path)
     try:
-        assert db.one("PRAGMA user_version")[0] == 6  # type: ignore[index]
+        assert db.one("PRAGMA user_version")[0] == 7  # type: ignore[index]
         rec = Repos(db).machines.get("m_old")
         assert rec is not None
         assert (rec.name, rec.state, rec.port) == ("old", MachineState.RUNNING, 40001)
@@ -32,10 +32,11 @@ def test_a_version_1_database_is_migrated_in_place_and_keeps_its_records(tmp_pat
         assert rec.last_active == 5 and rec.suspend_after is None
         assert rec.url_token and len(rec.url_token) == 32 and not rec.url_public  # v5
         assert rec.labels == {}  # v6
+        assert rec.run_image is None  # v7: the default guest image
     finally:
         db.close()
     again = Database(path)  # a second open migrates nothing
     try:
-        assert again.one("PRAGMA user_version")[0] == 6  # type: ignore[index]
+        assert again.one("PRAGMA user_version")[0] == 7  # type: ignore[index]
     finally:
         again.close()

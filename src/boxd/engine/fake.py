@@ -4,7 +4,8 @@ A fake machine's "memory" is a dict of guest files; capture writes it (as JSON) 
 the image directory, and a machine started from an image reads it back, so fork,
 checkpoint and snapshot semantics (a child sees its source's files; a restore rewinds)
 are observable without QEMU. Its agent runs a few commands (``echo``, ``cat``,
-``write PATH TEXT``, ``hostname``) and reports the rest as exit 0; its one long-lived
+``write PATH TEXT``, ``hostname``, and ``env``/``pwd``, which print the env and cwd the
+request carried) and reports the rest as exit 0; its one long-lived
 process is ``cat`` (``start(["cat"])``: what it is sent, it writes back).
 
 Failures are injected by name (`FakeEngine.fail`), processes are killed by hand
@@ -131,6 +132,10 @@ class FakeAgent:
             g.files[argv[1]] = argv[2] if len(argv) > 2 else ""
         elif argv[0] == "hostname":
             out = g.hostname + "\n"
+        elif argv[0] == "env":  # what the request set (the agent's defaults are the guest's)
+            out = "".join(f"{k}={v}\n" for k, v in sorted((env or {}).items()))
+        elif argv[0] == "pwd":
+            out = (cwd or "/home/boxd") + "\n"
         if out:
             yield ExecOutput("stdout", out.encode())
         yield ExecExit(exit_code=code, signal=None, timed_out=False, duration=0.0)
