@@ -290,6 +290,7 @@ function execBody(opts: ExecOptions): Wire["ExecRequest"] {
   if (opts.cwd !== undefined) body.cwd = opts.cwd;
   if (opts.timeout !== undefined) body.timeout = opts.timeout;
   if (opts.stdin !== undefined) body.stdin = opts.stdin;
+  if (opts.user !== undefined) body.user = opts.user;
   return body;
 }
 
@@ -625,13 +626,14 @@ export class Machines {
   async spawn(
     ref: string,
     argv: string[],
-    options: { env?: Record<string, string>; cwd?: string } = {},
+    options: { env?: Record<string, string>; cwd?: string; user?: string } = {},
   ): Promise<ProcessHandle> {
     if (!Array.isArray(argv) || argv.length === 0) {
       throw new InvalidRequest("argv must be a non-empty list of strings", { details: { field: "argv" } });
     }
     const body: Record<string, unknown> = { argv, env: options.env ?? {} };
     if (options.cwd !== undefined) body.cwd = options.cwd;
+    if (options.user !== undefined) body.user = options.user;
     const info = await this.c._json<Process>({
       method: "POST",
       path: `/v1/machines/${seg(ref)}/processes`,

@@ -867,6 +867,11 @@ export interface components {
              */
             cwd?: string | null;
             /**
+             * User
+             * @description NAME[:GROUP] or UID[:GID] to run it as, from the machine's /etc/passwd and /etc/group; default: the image's USER, else root
+             */
+            user?: string | null;
+            /**
              * Timeout
              * @description seconds (at most 604800); the command is killed after
              */
@@ -1522,6 +1527,11 @@ export interface components {
              * @description absolute path of its working directory
              */
             cwd?: string | null;
+            /**
+             * User
+             * @description NAME[:GROUP] or UID[:GID] to run it as, from the machine's /etc/passwd and /etc/group; default: the image's USER, else root
+             */
+            user?: string | null;
         };
         /**
          * Standby

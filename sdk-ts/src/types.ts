@@ -107,4 +107,9 @@ export interface ExecOptions {
   timeout?: number;
   /** Text fed to the command's standard input. */
   stdin?: string;
+  /**
+   * `NAME[:GROUP]` or `UID[:GID]` to run it as (the machine's /etc/passwd names it);
+   * default: the image's USER, else root.
+   */
+  user?: string;
 }

@@ -73,6 +73,12 @@ ExecEnv = Annotated[dict[EnvName, NoNul], WithJsonSchema(_ENV_SCHEMA)]
 #: A command's working directory in the guest: an absolute path.
 GuestCwd = Annotated[str, StringConstraints(min_length=1, max_length=4096,
                                             pattern=GUEST_PATH_PATTERN)]
+#: Who a command runs as: ``NAME[:GROUP]`` or ``UID[:GID]`` (a Dockerfile's USER).
+_USER_PART = r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}"
+GuestUser = Annotated[str, StringConstraints(
+    max_length=65, pattern=rf"^{_USER_PART}(?::{_USER_PART})?$")]
+USER_DESCRIPTION = ("NAME[:GROUP] or UID[:GID] to run it as, from the machine's /etc/passwd "
+                    "and /etc/group; default: the image's USER, else root")
 
 
 def _arg_bytes(text: str) -> int:
@@ -455,6 +461,7 @@ class ExecRequest(BaseModel):
     )
     cwd: GuestCwd | None = Field(default=None,
                                  description="absolute path of its working directory")
+    user: GuestUser | None = Field(default=None, description=USER_DESCRIPTION)
     timeout: float | None = Field(
         None, gt=0, le=MAX_EXEC_TIMEOUT, allow_inf_nan=False,
         description=f"seconds (at most {MAX_EXEC_TIMEOUT:.0f}); the command is killed after",

@@ -3,7 +3,7 @@
 The images are made here, offline, from files: a static busybox as the image's only
 program (no Python, no libc, no /etc), and a variant whose ``/usr/bin/python3`` is a
 script that only fails. boxd runs its agent on its own guest root's Python either way;
-the image's files are the machine's root, its ENV and WORKDIR exec's defaults.
+the image's files are the machine's root, its ENV, WORKDIR and USER exec's defaults.
 """
 
 from __future__ import annotations
@@ -54,14 +54,16 @@ def images(client, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[st
     tiny = make_image([_files()], config=CONFIG)
     badpy = make_image([_files(), {"usr/bin/python3": b"#!/bin/sh\necho image-python\nexit 99\n"}],
                        config=CONFIG)
-    write_layout(root / "tiny", {"v1": tiny})
-    write_layout(root / "badpy", {"v1": badpy})
-    got = {
-        "tiny": client.images.import_(f"oci:{root / 'tiny'}:v1", "it/tiny:v1").digest,
-        "badpy": client.images.import_(f"oci:{root / 'badpy'}:v1", "it/badpy:v1").digest,
-    }
+    user = make_image([_files(), {"etc/passwd": b"root:x:0:0::/root:/bin/sh\n"
+                                                b"app:x:1000:1000::/home/app:/bin/sh\n",
+                                  "etc/group": b"root:x:0:\napp:x:1000:\n"}],
+                      config={**CONFIG, "User": "app"})
+    got = {}
+    for name, img in (("tiny", tiny), ("badpy", badpy), ("user", user)):
+        write_layout(root / name, {"v1": img})
+        got[name] = client.images.import_(f"oci:{root / name}:v1", f"it/{name}:v1").digest
     yield got
-    for name in ("it/tiny:v1", "it/badpy:v1"):
+    for name in ("it/tiny:v1", "it/badpy:v1", "it/user:v1"):
         with contextlib.suppress(errors.NotFound):
             client.images.remove(name)
 
@@ -132,6 +134,21 @@ def test_the_agent_does_not_use_the_images_python(client, images, made) -> None:
     assert client.machines.exec(again.id, ["hello-image"]).exit_code == 0
     client.machines.delete(again.id)
     client.snapshots.delete(snap.name)
+
+
+def test_exec_runs_as_the_images_user(client, images, made) -> None:  # type: ignore[no-untyped-def]
+    m = _new(client, made, "img-user", image="it/user:v1")
+    r = client.machines.exec(m.id, "busybox id -u; busybox id -g; echo $HOME:$USER; pwd")
+    assert r.stdout == "1000\n1000\n/home/app:app\n/srv/app\n"
+    # exec's own user wins (by name or number)
+    assert client.machines.exec(m.id, "busybox id -u", user="root").stdout == "0\n"
+    assert client.machines.exec(m.id, "busybox id -u; busybox id -g", user="4242:7"
+                                ).stdout == "4242\n7\n"
+    with pytest.raises(errors.InvalidRequest, match="no user 'nobody-here'"):
+        client.machines.exec(m.id, "true", user="nobody-here")
+    # the agent itself stays root: files go in as it writes them
+    client.machines.files.upload(m.id, "/srv/app/root-owned", b"x")
+    assert client.machines.exec(m.id, "busybox stat -c %u /srv/app/root-owned").stdout == "0\n"
 
 
 def test_an_image_that_is_not_imported_or_on_qemu_is_refused(client, images, made) -> None:  # type: ignore[no-untyped-def]

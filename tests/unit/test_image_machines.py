@@ -1,6 +1,6 @@
 """Machines of an imported container image (`MachineCreate.image`): the control plane
 resolves the account's image, the node unpacks it once and boots on its tree, exec
-defaults to the image's ENV and WORKDIR; on the fake engine, with a real image store and
+defaults to the image's ENV, WORKDIR and USER; on the fake engine, with a real image store and
 SQLite. The gVisor spec such a machine gets (the guest root's Python, mounted beside the
 image) is checked here too; tests/integration/test_image_machines.py runs it."""
 
@@ -22,7 +22,8 @@ from boxd.errors import HostSetupError, InvalidRequest, NotFound
 from boxd.images.oci import import_image
 from boxd.storage.oci import ImageStore
 
-CONFIG = {"Env": ["PATH=/usr/local/bin:/bin", "GREETING=hi"], "WorkingDir": "/srv/app"}
+CONFIG = {"Env": ["PATH=/usr/local/bin:/bin", "GREETING=hi"], "WorkingDir": "/srv/app",
+          "User": "app"}
 
 
 @pytest.fixture
@@ -69,6 +70,8 @@ def test_a_machine_boots_on_the_images_tree_and_exec_defaults_to_its_config(
     assert _exec(world, "img", "env", env={"GREETING": "yo", "X": "1"}) == \
         "GREETING=yo\nPATH=/usr/local/bin:/bin\nX=1\n"
     assert _exec(world, "img", "pwd", cwd="/tmp") == "/tmp\n"
+    assert _exec(world, "img", "whoami") == "app\n"  # the image's USER
+    assert _exec(world, "img", "whoami", user="0:0") == "0:0\n"  # exec's own wins
     # a fork keeps the image (and its defaults); a second machine by digest shares the tree
     (child,) = run(world.machines.fork(ACCOUNT, "img", ["img-child"]))  # type: ignore[misc]
     assert isinstance(child, models.Machine) and child.image == m.image
@@ -80,6 +83,7 @@ def test_a_machine_boots_on_the_images_tree_and_exec_defaults_to_its_config(
     plain = _new(world, name="plain")
     assert plain.image is None
     assert _exec(world, "plain", "env") == "" and _exec(world, "plain", "pwd") == "/home/boxd\n"
+    assert _exec(world, "plain", "whoami") == "root\n"
 
 
 def test_an_image_the_account_lacks_is_not_found_and_leaves_no_machine(world: World) -> None:

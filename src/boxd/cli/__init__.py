@@ -345,6 +345,8 @@ def _delete_labelled(state: _State, labels: dict[str, str], in_state: str | None
 @click.option("--timeout", type=float, help="Kill the command after this many seconds.")
 @click.option("--env", "-e", "env", multiple=True, metavar="K=V", help="Set a variable (repeat).")
 @click.option("--cwd", metavar="DIR", help="Working directory in the machine.")
+@click.option("--user", "-u", metavar="USER[:GROUP]",
+              help="Run as this user (name or uid); default: the image's USER, else root.")
 @pass_state
 def machine_exec(
     state: _State,
@@ -353,6 +355,7 @@ def machine_exec(
     timeout: float | None,
     env: tuple[str, ...],
     cwd: str | None,
+    user: str | None,
 ) -> None:
     """Run COMMAND in machine NAME, streaming its output; exit with its exit code.
 
@@ -371,7 +374,7 @@ def machine_exec(
     cmd: str | list[str] = command[0] if len(command) == 1 else list(command)
     exit_event = None
     for event in state.boxd.machines.exec_stream(
-        name, cmd, env=variables or None, cwd=cwd, timeout=timeout
+        name, cmd, env=variables or None, cwd=cwd, timeout=timeout, user=user
     ):
         if event.type == "stdout" and event.data:
             click.echo(event.data, nl=False)

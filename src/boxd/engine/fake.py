@@ -4,8 +4,8 @@ A fake machine's "memory" is a dict of guest files; capture writes it (as JSON) 
 the image directory, and a machine started from an image reads it back, so fork,
 checkpoint and snapshot semantics (a child sees its source's files; a restore rewinds)
 are observable without QEMU. Its agent runs a few commands (``echo``, ``cat``,
-``write PATH TEXT``, ``hostname``, and ``env``/``pwd``, which print the env and cwd the
-request carried) and reports the rest as exit 0; its one long-lived
+``write PATH TEXT``, ``hostname``, and ``env``/``pwd``/``whoami``, which print the env,
+cwd and user the request carried) and reports the rest as exit 0; its one long-lived
 process is ``cat`` (``start(["cat"])``: what it is sent, it writes back).
 
 Failures are injected by name (`FakeEngine.fail`), processes are killed by hand
@@ -114,6 +114,7 @@ class FakeAgent:
     async def exec(
         self, command: str | list[str], *, env: Mapping[str, str | None] | None = None,
         cwd: str | None = None, timeout: float | None = None, stdin: bytes | None = None,
+        user: str | None = None,
     ) -> AsyncIterator[ExecChunk]:
         self._check()
         await self._m.engine._step("exec")
@@ -136,13 +137,15 @@ class FakeAgent:
             out = "".join(f"{k}={v}\n" for k, v in sorted((env or {}).items()))
         elif argv[0] == "pwd":
             out = (cwd or "/home/boxd") + "\n"
+        elif argv[0] == "whoami":
+            out = (user or "root") + "\n"
         if out:
             yield ExecOutput("stdout", out.encode())
         yield ExecExit(exit_code=code, signal=None, timed_out=False, duration=0.0)
 
     async def start(
         self, command: str | list[str], *, env: Mapping[str, str | None] | None = None,
-        cwd: str | None = None, timeout: float | None = None,
+        cwd: str | None = None, timeout: float | None = None, user: str | None = None,
     ) -> Process:
         # The fake guest runs no programs but ``cat``: process streams (forks, re-attach)
         # are tested on real machines.
@@ -159,11 +162,12 @@ class FakeAgent:
     async def run(
         self, command: str | list[str], *, env: Mapping[str, str | None] | None = None,
         cwd: str | None = None, timeout: float | None = None, stdin: bytes | None = None,
-        max_output: int | None = None,
+        max_output: int | None = None, user: str | None = None,
     ) -> ExecOutcome:
         out = b""
         code = 0
-        async for item in self.exec(command, env=env, cwd=cwd, timeout=timeout, stdin=stdin):
+        async for item in self.exec(command, env=env, cwd=cwd, timeout=timeout, stdin=stdin,
+                                    user=user):
             if isinstance(item, ExecExit):
                 code = item.exit_code
             else:

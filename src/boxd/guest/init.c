@@ -61,7 +61,7 @@
 #include <unistd.h>
 
 #define PROTOCOL_MAJOR "1"
-#define PROTOCOL_VERSION "1.5"
+#define PROTOCOL_VERSION "1.6"
 #define PORT_NAME "boxd.agent"
 #define IDENTITY_DIR "run/boxd"
 #define MAX_LINE (64L * 1024 * 1024)
@@ -1188,6 +1188,8 @@ static int op_exec(long long id, const struct jfield *f, int n, int stream) {
     char **argv = NULL, **envp = NULL, cwd[1024];
     int argc = 0;
     if (!cmd) return -1;
+    const struct jfield *uf = field(f, n, "user");
+    if (uf && uf->type != J_NULL) return -1; /* another user (an image's USER): agent.py */
     if (cmd->type == J_STR) {
         char *c = malloc(cmd->vlen * 4 + 8);
         long cl = c ? json_str(cmd, c, cmd->vlen * 4 + 8) : -1;

@@ -58,24 +58,26 @@ class Guests(Protocol):
 
 
 def _exec_kwargs(rec: MachineRecord, req: models.ExecRequest) -> dict[str, Any]:
-    env, cwd = image_defaults(rec, req.env, req.cwd)
     return {
-        "env": env, "cwd": cwd, "timeout": req.timeout,
+        **image_defaults(rec, req.env, req.cwd, req.user), "timeout": req.timeout,
         "stdin": req.stdin.encode() if req.stdin is not None else None,
     }
 
 
 def image_defaults(
-    rec: MachineRecord, env: Mapping[str, str | None] | None, cwd: str | None
-) -> tuple[dict[str, str | None] | None, str | None]:
-    """An exec's env and cwd on ``rec``: on a machine of a container image, the image's
-    ENV under the request's own (which wins) and its WORKDIR (``/`` without one, as a
-    container runtime does) when the request names no cwd."""
+    rec: MachineRecord, env: Mapping[str, str | None] | None, cwd: str | None,
+    user: str | None,
+) -> dict[str, Any]:
+    """An exec's ``env``, ``cwd`` and ``user`` on ``rec``: on a machine of a container
+    image, the image's ENV under the request's own (which wins), its WORKDIR (``/``
+    without one, as a container runtime does) when the request names no cwd, and its
+    USER when the request names no user (None: root)."""
     run = rec.run_image
     if run is None:
-        return (dict(env) if env else None), cwd
+        return {"env": dict(env) if env else None, "cwd": cwd, "user": user}
     merged: dict[str, str | None] = {**run.exec_env(), **(env or {})}
-    return merged or None, cwd if cwd is not None else (run.working_dir or "/")
+    return {"env": merged or None, "cwd": cwd if cwd is not None else (run.working_dir or "/"),
+            "user": user if user is not None else (run.user or None)}
 
 
 def _absolute(path: str) -> None:
@@ -167,8 +169,7 @@ class Exec:
             raise InvalidRequest(f"cwd must be absolute: {req.cwd!r}", field="cwd")
         async with self._g.using(machine_id) as (rec, _handle, agent):
             self._g.changed(machine_id)
-            env, cwd = image_defaults(rec, req.env, req.cwd)
-            proc = await agent.start(req.argv, env=env, cwd=cwd)
+            proc = await agent.start(req.argv, **image_defaults(rec, req.env, req.cwd, req.user))
             relay = self.procs.add(machine_id, list(req.argv), proc,
                                    lambda: self._g.touch(machine_id))
         relay.dirty = True

@@ -407,6 +407,7 @@ class AsyncMachines:
         cwd: str | None = None,
         timeout: float | None = None,
         stdin: str | None = None,
+        user: str | None = None,
     ) -> models.ExecResult:
         """Run a command to completion and return its output and exit code.
 
@@ -419,6 +420,8 @@ class AsyncMachines:
             cwd: working directory in the guest.
             timeout: seconds after which the command is killed.
             stdin: text fed to the command's standard input.
+            user: ``NAME[:GROUP]`` or ``UID[:GID]`` to run it as (the machine's
+                /etc/passwd names it); default: the image's USER, else root.
 
         Raises:
             ExecTimeout: the command ran past ``timeout``; ``.stdout``/``.stderr`` hold the
@@ -426,7 +429,8 @@ class AsyncMachines:
             MachineNotFound, MachineFailed.
         """
         return await self._c._parse(
-            models.ExecResult, _base.machine_exec(ref, command, env, cwd, timeout, stdin)
+            models.ExecResult,
+            _base.machine_exec(ref, command, env, cwd, timeout, stdin, user),
         )
 
     async def exec_stream(
@@ -438,6 +442,7 @@ class AsyncMachines:
         cwd: str | None = None,
         timeout: float | None = None,
         stdin: str | None = None,
+        user: str | None = None,
     ) -> AsyncIterator[models.ExecEvent]:
         """Run a command, yielding ``stdout``/``stderr`` events as they arrive, then ``exit``.
 
@@ -447,7 +452,7 @@ class AsyncMachines:
         Raises:
             MachineNotFound, MachineFailed, ConnectionError.
         """
-        req = _base.machine_exec_stream(ref, command, env, cwd, timeout, stdin)
+        req = _base.machine_exec_stream(ref, command, env, cwd, timeout, stdin, user)
         async with self._c._stream(req) as resp:
             try:
                 async for line in resp.aiter_lines():
@@ -540,6 +545,7 @@ class AsyncMachines:
         *,
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
+        user: str | None = None,
     ) -> AsyncProcessHandle:
         """Start a long-lived process whose stdin and stdout carry framed messages.
 
@@ -554,7 +560,8 @@ class AsyncMachines:
         """
         from boxd import process_models as pm
 
-        info = await self._c._parse(pm.Process, _base.machine_spawn(ref, argv, env, cwd))
+        info = await self._c._parse(pm.Process,
+                                    _base.machine_spawn(ref, argv, env, cwd, user))
         return AsyncProcessHandle(self._c, ref, info)
 
     async def processes(self, ref: str) -> builtins.list[pm.Process]:

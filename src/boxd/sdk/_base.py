@@ -330,6 +330,7 @@ def exec_body(
     cwd: str | None,
     timeout: float | None,
     stdin: str | None,
+    user: str | None = None,
 ) -> dict[str, Any]:
     if isinstance(command, tuple):
         command = list(command)
@@ -344,6 +345,8 @@ def exec_body(
         body["timeout"] = timeout
     if stdin is not None:
         body["stdin"] = stdin
+    if user is not None:
+        body["user"] = user
     return body
 
 
@@ -354,11 +357,12 @@ def machine_exec(
     cwd: str | None,
     timeout: float | None,
     stdin: str | None,
+    user: str | None = None,
 ) -> Req:
     return Req(
         "POST",
         f"/v1/machines/{seg(ref)}/exec",
-        json=exec_body(command, env, cwd, timeout, stdin),
+        json=exec_body(command, env, cwd, timeout, stdin, user),
         timeout=NO_READ_TIMEOUT,
     )
 
@@ -370,11 +374,12 @@ def machine_exec_stream(
     cwd: str | None,
     timeout: float | None,
     stdin: str | None,
+    user: str | None = None,
 ) -> Req:
     return Req(
         "POST",
         f"/v1/machines/{seg(ref)}/exec/stream",
-        json=exec_body(command, env, cwd, timeout, stdin),
+        json=exec_body(command, env, cwd, timeout, stdin, user),
         timeout=NO_READ_TIMEOUT,
     )
 
@@ -711,13 +716,16 @@ STREAM_OPEN_TIMEOUT: Final = 60.0
 
 
 def machine_spawn(
-    ref: str, argv: list[str], env: Mapping[str, str] | None, cwd: str | None
+    ref: str, argv: list[str], env: Mapping[str, str] | None, cwd: str | None,
+    user: str | None = None,
 ) -> Req:
     if isinstance(argv, str) or not argv:
         raise errors.InvalidRequest("argv must be a non-empty list of strings", field="argv")
     body: dict[str, Any] = {"argv": list(argv), "env": dict(env or {})}
     if cwd is not None:
         body["cwd"] = cwd
+    if user is not None:
+        body["user"] = user
     return Req("POST", f"/v1/machines/{seg(ref)}/processes", json=body)
 
 
