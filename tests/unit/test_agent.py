@@ -234,6 +234,13 @@ def test_exec_as_another_user_resolves_it_in_the_guests_passwd(guest: Guest) -> 
             await c.run("true", user="no-such-user")
         with pytest.raises(InvalidRequest, match="no group 'no-such-group'"):
             await c.run("true", user="nobody:no-such-group")
+        # an agent older than 1.6 would ignore user and run as root: refused on the host
+        c.agent_version = "1.5"
+        with pytest.raises(InvalidRequest, match="cannot run a command as another user"):
+            await c.run("touch /tmp/never", user="nobody")
+        with pytest.raises(InvalidRequest, match="cannot run a command as another user"):
+            await c.start(["true"], user="nobody")
+        assert (await c.run("id -u")).stdout == b"0\n"  # without user it still runs
 
     with_client(guest, body)
 
