@@ -22,6 +22,7 @@ import { buildLineage, type Lineage } from "./lineage.js";
 import {
   BoxdError,
   ConnectionError,
+  InfrastructureError,
   InternalError,
   InvalidRequest,
   NotFound,
@@ -300,13 +301,27 @@ function execBody(opts: ExecOptions): Wire["ExecRequest"] {
  */
 export type ForkOptions = {
   name?: string; node?: string; labels?: Record<string, string>; count?: undefined;
-  names?: undefined;
+  names?: undefined; idempotencyKey?: string;
 };
 export type ForkBatchOptions =
   | { count: number; names?: string[]; node?: string; labels?: Record<string, string>;
-      name?: undefined }
+      name?: undefined; idempotencyKey?: string }
   | { names: string[]; count?: number; node?: string; labels?: Record<string, string>;
-      name?: undefined };
+      name?: undefined; idempotencyKey?: string };
+
+/** The `Idempotency-Key` header of a create or fork (none without a key). */
+function idempotencyHeaders(key: string | undefined): Record<string, string> {
+  if (key === undefined) return {};
+  if (typeof key !== "string" || !/^[\x21-\x7e]{1,255}$/.test(key)) {
+    throw new InvalidRequest(
+      `invalid idempotency key ${JSON.stringify(String(key).slice(0, 80))}: use 1-255 ` +
+        "printable ASCII characters without spaces",
+      { details: { field: "idempotencyKey" },
+        hint: "e.g. crypto.randomUUID() per logical request, the same on its retries" },
+    );
+  }
+  return { "Idempotency-Key": key };
+}
 
 /** Query parameters of a label selector: `label=K=V` once per label. */
 function selectorQuery(sel: LabelSelector): Record<string, string | string[] | undefined> {
@@ -347,7 +362,10 @@ export class Machines {
     ];
     for (const [k, v] of fields) if (v !== undefined && v !== null) body[k] = v; // daemon defaults
     if (options.labels && Object.keys(options.labels).length) body.labels = { ...options.labels };
-    return this.c._json({ method: "POST", path: "/v1/machines", json: body });
+    return this.c._json({
+      method: "POST", path: "/v1/machines", json: body,
+      headers: idempotencyHeaders(options.idempotencyKey),
+    });
   }
 
   /** The machine with this name or id. @throws MachineNotFound */
@@ -489,9 +507,12 @@ export class Machines {
   }
 
   /**
-   * Run a command to completion. A non-zero `exitCode` is a normal result, not an error.
+   * Run a command to completion. A non-zero `exitCode` is a normal result, not an error;
+   * a failure of the machine, its engine, agent or node is never an exit code.
    * @throws ExecTimeout the command ran past `timeout` (`.stdout`/`.stderr`: partial output)
-   * @throws MachineNotFound, MachineFailed
+   * @throws MachineNotFound
+   * @throws InfrastructureError the machine, engine, agent or node failed (MachineFailed,
+   *   AgentLost, NodeLost) or the daemon's connection was lost (ConnectionError)
    */
   async exec(ref: string, options: ExecOptions): Promise<ExecResult> {
     return this.c._json({
@@ -506,7 +527,9 @@ export class Machines {
    * Run a command, yielding `stdout`/`stderr` events as they arrive, then one `exit` event
    * (`exitCode`, `signal`, `timedOut`, `duration`). Breaking out of the loop closes the
    * stream.
-   * @throws MachineNotFound, MachineFailed, ConnectionError; a failure midway is thrown as
+   * @throws MachineNotFound; InfrastructureError (MachineFailed, AgentLost, NodeLost,
+   *   ConnectionError) when the machine, its engine, agent or node failed or the stream
+   *   ended without its `exit` event: never an exit code. A failure midway is thrown as
    *   the typed error of the stream's final `error` event.
    */
   async *execStream(ref: string, options: ExecOptions): AsyncGenerator<ExecEvent, void, undefined> {
@@ -518,6 +541,7 @@ export class Machines {
       headers: { Accept: "application/x-ndjson" },
     });
     let buffered = "";
+    let sawExit = false;
     try {
       resp.setEncoding("utf8");
       try {
@@ -527,7 +551,10 @@ export class Machines {
           while ((nl = buffered.indexOf("\n")) >= 0) {
             const event = parseEvent(buffered.slice(0, nl));
             buffered = buffered.slice(nl + 1);
-            if (event !== null) yield event;
+            if (event !== null) {
+              sawExit ||= event.type === "exit";
+              yield event;
+            }
           }
         }
       } catch (err) {
@@ -536,6 +563,14 @@ export class Machines {
       }
       const last = parseEvent(buffered);
       if (last !== null) yield last;
+      if (last?.type !== "exit" && !sawExit) {
+        throw new InfrastructureError(
+          `the exec stream of machine ${JSON.stringify(ref)} ended without an exit status`,
+          { details: { machine: ref },
+            hint: "the daemon or the connection went away; check `boxd machine info` and " +
+              "run the command again" },
+        );
+      }
     } finally {
       resp.destroy();
     }
@@ -548,6 +583,10 @@ export class Machines {
    * entry per child: its `Machine` or the `BoxdError` that stopped it (one failure doesn't
    * sink the batch). Otherwise resolve to the single child. `node` puts the children on
    * that cluster node (by default: the source's node while it has room, then the others).
+   * With `idempotencyKey` (the same on each retry of this request), a retry within 24 h
+   * resolves to the first request's children, never new ones; a request that made no
+   * child frees its key; the key sent with another request rejects with
+   * `IdempotencyKeyReused`.
    * @throws MachineNotFound, StateError, AlreadyExists, QuotaExceeded (a batch throws only
    *   for errors that concern the whole request); NotFound (no such node), InvalidRequest
    *   (the source's forks cannot go to that node: a gVisor machine, or no cluster)
@@ -558,19 +597,23 @@ export class Machines {
     src: string,
     options: ForkOptions | ForkBatchOptions = {},
   ): Promise<Machine | (Machine | BoxdError)[]> {
-    const { name, count, names, node, labels } = options as {
+    const { name, count, names, node, labels, idempotencyKey } = options as {
       name?: string;
       count?: number;
       names?: string[];
       node?: string;
       labels?: Record<string, string>;
+      idempotencyKey?: string;
     };
+    const headers = idempotencyHeaders(idempotencyKey);
     if (count === undefined && names === undefined) {
       const one: Wire["ForkRequest"] = {};
       if (name !== undefined && name !== null) one.name = name;
       if (node !== undefined) one.node = node;
       if (labels !== undefined) one.labels = { ...labels };
-      return this.c._json({ method: "POST", path: `/v1/machines/${seg(src)}/fork`, json: one });
+      return this.c._json({
+        method: "POST", path: `/v1/machines/${seg(src)}/fork`, json: one, headers,
+      });
     }
     if (name !== undefined) {
       throw new InvalidRequest("pass either name or count/names", { details: { field: "name" } });
@@ -586,6 +629,7 @@ export class Machines {
       path: `/v1/machines/${seg(src)}/fork/batch`,
       json: body,
       idleTimeoutMs: null,
+      headers,
     });
     const result = JSON.parse(raw.toString("utf8")) as Wire["ForkResult"];
     return result.children.map((item) => {

@@ -14,15 +14,19 @@
  * │   └── GuestFileNotFound      .path (inside the machine)
  * ├── Conflict                   the request clashes with what exists               409
  * │   ├── AlreadyExists          .kind, .resourceName (duplicate name)
- * │   └── StateError             .machine, .state, .required (wrong lifecycle state)
+ * │   ├── StateError             .machine, .state, .required (wrong lifecycle state)
+ * │   └── IdempotencyKeyReused   .key: the key was used for another request
  * ├── QuotaExceeded              .limit, .used                                      429
  * ├── ExecTimeout                .timeout, .stdout, .stderr (partial output)        408
- * ├── MachineFailed              the machine's VM died or stopped answering         503
- * │   └── NodeLost               its cluster node is gone; .machine, .node
+ * ├── InfrastructureError        the machine, engine, agent or node failed, not the  503
+ * │   │                          command: an exec's outcome is unknown; .machine
+ * │   ├── MachineFailed          the machine's VM (engine process) died or stopped answering
+ * │   │   ├── AgentLost          the connection to its guest agent broke; the VM still ran
+ * │   │   └── NodeLost           its cluster node is gone; .machine, .node
+ * │   └── ConnectionError        the client cannot reach the daemon, or lost it     (client only)
  * ├── IntegrityError             a stored blob does not match its digest            500
  * ├── ResourceExhausted          host disk or memory is full                        507
  * ├── HostSetupError             QEMU, an image or another host prerequisite is missing  500
- * ├── ConnectionError            the client cannot reach the daemon                 (client only)
  * └── InternalError              a bug; the daemon's log has the details            500
  * ```
  *
@@ -209,6 +213,15 @@ export class StateError extends Conflict {
   }
 }
 
+/** An `Idempotency-Key` already named a different request of this account (another
+ * route, source or body): a key names one request, whose retries send it unchanged. */
+export class IdempotencyKeyReused extends Conflict {
+  static override readonly code: string = "idempotency_key_reused";
+  get key(): string | undefined {
+    return this.detail("key");
+  }
+}
+
 /** An account limit would be exceeded. */
 export class QuotaExceeded extends BoxdError {
   static override readonly code: string = "quota_exceeded";
@@ -236,13 +249,27 @@ export class ExecTimeout extends BoxdError {
   }
 }
 
-/** The machine's VM process died or stopped answering. */
-export class MachineFailed extends BoxdError {
-  static override readonly code: string = "machine_failed";
+/**
+ * The machine, its engine, its guest agent or its node failed: not the command. An exec
+ * that rejects with it has no exit status (its outcome is unknown), so a trainer retries
+ * or drops the rollout instead of scoring it; the subclasses say which part failed.
+ */
+export class InfrastructureError extends BoxdError {
+  static override readonly code: string = "infrastructure_error";
   static override readonly status: number = 503;
   get machine(): string | undefined {
     return this.detail("machine");
   }
+}
+
+/** The machine's VM process (its engine: QEMU, the gVisor sandbox) died or stopped answering. */
+export class MachineFailed extends InfrastructureError {
+  static override readonly code: string = "machine_failed";
+}
+
+/** The connection to the machine's guest agent broke mid-request while its VM still ran. */
+export class AgentLost extends MachineFailed {
+  static override readonly code: string = "agent_lost";
 }
 
 /** The cluster node that ran the machine is gone; only delete applies. */
@@ -277,10 +304,9 @@ export class HostSetupError extends BoxdError {
   static override readonly status: number = 500;
 }
 
-/** The client could not reach the boxd daemon. */
-export class ConnectionError extends BoxdError {
+/** The client could not reach the boxd daemon, or lost its connection mid-request. */
+export class ConnectionError extends InfrastructureError {
   static override readonly code: string = "connection_error";
-  static override readonly status: number = 503;
 }
 
 /** An unexpected failure; the daemon's log has the details. */
@@ -306,9 +332,12 @@ export const ERROR_CLASSES: readonly (typeof BoxdError)[] = [
   Conflict,
   AlreadyExists,
   StateError,
+  IdempotencyKeyReused,
   QuotaExceeded,
   ExecTimeout,
+  InfrastructureError,
   MachineFailed,
+  AgentLost,
   NodeLost,
   IntegrityError,
   ResourceExhausted,

@@ -1685,7 +1685,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -1712,7 +1712,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -1786,7 +1786,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -1813,7 +1813,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -1896,7 +1896,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -1923,7 +1923,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -1946,7 +1946,10 @@ export interface operations {
     create_machine_v1_machines_post: {
         parameters: {
             query?: never;
-            header?: never;
+            header?: {
+                /** @description a key of the logical request (e.g. a UUID), the same on each of its retries: a retry within 24 h returns the first request's machines, never new ones; waits for the first if it still runs; a key sent with another request is a 409 idempotency_key_reused; a failed request frees its key */
+                "Idempotency-Key"?: string | null;
+            };
             path?: never;
             cookie?: never;
         };
@@ -2001,7 +2004,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -2028,7 +2031,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -2107,7 +2110,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -2134,7 +2137,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -2210,7 +2213,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -2237,7 +2240,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -2311,7 +2314,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -2338,7 +2341,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -2414,7 +2417,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -2441,7 +2444,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -2517,7 +2520,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -2544,7 +2547,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -2620,7 +2623,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -2647,7 +2650,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -2726,7 +2729,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -2753,7 +2756,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -2842,7 +2845,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -2869,7 +2872,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -2949,7 +2952,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -2976,7 +2979,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -3055,7 +3058,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -3082,7 +3085,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -3167,7 +3170,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -3194,7 +3197,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -3217,7 +3220,10 @@ export interface operations {
     fork_v1_machines__ref__fork_post: {
         parameters: {
             query?: never;
-            header?: never;
+            header?: {
+                /** @description a key of the logical request (e.g. a UUID), the same on each of its retries: a retry within 24 h returns the first request's machines, never new ones; waits for the first if it still runs; a key sent with another request is a 409 idempotency_key_reused; a failed request frees its key */
+                "Idempotency-Key"?: string | null;
+            };
             path: {
                 ref: string;
             };
@@ -3274,7 +3280,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -3301,7 +3307,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -3381,7 +3387,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -3408,7 +3414,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -3431,7 +3437,10 @@ export interface operations {
     fork_batch_v1_machines__ref__fork_batch_post: {
         parameters: {
             query?: never;
-            header?: never;
+            header?: {
+                /** @description a key of the logical request (e.g. a UUID), the same on each of its retries: a retry within 24 h returns the first request's machines, never new ones; waits for the first if it still runs; a key sent with another request is a 409 idempotency_key_reused; a failed request frees its key */
+                "Idempotency-Key"?: string | null;
+            };
             path: {
                 ref: string;
             };
@@ -3488,7 +3497,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -3515,7 +3524,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -3591,7 +3600,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -3618,7 +3627,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -3698,7 +3707,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -3725,7 +3734,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -3803,7 +3812,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -3830,7 +3839,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -3906,7 +3915,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -3933,7 +3942,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -4007,7 +4016,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -4034,7 +4043,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -4112,7 +4121,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -4139,7 +4148,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -4220,7 +4229,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -4247,7 +4256,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -4323,7 +4332,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -4350,7 +4359,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -4424,7 +4433,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -4451,7 +4460,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -4527,7 +4536,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -4554,7 +4563,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -4628,7 +4637,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -4655,7 +4664,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -4733,7 +4742,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -4760,7 +4769,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -4834,7 +4843,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -4861,7 +4870,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -4935,7 +4944,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -4962,7 +4971,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -5038,7 +5047,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -5065,7 +5074,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -5145,7 +5154,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -5172,7 +5181,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -5248,7 +5257,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -5275,7 +5284,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -5355,7 +5364,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -5382,7 +5391,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -5463,7 +5472,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -5490,7 +5499,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -5564,7 +5573,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -5591,7 +5600,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -5681,7 +5690,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -5708,7 +5717,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -5795,7 +5804,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -5822,7 +5831,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -5899,7 +5908,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -5926,7 +5935,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;
@@ -6003,7 +6012,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description conflict: duplicate name or wrong machine state */
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
             409: {
                 headers: {
                     [name: string]: unknown;
@@ -6030,7 +6039,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description machine_failed */
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
             503: {
                 headers: {
                     [name: string]: unknown;

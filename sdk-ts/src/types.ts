@@ -88,9 +88,16 @@ export interface MachineNewOptions {
    */
   labels?: Record<string, string>;
   /**
+   * A key of this logical request (e.g. `crypto.randomUUID()`), the same on each of its
+   * retries (HTTP `Idempotency-Key`): a retry within 24 h resolves to the first request's
+   * machine, never a new one (it waits for the first if that still runs); a key sent with
+   * another request rejects with `IdempotencyKeyReused`; a failed request frees its key.
+   */
+  idempotencyKey?: string;
+  /**
    * A container image imported for this account (`images.import`, `boxd image import`):
-   * `NAME[:TAG]` or `sha256:DIGEST`. The machine's root is the image's files; its ENV and
-   * WORKDIR are exec's defaults. gVisor only for now (`engine: "gvisor"`).
+   * `NAME[:TAG]` or `sha256:DIGEST`. The machine's root is the image's files; its ENV,
+   * WORKDIR and USER are exec's defaults. gVisor only for now (`engine: "gvisor"`).
    */
   image?: string;
 }

@@ -19,9 +19,12 @@ const CODES = {
   conflict: "Conflict",
   already_exists: "AlreadyExists",
   invalid_state: "StateError",
+  idempotency_key_reused: "IdempotencyKeyReused",
   quota_exceeded: "QuotaExceeded",
   exec_timeout: "ExecTimeout",
+  infrastructure_error: "InfrastructureError",
   machine_failed: "MachineFailed",
+  agent_lost: "AgentLost",
   node_lost: "NodeLost",
   integrity_error: "IntegrityError",
   resource_exhausted: "ResourceExhausted",
@@ -53,6 +56,12 @@ test("the tree has the Python parents and statuses", () => {
   assert.equal(new sdk.MachineNotFound("x").status, 404);
   assert.equal(new sdk.ExecTimeout("x").status, 408);
   assert.equal(new sdk.QuotaExceeded("x").status, 429);
+  assert.ok(new sdk.IdempotencyKeyReused("x") instanceof sdk.Conflict);
+  for (const cls of [sdk.MachineFailed, sdk.AgentLost, sdk.NodeLost, sdk.ConnectionError]) {
+    const err = new cls("x");
+    assert.ok(err instanceof sdk.InfrastructureError, cls.name);
+    assert.equal(err.status, 503);
+  }
 });
 
 test("details become fields; unknown codes and bodies degrade gracefully", () => {
@@ -264,6 +273,64 @@ test("labels: sent on new and fork, kept verbatim, selectors as repeated label=K
     const before = seen.length;
     await assert.rejects(boxd.machines.deleteMany({}), sdk.InvalidRequest);
     assert.equal(seen.length, before); // an empty selector is never sent
+  } finally {
+    srv.close();
+  }
+});
+
+test("idempotency keys: sent as Idempotency-Key on new and fork, bad ones refused unsent", async () => {
+  const { createServer } = await import("node:http");
+  const seen = [];
+  const srv = createServer((req, res) => {
+    req.resume();
+    req.on("end", () => {
+      seen.push({ path: new URL(req.url, "http://x").pathname, key: req.headers["idempotency-key"] });
+      res.setHeader("content-type", "application/json");
+      const m = { id: "m_a", name: "a", state: "running", vcpus: 1, memory_mib: 128, disk_gib: 1,
+                  isolated: false, created_at: 1, labels: {} };
+      res.end(JSON.stringify(req.url.endsWith("/batch") ? { children: [{ machine: m }] } : m));
+    });
+  });
+  await new Promise((ok) => srv.listen(0, "127.0.0.1", ok));
+  try {
+    const boxd = new sdk.Boxd({ baseUrl: `http://127.0.0.1:${srv.address().port}`, apiKey: "k" });
+    await boxd.machines.new("a", { idempotencyKey: "create-1" });
+    await boxd.machines.fork("a", { name: "b", idempotencyKey: "fork-1" });
+    await boxd.machines.fork("a", { count: 1, idempotencyKey: "fork-2" });
+    await boxd.machines.new("c");
+    assert.deepEqual(seen, [
+      { path: "/v1/machines", key: "create-1" },
+      { path: "/v1/machines/a/fork", key: "fork-1" },
+      { path: "/v1/machines/a/fork/batch", key: "fork-2" },
+      { path: "/v1/machines", key: undefined },
+    ]);
+    for (const bad of ["", "a b", "k".repeat(256), "é"]) {
+      await assert.rejects(boxd.machines.new("a", { idempotencyKey: bad }), sdk.InvalidRequest);
+      await assert.rejects(boxd.machines.fork("a", { idempotencyKey: bad }), sdk.InvalidRequest);
+    }
+    assert.equal(seen.length, 4); // never sent
+  } finally {
+    srv.close();
+  }
+});
+
+test("an exec stream that ends without its exit event throws InfrastructureError", async () => {
+  const { createServer } = await import("node:http");
+  const srv = createServer((req, res) => {
+    req.resume();
+    req.on("end", () => {
+      res.setHeader("content-type", "application/x-ndjson");
+      res.end(JSON.stringify({ type: "stdout", data: "started\n" }) + "\n");
+    });
+  });
+  await new Promise((ok) => srv.listen(0, "127.0.0.1", ok));
+  try {
+    const boxd = new sdk.Boxd({ baseUrl: `http://127.0.0.1:${srv.address().port}`, apiKey: "k" });
+    const got = [];
+    await assert.rejects(async () => {
+      for await (const ev of boxd.machines.execStream("m", { command: "sleep 30" })) got.push(ev.type);
+    }, (e) => e instanceof sdk.InfrastructureError && e.machine === "m");
+    assert.deepEqual(got, ["stdout"]);
   } finally {
     srv.close();
   }

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from boxd._version import __version__
 from boxd.errors import (
+    AgentLost,
     AlreadyExists,
     AuthError,
     BodyTimeout,
@@ -26,6 +27,8 @@ from boxd.errors import (
     Forbidden,
     GuestFileNotFound,
     HostSetupError,
+    IdempotencyKeyReused,
+    InfrastructureError,
     IntegrityError,
     InternalError,
     InvalidRequest,
@@ -93,6 +96,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "AgentLost",
     "AlreadyExists",
     "ApiKey",
     "ApiKeyCreated",
@@ -114,6 +118,8 @@ __all__ = [
     "GuestFileNotFound",
     "HostInfo",
     "HostSetupError",
+    "IdempotencyKeyReused",
+    "InfrastructureError",
     "IntegrityError",
     "InternalError",
     "InvalidRequest",

@@ -15,15 +15,19 @@
     │   └── GuestFileNotFound      .path (inside the machine)
     ├── Conflict                   the request clashes with what exists               409
     │   ├── AlreadyExists          .kind, .name (duplicate name)
-    │   └── StateError             .machine, .state, .required (wrong lifecycle state)
+    │   ├── StateError             .machine, .state, .required (wrong lifecycle state)
+    │   └── IdempotencyKeyReused   .key: the key was used for another request
     ├── QuotaExceeded              .limit, .used                                      429
     ├── ExecTimeout                a command ran past its timeout and was killed      408
-    ├── MachineFailed              the machine's VM died or stopped answering         503
-    │   └── NodeLost               its cluster node is gone; .machine, .node
+    ├── InfrastructureError        the machine, engine, agent or node failed, not the  503
+    │   │                          command: an exec's outcome is unknown; .machine
+    │   ├── MachineFailed          the machine's VM (engine process) died or stopped answering
+    │   │   ├── AgentLost          the connection to its guest agent broke; the VM still ran
+    │   │   └── NodeLost           its cluster node is gone; .machine, .node
+    │   └── ConnectionError        the client cannot reach the daemon, or lost it     (client only)
     ├── IntegrityError             a stored blob does not match its digest            500
     ├── ResourceExhausted          host disk or memory is full; .needed, .free        507
     ├── HostSetupError             QEMU, an image or another host prerequisite is missing  500
-    ├── ConnectionError            the client cannot reach the daemon                 (client only)
     └── InternalError              a bug; the daemon's log has the details            500
 
 Each error serialises to ``{"error": {"code", "message", "hint", "details"}}``; the SDKs
@@ -35,6 +39,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 __all__ = [
+    "AgentLost",
     "AlreadyExists",
     "AuthError",
     "BodyTimeout",
@@ -47,6 +52,8 @@ __all__ = [
     "Forbidden",
     "GuestFileNotFound",
     "HostSetupError",
+    "IdempotencyKeyReused",
+    "InfrastructureError",
     "IntegrityError",
     "InternalError",
     "InvalidRequest",
@@ -210,6 +217,14 @@ class StateError(Conflict):
     _fields = ("machine", "state", "required")
 
 
+class IdempotencyKeyReused(Conflict):
+    """An ``Idempotency-Key`` already named a different request of this account (another
+    route, source or body): a key names one request, whose retries send it unchanged."""
+
+    code = "idempotency_key_reused"
+    _fields = ("key",)
+
+
 class QuotaExceeded(BoxdError):
     """An account limit would be exceeded."""
 
@@ -226,12 +241,31 @@ class ExecTimeout(BoxdError):
     _fields = ("timeout", "stdout", "stderr")
 
 
-class MachineFailed(BoxdError):
-    """The machine's VM process died or stopped answering."""
+class InfrastructureError(BoxdError):
+    """The machine, its engine, its guest agent or its node failed: not the command.
 
-    code = "machine_failed"
+    An exec that raises it has no exit status (its outcome is unknown), so a trainer
+    retries or drops the rollout instead of scoring it. The subclasses say which part
+    failed; ``machine`` names the machine when one is concerned.
+    """
+
+    code = "infrastructure_error"
     status = 503
     _fields: ClassVar[tuple[str, ...]] = ("machine",)
+
+
+class MachineFailed(InfrastructureError):
+    """The machine's VM process (its engine: QEMU, the gVisor sandbox) died or stopped
+    answering."""
+
+    code = "machine_failed"
+
+
+class AgentLost(MachineFailed):
+    """The connection to the machine's guest agent broke mid-request while its VM
+    process still ran (the guest's agent died or its channel closed)."""
+
+    code = "agent_lost"
 
 
 class NodeLost(MachineFailed):
@@ -264,8 +298,9 @@ class HostSetupError(BoxdError):
     status = 500
 
 
-class ConnectionError(BoxdError):
-    """The client could not reach the boxd daemon."""
+class ConnectionError(InfrastructureError):
+    """The client could not reach the boxd daemon, or lost its connection mid-request
+    (an exec's outcome is then unknown)."""
 
     code = "connection_error"
     status = 503

@@ -125,6 +125,10 @@ def check_env(env: dict[str, str], argv: str | list[str] | None) -> dict[str, st
     return env
 
 
+#: An ``Idempotency-Key`` (create, fork): 1-255 printable ASCII characters, no spaces.
+IDEMPOTENCY_KEY_PATTERN = r"^[\x21-\x7e]{1,255}$"
+
+
 #: A machine label's key: 1-128 letters, digits, '.', '_', '/' or '-', starting and
 #: ending with a letter or digit (``boxd.rl/run``, ``team``, ``exp_7``).
 LABEL_KEY_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,126}[A-Za-z0-9])?$"

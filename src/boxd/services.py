@@ -60,11 +60,15 @@ class MachineService(Protocol):
         """The nodes machines run on (one on a single host; each Ray node of a cluster)."""
         ...
 
-    async def create(self, account: str, req: models.MachineCreate) -> models.Machine:
+    async def create(
+        self, account: str, req: models.MachineCreate, idempotency_key: str | None = None,
+    ) -> models.Machine:
         """Create and boot a machine; returns once the QEMU process runs (state starting).
+        A retry with the same ``idempotency_key`` returns the first request's machine.
 
         Raises:
-            InvalidRequest, AlreadyExists, QuotaExceeded, SnapshotNotFound, HostSetupError.
+            InvalidRequest, AlreadyExists, QuotaExceeded, SnapshotNotFound, HostSetupError;
+            IdempotencyKeyReused: the key named another request.
         """
         ...
 
@@ -129,11 +133,14 @@ class MachineService(Protocol):
     async def fork(
         self, account: str, ref: str, names: builtins.list[str | None],
         node_hint: str | None = None, labels: Mapping[str, str] | None = None,
+        idempotency_key: str | None = None,
     ) -> builtins.list[models.Machine | Exception]:
         """Fork ``ref`` into ``len(names)`` children (None = generated name), per item,
         on node ``node_hint`` if given, with the source's labels merged with
-        ``labels``. Raises: InvalidRequest (labels), MachineNotFound, NotFound (no such
-        node), InvalidRequest (the source's forks cannot go to that node)."""
+        ``labels``; a retry with the same ``idempotency_key`` returns the first
+        request's items. Raises: InvalidRequest (labels), MachineNotFound, NotFound (no
+        such node), InvalidRequest (the source's forks cannot go to that node),
+        IdempotencyKeyReused (the key named another request)."""
         ...
 
     async def warm(self, account: str, ref: str, forks: int) -> models.Standby:

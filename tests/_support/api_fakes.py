@@ -76,7 +76,9 @@ class FakeMachines(MachineService):
         self.machines[m.id] = (account, m)
         return m
 
-    async def create(self, account: str, req: models.MachineCreate) -> models.Machine:
+    async def create(
+        self, account: str, req: models.MachineCreate, idempotency_key: str | None = None,
+    ) -> models.Machine:
         # like the real service: a machine made from a snapshot records its bare digest
         digest = None
         if req.from_snapshot is not None and self.snapshot_digest is not None:
@@ -166,7 +168,7 @@ class FakeMachines(MachineService):
 
     async def fork(  # type: ignore[valid-type]
         self, account: str, ref: str, names: list[str | None], node_hint: str | None = None,
-        labels: Mapping[str, str] | None = None,
+        labels: Mapping[str, str] | None = None, idempotency_key: str | None = None,
     ) -> list[models.Machine | Exception]:
         src = self._find(account, ref)
         if node_hint not in (None, "local"):  # one node, as nodes_list says

@@ -321,3 +321,60 @@ def test_snapshot_then_create_from_it(sbx) -> None:  # type: ignore[no-untyped-d
         child.kill()
     assert e2b.Sandbox.delete_snapshot(snap.snapshot_id) is True
     assert e2b.Sandbox.delete_snapshot(snap.snapshot_id) is False
+
+
+def _boxd_cli(*args: str) -> str:
+    return subprocess.run([sys.executable, "-m", "boxd", *args], check=True,
+                          capture_output=True, text=True, env=dict(os.environ)).stdout
+
+
+def test_a_warm_template_create_is_a_fork_of_its_source(e2b_env: dict[str, str]) -> None:
+    """`boxd e2b warm TEMPLATE`: a create of TEMPLATE forks one running machine (claiming
+    a standby fork), so every sandbox starts from its bytes; without a source, a create
+    boots as before."""
+    import json
+
+    from boxd import Boxd
+
+    first = json.loads(_boxd_cli("e2b", "warm", "base", "--forks", "0", "--json"))
+    with Boxd() as b:
+        src = b.machines.get(first["machine"])
+        assert src.labels == {"boxd.e2b/template": "base", "boxd.e2b/role": "source"}
+        b.machines.exec(src.id, "echo from-the-source > /home/user/mark")
+        again = json.loads(_boxd_cli("e2b", "warm", "base", "--forks", "2", "--json"))
+        assert again["machine"] == src.id and again["forks"] == 2  # the same source
+        made = [e2b.Sandbox.create(timeout=120) for _ in range(2)]
+        try:
+            for s in made:
+                assert s.commands.run("cat /home/user/mark").stdout == "from-the-source\n"
+                m = b.machines.get(s.sandbox_id)
+                assert m.parent_id == src.id, m
+                assert m.labels["boxd.e2b/role"] == "sandbox"
+                s.commands.run("echo mine > /home/user/mark")
+            assert b.machines.exec(src.id, "cat /home/user/mark").stdout == "from-the-source\n"
+            # the warm source is a machine of boxd's, not a sandbox E2B lists
+            listed = {x.sandbox_id for x in e2b.Sandbox.list().next_items()}
+            assert src.name not in listed and {s.sandbox_id for s in made} <= listed
+        finally:
+            for s in made:
+                s.kill()
+        _boxd_cli("machine", "delete", "--label", "boxd.e2b/template=base")
+        cold = e2b.Sandbox.create(timeout=120)
+        try:
+            assert b.machines.get(cold.sandbox_id).parent_id is None
+            assert cold.commands.run("cat /home/user/mark || true").stdout == ""
+        finally:
+            cold.kill()
+
+
+@pytest.mark.parametrize("example", ["reward_loop.py", "code_agent.py"])
+def test_the_e2b_examples_run_unchanged(e2b_env: dict[str, str], example: str) -> None:
+    """examples/e2b/: plain E2B code (an open-r1-style reward, a smolagents-style agent
+    loop with a fork), run with nothing but `boxd e2b env`'s exports; each checks its
+    own results and exits non-zero when they are wrong."""
+    path = Path(__file__).resolve().parents[2] / "examples" / "e2b" / example
+    source = path.read_text()
+    assert "import boxd" not in source and "from boxd" not in source
+    r = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
+                       env=dict(os.environ), timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

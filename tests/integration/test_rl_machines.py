@@ -331,6 +331,7 @@ def test_killed_sub_env_is_named_or_recovered(client: Any, rl_warm: Any, daemon:
         with pytest.raises(rl.EnvServerLost) as info:
             env.step(np.zeros(2, dtype=np.int64))
         assert info.value.index == victim and f"sub-env {victim}" in str(info.value)
+        assert isinstance(info.value, errors.InfrastructureError)  # never a reward
     finally:
         env.close()
 

@@ -60,6 +60,13 @@ def test_exec_streams_and_propagates_exit_code(daemon: Daemon) -> None:
     assert r.exit_code == 124 and "timed out" in r.stderr
 
 
+def test_exec_whose_machine_dies_exits_125_not_a_command_status(daemon: Daemon) -> None:
+    run("machine", "new", "a")
+    r = run("machine", "exec", "a", "--", "die")  # the fake's VM dies after three lines
+    assert r.exit_code == 125, r.output
+    assert r.stdout == "die 0\ndie 1\ndie 2\n" and "error: the VM died" in r.stderr
+
+
 def test_checkpoint_restore_asks_without_yes(daemon: Daemon) -> None:
     run("machine", "new", "rollout-1")
     assert run("machine", "checkpoint", "save", "rollout-1", "episode-start").exit_code == 0

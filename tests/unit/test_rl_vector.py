@@ -336,6 +336,20 @@ def test_recover_replaces_a_shared_server_with_all_its_sub_envs() -> None:
         env.close()
 
 
+def test_a_lost_server_is_an_infrastructure_error_not_an_outcome() -> None:
+    """Without recover: the step raises (no reward, no termination to score), and what
+    it raises is a `boxd.InfrastructureError` a trainer can catch to retry or drop."""
+    env = rl.VectorEnv("CartPole-v1", 2, source=rl.local())
+    try:
+        env.reset(seed=0)
+        env._pool.slots[0].channel.kill()  # type: ignore[attr-defined]
+        with pytest.raises(errors.InfrastructureError) as caught:
+            env.step(np.array([0, 1]))
+        assert isinstance(caught.value, rl.EnvServerLost)
+    finally:
+        env.close()
+
+
 def test_refork_renews_a_server_only_when_all_its_sub_envs_reset() -> None:
     env = rl.VectorEnv("CartPole-v1", 4, source=rl.local(), envs_per_machine=2,
                        reset_mode="refork", autoreset_mode=AutoresetMode.DISABLED)

@@ -384,6 +384,7 @@ def test_an_import_runs_beside_the_event_loop(tmp_path: Path) -> None:
                 answers.append(client.post("/v1/snapshots/import", content=data).status_code)
 
             t = threading.Thread(target=post)
+            began = time.monotonic()
             t.start()
             latencies = []
             while t.is_alive():
@@ -392,8 +393,13 @@ def test_an_import_runs_beside_the_event_loop(tmp_path: Path) -> None:
                 latencies.append(time.monotonic() - started)
                 time.sleep(0.05)
             t.join()
+            took = time.monotonic() - began
             assert answers == [400]
-            assert max(latencies, default=0) < 0.5, latencies
+            # A loop held by the import answers nothing until it ends (one answer as
+            # slow as the import itself); beside it, every answer is a small part of
+            # the import's time. Relative, so a loaded host (the import and the health
+            # checks both slower) does not fail it; 0.5 s absolute did.
+            assert max(latencies, default=0) < max(0.5, took / 4), (took, latencies)
     finally:
         client.close()
         db.close()

@@ -23,7 +23,7 @@ def test_a_version_1_database_is_migrated_in_place_and_keeps_its_records(tmp_pat
         )
     db = Database(path)
     try:
-        assert db.one("PRAGMA user_version")[0] == 7  # type: ignore[index]
+        assert db.one("PRAGMA user_version")[0] == 8  # type: ignore[index]
         rec = Repos(db).machines.get("m_old")
         assert rec is not None
         assert (rec.name, rec.state, rec.port) == ("old", MachineState.RUNNING, 40001)
@@ -32,11 +32,12 @@ def test_a_version_1_database_is_migrated_in_place_and_keeps_its_records(tmp_pat
         assert rec.last_active == 5 and rec.suspend_after is None
         assert rec.url_token and len(rec.url_token) == 32 and not rec.url_public  # v5
         assert rec.labels == {}  # v6
-        assert rec.run_image is None  # v7: the default guest image
+        assert Repos(db).idempotency.count("a_1") == 0  # v7: the table is there
+        assert rec.run_image is None  # v8: the default guest image
     finally:
         db.close()
     again = Database(path)  # a second open migrates nothing
     try:
-        assert again.one("PRAGMA user_version")[0] == 7  # type: ignore[index]
+        assert again.one("PRAGMA user_version")[0] == 8  # type: ignore[index]
     finally:
         again.close()

@@ -13,7 +13,7 @@ import pytest
 from tests._support.fake_world import ACCOUNT, World, make_world, running, sh
 
 from boxd import models
-from boxd.errors import InvalidRequest
+from boxd.errors import InvalidRequest, NotFound
 from boxd.node._transfer import Fetch, FileOffer
 
 
@@ -56,6 +56,8 @@ def test_a_template_of_any_portable_engine_moves_and_is_kept_while_current(
         assert rec is not None
         ids = _claim(b, ["k1", "k2"], src.id)
         assert await b.node.fork_received(rec, tpl, ids) == [None, None]
+        b.node.unpin_template(tpl.id)  # the receive pinned it for the children's start
+        assert b.node.templates.refs.holders(tpl.id) == {f"received:{src.id}": 1}
         for cid in ids:
             out = await b.node.exec(cid, models.ExecRequest(command="cat /root/state"))
             assert out.stdout == "before-the-fork"
@@ -64,6 +66,7 @@ def test_a_template_of_any_portable_engine_moves_and_is_kept_while_current(
         again = await b.node.receive_template(await a.node.offer_template(src.id),
                                               _fetch_from(a, fetched))
         assert again.id == tpl.id and fetched == []
+        b.node.unpin_template(again.id)
 
     asyncio.run(main())
 
@@ -82,5 +85,66 @@ def test_a_template_whose_engine_cannot_move_it_is_refused_and_leaves_nothing(
             await b.node.receive_template(offer, _fetch_from(a, fetched))
         assert fetched == []
         assert not b.paths.templates.exists() or not any(b.paths.templates.iterdir())
+
+    asyncio.run(main())
+
+
+def test_an_offered_template_outlives_its_source_changing_until_the_peer_is_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: the offer unpinned the template as soon as it was described, so a source
+    # that changed (and a gc that followed) while a peer fetched it removed the files
+    # under the peer: NotFound mid-transfer. The offer now holds the template (an
+    # "offer" reference in `TemplateRefs`) until the peer says it is done.
+    a, b = _two_nodes(tmp_path, monkeypatch)
+
+    async def main() -> None:
+        src = await running(a)
+        await sh(a, src.id, "write /root/state first")
+        offer = await a.node.offer_template(src.id)
+        assert a.node.templates.refs.holders(offer.template_id) == {"offer": 1}
+        await sh(a, src.id, "write /root/state second")  # the source changes ...
+        await a.node.offer_template(src.id)  # ... a newer template is made
+        a.node.templates.collect()  # and a gc runs before the peer fetched a byte
+        tpl = await b.node.receive_template(offer, _fetch_from(a, []))
+        rec = a.repos.machines.get(src.id)
+        assert rec is not None
+        (cid,) = _claim(b, ["late"], src.id)
+        assert await b.node.fork_received(rec, tpl, [cid]) == [None]
+        b.node.unpin_template(tpl.id)
+        out = await b.node.exec(cid, models.ExecRequest(command="cat /root/state"))
+        assert out.stdout == "first"
+        # Done: the stale template goes at once (its reference was the last holder).
+        a.node.offer_done(offer.template_id)
+        assert a.node.templates.refs.holders(offer.template_id) == {}
+        assert not (a.paths.templates / offer.template_id).exists()
+        with pytest.raises(NotFound):
+            await a.node.read_chunk("mem", offer.template_id, 0, 1)
+
+    asyncio.run(main())
+
+
+def test_an_offer_a_peer_never_finishes_is_let_go_after_its_lease(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A peer that crashed mid-fetch never says it is done: the reference lapses once no
+    # chunk of the template was read for OFFER_LEASE seconds; each read renews it.
+    from boxd.node import _offers
+
+    monkeypatch.setattr(_offers, "OFFER_LEASE", 0.3)
+    a, _ = _two_nodes(tmp_path, monkeypatch)
+
+    async def main() -> None:
+        src = await running(a)
+        offer = await a.node.offer_template(src.id)
+        await sh(a, src.id, "write /root/state changed")
+        await a.node.offer_template(src.id)
+        for _ in range(4):  # reads keep it alive past the lease
+            await asyncio.sleep(0.15)
+            await a.node.read_chunk("mem", offer.template_id, 0, 1)
+        assert a.node.templates.refs.holders(offer.template_id) == {"offer": 1}
+        await asyncio.sleep(0.6)
+        assert a.node.templates.refs.holders(offer.template_id) == {}
+        assert not (a.paths.templates / offer.template_id).exists()
 
     asyncio.run(main())

@@ -57,10 +57,12 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     401: _doc("unauthorized: missing, unknown or revoked API key"),
     403: _doc("forbidden: the key's account may not do this"),
     404: _doc("not found for this account"),
-    409: _doc("conflict: duplicate name or wrong machine state"),
+    409: _doc("conflict: duplicate name, wrong machine state or an idempotency key "
+               "reused for another request"),
     429: _doc("quota_exceeded"),
     500: _doc("internal_error, integrity_error or host_setup"),
-    503: _doc("machine_failed"),
+    503: _doc("infrastructure_error: machine_failed, agent_lost or node_lost (the "
+               "machine, its engine, agent or node failed; not the command)"),
     507: _doc("resource_exhausted"),
 }
 

@@ -25,6 +25,11 @@ __all__ = ["main"]
 _CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
+#: `machine exec`'s exit status when the machine, its engine, agent or node (or the
+#: daemon) failed: the command has no status of its own (as `docker run` exits 125).
+EXIT_INFRASTRUCTURE = 125
+
+
 def fail(message: str, code: int = 1) -> NoReturn:
     """Print one ``error:`` line to stderr and exit."""
     click.echo(f"error: {message}", err=True)
@@ -127,6 +132,14 @@ def _labels(ctx: click.Context, param: click.Parameter,
     return out
 
 
+def idempotency_option(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    return click.option(
+        "--idempotency-key", metavar="KEY",
+        help=f"A key of this request (e.g. a UUID), the same on each retry: a retry within "
+        f"24 h returns the first request's {what}, never new ones (1-255 printable ASCII "
+        "characters).")
+
+
 def label_option(help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     return click.option("--label", "-l", "labels", multiple=True, metavar="K=V",
                         callback=_labels, help=help)
@@ -164,6 +177,7 @@ def machine() -> None:
 @click.option("--node", metavar="ID", help="Cluster node to place it on (`boxd nodes list`).")
 @label_option("Label it KEY=VALUE (repeat); its forks inherit it; `machine list --label` "
               "and `machine delete --label` select by it.")
+@idempotency_option("machine")
 @click.option("--wait/--no-wait", default=True, show_default=True, help="Wait until ready.")
 @click.option("--timeout", type=float, default=120.0, show_default=True, help="Seconds to wait.")
 @json_option
@@ -182,6 +196,7 @@ def machine_new(
     hibernate_after: float | None,
     node: str | None,
     labels: dict[str, str],
+    idempotency_key: str | None,
     wait: bool,
     timeout: float,
     as_json: bool,
@@ -200,6 +215,7 @@ def machine_new(
         engine=engine,
         node=node,
         labels=labels,
+        idempotency_key=idempotency_key,
         image=image,
     )
     if wait:
@@ -357,7 +373,9 @@ def machine_exec(
     cwd: str | None,
     user: str | None,
 ) -> None:
-    """Run COMMAND in machine NAME, streaming its output; exit with its exit code.
+    """Run COMMAND in machine NAME, streaming its output; exit with its exit code
+    (124: its --timeout passed; 125: the machine, its engine, agent or node failed, so
+    the command has no exit code).
 
     \b
     One argument is a shell string; several are an argv:
@@ -373,17 +391,22 @@ def machine_exec(
         variables[key] = value
     cmd: str | list[str] = command[0] if len(command) == 1 else list(command)
     exit_event = None
-    for event in state.boxd.machines.exec_stream(
-        name, cmd, env=variables or None, cwd=cwd, timeout=timeout, user=user
-    ):
-        if event.type == "stdout" and event.data:
-            click.echo(event.data, nl=False)
-        elif event.type == "stderr" and event.data:
-            click.echo(event.data, nl=False, err=True)
-        elif event.type == "exit":
-            exit_event = event
+    try:
+        for event in state.boxd.machines.exec_stream(
+            name, cmd, env=variables or None, cwd=cwd, timeout=timeout, user=user
+        ):
+            if event.type == "stdout" and event.data:
+                click.echo(event.data, nl=False)
+            elif event.type == "stderr" and event.data:
+                click.echo(event.data, nl=False, err=True)
+            elif event.type == "exit":
+                exit_event = event
+    except errors.InfrastructureError as exc:
+        # Not the command's status: the machine, engine, agent, node or daemon failed.
+        fail(str(exc), EXIT_INFRASTRUCTURE)
     if exit_event is None:
-        fail("the command's output stream ended without an exit status (see the daemon log)")
+        fail("the command's output stream ended without an exit status (see the daemon log)",
+             EXIT_INFRASTRUCTURE)
     if exit_event.timed_out:
         fail(
             f"command timed out after {timeout:g} s and was killed"
@@ -405,11 +428,12 @@ def machine_exec(
               "(`boxd nodes list`; QEMU machines only). [default: the source's node while "
               "it has room, then the others]")
 @label_option("Label the children KEY=VALUE (repeat), over the labels they inherit from SRC.")
+@idempotency_option("children")
 @json_option
 @pass_state
 def machine_fork(
     state: _State, src: str, new: tuple[str, ...], count: int | None, node: str | None,
-    labels: dict[str, str], as_json: bool,
+    labels: dict[str, str], idempotency_key: str | None, as_json: bool,
 ) -> None:
     """Fork running machine SRC into NEW (the child continues from the same instruction).
 
@@ -417,13 +441,16 @@ def machine_fork(
     """
     b = state.boxd
     if count is None and len(new) <= 1:
-        m = b.machines.fork(src, new[0] if new else None, node=node, labels=labels)
+        m = b.machines.fork(src, new[0] if new else None, node=node, labels=labels,
+                            idempotency_key=idempotency_key)
         _show(m, as_json, _render.machine)
         return
     results = (
-        b.machines.fork(src, names=list(new), count=count, node=node, labels=labels)
+        b.machines.fork(src, names=list(new), count=count, node=node, labels=labels,
+                        idempotency_key=idempotency_key)
         if new
-        else b.machines.fork(src, count=count or 1, node=node, labels=labels)
+        else b.machines.fork(src, count=count or 1, node=node, labels=labels,
+                             idempotency_key=idempotency_key)
     )
     made = [r for r in results if not isinstance(r, errors.BoxdError)]
     errs = [r for r in results if isinstance(r, errors.BoxdError)]
@@ -759,6 +786,59 @@ def e2b_env(state: _State, e2b_url: str | None) -> None:
     for name, value in (("E2B_API_URL", url), ("E2B_SANDBOX_URL", url),
                         ("E2B_API_KEY", to_e2b_key(key))):
         click.echo(f"export {name}={value}")
+
+
+@e2b.command("warm")
+@click.argument("template")
+@click.option("--forks", default=8, show_default=True, type=click.IntRange(0, 64),
+              help="Standby forks to keep ready (0 releases them; the machine stays).")
+@click.option("--isolated", is_flag=True,
+              help="For sandboxes created with allow_internet_access=False.")
+@json_option
+@pass_state
+def e2b_warm(state: _State, template: str, forks: int, isolated: bool,
+             as_json: bool) -> None:
+    """Make E2B creates of TEMPLATE forks of one running machine.
+
+    \b
+    boxd e2b warm base --forks 8
+    boxd e2b warm my-snapshot          # a boxd snapshot name is an E2B template
+
+    Starts (once) a machine of TEMPLATE labelled boxd.e2b/template=TEMPLATE and keeps
+    FORKS standby forks of it: Sandbox.create(TEMPLATE) then claims one (a live
+    copy-on-write fork, tens of ms) instead of booting or restoring a machine. Every
+    sandbox starts from the same bytes. Undo it with
+    `boxd machine delete --label boxd.e2b/template=TEMPLATE`.
+    """
+    import json
+    import secrets
+
+    from boxd.e2b.env import source_labels
+
+    b = state.boxd
+    labels = source_labels(template)
+    found = [m for m in b.machines.list(labels=labels, state="running")
+             if m.isolated == isolated]
+    if found:
+        src = found[0]
+    else:
+        src = b.machines.new(
+            f"e2b-warm-{secrets.token_hex(4)}", isolated=isolated, labels=labels,
+            from_snapshot=None if template == "base" else template,
+            suspend_after=0, hibernate_after=0)  # a source that sleeps forks slowly
+        b.machines.wait_until_ready(src.id, timeout=300)
+        # E2B's base template works in /home/user (what a cold create makes first).
+        r = b.machines.exec(src.id, ["mkdir", "-p", "/home/user"], timeout=60)
+        if r.exit_code != 0:
+            fail(f"preparing {src.name} failed: {r.stderr.strip()}")
+    standby = b.machines.warm(src.id, forks)
+    if as_json:
+        click.echo(json.dumps({"template": template, "machine": src.id, "name": src.name,
+                               "forks": standby.forks,
+                               "memory_bytes": standby.memory_bytes}))
+        return
+    click.echo(f"template {template} is warm: machine {src.name}, {standby.forks} standby "
+               f"forks ({standby.memory_bytes / 2**20:.0f} MiB)")
 
 
 @main.group(context_settings=_CONTEXT)

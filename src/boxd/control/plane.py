@@ -27,6 +27,7 @@ from typing import TypeVar
 from boxd import models
 from boxd import process_models as pm
 from boxd.config import DEFAULT_MACHINE_QUOTA
+from boxd.control.idempotency import Idempotency, fingerprint
 from boxd.control.nodes import Cluster, ClusterNode, LocalNode
 from boxd.control.placement import Placement, Room, check_hint, no_room
 from boxd.engine.registry import ENGINES
@@ -112,6 +113,7 @@ class Machines:
         # Held from a fork batch's placement to its claims: a concurrent batch reads
         # the room after them, so together they keep every node's cap.
         self._placing = asyncio.Lock()
+        self.idempotency = Idempotency(repos)
 
     @property
     def nodes(self) -> Mapping[str, Node]:
@@ -220,9 +222,7 @@ class Machines:
         public: bool = False, labels: Mapping[str, str] | None = None,
         run_image: RunImage | None = None,
     ) -> MachineRecord:
-        if name is None:
-            name = f"machine-{secrets.token_hex(3)}"
-        validate_name(name)
+        name = validate_name(name if name is not None else f"machine-{secrets.token_hex(3)}")
         return self.repos.machines.claim(
             account, name, machine_id=new_id("m"), vcpus=vcpus, memory_mib=memory_mib,
             disk_gib=disk_gib, isolated=isolated, image=image or await node.image_key(),
@@ -234,18 +234,31 @@ class Machines:
 
     # ---------------------------------------------------------------- create
 
-    async def create(self, account: str, req: models.MachineCreate) -> models.Machine:
+    async def create(
+        self, account: str, req: models.MachineCreate, idempotency_key: str | None = None,
+    ) -> models.Machine:
+        """Create and boot a machine; a retry with ``idempotency_key`` returns the first
+        request's machine (`control/idempotency.py`).
+
+        Raises:
+            InvalidRequest, AlreadyExists, QuotaExceeded, SnapshotNotFound,
+            HostSetupError; IdempotencyKeyReused: the key named another request.
+        """
+        if idempotency_key is None:
+            return await self._create(account, req)
+        return await self.idempotency.machine(
+            account, idempotency_key, fingerprint("create", req.model_dump(mode="json")),
+            lambda: self._create(account, req), lambda m: _as_now(self, account, m))
+
+    async def _create(self, account: str, req: models.MachineCreate) -> models.Machine:
         if req.name is not None:
             validate_name(req.name)
         if req.engine is not None and req.engine not in ENGINES:
             raise InvalidRequest(f"unknown engine {req.engine!r}", field="engine",
                                  hint=f"use one of {', '.join(ENGINES)}")
-        if req.from_snapshot and req.image:
-            raise InvalidRequest("a machine starts from an image or from a snapshot, not "
-                                 "both", field="image")
+        run_image = await _run_image(self.images, account, req)
         if req.from_snapshot:
             return await self._create_from_snapshot(account, req)
-        run_image = await _run_image(self.images, account, req.image) if req.image else None
 
         async def launch(node: Node) -> MachineRecord:
             rec = await self._claim(
@@ -292,9 +305,8 @@ class Machines:
                 memory_mib=int(meta.get("memory_mib", req.memory_mib)),
                 disk_gib=max(req.disk_gib, int(meta.get("disk_gib", req.disk_gib))),
                 isolated=req.isolated or bool(meta.get("isolated", False)),
-                snapshot=manifest.digest, engine=engine,
+                snapshot=manifest.digest, engine=engine, public=req.public, labels=req.labels,
                 suspend_after=req.suspend_after, hibernate_after=req.hibernate_after,
-                public=req.public, labels=req.labels,
                 run_image=RunImage.from_json(meta.get("run_image")),
             )
             if self.cluster is None:
@@ -429,16 +441,30 @@ class Machines:
     async def fork(
         self, account: str, ref: str, names: builtins.list[str | None],
         node_hint: str | None = None, labels: Mapping[str, str] | None = None,
+        idempotency_key: str | None = None,
     ) -> builtins.list[models.Machine | Exception]:
         """Fork ``ref`` into one child per name (None: a generated name); each item is
         the child or the error that stopped it. ``node_hint`` puts every child on that
         node (a cluster's other node receives the source's template). The children
-        carry the source's labels merged with ``labels``.
+        carry the source's labels merged with ``labels``. A retry with
+        ``idempotency_key`` returns the first request's items (`control/idempotency.py`).
 
         Raises:
             InvalidRequest: a bad name, or labels that break `models.LABEL_RULE` (with
                 the source's).
+            IdempotencyKeyReused: the key named another request.
         """
+        if idempotency_key is None:
+            return await self._fork(account, ref, names, node_hint, labels)
+        return await self.idempotency.items(
+            account, idempotency_key, fingerprint("fork", ref, names, node_hint, labels or {}),
+            lambda: self._fork(account, ref, names, node_hint, labels),
+            lambda m: _as_now(self, account, m))
+
+    async def _fork(
+        self, account: str, ref: str, names: builtins.list[str | None],
+        node_hint: str | None = None, labels: Mapping[str, str] | None = None,
+    ) -> builtins.list[models.Machine | Exception]:
         src = self._find(account, ref)
         for n in names:
             if n is not None:
@@ -645,6 +671,7 @@ class Machines:
         await node.delete(rec.id)
 
     async def recover(self) -> None:
+        self.idempotency.recover()  # keys of requests the last daemon was running
         if self.cluster is not None:
             await self.cluster.start()  # joins Ray; nodes recover their machines
         for node in self.nodes.values():
@@ -665,6 +692,13 @@ class Machines:
         node (a remote node's machines have no route to this daemon's app yet)."""
         for node in self.local.values():
             node.serve_guests(handler)
+
+
+def _as_now(plane: Machines, account: str, kept: models.Machine) -> models.Machine:
+    """A machine a keyed request made, as it is now (as it was made, if deleted)."""
+    rec = plane.repos.machines.get(kept.id)
+    ok = rec is not None and rec.account_id == account and rec.state != MachineState.DELETING
+    return plane._model(rec) if rec is not None and ok else kept
 
 
 #: Machines a delete by labels deletes at once (one page of its selector).
@@ -690,12 +724,21 @@ def _decode_cursor(cursor: str) -> tuple[float, str]:
                          hint="pass the next_cursor of the previous page as given")
 
 
-async def _run_image(images: ImageStore | None, account: str, ref: str) -> RunImage:
-    """The imported image ``ref`` of ``account`` as a machine records it.
+async def _run_image(images: ImageStore | None, account: str,
+                     req: models.MachineCreate) -> RunImage | None:
+    """The imported image ``req.image`` of ``account`` as a machine records it (None:
+    the request names none).
 
     Raises:
+        InvalidRequest: the request names a snapshot too.
         NotFound: the account has no such image (the hint names `boxd image import`).
     """
+    ref = req.image
+    if ref is None:
+        return None
+    if req.from_snapshot:
+        raise InvalidRequest("a machine starts from an image or from a snapshot, not both",
+                             field="image")
     if images is None:
         raise NotFound(f"no image {ref!r}: this daemon keeps no imported images",
                        hint="import it with `boxd image import` on a daemon")

@@ -1,10 +1,11 @@
 """E2B's sandbox operations over boxd's machine service (no HTTP here).
 
 A sandbox is a machine named by its sandbox id, plus a `SandboxRecord`. Create waits
-until the machine runs a command; pause is boxd's hibernate and connect wakes it;
-fork is boxd's copy-on-write fork batch. Each sandbox's end of life is kept by
-`Sandboxes.reap`, which the app runs as a task: at its end a sandbox is killed, or
-hibernated if it was created with ``autoPause``.
+until the machine runs a command (a warm template's create is a fork of its source
+machine, `boxd.e2b.env.source_labels`, claiming a standby fork); pause is boxd's
+hibernate and connect wakes it; fork is boxd's copy-on-write fork batch. Each
+sandbox's end of life is kept by `Sandboxes.reap`, which the app runs as a task: at its
+end a sandbox is killed, or hibernated if it was created with ``autoPause``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass, replace
 from boxd import models
 from boxd.e2b._ids import is_sandbox_id, new_sandbox_id
 from boxd.e2b._store import SandboxRecord, SandboxStore, now
+from boxd.e2b.env import SANDBOX_LABELS, source_labels
 from boxd.errors import BoxdError, InvalidRequest, MachineNotFound, StateError
 from boxd.services import MachineService
 
@@ -36,6 +38,8 @@ MAX_FORKS = 100
 #: Longest sandbox lifetime accepted, in seconds (E2B's longest: 24 hours).
 MAX_TIMEOUT = 24 * 3600
 _READY_TIMEOUT = 120.0
+#: Warm sources of one template a create looks through for one of its network.
+WARM_SOURCES = 8
 #: Idempotency keys remembered (the newest; in memory: a daemon restart forgets them).
 IDEMPOTENCY_KEYS = 4096
 #: The end of life of a paused sandbox: none (on E2B a paused sandbox's timeout stops;
@@ -168,8 +172,10 @@ class Sandboxes:
         )
         self.store.put(rec)
         try:
-            await self.machines.create(account, req)
-            machine = await self._ready(account, sandbox_id)
+            machine = await self._fork_warm(account, template, sandbox_id, isolated)
+            if machine is None:
+                await self.machines.create(account, req)
+                machine = await self._ready(account, sandbox_id)
         except BaseException:
             self.store.remove(sandbox_id)
             with contextlib.suppress(Exception):
@@ -177,6 +183,27 @@ class Sandboxes:
             raise
         self._wakeup.set()
         return Sandbox(rec, machine)
+
+    async def _fork_warm(self, account: str, template: str, sandbox_id: str,
+                         isolated: bool) -> models.Machine | None:
+        """The sandbox forked of ``template``'s warm source (a running machine labelled
+        `source_labels` whose network is the one asked for: a fork keeps its source's),
+        or None when the template has none (or it went meanwhile). The source ran a
+        command already, and the child is the running copy of it."""
+        page = await self.machines.list_page(
+            account, labels=source_labels(template), state=models.MachineState.RUNNING,
+            limit=WARM_SOURCES)
+        source = next((m for m in page.machines if m.isolated == isolated), None)
+        if source is None:
+            return None
+        try:
+            (item,) = await self.machines.fork(account, source.id, [sandbox_id],
+                                               labels=SANDBOX_LABELS)
+        except MachineNotFound:
+            return None  # deleted since it was listed: a create as without it
+        if isinstance(item, BaseException):
+            raise item
+        return item
 
     async def _ready(self, account: str, sandbox_id: str) -> models.Machine:
         machine = await self.machines.wait_until_ready(account, sandbox_id, _READY_TIMEOUT)

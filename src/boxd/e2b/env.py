@@ -9,6 +9,12 @@ revoking the boxd key revokes it.
 
 The daemon writes the URL of its E2B listener to ``<data dir>/e2b.url`` once it
 listens (the port may be chosen by the kernel). Stdlib only: the CLI imports it.
+
+A **warm template** is a running machine of the account labelled
+`source_labels(template)` (``boxd e2b warm TEMPLATE`` makes one and its standby forks):
+an E2B create of that template forks it (claiming a standby fork) instead of booting
+or restoring a machine. Its sandboxes carry ``boxd.e2b/role=sandbox`` over the
+source's role, so they are never taken for a source.
 """
 
 from __future__ import annotations
@@ -16,9 +22,22 @@ from __future__ import annotations
 import binascii
 from pathlib import Path
 
-__all__ = ["E2B_PREFIX", "from_e2b_key", "to_e2b_key", "url_file"]
+__all__ = ["E2B_PREFIX", "ROLE_LABEL", "SANDBOX_LABELS", "TEMPLATE_LABEL", "from_e2b_key",
+           "source_labels", "to_e2b_key", "url_file"]
 
 E2B_PREFIX = "e2b_"
+
+#: The label naming the E2B template a warm source machine serves.
+TEMPLATE_LABEL = "boxd.e2b/template"
+#: ``source`` on a warm template's machine, ``sandbox`` on the sandboxes forked of it.
+ROLE_LABEL = "boxd.e2b/role"
+#: The labels a sandbox forked of a warm source gets over the source's.
+SANDBOX_LABELS = {ROLE_LABEL: "sandbox"}
+
+
+def source_labels(template: str) -> dict[str, str]:
+    """The labels of the machine that makes ``template`` warm."""
+    return {TEMPLATE_LABEL: template, ROLE_LABEL: "source"}
 
 
 def to_e2b_key(secret: str) -> str:

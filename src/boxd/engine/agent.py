@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 from boxd.errors import (
+    AgentLost,
     BoxdError,
     GuestFileNotFound,
     HostSetupError,
@@ -844,7 +845,7 @@ class _Channel:
             MachineFailed: the connection is closed.
         """
         if self.closed:
-            raise MachineFailed(f"agent connection is closed ({self.failure})")
+            raise AgentLost(f"agent connection is closed ({self.failure})")
         req_id = self._new_id()
         q = asyncio.Queue() if q is None else q
         self._pending[req_id] = q
@@ -885,19 +886,19 @@ class _Channel:
                 hint="the machine may be overloaded or hung",
             ) from None
         if msg is None:
-            raise MachineFailed(f"lost the agent connection during {what} ({self.failure})")
+            raise AgentLost(f"lost the agent connection during {what} ({self.failure})")
         return msg
 
     async def send_raw(self, data: bytes) -> None:
         if self.closed:
-            raise MachineFailed(f"agent connection is closed ({self.failure})")
+            raise AgentLost(f"agent connection is closed ({self.failure})")
         try:
             async with self._write_lock:
                 self._writer.write(data)
                 await self._writer.drain()
         except (OSError, RuntimeError) as exc:
             self.fail_all(f"agent connection lost: {exc}")
-            raise MachineFailed(f"agent connection lost: {exc}") from exc
+            raise AgentLost(f"agent connection lost: {exc}") from exc
 
     async def send(self, msg: _Msg) -> None:
         await self.send_raw(json.dumps(msg, separators=(",", ":")).encode() + b"\n")

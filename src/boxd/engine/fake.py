@@ -39,7 +39,13 @@ from boxd.engine.base import (
     MemoryImage,
     Process,
 )
-from boxd.errors import GuestFileNotFound, InternalError, InvalidRequest, MachineFailed
+from boxd.errors import (
+    AgentLost,
+    GuestFileNotFound,
+    InternalError,
+    InvalidRequest,
+    MachineFailed,
+)
 
 _pids = itertools.count(100_000)
 
@@ -108,8 +114,8 @@ class FakeAgent:
 
     def _check(self) -> None:
         if not self._m.alive():
-            raise MachineFailed(f"machine {self._m.config.id}: agent connection lost",
-                                machine=self._m.config.id)
+            raise AgentLost(f"machine {self._m.config.id}: agent connection lost",
+                            machine=self._m.config.id)
 
     async def exec(
         self, command: str | list[str], *, env: Mapping[str, str | None] | None = None,

@@ -145,12 +145,12 @@ class Forks:
     async def fork_received(
         self, src: MachineRecord, tpl: TemplateRecord, child_ids: list[str]
     ) -> list[Exception | None]:
-        """Start recorded children of another node's machine ``src`` from ``tpl``."""
-        with self._templates.pinned(tpl):
-            out = await asyncio.gather(
-                *(self.start_child(src, tpl, cid) for cid in child_ids),
-                return_exceptions=True,
-            )
+        """Start recorded children of another node's machine ``src`` from ``tpl``, which
+        the caller keeps pinned meanwhile (`Templates.receive` returned it so)."""
+        out = await asyncio.gather(
+            *(self.start_child(src, tpl, cid) for cid in child_ids),
+            return_exceptions=True,
+        )
         return results(out)
 
     async def start_child(self, src: MachineRecord, tpl: TemplateRecord, child_id: str) -> None:

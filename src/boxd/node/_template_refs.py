@@ -7,7 +7,10 @@ is the source's current one (the next fork reuses it). The others live only in t
 process, and each takes and drops a reference here:
 
 - ``launch``: a launch in flight from it (a fork child, a standby child being made, a
-  peer's fetch being described); counted, one per launch;
+  peer's fetch being described, the children of a received template starting);
+  counted, one per launch;
+- ``offer``: a peer fetching it (`boxd.node._offers`), one per offer, from the moment
+  it is described until the peer says it is done or its lease lapses;
 - ``standby:<vm id>``: a standby fork child (`boxd.node._spares`) made from it, from
   the moment it is made until it is claimed (its record then names the template) or
   discarded;

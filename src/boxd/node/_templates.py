@@ -284,7 +284,23 @@ class Templates:
 
     async def receive(self, tpl_offer: TemplateOffer, fetch: Fetch) -> TemplateRecord:
         """Make another node's template a local one (once per template; kept while its
-        source is unchanged, so later forks here map it copy-on-write)."""
+        source is unchanged, so later forks here map it copy-on-write), returned pinned
+        as `template` returns one: the caller unpins it. A waiter on another fork's
+        receive may find it collected (a newer one of the source arrived and nothing
+        held this one): it receives it anew.
+
+        Raises:
+            Conflict: it was collected under every attempt (the source kept changing).
+        """
+        for _ in range(3):
+            tpl = await self._receive_once(tpl_offer, fetch)
+            with contextlib.suppress(Conflict):
+                self.pin(tpl)  # no await since it was read: a gc cannot come between
+                return tpl
+        raise Conflict(f"template {tpl_offer.template_id} was collected while it was received",
+                       hint="its source changed meanwhile; fork again")
+
+    async def _receive_once(self, tpl_offer: TemplateOffer, fetch: Fetch) -> TemplateRecord:
         existing = self.repos.layers.template(tpl_offer.template_id)
         if existing is not None and existing.mem_path.exists():
             return existing

@@ -208,15 +208,20 @@ class NodeActor:
         t0 = time.monotonic()
         tpl_offer: TemplateOffer = await peer.offer_template.remote(src.id)
         t1 = time.monotonic()
-        tpl = await self.rt.receive_template(tpl_offer, fetcher(peer))
+        try:  # the peer holds the template until it hears this fetch is over
+            tpl = await self.rt.receive_template(tpl_offer, fetcher(peer))
+        finally:
+            await _offer_done(peer, tpl_offer.template_id)
         t2 = time.monotonic()
-        for c in children:
-            self.rt.lifecycle.adopt(c, quota)
         try:
+            for c in children:
+                self.rt.lifecycle.adopt(c, quota)
             out = await self.rt.fork_received(src, tpl, [c.id for c in children])
         except BaseException:
             await self._drop(children)
             raise
+        finally:
+            self.rt.unpin_template(tpl.id)
         log.info("source=%s event=fork_from children=%d offer=%.3f receive=%.3f start=%.3f",
                  src.id, len(children), t1 - t0, t2 - t1, time.monotonic() - t2)
         return out
@@ -235,6 +240,9 @@ class NodeActor:
 
     async def read_chunk(self, kind: str, key: str, offset: int, length: int) -> bytes:
         return await self.rt.read_chunk(kind, key, offset, length)
+
+    async def offer_done(self, template_id: str) -> None:
+        self.rt.offer_done(template_id)
 
     async def drop_snapshot(self, digest: str) -> bool:
         """Remove a snapshot the registry no longer has (blobs machines here map stay);
@@ -342,6 +350,22 @@ def fetcher(peer: Any) -> Callable[[FileOffer, int, int], Any]:
         data: bytes = await peer.read_chunk.remote(f.kind, f.key, offset, length)
         return data
     return fetch
+
+
+#: Seconds a node waits for a peer to hear that a template fetch is over. A peer that
+#: does not answer (its node died) lets the template go when its lease lapses
+#: (`boxd.node._offers.OFFER_LEASE`).
+OFFER_DONE_WAIT = 10.0
+
+
+async def _offer_done(peer: Any, template_id: str) -> None:
+    """Tell ``peer`` this node is done fetching its template ``template_id``. Never
+    raises (the fork's outcome is decided already); a lost message costs the peer one
+    stale template held until its lease lapses."""
+    try:
+        await asyncio.wait_for(peer.offer_done.remote(template_id), OFFER_DONE_WAIT)
+    except Exception as exc:  # a dead or slow peer: its lease lapses
+        log.warning("template=%s event=offer_done_lost error=%s", template_id, exc)
 
 
 async def receive_snapshot(peer: Any, store: SnapshotStore, digest: str, raw: bytes,

@@ -125,7 +125,7 @@ class NodeRuntime:
                            purge=self.purge)
         self.spares = self.forks.spares
         self.offers = Offers(repos, store, paths.disks, fork_source=self.forks.source,
-                             unpin=self.templates.unpin)
+                             unpin=self.templates.unpin, refs=self.templates.refs)
         self.idle = IdleTimers(repos, settings, self.procs, node_id=node_id, lease=self.lease,
                                spawn=self._spawn)
         self.sleep = Sleep(paths, repos, settings, self.lifecycle, machines=self,
@@ -507,14 +507,24 @@ class NodeRuntime:
         """A chunk of a file this node offered (a template's, a frozen layer, a blob)."""
         return await self.offers.read_chunk(kind, key, offset, length)
 
+    def offer_done(self, template_id: str) -> None:
+        """A peer is done with one offer of the template (see `Offers.offer_done`)."""
+        self.offers.offer_done(template_id)
+
     async def receive_template(self, tpl_offer: TemplateOffer, fetch: Fetch) -> TemplateRecord:
-        """Make another node's template a local one (see `Templates.receive`)."""
+        """Make another node's template a local one, pinned: the caller unpins it
+        (`unpin_template`) once its children started (see `Templates.receive`)."""
         return await self.templates.receive(tpl_offer, fetch)
+
+    def unpin_template(self, template_id: str) -> None:
+        """A launch from a received template finished (see `Templates.unpin`)."""
+        self.templates.unpin(template_id)
 
     async def fork_received(
         self, src: MachineRecord, tpl: TemplateRecord, child_ids: list[str]
     ) -> list[Exception | None]:
-        """Start recorded children of another node's machine ``src`` from ``tpl``."""
+        """Start recorded children of another node's machine ``src`` from ``tpl`` (pinned
+        by the caller: `receive_template`)."""
         return await self.forks.fork_received(src, tpl, child_ids)
 
     async def receive_snapshot(self, digest: str, raw: bytes, offers: list[FileOffer],
@@ -593,6 +603,7 @@ class NodeRuntime:
         self.idle.start()
 
     async def close(self) -> None:
+        self.offers.close()
         await self.proxy.close_all()
         self.idle.stop()
         await self.spares.close()

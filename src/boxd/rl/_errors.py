@@ -5,8 +5,14 @@
     BoxdError
     ├── EnvError                  the environment raised inside its machine   .index, .remote_type
     │   └── EnvModuleNotFound     the env's code needs a module the machine lacks   .module
-    ├── EnvServerLost             the env server's process or machine went away     .index, .machine
+    ├── InfrastructureError       (boxd.errors) the machine, engine, agent or node failed
+    │   └── EnvServerLost         the env server's process or machine went away     .index, .machine
     └── EnvTimeout                a step took longer than ``step_timeout``          .index, .timeout
+
+An `EnvServerLost` is an infrastructure fault, not the policy's outcome: it carries no
+reward or termination, so a trainer retries or drops the rollout (``except
+boxd.InfrastructureError``); its ``__cause__`` is the machine's own error when there is
+one (`MachineFailed`, `AgentLost`, `NodeLost`).
 
 Each is also what Gymnasium's vectorisers would raise there, so code written for them
 catches it: an `EnvError` is also an instance of the exception type the env raised
@@ -26,7 +32,7 @@ import sys
 import threading
 from typing import Any, ClassVar
 
-from boxd.errors import BoxdError
+from boxd.errors import BoxdError, InfrastructureError
 
 #: Exception types never mixed into an EnvError (they steer iteration, not report).
 _NOT_MIXED: tuple[type[BaseException], ...] = (StopIteration, StopAsyncIteration,
@@ -121,8 +127,9 @@ class EnvModuleNotFound(EnvError, ModuleNotFoundError):
     _fields = (*EnvError._fields, "module")
 
 
-class EnvServerLost(BoxdError):
-    """The env server's process or its machine stopped answering."""
+class EnvServerLost(InfrastructureError):
+    """The env server's process or its machine stopped answering (an
+    `InfrastructureError`: the step has no outcome to score)."""
 
     code = "env_server_lost"
     status = 503

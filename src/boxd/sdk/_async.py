@@ -148,6 +148,7 @@ class AsyncBoxd:
             json=req.json,
             content=content if content is not None else req.content,
             timeout=_base.timeout_for(self._timeout, req.timeout),
+            headers=req.headers or None,
         )
 
     async def _send(
@@ -217,6 +218,7 @@ class AsyncMachines:
         node: str | None = None,
         public: bool = False,
         labels: Mapping[str, str] | None = None,
+        idempotency_key: str | None = None,
         image: str | None = None,
     ) -> models.Machine:
         """Create and boot a machine; returns while it starts (see ``wait_until_ready``).
@@ -242,20 +244,24 @@ class AsyncMachines:
             labels: string keys and values to find it by (``list(labels=)``,
                 ``delete_many(labels=)``); its forks inherit them. At most 32; a key is
                 1-128 of letters, digits, ``._/-``; a value 0-256 characters.
-            image: a container image imported for this account (``images.import_``,
-                ``boxd image import``): ``NAME[:TAG]`` or ``sha256:DIGEST``. The
-                machine's root is the image's files; its ENV and WORKDIR are exec's
-                defaults. gVisor only for now (``engine="gvisor"``).
+            idempotency_key: a key of this logical request (e.g. ``str(uuid.uuid4())``),
+                the same on each of its retries: a retry within 24 h returns the first
+                request's machine, never a new one (it waits for the first if that still
+                runs); a failed request frees its key. 1-255 printable ASCII characters.
+            image: an image imported for this account (``images.import_``): ``NAME[:TAG]``
+                or ``sha256:DIGEST``. The machine's root is its files; its ENV, WORKDIR
+                and USER are exec's defaults. gVisor only for now (``engine="gvisor"``).
 
         Raises:
-            InvalidRequest, AlreadyExists, QuotaExceeded, SnapshotNotFound, HostSetupError;
+            InvalidRequest, AlreadyExists, QuotaExceeded, SnapshotNotFound, HostSetupError.
+            IdempotencyKeyReused: the key was sent with a different request.
             NotFound: ``image`` is not imported for this account.
         """
         return await self._c._parse(
             models.Machine,
             _base.machine_create(name, vcpus, memory_mib, disk_gib, isolated, from_snapshot,
                                  engine, suspend_after, hibernate_after, node, public,
-                                 labels, image),
+                                 labels, idempotency_key, image),
         )
 
     async def get(self, ref: str) -> models.Machine:
@@ -411,7 +417,9 @@ class AsyncMachines:
     ) -> models.ExecResult:
         """Run a command to completion and return its output and exit code.
 
-        A non-zero exit code is a normal result, not an exception.
+        A non-zero exit code is a normal result, not an exception; a failure of the
+        machine, its engine, agent or node is never an exit code but an
+        `InfrastructureError`.
 
         Args:
             ref: machine name or id.
@@ -426,7 +434,10 @@ class AsyncMachines:
         Raises:
             ExecTimeout: the command ran past ``timeout``; ``.stdout``/``.stderr`` hold the
                 partial output.
-            MachineNotFound, MachineFailed.
+            MachineNotFound.
+            InfrastructureError: the machine, its engine, agent or node failed during
+                the command (`MachineFailed`, `AgentLost`, `NodeLost`), or the daemon's
+                connection was lost (`ConnectionError`): there is no exit status.
         """
         return await self._c._parse(
             models.ExecResult,
@@ -450,7 +461,10 @@ class AsyncMachines:
         ``exit_code``, ``signal`` and ``timed_out``.
 
         Raises:
-            MachineNotFound, MachineFailed, ConnectionError.
+            MachineNotFound.
+            InfrastructureError: the machine, its engine, agent or node failed during
+                the command (`MachineFailed`, `AgentLost`, `NodeLost`), or the daemon's
+                connection was lost (`ConnectionError`): there is no exit status.
         """
         req = _base.machine_exec_stream(ref, command, env, cwd, timeout, stdin, user)
         async with self._c._stream(req) as resp:
@@ -459,27 +473,30 @@ class AsyncMachines:
                     event = _base.parse_event(line)
                     if event is not None:
                         yield event
+                        if event.type == "exit":
+                            return
             except httpx.HTTPError as exc:
                 raise _base.map_transport_error(exc, self._c._target) from exc
+        raise _base.stream_cut(ref)
 
     @overload
     async def fork(
         self, src: str, name: str | None = None, *, node: str | None = None,
-        labels: Mapping[str, str] | None = None,
+        labels: Mapping[str, str] | None = None, idempotency_key: str | None = None,
     ) -> models.Machine: ...
 
     @overload
     async def fork(
         self, src: str, name: None = None, *, count: int,
         names: builtins.list[str] | None = None, node: str | None = None,
-        labels: Mapping[str, str] | None = None,
+        labels: Mapping[str, str] | None = None, idempotency_key: str | None = None,
     ) -> builtins.list[models.Machine | errors.BoxdError]: ...
 
     @overload
     async def fork(
         self, src: str, name: None = None, *, count: int | None = None,
         names: builtins.list[str], node: str | None = None,
-        labels: Mapping[str, str] | None = None,
+        labels: Mapping[str, str] | None = None, idempotency_key: str | None = None,
     ) -> builtins.list[models.Machine | errors.BoxdError]: ...
 
     async def fork(
@@ -491,6 +508,7 @@ class AsyncMachines:
         names: builtins.list[str] | None = None,
         node: str | None = None,
         labels: Mapping[str, str] | None = None,
+        idempotency_key: str | None = None,
     ) -> models.Machine | builtins.list[models.Machine | errors.BoxdError]:
         """Fork a running machine: the child continues from the same instruction.
 
@@ -499,21 +517,25 @@ class AsyncMachines:
         doesn't sink the batch). Otherwise return the single child. ``node`` puts the
         children on that cluster node (`nodes.list`); by default they go to the
         source's node while it has room, then to the others. The children carry the
-        source's labels merged with ``labels``.
+        source's labels merged with ``labels``. With ``idempotency_key`` (the same on
+        each retry of this request), a retry within 24 h returns the first request's
+        children, never new ones; a request that made no child frees its key.
 
         Raises:
             MachineNotFound, StateError, AlreadyExists, QuotaExceeded (single fork; a
             batch raises only for errors that concern the whole request).
             NotFound: no such node. InvalidRequest: ``node`` is not the source's node
             and the source cannot leave it (a gVisor machine, or no cluster).
+            IdempotencyKeyReused: the key was sent with a different request.
         """
         if count is None and names is None:
-            return await self._c._parse(models.Machine,
-                                        _base.machine_fork(src, name, node, labels))
+            return await self._c._parse(
+                models.Machine, _base.machine_fork(src, name, node, labels, idempotency_key))
         if name is not None:
             raise errors.InvalidRequest("pass either name or count/names", field="name")
         result = await self._c._parse(
-            models.ForkResult, _base.machine_fork_batch(src, count, names, node, labels)
+            models.ForkResult,
+            _base.machine_fork_batch(src, count, names, node, labels, idempotency_key),
         )
         return _base.fork_items(result)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import re
 import tarfile
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
@@ -215,6 +216,7 @@ class Req:
     json: Any = None
     content: bytes | None = None
     timeout: float | str | None = DEFAULT
+    headers: Mapping[str, str] = field(default_factory=dict)
 
 
 # --- request builders -----------------------------------------------------------------
@@ -241,6 +243,7 @@ def machine_create(
     node: str | None = None,
     public: bool = False,
     labels: Mapping[str, str] | None = None,
+    idempotency_key: str | None = None,
     image: str | None = None,
 ) -> Req:
     body: dict[str, Any] = {"isolated": bool(isolated)}
@@ -262,7 +265,24 @@ def machine_create(
     ):
         if v is not None:  # absent fields take the daemon's defaults
             body[k] = v
-    return Req("POST", "/v1/machines", json=body)
+    return Req("POST", "/v1/machines", json=body, headers=idempotency(idempotency_key))
+
+
+def idempotency(key: str | None) -> dict[str, str]:
+    """The ``Idempotency-Key`` header of a create or fork ({} without a key).
+
+    Raises:
+        InvalidRequest: not 1-255 printable ASCII characters without spaces.
+    """
+    if key is None:
+        return {}
+    pattern = models.IDEMPOTENCY_KEY_PATTERN.removesuffix("$") + r"\Z"
+    if not isinstance(key, str) or not re.match(pattern, key):
+        raise errors.InvalidRequest(
+            f"invalid idempotency key {str(key)[:80]!r}: use 1-255 printable ASCII "
+            "characters without spaces", field="idempotency_key",
+            hint="e.g. str(uuid.uuid4()) per logical request, the same on its retries")
+    return {"Idempotency-Key": key}
 
 
 def machine_get(ref: str) -> Req:
@@ -389,17 +409,20 @@ def machine_warm(ref: str, forks: int) -> Req:
 
 
 def machine_fork(src: str, name: str | None, node: str | None = None,
-                 labels: Mapping[str, str] | None = None) -> Req:
+                 labels: Mapping[str, str] | None = None,
+                 idempotency_key: str | None = None) -> Req:
     body: dict[str, Any] = {k: v for k, v in (("name", name), ("node", node))
                             if v is not None}
     if labels:
         body["labels"] = models.check_labels(labels)
-    return Req("POST", f"/v1/machines/{seg(src)}/fork", json=body)
+    return Req("POST", f"/v1/machines/{seg(src)}/fork", json=body,
+               headers=idempotency(idempotency_key))
 
 
 def machine_fork_batch(src: str, count: int | None, names: list[str] | None,
                        node: str | None = None,
-                       labels: Mapping[str, str] | None = None) -> Req:
+                       labels: Mapping[str, str] | None = None,
+                       idempotency_key: str | None = None) -> Req:
     body: dict[str, Any] = {} if node is None else {"node": node}
     if labels:
         body["labels"] = models.check_labels(labels)
@@ -407,7 +430,8 @@ def machine_fork_batch(src: str, count: int | None, names: list[str] | None,
         body["count"] = count
     if names is not None:
         body["names"] = list(names)
-    return Req("POST", f"/v1/machines/{seg(src)}/fork/batch", json=body, timeout=NO_READ_TIMEOUT)
+    return Req("POST", f"/v1/machines/{seg(src)}/fork/batch", json=body, timeout=NO_READ_TIMEOUT,
+               headers=idempotency(idempotency_key))
 
 
 def file_upload(ref: str, path: str, data: str | bytes, mode: int) -> Req:
@@ -657,6 +681,15 @@ def parse_event(line: str | bytes) -> models.ExecEvent | None:
         return models.ExecEvent.model_validate(obj)
     except ValidationError as exc:
         raise errors.InternalError(f"malformed exec event: {obj!r}"[:300]) from exc
+
+
+def stream_cut(ref: str) -> errors.InfrastructureError:
+    """An exec stream that ended without its exit event: the command's outcome is
+    unknown (the daemon or the connection went away between two events)."""
+    return errors.InfrastructureError(
+        f"the exec stream of machine {ref!r} ended without an exit status", machine=ref,
+        hint="the daemon or the connection went away; check `boxd machine info` and run "
+        "the command again")
 
 
 def fork_items(result: models.ForkResult) -> list[models.Machine | errors.BoxdError]:

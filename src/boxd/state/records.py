@@ -200,6 +200,24 @@ class KeyRecord:
 
 
 @dataclass(frozen=True)
+class IdempotencyRecord:
+    """A request's ``Idempotency-Key``: what it asked (``fingerprint``) and, once it is
+    done, what it returned (``response``, JSON; None while it runs)."""
+
+    account_id: str
+    key: str
+    fingerprint: str
+    response: str | None
+    created_at: float
+    expires_at: float
+
+    @classmethod
+    def of(cls, row: sqlite3.Row) -> IdempotencyRecord:
+        return cls(row["account_id"], row["key"], row["fingerprint"], row["response"],
+                   row["created_at"], row["expires_at"])
+
+
+@dataclass(frozen=True)
 class Garbage:
     """What `Layers.collect` removed from the records: the caller removes the files."""
 

@@ -23,6 +23,7 @@ from boxd.state.records import (
     AccountRecord,
     CheckpointRecord,
     Garbage,
+    IdempotencyRecord,
     KeyRecord,
     LayerRecord,
     MachineRecord,
@@ -712,6 +713,72 @@ class Keys:
         )
 
 
+class IdempotencyKeys:
+    """The ``idempotency_keys`` table: one row per (account, key) a keyed create or fork
+    claimed, until it expires."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    def claim(
+        self, account: str, key: str, fingerprint: str, *, now: float, ttl: float
+    ) -> IdempotencyRecord | None:
+        """Take ``key`` for a new request (None), or return the live row that holds it
+        (an expired one is replaced), in one transaction: of two concurrent claims one
+        takes the key and the other sees its row."""
+        with self._db.transaction() as conn:
+            conn.execute("DELETE FROM idempotency_keys WHERE account_id=? AND key=? "
+                         "AND expires_at<=?", (account, key, now))
+            row = conn.execute("SELECT * FROM idempotency_keys WHERE account_id=? AND key=?",
+                               (account, key)).fetchone()
+            if row is not None:
+                return IdempotencyRecord.of(row)
+            conn.execute(
+                "INSERT INTO idempotency_keys (account_id, key, fingerprint, response, "
+                "created_at, expires_at) VALUES (?,?,?,NULL,?,?)",
+                (account, key, fingerprint, now, now + ttl))
+            return None
+
+    def get(self, account: str, key: str) -> IdempotencyRecord | None:
+        row = self._db.one("SELECT * FROM idempotency_keys WHERE account_id=? AND key=?",
+                           (account, key))
+        return IdempotencyRecord.of(row) if row else None
+
+    def finish(self, account: str, key: str, response: str) -> None:
+        """The request is done: keep what it returned for its retries."""
+        self._db.execute("UPDATE idempotency_keys SET response=? WHERE account_id=? AND key=?",
+                         (response, account, key))
+
+    def release(self, account: str, key: str) -> None:
+        """Forget the key (its request failed): a retry runs anew."""
+        self._db.execute("DELETE FROM idempotency_keys WHERE account_id=? AND key=?",
+                         (account, key))
+
+    def release_running(self) -> int:
+        """Forget every key whose request is not done (the daemon that ran them is gone)."""
+        return self._db.execute("DELETE FROM idempotency_keys WHERE response IS NULL")
+
+    def prune(self, now: float) -> int:
+        """Delete the expired keys; how many."""
+        return self._db.execute("DELETE FROM idempotency_keys WHERE expires_at<=?", (now,))
+
+    def count(self, account: str) -> int:
+        row = self._db.one("SELECT COUNT(*) FROM idempotency_keys WHERE account_id=?",
+                           (account,))
+        return int(row[0]) if row else 0
+
+    def trim(self, account: str, keep: int, created_before: float) -> int:
+        """Delete the account's oldest done keys created before ``created_before`` until at
+        most ``keep`` remain; how many went."""
+        excess = self.count(account) - keep
+        if excess <= 0:
+            return 0
+        return self._db.execute(
+            "DELETE FROM idempotency_keys WHERE account_id=? AND key IN (SELECT key FROM "
+            "idempotency_keys WHERE account_id=? AND response IS NOT NULL AND created_at<? "
+            "ORDER BY created_at LIMIT ?)", (account, account, created_before, excess))
+
+
 class Repos:
     """All repositories over one database."""
 
@@ -723,6 +790,8 @@ class Repos:
         self.snapshots = Snapshots(db)
         self.accounts = Accounts(db)
         self.keys = Keys(db)
+        self.idempotency = IdempotencyKeys(db)
 
 
-__all__ = ["Accounts", "Checkpoints", "Keys", "Layers", "Machines", "Repos", "Snapshots"]
+__all__ = ["Accounts", "Checkpoints", "IdempotencyKeys", "Keys", "Layers", "Machines", "Repos",
+           "Snapshots"]

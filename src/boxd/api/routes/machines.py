@@ -6,7 +6,7 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Annotated, cast
 
-from fastapi import APIRouter, Query, Request, Response, status
+from fastapi import APIRouter, Header, Query, Request, Response, status
 from fastapi import Path as PathParam
 from fastapi.responses import StreamingResponse
 from pydantic import StringConstraints
@@ -23,15 +23,28 @@ log = logging.getLogger("boxd.api")
 MAX_FORK_BATCH = 64
 NDJSON = "application/x-ndjson"
 
+#: The ``Idempotency-Key`` header of create and fork.
+IdempotencyKey = Annotated[
+    str | None,
+    Header(alias="Idempotency-Key", min_length=1, max_length=255,
+           pattern=models.IDEMPOTENCY_KEY_PATTERN,
+           description="a key of the logical request (e.g. a UUID), the same on each of "
+           "its retries: a retry within 24 h returns the first request's machines, never "
+           "new ones; waits for the first if it still runs; a key sent with another "
+           "request is a 409 idempotency_key_reused; a failed request frees its key"),
+]
+
+
 @router.post(
     "", response_model=models.Machine, status_code=status.HTTP_201_CREATED
 )
 async def create_machine(
-    body: models.MachineCreate, account: Account, machines: Machines
+    body: models.MachineCreate, account: Account, machines: Machines,
+    idempotency_key: IdempotencyKey = None,
 ) -> models.Machine:
     """Create and boot a machine (returns while it is still starting)."""
     check_name(body.name)
-    return await machines.create(account, body)
+    return await machines.create(account, body, idempotency_key=idempotency_key)
 
 
 #: One ``KEY=VALUE`` of a selector, as the schema states it (`models.LABEL_RULE`).
@@ -289,14 +302,16 @@ def _items(result: object) -> list[models.Machine | Exception]:
 
 @router.post("/{ref}/fork", response_model=models.Machine, status_code=status.HTTP_201_CREATED)
 async def fork(
-    ref: str, account: Account, machines: Machines, body: models.ForkRequest | None = None
+    ref: str, account: Account, machines: Machines, body: models.ForkRequest | None = None,
+    idempotency_key: IdempotencyKey = None,
 ) -> models.Machine:
     """Fork one running machine into one child."""
     name = body.name if body is not None else None
     check_name(name)
     node = body.node if body is not None else None
     labels = body.labels if body is not None else {}
-    (item,) = _items(await machines.fork(account, ref, [name], node, labels))
+    (item,) = _items(await machines.fork(account, ref, [name], node, labels,
+                                         idempotency_key=idempotency_key))
     if isinstance(item, Exception):
         raise item
     return item
@@ -317,7 +332,8 @@ async def warm(
 
 @router.post("/{ref}/fork/batch", response_model=models.ForkResult)
 async def fork_batch(
-    ref: str, body: models.ForkBatchRequest, account: Account, machines: Machines
+    ref: str, body: models.ForkBatchRequest, account: Account, machines: Machines,
+    idempotency_key: IdempotencyKey = None,
 ) -> models.ForkResult:
     """Fork one machine into many children; each item is a child or its error."""
     names: list[str | None]
@@ -342,7 +358,8 @@ async def fork_batch(
         names = [None] * body.count
     else:
         raise InvalidRequest("give count or names", hint='e.g. {"count": 8}', field="count")
-    items = _items(await machines.fork(account, ref, names, body.node, body.labels))
+    items = _items(await machines.fork(account, ref, names, body.node, body.labels,
+                                      idempotency_key=idempotency_key))
     children = []
     for item in items:
         if isinstance(item, models.Machine):
