@@ -179,3 +179,18 @@ def test_a_guest_root_without_python_is_a_host_setup_error(tmp_path: Path) -> No
     (rt / "usr/bin/python3.11").unlink()
     with pytest.raises(HostSetupError, match="no dynamic loader or no usr/bin/python3"):
         _spec.runtime_python(rt)
+
+
+def test_machine_info_shows_the_image(capsys: pytest.CaptureFixture[str]) -> None:
+    from boxd.cli import _render
+
+    m = models.Machine(id="m_1", name="a", state=models.MachineState.RUNNING, vcpus=1,
+                       memory_mib=256, disk_gib=1, isolated=False, created_at=0,
+                       image=models.MachineImage(name="envs/app:v1",
+                                                 digest="sha256:" + "ab" * 32))
+    _render.machine(m)
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("image"))
+    assert "envs/app:v1" in line and "abab" in line
+    _render.machine(m.model_copy(update={"image": None}))
+    assert next(x for x in capsys.readouterr().out.splitlines()
+                if x.startswith("image")).split() == ["image", "-"]
