@@ -292,6 +292,7 @@ function execBody(opts: ExecOptions): Wire["ExecRequest"] {
   if (opts.cwd !== undefined) body.cwd = opts.cwd;
   if (opts.timeout !== undefined) body.timeout = opts.timeout;
   if (opts.stdin !== undefined) body.stdin = opts.stdin;
+  if (opts.user !== undefined) body.user = opts.user;
   return body;
 }
 
@@ -380,7 +381,8 @@ export class Machines {
   /**
    * Create and boot a machine; resolves while it starts (see {@link waitUntilReady}).
    * @param name DNS-label name, unique per account; generated if absent.
-   * @throws InvalidRequest, AlreadyExists, QuotaExceeded, SnapshotNotFound, HostSetupError
+   * @throws InvalidRequest, AlreadyExists, QuotaExceeded, SnapshotNotFound, HostSetupError,
+   *   NotFound (`options.image` is not imported for this account)
    */
   async new(name?: string | null, options: MachineNewOptions = {}): Promise<Machine> {
     const body: Record<string, unknown> = { isolated: Boolean(options.isolated) };
@@ -395,6 +397,7 @@ export class Machines {
       ["suspend_after", options.suspendAfter],
       ["hibernate_after", options.hibernateAfter],
       ["node", options.node],
+      ["image", options.image],
     ];
     for (const [k, v] of fields) if (v !== undefined && v !== null) body[k] = v; // daemon defaults
     if (options.labels && Object.keys(options.labels).length) body.labels = { ...options.labels };
@@ -727,13 +730,14 @@ export class Machines {
   async spawn(
     ref: string,
     argv: string[],
-    options: { env?: Record<string, string>; cwd?: string } = {},
+    options: { env?: Record<string, string>; cwd?: string; user?: string } = {},
   ): Promise<ProcessHandle> {
     if (!Array.isArray(argv) || argv.length === 0) {
       throw new InvalidRequest("argv must be a non-empty list of strings", { details: { field: "argv" } });
     }
     const body: Record<string, unknown> = { argv, env: options.env ?? {} };
     if (options.cwd !== undefined) body.cwd = options.cwd;
+    if (options.user !== undefined) body.user = options.user;
     const info = await this.c._json<Process>({
       method: "POST",
       path: `/v1/machines/${seg(ref)}/processes`,

@@ -889,6 +889,11 @@ export interface components {
              */
             cwd?: string | null;
             /**
+             * User
+             * @description NAME[:GROUP] or UID[:GID] to run it as, from the machine's /etc/passwd and /etc/group; default: the image's USER, else root
+             */
+            user?: string | null;
+            /**
              * Timeout
              * @description seconds (at most 604800); the command is killed after
              */
@@ -1260,6 +1265,8 @@ export interface components {
              * @description what its end does: 'delete' or 'hibernate' (None: no lifetime)
              */
             on_timeout?: ("delete" | "hibernate") | null;
+            /** @description the container image it runs (None: boxd's default guest image) */
+            image?: components["schemas"]["MachineImage"] | null;
         };
         /** MachineCreate */
         MachineCreate: {
@@ -1337,6 +1344,27 @@ export interface components {
              * @description what its end does: 'delete' (default) or 'hibernate'
              */
             on_timeout?: ("delete" | "hibernate") | null;
+            /**
+             * Image
+             * @description an image imported for the account (`boxd image import`): NAME[:TAG] or sha256:DIGEST; the machine's root is that image's files, and its ENV and WORKDIR are exec's defaults. gVisor only for now; not with from_snapshot
+             */
+            image?: string | null;
+        };
+        /**
+         * MachineImage
+         * @description The container image a machine runs (`MachineCreate.image`).
+         */
+        MachineImage: {
+            /**
+             * Name
+             * @description the image's name as given (NAME:TAG or its digest)
+             */
+            name: string;
+            /**
+             * Digest
+             * @description its manifest's digest
+             */
+            digest: string;
         };
         /** MachineList */
         MachineList: {
@@ -1577,6 +1605,11 @@ export interface components {
              * @description absolute path of its working directory
              */
             cwd?: string | null;
+            /**
+             * User
+             * @description NAME[:GROUP] or UID[:GID] to run it as, from the machine's /etc/passwd and /etc/group; default: the image's USER, else root
+             */
+            user?: string | null;
         };
         /**
          * Standby

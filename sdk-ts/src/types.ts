@@ -102,6 +102,12 @@ export interface MachineNewOptions {
   timeout?: number;
   /** What its end does: `"delete"` (default) or `"hibernate"`. */
   onTimeout?: OnTimeout;
+  /**
+   * A container image imported for this account (`images.import`, `boxd image import`):
+   * `NAME[:TAG]` or `sha256:DIGEST`. The machine's root is the image's files; its ENV,
+   * WORKDIR and USER are exec's defaults. gVisor only for now (`engine: "gvisor"`).
+   */
+  image?: string;
 }
 
 /** What a machine's end does (`timeout`): delete it or hibernate it. */
@@ -119,4 +125,9 @@ export interface ExecOptions {
   timeout?: number;
   /** Text fed to the command's standard input. */
   stdin?: string;
+  /**
+   * `NAME[:GROUP]` or `UID[:GID]` to run it as (the machine's /etc/passwd names it);
+   * default: the image's USER, else root.
+   */
+  user?: string;
 }

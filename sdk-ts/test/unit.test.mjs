@@ -386,3 +386,38 @@ test("an exec stream that ends without its exit event throws InfrastructureError
     srv.close();
   }
 });
+
+test("image: sent on new and shown on the machine; exec and spawn send user", async () => {
+  const { createServer } = await import("node:http");
+  const seen = [];
+  const srv = createServer((req, res) => {
+    let body = "";
+    req.on("data", (c) => (body += c));
+    req.on("end", () => {
+      seen.push({ path: new URL(req.url, "http://x").pathname, body: body && JSON.parse(body) });
+      res.setHeader("content-type", "application/json");
+      const u = req.url;
+      const out = u.endsWith("/exec")
+        ? { stdout: "", stderr: "", exit_code: 0, duration: 0 }
+        : u.endsWith("/processes")
+          ? { id: "p_1", machine_id: "m_a", argv: ["cat"], state: "running", created_at: 1 }
+          : { id: "m_a", name: "a", state: "running", vcpus: 1, memory_mib: 128, disk_gib: 1,
+              isolated: false, created_at: 1, engine: "gvisor",
+              image: { name: "envs/app:v1", digest: "sha256:" + "a".repeat(64) } };
+      res.end(JSON.stringify(out));
+    });
+  });
+  await new Promise((ok) => srv.listen(0, "127.0.0.1", ok));
+  try {
+    const boxd = new sdk.Boxd({ baseUrl: `http://127.0.0.1:${srv.address().port}`, apiKey: "k" });
+    const m = await boxd.machines.new("a", { image: "envs/app:v1", engine: "gvisor" });
+    assert.deepEqual(seen[0].body, { isolated: false, name: "a", engine: "gvisor", image: "envs/app:v1" });
+    assert.equal(m.image.name, "envs/app:v1");
+    await boxd.machines.exec("a", { command: ["id"], user: "app" });
+    assert.equal(seen[1].body.user, "app");
+    await boxd.machines.spawn("a", ["cat"], { user: "1000:1000" }).catch(() => {});
+    assert.equal(seen[2].body.user, "1000:1000");
+  } finally {
+    srv.close();
+  }
+});

@@ -95,6 +95,11 @@ class Paths:
         return self.home / "oci"
 
     @property
+    def image_roots(self) -> Path:
+        """Imported images unpacked for machines to run on: one tree per image digest."""
+        return self.home / "oci-roots"
+
+    @property
     def disks(self) -> Path:
         return self.home / "disks"
 

@@ -74,6 +74,12 @@ ExecEnv = Annotated[dict[EnvName, NoNul], WithJsonSchema(_ENV_SCHEMA)]
 #: A command's working directory in the guest: an absolute path.
 GuestCwd = Annotated[str, StringConstraints(min_length=1, max_length=4096,
                                             pattern=GUEST_PATH_PATTERN)]
+#: Who a command runs as: ``NAME[:GROUP]`` or ``UID[:GID]`` (a Dockerfile's USER).
+_USER_PART = r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}"
+GuestUser = Annotated[str, StringConstraints(
+    max_length=65, pattern=rf"^{_USER_PART}(?::{_USER_PART})?$")]
+USER_DESCRIPTION = ("NAME[:GROUP] or UID[:GID] to run it as, from the machine's /etc/passwd "
+                    "and /etc/group; default: the image's USER, else root")
 
 
 def _arg_bytes(text: str) -> int:
@@ -265,6 +271,19 @@ class MachineState(StrEnum):
     DELETING = "deleting"
 
 
+#: What an image name looks like (``NAME[:TAG]``; `boxd.images.oci.parse_name` is the rule).
+IMAGE_NAME_PATTERN = r"^[a-z0-9]+(?:[._/-][a-z0-9]+)*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?$"
+#: An imported image a machine runs: ``NAME[:TAG]``, or its manifest digest.
+IMAGE_REF_PATTERN = r"^(?:sha256:[0-9a-f]{64}|" + IMAGE_NAME_PATTERN[1:-1] + r")$"
+
+
+class MachineImage(BaseModel):
+    """The container image a machine runs (`MachineCreate.image`)."""
+
+    name: str = Field(description="the image's name as given (NAME:TAG or its digest)")
+    digest: str = Field(description="its manifest's digest")
+
+
 class MachineCreate(BaseModel):
     name: Name | None = Field(
         None, description=f"unique per account; generated if absent. {NAME_RULE}")
@@ -300,6 +319,11 @@ class MachineCreate(BaseModel):
         description=f"labels to find it by (list and delete by selector). {LABEL_RULE}")
     timeout: Timeout = Field(None, description=TIMEOUT_DOC)
     on_timeout: OnTimeout | None = Field(None, description=ON_TIMEOUT_DOC)
+    image: str | None = Field(
+        None, max_length=330, pattern=IMAGE_REF_PATTERN,
+        description="an image imported for the account (`boxd image import`): NAME[:TAG] "
+        "or sha256:DIGEST; the machine's root is that image's files, and its ENV and "
+        "WORKDIR are exec's defaults. gVisor only for now; not with from_snapshot")
 
     @field_validator("labels", mode="before")
     @classmethod
@@ -343,6 +367,8 @@ class Machine(BaseModel):
         "deleted, or hibernated (see on_timeout)")
     on_timeout: OnTimeout | None = Field(
         None, description="what its end does: 'delete' or 'hibernate' (None: no lifetime)")
+    image: MachineImage | None = Field(
+        None, description="the container image it runs (None: boxd's default guest image)")
 
     def url_for(self, port: int = config.GUEST_HTTP_PORT) -> str:
         """Its URL for a guest TCP port: ``url`` for 8080, ``http://127.0.0.1:PORT/TOKEN.N``
@@ -540,6 +566,7 @@ class ExecRequest(BaseModel):
     )
     cwd: GuestCwd | None = Field(default=None,
                                  description="absolute path of its working directory")
+    user: GuestUser | None = Field(default=None, description=USER_DESCRIPTION)
     timeout: float | None = Field(
         None, gt=0, le=MAX_EXEC_TIMEOUT, allow_inf_nan=False,
         description=f"seconds (at most {MAX_EXEC_TIMEOUT:.0f}); the command is killed after",
@@ -734,8 +761,6 @@ class HostInfo(BaseModel):
 # --- container images (boxd image import / list / inspect / rm) ----------------------
 
 
-#: What an image name looks like (``NAME[:TAG]``; `boxd.images.oci.parse_name` is the rule).
-IMAGE_NAME_PATTERN = r"^[a-z0-9]+(?:[._/-][a-z0-9]+)*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?$"
 #: The transports an import takes (the rest of a source is checked when it is read).
 IMAGE_SOURCE_PATTERN = r"^(?:(?:oci|oci-archive|docker-archive):.|docker://.)"
 

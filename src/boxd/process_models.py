@@ -14,9 +14,11 @@ from boxd.models import (
     MAX_ARG_BYTES,
     MAX_ARGV_ITEMS,
     MAX_EXEC_BYTES,
+    USER_DESCRIPTION,
     Argv,
     ExecEnv,
     GuestCwd,
+    GuestUser,
     check_argv,
     check_argv_items,
     check_env,
@@ -34,6 +36,7 @@ class SpawnRequest(BaseModel):
         description="variables set for the command; names without '=', no NUL bytes")
     cwd: GuestCwd | None = Field(default=None,
                                  description="absolute path of its working directory")
+    user: GuestUser | None = Field(default=None, description=USER_DESCRIPTION)
 
     @field_validator("argv", mode="before")
     @classmethod

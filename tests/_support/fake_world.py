@@ -21,6 +21,7 @@ from boxd.models import MachineState
 from boxd.node import Host, NodeRuntime
 from boxd.state import Database, Repos
 from boxd.storage import SnapshotStore
+from boxd.storage.oci import ImageStore
 
 S = MachineState
 ACCOUNT = "a_test"
@@ -74,7 +75,8 @@ def make_world(tmp: Path, monkeypatch: pytest.MonkeyPatch, spares: int = 0,
     store = SnapshotStore(paths.snapshots)
     node = NodeRuntime(paths, repos, Host(paths, settings, engine=engine, image=image), settings,
                        store)
-    machines = Machines(repos, {node.id: node}, store)
+    machines = Machines(repos, {node.id: node}, store,
+                        images=ImageStore(paths.images_store))
     snapshots = Snapshots(machines, store)
     machines.snapshots = snapshots
     return World(paths, repos, engine, node, machines, snapshots)

@@ -212,6 +212,39 @@ def test_stdin_env_cwd(guest: Guest) -> None:
     with_client(guest, body)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="running as another user needs root")
+def test_exec_as_another_user_resolves_it_in_the_guests_passwd(guest: Guest) -> None:
+    # A container image's USER: both front ends (boxd-init relays it to agent.py).
+    import pwd
+
+    nobody = pwd.getpwnam("nobody")
+
+    async def body(c: AgentClient) -> None:
+        res = await c.run("id -u; id -g; echo $HOME:$USER", user="nobody")
+        assert res.stdout.decode() == \
+            f"{nobody.pw_uid}\n{nobody.pw_gid}\n{nobody.pw_dir}:nobody\n"
+        res = await c.run("id -u; id -g; echo $HOME", user="4242:4343", env={"HOME": "/h"})
+        assert res.stdout.decode() == "4242\n4343\n/h\n"  # no entry needed; env wins
+        res = await c.run("id -u")  # no user: root, as before
+        assert res.stdout.decode() == "0\n"
+        proc = await c.start(["sh", "-c", "id -u"], user="nobody")
+        out = b"".join([item.data async for item in proc if isinstance(item, ExecOutput)])
+        assert out == f"{nobody.pw_uid}\n".encode()
+        with pytest.raises(InvalidRequest, match="no user 'no-such-user'"):
+            await c.run("true", user="no-such-user")
+        with pytest.raises(InvalidRequest, match="no group 'no-such-group'"):
+            await c.run("true", user="nobody:no-such-group")
+        # an agent older than 1.6 would ignore user and run as root: refused on the host
+        c.agent_version = "1.5"
+        with pytest.raises(InvalidRequest, match="cannot run a command as another user"):
+            await c.run("touch /tmp/never", user="nobody")
+        with pytest.raises(InvalidRequest, match="cannot run a command as another user"):
+            await c.start(["true"], user="nobody")
+        assert (await c.run("id -u")).stdout == b"0\n"  # without user it still runs
+
+    with_client(guest, body)
+
+
 _BAD_EXECS: list[tuple[str, dict[str, object]]] = [
     ("NUL in a shell command", {"command": "echo a\x00b"}),
     ("NUL in argv", {"command": ["echo", "a\x00b"]}),

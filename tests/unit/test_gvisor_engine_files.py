@@ -98,7 +98,7 @@ def test_a_capture_from_another_node_is_laid_out_in_place_on_this_nodes_trees(
     received = MemoryImage(got_dir / MEM, got_dir / STATE_TAR, 512)
     here = tmp_path / "here"
     (here / "agent-abc123").mkdir(parents=True)
-    unpack_received(received, here / "root", here)
+    unpack_received(received, Roots(here / "root", here / "agent-new"), here)
     src, roots = _image_dir(received, RunFiles(tmp_path / "run"))
     assert src == got_dir, "used in place, not unpacked again for every child"
     assert roots == Roots(here / "root", here / "agent-abc123")
@@ -107,7 +107,7 @@ def test_a_capture_from_another_node_is_laid_out_in_place_on_this_nodes_trees(
     # an agent tree this node lacks (another boxd version) is said, not restored
     (here / "agent-abc123").rmdir()
     with pytest.raises(HostSetupError, match="no agent tree agent-abc123"):
-        unpack_received(received, here / "root", here)
+        unpack_received(received, Roots(here / "root", here / "agent-new"), here)
 
 
 def test_a_qemu_state_is_refused(tmp_path: Path) -> None:

@@ -188,6 +188,10 @@ def machine() -> None:
 @machine.command("new")
 @click.argument("name")
 @click.option("--from-snapshot", metavar="SNAPSHOT", help="Start from NAME, NAME@N or sha256:...")
+@click.option("--image", metavar="REF",
+              help="Run an image imported with `boxd image import` (NAME[:TAG] or "
+              "sha256:DIGEST): its files are the root, its ENV and WORKDIR exec's defaults. "
+              "gvisor only for now.")
 @click.option(
     "--isolated", is_flag=True,
     help="No network: the machine reaches nothing. The boundary is the engine's "
@@ -216,6 +220,7 @@ def machine_new(
     state: _State,
     name: str,
     from_snapshot: str | None,
+    image: str | None,
     isolated: bool,
     engine: str | None,
     vcpus: int | None,
@@ -249,6 +254,7 @@ def machine_new(
         idempotency_key=idempotency_key,
         timeout=lifetime,
         on_timeout=on_timeout,
+        image=image,
     )
     if wait:
         with _render.activity(f"waiting for {m.name} to boot", as_json=as_json):
@@ -416,6 +422,8 @@ def _delete_labelled(state: _State, labels: dict[str, str], in_state: str | None
 @click.option("--timeout", type=float, help="Kill the command after this many seconds.")
 @click.option("--env", "-e", "env", multiple=True, metavar="K=V", help="Set a variable (repeat).")
 @click.option("--cwd", metavar="DIR", help="Working directory in the machine.")
+@click.option("--user", "-u", metavar="USER[:GROUP]",
+              help="Run as this user (name or uid); default: the image's USER, else root.")
 @pass_state
 def machine_exec(
     state: _State,
@@ -424,6 +432,7 @@ def machine_exec(
     timeout: float | None,
     env: tuple[str, ...],
     cwd: str | None,
+    user: str | None,
 ) -> None:
     """Run COMMAND in machine NAME, streaming its output; exit with its exit code
     (124: its --timeout passed; 125: the machine, its engine, agent or node failed, so
@@ -445,7 +454,7 @@ def machine_exec(
     exit_event = None
     try:
         for event in state.boxd.machines.exec_stream(
-            name, cmd, env=variables or None, cwd=cwd, timeout=timeout
+            name, cmd, env=variables or None, cwd=cwd, timeout=timeout, user=user
         ):
             if event.type == "stdout" and event.data:
                 click.echo(event.data, nl=False)

@@ -242,6 +242,7 @@ def machine(m: models.Machine) -> None:
             ("url", m.url),
             ("parent", m.parent_id),
             ("snapshot", m.snapshot),
+            ("image", f"{m.image.name} ({short_digest(m.image.digest)})" if m.image else None),
             ("accelerator", m.accelerator),
             ("error", m.error),
             ("labels", ", ".join(f"{k}={v}" for k, v in sorted(m.labels.items())) or None),

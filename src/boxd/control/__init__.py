@@ -12,6 +12,7 @@ from boxd.node import Host, NodeRuntime
 from boxd.services import HostInfoFn
 from boxd.state import Database, Repos
 from boxd.storage import SnapshotStore
+from boxd.storage.oci import ImageStore
 
 __all__ = [
     "Accounts", "Machines", "Snapshots", "build_services", "machine_model", "validate_name",
@@ -30,7 +31,8 @@ def build_services(
         return _cluster_services(paths, repos, store, settings)
     node = NodeRuntime(paths, repos, Host(paths, settings), settings, store)
     machines = Machines(repos, {node.id: node}, store,
-                        default_quota=settings.default_max_machines)
+                        default_quota=settings.default_max_machines,
+                        images=ImageStore(paths.images_store))
     snapshots = Snapshots(machines, store)
     machines.snapshots = snapshots
 

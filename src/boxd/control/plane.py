@@ -45,13 +45,16 @@ from boxd.errors import (
     InvalidRequest,
     MachineNotFound,
     NodeLost,
+    NotFound,
     SnapshotNotFound,
 )
+from boxd.images.oci import resolve_image
 from boxd.models import NAME_RE, NAME_RULE, MachineState
 from boxd.node.base import Boot, FromSnapshot, Node, ProcessStream
 from boxd.services import GuestApi
-from boxd.state import MachineRecord, Repos, SnapshotRecord, new_id
+from boxd.state import MachineRecord, Repos, RunImage, SnapshotRecord, new_id
 from boxd.storage import SnapshotStore
+from boxd.storage.oci import ImageStore
 
 log = logging.getLogger("boxd.control")
 
@@ -96,6 +99,8 @@ def machine_model(rec: MachineRecord, host: str = "127.0.0.1") -> models.Machine
         end_at=(datetime.fromtimestamp(rec.end_at, UTC) if rec.end_at is not None else None),
         on_timeout=models.check_on_timeout(rec.on_timeout or "delete")
         if rec.end_at is not None else None,
+        image=models.MachineImage(name=rec.run_image.name, digest=rec.run_image.digest)
+        if rec.run_image is not None else None,
     )
 
 
@@ -105,9 +110,10 @@ class Machines:
     def __init__(
         self, repos: Repos, nodes: Mapping[str, LocalNode], store: SnapshotStore, *,
         default_quota: int = DEFAULT_MACHINE_QUOTA, cluster: Cluster | None = None,
-        placement: Placement | None = None,
+        placement: Placement | None = None, images: ImageStore | None = None,
     ) -> None:
         self.repos = repos
+        self.images = images  # imported container images (`MachineCreate.image`)
         self.local = nodes  # this host's nodes (none on a cluster's control plane)
         self.store = store
         self.default_quota = default_quota
@@ -230,19 +236,17 @@ class Machines:
         suspend_after: float | None = None, hibernate_after: float | None = None,
         public: bool = False, labels: Mapping[str, str] | None = None,
         timeout: int | None = None, on_timeout: str = "delete",
+        run_image: RunImage | None = None,
     ) -> MachineRecord:
-        if name is None:
-            name = f"machine-{secrets.token_hex(3)}"
-        validate_name(name)
+        name = validate_name(name if name is not None else f"machine-{secrets.token_hex(3)}")
         return self.lifetimes.hold(self.repos.machines.claim(
             account, name, machine_id=new_id("m"), vcpus=vcpus, memory_mib=memory_mib,
             disk_gib=disk_gib, isolated=isolated, image=image or await node.image_key(),
             node_id=node.id, engine=engine or await node.engine_name(), parent_id=parent_id,
             snapshot=snapshot, default_quota=self.default_quota,
             suspend_after=suspend_after, hibernate_after=hibernate_after, url_public=public,
-            labels=models.check_labels(labels or {}),
-            end_at=self.lifetimes.end_at(timeout),
-            on_timeout=models.check_on_timeout(on_timeout),
+            labels=models.check_labels(labels or {}), run_image=run_image,
+            end_at=self.lifetimes.end_at(timeout), on_timeout=models.check_on_timeout(on_timeout),
         ))
 
     # ---------------------------------------------------------------- create
@@ -269,6 +273,7 @@ class Machines:
         if req.engine is not None and req.engine not in ENGINES:
             raise InvalidRequest(f"unknown engine {req.engine!r}", field="engine",
                                  hint=f"use one of {', '.join(ENGINES)}")
+        run_image = await _run_image(self.images, account, req)
         if req.from_snapshot:
             return await self._create_from_snapshot(account, req)
 
@@ -278,7 +283,7 @@ class Machines:
                 disk_gib=req.disk_gib, isolated=req.isolated, engine=req.engine,
                 suspend_after=req.suspend_after, hibernate_after=req.hibernate_after,
                 public=req.public, labels=req.labels, timeout=req.timeout,
-                on_timeout=req.on_timeout or "delete",
+                on_timeout=req.on_timeout or "delete", run_image=run_image,
             )
             held.append(rec)
             await node.create(rec.id, Boot())  # on failure the record is gone
@@ -314,10 +319,10 @@ class Machines:
                 memory_mib=int(meta.get("memory_mib", req.memory_mib)),
                 disk_gib=max(req.disk_gib, int(meta.get("disk_gib", req.disk_gib))),
                 isolated=req.isolated or bool(meta.get("isolated", False)),
-                snapshot=manifest.digest, engine=engine,
+                snapshot=manifest.digest, engine=engine, public=req.public, labels=req.labels,
                 suspend_after=req.suspend_after, hibernate_after=req.hibernate_after,
-                public=req.public, labels=req.labels, timeout=req.timeout,
-                on_timeout=req.on_timeout or "delete",
+                timeout=req.timeout, on_timeout=req.on_timeout or "delete",
+                run_image=RunImage.from_json(meta.get("run_image")),
             )
             held.append(rec)
             if self.cluster is None:
@@ -507,6 +512,7 @@ class Machines:
                     image=src.image, engine=src.engine, suspend_after=src.suspend_after,
                     hibernate_after=src.hibernate_after, public=src.url_public,
                     labels=labels, timeout=timeout, on_timeout=on_timeout,
+                    run_image=src.run_image,
                 ))
             except Exception as exc:
                 claimed.append(exc)
@@ -772,6 +778,30 @@ def _decode_cursor(cursor: str) -> tuple[float, str]:
         pass
     raise InvalidRequest(f"invalid cursor {cursor[:40]!r}", field="cursor",
                          hint="pass the next_cursor of the previous page as given")
+
+
+async def _run_image(images: ImageStore | None, account: str,
+                     req: models.MachineCreate) -> RunImage | None:
+    """The imported image ``req.image`` of ``account`` as a machine records it (None:
+    the request names none).
+
+    Raises:
+        InvalidRequest: the request names a snapshot too.
+        NotFound: the account has no such image (the hint names `boxd image import`).
+    """
+    ref = req.image
+    if ref is None:
+        return None
+    if req.from_snapshot:
+        raise InvalidRequest("a machine starts from an image or from a snapshot, not both",
+                             field="image")
+    if images is None:
+        raise NotFound(f"no image {ref!r}: this daemon keeps no imported images",
+                       hint="import it with `boxd image import` on a daemon")
+    info = await asyncio.to_thread(resolve_image, images, account, ref)
+    c = info.config
+    return RunImage(info.name.removeprefix(f"{account}/"), info.digest, c.env,
+                    c.working_dir, c.user)
 
 
 def _check_engine(req: models.MachineCreate, engine: str) -> None:

@@ -83,6 +83,9 @@ ATTACH_MINOR = 2
 UNACKED_STDIN_MINOR = 4
 #: The protocol minor version from which the agent serves the in-guest API socket.
 RELAY_MINOR = 5
+#: The protocol minor version from which an exec takes ``user`` (an older agent would
+#: ignore it and run the command as root).
+USER_MINOR = 6
 #: How often `connect` re-sends hello while the guest agent is not up yet.
 HELLO_RETRY = 0.25
 #: The protocol minor version from which reads and execs take a flow-control ``window``.
@@ -256,9 +259,12 @@ def _exec_fields(
     env: Mapping[str, str | None] | None,
     cwd: str | None,
     timeout: float | None,
+    user: str | None = None,
 ) -> _Msg:
     """The fields of an ``exec`` request common to `AgentClient.exec` and ``start``."""
     fields: _Msg = {"cmd": command}
+    if user:
+        fields["user"] = user
     if env:
         fields["env"] = dict(env)
     if cwd is not None:
@@ -451,6 +457,7 @@ class AgentClient:
         cwd: str | None = None,
         timeout: float | None = None,
         stdin: bytes | None = None,
+        user: str | None = None,
     ) -> AsyncIterator[ExecChunk]:
         """Run a command, yielding its output as it arrives, then one `ExecExit`.
 
@@ -464,7 +471,7 @@ class AgentClient:
             GuestFileNotFound: ``cwd`` does not exist.
             InvalidRequest: the agent rejected the request.
         """
-        fields = _exec_fields(command, env, cwd, timeout)
+        fields = _exec_fields(command, env, cwd, timeout, self._user(user))
         if stdin is not None:
             fields["stdin"] = _b64(stdin)
         async with contextlib.aclosing(self._execs.events(fields)) as events:
@@ -478,6 +485,7 @@ class AgentClient:
         env: Mapping[str, str | None] | None = None,
         cwd: str | None = None,
         timeout: float | None = None,
+        user: str | None = None,
     ) -> ExecProcess:
         """Start a long-lived command whose stdin stays open (e.g. a warm worker).
 
@@ -494,7 +502,8 @@ class AgentClient:
             InvalidRequest: the agent rejected the request, or the program cannot be
                 executed (exit status 126).
         """
-        return await self._execs.start(_exec_fields(command, env, cwd, timeout))
+        return await self._execs.start(
+            _exec_fields(command, env, cwd, timeout, self._user(user)))
 
     async def run(
         self,
@@ -505,6 +514,7 @@ class AgentClient:
         timeout: float | None = None,
         stdin: bytes | None = None,
         max_output: int | None = None,
+        user: str | None = None,
     ) -> ExecOutcome:
         """Run a command to completion and return its buffered output.
 
@@ -522,7 +532,8 @@ class AgentClient:
         size = {"stdout": 0, "stderr": 0}
         cut = {"stdout": False, "stderr": False}
         result: ExecExit | None = None
-        async for item in self.exec(command, env=env, cwd=cwd, timeout=timeout, stdin=stdin):
+        async for item in self.exec(command, env=env, cwd=cwd, timeout=timeout, stdin=stdin,
+                                    user=user):
             if isinstance(item, ExecExit):
                 result = item
                 continue
@@ -679,6 +690,19 @@ class AgentClient:
     async def kill(self, exec_id: int, signal: int = 9) -> bool:
         """Signal the process group of a running exec; False when it already finished."""
         return await self._execs.kill(exec_id, signal)
+
+    def _user(self, user: str | None) -> str | None:
+        """``user`` if the agent can run a command as it.
+
+        Raises:
+            InvalidRequest: it cannot (an agent older than 1.6, which would run as root).
+        """
+        if user and not self.supports(USER_MINOR):
+            raise InvalidRequest(
+                f"this machine's agent ({self.agent_version}) cannot run a command as "
+                f"another user ({user!r})", field="user",
+                hint="create the machine again (its agent is older than this boxd)")
+        return user
 
     def supports(self, minor: int) -> bool:
         """True when the agent speaks at least protocol ``1.minor``."""

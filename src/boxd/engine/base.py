@@ -113,19 +113,23 @@ class Agent(Protocol):
     def exec(
         self, command: str | list[str], *, env: Mapping[str, str | None] | None = None,
         cwd: str | None = None, timeout: float | None = None, stdin: bytes | None = None,
-    ) -> AsyncIterator[ExecChunk]: ...
+        user: str | None = None,
+    ) -> AsyncIterator[ExecChunk]:
+        """``user``: ``NAME[:GROUP]`` or ``UID[:GID]`` to run as (the guest's
+        /etc/passwd and /etc/group name them); None: root."""
+        ...
 
     async def run(
         self, command: str | list[str], *, env: Mapping[str, str | None] | None = None,
         cwd: str | None = None, timeout: float | None = None, stdin: bytes | None = None,
-        max_output: int | None = None,
+        max_output: int | None = None, user: str | None = None,
     ) -> ExecOutcome:
         """Run to the end; each stream keeps its first ``max_output`` bytes (None: all)."""
         ...
 
     async def start(
         self, command: str | list[str], *, env: Mapping[str, str | None] | None = None,
-        cwd: str | None = None, timeout: float | None = None,
+        cwd: str | None = None, timeout: float | None = None, user: str | None = None,
     ) -> Process:
         """A long-lived command whose stdin stays open (``machines.spawn``)."""
         ...
@@ -281,6 +285,13 @@ class Engine(Protocol):
         and the disk layers under it) can be copied to another node that runs the same
         engine version and guest image, and started there (`receive_image`,
         `retarget_disk`): a cluster then spreads a fork batch over its nodes."""
+        ...
+
+    @property
+    def image_roots(self) -> bool:
+        """True when a machine can boot on a directory tree (an imported container
+        image, unpacked): `create_disk` then takes that directory as a raw backing and
+        the engine brings its own agent runtime, whatever the tree holds."""
         ...
 
     def info(self) -> EngineInfo: ...

@@ -4,7 +4,8 @@ A fake machine's "memory" is a dict of guest files; capture writes it (as JSON) 
 the image directory, and a machine started from an image reads it back, so fork,
 checkpoint and snapshot semantics (a child sees its source's files; a restore rewinds)
 are observable without QEMU. Its agent runs a few commands (``echo``, ``cat``,
-``write PATH TEXT``, ``hostname``) and reports the rest as exit 0; its one long-lived
+``write PATH TEXT``, ``hostname``, and ``env``/``pwd``/``whoami``, which print the env,
+cwd and user the request carried) and reports the rest as exit 0; its one long-lived
 process is ``cat`` (``start(["cat"])``: what it is sent, it writes back).
 
 Failures are injected by name (`FakeEngine.fail`), processes are killed by hand
@@ -119,6 +120,7 @@ class FakeAgent:
     async def exec(
         self, command: str | list[str], *, env: Mapping[str, str | None] | None = None,
         cwd: str | None = None, timeout: float | None = None, stdin: bytes | None = None,
+        user: str | None = None,
     ) -> AsyncIterator[ExecChunk]:
         self._check()
         await self._m.engine._step("exec")
@@ -137,13 +139,19 @@ class FakeAgent:
             g.files[argv[1]] = argv[2] if len(argv) > 2 else ""
         elif argv[0] == "hostname":
             out = g.hostname + "\n"
+        elif argv[0] == "env":  # what the request set (the agent's defaults are the guest's)
+            out = "".join(f"{k}={v}\n" for k, v in sorted((env or {}).items()))
+        elif argv[0] == "pwd":
+            out = (cwd or "/home/boxd") + "\n"
+        elif argv[0] == "whoami":
+            out = (user or "root") + "\n"
         if out:
             yield ExecOutput("stdout", out.encode())
         yield ExecExit(exit_code=code, signal=None, timed_out=False, duration=0.0)
 
     async def start(
         self, command: str | list[str], *, env: Mapping[str, str | None] | None = None,
-        cwd: str | None = None, timeout: float | None = None,
+        cwd: str | None = None, timeout: float | None = None, user: str | None = None,
     ) -> Process:
         # The fake guest runs no programs but ``cat``: process streams (forks, re-attach)
         # are tested on real machines.
@@ -160,11 +168,12 @@ class FakeAgent:
     async def run(
         self, command: str | list[str], *, env: Mapping[str, str | None] | None = None,
         cwd: str | None = None, timeout: float | None = None, stdin: bytes | None = None,
-        max_output: int | None = None,
+        max_output: int | None = None, user: str | None = None,
     ) -> ExecOutcome:
         out = b""
         code = 0
-        async for item in self.exec(command, env=env, cwd=cwd, timeout=timeout, stdin=stdin):
+        async for item in self.exec(command, env=env, cwd=cwd, timeout=timeout, stdin=stdin,
+                                    user=user):
             if isinstance(item, ExecExit):
                 code = item.exit_code
             else:
@@ -361,6 +370,7 @@ class FakeEngine:
         self.gates: dict[str, tuple[asyncio.Event, asyncio.Event]] = {}
         self.calls: list[str] = []
         self.portable = True  # its templates move between nodes (`portable_templates`)
+        self.roots_from_images = True  # boots on an image's tree (`image_roots`)
 
     @property
     def name(self) -> str:
@@ -457,6 +467,10 @@ class FakeEngine:
 
     def remove_disk(self, path: Path) -> None:
         path.unlink(missing_ok=True)
+
+    @property
+    def image_roots(self) -> bool:
+        return self.roots_from_images
 
     @property
     def portable_templates(self) -> bool:

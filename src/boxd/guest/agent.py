@@ -25,9 +25,11 @@ import ctypes
 import errno
 import fcntl
 import glob
+import grp
 import hashlib
 import json
 import os
+import pwd
 import queue
 import select
 import signal
@@ -497,6 +499,51 @@ class Command(NamedTuple):
     cwd: str
     timeout: float | None
     want_stdin: bool
+    user: RunAs | None = None
+
+
+class RunAs(NamedTuple):
+    """The user an exec runs as (``user``: a container image's USER)."""
+
+    uid: int
+    gid: int
+    groups: list[int]
+
+
+def user_arg(msg: dict[str, Any], env: dict[str, str]) -> RunAs | None:
+    """The request's ``user`` (``NAME[:GROUP]`` or ``UID[:GID]``, as a Dockerfile's USER)
+    resolved through the guest's /etc/passwd and /etc/group; None runs as root. Sets
+    ``env``'s HOME and USER from the user's entry unless the request set them."""
+    raw = msg.get("user")
+    if raw is None or raw == "":
+        return None
+    if not isinstance(raw, str) or "\0" in raw:
+        raise RequestError(P.ERR_INVALID, "user must be NAME[:GROUP] or UID[:GID]",
+                           field="user")
+    name, _, group = raw.partition(":")
+    try:
+        entry: pwd.struct_passwd | None = (
+            pwd.getpwuid(int(name)) if name.isdigit() else pwd.getpwnam(name))
+    except KeyError:
+        if not name.isdigit():
+            raise RequestError(P.ERR_INVALID, f"no user {name!r} in the machine's "
+                               "/etc/passwd", field="user") from None
+        entry = None  # a numeric uid needs no entry (gid 0, as runc gives it)
+    uid = entry.pw_uid if entry is not None else int(name)
+    gid = entry.pw_gid if entry is not None else 0
+    if group:
+        try:
+            gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+        except KeyError:
+            raise RequestError(P.ERR_INVALID, f"no group {group!r} in the machine's "
+                               "/etc/group", field="user") from None
+    groups = os.getgrouplist(entry.pw_name, gid) if entry is not None else [gid]
+    given = msg.get("env") if isinstance(msg.get("env"), dict) else {}
+    if "HOME" not in given:
+        env["HOME"] = entry.pw_dir if entry is not None and entry.pw_dir else "/"
+    if "USER" not in given and entry is not None:
+        env["USER"] = entry.pw_name
+    return RunAs(uid, gid, groups)
 
 
 def argv_arg(msg: dict[str, Any]) -> list[str]:
@@ -725,12 +772,14 @@ class Execs:
         return ex.window if ex is not None else None
 
     def op_exec(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
+        env = env_arg(msg)
         command = Command(
             argv=argv_arg(msg),
-            env=env_arg(msg),
+            env=env,
             cwd=cwd_arg(msg, self.default_cwd),
             timeout=timeout_arg(msg),
             want_stdin=msg.get("stdin") is not None or bool(msg.get("stdin_stream")),
+            user=user_arg(msg, env),
         )
         ex = Exec(req_id, conn)
         ex.window = window_arg(msg)
@@ -807,6 +856,8 @@ class Execs:
                 cwd=command.cwd,
                 start_new_session=True,
                 close_fds=True,
+                **({"user": command.user.uid, "group": command.user.gid,
+                    "extra_groups": command.user.groups} if command.user else {}),
             )
         except OSError as exc:
             # Behave like a shell: 127 for "not found", 126 for "cannot execute".

@@ -32,6 +32,7 @@
  * Usage (gVisor): boxd-init --stdio --host-clock --memory-mib N --agent /opt/boxd/agent.py
  *                           -- --host-clock   (--memory-mib: the guest's OOM killer)
  * Usage (tests):  boxd-init --connect SOCK [--sysroot DIR] [--python PY] [--agent PATH]
+ *                           [--python-arg A]... (after PY, before -u AGENT)
  *                           [-- extra agent.py arguments]
  */
 #define _GNU_SOURCE
@@ -60,7 +61,7 @@
 #include <unistd.h>
 
 #define PROTOCOL_MAJOR "1"
-#define PROTOCOL_VERSION "1.5"
+#define PROTOCOL_VERSION "1.6"
 #define PORT_NAME "boxd.agent"
 #define IDENTITY_DIR "run/boxd"
 #define MAX_LINE (64L * 1024 * 1024)
@@ -75,6 +76,12 @@ static int opt_stdio;      /* the host is stdin (requests) and stdout (replies):
 static int opt_host_clock; /* identity's "now" is not applied: the clock is the host's */
 static const char *opt_sysroot;
 static const char *opt_python = "/usr/bin/python3";
+/* --python-arg A (repeatable): arguments between opt_python and "-u AGENT", so agent.py
+ * can run on a Python that is not the root's: a dynamic loader with --library-path and
+ * the Python it loads (gVisor machines of a container image, docs/images.md). */
+#define MAX_PYTHON_ARGS 16
+static char *python_args[MAX_PYTHON_ARGS];
+static int n_python_args;
 static const char *opt_agent = "/run/boxd/agent.py";
 /* --memory-mib N (gVisor): the machine's memory; past it, the largest guest process is
  * killed (memory_check), as a kernel's OOM killer would in a QEMU guest of N MiB. */
@@ -767,9 +774,10 @@ static void py_spawn(void) {
                 if (null > 3) close(null);
             }
         }
-        char **argv = calloc((size_t)n_agent_extra + 8, sizeof *argv);
+        char **argv = calloc((size_t)n_agent_extra + (size_t)n_python_args + 8, sizeof *argv);
         int a = 0;
         argv[a++] = (char *)opt_python;
+        for (int i = 0; i < n_python_args; i++) argv[a++] = python_args[i];
         argv[a++] = "-u";
         argv[a++] = (char *)opt_agent;
         argv[a++] = "--relay-fd";
@@ -1180,6 +1188,8 @@ static int op_exec(long long id, const struct jfield *f, int n, int stream) {
     char **argv = NULL, **envp = NULL, cwd[1024];
     int argc = 0;
     if (!cmd) return -1;
+    const struct jfield *uf = field(f, n, "user");
+    if (uf && uf->type != J_NULL) return -1; /* another user (an image's USER): agent.py */
     if (cmd->type == J_STR) {
         char *c = malloc(cmd->vlen * 4 + 8);
         long cl = c ? json_str(cmd, c, cmd->vlen * 4 + 8) : -1;
@@ -1709,8 +1719,8 @@ static void reap(int sfd) {
 
 static void usage(void) {
     fprintf(stderr, "usage: boxd-init [--connect SOCK | --stdio] [--host-clock] "
-                    "[--memory-mib N] [--sysroot DIR] [--python PY] [--agent PATH] "
-                    "[-- agent args]\n"
+                    "[--memory-mib N] [--sysroot DIR] [--python PY] [--python-arg A]... "
+                    "[--agent PATH] [-- agent args]\n"
                     "       boxd-init --dial PORT\n");
     exit(2);
 }
@@ -1896,6 +1906,8 @@ int main(int argc, char **argv) {
         if (!strcmp(a, "--connect")) opt_connect = argv[++i];
         else if (!strcmp(a, "--sysroot")) opt_sysroot = argv[++i];
         else if (!strcmp(a, "--python")) opt_python = argv[++i];
+        else if (!strcmp(a, "--python-arg") && n_python_args < MAX_PYTHON_ARGS)
+            python_args[n_python_args++] = argv[++i];
         else if (!strcmp(a, "--agent")) opt_agent = argv[++i];
         else if (!strcmp(a, "--memory-mib")) opt_memory_mib = strtol(argv[++i], NULL, 10);
         else usage();

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 from boxd.errors import CorruptData, HostSetupError, InvalidRequest, NotFound
-from boxd.storage.oci import MANIFEST_MEDIA, Descriptor, ImageStore
+from boxd.storage.oci import MANIFEST_MEDIA, Descriptor, ImageStore, parse_digest
 
 from ._oci_parts import (
     INDEXES,
@@ -49,12 +49,14 @@ __all__ = [
     "ImageInfo",
     "Source",
     "docker_credentials",
+    "image_by_digest",
     "import_image",
     "inspect_image",
     "list_images",
     "parse_name",
     "parse_source",
     "remove_image",
+    "resolve_image",
     "unpack_image",
 ]
 
@@ -232,6 +234,41 @@ def inspect_image(store: ImageStore, name: str) -> ImageInfo:
         raise NotFound(f"no image named {target!r}",
                        hint="see `boxd image list`; import one with `boxd image import`")
     return _info(store, target, desc)
+
+
+def resolve_image(store: ImageStore, account: str, ref: str) -> ImageInfo:
+    """The image of ``account`` that ``ref`` names: ``NAME[:TAG]`` (as `boxd image
+    list` shows it) or its manifest digest ``sha256:...``. The store names the account's
+    images ``<account>/NAME:TAG``; the returned info keeps that full name.
+
+    Raises:
+        NotFound: the account has no such image.
+        InvalidRequest: ``ref`` is not a name or a digest.
+    """
+    prefix = f"{account}/"
+    if ref.startswith("sha256:"):
+        for name, desc in sorted(store.refs().items()):
+            if name.startswith(prefix) and desc.digest == ref:
+                return _info(store, name, desc)
+        shown = ref[:19] + "..."
+    else:
+        shown = parse_name(ref)
+        found = store.refs().get(prefix + shown)
+        if found is not None:
+            return _info(store, prefix + shown, found)
+    raise NotFound(f"no image {shown!r} is imported for this account",
+                   hint="import it first with `boxd image import SOURCE NAME[:TAG]` "
+                        "(`boxd image list` shows the imported ones)")
+
+
+def image_by_digest(store: ImageStore, name: str, digest: str) -> ImageInfo:
+    """The image whose manifest is ``digest`` (named ``name`` in what is returned),
+    whatever names it now has.
+
+    Raises:
+        NotFound: its manifest is no longer in the store (removed and collected).
+    """
+    return _info(store, name, Descriptor(MANIFEST_MEDIA, parse_digest(digest), 0))
 
 
 def list_images(store: ImageStore) -> list[ImageInfo]:

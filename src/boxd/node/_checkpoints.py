@@ -162,6 +162,8 @@ class Checkpoints:
             assert memory is not None
             full = {**meta, "engine": engine.name, "accelerator": engine.accelerator,
                     "cpu_model": engine.cpu_model, "image": rec.image}
+            if rec.run_image is not None:  # the container image it runs (and its digest)
+                full["run_image"] = rec.run_image.to_json()
 
             def stage() -> Manifest:
                 with self.store.stage() as st:

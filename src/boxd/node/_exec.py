@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
 
@@ -57,11 +57,27 @@ class Guests(Protocol):
     ) -> None: ...
 
 
-def _exec_kwargs(req: models.ExecRequest) -> dict[str, Any]:
+def _exec_kwargs(rec: MachineRecord, req: models.ExecRequest) -> dict[str, Any]:
     return {
-        "env": req.env or None, "cwd": req.cwd, "timeout": req.timeout,
+        **image_defaults(rec, req.env, req.cwd, req.user), "timeout": req.timeout,
         "stdin": req.stdin.encode() if req.stdin is not None else None,
     }
+
+
+def image_defaults(
+    rec: MachineRecord, env: Mapping[str, str | None] | None, cwd: str | None,
+    user: str | None,
+) -> dict[str, Any]:
+    """An exec's ``env``, ``cwd`` and ``user`` on ``rec``: on a machine of a container
+    image, the image's ENV under the request's own (which wins), its WORKDIR (``/``
+    without one, as a container runtime does) when the request names no cwd, and its
+    USER when the request names no user (None: root)."""
+    run = rec.run_image
+    if run is None:
+        return {"env": dict(env) if env else None, "cwd": cwd, "user": user}
+    merged: dict[str, str | None] = {**run.exec_env(), **(env or {})}
+    return {"env": merged or None, "cwd": cwd if cwd is not None else (run.working_dir or "/"),
+            "user": user if user is not None else (run.user or None)}
 
 
 def _absolute(path: str) -> None:
@@ -87,7 +103,7 @@ class Exec:
             deadline = req.timeout + HOST_GRACE if req.timeout else None
             try:
                 out = await asyncio.wait_for(
-                    agent.run(req.command, **_exec_kwargs(req), max_output=self._max_output),
+                    agent.run(req.command, **_exec_kwargs(rec, req), max_output=self._max_output),
                     timeout=deadline,
                 )
             except TimeoutError as exc:
@@ -113,9 +129,9 @@ class Exec:
     async def exec_stream(
         self, machine_id: str, req: models.ExecRequest
     ) -> AsyncIterator[models.ExecEvent]:
-        async with self._g.using(machine_id) as (_, _handle, agent):
+        async with self._g.using(machine_id) as (rec, _handle, agent):
             self._g.changed(machine_id)
-            async for item in agent.exec(req.command, **_exec_kwargs(req)):
+            async for item in agent.exec(req.command, **_exec_kwargs(rec, req)):
                 if isinstance(item, ExecOutput):
                     yield models.ExecEvent(
                         type=item.stream, data=item.data.decode(errors="replace"), error=None
@@ -151,9 +167,9 @@ class Exec:
     async def spawn(self, machine_id: str, req: pm.SpawnRequest) -> pm.Process:
         if req.cwd is not None and not req.cwd.startswith("/"):
             raise InvalidRequest(f"cwd must be absolute: {req.cwd!r}", field="cwd")
-        async with self._g.using(machine_id) as (_, _handle, agent):
+        async with self._g.using(machine_id) as (rec, _handle, agent):
             self._g.changed(machine_id)
-            proc = await agent.start(req.argv, env=req.env or None, cwd=req.cwd)
+            proc = await agent.start(req.argv, **image_defaults(rec, req.env, req.cwd, req.user))
             relay = self.procs.add(machine_id, list(req.argv), proc,
                                    lambda: self._g.touch(machine_id))
         relay.dirty = True

@@ -42,6 +42,7 @@ from boxd.errors import (
     MachineFailed,
     MachineNotFound,
 )
+from boxd.images.oci import image_by_digest, unpack_image
 from boxd.models import MachineState
 from boxd.node._checkpoints import Checkpoints
 from boxd.node._exec import HOST_GRACE, Exec
@@ -61,9 +62,10 @@ from boxd.node._transfer import Fetch, FileOffer, TemplateOffer
 from boxd.node.base import Boot, FromSnapshot
 from boxd.node.lifecycle import Lease, Lifecycle, require
 from boxd.services import GuestApi
-from boxd.state import CheckpointRecord, MachineRecord, Repos, TemplateRecord
+from boxd.state import CheckpointRecord, MachineRecord, Repos, RunImage, TemplateRecord
 from boxd.storage import Manifest, SnapshotStore, disks
 from boxd.storage.memory import remove_tree
+from boxd.storage.oci import ImageStore
 
 log = logging.getLogger("boxd.node")
 
@@ -236,7 +238,10 @@ class NodeRuntime:
     async def create(self, machine_id: str, source: Boot | FromSnapshot) -> None:
         rec = self.record(machine_id)
         try:
-            image, _ = await self.host.ready(rec.engine)
+            image, engine = await self.host.ready(rec.engine)
+            root = image.rootfs
+            if isinstance(source, Boot) and rec.run_image is not None:
+                root = await self._image_root(rec.run_image, engine.image_roots)
         except BaseException:
             await self.purge(machine_id)  # its engine cannot run here: no record is left
             raise
@@ -247,7 +252,7 @@ class NodeRuntime:
             async with self.lease(machine_id).op():
                 if isinstance(source, Boot):
                     await self.launcher.start(
-                        rec, Launch(None, backing=image.rootfs, backing_format="raw",
+                        rec, Launch(None, backing=root, backing_format="raw",
                                     disk_gib=rec.disk_gib),
                         identity=False, to_running=False,
                     )
@@ -260,6 +265,25 @@ class NodeRuntime:
             await self.purge(machine_id)
             raise
         log.info("machine=%s event=created name=%s", machine_id, rec.name)
+
+    async def _image_root(self, run: RunImage, supported: bool) -> Path:
+        """The root tree of the imported image ``run`` (unpacked once per digest).
+
+        Raises:
+            InvalidRequest: the machine's engine cannot boot on an image's tree.
+            NotFound: the image was removed from the store meanwhile.
+        """
+        if not supported:
+            raise InvalidRequest(
+                "images run on gVisor only for now; use engine=gvisor", field="engine",
+                hint=f"boxd machine new NAME --image {run.name} --engine gvisor")
+        store = ImageStore(self.paths.images_store)
+
+        def unpack() -> Path:
+            return unpack_image(store, image_by_digest(store, run.name, run.digest),
+                                self.paths.image_roots)
+
+        return await asyncio.to_thread(unpack)
 
     # -------------------------------------------------------------- agent use
 

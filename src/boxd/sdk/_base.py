@@ -246,6 +246,7 @@ def machine_create(
     idempotency_key: str | None = None,
     timeout: int | None = None,
     on_timeout: str = "delete",
+    image: str | None = None,
 ) -> Req:
     body: dict[str, Any] = {"isolated": bool(isolated)}
     if public:
@@ -263,6 +264,7 @@ def machine_create(
         ("suspend_after", suspend_after),
         ("hibernate_after", hibernate_after),
         ("node", node),
+        ("image", image),
     ):
         if v is not None:  # absent fields take the daemon's defaults
             body[k] = v
@@ -376,6 +378,7 @@ def exec_body(
     cwd: str | None,
     timeout: float | None,
     stdin: str | None,
+    user: str | None = None,
 ) -> dict[str, Any]:
     if isinstance(command, tuple):
         command = list(command)
@@ -390,6 +393,8 @@ def exec_body(
         body["timeout"] = timeout
     if stdin is not None:
         body["stdin"] = stdin
+    if user is not None:
+        body["user"] = user
     return body
 
 
@@ -400,11 +405,12 @@ def machine_exec(
     cwd: str | None,
     timeout: float | None,
     stdin: str | None,
+    user: str | None = None,
 ) -> Req:
     return Req(
         "POST",
         f"/v1/machines/{seg(ref)}/exec",
-        json=exec_body(command, env, cwd, timeout, stdin),
+        json=exec_body(command, env, cwd, timeout, stdin, user),
         timeout=NO_READ_TIMEOUT,
     )
 
@@ -416,11 +422,12 @@ def machine_exec_stream(
     cwd: str | None,
     timeout: float | None,
     stdin: str | None,
+    user: str | None = None,
 ) -> Req:
     return Req(
         "POST",
         f"/v1/machines/{seg(ref)}/exec/stream",
-        json=exec_body(command, env, cwd, timeout, stdin),
+        json=exec_body(command, env, cwd, timeout, stdin, user),
         timeout=NO_READ_TIMEOUT,
     )
 
@@ -774,13 +781,16 @@ STREAM_OPEN_TIMEOUT: Final = 60.0
 
 
 def machine_spawn(
-    ref: str, argv: list[str], env: Mapping[str, str] | None, cwd: str | None
+    ref: str, argv: list[str], env: Mapping[str, str] | None, cwd: str | None,
+    user: str | None = None,
 ) -> Req:
     if isinstance(argv, str) or not argv:
         raise errors.InvalidRequest("argv must be a non-empty list of strings", field="argv")
     body: dict[str, Any] = {"argv": list(argv), "env": dict(env or {})}
     if cwd is not None:
         body["cwd"] = cwd
+    if user is not None:
+        body["user"] = user
     return Req("POST", f"/v1/machines/{seg(ref)}/processes", json=body)
 
 

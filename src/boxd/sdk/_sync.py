@@ -221,6 +221,7 @@ class Machines:
         idempotency_key: str | None = None,
         timeout: int | None = None,
         on_timeout: str = "delete",
+        image: str | None = None,
     ) -> models.Machine:
         """Create and boot a machine; returns while it starts (see ``wait_until_ready``).
 
@@ -235,8 +236,7 @@ class Machines:
                 starts on the engine it was saved on). ``info().engines`` lists them.
             suspend_after: idle seconds before its vCPUs stop (0: never; None: default).
             hibernate_after: idle seconds before it goes to disk (0: never; None: default).
-            node: the cluster node to place it on (``nodes.list()``); None lets the
-                daemon place it (the node with the most free memory).
+            node: the cluster node to place it on (``nodes.list()``; None: most free).
             public: its URL needs no token (the bare ``http://127.0.0.1:PORT``, any TCP
                 protocol): every local user reaches its port 8080 and wakes it.
             labels: string keys and values to find it by (``list(labels=)``), inherited
@@ -248,16 +248,20 @@ class Machines:
                 ``set_timeout``); kept across daemon restarts. None: until deleted.
             on_timeout: what its end does: ``"delete"`` or ``"hibernate"`` (its state
                 is kept on disk and any request wakes it, with no lifetime).
+            image: an image imported for this account (``images.import_``): ``NAME[:TAG]``
+                or ``sha256:DIGEST``; its files are the root, its ENV, WORKDIR and USER
+                exec's defaults. gVisor only for now (``engine="gvisor"``).
 
         Raises:
             InvalidRequest, AlreadyExists, QuotaExceeded, SnapshotNotFound, HostSetupError.
             IdempotencyKeyReused: the key was sent with a different request.
+            NotFound: ``image`` is not imported for this account.
         """
         return self._c._parse(
             models.Machine,
             _base.machine_create(name, vcpus, memory_mib, disk_gib, isolated, from_snapshot,
                                  engine, suspend_after, hibernate_after, node, public,
-                                 labels, idempotency_key, timeout, on_timeout),
+                                 labels, idempotency_key, timeout, on_timeout, image),
         )
 
     def set_timeout(
@@ -430,6 +434,7 @@ class Machines:
         cwd: str | None = None,
         timeout: float | None = None,
         stdin: str | None = None,
+        user: str | None = None,
     ) -> models.ExecResult:
         """Run a command to completion and return its output and exit code.
 
@@ -444,6 +449,8 @@ class Machines:
             cwd: working directory in the guest.
             timeout: seconds after which the command is killed.
             stdin: text fed to the command's standard input.
+            user: ``NAME[:GROUP]`` or ``UID[:GID]`` to run it as (the machine's
+                /etc/passwd names it); default: the image's USER, else root.
 
         Raises:
             ExecTimeout: the command ran past ``timeout``; ``.stdout``/``.stderr`` hold the
@@ -454,7 +461,8 @@ class Machines:
                 connection was lost (`ConnectionError`): there is no exit status.
         """
         return self._c._parse(
-            models.ExecResult, _base.machine_exec(ref, command, env, cwd, timeout, stdin)
+            models.ExecResult,
+            _base.machine_exec(ref, command, env, cwd, timeout, stdin, user),
         )
 
     def exec_stream(
@@ -466,6 +474,7 @@ class Machines:
         cwd: str | None = None,
         timeout: float | None = None,
         stdin: str | None = None,
+        user: str | None = None,
     ) -> Iterator[models.ExecEvent]:
         """Run a command, yielding ``stdout``/``stderr`` events as they arrive, then ``exit``.
 
@@ -478,7 +487,7 @@ class Machines:
                 the command (`MachineFailed`, `AgentLost`, `NodeLost`), or the daemon's
                 connection was lost (`ConnectionError`): there is no exit status.
         """
-        req = _base.machine_exec_stream(ref, command, env, cwd, timeout, stdin)
+        req = _base.machine_exec_stream(ref, command, env, cwd, timeout, stdin, user)
         with self._c._stream(req) as resp:
             try:
                 for line in resp.iter_lines():
@@ -589,6 +598,7 @@ class Machines:
         *,
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
+        user: str | None = None,
     ) -> ProcessHandle:
         """Start a long-lived process whose stdin and stdout carry framed messages.
 
@@ -603,7 +613,8 @@ class Machines:
         """
         from boxd import process_models as pm
 
-        info = self._c._parse(pm.Process, _base.machine_spawn(ref, argv, env, cwd))
+        info = self._c._parse(pm.Process,
+                                    _base.machine_spawn(ref, argv, env, cwd, user))
         return ProcessHandle(self._c, ref, info)
 
     def processes(self, ref: str) -> builtins.list[pm.Process]:

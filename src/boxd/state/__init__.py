@@ -9,6 +9,7 @@ from boxd.state.records import (
     KeyRecord,
     LayerRecord,
     MachineRecord,
+    RunImage,
     SnapshotRecord,
     TemplateRecord,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "LayerRecord",
     "MachineRecord",
     "Repos",
+    "RunImage",
     "SnapshotRecord",
     "TemplateRecord",
     "new_id",

@@ -15,6 +15,39 @@ from boxd.models import MachineState
 
 
 @dataclass(frozen=True)
+class RunImage:
+    """The container image a machine runs (``machines.run_image``): its name as the
+    account gave it, its manifest digest, and the config exec defaults to."""
+
+    name: str
+    digest: str
+    env: tuple[str, ...] = ()
+    working_dir: str = ""
+    user: str = ""
+
+    def to_json(self) -> dict[str, object]:
+        return {"name": self.name, "digest": self.digest, "env": list(self.env),
+                "working_dir": self.working_dir, "user": self.user}
+
+    @classmethod
+    def from_json(cls, data: object) -> RunImage | None:
+        if not isinstance(data, dict) or not data.get("digest"):
+            return None
+        return cls(str(data.get("name", "")), str(data["digest"]),
+                   tuple(str(e) for e in data.get("env") or ()),
+                   str(data.get("working_dir") or ""), str(data.get("user") or ""))
+
+    def exec_env(self) -> dict[str, str]:
+        """The image's ENV as exec's defaults (``K=V``; a bare ``K`` sets it empty)."""
+        out = {}
+        for item in self.env:
+            key, _, value = item.partition("=")
+            if key:
+                out[key] = value
+        return out
+
+
+@dataclass(frozen=True)
 class MachineRecord:
     """One machine: identity and sizing (control plane), runtime columns (its node)."""
 
@@ -50,6 +83,7 @@ class MachineRecord:
     labels: dict[str, str] = field(default_factory=dict, hash=False)  # checked by the plane
     end_at: float | None = None  # its lifetime's end (epoch seconds); None: none
     on_timeout: str | None = None  # what the end does: "delete" or "hibernate"
+    run_image: RunImage | None = None  # None: the default guest image
 
     @classmethod
     def of(cls, row: sqlite3.Row) -> MachineRecord:
@@ -68,6 +102,7 @@ class MachineRecord:
             url_token=row["url_token"], url_public=bool(row["url_public"]),
             labels=json.loads(row["labels"] or "{}"),
             end_at=row["end_at"], on_timeout=row["on_timeout"],
+            run_image=RunImage.from_json(json.loads(row["run_image"] or "null")),
         )
 
 

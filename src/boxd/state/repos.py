@@ -27,6 +27,7 @@ from boxd.state.records import (
     KeyRecord,
     LayerRecord,
     MachineRecord,
+    RunImage,
     SnapshotRecord,
     TemplateRecord,
 )
@@ -145,7 +146,7 @@ class Machines:
         default_quota: int, suspend_after: float | None = None,
         hibernate_after: float | None = None, url_public: bool = False,
         labels: Mapping[str, str] | None = None, end_at: float | None = None,
-        on_timeout: str | None = None,
+        on_timeout: str | None = None, run_image: RunImage | None = None,
     ) -> MachineRecord:
         """Claim a name and a quota slot and insert the record (state ``starting``),
         with a new URL token (a machine's own: a new one even for the same name), its
@@ -168,12 +169,14 @@ class Machines:
                 "INSERT INTO machines (id, account_id, name, state, vcpus, memory_mib, disk_gib,"
                 " isolated, image, parent_id, snapshot, created_at, node_id, engine, vm_id,"
                 " last_active, suspend_after, hibernate_after, url_token, url_public, labels,"
-                " end_at, on_timeout) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                " end_at, on_timeout, run_image)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (machine_id, account, name, MachineState.STARTING.value, vcpus, memory_mib,
                  disk_gib, int(isolated), image, parent_id, snapshot, time.time(), node_id,
                  engine, machine_id, time.time(), suspend_after, hibernate_after,
                  secrets.token_hex(16), int(url_public), json.dumps(dict(labels or {})),
-                 end_at, on_timeout if end_at is not None else None),
+                 end_at, on_timeout if end_at is not None else None,
+                 json.dumps(run_image.to_json()) if run_image is not None else None),
             )
             conn.executemany(
                 "INSERT INTO machine_labels (machine_id, key, value) VALUES (?,?,?)",

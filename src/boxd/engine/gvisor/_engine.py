@@ -654,12 +654,12 @@ def _pack_state(dest: Path, roots: bytes) -> None:
         tar.addfile(info, io.BytesIO(roots))
 
 
-def unpack_received(image: MemoryImage, rootfs: Path, agent_dir: Path) -> None:
+def unpack_received(image: MemoryImage, ours: Roots, agent_dir: Path) -> None:
     """Give a capture copied from another node (its ``mem`` and ``state`` files) the
     layout `capture` writes (checkpoint.img, pages_meta.img and pages.img beside them),
-    its state naming this node's trees: ``rootfs``, and the agent tree in ``agent_dir``
-    with the name of the one it was captured on (an agent tree is named by the digest
-    of its files).
+    its state naming this node's trees: ``ours`` (root and, for a container image's
+    machine, runtime), and the agent tree in ``agent_dir`` with the name of the one it
+    was captured on (an agent tree is named by the digest of its files).
 
     Raises:
         MachineFailed: ``state`` is not a gvisor capture's.
@@ -687,7 +687,7 @@ def unpack_received(image: MemoryImage, rootfs: Path, agent_dir: Path) -> None:
     pages = dest / PAGES
     pages.unlink(missing_ok=True)
     os.link(image.mem_path, pages)
-    _pack_state(dest, json.dumps(Roots(rootfs, agent).to_json()).encode())
+    _pack_state(dest, json.dumps(Roots(ours.rootfs, agent, ours.runtime).to_json()).encode())
 
 
 def _image_dir(image: MemoryImage, files: RunFiles) -> tuple[Path, Roots]:
@@ -803,6 +803,10 @@ class GvisorEngine:
 
     def _roots(self, disk: Path) -> Roots:
         base = layer_base(disk)
+        if base.is_dir():
+            # A container image's unpacked tree (`image_roots`): the agent runs on the
+            # guest root's Python, mounted beside it.
+            return Roots(base, self.agent_tree, rootfs_tree(self.fallback_rootfs))
         if not base.exists():
             log.warning("event=gvisor_base_missing base=%s using=%s", base, self.fallback_rootfs)
             base = self.fallback_rootfs
@@ -1041,6 +1045,11 @@ class GvisorEngine:
     # ------------------------------------------------- templates between nodes
 
     @property
+    def image_roots(self) -> bool:
+        # The root is a host directory anyway; the guest root's Python comes along.
+        return True
+
+    @property
     def portable_templates(self) -> bool:
         # A capture is files (pages, a tar of the rest) and a layer is a JSON file: a
         # node with the same runsc and guest image restores it (and the same CPU
@@ -1056,7 +1065,7 @@ class GvisorEngine:
         this node's root tree (under ``disk``'s chain) and its agent tree of the same
         content, so its restores use it in place (`_image_dir`)."""
         roots = await asyncio.to_thread(self._roots, disk)
-        await asyncio.to_thread(unpack_received, image, roots.rootfs, self.agent_tree.parent)
+        await asyncio.to_thread(unpack_received, image, roots, self.agent_tree.parent)
         return image
 
 

@@ -402,6 +402,12 @@ class QemuEngine:
         disks.remove(path)
 
     @property
+    def image_roots(self) -> bool:
+        # A guest boots a block device: an image's tree would need a disk image made
+        # from it and an init that runs the agent without the image's Python (not yet).
+        return False
+
+    @property
     def portable_templates(self) -> bool:
         # A template is a RAM file, a device state stream and qcow2 layers: files.
         return True
