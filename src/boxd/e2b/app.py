@@ -48,6 +48,12 @@ async def _internal(request: Request, exc: Exception) -> Response:
 _HANDLERS = {BoxdError: _boxd_error, HTTPException: _http_error, Exception: _internal}
 
 
+# Control API paths. Some SDKs send the sandbox headers on control calls too (e2b
+# 2.7-2.2x put ``E2b-Sandbox-Id`` on ``POST /sandboxes/{id}/connect``); envd has none of
+# these paths, so such a request is the control API's whatever its headers say.
+_CONTROL_PREFIXES = ("/sandboxes", "/v2/", "/v3/", "/snapshots", "/templates")
+
+
 class _Dispatch:
     """Requests naming a sandbox (``E2b-Sandbox-Id``) go to envd, the rest to control."""
 
@@ -64,8 +70,9 @@ class _Dispatch:
                 if port != str(ENVD_PORT).encode():
                     await _port_closed(sandbox, port)(scope, receive, send)
                     return
-                await self.envd(scope, receive, send)
-                return
+                if not str(scope["path"]).startswith(_CONTROL_PREFIXES):
+                    await self.envd(scope, receive, send)
+                    return
         await self.control(scope, receive, send)
 
 
