@@ -29,12 +29,13 @@ SUITE = REPO / "tests" / "e2b-js"
 NODE_MIN = (20, 18, 1)
 
 
-def _run(argv: list[str], env: dict[str, str], timeout: float) -> None:
+def _run(argv: list[str], env: dict[str, str], timeout: float) -> str:
     proc = subprocess.run(argv, cwd=SUITE, env=env, stdin=subprocess.DEVNULL,
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         out = (proc.stdout + proc.stderr)[-16000:]
         pytest.fail(f"{' '.join(argv)} exited {proc.returncode}:\n{out}", pytrace=False)
+    return proc.stdout
 
 
 @pytest.fixture(scope="module")
@@ -64,4 +65,8 @@ def test_e2b_js_sdk(e2b_env: dict[str, str]) -> None:
     env = {**os.environ, **e2b_env,
            "E2B_OTHER_API_KEY": to_e2b_key(other), "E2B_FULL_API_KEY": to_e2b_key(full)}
     _run([npm, "ci", "--no-audit", "--no-fund"], env, timeout=600)
-    _run([npm, "test"], env, timeout=1200)
+    out = _run([npm, "test"], env, timeout=1200)
+    counts = dict(line[2:].split(" ", 1) for line in out.splitlines()
+                  if line.startswith(("# pass ", "# fail ", "# skipped ")))
+    assert int(counts.get("pass", 0)) >= 16 and counts.get("fail") == "0", out[-4000:]
+    assert counts.get("skipped") == "0", out[-4000:]
