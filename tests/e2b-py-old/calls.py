@@ -1,7 +1,7 @@
-"""An old `e2b` Python SDK (the version in requirements.txt) against boxd's E2B listener.
+"""An old `e2b` Python SDK (2.7.0 or 2.25.1) against boxd's E2B listener.
 
 tests/integration/test_e2b_old_sdk.py runs this file with the interpreter of a venv of
-its own (the SDK and its dependencies pinned by requirements.txt), with E2B_API_URL,
+its own (the SDK and its dependencies pinned by e2b-<version>.txt), with E2B_API_URL,
 E2B_SANDBOX_URL and E2B_API_KEY from `boxd e2b env` and E2B_OTHER_API_KEY, a key of
 another account, and E2B_FULL_API_KEY, a key of an account whose machine quota is full.
 Each check prints its name; the first failing assert ends the run
@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable
 
 import e2b
+import e2b.exceptions
 from e2b import AsyncSandbox, Sandbox, SandboxQuery
 
 OTHER = os.environ["E2B_OTHER_API_KEY"]
@@ -106,7 +107,9 @@ def unknown_template(sbx: Sandbox) -> None:
 
 @check
 def over_quota(sbx: Sandbox) -> None:
-    err = raises(e2b.RateLimitException, lambda: Sandbox.create(timeout=60, api_key=FULL))
+    # e2b.exceptions: 2.7.0 does not export it from the package root
+    err = raises(e2b.exceptions.RateLimitException,
+                 lambda: Sandbox.create(timeout=60, api_key=FULL))
     assert "limit" in str(err), err
 
 
@@ -115,7 +118,8 @@ def pause_and_connect(sbx: Sandbox) -> None:
     s = Sandbox.create(timeout=120)
     try:
         s.files.write("/home/user/kept", "across a pause")
-        s.pause()
+        pause = getattr(s, "pause", None) or s.beta_pause  # 2.7.0: beta_pause
+        pause()
         assert Sandbox.get_info(s.sandbox_id).state == "paused"
         woken = Sandbox.connect(s.sandbox_id, timeout=120)
         assert woken.files.read("/home/user/kept") == "across a pause"

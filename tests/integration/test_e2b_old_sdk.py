@@ -1,16 +1,20 @@
-"""An old ``e2b`` Python SDK, beside the newest the dev extra installs (test_e2b.py).
+"""Old ``e2b`` Python SDKs, beside the newest the dev extra installs (test_e2b.py).
 
-``e2b`` 2.25.1 is the oldest release that works whole against one URL: 2.7.0 is the
-first to read ``E2B_SANDBOX_URL`` (1.x and 2.0-2.6 build ``https://<port>-<id>.<domain>``
-for every sandbox call, which needs wildcard DNS and TLS), but before 2.25.1 a sandbox
-got from ``Sandbox.connect(id)`` sends its envd calls without ``E2b-Sandbox-Id``, so no
-single-URL server can route them. It differs from 2.63 in what boxd serves:
-``POST /sandboxes`` (not ``/v2``), the sandbox headers on the control API's connect, the
-SDK's own Connect client over httpx (not ``connectrpc``), Google's ``protobuf``, and
-API keys checked against ``^e2b_[0-9a-f]+$``. It goes into a venv of its own (its
-dependencies pinned by ``tests/e2b-py-old/requirements.txt``, kept under
-``.cache/e2b-py-old/<hash of that file>``) and runs ``tests/e2b-py-old/calls.py``
-against a gVisor daemon of its own.
+Two releases, each in a venv of its own (its dependencies pinned by
+``tests/e2b-py-old/e2b-<version>.txt``, kept under ``.cache/e2b-py-old/<hash>``), run
+``tests/e2b-py-old/calls.py`` against a gVisor daemon of their own:
+
+- **2.7.0**, the oldest that can be pointed at boxd: the first to read
+  ``E2B_SANDBOX_URL`` (1.x and 2.0-2.6 build ``https://<port>-<id>.<domain>`` for every
+  sandbox call, which needs wildcard DNS and TLS). A sandbox it gets from
+  ``Sandbox.connect(id)`` sends envd calls with its ``X-Access-Token`` but no
+  ``E2b-Sandbox-Id``: boxd routes them by the token.
+- **2.25.1**, the oldest that sends the sandbox headers on every call, with ``pause``
+  and snapshots; it checks API keys against ``^e2b_[0-9a-f]+$``.
+
+Both differ from 2.63 in what boxd serves: ``POST /sandboxes`` (not ``/v2``), the
+sandbox headers on the control API's connect, the SDK's own Connect client over httpx
+(not ``connectrpc``), Google's ``protobuf``.
 """
 
 from __future__ import annotations
@@ -33,12 +37,13 @@ pytestmark = pytest.mark.vm
 
 REPO = Path(__file__).resolve().parents[2]
 SUITE = REPO / "tests" / "e2b-py-old"
-LOCK = SUITE / "requirements.txt"
+VERSIONS = ("2.7.0", "2.25.1")
 
 
-def _venv() -> Path:
-    """The old SDK's venv (made once per requirements.txt); its python."""
-    digest = hashlib.sha256(LOCK.read_bytes()).hexdigest()[:16]
+def _venv(version: str) -> Path:
+    """The old SDK's venv (made once per lock file); its python."""
+    lock = SUITE / f"e2b-{version}.txt"
+    digest = hashlib.sha256(lock.read_bytes()).hexdigest()[:16]
     where = REPO / ".cache" / "e2b-py-old" / digest
     python = where / "bin" / "python"
     if (where / ".done").exists():
@@ -46,7 +51,7 @@ def _venv() -> Path:
     shutil.rmtree(where, ignore_errors=True)
     where.parent.mkdir(parents=True, exist_ok=True)
     for argv in ([sys.executable, "-m", "venv", str(where)],
-                 [str(python), "-m", "pip", "install", "-q", "--no-deps", "-r", str(LOCK)]):
+                 [str(python), "-m", "pip", "install", "-q", "--no-deps", "-r", str(lock)]):
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
             pytest.fail(f"{' '.join(argv)} exited {proc.returncode}:\n"
@@ -61,17 +66,18 @@ def e2b_env(daemon: Daemon) -> Iterator[dict[str, str]]:
         yield exports
 
 
-def test_old_e2b_python_sdk(e2b_env: dict[str, str]) -> None:
+@pytest.mark.parametrize("version", VERSIONS)
+def test_old_e2b_python_sdk(e2b_env: dict[str, str], version: str) -> None:
     """create (v1), commands (foreground, background, streamed, connect), files, list with
     a metadata filter, get_info, set_timeout, connect, pause, kill, the async client;
     unknown template and another account's sandbox are NotFoundException, a full quota
     RateLimitException."""
     from boxd import Boxd
 
-    python = _venv()
+    python = _venv(version)
     with Boxd() as b:
-        other = b.keys.create("e2b-old-other", account="e2b-old-other").secret
-        full = b.keys.create("e2b-old-full", account="e2b-old-full").secret
+        other = b.keys.create(f"other-{version}", account="e2b-old-other").secret
+        full = b.keys.create(f"full-{version}", account="e2b-old-full").secret
         b.accounts.update("e2b-old-full", max_machines=0)
     env = {**os.environ, **e2b_env,
            "E2B_OTHER_API_KEY": to_e2b_key(other), "E2B_FULL_API_KEY": to_e2b_key(full)}
@@ -81,5 +87,5 @@ def test_old_e2b_python_sdk(e2b_env: dict[str, str]) -> None:
                           timeout=900)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-12000:]
-    assert proc.stdout.startswith("e2b 2.25.1 on Python"), out
+    assert proc.stdout.startswith(f"e2b {version} on Python"), out
     assert proc.stdout.rstrip().endswith("\nok"), out

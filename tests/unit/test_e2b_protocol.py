@@ -260,6 +260,22 @@ def test_control_calls_with_sandbox_headers_reach_control(
     assert r.status_code == 401  # envd's: no X-Access-Token
 
 
+def test_an_envd_call_named_by_its_token_alone(api: tuple[TestClient, FakeMachines]) -> None:
+    """e2b 2.7-2.25.0 send a connected sandbox's envd calls with X-Access-Token only:
+    the token names the sandbox; a token of no sandbox is not routed to envd."""
+    client, _ = api
+    sb = _create(client)
+    _create(client)  # another sandbox: its token is not this one's
+    token = {"X-Access-Token": str(sb["envdAccessToken"])}
+    r = client.post("/files", params={"path": "/t.txt"},
+                    files={"file": ("t.txt", b"by token")}, headers=token)
+    assert r.status_code == 200, r.text
+    r = client.get("/files", params={"path": "/t.txt"}, headers=_envd(client, sb))
+    assert r.content == b"by token"
+    r = client.post("/process.Process/List", json={}, headers={"X-Access-Token": "nope"})
+    assert r.status_code == 404 and r.json()["code"] == 404  # the control API's
+
+
 def test_timeout_ends_the_sandbox(api: tuple[TestClient, FakeMachines]) -> None:
     """The reaper kills a sandbox at its end of life, and pauses one with autoPause."""
     client, machines = api
