@@ -256,6 +256,8 @@ def test_control_calls_with_sandbox_headers_reach_control(
     r = client.post(f"/sandboxes/{sid}/connect", json={"timeout": 30}, headers=headers)
     assert r.status_code == 200 and r.json()["sandboxID"] == sid
     assert client.get(f"/sandboxes/{sid}", headers=headers).json()["sandboxID"] == sid
+    r = client.get(f"/sandboxes/{sid}", headers={**headers, "E2b-Sandbox-Port": "49999"})
+    assert r.status_code == 200 and r.json()["sandboxID"] == sid
     r = client.post("/process.Process/List", json={}, headers=headers)
     assert r.status_code == 401  # envd's: no X-Access-Token
 

@@ -48,8 +48,8 @@ async def _internal(request: Request, exc: Exception) -> Response:
 _HANDLERS = {BoxdError: _boxd_error, HTTPException: _http_error, Exception: _internal}
 
 
-# Control API paths. Some SDKs send the sandbox headers on control calls too (e2b
-# 2.7-2.2x put ``E2b-Sandbox-Id`` on ``POST /sandboxes/{id}/connect``); envd has none of
+# Control API paths. SDKs send the sandbox headers on control calls too (Python e2b from
+# 2.7 on put ``E2b-Sandbox-Id`` on ``POST /sandboxes/{id}/connect``); envd has none of
 # these paths, so such a request is the control API's whatever its headers say.
 _CONTROL_PREFIXES = ("/sandboxes", "/v2/", "/v3/", "/snapshots", "/templates")
 
@@ -70,12 +70,11 @@ class _Dispatch:
         self.store = store
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
+        if scope["type"] == "http" and not str(scope["path"]).startswith(_CONTROL_PREFIXES):
             headers = dict(scope["headers"])
             sandbox = headers.get(b"e2b-sandbox-id")
             token = headers.get(b"x-access-token")
-            if (sandbox is None and token is not None
-                    and not str(scope["path"]).startswith(_CONTROL_PREFIXES)):
+            if sandbox is None and token is not None:
                 rec = self.store.by_token(token.decode(errors="replace"))
                 if rec is not None:
                     sandbox = rec.sandbox_id.encode()
@@ -86,9 +85,8 @@ class _Dispatch:
                 if port != str(ENVD_PORT).encode():
                     await _port_closed(sandbox, port)(scope, receive, send)
                     return
-                if not str(scope["path"]).startswith(_CONTROL_PREFIXES):
-                    await self.envd(scope, receive, send)
-                    return
+                await self.envd(scope, receive, send)
+                return
         await self.control(scope, receive, send)
 
 
