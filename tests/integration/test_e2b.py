@@ -4,73 +4,31 @@ gVisor machines: ``eval "$(boxd e2b env)"`` and E2B code runs (docs/e2b.md)."""
 from __future__ import annotations
 
 import contextlib
-import os
 import shlex
-import shutil
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests._support.daemon import kill_machines_of, remove_cgroups_of, start_daemon
+from tests._support.daemon import Daemon
+from tests._support.e2b import e2b_daemon
 
 e2b = pytest.importorskip("e2b", reason="the dev extra installs the e2b SDK")
 
 pytestmark = pytest.mark.vm
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-_DAEMON: list[object] = []
+_DAEMON: list[Daemon] = []
 
 
 @pytest.fixture(scope="module")
-def e2b_env(daemon) -> Iterator[dict[str, str]]:  # type: ignore[no-untyped-def]
+def e2b_env(daemon: Daemon) -> Iterator[dict[str, str]]:
     """A gVisor daemon of its own, and E2B's variables from `boxd e2b env` in os.environ.
     Its E2B port is fixed, so the URL outlives a restart."""
-    from boxd import Boxd
-
-    home = Path(f"/tmp/boxd-e2b-{os.getpid()}")
-    home.mkdir(parents=True, exist_ok=True)
-    for cached in ("host.json", "host-gvisor.json"):  # the session daemon's probes
-        if (daemon.home / cached).exists():
-            (home / cached).write_bytes((daemon.home / cached).read_bytes())
-    saved = dict(os.environ)
-    os.environ.update({"BOXD_ENGINE": "gvisor",
-                       "BOXD_E2B_LISTEN": f"127.0.0.1:{_free_port()}"})
-    d = start_daemon(home)
-    _DAEMON[:] = [d]
-    try:
-        os.environ["BOXD_HOME"] = str(home)
-        with Boxd() as b:
-            gvisor = next(e for e in b.info().engines if e.name == "gvisor")
-        if gvisor.status != "ok":
-            pytest.skip(f"gvisor unavailable here: {gvisor.reason}")
-        out = subprocess.run([sys.executable, "-m", "boxd", "e2b", "env"], check=True,
-                             capture_output=True, text=True, env=dict(os.environ)).stdout
-        exports = dict(line.removeprefix("export ").split("=", 1) for line in out.splitlines())
-        os.environ.update(exports)
+    with e2b_daemon(daemon, "e2b") as (d, exports):
+        _DAEMON[:] = [d]
         yield exports
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-        _DAEMON[0].stop()  # type: ignore[attr-defined]
-        kill_machines_of(home)
-        time.sleep(0.2)
-        remove_cgroups_of(home)
-        from boxd.config import Paths
-
-        shutil.rmtree(Paths(home.resolve()).shm, ignore_errors=True)
-        shutil.rmtree(home, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -271,7 +229,7 @@ def test_sandboxes_survive_a_daemon_restart(e2b_env: dict[str, str]) -> None:
     try:
         s.files.write("/home/user/before", "kept")
         end = s.get_info().end_at
-        _DAEMON[0].restart()  # type: ignore[attr-defined]
+        _DAEMON[0].restart()
         info = s.get_info()
         assert (info.metadata, info.end_at) == ({"restart": "yes"}, end)
         assert s.commands.run("cat /home/user/before").stdout == "kept"

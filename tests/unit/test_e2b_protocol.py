@@ -207,6 +207,28 @@ def test_list_filters_and_pages(api: tuple[TestClient, FakeMachines]) -> None:
     assert r.status_code == 400
 
 
+def test_list_order_template_and_started_after(api: tuple[TestClient, FakeMachines]) -> None:
+    """The JS SDK's list query: newest first unless order=asc, template and startedAfter
+    filters; a bad value is a 400."""
+    client, _ = api
+    made = [_create(client)["sandboxID"] for _ in range(3)]
+    listed = [s["sandboxID"] for s in client.get("/v2/sandboxes", headers=ALICE).json()]
+    assert listed == made[::-1]
+    r = client.get("/v2/sandboxes", params={"order": "asc"}, headers=ALICE)
+    assert [s["sandboxID"] for s in r.json()] == made
+    r = client.get("/v2/sandboxes", params={"template": "base"}, headers=ALICE)
+    assert len(r.json()) == 3
+    r = client.get("/v2/sandboxes", params={"template": "other"}, headers=ALICE)
+    assert r.json() == []
+    started = client.get(f"/sandboxes/{made[1]}", headers=ALICE).json()["startedAt"]
+    r = client.get("/v2/sandboxes", params={"startedAfter": started, "order": "asc"},
+                   headers=ALICE)
+    assert [s["sandboxID"] for s in r.json()] == made[1:]
+    for bad in ({"order": "up"}, {"startedAfter": "yesterday"}):
+        r = client.get("/v2/sandboxes", params=bad, headers=ALICE)
+        assert r.status_code == 400 and r.json()["code"] == 400
+
+
 def test_pause_connect_and_fork(api: tuple[TestClient, FakeMachines]) -> None:
     client, _ = api
     sid = _create(client, envVars={"A": "1"})["sandboxID"]
@@ -222,6 +244,38 @@ def test_pause_connect_and_fork(api: tuple[TestClient, FakeMachines]) -> None:
     assert len(set(kids)) == 3 and sid not in kids
     assert client.post(f"/sandboxes/{sid}/fork", json={"count": 0},
                        headers=ALICE).status_code == 400
+
+
+def test_control_calls_with_sandbox_headers_reach_control(
+        api: tuple[TestClient, FakeMachines]) -> None:
+    """e2b 2.7-2.2x send E2b-Sandbox-Id/Port on POST /sandboxes/{id}/connect: a control
+    path is the control API's whatever its headers say; envd paths still go to envd."""
+    client, _ = api
+    sid = _create(client)["sandboxID"]
+    headers = {**ALICE, "E2b-Sandbox-Id": str(sid), "E2b-Sandbox-Port": "49983"}
+    r = client.post(f"/sandboxes/{sid}/connect", json={"timeout": 30}, headers=headers)
+    assert r.status_code == 200 and r.json()["sandboxID"] == sid
+    assert client.get(f"/sandboxes/{sid}", headers=headers).json()["sandboxID"] == sid
+    r = client.get(f"/sandboxes/{sid}", headers={**headers, "E2b-Sandbox-Port": "49999"})
+    assert r.status_code == 200 and r.json()["sandboxID"] == sid
+    r = client.post("/process.Process/List", json={}, headers=headers)
+    assert r.status_code == 401  # envd's: no X-Access-Token
+
+
+def test_an_envd_call_named_by_its_token_alone(api: tuple[TestClient, FakeMachines]) -> None:
+    """e2b 2.7-2.25.0 send a connected sandbox's envd calls with X-Access-Token only:
+    the token names the sandbox; a token of no sandbox is not routed to envd."""
+    client, _ = api
+    sb = _create(client)
+    _create(client)  # another sandbox: its token is not this one's
+    token = {"X-Access-Token": str(sb["envdAccessToken"])}
+    r = client.post("/files", params={"path": "/t.txt"},
+                    files={"file": ("t.txt", b"by token")}, headers=token)
+    assert r.status_code == 200, r.text
+    r = client.get("/files", params={"path": "/t.txt"}, headers=_envd(client, sb))
+    assert r.content == b"by token"
+    r = client.post("/process.Process/List", json={}, headers={"X-Access-Token": "nope"})
+    assert r.status_code == 404 and r.json()["code"] == 404  # the control API's
 
 
 def test_timeout_ends_the_sandbox(api: tuple[TestClient, FakeMachines]) -> None:

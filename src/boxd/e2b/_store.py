@@ -11,6 +11,7 @@ accounts' machine quotas).
 from __future__ import annotations
 
 import contextlib
+import hmac
 import json
 import logging
 import os
@@ -60,6 +61,14 @@ class SandboxStore:
 
     def all(self) -> list[SandboxRecord]:
         return list(self._records.values())
+
+    def by_token(self, token: str) -> SandboxRecord | None:
+        """The sandbox whose envd access token is ``token`` (compared in constant time)."""
+        found = None
+        for rec in self._records.values():
+            if hmac.compare_digest(token.encode(), rec.token.encode()):
+                found = rec
+        return found
 
     def put(self, rec: SandboxRecord) -> None:
         """Write ``rec`` (replacing the sandbox's record)."""

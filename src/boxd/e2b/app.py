@@ -48,17 +48,38 @@ async def _internal(request: Request, exc: Exception) -> Response:
 _HANDLERS = {BoxdError: _boxd_error, HTTPException: _http_error, Exception: _internal}
 
 
-class _Dispatch:
-    """Requests naming a sandbox (``E2b-Sandbox-Id``) go to envd, the rest to control."""
+# Control API paths. SDKs send the sandbox headers on control calls too (Python e2b from
+# 2.7 on put ``E2b-Sandbox-Id`` on ``POST /sandboxes/{id}/connect``); envd has none of
+# these paths, so such a request is the control API's whatever its headers say.
+_CONTROL_PREFIXES = ("/sandboxes", "/v2/", "/v3/", "/snapshots", "/templates")
 
-    def __init__(self, control_app: ASGIApp, envd_app: ASGIApp) -> None:
+
+class _Dispatch:
+    """Requests naming a sandbox (``E2b-Sandbox-Id``) go to envd, the rest to control.
+
+    A request to an envd path with no ``E2b-Sandbox-Id`` but a sandbox's
+    ``X-Access-Token`` is that sandbox's: e2b 2.7-2.25.0 (Python) send no sandbox
+    headers from a sandbox got by ``Sandbox.connect(id)``, only its token, and with one
+    URL for every sandbox nothing else names it. The token is the sandbox's secret, the
+    one envd requires anyway.
+    """
+
+    def __init__(self, control_app: ASGIApp, envd_app: ASGIApp, store: SandboxStore) -> None:
         self.control = control_app
         self.envd = envd_app
+        self.store = store
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
+        if scope["type"] == "http" and not str(scope["path"]).startswith(_CONTROL_PREFIXES):
             headers = dict(scope["headers"])
             sandbox = headers.get(b"e2b-sandbox-id")
+            token = headers.get(b"x-access-token")
+            if sandbox is None and token is not None:
+                rec = self.store.by_token(token.decode(errors="replace"))
+                if rec is not None:
+                    sandbox = rec.sandbox_id.encode()
+                    scope = {**scope, "headers": [*scope["headers"],
+                                                  (b"e2b-sandbox-id", sandbox)]}
             if sandbox is not None:
                 port = headers.get(b"e2b-sandbox-port", str(ENVD_PORT).encode())
                 if port != str(ENVD_PORT).encode():
@@ -91,8 +112,9 @@ def create_e2b_app(machines: MachineService, authenticate: Authenticate,
     Returns:
         The ASGI app. Its lifespan runs the task that ends sandboxes at their timeout.
     """
-    state = E2BState(Sandboxes(machines, SandboxStore(directory)), ProcessTable(machines),
-                     authenticate, snapshots)
+    store = SandboxStore(directory)
+    state = E2BState(Sandboxes(machines, store), ProcessTable(machines), authenticate,
+                     snapshots)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -110,5 +132,5 @@ def create_e2b_app(machines: MachineService, authenticate: Authenticate,
         sub.state.e2b = state
     app = Starlette(lifespan=lifespan)
     app.state.e2b = state
-    app.mount("/", _Dispatch(control_app, envd_app))
+    app.mount("/", _Dispatch(control_app, envd_app, store))
     return app

@@ -7,6 +7,7 @@ and every error ``{"code": <status>, "message"}``. The key comes in ``X-API-KEY`
 
 from __future__ import annotations
 
+import datetime
 import json
 import urllib.parse
 from typing import Any
@@ -141,14 +142,43 @@ def _limit(text: str | None) -> int:
     return int(text)
 
 
+def _started_after(text: str | None) -> datetime.datetime | None:
+    if not text:
+        return None
+    try:
+        when = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        raise InvalidRequest(f"startedAfter must be an RFC 3339 time, not {text!r}",
+                             field="startedAfter") from None
+    return when if when.tzinfo is not None else when.replace(tzinfo=datetime.UTC)
+
+
+def _started_at_or_after(started_at: float, when: datetime.datetime | None) -> bool:
+    # Compared as datetimes (microseconds, rounded as iso() rounds startedAt), so the
+    # startedAt a list gave is "at" that sandbox's start.
+    return when is None or datetime.datetime.fromtimestamp(started_at, datetime.UTC) >= when
+
+
+def _newest_first(text: str | None) -> bool:
+    if text not in (None, "asc", "desc"):
+        raise InvalidRequest(f"order must be asc or desc, not {text!r}", field="order")
+    return text != "asc"  # E2B's default: newest first
+
+
 async def _listed(request: Request, default_states: tuple[str, ...]) -> list[dict[str, Any]]:
     q = request.query_params
     wanted = _metadata_filter(q.get("metadata"))
     states = _states(q.get("state"), default_states)
-    found = await state_of(request).sandboxes.list(account_of(request))
+    after = _started_after(q.get("startedAfter"))
+    template = q.get("template")
+    newest_first = _newest_first(q.get("order"))
+    found = await state_of(request).sandboxes.list(account_of(request))  # oldest first
+    if newest_first:
+        found.reverse()
     return [sandbox_json(s, detail=True, token=False) for s in found
-            if s.state in states and all(s.record.metadata.get(k) == v
-                                         for k, v in wanted.items())]
+            if s.state in states and _started_at_or_after(s.record.started_at, after)
+            and template in (None, s.record.template)
+            and all(s.record.metadata.get(k) == v for k, v in wanted.items())]
 
 
 async def list_v1(request: Request) -> Response:
