@@ -4,9 +4,13 @@ gVisor machines: ``eval "$(boxd e2b env)"`` and E2B code runs (docs/e2b.md)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import shlex
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
