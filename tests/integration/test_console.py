@@ -9,27 +9,24 @@ artifacts folder (tests/_support/artifacts.py).
 from __future__ import annotations
 
 import contextlib
-import shutil
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from boxd import errors
-from tests._support.artifacts import artifact_dir
+from tests._support.browser import Shots, chromium
 
 sync_api = pytest.importorskip("playwright.sync_api",
                                reason="the dev extra installs playwright")
 
 pytestmark = pytest.mark.vm
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 WAIT_MS = 30_000
 
 
@@ -41,30 +38,12 @@ def _login_url(env: dict[str, str]) -> str:
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    if not Path(CHROMIUM).exists():
-        pytest.skip("no chromium: scripts/setup-host.sh installs it for the tests")
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, headless=True,
-                              args=["--no-sandbox"])  # root in CI: no user namespace
-        yield b
-        b.close()
-
-
-class Shots:
-    """Screenshots into the test's artifacts folder, numbered in order."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self.n = 0
-
-    def __call__(self, page: Any, name: str) -> None:
-        self.n += 1
-        page.screenshot(path=str(self.folder / f"{self.n:02d}-{name}.png"), full_page=True)
+    yield from chromium()
 
 
 @pytest.fixture
 def shots(request: pytest.FixtureRequest) -> Shots:
-    return Shots(artifact_dir(request.node.nodeid))
+    return Shots(request.node.nodeid)
 
 
 @pytest.fixture

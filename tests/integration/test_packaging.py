@@ -59,7 +59,10 @@ def test_wheel_carries_the_package_data(wheel: Path) -> None:
                    "boxd/console/templates/machines.html", "boxd/console/static/console.js",
                    "boxd/console/static/console.css",
                    "boxd/console/static/vendor/cytoscape.min.js",
-                   "boxd/console/static/vendor/cytoscape.LICENSE"):
+                   "boxd/console/static/vendor/cytoscape.LICENSE",
+                   "boxd/console/static/report.js",
+                   "boxd/console/static/vendor/chart.umd.min.js",
+                   "boxd/console/static/vendor/chart.js.LICENSE"):
         assert needed in names, needed
     assert any(n.startswith("boxd/state/") and n.endswith(".sql") for n in names)
     meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
