@@ -41,6 +41,10 @@ def test_print_url_logs_a_browser_in_once(daemon: Daemon) -> None:
         assert COOKIE in browser.cookies
         assert "seen-in-console" in login.text
     assert httpx.get(url).status_code == 401  # once
+    token = url.split("token=", 1)[1]
+    log = daemon.paths.log.read_text()
+    assert "/login?token=<redacted>" in log  # the access log has the request, not the token
+    assert token not in log
 
 
 def test_a_remote_daemon_needs_its_console_url(paths: Paths, tmp_path: Path,

@@ -13,6 +13,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import threading
@@ -79,6 +80,20 @@ class JsonLineFormatter(logging.Formatter):
         return json.dumps(line, default=str)
 
 
+_SECRET_QUERY = re.compile(r"((?:^|[?&])token=)[^&\s\"]*")
+
+
+class RedactTokens(logging.Filter):
+    """Keep the console's one-time login tokens (``/login?token=...``) out of the access
+    log: a request line's ``token=`` value is written as ``<redacted>``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "uvicorn.access" and isinstance(record.args, tuple):
+            record.args = tuple(_SECRET_QUERY.sub(r"\1<redacted>", a)
+                                if isinstance(a, str) else a for a in record.args)
+        return True
+
+
 def setup_logging(path: Path) -> logging.Handler:
     """Send boxd's and uvicorn's logs (access log included) to ``path`` only.
 
@@ -87,6 +102,7 @@ def setup_logging(path: Path) -> logging.Handler:
     """
     handler = logging.FileHandler(path, encoding="utf-8")
     handler.setFormatter(JsonLineFormatter())
+    handler.addFilter(RedactTokens())
     # BOXD_LOG_LEVEL=debug adds per-phase timings (fork, start, capture) to the log.
     level = logging.getLevelName(Settings.from_env().log_level.upper())
     if not isinstance(level, int):
