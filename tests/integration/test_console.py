@@ -337,3 +337,37 @@ def test_labels_and_keyboard_navigation(
     sync_api.expect(_row(page, target.id).locator("td.state")).to_have_text("suspended")
     assert client.machines.get(target.id).state == "suspended"
     shots(page, "suspended-by-keyboard")
+
+
+def test_a_saved_report_draws_its_plot(
+        open_page: Callable[..., Any], client: Any, gvisor_base: Any, shots: Shots) -> None:
+    import functools
+
+    import boxd.rl as rl
+    from tests._support import leaky_envs
+
+    sweep = rl.verify(rl.local(), functools.partial(leaky_envs.UrandomEnv, reads_at=4),
+                      seeds=range(3), steps=9, pickle_by_value=[leaky_envs])
+    data = sweep.to_json()
+    data["causes"] = [list(c) for c in sweep.causes]
+    name = f"leaky-{uuid.uuid4().hex[:6]}"
+    client.reports.save(name, data)
+    try:
+        page = open_page()
+        page.get_by_role("link", name="Reports").click()
+        page.get_by_role("link", name=name).click()
+        page.wait_for_url(f"**/reports/{name}")
+        page.wait_for_selector("body[data-ready='1']")
+        charts = page.evaluate("""() => Object.fromEntries(Object.entries(window.boxdCharts)
+            .map(([k, c]) => [k, c.data.datasets.map(d => d.data)]))""")
+        assert charts["pairs"] == [[0, 3]]
+        assert {p["y"] for p in charts["seeds"][0]} == {4}
+        drawn = page.evaluate("""() => [...document.querySelectorAll('canvas')].map(c => {
+            const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+            let n = 0; for (let i = 3; i < d.length; i += 4) if (d[i]) n++; return n; })""")
+        assert len(drawn) == 3 and all(n > 500 for n in drawn), drawn
+        sync_api.expect(page.get_by_role("table", name="Likely causes (diverged seeds)")
+                        ).to_contain_text("kernel RNG")
+        shots(page, "report")
+    finally:
+        client.reports.delete(name)

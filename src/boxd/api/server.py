@@ -42,6 +42,7 @@ from boxd.errors import Conflict, HostSetupError, InvalidRequest
 from boxd.services import HostInfoFn, MachineService, SnapshotService
 from boxd.state import Database
 from boxd.storage.fds import OwnedFd
+from boxd.storage.reports import ReportStore
 
 #: Seconds the daemon keeps an idle HTTP connection open. Longer than any client's own
 #: idle expiry (the SDK's 5 s, browsers' 60 s), so the client always closes first: with
@@ -343,6 +344,7 @@ class Daemon:
                 host_info = host_info or built_info
             self.machines = machines
             self.snapshots = snapshots
+            self.reports = ReportStore(paths.home / "reports")
             key_file = local_key_path(paths)
             secret = self.keys.ensure_default_local_key(os.getuid(), _read_local_key(key_file))
             write_local_key(key_file, secret)
@@ -369,7 +371,8 @@ class Daemon:
 
     def _console_side(self, settings: Settings) -> _Side:
         listen = _side_listen(settings.console_listen, "BOXD_CONSOLE_LISTEN")
-        app = create_console_app(self.machines, self.snapshots, self.keys.authenticate)
+        app = create_console_app(self.machines, self.snapshots, self.keys.authenticate,
+                                 reports=self.reports)
         console = app.state.console
 
         def end_streams() -> None:
@@ -390,6 +393,7 @@ class Daemon:
             upload_dir=paths.home / "uploads",
             private_dirs=(paths.home, paths.shm),
             images=ImageService(paths.images_store),
+            reports=self.reports,
             max_body=settings.max_body,
             max_upload=settings.max_upload,
             body_timeout=settings.body_timeout,

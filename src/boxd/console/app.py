@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+from markupsafe import Markup
 from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -33,11 +34,11 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from boxd import models
-from boxd.console import views
+from boxd.console import report, views
 from boxd.console.login import TOKENS_PATH
 from boxd.console.sessions import COOKIE, Logins, cookie_header
 from boxd.errors import AuthError, BoxdError, InvalidRequest, NotFound
-from boxd.services import MachineService, SnapshotService
+from boxd.services import MachineService, ReportService, SnapshotService
 
 __all__ = ["Authenticate", "create_console_app"]
 
@@ -63,9 +64,11 @@ class Console:
     """The console's state and handlers over the machine and snapshot services."""
 
     def __init__(self, machines: MachineService, snapshots: SnapshotService,
-                 authenticate: Authenticate, logins: Logins) -> None:
+                 authenticate: Authenticate, logins: Logins,
+                 reports: ReportService | None = None) -> None:
         self.machines = machines
         self.snapshots = snapshots
+        self.reports = reports
         self.authenticate = authenticate
         self.logins = logins
         #: Set when the daemon stops: live streams end, so the listener can close.
@@ -137,7 +140,7 @@ class Console:
             "machine.html", account=account, m=m, row=views.machine_row(m, names, snaps),
             tree=views.tree_list(m, machines), checkpoints=checkpoints,
             actions=views.ACTIONS, nav="machines",
-            time=lambda t: time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)),
+            time=_time,
         )
 
     async def snapshots_page(self, request: Request) -> Response:
@@ -145,6 +148,22 @@ class Console:
         names = {m.id: m.name for m in await self.machines.list(account)}
         rows = [views.snapshot_row(s, names) for s in await self.snapshots.list(account)]
         return self.page("snapshots.html", account=account, rows=rows, nav="snapshots")
+
+    async def reports_page(self, request: Request) -> Response:
+        account = self.account(request)
+        rows = await self.reports.list(account) if self.reports is not None else []
+        return self.page("reports.html", account=account, rows=rows, nav="reports",
+                         time=_time)
+
+    async def report_page(self, request: Request) -> Response:
+        account = self.account(request)
+        name = request.path_params["name"]
+        if self.reports is None:
+            raise NotFound(f"no report {name!r}")
+        saved = await self.reports.get(account, name)
+        return self.page("report.html", account=account, saved=saved, nav="reports",
+                         body=Markup(report.report_sections(saved.report)),
+                         data=Markup(report.script_json(saved.report)), time=_time)
 
     # -- JSON ------------------------------------------------------------------------
 
@@ -253,6 +272,10 @@ async def _name(request: Request) -> str | None:
     return name or None
 
 
+def _time(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
 def _wants_json(request: Request) -> bool:
     return request.url.path.startswith("/api/") or request.url.path == TOKENS_PATH
 
@@ -277,6 +300,7 @@ def create_console_app(
     snapshots: SnapshotService,
     authenticate: Authenticate,
     logins: Logins | None = None,
+    reports: ReportService | None = None,
 ) -> Starlette:
     """The console's ASGI app over the daemon's services.
 
@@ -285,10 +309,11 @@ def create_console_app(
         snapshots: the snapshot service.
         authenticate: an API key -> its account (mints login tokens).
         logins: the login tokens and sessions (default: a new, empty store).
+        reports: saved reproducibility reports (None: the console lists none).
 
     ``app.state.console`` is the `Console`: set its ``stopping`` to end live streams.
     """
-    console = Console(machines, snapshots, authenticate, logins or Logins())
+    console = Console(machines, snapshots, authenticate, logins or Logins(), reports)
     c = console
     app = Starlette(routes=[
         Route(TOKENS_PATH, c.login_tokens, methods=["POST"]),
@@ -297,6 +322,8 @@ def create_console_app(
         Route("/", c.machines_page, methods=["GET"]),
         Route("/machines/{ref}", c.machine_page, methods=["GET"]),
         Route("/snapshots", c.snapshots_page, methods=["GET"]),
+        Route("/reports", c.reports_page, methods=["GET"]),
+        Route("/reports/{name}", c.report_page, methods=["GET"]),
         Route("/api/machines", c.machines_json, methods=["GET"]),
         Route("/api/events", c.events, methods=["GET"]),
         Route("/api/machines/{ref}/graph", c.graph_json, methods=["GET"]),

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CHART_JS", "cause_kind", "report_html"]
+__all__ = ["CHART_JS", "cause_kind", "report_html", "report_sections", "script_json"]
 
 _HERE = Path(__file__).parent
 #: The vendored Chart.js build (MIT; static/vendor/chart.js.LICENSE).
@@ -83,16 +83,10 @@ figure { margin: 0; } figcaption { font-weight: bold; margin-bottom: .25rem; }
 """
 
 
-def _script_json(data: Any) -> str:
-    """JSON safe inside a <script> element (no ``</``, no ``<!--``)."""
-    return json.dumps(data).replace("<", "\\u003c")
-
-
-def report_html(report: Mapping[str, Any], title: str | None = None) -> str:
-    """The standalone HTML page of a sweep report (`SweepReport.to_json`, plus its
-    ``causes`` when given)."""
+def report_sections(report: Mapping[str, Any]) -> str:
+    """The report's verdict, tables and chart canvases as HTML (escaped; no scripts):
+    `report_html`'s body, and the console's report page's."""
     e = html.escape
-    title = title or f"boxd reproducibility report: {report.get('env', '')}"
     identical = bool(report.get("identical"))
     pairs = [p for p in report.get("pairs", []) if not p.get("identical")]
     diverged_rows = [
@@ -105,11 +99,7 @@ def report_html(report: Mapping[str, Any], title: str | None = None) -> str:
         for p in pairs[:200]]
     kept = "" if report.get("pairs_complete", True) else \
         " (the report kept only the diverged seeds: identical ones are not drawn)"
-    chart = _MAP.sub("", CHART_JS.read_text())
-    parts = [
-        "<!doctype html>", '<html lang="en"><head><meta charset="utf-8">',
-        f"<title>{e(title)}</title><style>{_CSS}</style></head><body>",
-        f"<h1>{e(title)}</h1>",
+    return "\n".join([
         f'<p class="verdict-{"yes" if identical else "no"}">'
         + ("Every seed's runs are identical." if identical else
            f"{int(report.get('diverged', 0))} of {int(report.get('seeds', 0))} seeds "
@@ -128,7 +118,26 @@ def report_html(report: Mapping[str, Any], title: str | None = None) -> str:
         _table("Diverged seeds" + (" (the first 200)" if len(pairs) > 200 else ""),
                ("seed", "first divergence", "likely cause", "machines", "nodes"),
                diverged_rows),
-        f'<script type="application/json" id="report-data">{_script_json(report)}</script>',
+    ])
+
+
+def script_json(data: Any) -> str:
+    """JSON safe inside a <script> element (no ``</``, no ``<!--``)."""
+    return json.dumps(data).replace("<", "\\u003c")
+
+
+def report_html(report: Mapping[str, Any], title: str | None = None) -> str:
+    """The standalone HTML page of a sweep report (`SweepReport.to_json`, plus its
+    ``causes`` when given)."""
+    e = html.escape
+    title = title or f"boxd reproducibility report: {report.get('env', '')}"
+    chart = _MAP.sub("", CHART_JS.read_text())
+    parts = [
+        "<!doctype html>", '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{e(title)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>{e(title)}</h1>",
+        report_sections(report),
+        f'<script type="application/json" id="report-data">{script_json(report)}</script>',
         f"<script>{chart}</script>",
         f"<script>{_DRAW.read_text()}</script>",
         "</body></html>",
