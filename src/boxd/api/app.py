@@ -70,8 +70,7 @@ def create_app(
             the data directory holding ``upload_dir`` and its tmpfs folder).
         accounts: accounts and limits (default: over the keys' database).
         images: the container image store (default: ``oci/`` beside ``upload_dir``).
-        reports: saved reproducibility reports (default: ``reports/`` beside
-            ``upload_dir``, or a temporary folder).
+        reports: saved reproducibility reports (default: ``reports/`` beside ``upload_dir``).
         max_body: bytes a JSON request body may have (``BOXD_MAX_BODY``); more is a 413.
         max_upload: bytes a file upload or snapshot import may have (``BOXD_MAX_UPLOAD``).
         body_timeout: seconds a request body may stall before a 408 (``BOXD_BODY_TIMEOUT``).
@@ -90,10 +89,7 @@ def create_app(
     app.state.keys = keys
     app.state.host_info = host_info
     app.state.upload_dir = upload_dir
-    if private_dirs is None:
-        home = upload_dir.parent if upload_dir is not None else None
-        private_dirs = (home, Paths(home).shm) if home is not None else ()
-    app.state.private_dirs = tuple(private_dirs)
+    app.state.private_dirs = _private_dirs(upload_dir, private_dirs)
     app.state.accounts = accounts if accounts is not None or keys is None \
         else AccountsService(keys.repos)
     app.state.images = images or _default_images(upload_dir)
@@ -106,6 +102,14 @@ def create_app(
         app.include_router(module.router, prefix=API_PREFIX)
     _document_400_not_422(app)
     return app
+
+
+def _private_dirs(upload_dir: Path | None,
+                  private_dirs: Sequence[Path] | None) -> tuple[Path, ...]:
+    if private_dirs is None:
+        home = upload_dir.parent if upload_dir is not None else None
+        private_dirs = (home, Paths(home).shm) if home is not None else ()
+    return tuple(private_dirs)
 
 
 def _default_images(upload_dir: Path | None) -> ImageService:
