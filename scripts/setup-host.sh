@@ -52,8 +52,9 @@ need_pkgs=(qemu-utils mmdebstrap e2fsprogs cpio kmod xz-utils zstd ca-certificat
 # The test tools only (the dev extra): the tests' own container registry on loopback
 # (tests/unit/test_oci_import.py imports through `docker://`), busybox-static (the base of
 # the tests' Dockerfile builds), strace (tests/unit/test_fd_ownership.py counts close()
-# calls with it).
-case ",$extras," in *",dev,"*) need_pkgs+=(docker-registry busybox-static strace) ;; esac
+# calls with it), chromium (tests/integration/test_console.py drives it with Playwright,
+# whose own browser download is never used).
+case ",$extras," in *",dev,"*) need_pkgs+=(docker-registry busybox-static strace chromium) ;; esac
 find_missing() {
   missing=()
   for p in "${need_pkgs[@]}"; do

@@ -1,7 +1,8 @@
 """Whether this Python has the daemon's dependencies (the ``server`` extra).
 
 ``pip install boxd`` gives the SDK and the CLI only (httpx, pydantic, click, rich); the
-daemon needs FastAPI, uvicorn and qemu.qmp as well, from ``pip install 'boxd[server]'``.
+daemon needs FastAPI, uvicorn, qemu.qmp and Jinja2 (the web console) as well, from
+``pip install 'boxd[server]'``.
 ``boxd serve`` and the clients' start-a-local-daemon path check here first, so that a
 light install says which extra is missing instead of failing with an import traceback.
 """
@@ -15,7 +16,7 @@ from boxd.errors import HostSetupError
 __all__ = ["INSTALL_HINT", "SERVER_MODULES", "missing_server_modules", "require_server"]
 
 #: Top-level modules the daemon imports that the client does not.
-SERVER_MODULES = ("fastapi", "uvicorn", "qemu.qmp")
+SERVER_MODULES = ("fastapi", "uvicorn", "qemu.qmp", "jinja2")
 INSTALL_HINT = "pip install 'boxd[server]'"
 
 

@@ -10,7 +10,7 @@ import operator
 import re
 from datetime import datetime
 from enum import StrEnum
-from typing import Annotated, Literal, SupportsIndex
+from typing import Annotated, Any, Literal, SupportsIndex
 
 from pydantic import (
     BaseModel,
@@ -687,6 +687,50 @@ class ApiKeyCreate(BaseModel):
 
 class ApiKeyList(BaseModel):
     keys: list[ApiKey]
+
+
+#: The fields a saved reproducibility report must have, with their types.
+REPORT_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "env": str, "identical": bool, "seeds": int, "diverged": int, "steps": int,
+    "runs": int, "pairs": list,
+}
+
+
+class ReportSave(BaseModel):
+    name: Name = Field(..., description=f"the report's name; saving it again replaces it. "
+                       f"{NAME_RULE}")
+    report: dict[str, Any] = Field(
+        ..., description="a `boxd rl verify --json` sweep report (its JSON Schema: "
+        "`boxd rl verify --schema`), with its ``causes`` as [cause, seeds] pairs")
+
+    @field_validator("report")
+    @classmethod
+    def _report(cls, report: dict[str, Any]) -> dict[str, Any]:
+        for key, kind in REPORT_FIELDS.items():
+            value = report.get(key)
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise ValueError(f"report.{key} must be a {getattr(kind, '__name__', kind)}")
+        return report
+
+
+class Report(BaseModel):
+    """A saved reproducibility report: its name and verdict (the whole report: GET
+    /v1/reports/NAME)."""
+
+    name: str
+    created_at: float
+    env: str
+    identical: bool
+    seeds: int
+    diverged: int
+
+
+class ReportList(BaseModel):
+    reports: list[Report]
+
+
+class ReportData(Report):
+    report: dict[str, Any] = Field(..., description="the report as it was saved")
 
 
 class Account(BaseModel):

@@ -192,6 +192,26 @@ class MachineService(Protocol):
         ...
 
 
+class ReportService(Protocol):
+    """Reproducibility reports an account saved (``boxd rl verify --save``)."""
+
+    async def save(self, account: str, req: models.ReportSave) -> models.Report:
+        """Save (or replace) a report. Raises: InvalidRequest."""
+        ...
+
+    async def list(self, account: str) -> builtins.list[models.Report]:
+        """The account's reports, newest first."""
+        ...
+
+    async def get(self, account: str, name: str) -> models.ReportData:
+        """A report whole. Raises: NotFound."""
+        ...
+
+    async def delete(self, account: str, name: str) -> None:
+        """Delete a report. Raises: NotFound."""
+        ...
+
+
 class SnapshotService(Protocol):
     """Save, list, inspect, delete, export and import snapshots."""
 
@@ -274,6 +294,6 @@ class ProcessService(Protocol):
 
 __all__ = [
     "AccountService", "ByteStream", "GuestApi", "GuestCaller", "HostInfoFn", "MachineService",
-    "ProcessService", "ProcessStream",
+    "ProcessService", "ProcessStream", "ReportService",
     "SnapshotService",
 ]

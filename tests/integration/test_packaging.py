@@ -54,7 +54,15 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_wheel_carries_the_package_data(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     for needed in ("boxd/py.typed", "boxd/guest/agent.py", "boxd/guest/init.c",
-                   "boxd/_server_deps.py"):
+                   "boxd/_server_deps.py",
+                   # the web console's pages and assets, the graph library vendored
+                   "boxd/console/templates/machines.html", "boxd/console/static/console.js",
+                   "boxd/console/static/console.css",
+                   "boxd/console/static/vendor/cytoscape.min.js",
+                   "boxd/console/static/vendor/cytoscape.LICENSE",
+                   "boxd/console/static/report.js",
+                   "boxd/console/static/vendor/chart.umd.min.js",
+                   "boxd/console/static/vendor/chart.js.LICENSE"):
         assert needed in names, needed
     assert any(n.startswith("boxd/state/") and n.endswith(".sql") for n in names)
     meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
@@ -65,7 +73,9 @@ def test_wheel_carries_the_package_data(wheel: Path) -> None:
     assert base == ["click", "httpx", "pydantic", "rich", "websockets"], requires
     server = {r.split()[1].split(">")[0] for r in requires if "extra == \"server\"" in r}
     # uvloop: the daemon's event loop where it installs (BOXD_EVENT_LOOP falls back)
-    assert server == {"fastapi", "uvicorn", "uvloop", "qemu.qmp", "websockets"}, requires
+    # jinja2: the web console's pages (boxd.console)
+    assert server == {"fastapi", "uvicorn", "uvloop", "qemu.qmp", "websockets", "jinja2"}, \
+        requires
 
 
 def test_clean_venv_with_client_dependencies_only(wheel: Path, tmp_path: Path) -> None:
@@ -75,7 +85,7 @@ def test_clean_venv_with_client_dependencies_only(wheel: Path, tmp_path: Path) -
     _run([py, "-m", "pip", "install", "--quiet", wheel])
     missing = _run([py, "-c", "from boxd._server_deps import missing_server_modules as m; "
                     "print(m())"])
-    assert missing.strip() == "['fastapi', 'uvicorn', 'qemu.qmp']"  # truly light
+    assert missing.strip() == "['fastapi', 'uvicorn', 'qemu.qmp', 'jinja2']"  # truly light
 
     assert _run([boxd, "--version"]).startswith("boxd, version ")
     assert _run([py, "-c", "from boxd import Boxd; print(Boxd.__name__)"]).strip() == "Boxd"

@@ -110,7 +110,7 @@ _HIDE_SERVER = textwrap.dedent("""
     import sys
     class HideServer:
         def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in {"fastapi", "uvicorn", "qemu"}:
+            if name.split(".")[0] in {"fastapi", "uvicorn", "qemu", "jinja2"}:
                 raise ModuleNotFoundError(f"No module named {name!r}")
             return None
     sys.meta_path.insert(0, HideServer())
@@ -132,7 +132,7 @@ def test_server_modules_hidden_in_light_env(light_env: dict[str, str]) -> None:
     code = "from boxd._server_deps import missing_server_modules as m; print(m())"
     out = subprocess.run([sys.executable, "-c", code], env=light_env, capture_output=True,
                          text=True, check=True, timeout=60).stdout
-    assert out.strip() == "['fastapi', 'uvicorn', 'qemu.qmp']"
+    assert out.strip() == "['fastapi', 'uvicorn', 'qemu.qmp', 'jinja2']"
 
 
 def test_serve_without_server_extra_prints_one_line_hint(light_env: dict[str, str]) -> None:

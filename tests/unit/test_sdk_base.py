@@ -179,6 +179,7 @@ _PAIRS = [
     (sdk.Checkpoints, sdk.AsyncCheckpoints),
     (sdk.Snapshots, sdk.AsyncSnapshots),
     (sdk.Keys, sdk.AsyncKeys),
+    (sdk.Reports, sdk.AsyncReports),
 ]
 
 

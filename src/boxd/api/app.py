@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import secrets
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -16,13 +18,21 @@ from boxd.api.routes import images as images_routes
 from boxd.api.routes import keys as keys_routes
 from boxd.api.routes import machines as machines_routes
 from boxd.api.routes import processes as processes_routes
+from boxd.api.routes import reports as reports_routes
 from boxd.api.routes import snapshots as snapshots_routes
 from boxd.api.routes import system
 from boxd.api.services.images import ImageService
 from boxd.api.services.keys import KeyService
 from boxd.config import Paths, Settings
 from boxd.control.accounts import Accounts as AccountsService
-from boxd.services import AccountService, HostInfoFn, MachineService, SnapshotService
+from boxd.services import (
+    AccountService,
+    HostInfoFn,
+    MachineService,
+    ReportService,
+    SnapshotService,
+)
+from boxd.storage.reports import ReportStore
 
 __all__ = ["create_app"]
 
@@ -42,6 +52,7 @@ def create_app(
     private_dirs: Sequence[Path] | None = None,
     accounts: AccountService | None = None,
     images: ImageService | None = None,
+    reports: ReportService | None = None,
     max_body: int = Settings.max_body,
     max_upload: int = Settings.max_upload,
     body_timeout: float = Settings.body_timeout,
@@ -59,6 +70,7 @@ def create_app(
             the data directory holding ``upload_dir`` and its tmpfs folder).
         accounts: accounts and limits (default: over the keys' database).
         images: the container image store (default: ``oci/`` beside ``upload_dir``).
+        reports: saved reproducibility reports (default: ``reports/`` beside ``upload_dir``).
         max_body: bytes a JSON request body may have (``BOXD_MAX_BODY``); more is a 413.
         max_upload: bytes a file upload or snapshot import may have (``BOXD_MAX_UPLOAD``).
         body_timeout: seconds a request body may stall before a 408 (``BOXD_BODY_TIMEOUT``).
@@ -77,25 +89,39 @@ def create_app(
     app.state.keys = keys
     app.state.host_info = host_info
     app.state.upload_dir = upload_dir
-    if private_dirs is None:
-        home = upload_dir.parent if upload_dir is not None else None
-        private_dirs = (home, Paths(home).shm) if home is not None else ()
-    app.state.private_dirs = tuple(private_dirs)
+    app.state.private_dirs = _private_dirs(upload_dir, private_dirs)
     app.state.accounts = accounts if accounts is not None or keys is None \
         else AccountsService(keys.repos)
     app.state.images = images or _default_images(upload_dir)
+    app.state.reports = reports or _default_reports(upload_dir)
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_body=max_body, max_upload=max_upload,
                        body_timeout=body_timeout)
     for module in (system, machines_routes, snapshots_routes, keys_routes, accounts_routes,
-                   processes_routes, images_routes):
+                   processes_routes, images_routes, reports_routes):
         app.include_router(module.router, prefix=API_PREFIX)
     _document_400_not_422(app)
     return app
 
 
+def _private_dirs(upload_dir: Path | None,
+                  private_dirs: Sequence[Path] | None) -> tuple[Path, ...]:
+    if private_dirs is None:
+        home = upload_dir.parent if upload_dir is not None else None
+        private_dirs = (home, Paths(home).shm) if home is not None else ()
+    return tuple(private_dirs)
+
+
 def _default_images(upload_dir: Path | None) -> ImageService:
     return ImageService(upload_dir.parent / "oci" if upload_dir is not None else None)
+
+
+def _default_reports(upload_dir: Path | None) -> ReportService:
+    if upload_dir is not None:
+        return ReportStore(upload_dir.parent / "reports")
+    # Made on the first save only: building an app (e.g. for its OpenAPI schema) leaves
+    # nothing behind.
+    return ReportStore(Path(tempfile.gettempdir()) / f"boxd-reports-{secrets.token_hex(8)}")
 
 
 def _document_400_not_422(app: FastAPI) -> None:

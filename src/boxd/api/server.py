@@ -13,11 +13,13 @@ import fcntl
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,8 @@ from boxd.api.routes.system import version
 from boxd.api.services.images import ImageService
 from boxd.api.services.keys import KeyService
 from boxd.config import Paths, Settings
+from boxd.console.app import create_console_app
+from boxd.console.login import url_file as console_url_file
 from boxd.control import build_services
 from boxd.e2b.app import create_e2b_app
 from boxd.e2b.env import url_file
@@ -38,6 +42,7 @@ from boxd.errors import Conflict, HostSetupError, InvalidRequest
 from boxd.services import HostInfoFn, MachineService, SnapshotService
 from boxd.state import Database
 from boxd.storage.fds import OwnedFd
+from boxd.storage.reports import ReportStore
 
 #: Seconds the daemon keeps an idle HTTP connection open. Longer than any client's own
 #: idle expiry (the SDK's 5 s, browsers' 60 s), so the client always closes first: with
@@ -76,6 +81,20 @@ class JsonLineFormatter(logging.Formatter):
         return json.dumps(line, default=str)
 
 
+_SECRET_QUERY = re.compile(r"((?:^|[?&])token=)[^&\s\"]*")
+
+
+class RedactTokens(logging.Filter):
+    """Keep the console's one-time login tokens (``/login?token=...``) out of the access
+    log: a request line's ``token=`` value is written as ``<redacted>``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "uvicorn.access" and isinstance(record.args, tuple):
+            record.args = tuple(_SECRET_QUERY.sub(r"\1<redacted>", a)
+                                if isinstance(a, str) else a for a in record.args)
+        return True
+
+
 def setup_logging(path: Path) -> logging.Handler:
     """Send boxd's and uvicorn's logs (access log included) to ``path`` only.
 
@@ -84,6 +103,7 @@ def setup_logging(path: Path) -> logging.Handler:
     """
     handler = logging.FileHandler(path, encoding="utf-8")
     handler.setFormatter(JsonLineFormatter())
+    handler.addFilter(RedactTokens())
     # BOXD_LOG_LEVEL=debug adds per-phase timings (fork, start, capture) to the log.
     level = logging.getLevelName(Settings.from_env().log_level.upper())
     if not isinstance(level, int):
@@ -246,15 +266,43 @@ class _QuietServer(_Server):
         yield
 
 
-def _e2b_listen(settings: Settings) -> tuple[str, int] | None:
-    """Where the E2B API listens (``BOXD_E2B_LISTEN``), or None when it is ``off``."""
-    if settings.e2b_listen.lower() == "off":
+def _side_listen(value: str, env: str) -> tuple[str, int] | None:
+    """Where a second listener (``BOXD_E2B_LISTEN``, ``BOXD_CONSOLE_LISTEN``) listens,
+    or None when it is ``off``."""
+    if value.lower() == "off":
         return None
     try:
-        return _parse_listen(settings.e2b_listen)
+        return _parse_listen(value)
     except InvalidRequest as exc:
-        raise InvalidRequest(f"BOXD_E2B_LISTEN: {exc.message}", hint="use HOST:PORT (port 0: "
-                             "any free one) or off", field="BOXD_E2B_LISTEN") from exc
+        raise InvalidRequest(f"{env}: {exc.message}", hint="use HOST:PORT (port 0: "
+                             "any free one) or off", field=env) from exc
+
+
+def _side_config(app: Any, ws: str) -> uvicorn.Config:
+    return uvicorn.Config(
+        app, log_config=None, access_log=True, proxy_headers=False,
+        timeout_graceful_shutdown=10, timeout_keep_alive=KEEP_ALIVE_SECONDS,
+        http="h11", ws=ws,
+    )
+
+
+@dataclass
+class _Side:
+    """A second front door on its own loopback TCP listener (E2B's API, the console)."""
+
+    what: str
+    env: str
+    listen: tuple[str, int] | None
+    url_path: Path
+    server: _QuietServer
+    before_stop: Callable[[], None] | None = None
+
+
+@dataclass
+class _Running:
+    side: _Side
+    task: asyncio.Task[None]
+    sock: socket.socket
 
 
 class Daemon:
@@ -296,20 +344,16 @@ class Daemon:
                 host_info = host_info or built_info
             self.machines = machines
             self.snapshots = snapshots
+            self.reports = ReportStore(paths.home / "reports")
             key_file = local_key_path(paths)
             secret = self.keys.ensure_default_local_key(os.getuid(), _read_local_key(key_file))
             write_local_key(key_file, secret)
             self.app = self._create_app(settings, host_info or _fallback_host_info(paths))
             self.server = _uvicorn_server(self.app)
-            # E2B's API (docs/e2b.md) on its own loopback TCP listener, same services.
-            self.e2b_tcp = _e2b_listen(settings)
-            self.e2b_server = _QuietServer(uvicorn.Config(
-                create_e2b_app(self.machines, self.keys.authenticate, paths.home / "e2b",
-                               self.snapshots),
-                log_config=None, access_log=True, proxy_headers=False,
-                timeout_graceful_shutdown=10, timeout_keep_alive=KEEP_ALIVE_SECONDS,
-                http="h11", ws="none",
-            )) if self.e2b_tcp else None
+            # E2B's API (docs/e2b.md) and the web console (docs/console.md), each on its
+            # own loopback TCP listener, over the same services.
+            self.e2b = self._e2b_side(settings)
+            self.console = self._console_side(settings)
             # Each non-isolated machine's /run/boxd/boxd.sock, relayed to this app.
             serve_guests = getattr(machines, "serve_guests", None)
             if serve_guests is not None:
@@ -317,6 +361,26 @@ class Daemon:
         except BaseException:
             self._unlock()
             raise
+
+    def _e2b_side(self, settings: Settings) -> _Side:
+        listen = _side_listen(settings.e2b_listen, "BOXD_E2B_LISTEN")
+        app = create_e2b_app(self.machines, self.keys.authenticate, self.paths.home / "e2b",
+                             self.snapshots)
+        return _Side("e2b api", "BOXD_E2B_LISTEN", listen, url_file(self.paths.home),
+                     _QuietServer(_side_config(app, ws="none")))
+
+    def _console_side(self, settings: Settings) -> _Side:
+        listen = _side_listen(settings.console_listen, "BOXD_CONSOLE_LISTEN")
+        app = create_console_app(self.machines, self.snapshots, self.keys.authenticate,
+                                 reports=self.reports)
+        console = app.state.console
+
+        def end_streams() -> None:
+            console.stopping = True  # live streams end, so its server stops at once
+
+        return _Side("web console", "BOXD_CONSOLE_LISTEN", listen,
+                     console_url_file(self.paths.home),
+                     _QuietServer(_side_config(app, ws="none")), end_streams)
 
     def _create_app(self, settings: Settings, host_info: HostInfoFn) -> FastAPI:
         """The API over this daemon's services, with the limits ``settings`` give."""
@@ -329,45 +393,49 @@ class Daemon:
             upload_dir=paths.home / "uploads",
             private_dirs=(paths.home, paths.shm),
             images=ImageService(paths.images_store),
+            reports=self.reports,
             max_body=settings.max_body,
             max_upload=settings.max_upload,
             body_timeout=settings.body_timeout,
         )
 
-    async def _start_e2b(self) -> tuple[asyncio.Task[None], socket.socket] | None:
-        """Bind the E2B listener, write its URL to ``<data dir>/e2b.url`` and serve it."""
-        url_path = url_file(self.paths.home)
+    async def _start_side(self, side: _Side | None) -> _Running | None:
+        """Bind a second listener (E2B, console), write its URL file and serve it."""
+        if side is None:
+            return None
         with contextlib.suppress(FileNotFoundError):
-            url_path.unlink()
-        if self.e2b_server is None or self.e2b_tcp is None:
+            side.url_path.unlink()
+        if side.listen is None:
             return None
         try:
-            sock = _tcp_socket(*self.e2b_tcp)
+            sock = _tcp_socket(*side.listen)
         except OSError as exc:
-            # boxd's own API still serves; `boxd e2b env` says E2B's is not there.
-            log.error("cannot listen for the E2B API on %s:%s (BOXD_E2B_LISTEN): %s",
-                      *self.e2b_tcp, exc)
+            # boxd's own API still serves; the URL file's absence says this one is not.
+            log.error("cannot listen for the %s on %s:%s (%s): %s", side.what,
+                      *side.listen, side.env, exc)
             return None
         host, port = sock.getsockname()[:2]
         url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-        write_local_key(url_path, url)  # atomic, 0600: the same as the key file
-        log.info("e2b api listening", extra={"url": url})
-        task = asyncio.create_task(self.e2b_server.serve(sockets=[sock]))
-        return task, sock
+        write_local_key(side.url_path, url)  # atomic, 0600: the same as the key file
+        log.info("%s listening", side.what, extra={"url": url})
+        task = asyncio.create_task(side.server.serve(sockets=[sock]))
+        return _Running(side, task, sock)
 
-    async def _stop_e2b(self, e2b: tuple[asyncio.Task[None], socket.socket] | None) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            url_file(self.paths.home).unlink()
-        if e2b is None or self.e2b_server is None:
+    async def _stop_side(self, running: _Running | None) -> None:
+        if running is None:
             return
-        task, sock = e2b
-        self.e2b_server.should_exit = True
+        side = running.side
+        with contextlib.suppress(FileNotFoundError):
+            side.url_path.unlink()
+        if side.before_stop is not None:
+            side.before_stop()
+        side.server.should_exit = True
         try:
-            await task
+            await running.task
         except Exception:
-            log.exception("the e2b listener failed")
+            log.exception("the %s listener failed", side.what)
         finally:
-            sock.close()
+            running.sock.close()
 
     def _unlock(self) -> None:
         with contextlib.suppress(OSError):
@@ -385,14 +453,16 @@ class Daemon:
         log.info("daemon started", extra={"pid": os.getpid(), "socket": str(self.paths.socket),
                                           "tcp": self.tcp, "home": str(self.paths.home)})
         started = time.monotonic()
-        e2b = None
+        running: list[_Running | None] = []
         try:
             # Find the VMs of machines recorded before a restart (they kept running).
             await self.machines.recover()
-            e2b = await self._start_e2b()
+            for side in (self.e2b, self.console):
+                running.append(await self._start_side(side))
             await self.server.serve(sockets=sockets)
         finally:
-            await self._stop_e2b(e2b)
+            for r in running:
+                await self._stop_side(r)
             try:
                 await self.machines.close()
             except Exception:

@@ -831,13 +831,7 @@ def e2b_env(state: _State, e2b_url: str | None) -> None:
     state.boxd.keys.list()  # the daemon answers (started if local) and the key is valid
     paths = Paths.default()
     client = ClientSettings.from_env()
-    key = state.api_key or client.api_key
-    if key is None:
-        try:
-            key = (paths.home / "local.key").read_text().strip()
-        except OSError as exc:
-            fail(f"cannot read the local key {paths.home / 'local.key'}: {exc.strerror} "
-                 "(pass --api-key or set BOXD_API_KEY)")
+    key = _api_key(state, paths)
     url = e2b_url
     if url is None:
         if state.url or client.url:
@@ -905,6 +899,60 @@ def e2b_warm(state: _State, template: str, forks: int, isolated: bool,
         return
     click.echo(f"template {template} is warm: machine {src.name}, {standby.forks} standby "
                f"forks ({standby.memory_bytes / 2**20:.0f} MiB)")
+
+
+def _api_key(state: _State, paths: Paths) -> str:
+    """The API key the CLI uses: --api-key, BOXD_API_KEY, else the local key file."""
+    from boxd.config import ClientSettings
+
+    key = state.api_key or ClientSettings.from_env().api_key
+    if key is None:
+        try:
+            key = (paths.home / "local.key").read_text().strip()
+        except OSError as exc:
+            fail(f"cannot read the local key {paths.home / 'local.key'}: {exc.strerror} "
+                 "(pass --api-key or set BOXD_API_KEY)")
+    return key
+
+
+@main.command("console")
+@click.option("--print-url", is_flag=True,
+              help="Print the login URL and exit instead of opening a browser.")
+@click.option("--console-url", metavar="URL",
+              help="The daemon's console URL (for a daemon on another host: its "
+              "BOXD_CONSOLE_LISTEN). Default: the local daemon's, from <data dir>/console.url.")
+@pass_state
+def console(state: _State, print_url: bool, console_url: str | None) -> None:
+    """Open the web console (your account's machines, fork trees, snapshots) in a browser.
+
+    \b
+    boxd console               # opens it, logged in
+    boxd console --print-url   # prints the login URL (good once, for a minute)
+
+    The URL carries a one-time login token for your API key's account; the console
+    trades it for a session cookie (docs/console.md). Starts the local daemon if needed.
+    """
+    import webbrowser
+
+    from boxd.config import ClientSettings
+    from boxd.console.login import login_url, url_file
+
+    state.boxd.keys.list()  # the daemon answers (started if local) and the key is valid
+    paths = Paths.default()
+    key = _api_key(state, paths)
+    url = console_url
+    if url is None:
+        if state.url or ClientSettings.from_env().url:
+            fail("the daemon is remote: give its console URL with --console-url "
+                 "(its BOXD_CONSOLE_LISTEN, e.g. http://HOST:7071)")
+        try:
+            url = url_file(paths.home).read_text().strip()
+        except OSError:
+            fail(f"the daemon serves no console (no {url_file(paths.home)}): see "
+                 f"BOXD_CONSOLE_LISTEN and its log {paths.log}")
+    login = login_url(url, key)
+    if print_url or not webbrowser.open(login):
+        click.echo(login)
 
 
 @main.group(context_settings=_CONTEXT)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
 
-from boxd import errors
+from boxd import errors, models
 from boxd.cli import _render
 
 __all__ = ["rl"]
@@ -86,10 +87,18 @@ def _csv(ctx: click.Context, param: click.Parameter, value: str | None) -> list[
               "--schema).")
 @click.option("--schema", is_flag=True, help="Print the JSON Schema of the --seeds --json "
               "report and exit.")
+@click.option("--html", "html_file", type=click.Path(dir_okay=False, writable=True,
+              path_type=Path), metavar="FILE",
+              help="Also write the report as one standalone HTML page with its charts "
+              "(opens offline: to attach to a paper or an issue).")
+@click.option("--save", "save_name", metavar="NAME",
+              help="Also keep the report in the daemon under NAME (replacing one of that "
+              "name): `boxd console` lists and draws it.")
 @click.pass_obj
 def verify(state: Any, source: str, env: str, seed: int | None, seeds: range | None,
            steps: int, runs: int, jobs: int, engines: list[str] | None,
-           nodes: list[str] | None, template: bool, as_json: bool, schema: bool) -> None:
+           nodes: list[str] | None, template: bool, as_json: bool, schema: bool,
+           html_file: Path | None, save_name: str | None) -> None:
     """Run ENV in fresh forks of SOURCE, seed by seed, and compare them step by step.
 
     ENV is a Gymnasium id (CartPole-v1) or module:function importable in the machine
@@ -105,6 +114,8 @@ def verify(state: Any, source: str, env: str, seed: int | None, seeds: range | N
         return
     if seed is not None and seeds is not None:
         raise click.UsageError("give --seed or --seeds, not both")
+    if save_name is not None and not models.NAME_RE.match(save_name):
+        raise click.BadParameter(models.NAME_RULE, param_hint="--save")
     try:
         from boxd import rl as boxd_rl
     except ImportError as exc:
@@ -124,7 +135,8 @@ def verify(state: Any, source: str, env: str, seed: int | None, seeds: range | N
     where["labels"] = run_labels("verify")
     click.get_current_context().with_resource(delete_on_signals(state.boxd, where["labels"]))
     if seeds is not None:
-        _sweep(state, sources, env, seeds, steps, runs, jobs, as_json, boxd_rl, where)
+        _sweep(state, sources, env, seeds, steps, runs, jobs, as_json, boxd_rl, where,
+               (html_file, save_name))
         return
     with _render.activity(f"running {env} in {runs} forks of {source}", as_json=as_json):
         report = boxd_rl.verify(sources, env, seed=42 if seed is None else seed,
@@ -137,8 +149,39 @@ def verify(state: Any, source: str, env: str, seed: int | None, seeds: range | N
         _render.print_json(out)
     else:
         _render.details(report.rows())
+    _keep(state, _single_json(report, sources), html_file, save_name)
     if not report.identical:
         sys.exit(1)
+
+
+def _single_json(report: Any, sources: str | list[str]) -> dict[str, Any]:
+    """A one-seed report in the sweep report's shape (what the HTML page draws)."""
+    return {
+        "format": 1, "identical": report.identical, "env": report.env,
+        "steps": report.steps, "runs": report.runs,
+        "sources": sources if isinstance(sources, list) else [sources],
+        "placement": "spread" if report.nodes else "same-node",
+        "nodes": sorted(set(report.nodes)), "seeds": 1, "distinct": 1,
+        "distinct_exact": True, "wall_s": 0.0, "diverged": 0 if report.identical else 1,
+        "pairs_complete": True, "pairs": [report.to_json()],
+    }
+
+
+def _keep(state: Any, data: dict[str, Any], html_file: Path | None,
+          save_name: str | None) -> None:
+    """Write the report's HTML page (--html) and keep it in the daemon (--save)."""
+    if html_file is not None:
+        from boxd.console.report import report_html
+
+        try:
+            html_file.write_text(report_html(data), encoding="utf-8")
+        except OSError as exc:
+            raise errors.InvalidRequest(f"cannot write {html_file}: {exc.strerror}",
+                                        field="html") from exc
+        click.echo(f"report: {html_file}", err=True)
+    if save_name is not None:
+        saved = state.boxd.reports.save(save_name, data)
+        click.echo(f"report saved as {saved.name} (boxd console: Reports)", err=True)
 
 
 def _engine_sources(boxd: Any, source: str, engines: list[str]) -> list[str]:
@@ -169,7 +212,8 @@ def _engine_sources(boxd: Any, source: str, engines: list[str]) -> list[str]:
 
 
 def _sweep(state: Any, sources: str | list[str], env: str, seeds: range, steps: int,
-           runs: int, jobs: int, as_json: bool, boxd_rl: Any, where: dict[str, Any]) -> None:
+           runs: int, jobs: int, as_json: bool, boxd_rl: Any, where: dict[str, Any],
+           keep: tuple[Path | None, str | None] = (None, None)) -> None:
     with _render.progress(f"verifying {env}: {len(seeds)} seeds x {runs} forks",
                           total=len(seeds), as_json=as_json) as advance:
         report = boxd_rl.verify(sources, env, seeds=seeds, steps=steps, runs=runs,
@@ -191,5 +235,8 @@ def _sweep(state: Any, sources: str | list[str], env: str, seeds: range, steps: 
                 kept = "all" if report.pairs_complete else f"the first {len(bad)}"
                 _render.console().print(f"... and {more} more seeds (--json: {kept})")
         _render.details(report.rows())
+    data = report.to_json()
+    data["causes"] = [list(c) for c in report.causes]
+    _keep(state, data, *keep)
     if not report.identical:
         sys.exit(1)

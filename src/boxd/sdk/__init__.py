@@ -17,9 +17,19 @@ if TYPE_CHECKING:
         AsyncFiles,
         AsyncKeys,
         AsyncMachines,
+        AsyncReports,
         AsyncSnapshots,
     )
-    from boxd.sdk._sync import Accounts, Boxd, Checkpoints, Files, Keys, Machines, Snapshots
+    from boxd.sdk._sync import (
+        Accounts,
+        Boxd,
+        Checkpoints,
+        Files,
+        Keys,
+        Machines,
+        Reports,
+        Snapshots,
+    )
 
 __all__ = [
     "Accounts",
@@ -29,12 +39,14 @@ __all__ = [
     "AsyncFiles",
     "AsyncKeys",
     "AsyncMachines",
+    "AsyncReports",
     "AsyncSnapshots",
     "Boxd",
     "Checkpoints",
     "Files",
     "Keys",
     "Machines",
+    "Reports",
     "Snapshots",
 ]
 

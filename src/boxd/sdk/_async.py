@@ -18,7 +18,7 @@ import tempfile
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, BinaryIO, overload
+from typing import TYPE_CHECKING, Any, BinaryIO, overload
 
 import httpx
 
@@ -75,6 +75,7 @@ class AsyncBoxd:
         self.snapshots = AsyncSnapshots(self)
         self.images = AsyncImages(self)
         self.keys = AsyncKeys(self)
+        self.reports = AsyncReports(self)
         self.accounts = AsyncAccounts(self)
         self.nodes = AsyncNodes(self)
 
@@ -875,6 +876,46 @@ class AsyncKeys:
             NotFound: no such key.
         """
         await self._c._call(_base.key_revoke(key_id))
+
+
+class AsyncReports:
+    """Reproducibility reports kept by the daemon (``boxd.reports``): ``boxd rl verify
+    --save NAME`` saves one; the console draws them (docs/console.md)."""
+
+    def __init__(self, client: AsyncBoxd) -> None:
+        self._c = client
+
+    async def save(self, name: str, report: Mapping[str, Any]) -> models.Report:
+        """Save a report under ``name`` (replacing the report of that name, if any).
+
+        Args:
+            name: the report's name (the machine name rule).
+            report: a `boxd.rl.SweepReport`'s ``to_json()``, with its ``causes``.
+
+        Raises:
+            InvalidRequest: a bad name, or not a report.
+        """
+        return await self._c._parse(models.Report, _base.report_save(name, report))
+
+    async def list(self) -> list[models.Report]:
+        """The account's reports (their verdicts), newest first."""
+        return (await self._c._parse(models.ReportList, _base.report_list())).reports
+
+    async def get(self, name: str) -> models.ReportData:
+        """A report whole, as it was saved.
+
+        Raises:
+            NotFound: no such report.
+        """
+        return await self._c._parse(models.ReportData, _base.report_get(name))
+
+    async def delete(self, name: str) -> None:
+        """Delete a report.
+
+        Raises:
+            NotFound: no such report.
+        """
+        await self._c._call(_base.report_delete(name))
 
 
 class AsyncImages:

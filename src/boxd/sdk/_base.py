@@ -626,6 +626,25 @@ def account_update(name: str, max_machines: int) -> Req:
     return Req("PATCH", f"/v1/accounts/{seg(name)}", json={"max_machines": int(max_machines)})
 
 
+def report_save(name: str, report: Mapping[str, Any]) -> Req:
+    if not isinstance(report, Mapping):
+        raise errors.InvalidRequest(f"a report is a mapping (SweepReport.to_json()), not "
+                                    f"{type(report).__name__}", field="report")
+    return Req("POST", "/v1/reports", json={"name": name, "report": dict(report)})
+
+
+def report_list() -> Req:
+    return Req("GET", "/v1/reports")
+
+
+def report_get(name: str) -> Req:
+    return Req("GET", f"/v1/reports/{seg(name)}")
+
+
+def report_delete(name: str) -> Req:
+    return Req("DELETE", f"/v1/reports/{seg(name)}")
+
+
 def key_list() -> Req:
     return Req("GET", "/v1/keys")
 

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, BinaryIO, overload
+from typing import TYPE_CHECKING, Any, BinaryIO, overload
 
 import httpx
 
@@ -75,6 +75,7 @@ class Boxd:
         self.snapshots = Snapshots(self)
         self.images = Images(self)
         self.keys = Keys(self)
+        self.reports = Reports(self)
         self.accounts = Accounts(self)
         self.nodes = Nodes(self)
 
@@ -875,6 +876,46 @@ class Keys:
             NotFound: no such key.
         """
         self._c._call(_base.key_revoke(key_id))
+
+
+class Reports:
+    """Reproducibility reports kept by the daemon (``boxd.reports``): ``boxd rl verify
+    --save NAME`` saves one; the console draws them (docs/console.md)."""
+
+    def __init__(self, client: Boxd) -> None:
+        self._c = client
+
+    def save(self, name: str, report: Mapping[str, Any]) -> models.Report:
+        """Save a report under ``name`` (replacing the report of that name, if any).
+
+        Args:
+            name: the report's name (the machine name rule).
+            report: a `boxd.rl.SweepReport`'s ``to_json()``, with its ``causes``.
+
+        Raises:
+            InvalidRequest: a bad name, or not a report.
+        """
+        return self._c._parse(models.Report, _base.report_save(name, report))
+
+    def list(self) -> list[models.Report]:
+        """The account's reports (their verdicts), newest first."""
+        return (self._c._parse(models.ReportList, _base.report_list())).reports
+
+    def get(self, name: str) -> models.ReportData:
+        """A report whole, as it was saved.
+
+        Raises:
+            NotFound: no such report.
+        """
+        return self._c._parse(models.ReportData, _base.report_get(name))
+
+    def delete(self, name: str) -> None:
+        """Delete a report.
+
+        Raises:
+            NotFound: no such report.
+        """
+        self._c._call(_base.report_delete(name))
 
 
 class Images:
