@@ -629,12 +629,19 @@ class RunningCommand:
             self.poller.register(fd, select.POLLIN)
         self.deadline = start + timeout if timeout is not None else None
         self.timed_out = False
+        self.kill_at: float | None = None  # after a timeout's SIGTERM: when SIGKILL comes
         self.exited_at: float | None = None
         self.last_data = time.monotonic()
 
     def enforce_timeout(self, now: float) -> None:
+        """At the deadline the process group gets SIGTERM; `P.EXEC_KILL_GRACE` seconds
+        later, if the command still runs (it ignores or traps TERM), SIGKILL."""
         if self.deadline is not None and not self.timed_out and now >= self.deadline:
             self.timed_out = True
+            self.kill_at = now + P.EXEC_KILL_GRACE
+            killpg(self.ex.pgid, signal.SIGTERM)
+        elif self.kill_at is not None and now >= self.kill_at:
+            self.kill_at = None
             killpg(self.ex.pgid, signal.SIGKILL)
 
     def forward_output(self) -> None:
