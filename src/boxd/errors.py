@@ -12,10 +12,12 @@
     │   ├── MachineNotFound        .machine
     │   ├── CheckpointNotFound     .machine, .checkpoint
     │   ├── SnapshotNotFound       .snapshot
+    │   ├── ExecNotFound           .machine, .exec_id (no durable exec kept by that id)
     │   └── GuestFileNotFound      .path (inside the machine)
     ├── Conflict                   the request clashes with what exists               409
     │   ├── AlreadyExists          .kind, .name (duplicate name)
-    │   └── StateError             .machine, .state, .required (wrong lifecycle state)
+    │   ├── StateError             .machine, .state, .required (wrong lifecycle state)
+    │   └── ExecIdConflict         .machine, .exec_id (the id's exec ran another command)
     ├── QuotaExceeded              .limit, .used                                      429
     ├── ExecTimeout                a command ran past its timeout and was killed      408
     ├── MachineFailed              the machine's VM died or stopped answering         503
@@ -43,6 +45,8 @@ __all__ = [
     "Conflict",
     "ConnectionError",
     "CorruptData",
+    "ExecIdConflict",
+    "ExecNotFound",
     "ExecTimeout",
     "Forbidden",
     "GuestFileNotFound",
@@ -189,6 +193,13 @@ class GuestFileNotFound(NotFound):
     _fields = ("path",)
 
 
+class ExecNotFound(NotFound):
+    """No exec with this id is kept for the machine (unknown, or past its keeping)."""
+
+    code = "exec_not_found"
+    _fields = ("machine", "exec_id")
+
+
 class Conflict(BoxdError):
     """The request clashes with what exists."""
 
@@ -210,6 +221,13 @@ class StateError(Conflict):
     _fields = ("machine", "state", "required")
 
 
+class ExecIdConflict(Conflict):
+    """An exec id the machine keeps for another command."""
+
+    code = "exec_id_conflict"
+    _fields = ("machine", "exec_id")
+
+
 class QuotaExceeded(BoxdError):
     """An account limit would be exceeded."""
 
@@ -223,7 +241,7 @@ class ExecTimeout(BoxdError):
 
     code = "exec_timeout"
     status = 408
-    _fields = ("timeout", "stdout", "stderr")
+    _fields = ("timeout", "stdout", "stderr", "exec_id")
 
 
 class MachineFailed(BoxdError):

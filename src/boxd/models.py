@@ -446,7 +446,7 @@ class ExecRequest(BaseModel):
     )
     stdin: str | None = None
     exec_id: str | None = Field(
-        None, min_length=1, max_length=EXEC_ID_MAX, pattern=EXEC_ID_PATTERN,
+        default=None, min_length=1, max_length=EXEC_ID_MAX, pattern=EXEC_ID_PATTERN,
         description="the exec's id on its machine (letters, digits, '_', '.', '-'; "
         "generated when absent): read its result with GET /v1/machines/{id}/execs/"
         "{exec_id}, also after this request's connection is lost. An id whose exec is "
