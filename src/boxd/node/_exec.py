@@ -113,7 +113,7 @@ class Exec:
         self.records.add(record)
         task = asyncio.create_task(self._run(record, req), name=f"exec {exec_id}")
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._ended)
         out = await asyncio.shield(task)
         result = models.ExecResult(
             exec_id=exec_id,
@@ -174,11 +174,9 @@ class Exec:
         except BaseException as exc:
             err = exc if isinstance(exc, BoxdError) else MachineFailed(
                 f"the exec ended without an exit status: {exc!r}")
-            if said:
-                record.finish(None, err)
-            else:
+            if not said:
                 self.records.drop(record)
-                record.finish(None, err)
+            record.finish(None, err)
             raise
         record.finish(exit, None)
         self.records.prune()
@@ -188,6 +186,13 @@ class Exec:
             duration=exit.duration, stdout_truncated=cut["stdout"],
             stderr_truncated=cut["stderr"],
         )
+
+    def _ended(self, task: asyncio.Task[ExecOutcome]) -> None:
+        """An exec's task ended: its error is its record's (and its caller's, if one
+        still waits), not an unretrieved task exception."""
+        self._tasks.discard(task)
+        if not task.cancelled():
+            task.exception()
 
     async def exec_result(self, machine_id: str, exec_id: str, wait: float) -> models.ExecStatus:
         """The exec's record: its output so far and its exit, waiting up to ``wait``
