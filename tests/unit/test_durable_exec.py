@@ -23,7 +23,7 @@ from click.testing import CliRunner
 from tests._support import sdk_daemon as support
 from tests._support.fake_world import ACCOUNT, World, make_world
 
-from boxd import Boxd, errors, models
+from boxd import AsyncBoxd, Boxd, errors, models
 from boxd.api.server import Daemon
 from boxd.cli import main
 from boxd.config import Paths
@@ -226,6 +226,26 @@ def test_the_http_route(boxd: Boxd, transport: support.SyncASGITransport) -> Non
         assert r.status_code == 404 and r.json()["error"]["code"] == "exec_not_found"
         r = http.get("/v1/machines/m/execs/h.1?wait=601", headers=headers)
         assert r.status_code == 400
+
+
+def test_the_async_client(world: World, tmp_path: Path) -> None:
+    import httpx
+
+    app, keys = support.world_app(world, tmp_path)
+    key = keys.create(ACCOUNT, "async").secret
+
+    async def run() -> None:
+        transport = httpx.ASGITransport(app=app)  # type: ignore[arg-type]
+        async with AsyncBoxd(api_key=key, transport=transport) as b:
+            await b.machines.new("a")
+            res = await b.machines.exec("a", "echo async", exec_id="as-1")
+            assert res.exec_id == "as-1"
+            st = await b.machines.exec_result("a", "as-1", wait=1)
+            assert (st.running, st.stdout, st.exit_code) == (False, "async\n", 0)
+            with pytest.raises(errors.ExecNotFound):
+                await b.machines.exec_result("a", "as-2")
+
+    asyncio.run(run())
 
 
 # ------------------------------------------------------------------------ bounds
