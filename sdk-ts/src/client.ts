@@ -38,6 +38,7 @@ import type {
   ExecEvent,
   ExecOptions,
   ExecResult,
+  ExecStatus,
   FileInfo,
   Health,
   HostInfo,
@@ -565,18 +566,42 @@ export class Machines {
 
   /**
    * Run a command to completion. A non-zero `exitCode` is a normal result, not an error;
-   * a failure of the machine, its engine, agent or node is never an exit code.
+   * a failure of the machine, its engine, agent or node is never an exit code. The
+   * result carries its `execId` (see {@link execResult}).
    * @throws ExecTimeout the command ran past `timeout` (`.stdout`/`.stderr`: partial output)
+   * @throws ExecIdConflict `execId` is kept for another command on this machine
    * @throws MachineNotFound
    * @throws InfrastructureError the machine, engine, agent or node failed (MachineFailed,
    *   AgentLost, NodeLost) or the daemon's connection was lost (ConnectionError)
    */
   async exec(ref: string, options: ExecOptions): Promise<ExecResult> {
+    const body = execBody(options);
+    if (options.execId !== undefined) body.exec_id = options.execId;
     return this.c._json({
       method: "POST",
       path: `/v1/machines/${seg(ref)}/exec`,
-      json: execBody(options),
+      json: body,
       idleTimeoutMs: null,
+    });
+  }
+
+  /**
+   * The output and exit of an exec started by `exec` (its `execId`), running or finished,
+   * also after the connection that started it was lost. A running exec is waited for up
+   * to `wait` seconds (default 0); if it still runs, `running` is true. Only the last MiB
+   * of each stream is kept; results are kept 15 minutes after the exec ends (the last 64
+   * per machine), not across a daemon restart.
+   * @throws ExecNotFound no exec of that id is kept for the machine
+   * @throws MachineNotFound
+   */
+  async execResult(ref: string, execId: string, options: { wait?: number } = {}): Promise<ExecStatus> {
+    const wait = options.wait ?? 0;
+    return this.c._json({
+      method: "GET",
+      path: `/v1/machines/${seg(ref)}/execs/${seg(execId)}`,
+      query: { wait },
+      // The daemon holds the request up to `wait`; give the socket some slack on top.
+      idleTimeoutMs: (wait + 30) * 1000,
     });
   }
 

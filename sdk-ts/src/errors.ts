@@ -181,6 +181,17 @@ export class GuestFileNotFound extends NotFound {
   }
 }
 
+/** No exec with this id is kept for the machine (unknown, or past its keeping). */
+export class ExecNotFound extends NotFound {
+  static override readonly code: string = "exec_not_found";
+  get machine(): string | undefined {
+    return this.detail("machine");
+  }
+  get execId(): string | undefined {
+    return this.detail("exec_id");
+  }
+}
+
 /** The request clashes with what exists. */
 export class Conflict extends BoxdError {
   static override readonly code: string = "conflict";
@@ -222,6 +233,17 @@ export class IdempotencyKeyReused extends Conflict {
   }
 }
 
+/** An exec id the machine keeps for another command. */
+export class ExecIdConflict extends Conflict {
+  static override readonly code: string = "exec_id_conflict";
+  get machine(): string | undefined {
+    return this.detail("machine");
+  }
+  get execId(): string | undefined {
+    return this.detail("exec_id");
+  }
+}
+
 /** An account limit would be exceeded. */
 export class QuotaExceeded extends BoxdError {
   static override readonly code: string = "quota_exceeded";
@@ -246,6 +268,9 @@ export class ExecTimeout extends BoxdError {
   }
   get stderr(): string | undefined {
     return this.detail("stderr");
+  }
+  get execId(): string | undefined {
+    return this.detail("exec_id");
   }
 }
 
@@ -329,10 +354,12 @@ export const ERROR_CLASSES: readonly (typeof BoxdError)[] = [
   CheckpointNotFound,
   SnapshotNotFound,
   GuestFileNotFound,
+  ExecNotFound,
   Conflict,
   AlreadyExists,
   StateError,
   IdempotencyKeyReused,
+  ExecIdConflict,
   QuotaExceeded,
   ExecTimeout,
   InfrastructureError,

@@ -238,6 +238,27 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/machines/{ref}/execs/{exec_id}": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * Exec Result
+         * @description A durable exec's output (the last MiB of each stream) and exit: a running one is
+         *     waited for up to ``wait`` seconds, then answered with ``running: true``.
+         */
+        get: operations["exec_result_v1_machines__ref__execs__exec_id__get"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/machines/{ref}/exec/stream": {
         parameters: {
             query?: never;
@@ -948,9 +969,19 @@ export interface components {
             timeout?: number | null;
             /** Stdin */
             stdin?: string | null;
+            /**
+             * Exec Id
+             * @description the exec's id on its machine (letters, digits, '_', '.', '-'; generated when absent): read its result with GET /v1/machines/{id}/execs/{exec_id}, also after this request's connection is lost. An id whose exec is still kept (running or finished) is not run again: the request waits for that exec and returns its result (409 exec_id_conflict if the command differs)
+             */
+            exec_id?: string | null;
         };
         /** ExecResult */
         ExecResult: {
+            /**
+             * Exec Id
+             * @description the exec's id (read it again with GET .../execs/{exec_id})
+             */
+            exec_id?: string | null;
             /** Stdout */
             stdout: string;
             /** Stderr */
@@ -984,6 +1015,62 @@ export interface components {
              * @default false
              */
             stderr_truncated: boolean;
+        };
+        /**
+         * ExecStatus
+         * @description A durable exec's state (``GET /v1/machines/{id}/execs/{exec_id}``): running, or
+         *     its exit, with the last MiB of each stream (docs/lifecycle.md#durable-exec).
+         */
+        ExecStatus: {
+            /** Exec Id */
+            exec_id: string;
+            /**
+             * Running
+             * @description true: it still runs (exit fields are null)
+             */
+            running: boolean;
+            /**
+             * Stdout
+             * @description the last bytes of its stdout (so far)
+             */
+            stdout: string;
+            /** Stderr */
+            stderr: string;
+            /**
+             * Stdout Truncated
+             * @description earlier stdout was dropped: only its last bytes are kept
+             * @default false
+             */
+            stdout_truncated: boolean;
+            /**
+             * Stderr Truncated
+             * @default false
+             */
+            stderr_truncated: boolean;
+            /**
+             * Exit Code
+             * @description exit status; 128+N when killed by signal N; null while running or when it failed
+             */
+            exit_code?: number | null;
+            /** Signal */
+            signal?: number | null;
+            /**
+             * Timed Out
+             * @default false
+             */
+            timed_out: boolean;
+            /**
+             * Duration
+             * @description seconds it ran (null while running)
+             */
+            duration?: number | null;
+            /**
+             * Started At
+             * @description when it started (Unix time)
+             */
+            started_at: number;
+            /** @description it ended without an exit status (its machine failed, was deleted or stopped answering): what happened */
+            error?: components["schemas"]["ErrorBody"] | null;
         };
         /** FileInfo */
         FileInfo: {
@@ -3132,6 +3219,113 @@ export interface operations {
             };
             /** @description exec_timeout; partial output in details */
             408: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description quota_exceeded */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description internal_error, integrity_error or host_setup */
+            500: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description resource_exhausted */
+            507: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+        };
+    };
+    exec_result_v1_machines__ref__execs__exec_id__get: {
+        parameters: {
+            query?: {
+                /** @description seconds to wait for a running exec to end */
+                wait?: number;
+            };
+            header?: never;
+            path: {
+                ref: string;
+                exec_id: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ExecStatus"];
+                };
+            };
+            /** @description invalid_request: malformed input */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description unauthorized: missing, unknown or revoked API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description forbidden: the key's account may not do this */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description not found for this account */
+            404: {
                 headers: {
                     [name: string]: unknown;
                 };

@@ -24,6 +24,12 @@ export type Machine = Camel<Schemas["Machine"]>;
 export type ExecResult = Camel<Schemas["ExecResult"]>;
 /** One event of a streaming exec: `stdout`/`stderr` output as it arrives, then `exit`. */
 export type ExecEvent = Camel<Schemas["ExecEvent"]>;
+/**
+ * A durable exec (`machines.execResult`): `running`, or its exit, with the last MiB of
+ * each stream (`stdoutTruncated`/`stderrTruncated`: earlier output was dropped) and an
+ * `error` when it ended without an exit status.
+ */
+export type ExecStatus = Camel<Schemas["ExecStatus"]>;
 export type FileInfo = Camel<Schemas["FileInfo"]>;
 export type Checkpoint = Camel<Schemas["Checkpoint"]>;
 export type Snapshot = Camel<Schemas["Snapshot"]>;
@@ -121,7 +127,10 @@ export interface ExecOptions {
   env?: Record<string, string>;
   /** Working directory in the guest. */
   cwd?: string;
-  /** Seconds after which the command is killed (then `ExecTimeout` is thrown by `exec`). */
+  /**
+   * Seconds after which the command's process group gets SIGTERM, then SIGKILL 2 s later
+   * (then `ExecTimeout` is thrown by `exec`).
+   */
   timeout?: number;
   /** Text fed to the command's standard input. */
   stdin?: string;
@@ -130,4 +139,12 @@ export interface ExecOptions {
    * default: the image's USER, else root.
    */
   user?: string;
+  /**
+   * `exec` only: the exec's id on the machine (letters, digits, `_.-`; generated when
+   * absent, returned as `execId`). The command runs on if the call's connection is lost;
+   * `execResult(ref, execId)` reads it. An id the machine still keeps is not run again:
+   * the call waits for that exec and returns its result (`ExecIdConflict` if the command
+   * differs).
+   */
+  execId?: string;
 }

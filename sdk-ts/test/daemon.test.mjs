@@ -132,6 +132,19 @@ describe("against a real daemon", LONG, () => {
     assert.equal(argv.stdout, "a b $HOME\n");
   });
 
+  test("an exec with an execId is read again by execResult", async () => {
+    const r = await boxd.machines.exec(base.id, { command: "echo durable", execId: "ts-1" });
+    assert.equal(r.execId, "ts-1");
+    const st = await boxd.machines.execResult(base.id, "ts-1", { wait: 1 });
+    assert.deepEqual(
+      { running: st.running, stdout: st.stdout, exitCode: st.exitCode, error: st.error },
+      { running: false, stdout: "durable\n", exitCode: 0, error: null },
+    );
+    await assert.rejects(boxd.machines.execResult(base.id, "no-such-exec"), sdk.ExecNotFound);
+    await assert.rejects(boxd.machines.exec(base.id, { command: "echo other", execId: "ts-1" }),
+      sdk.ExecIdConflict);
+  });
+
   test("exec past its timeout throws ExecTimeout with the partial output", async () => {
     await assert.rejects(
       boxd.machines.exec(base.id, { command: "echo started; sleep 30", timeout: 2 }),

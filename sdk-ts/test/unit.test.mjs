@@ -16,10 +16,12 @@ const CODES = {
   checkpoint_not_found: "CheckpointNotFound",
   snapshot_not_found: "SnapshotNotFound",
   guest_file_not_found: "GuestFileNotFound",
+  exec_not_found: "ExecNotFound",
   conflict: "Conflict",
   already_exists: "AlreadyExists",
   invalid_state: "StateError",
   idempotency_key_reused: "IdempotencyKeyReused",
+  exec_id_conflict: "ExecIdConflict",
   quota_exceeded: "QuotaExceeded",
   exec_timeout: "ExecTimeout",
   infrastructure_error: "InfrastructureError",
@@ -114,6 +116,35 @@ test("target: options, then BOXD_URL/BOXD_API_KEY, else the unix socket of the d
 test("an unreachable daemon is a ConnectionError", async () => {
   const boxd = new sdk.Boxd({ baseUrl: "http://127.0.0.1:9", apiKey: "boxd_x" });
   await assert.rejects(boxd.info(), sdk.ConnectionError);
+});
+
+test("exec sends its execId; execResult asks the exec's route with its wait", async () => {
+  const { createServer } = await import("node:http");
+  const seen = [];
+  const server = createServer((req, res) => {
+    let body = "";
+    req.on("data", (c) => (body += c));
+    req.on("end", () => {
+      seen.push([req.method, req.url, body && JSON.parse(body)]);
+      res.setHeader("content-type", "application/json");
+      res.end(JSON.stringify(req.method === "POST"
+        ? { exec_id: "j-1", stdout: "x\n", stderr: "", exit_code: 0, duration: 0.1 }
+        : { exec_id: "j-1", running: true, stdout: "so far", stderr: "", started_at: 1,
+            stdout_truncated: true }));
+    });
+  });
+  await new Promise((ok) => server.listen(0, "127.0.0.1", ok));
+  try {
+    const boxd = new sdk.Boxd({ baseUrl: `http://127.0.0.1:${server.address().port}`, apiKey: "boxd_x" });
+    const r = await boxd.machines.exec("m", { command: "echo x", execId: "j-1" });
+    assert.equal(r.execId, "j-1");
+    const st = await boxd.machines.execResult("m", "j-1", { wait: 2.5 });
+    assert.deepEqual([st.running, st.stdout, st.stdoutTruncated], [true, "so far", true]);
+    assert.equal(seen[0][2].exec_id, "j-1");
+    assert.deepEqual(seen[1].slice(0, 2), ["GET", "/v1/machines/m/execs/j-1?wait=2.5"]);
+  } finally {
+    await new Promise((ok) => server.close(ok));
+  }
 });
 
 test("exec rejects an empty command before sending", async () => {

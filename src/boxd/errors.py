@@ -12,11 +12,13 @@
     │   ├── MachineNotFound        .machine
     │   ├── CheckpointNotFound     .machine, .checkpoint
     │   ├── SnapshotNotFound       .snapshot
+    │   ├── ExecNotFound           .machine, .exec_id (no durable exec kept by that id)
     │   └── GuestFileNotFound      .path (inside the machine)
     ├── Conflict                   the request clashes with what exists               409
     │   ├── AlreadyExists          .kind, .name (duplicate name)
     │   ├── StateError             .machine, .state, .required (wrong lifecycle state)
-    │   └── IdempotencyKeyReused   .key: the key was used for another request
+    │   ├── IdempotencyKeyReused   .key: the key was used for another request
+    │   └── ExecIdConflict         .machine, .exec_id (the id's exec ran another command)
     ├── QuotaExceeded              .limit, .used                                      429
     ├── ExecTimeout                a command ran past its timeout and was killed      408
     ├── InfrastructureError        the machine, engine, agent or node failed, not the  503
@@ -48,6 +50,8 @@ __all__ = [
     "Conflict",
     "ConnectionError",
     "CorruptData",
+    "ExecIdConflict",
+    "ExecNotFound",
     "ExecTimeout",
     "Forbidden",
     "GuestFileNotFound",
@@ -196,6 +200,13 @@ class GuestFileNotFound(NotFound):
     _fields = ("path",)
 
 
+class ExecNotFound(NotFound):
+    """No exec with this id is kept for the machine (unknown, or past its keeping)."""
+
+    code = "exec_not_found"
+    _fields = ("machine", "exec_id")
+
+
 class Conflict(BoxdError):
     """The request clashes with what exists."""
 
@@ -225,6 +236,13 @@ class IdempotencyKeyReused(Conflict):
     _fields = ("key",)
 
 
+class ExecIdConflict(Conflict):
+    """An exec id the machine keeps for another command."""
+
+    code = "exec_id_conflict"
+    _fields = ("machine", "exec_id")
+
+
 class QuotaExceeded(BoxdError):
     """An account limit would be exceeded."""
 
@@ -238,7 +256,7 @@ class ExecTimeout(BoxdError):
 
     code = "exec_timeout"
     status = 408
-    _fields = ("timeout", "stdout", "stderr")
+    _fields = ("timeout", "stdout", "stderr", "exec_id")
 
 
 class InfrastructureError(BoxdError):

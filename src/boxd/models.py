@@ -554,6 +554,11 @@ class MachinesDeleted(BaseModel):
     errors: list[DeleteItemError] = Field(default_factory=list)
 
 
+#: An exec id: what `ExecRequest.exec_id` and the execs route accept.
+EXEC_ID_PATTERN = r"^[A-Za-z0-9_.-]+$"
+EXEC_ID_MAX = 128
+
+
 class ExecRequest(BaseModel):
     command: NoNul | Argv = Field(
         ..., description="shell string (run by /bin/sh -c) or argv; no NUL bytes; at most "
@@ -572,6 +577,14 @@ class ExecRequest(BaseModel):
         description=f"seconds (at most {MAX_EXEC_TIMEOUT:.0f}); the command is killed after",
     )
     stdin: str | None = None
+    exec_id: str | None = Field(
+        default=None, min_length=1, max_length=EXEC_ID_MAX, pattern=EXEC_ID_PATTERN,
+        description="the exec's id on its machine (letters, digits, '_', '.', '-'; "
+        "generated when absent): read its result with GET /v1/machines/{id}/execs/"
+        "{exec_id}, also after this request's connection is lost. An id whose exec is "
+        "still kept (running or finished) is not run again: the request waits for that "
+        "exec and returns its result (409 exec_id_conflict if the command differs)",
+    )
 
     @field_validator("command", mode="before")
     @classmethod
@@ -590,6 +603,8 @@ class ExecRequest(BaseModel):
 
 
 class ExecResult(BaseModel):
+    exec_id: str | None = Field(
+        None, description="the exec's id (read it again with GET .../execs/{exec_id})")
     stdout: str
     stderr: str
     exit_code: int = Field(..., description="exit status; 128+N when killed by signal N")
@@ -600,6 +615,28 @@ class ExecResult(BaseModel):
         False, description="stdout was cut at the daemon's limit (BOXD_MAX_EXEC_OUTPUT, "
         "16 MiB by default); the command ran to its end. Stream the exec for all of it")
     stderr_truncated: bool = Field(False, description="stderr was cut, as stdout_truncated")
+
+
+class ExecStatus(BaseModel):
+    """A durable exec's state (``GET /v1/machines/{id}/execs/{exec_id}``): running, or
+    its exit, with the last MiB of each stream (docs/lifecycle.md#durable-exec)."""
+
+    exec_id: str
+    running: bool = Field(..., description="true: it still runs (exit fields are null)")
+    stdout: str = Field(..., description="the last bytes of its stdout (so far)")
+    stderr: str
+    stdout_truncated: bool = Field(
+        False, description="earlier stdout was dropped: only its last bytes are kept")
+    stderr_truncated: bool = False
+    exit_code: int | None = Field(None, description="exit status; 128+N when killed by "
+                                  "signal N; null while running or when it failed")
+    signal: int | None = None
+    timed_out: bool = False
+    duration: float | None = Field(None, description="seconds it ran (null while running)")
+    started_at: float = Field(..., description="when it started (Unix time)")
+    error: ErrorBody | None = Field(
+        None, description="it ended without an exit status (its machine failed, was "
+        "deleted or stopped answering): what happened")
 
 
 class ExecEvent(BaseModel):

@@ -110,6 +110,13 @@ class MachineService(Protocol):
         """Run a command to completion. Raises: MachineNotFound, MachineFailed, ExecTimeout."""
         ...
 
+    async def exec_result(
+        self, account: str, ref: str, exec_id: str, wait: float = 0.0
+    ) -> models.ExecStatus:
+        """A durable exec's output (its last MiB per stream) and exit, waiting up to
+        ``wait`` seconds for a running one to end. Raises: MachineNotFound, ExecNotFound."""
+        ...
+
     def exec_stream(
         self, account: str, ref: str, req: models.ExecRequest
     ) -> AsyncIterator[models.ExecEvent]:

@@ -23,6 +23,7 @@ from boxd.api.services.keys import KeyService
 from boxd.errors import (
     AlreadyExists,
     CheckpointNotFound,
+    ExecNotFound,
     ExecTimeout,
     GuestFileNotFound,
     InvalidRequest,
@@ -45,6 +46,7 @@ class FakeMachines(MachineService):
         self.files: dict[tuple[str, str], bytes] = {}
         self.checkpoints: dict[tuple[str, str], models.Checkpoint] = {}
         self.closed = False
+        self.execs: dict[tuple[str, str], models.ExecStatus] = {}  # (machine id, exec id)
         self.procs: dict[str, tuple[str, pm.Process, Any]] = {}  # id -> (account, p, queue)
         # (account, snapshot ref) -> bare digest; FakeSnapshots installs its lookup
         self.snapshot_digest: Callable[[str, str], str] | None = None
@@ -134,7 +136,22 @@ class FakeMachines(MachineService):
             raise ExecTimeout("timed out", timeout=req.timeout, stdout="partial", stderr="")
         if cmd == "crash":
             raise RuntimeError("a bug in the service")
-        return models.ExecResult(stdout=cmd + "\n", stderr="", exit_code=0, duration=0.01)
+        exec_id = req.exec_id or f"x-{len(self.execs)}"
+        m = self._find(account, ref)
+        self.execs[(m.id, exec_id)] = models.ExecStatus(
+            exec_id=exec_id, running=False, stdout=cmd + "\n", stderr="", exit_code=0,
+            duration=0.01, started_at=0.0)
+        return models.ExecResult(exec_id=exec_id, stdout=cmd + "\n", stderr="", exit_code=0,
+                                 duration=0.01)
+
+    async def exec_result(
+        self, account: str, ref: str, exec_id: str, wait: float = 0.0
+    ) -> models.ExecStatus:
+        m = self._find(account, ref)
+        if (m.id, exec_id) not in self.execs:
+            raise ExecNotFound(f"no exec {exec_id!r} is kept for machine {m.name!r}",
+                               exec_id=exec_id)
+        return self.execs[(m.id, exec_id)]
 
     async def exec_stream(  # type: ignore[override]
         self, account: str, ref: str, req: models.ExecRequest

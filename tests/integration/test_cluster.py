@@ -231,6 +231,36 @@ def test_a_restarted_control_plane_finds_its_nodes_and_machines(
     b.machines.delete(kid.id)
 
 
+@_on("gvisor")
+def test_a_durable_exec_is_read_through_the_control_plane(
+    cluster: LocalCluster, base: Any
+) -> None:
+    """The exec's record lives on its machine's node; exec_result reaches it through the
+    control plane and the node actor, also while the exec runs."""
+    import threading
+
+    b = cluster.client
+    done: list[Any] = []
+    t = threading.Thread(target=lambda: done.append(b.machines.exec(
+        base.id, "sleep 1; echo durable", exec_id="cluster-1")), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            st = b.machines.exec_result(base.id, "cluster-1")
+            break
+        except errors.ExecNotFound:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    assert st.running
+    st = b.machines.exec_result(base.id, "cluster-1", wait=60)
+    assert (st.running, st.stdout, st.exit_code) == (False, "durable\n", 0), st
+    t.join(60)
+    assert done and done[0].exec_id == "cluster-1"
+    with pytest.raises(errors.ExecNotFound):
+        b.machines.exec_result(base.id, "no-such-exec")
+
+
 @ON_QEMU
 def test_losing_a_node_marks_exactly_its_machines(cluster: LocalCluster, base: Any) -> None:
     from boxd import errors

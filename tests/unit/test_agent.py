@@ -147,8 +147,9 @@ def test_timeout_kills_the_whole_group(guest: Guest) -> None:
         start = time.monotonic()
         res = await c.run(f"sleep 60 & echo $! > {marker}; sleep 60", timeout=0.5)
         assert time.monotonic() - start < 5
-        assert res.timed_out and res.signal == signal.SIGKILL and res.exit_code == 137
-        assert 0.4 < res.duration < 5
+        # SIGTERM first: the shell dies of it (SIGKILL only comes after the grace).
+        assert res.timed_out and res.signal == signal.SIGTERM and res.exit_code == 143
+        assert 0.4 < res.duration < 0.5 + P.EXEC_KILL_GRACE
         grandchild = int(marker.read_text())
         for _ in range(100):
             if not _alive(grandchild):
@@ -157,6 +158,35 @@ def test_timeout_kills_the_whole_group(guest: Guest) -> None:
         assert not _alive(grandchild)
 
     with_client(guest, body)
+
+
+def test_timeout_kills_a_command_that_traps_term(guest: Guest) -> None:
+    """At its timeout the group gets SIGTERM; a command that ignores it (and a child that
+    traps it) gets SIGKILL after the grace."""
+    marker = guest.tmp / "trapper.pid"
+
+    async def body(c: AgentClient) -> None:
+        start = time.monotonic()
+        res = await c.run(
+            f"sh -c 'trap \"\" TERM; echo $$ > {marker}; while :; do sleep 0.1; done' & "
+            "trap 'echo got TERM' TERM; while :; do sleep 0.1; done", timeout=0.5)
+        took = time.monotonic() - start
+        assert res.timed_out and res.signal == signal.SIGKILL and res.exit_code == 137, res
+        assert b"got TERM" in res.stdout  # it was asked first
+        assert 0.5 + P.EXEC_KILL_GRACE - 0.1 < took < 0.5 + P.EXEC_KILL_GRACE + 4, took
+        child = int(marker.read_text())
+        for _ in range(100):
+            if not _alive(child):
+                break
+            await asyncio.sleep(0.05)
+        assert not _alive(child)
+
+    with_client(guest, body)
+
+
+def test_init_c_kills_after_the_same_grace() -> None:
+    source = (Path(agent_module.__file__).parent / "init.c").read_text()
+    assert f"#define EXEC_KILL_GRACE_MS {int(P.EXEC_KILL_GRACE * 1000)}\n" in source
 
 
 def _alive(pid: int) -> bool:

@@ -1,7 +1,8 @@
 """The ``boxd`` command line: parses, calls the sync SDK, renders with rich.
 
 Every user error (any ``BoxdError``) prints one line, ``error: <message> (<hint>)``, to
-stderr and exits 1; usage errors exit 2; ``machine exec`` exits with the command's code.
+stderr and exits 1; usage errors exit 2; ``machine exec`` and ``machine exec-result``
+exit with the command's code.
 """
 
 from __future__ import annotations
@@ -424,6 +425,10 @@ def _delete_labelled(state: _State, labels: dict[str, str], in_state: str | None
 @click.option("--cwd", metavar="DIR", help="Working directory in the machine.")
 @click.option("--user", "-u", metavar="USER[:GROUP]",
               help="Run as this user (name or uid); default: the image's USER, else root.")
+@click.option("--id", "exec_id", metavar="ID",
+              help="Run it as a durable exec with this id: it runs on if this command is "
+              "interrupted, and `boxd machine exec-result NAME ID` reads its result. The "
+              "output is printed at the end, not streamed.")
 @pass_state
 def machine_exec(
     state: _State,
@@ -433,6 +438,7 @@ def machine_exec(
     env: tuple[str, ...],
     cwd: str | None,
     user: str | None,
+    exec_id: str | None,
 ) -> None:
     """Run COMMAND in machine NAME, streaming its output; exit with its exit code
     (124: its --timeout passed; 125: the machine, its engine, agent or node failed, so
@@ -442,15 +448,14 @@ def machine_exec(
     One argument is a shell string; several are an argv:
       boxd machine exec rl-base -- 'pip install gymnasium numpy'
       boxd machine exec rl-base -- ls -la /home/boxd
-    Put options before `--`.
+      boxd machine exec --id job-1 rl-base -- make test
+    Put options before `--`. At --timeout the command's process group gets SIGTERM,
+    then SIGKILL 2 s later.
     """
-    variables: dict[str, str] = {}
-    for item in env:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(f"expected K=V, got {item!r}", param_hint="--env")
-        variables[key] = value
+    variables = _env_pairs(env)
     cmd: str | list[str] = command[0] if len(command) == 1 else list(command)
+    if exec_id is not None:
+        _durable_exec(state, name, cmd, variables, cwd, timeout, user, exec_id)
     exit_event = None
     try:
         for event in state.boxd.machines.exec_stream(
@@ -476,6 +481,71 @@ def machine_exec(
             124,
         )
     code = exit_event.exit_code if exit_event.exit_code is not None else 1
+    sys.exit(code if 0 <= code <= 255 else 1)
+
+
+def _env_pairs(env: tuple[str, ...]) -> dict[str, str]:
+    """``--env K=V`` options as a mapping. Raises: click.BadParameter: not K=V."""
+    variables: dict[str, str] = {}
+    for item in env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"expected K=V, got {item!r}", param_hint="--env")
+        variables[key] = value
+    return variables
+
+
+def _durable_exec(state: _State, name: str, cmd: str | list[str], variables: dict[str, str],
+                  cwd: str | None, timeout: float | None, user: str | None,
+                  exec_id: str) -> NoReturn:
+    """`machine exec --id`: the whole output at the end; exit with the command's code."""
+    try:
+        res = state.boxd.machines.exec(name, cmd, env=variables or None, cwd=cwd,
+                                       timeout=timeout, user=user, exec_id=exec_id)
+    except errors.InfrastructureError as exc:
+        fail(str(exc), EXIT_INFRASTRUCTURE)
+    except errors.ExecTimeout as exc:
+        click.echo(str(exc.details.get("stdout") or ""), nl=False)
+        click.echo(str(exc.details.get("stderr") or ""), nl=False, err=True)
+        fail(f"command timed out after {timeout or 0:g} s and was killed", 124)
+    click.echo(res.stdout, nl=False)
+    click.echo(res.stderr, nl=False, err=True)
+    sys.exit(res.exit_code if 0 <= res.exit_code <= 255 else 1)
+
+
+@machine.command("exec-result")
+@click.argument("name")
+@click.argument("exec_id", metavar="ID")
+@click.option("--wait", type=click.FloatRange(0, 600), default=0.0, show_default=True,
+              help="Seconds to wait for a running exec to end.")
+@json_option
+@pass_state
+def machine_exec_result(state: _State, name: str, exec_id: str, wait: float,
+                        as_json: bool) -> None:
+    """Print the output of exec ID (`boxd machine exec --id ID`) in machine NAME, running
+    or finished, and exit with its exit code (3: it still runs).
+
+    Only the last MiB of each stream is kept; results are kept 15 minutes after the exec
+    ends (the last 64 per machine), not across a daemon restart.
+    """
+    st = state.boxd.machines.exec_result(name, exec_id, wait=wait)
+    if as_json:
+        click.echo(st.model_dump_json(indent=2))
+    else:
+        click.echo(st.stdout, nl=False)
+        click.echo(st.stderr, nl=False, err=True)
+        if st.stdout_truncated or st.stderr_truncated:
+            click.echo("(earlier output was dropped: only the last MiB of each stream is "
+                       "kept)", err=True)
+    if st.running:
+        if not as_json:
+            click.echo(f"exec {exec_id} still runs", err=True)
+        sys.exit(3)
+    if st.error is not None:
+        fail(f"the exec ended without an exit status: {st.error.message}")
+    if st.timed_out:
+        fail("command timed out and was killed", 124)
+    code = st.exit_code if st.exit_code is not None else 1
     sys.exit(code if 0 <= code <= 255 else 1)
 
 

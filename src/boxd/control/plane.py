@@ -393,6 +393,12 @@ class Machines:
         rec = self._find(account, ref)
         return await self._node(rec).exec(rec.id, req)
 
+    async def exec_result(
+        self, account: str, ref: str, exec_id: str, wait: float = 0.0
+    ) -> models.ExecStatus:
+        rec = self._find(account, ref)
+        return await self._node(rec).exec_result(rec.id, exec_id, wait)
+
     async def exec_stream(
         self, account: str, ref: str, req: models.ExecRequest
     ) -> AsyncIterator[models.ExecEvent]:

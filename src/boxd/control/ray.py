@@ -199,6 +199,10 @@ class RayNode:
         out: models.ExecResult = await self._call("exec", machine_id, req)
         return out
 
+    async def exec_result(self, machine_id: str, exec_id: str, wait: float) -> models.ExecStatus:
+        out: models.ExecStatus = await self._call("exec_result", machine_id, exec_id, wait)
+        return out
+
     async def _stream(self, method: Any, *args: Any) -> AsyncGenerator[Any, None]:
         """A node's async generator as a Ray streaming generator, a few items ahead of
         the consumer (back-pressure); closing it cancels the generator on the node."""

@@ -676,12 +676,19 @@ class RunningCommand:
             self.poller.register(fd, select.POLLIN)
         self.deadline = start + timeout if timeout is not None else None
         self.timed_out = False
+        self.kill_at: float | None = None  # after a timeout's SIGTERM: when SIGKILL comes
         self.exited_at: float | None = None
         self.last_data = time.monotonic()
 
     def enforce_timeout(self, now: float) -> None:
+        """At the deadline the process group gets SIGTERM; `P.EXEC_KILL_GRACE` seconds
+        later, if the command still runs (it ignores or traps TERM), SIGKILL."""
         if self.deadline is not None and not self.timed_out and now >= self.deadline:
             self.timed_out = True
+            self.kill_at = now + P.EXEC_KILL_GRACE
+            killpg(self.ex.pgid, signal.SIGTERM)
+        elif self.kill_at is not None and now >= self.kill_at:
+            self.kill_at = None
             killpg(self.ex.pgid, signal.SIGKILL)
 
     def forward_output(self) -> None:
@@ -1384,6 +1391,9 @@ class ApiRelay:
         keep = msg.get("keep") or []
         if not isinstance(keep, list) or not all(isinstance(i, int) for i in keep):
             raise RequestError(P.ERR_INVALID, "keep must be a list of stream ids")
+        listener = None
+        if self.listener is None:  # bound before ``started``: the socket is there then
+            listener = self.listener = self.listen()
         with self.lock:
             # Kept: those the host names (it saw them open) and those no host has seen (a
             # guest process that connected while no host served the socket).
@@ -1393,12 +1403,15 @@ class ApiRelay:
             for stream in self.streams.values():
                 stream.relay_id, stream.conn = req_id, conn
             self.relay = (req_id, conn)
+            # ``started`` goes first, still under the lock: a stream's events are sent
+            # under the relay it reads under this lock (`event`), so none of this relay
+            # can come before it (the host takes the first event as the answer: a
+            # relay_open sent ahead of it was lost, and its guest connection hung).
+            self.host.send({"id": req_id, "ev": P.EV_STARTED}, conn)
         for stream in old:
             stream.close()
-        if self.listener is None:
-            self.listener = self.listen()
-            spawn_thread("relay-accept", self.accept, self.listener)
-        self.host.send({"id": req_id, "ev": P.EV_STARTED}, conn)
+        if listener is not None:  # what connected meanwhile waits in its backlog
+            spawn_thread("relay-accept", self.accept, listener)
 
     def listen(self) -> socket.socket:
         """Bind the API socket afresh (a stale one from before is removed), 0600."""
@@ -1444,7 +1457,9 @@ class ApiRelay:
         gone (a RAM swap: the host moves the stream to its next relay), wait a little."""
         deadline = time.monotonic() + RELAY_MOVE_WAIT
         while not stream.closed:
-            if self.host.send({"id": stream.relay_id, "stream": stream.id, **msg}, stream.conn):
+            with self.lock:  # its relay's id and connection together, never one of each
+                relay_id, conn = stream.relay_id, stream.conn
+            if self.host.send({"id": relay_id, "stream": stream.id, **msg}, conn):
                 return True
             if time.monotonic() > deadline:
                 break

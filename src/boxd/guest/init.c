@@ -92,6 +92,9 @@ static int n_agent_extra;
 static const char *default_cwd = "/home/boxd"; /* agent.py's --default-cwd, if given */
 
 #define EXEC_CHUNK 65536
+/* After a timeout's SIGTERM to the process group, SIGKILL this much later if the command
+   has not exited (protocol.py's EXEC_KILL_GRACE). */
+#define EXEC_KILL_GRACE_MS 2000
 #define EXIT_DRAIN_IDLE_MS 250 /* after exit, stop reading pipes after this much quiet */
 #define EXIT_DRAIN_MAX_MS 2000 /* ... or this long (background children hold them) */
 static const char *const DEFAULT_ENV[] = {
@@ -111,6 +114,7 @@ struct exec {
     int exited, status, timed_out;
     double start;
     long long deadline, exited_at, last_data; /* monotonic ms; deadline 0 = none */
+    long long kill_at; /* after a timeout's SIGTERM: when SIGKILL comes (0: not due) */
     long long window, sent, acked; /* 1.3 flow control: window 0 = none */
     /* stdin_stream execs (machines.spawn's processes, boxd.rl's env servers): */
     int stream;      /* stdin stays open for stdin requests */
@@ -1421,7 +1425,11 @@ static int exec_step(struct exec *x) {
         if (x->exited) x->exited_at = t;
     }
     if (x->deadline && !x->timed_out && t >= x->deadline) {
-        x->timed_out = 1;
+        x->timed_out = 1; /* TERM the group, KILL it after the grace if it is still there */
+        x->kill_at = t + EXEC_KILL_GRACE_MS;
+        kill(-x->pid, SIGTERM);
+    } else if (x->kill_at && t >= x->kill_at) {
+        x->kill_at = 0;
         kill(-x->pid, SIGKILL);
     }
     if (x->exited && (t - x->last_data > EXIT_DRAIN_IDLE_MS || t - x->exited_at > EXIT_DRAIN_MAX_MS))
@@ -1472,6 +1480,7 @@ static int execs_timeout(void) {
     for (struct exec *x = execs; x; x = x->next) {
         long long due = -1;
         if (x->deadline && !x->timed_out) due = x->deadline;
+        if (x->kill_at) due = x->kill_at;
         if (x->exited) {
             long long drain = x->last_data + EXIT_DRAIN_IDLE_MS + 1;
             long long cap = x->exited_at + EXIT_DRAIN_MAX_MS + 1;

@@ -18,6 +18,9 @@ PORT_NAME = "boxd.agent"
 #: Binary payloads travel base64-encoded in ``data`` fields.
 MAX_LINE = 64 * 1024 * 1024
 
+#: Seconds between the SIGTERM an exec's process group gets at its timeout and the
+#: SIGKILL that follows if the command has not exited by then.
+EXEC_KILL_GRACE = 2.0
 EXEC_CHUNK = 64 * 1024  # bytes read from a command's stdout/stderr at a time
 FILE_CHUNK = 1024 * 1024  # bytes per file chunk, both directions
 #: 1.3: a read or exec asking for flow control carries ``window``: the agent keeps at most

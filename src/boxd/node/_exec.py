@@ -23,8 +23,16 @@ from typing import Any, Protocol
 
 from boxd import models
 from boxd import process_models as pm
-from boxd.engine.base import Agent, ExecOutput, MachineHandle
-from boxd.errors import BoxdError, Conflict, ExecTimeout, InvalidRequest, MachineFailed
+from boxd.engine.base import Agent, ExecExit, ExecOutcome, ExecOutput, MachineHandle
+from boxd.errors import (
+    BoxdError,
+    Conflict,
+    ExecIdConflict,
+    ExecTimeout,
+    InvalidRequest,
+    MachineFailed,
+)
+from boxd.node._exec_records import ExecRecord, ExecRecords, fingerprint, new_exec_id
 from boxd.node._processes import ProcessStream, ProcessTable, Relay
 from boxd.node.lifecycle import Lease, Lifecycle
 from boxd.state import MachineRecord
@@ -94,25 +102,37 @@ class Exec:
         self.lifecycle = lifecycle
         self.procs = procs
         self._max_output = max_output
+        self.records = ExecRecords()
+        self._tasks: set[asyncio.Task[ExecOutcome]] = set()
 
     async def exec(self, machine_id: str, req: models.ExecRequest) -> models.ExecResult:
-        async with self._g.using(machine_id) as (rec, _handle, agent):
-            self._g.changed(machine_id)
-            # The guest enforces the timeout; the host deadline only catches a guest that
-            # stopped answering altogether (a VM left paused, a hung kernel).
-            deadline = req.timeout + HOST_GRACE if req.timeout else None
-            try:
-                out = await asyncio.wait_for(
-                    agent.run(req.command, **_exec_kwargs(rec, req), max_output=self._max_output),
-                    timeout=deadline,
-                )
-            except TimeoutError as exc:
-                raise MachineFailed(
-                    f"machine {rec.name!r} stopped answering: the command's {req.timeout}s "
-                    f"timeout passed {HOST_GRACE:.0f}s ago with no word from the guest",
-                    machine=rec.name, hint="check `boxd machine info`; delete and recreate it",
-                ) from exc
+        """Run ``req`` to completion in a task of the node's (a caller that goes away does
+        not end it) and keep its record (`exec_result`). An exec id the machine keeps
+        already is not run again: the caller waits for that exec and gets its result.
+
+        Raises:
+            ExecIdConflict: the id's exec ran another command.
+            ExecTimeout, MachineNotFound, MachineFailed, ...: as the exec ended.
+        """
+        rec = self._g.record(machine_id)
+        exec_id = req.exec_id or new_exec_id()
+        record = self.records.get(machine_id, exec_id)
+        if record is not None:
+            if record.fingerprint != fingerprint(req):
+                raise ExecIdConflict(
+                    f"exec id {exec_id!r} of machine {rec.name!r} names another command",
+                    machine=rec.name, exec_id=exec_id,
+                    hint="read that exec with exec_result, or give this one a new id")
+            await asyncio.shield(record.done.wait())
+            return record.result()
+        record = ExecRecord(exec_id, machine_id, req)
+        self.records.add(record)
+        task = asyncio.create_task(self._run(record, req), name=f"exec {exec_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._ended)
+        out = await asyncio.shield(task)
         result = models.ExecResult(
+            exec_id=exec_id,
             stdout=out.stdout.decode(errors="replace"), stderr=out.stderr.decode(errors="replace"),
             exit_code=out.exit_code, signal=out.signal, timed_out=out.timed_out,
             duration=out.duration, stdout_truncated=out.stdout_truncated,
@@ -122,9 +142,87 @@ class Exec:
             raise ExecTimeout(
                 f"command timed out after {req.timeout}s and was killed",
                 timeout=req.timeout, stdout=result.stdout, stderr=result.stderr,
-                hint="raise the timeout or make the command finish sooner",
+                exec_id=exec_id, hint="raise the timeout or make the command finish sooner",
             )
         return result
+
+    async def _run(self, record: ExecRecord, req: models.ExecRequest) -> ExecOutcome:
+        """The exec itself: its output to the caller (the first `max_output` bytes of each
+        stream) and to its record (the last ones), then its exit or error to the record.
+        An exec that failed before its command said anything is not kept (a retry runs
+        it)."""
+        machine_id = record.machine_id
+        kept: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
+        size = {"stdout": 0, "stderr": 0}
+        cut = {"stdout": False, "stderr": False}
+        said = False
+        try:
+            async with self._g.using(machine_id) as (rec, _handle, agent):
+                self._g.changed(machine_id)
+                # The guest enforces the timeout; the host deadline only catches a guest
+                # that stopped answering altogether (a VM left paused, a hung kernel).
+                deadline = req.timeout + HOST_GRACE if req.timeout else None
+                exit: ExecExit | None = None
+                try:
+                    async with asyncio.timeout(deadline):
+                        async for item in agent.exec(req.command, **_exec_kwargs(rec, req)):
+                            said = True
+                            if isinstance(item, ExecExit):
+                                exit = item
+                                continue
+                            record.output(item.stream, item.data)
+                            data = item.data
+                            if size[item.stream] + len(data) > self._max_output:
+                                data = data[: max(0, self._max_output - size[item.stream])]
+                                cut[item.stream] = True
+                            if data:
+                                kept[item.stream].append(data)
+                                size[item.stream] += len(data)
+                except TimeoutError as exc:
+                    raise MachineFailed(
+                        f"machine {rec.name!r} stopped answering: the command's "
+                        f"{req.timeout}s timeout passed {HOST_GRACE:.0f}s ago with no word "
+                        "from the guest",
+                        machine=rec.name, hint="check `boxd machine info`; delete and recreate it",
+                    ) from exc
+            if exit is None:  # pragma: no cover - exec() always ends with an exit or raises
+                raise MachineFailed("exec ended without an exit status")
+        except BaseException as exc:
+            err = exc if isinstance(exc, BoxdError) else MachineFailed(
+                f"the exec ended without an exit status: {exc!r}")
+            if not said:
+                self.records.drop(record)
+            record.finish(None, err)
+            raise
+        record.finish(exit, None)
+        self.records.prune()
+        return ExecOutcome(
+            stdout=b"".join(kept["stdout"]), stderr=b"".join(kept["stderr"]),
+            exit_code=exit.exit_code, signal=exit.signal, timed_out=exit.timed_out,
+            duration=exit.duration, stdout_truncated=cut["stdout"],
+            stderr_truncated=cut["stderr"],
+        )
+
+    def _ended(self, task: asyncio.Task[ExecOutcome]) -> None:
+        """An exec's task ended: its error is its record's (and its caller's, if one
+        still waits), not an unretrieved task exception."""
+        self._tasks.discard(task)
+        if not task.cancelled():
+            task.exception()
+
+    async def exec_result(self, machine_id: str, exec_id: str, wait: float) -> models.ExecStatus:
+        """The exec's record: its output so far and its exit, waiting up to ``wait``
+        seconds for a running one to end.
+
+        Raises:
+            ExecNotFound: no exec of that id is kept for the machine.
+        """
+        rec = self._g.record(machine_id)
+        record = self.records.find(machine_id, rec.name, exec_id)
+        if wait > 0 and not record.done.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(record.done.wait()), wait)
+        return record.status()
 
     async def exec_stream(
         self, machine_id: str, req: models.ExecRequest

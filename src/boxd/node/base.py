@@ -74,7 +74,14 @@ class Node(Protocol):
 
     async def wait_until_ready(self, machine_id: str, timeout: float) -> None: ...
 
-    async def exec(self, machine_id: str, req: models.ExecRequest) -> models.ExecResult: ...
+    async def exec(self, machine_id: str, req: models.ExecRequest) -> models.ExecResult:
+        """Run a command in a task of the node's, keeping its record by its exec id."""
+        ...
+
+    async def exec_result(self, machine_id: str, exec_id: str, wait: float) -> models.ExecStatus:
+        """A kept exec's output and exit, waiting up to ``wait`` seconds for a running
+        one. Raises: MachineNotFound, ExecNotFound."""
+        ...
 
     def exec_stream(
         self, machine_id: str, req: models.ExecRequest

@@ -415,6 +415,9 @@ class NodeRuntime:
     async def exec(self, machine_id: str, req: models.ExecRequest) -> models.ExecResult:
         return await self.execs.exec(machine_id, req)
 
+    async def exec_result(self, machine_id: str, exec_id: str, wait: float) -> models.ExecStatus:
+        return await self.execs.exec_result(machine_id, exec_id, wait)
+
     def exec_stream(
         self, machine_id: str, req: models.ExecRequest
     ) -> AsyncIterator[models.ExecEvent]:
@@ -466,6 +469,7 @@ class NodeRuntime:
         for ck_id in self.repos.checkpoints.delete_for(machine_id):
             remove_tree(self.paths.checkpoints / ck_id)
         self.repos.machines.delete(machine_id)
+        self.execs.records.forget(machine_id)
         # In a thread: a RAM file or a hibernation image is GiBs to free, which would
         # hold every other request up for as long.
         dirs = [self.paths.hibernated / machine_id]

@@ -406,12 +406,26 @@ def machine_exec(
     timeout: float | None,
     stdin: str | None,
     user: str | None = None,
+    exec_id: str | None = None,
 ) -> Req:
+    body = exec_body(command, env, cwd, timeout, stdin, user)
+    if exec_id is not None:
+        body["exec_id"] = exec_id
     return Req(
         "POST",
         f"/v1/machines/{seg(ref)}/exec",
-        json=exec_body(command, env, cwd, timeout, stdin, user),
+        json=body,
         timeout=NO_READ_TIMEOUT,
+    )
+
+
+def machine_exec_result(ref: str, exec_id: str, wait: float) -> Req:
+    # The daemon holds the request up to `wait`; give the HTTP read some slack on top.
+    return Req(
+        "GET",
+        f"/v1/machines/{seg(ref)}/execs/{seg(exec_id)}",
+        params={"wait": _num(wait)},
+        timeout=float(wait) + 30.0,
     )
 
 

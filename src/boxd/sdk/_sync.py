@@ -436,12 +436,17 @@ class Machines:
         timeout: float | None = None,
         stdin: str | None = None,
         user: str | None = None,
+        exec_id: str | None = None,
     ) -> models.ExecResult:
         """Run a command to completion and return its output and exit code.
 
         A non-zero exit code is a normal result, not an exception; a failure of the
         machine, its engine, agent or node is never an exit code but an
-        `InfrastructureError`.
+        `InfrastructureError`. The command runs on even if this call's connection is
+        lost: pass ``exec_id`` to read its result later with :meth:`exec_result` (the
+        result carries the id, generated when absent). A call with the id of an exec
+        the machine still keeps does not run it again: it waits for that exec and
+        returns its result.
 
         Args:
             ref: machine name or id.
@@ -452,10 +457,12 @@ class Machines:
             stdin: text fed to the command's standard input.
             user: ``NAME[:GROUP]`` or ``UID[:GID]`` to run it as (the machine's
                 /etc/passwd names it); default: the image's USER, else root.
+            exec_id: the exec's id on the machine (letters, digits, ``_.-``, at most 128).
 
         Raises:
-            ExecTimeout: the command ran past ``timeout``; ``.stdout``/``.stderr`` hold the
-                partial output.
+            ExecTimeout: the command ran past ``timeout`` (it got SIGTERM, then SIGKILL
+                after a grace period); ``.stdout``/``.stderr`` hold the partial output.
+            ExecIdConflict: ``exec_id`` is kept for another command on this machine.
             MachineNotFound.
             InfrastructureError: the machine, its engine, agent or node failed during
                 the command (`MachineFailed`, `AgentLost`, `NodeLost`), or the daemon's
@@ -463,8 +470,26 @@ class Machines:
         """
         return self._c._parse(
             models.ExecResult,
-            _base.machine_exec(ref, command, env, cwd, timeout, stdin, user),
+            _base.machine_exec(ref, command, env, cwd, timeout, stdin, user, exec_id),
         )
+
+    def exec_result(self, ref: str, exec_id: str, *, wait: float = 0.0) -> models.ExecStatus:
+        """The output and exit status of an exec started with :meth:`exec`, running or
+        finished, also after the connection that started it was lost.
+
+        A running exec is waited for up to ``wait`` seconds; if it still runs, the answer
+        has ``running=True`` and its output so far. Only the last MiB of each stream is
+        kept (``stdout_truncated`` / ``stderr_truncated`` say when earlier output was
+        dropped). Results are kept 15 minutes after the exec ends, the last 64 per
+        machine, and not across a daemon restart. An exec that failed without an exit
+        status (its machine died) has ``error`` set.
+
+        Raises:
+            ExecNotFound: no exec of that id is kept for the machine.
+            MachineNotFound.
+        """
+        return self._c._parse(
+            models.ExecStatus, _base.machine_exec_result(ref, exec_id, wait))
 
     def exec_stream(
         self,

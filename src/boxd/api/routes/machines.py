@@ -22,6 +22,8 @@ log = logging.getLogger("boxd.api")
 
 MAX_FORK_BATCH = 64
 NDJSON = "application/x-ndjson"
+#: Seconds `GET ./execs/{exec_id}` may wait for a running exec.
+MAX_EXEC_RESULT_WAIT = 600.0
 
 #: The ``Idempotency-Key`` header of create and fork.
 IdempotencyKey = Annotated[
@@ -186,6 +188,21 @@ async def exec_command(
 ) -> models.ExecResult:
     """Run a command to completion."""
     return await machines.exec(account, ref, body)
+
+
+@router.get("/{ref}/execs/{exec_id}", response_model=models.ExecStatus)
+async def exec_result(
+    ref: str,
+    exec_id: Annotated[str, PathParam(min_length=1, max_length=models.EXEC_ID_MAX,
+                                 pattern=models.EXEC_ID_PATTERN)],
+    account: Account,
+    machines: Machines,
+    wait: Annotated[float, Query(ge=0, le=MAX_EXEC_RESULT_WAIT,
+                                 description="seconds to wait for a running exec to end")] = 0.0,
+) -> models.ExecStatus:
+    """A durable exec's output (the last MiB of each stream) and exit: a running one is
+    waited for up to ``wait`` seconds, then answered with ``running: true``."""
+    return await machines.exec_result(account, ref, exec_id, wait)
 
 
 def _line(event: models.ExecEvent) -> bytes:

@@ -1,0 +1,197 @@
+"""Durable execs: what a node keeps of each exec, readable by its id (``exec_result``).
+
+An exec runs in a task of the node's, not of the request that started it: a caller whose
+connection drops does not end the command, and its result is read later by the exec's
+id. Each record keeps the last `KEPT_OUTPUT` bytes of stdout and of stderr, and the exit
+(or the error that ended the exec without one). Finished records are kept
+`KEEP_SECONDS`, at most `KEEP_PER_MACHINE` per machine and `KEPT_TOTAL` bytes of output
+on the node (the oldest finished ones go first); running ones are never dropped. The
+records are in memory: a daemon restart forgets them (docs/lifecycle.md#durable-exec).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import secrets
+import time
+from collections import OrderedDict
+
+from boxd import models
+from boxd.engine.base import ExecExit
+from boxd.errors import BoxdError, ExecNotFound, ExecTimeout
+
+#: Bytes of each stream (stdout, stderr) an exec's record keeps: its last ones.
+KEPT_OUTPUT = 1 << 20
+#: Seconds a finished exec's record is kept.
+KEEP_SECONDS = 15 * 60.0
+#: Records kept per machine (the oldest finished ones are dropped past it).
+KEEP_PER_MACHINE = 64
+#: Bytes of output the finished records of a node may hold together.
+KEPT_TOTAL = 256 << 20
+
+
+def new_exec_id() -> str:
+    return "x-" + secrets.token_hex(8)
+
+
+def fingerprint(req: models.ExecRequest) -> str:
+    """What makes two requests with one exec id the same exec."""
+    body = req.model_dump(exclude={"exec_id"})
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+class _Tail:
+    """The last ``limit`` bytes written."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.buf = bytearray()
+        self.dropped = False
+
+    def add(self, data: bytes) -> None:
+        self.buf += data
+        if len(self.buf) > self.limit:
+            del self.buf[: len(self.buf) - self.limit]
+            self.dropped = True
+
+    def text(self) -> str:
+        return bytes(self.buf).decode(errors="replace")
+
+
+class ExecRecord:
+    """One exec of a machine: its output's tail, then its exit or its error."""
+
+    def __init__(self, exec_id: str, machine_id: str, req: models.ExecRequest,
+                 kept: int = KEPT_OUTPUT) -> None:
+        self.exec_id = exec_id
+        self.machine_id = machine_id
+        self.fingerprint = fingerprint(req)
+        self.timeout = req.timeout
+        self.started_at = time.time()
+        self.stdout = _Tail(kept)
+        self.stderr = _Tail(kept)
+        self.exit: ExecExit | None = None
+        self.error: BoxdError | None = None
+        self.finished_at: float | None = None  # monotonic
+        self.done = asyncio.Event()
+
+    @property
+    def size(self) -> int:
+        return len(self.stdout.buf) + len(self.stderr.buf)
+
+    def output(self, stream: str, data: bytes) -> None:
+        (self.stdout if stream == "stdout" else self.stderr).add(data)
+
+    def finish(self, exit: ExecExit | None, error: BoxdError | None) -> None:
+        self.exit, self.error = exit, error
+        self.finished_at = time.monotonic()
+        self.done.set()
+
+    def status(self) -> models.ExecStatus:
+        ex = self.exit
+        return models.ExecStatus(
+            exec_id=self.exec_id, running=not self.done.is_set(),
+            stdout=self.stdout.text(), stderr=self.stderr.text(),
+            stdout_truncated=self.stdout.dropped, stderr_truncated=self.stderr.dropped,
+            exit_code=ex.exit_code if ex else None, signal=ex.signal if ex else None,
+            timed_out=ex.timed_out if ex else False, duration=ex.duration if ex else None,
+            started_at=self.started_at,
+            error=models.ErrorBody.model_validate(self.error.to_body()["error"])
+            if self.error is not None else None,
+        )
+
+    def result(self) -> models.ExecResult:
+        """The finished exec as ``exec`` answers it (its kept output).
+
+        Raises:
+            BoxdError: what ended it without an exit; ExecTimeout: it timed out.
+        """
+        if self.error is not None:
+            raise self.error
+        ex = self.exit
+        assert ex is not None
+        out, err = self.stdout.text(), self.stderr.text()
+        if ex.timed_out:
+            raise ExecTimeout(
+                f"command timed out after {self.timeout}s and was killed",
+                timeout=self.timeout, stdout=out, stderr=err, exec_id=self.exec_id,
+                hint="raise the timeout or make the command finish sooner",
+            )
+        return models.ExecResult(
+            exec_id=self.exec_id, stdout=out, stderr=err, exit_code=ex.exit_code,
+            signal=ex.signal, timed_out=ex.timed_out, duration=ex.duration,
+            stdout_truncated=self.stdout.dropped, stderr_truncated=self.stderr.dropped,
+        )
+
+
+class ExecRecords:
+    """The exec records of a node, per machine (see the module docstring)."""
+
+    def __init__(self, *, keep_seconds: float = KEEP_SECONDS,
+                 per_machine: int = KEEP_PER_MACHINE, total: int = KEPT_TOTAL) -> None:
+        self.keep_seconds = keep_seconds
+        self.per_machine = per_machine
+        self.total = total
+        self._by_machine: dict[str, OrderedDict[str, ExecRecord]] = {}
+
+    def get(self, machine_id: str, exec_id: str) -> ExecRecord | None:
+        self.prune()
+        return self._by_machine.get(machine_id, OrderedDict()).get(exec_id)
+
+    def find(self, machine_id: str, machine_name: str, exec_id: str) -> ExecRecord:
+        """Raises: ExecNotFound."""
+        rec = self.get(machine_id, exec_id)
+        if rec is None:
+            raise ExecNotFound(
+                f"no exec {exec_id!r} is kept for machine {machine_name!r}",
+                machine=machine_name, exec_id=exec_id,
+                hint=f"results are kept {self.keep_seconds / 60:.0f} minutes after the exec "
+                f"ends (the last {self.per_machine} per machine) and not across a daemon "
+                "restart; check the id",
+            )
+        return rec
+
+    def add(self, rec: ExecRecord) -> None:
+        self._by_machine.setdefault(rec.machine_id, OrderedDict())[rec.exec_id] = rec
+        self.prune()
+
+    def drop(self, rec: ExecRecord) -> None:
+        records = self._by_machine.get(rec.machine_id)
+        if records is not None and records.get(rec.exec_id) is rec:
+            del records[rec.exec_id]
+            if not records:
+                del self._by_machine[rec.machine_id]
+
+    def forget(self, machine_id: str) -> None:
+        """The machine is gone: so are its records."""
+        self._by_machine.pop(machine_id, None)
+
+    def prune(self) -> None:
+        """Drop what is past its time, past a machine's count, past the node's bytes."""
+        now = time.monotonic()
+        finished: list[ExecRecord] = []
+        for machine_id, records in list(self._by_machine.items()):
+            for rec in list(records.values()):
+                if rec.finished_at is not None and now - rec.finished_at > self.keep_seconds:
+                    del records[rec.exec_id]
+            over = len(records) - self.per_machine
+            for rec in [r for r in records.values() if r.finished_at is not None][:max(0, over)]:
+                del records[rec.exec_id]
+            if not records:
+                del self._by_machine[machine_id]
+            finished += [r for r in records.values() if r.finished_at is not None]
+        held = sum(r.size for r in finished)
+        finished.sort(key=lambda r: r.finished_at or 0.0)
+        for rec in finished:
+            if held <= self.total:
+                break
+            held -= rec.size
+            self.drop(rec)
+
+
+__all__ = [
+    "KEEP_PER_MACHINE", "KEEP_SECONDS", "KEPT_OUTPUT", "KEPT_TOTAL", "ExecRecord",
+    "ExecRecords", "fingerprint", "new_exec_id",
+]
