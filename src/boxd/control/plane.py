@@ -30,7 +30,7 @@ from collections.abc import (
 )
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from boxd import models
 from boxd import process_models as pm
@@ -52,7 +52,14 @@ from boxd.images.oci import resolve_image
 from boxd.models import NAME_RE, NAME_RULE, MachineState
 from boxd.node.base import Boot, FromSnapshot, Node, ProcessStream
 from boxd.services import GuestApi
-from boxd.state import MachineRecord, Repos, RunImage, SnapshotRecord, new_id
+from boxd.state import (
+    CheckpointRecord,
+    MachineRecord,
+    Repos,
+    RunImage,
+    SnapshotRecord,
+    new_id,
+)
 from boxd.storage import SnapshotStore
 from boxd.storage.oci import ImageStore
 
@@ -602,9 +609,7 @@ class Machines:
     async def checkpoint_save(self, account: str, ref: str, name: str) -> models.Checkpoint:
         validate_name(name, "checkpoint")
         rec = self._find(account, ref)
-        ck = await self._node(rec).checkpoint_save(rec.id, name)
-        return models.Checkpoint(id=ck.id, name=ck.name, machine_id=ck.machine_id,
-                                 created_at=ck.created_at)
+        return _checkpoint(await self._node(rec).checkpoint_save(rec.id, name))
 
     async def checkpoint_restore(self, account: str, ref: str, name: str) -> models.Machine:
         rec = self._find(account, ref)
@@ -613,11 +618,7 @@ class Machines:
 
     async def checkpoint_list(self, account: str, ref: str) -> builtins.list[models.Checkpoint]:
         rec = self._find(account, ref)
-        return [
-            models.Checkpoint(id=ck.id, name=ck.name, machine_id=ck.machine_id,
-                              created_at=ck.created_at)
-            for ck in await self._node(rec).checkpoint_list(rec.id)
-        ]
+        return [_checkpoint(ck) for ck in await self._node(rec).checkpoint_list(rec.id)]
 
     async def checkpoint_delete(self, account: str, ref: str, name: str) -> None:
         rec = self._find(account, ref)
@@ -626,18 +627,18 @@ class Machines:
     # ------------------------------------------------------ suspend / hibernate
 
     async def suspend(self, account: str, ref: str) -> models.Machine:
-        rec = self._find(account, ref)
-        await self._node(rec).suspend(rec.id)
-        return await self.get(account, rec.id)
+        return await self._transition(account, ref, "suspend")
 
     async def hibernate(self, account: str, ref: str) -> models.Machine:
-        rec = self._find(account, ref)
-        await self._node(rec).hibernate(rec.id)
-        return await self.get(account, rec.id)
+        return await self._transition(account, ref, "hibernate")
 
     async def resume(self, account: str, ref: str) -> models.Machine:
+        return await self._transition(account, ref, "resume")
+
+    async def _transition(self, account: str, ref: str,
+                          op: Literal["suspend", "hibernate", "resume"]) -> models.Machine:
         rec = self._find(account, ref)
-        await self._node(rec).resume(rec.id)
+        await getattr(self._node(rec), op)(rec.id)
         return await self.get(account, rec.id)
 
     # -------------------------------------------------- processes (boxd.rl)
@@ -765,6 +766,11 @@ def _fork_only(engine: str, source_node: str, hint: str | None,
             hint="prepare a baseline on that node (`boxd machine new --node`) "
             "and fork it there, or fork without a node", field="node")
     return hint if hint is not None or portable else source_node
+
+
+def _checkpoint(ck: CheckpointRecord) -> models.Checkpoint:
+    return models.Checkpoint(id=ck.id, name=ck.name, machine_id=ck.machine_id,
+                             created_at=ck.created_at)
 
 
 def _encode_cursor(created_at: float, machine_id: str) -> str:
