@@ -224,9 +224,13 @@ def check_on_timeout(action: object) -> OnTimeout:
 
 
 def _timeout_field(seconds: object) -> int | None:
-    """`check_timeout` for a pydantic validator (its ValueError becomes a 400)."""
+    """`check_timeout` for a pydantic validator (its ValueError becomes a 400). On the
+    wire a JSON number without a fraction (``3.0``) is an integer, as JSON Schema (and
+    the API's schema) says; the SDKs still refuse a Python float."""
     if seconds is None:
         return None
+    if isinstance(seconds, float) and seconds.is_integer():
+        seconds = int(seconds)
     try:
         return check_timeout(seconds)
     except InvalidRequest as exc:
@@ -285,6 +289,12 @@ class MachineImage(BaseModel):
 
 
 class MachineCreate(BaseModel):
+    # A machine starts from an image or from a snapshot, not both (the route answers 400).
+    model_config = ConfigDict(json_schema_extra={"not": {
+        "required": ["image", "from_snapshot"],
+        "properties": {"image": {"type": "string"}, "from_snapshot": {"type": "string"}},
+    }})
+
     name: Name | None = Field(
         None, description=f"unique per account; generated if absent. {NAME_RULE}")
     vcpus: int = Field(config.DEFAULT_VCPUS, ge=1, le=config.MAX_VCPUS)
@@ -733,18 +743,30 @@ REPORT_FIELDS: dict[str, type | tuple[type, ...]] = {
 }
 
 
+_JSON_TYPES = {str: "string", bool: "boolean", int: "integer", list: "array"}
+#: What the API's schema says of a saved report: the fields `ReportSave` checks.
+_REPORT_SCHEMA = {
+    "type": "object", "required": list(REPORT_FIELDS),
+    "properties": {k: {"type": _JSON_TYPES[v]} for k, v in REPORT_FIELDS.items()
+                   if isinstance(v, type)},
+}
+
+
 class ReportSave(BaseModel):
     name: Name = Field(..., description=f"the report's name; saving it again replaces it. "
                        f"{NAME_RULE}")
-    report: dict[str, Any] = Field(
+    report: Annotated[dict[str, Any], WithJsonSchema(_REPORT_SCHEMA)] = Field(
         ..., description="a `boxd rl verify --json` sweep report (its JSON Schema: "
         "`boxd rl verify --schema`), with its ``causes`` as [cause, seeds] pairs")
 
     @field_validator("report")
     @classmethod
     def _report(cls, report: dict[str, Any]) -> dict[str, Any]:
+        report = dict(report)
         for key, kind in REPORT_FIELDS.items():
             value = report.get(key)
+            if kind is int and isinstance(value, float) and value.is_integer():
+                report[key] = value = int(value)  # JSON's 3.0 is an integer (JSON Schema)
             if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
                 raise ValueError(f"report.{key} must be a {getattr(kind, '__name__', kind)}")
         return report

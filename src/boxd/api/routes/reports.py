@@ -11,6 +11,7 @@ from boxd import models
 from boxd.api.auth import Account
 from boxd.api.errors import ERROR_RESPONSES
 from boxd.api.routes._deps import check_name
+from boxd.errors import NotFound
 from boxd.services import ReportService
 
 router = APIRouter(prefix="/reports", tags=["reports"], responses=ERROR_RESPONSES)
@@ -41,13 +42,27 @@ async def list_reports(account: Account, reports: Reports) -> models.ReportList:
 @router.get("/{name}", response_model=models.ReportData)
 async def get_report(name: str, account: Account, reports: Reports) -> models.ReportData:
     """A report whole, as it was saved."""
-    check_name(name)
+    _named(name)
     return await reports.get(account, name)
 
 
 @router.delete("/{name}", status_code=status.HTTP_204_NO_CONTENT, response_class=Response)
 async def delete_report(name: str, account: Account, reports: Reports) -> Response:
     """Delete a report."""
-    check_name(name)
+    _named(name)
     await reports.delete(account, name)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+def _named(name: str) -> None:
+    """A name no report can have names none: 404, as an unknown one (a path is a
+    reference, not a new name; a save's bad name is the 400).
+
+    Raises:
+        NotFound: ``name`` breaks the name rule.
+    """
+    if not models.NAME_RE.match(name):
+        raise NotFound(f"no report {name[:80]!r}", kind="report", name=name[:80],
+                       hint="`boxd rl verify ... --save NAME` saves one; names: "
+                       + models.NAME_RULE)
+
