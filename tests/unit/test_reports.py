@@ -72,6 +72,9 @@ def test_reports_are_private_files_of_their_account(daemon: Daemon,
     [path] = (daemon.paths.home / "reports").glob("*/mine.json")
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    # The reports folder too: it was 0755 (mkdir's parents), listable by every local
+    # user (test_file_access found it on the whole suite's daemon).
+    assert stat.S_IMODE(path.parent.parent.stat().st_mode) == 0o700
 
 
 @pytest.mark.parametrize(("name", "report", "why"), [

@@ -44,7 +44,11 @@ class ReportStore:
 
     def _save(self, account: str, req: models.ReportSave) -> models.Report:
         path = self._path(account, req.name)
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Each folder its own 0700 (mkdir's parents=True makes the parents 0755: other
+        # local users could list every account's report names).
+        for folder in (self.root, path.parent):
+            folder.mkdir(mode=0o700, exist_ok=True)
+            folder.chmod(0o700)
         created = time.time()
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
