@@ -1703,7 +1703,13 @@ export interface components {
              * @description a `boxd rl verify --json` sweep report (its JSON Schema: `boxd rl verify --schema`), with its ``causes`` as [cause, seeds] pairs
              */
             report: {
-                [key: string]: unknown;
+                env: string;
+                identical: boolean;
+                seeds: number;
+                diverged: number;
+                steps: number;
+                runs: number;
+                pairs: unknown[];
             };
         };
         /**
