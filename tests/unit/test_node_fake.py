@@ -560,6 +560,31 @@ def test_recovery_reattaches_fails_the_gone_and_sweeps_strays(world: World) -> N
     run(main())
 
 
+def test_recovery_kills_a_vm_that_is_alive_but_does_not_answer(
+    world: World, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A VM whose re-attach fails (its QMP did not answer in time on a loaded host) was
+    # marked failed and left running: a QEMU process no record owned (test_faults'
+    # fork-batch kill on the whole suite's daemon).
+    from boxd.engine import fake
+
+    async def main() -> None:
+        stuck = await running(world, "stuck")
+        vm = world.vm(stuck.id)
+        await world.node.close()
+        world.restart()
+
+        async def no_answer(self: fake.FakeMachine) -> str | None:
+            raise errors.MachineFailed("its QMP did not answer", machine=self.config.id)
+
+        monkeypatch.setattr(fake.FakeMachine, "recover", no_answer)
+        await world.machines.recover()
+        assert world.state(stuck.id) == S.FAILED
+        assert not vm.alive()
+
+    run(main())
+
+
 # --------------------------------------------------------------------- lease
 
 

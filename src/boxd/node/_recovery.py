@@ -92,6 +92,10 @@ class Recovery:
             )
             undone = await handle.recover()
         except MachineFailed as exc:
+            # Alive but not answering (a QMP timeout on a loaded host): its VM must not
+            # run on under a failed or hibernated record, an orphan no one owns.
+            if engine.kill_stray(rec.vm_id, launcher.run_dir(rec.vm_id), rec.pid):
+                log.info("machine=%s event=unanswering_vm_killed vm=%s", rec.id, rec.vm_id)
             if rec.state in (S.HIBERNATING, S.WAKING) and image_ok:
                 self.lifecycle.move(rec.id, S.HIBERNATED, expect=(rec.state,))
             else:
