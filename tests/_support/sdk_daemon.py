@@ -161,3 +161,26 @@ def no_daemon(paths: Paths, monkeypatch: pytest.MonkeyPatch) -> Paths:
 
     monkeypatch.setattr(_local, "ensure_daemon", refuse)
     return paths
+
+
+@pytest.fixture
+def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_daemon: Paths) -> Iterator[Any]:
+    """A fake world (`tests._support.fake_world`) with no real daemon around it."""
+    from tests._support.fake_world import make_world
+
+    w = make_world(tmp_path, monkeypatch)
+    yield w
+    w.repos.db.close()
+
+
+@pytest.fixture
+def world_boxd(world: Any, tmp_path: Path) -> Iterator[Any]:
+    """A sync client of the in-process app over ``world``, with a key of its account."""
+    from boxd import Boxd
+    from tests._support.fake_world import ACCOUNT
+
+    app, keys = world_app(world, tmp_path)
+    key = keys.create(ACCOUNT, "sdk").secret
+    with Boxd(api_key=key, transport=SyncASGITransport(app)) as b:
+        yield b
+

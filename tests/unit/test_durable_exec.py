@@ -21,12 +21,11 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 from tests._support import sdk_daemon as support
-from tests._support.fake_world import ACCOUNT, World, make_world
+from tests._support.fake_world import ACCOUNT, World
 
 from boxd import AsyncBoxd, Boxd, errors, models
 from boxd.api.server import Daemon
 from boxd.cli import main
-from boxd.config import Paths
 from boxd.engine.base import ExecExit
 from boxd.node._exec_records import ExecRecord, ExecRecords
 
@@ -35,11 +34,7 @@ no_daemon = support.no_daemon
 daemon = support.daemon
 
 
-@pytest.fixture
-def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_daemon: Paths) -> Iterator[World]:
-    w = make_world(tmp_path, monkeypatch)
-    yield w
-    w.repos.db.close()
+world = support.world  # fixture
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +20,10 @@ import httpx
 import pytest
 from click.testing import CliRunner
 from tests._support import sdk_daemon as support
-from tests._support.fake_world import ACCOUNT, World, make_world, running
+from tests._support.fake_world import ACCOUNT, World, running
 
 from boxd import AsyncBoxd, Boxd, cli, errors, models
 from boxd.cli import main
-from boxd.config import Paths
 from boxd.control.idempotency import KEY_MIN_TTL, KEY_TTL
 from boxd.control.plane import Machines
 from boxd.state import Database, Repos
@@ -35,19 +34,10 @@ no_daemon = support.no_daemon
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture
-def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_daemon: Paths) -> Iterator[World]:
-    w = make_world(tmp_path, monkeypatch)
-    yield w
-    w.repos.db.close()
+world = support.world  # fixture
 
 
-@pytest.fixture
-def boxd(world: World, tmp_path: Path) -> Iterator[Boxd]:
-    app, keys = support.world_app(world, tmp_path)
-    key = keys.create(ACCOUNT, "sdk").secret
-    with Boxd(api_key=key, transport=support.SyncASGITransport(app)) as b:
-        yield b
+boxd = support.world_boxd  # fixture
 
 
 def _run(test: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:

@@ -11,13 +11,12 @@ real gVisor sandbox killed with SIGKILL: tests/integration/test_idempotency.py.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from tests._support import sdk_daemon as support
-from tests._support.fake_world import ACCOUNT, World, make_world, running
+from tests._support.fake_world import ACCOUNT, World, running
 
 import boxd
 from boxd import AsyncBoxd, Boxd, errors, models
@@ -29,11 +28,7 @@ paths = support.paths
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture
-def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_daemon: Paths) -> Iterator[World]:
-    w = make_world(tmp_path, monkeypatch)
-    yield w
-    w.repos.db.close()
+world = support.world  # fixture
 
 
 def test_the_tree() -> None:

@@ -11,18 +11,15 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 from tests._support import sdk_daemon as support
-from tests._support.fake_world import ACCOUNT, World, make_world
+from tests._support.fake_world import ACCOUNT, World
 
 from boxd import Boxd, errors, models
 from boxd.api.server import Daemon
 from boxd.cli import main
-from boxd.config import Paths
 from boxd.state import Database, Repos
 
 paths = support.paths  # fixtures
@@ -30,19 +27,10 @@ no_daemon = support.no_daemon
 daemon = support.daemon
 
 
-@pytest.fixture
-def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_daemon: Paths) -> Iterator[World]:
-    w = make_world(tmp_path, monkeypatch)
-    yield w
-    w.repos.db.close()
+world = support.world  # fixture
 
 
-@pytest.fixture
-def boxd(world: World, tmp_path: Path) -> Iterator[Boxd]:
-    app, keys = support.world_app(world, tmp_path)
-    key = keys.create(ACCOUNT, "sdk").secret
-    with Boxd(api_key=key, transport=support.SyncASGITransport(app)) as b:
-        yield b
+boxd = support.world_boxd  # fixture
 
 
 RUN = {"boxd.rl/run": "r-1", "boxd.rl/owner": "env"}

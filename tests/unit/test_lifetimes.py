@@ -20,12 +20,11 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 from tests._support import sdk_daemon as support
-from tests._support.fake_world import ACCOUNT, World, make_world
+from tests._support.fake_world import ACCOUNT, World
 
 from boxd import Boxd, errors, models
 from boxd.api.server import Daemon
 from boxd.cli import main
-from boxd.config import Paths
 from boxd.control import lifetimes
 from boxd.models import MachineState
 from boxd.state import Database, Repos
@@ -43,11 +42,7 @@ class Clock:
         return self.now
 
 
-@pytest.fixture
-def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_daemon: Paths) -> Iterator[World]:
-    w = make_world(tmp_path, monkeypatch)
-    yield w
-    w.repos.db.close()
+world = support.world  # fixture
 
 
 @pytest.fixture

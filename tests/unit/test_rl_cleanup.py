@@ -17,10 +17,9 @@ from typing import Any
 
 import pytest
 from tests._support import sdk_daemon as support
-from tests._support.fake_world import ACCOUNT, World, make_world
+from tests._support.fake_world import ACCOUNT, World
 
 from boxd import Boxd, errors
-from boxd.config import Paths
 from boxd.rl._branch import _Point, fork_slots
 from boxd.rl._channel import MakeRequest
 from boxd.rl._cleanup import BRANCH_LABEL, OWNER_LABEL, RUN_LABEL, Creations
@@ -31,11 +30,7 @@ paths = support.paths  # fixtures
 no_daemon = support.no_daemon
 
 
-@pytest.fixture
-def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_daemon: Paths) -> Iterator[World]:
-    w = make_world(tmp_path, monkeypatch)
-    yield w
-    w.repos.db.close()
+world = support.world  # fixture
 
 
 @pytest.fixture
