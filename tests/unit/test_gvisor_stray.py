@@ -66,6 +66,26 @@ def test_a_sandbox_without_a_pid_file_is_found_by_its_command_line(tmp_path: Pat
             p.wait()
 
 
+def test_a_recorded_pid_that_is_gone_does_not_spare_the_sandboxs_new_process(
+    tmp_path: Path,
+) -> None:
+    """A restore or a wake ends a sandbox and starts another for the same VM; a daemon
+    killed before it recorded the new pid leaves a record naming the old one. The
+    recovery's kill with that pid finds and kills the new sandbox all the same."""
+    engine = _engine(tmp_path)
+    old = _stand_in("m_swapped")
+    old.kill()
+    old.wait()
+    new = _stand_in("m_swapped")
+    try:
+        time.sleep(0.2)
+        assert engine.kill_stray("m_swapped", tmp_path / "run", old.pid)
+        assert new.wait(5) != 0
+    finally:
+        new.kill()
+        new.wait()
+
+
 def test_a_kill_thaws_a_frozen_sandbox_first(tmp_path: Path) -> None:
     """A frozen task does not die until it is thawed: `kill` writes THAWED to the
     sandbox's freezer before its SIGKILL (a paused machine's cgroup is frozen)."""

@@ -32,3 +32,22 @@ def test_a_vm_without_a_pid_file_is_found_by_its_command_line(tmp_path: Path) ->
         for p in (target, other):
             p.kill()
             p.wait()
+
+
+def test_a_recorded_pid_that_is_gone_does_not_spare_the_vms_new_process(tmp_path: Path) -> None:
+    """A RAM swap (or a restore, or a wake) ends a machine's QEMU and starts another for
+    the same VM; a daemon killed before it recorded the new pid leaves a record naming
+    the old one. The recovery's kill with that pid must still find and kill the new
+    process (it was left running, owned by no one: test_faults' fork-batch kill)."""
+    engine = QemuEngine("qemu-system-x86_64", AccelChoice("tcg", "test"))
+    old = _stand_in("m_swapped")
+    old.kill()
+    old.wait()
+    new = _stand_in("m_swapped")
+    try:
+        time.sleep(0.2)
+        assert engine.kill_stray("m_swapped", tmp_path, old.pid)
+        assert new.wait(5) != 0
+    finally:
+        new.kill()
+        new.wait()

@@ -328,8 +328,9 @@ class Engine(Protocol):
         ...
 
     def kill_stray(self, vm_id: str, run_dir: Path, pid: int | None = None) -> bool:
-        """Kill the VM process of ``vm_id`` that no handle owns (pid from the record or
-        the run directory), if it is still that VM's process. True if one was killed."""
+        """Kill the VM process of ``vm_id`` that no handle owns, found by ``pid`` (the
+        record's), else the run directory's pid file, else the command lines (a pid is
+        trusted only while its process is that VM's). True if one was killed."""
         ...
 
     async def create_disk(

@@ -1014,8 +1014,10 @@ class GvisorEngine:
         remove its cgroup (killing whatever else is in it). ``runsc`` writes the pid
         file only once the sandbox is up: without one, or with a stale one, the sandbox
         is found by its command line (which names the VM), as with cgroups off nothing
-        else would find a sandbox started just before the daemon died."""
-        if pid is None:
+        else would find a sandbox started just before the daemon died. So is it when
+        ``pid`` (the record's) is no longer the sandbox's (a restore or wake started a
+        new one and the daemon died before recording it)."""
+        if pid is None or not sandbox_matches(pid, vm_id):
             pid = find_sandbox(vm_id, RunFiles(run_dir).pidfile)
         netns = _net.load(run_dir)
         if netns is not None:

@@ -371,10 +371,13 @@ class QemuEngine:
 
     def kill_stray(self, vm_id: str, run_dir: Path, pid: int | None = None) -> bool:
         """SIGKILL the QEMU process of ``vm_id`` if it still runs (pids recycle: the
-        process's command line must name the VM). Without a pid or a pid file (a QEMU
-        started just before the daemon died writes it only once it is up), the
-        process is found by its command line."""
-        if pid is None:
+        process's command line must name the VM). ``pid`` (the record's) is tried
+        first; when it is not the VM's process (gone: a RAM swap, restore or wake
+        started a new one and the daemon died before recording it), the pid file,
+        then the command lines of all processes (a QEMU started just before the
+        daemon died writes its pid file only once it is up)."""
+        if pid is None or not pid_matches(pid, vm_id):
+            pid = None
             with contextlib.suppress(OSError, ValueError):
                 pid = int((run_dir / "qemu.pid").read_text().strip())
             if pid is None or not pid_matches(pid, vm_id):  # none yet, or a stale one
@@ -382,8 +385,6 @@ class QemuEngine:
                             if p.name.isdigit() and pid_matches(int(p.name), vm_id)), None)
             if pid is None:
                 return False
-        if not pid_matches(pid, vm_id):
-            return False
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
         self.cgroups.release_now(self.cgroups.of(vm_id))
