@@ -330,7 +330,21 @@ function idempotencyHeaders(key: string | undefined): Record<string, string> {
  * deleted (or hibernated with `onTimeout: "hibernate"`). A child never inherits its
  * source's lifetime.
  */
-export type Lifetime = { timeout?: number; onTimeout?: OnTimeout };
+export type Lifetime = { timeout?: number; onTimeout?: OnTimeout; wait?: number };
+
+/** The longest admission wait (`wait` on new and fork), in seconds. */
+export const MAX_WAIT = 3600;
+
+/** The `wait` body field of new and fork (none for 0). @throws InvalidRequest */
+function waitBody(wait: unknown): Record<string, unknown> {
+  if (wait === undefined || wait === 0) return {};
+  if (typeof wait !== "number" || !Number.isFinite(wait) || wait < 0 || wait > MAX_WAIT) {
+    throw new InvalidRequest(`wait must be 0-${MAX_WAIT} seconds, not ${String(wait)}`,
+                             { details: { field: "wait" },
+                               hint: "how long a create or fork may wait for room" });
+  }
+  return { wait };
+}
 
 /** The longest lifetime (`timeout`, `setTimeout`): 30 days, in seconds. */
 export const MAX_TIMEOUT = 30 * 24 * 3600;
@@ -402,10 +416,11 @@ export class Machines {
     ];
     for (const [k, v] of fields) if (v !== undefined && v !== null) body[k] = v; // daemon defaults
     if (options.labels && Object.keys(options.labels).length) body.labels = { ...options.labels };
-    Object.assign(body, lifetimeBody(options));
+    Object.assign(body, lifetimeBody(options), waitBody(options.wait));
     return this.c._json({
       method: "POST", path: "/v1/machines", json: body,
       headers: idempotencyHeaders(options.idempotencyKey),
+      ...(body.wait !== undefined ? { idleTimeoutMs: null } : {}),
     });
   }
 
@@ -669,6 +684,7 @@ export class Machines {
    * resolves to the first request's children, never new ones; a request that made no
    * child frees its key; the key sent with another request rejects with
    * `IdempotencyKeyReused`.
+   * Children without room wait up to `wait` seconds for it (see `MachineNewOptions.wait`).
    * @throws MachineNotFound, StateError, AlreadyExists, QuotaExceeded (a batch throws only
    *   for errors that concern the whole request); NotFound (no such node), InvalidRequest
    *   (the source's forks cannot go to that node: a gVisor machine, or no cluster)
@@ -688,7 +704,8 @@ export class Machines {
       idempotencyKey?: string;
     };
     const headers = idempotencyHeaders(idempotencyKey);
-    const lifetime = lifetimeBody(options as Lifetime);
+    const lifetime = { ...lifetimeBody(options as Lifetime),
+                       ...waitBody((options as Lifetime).wait) };
     if (count === undefined && names === undefined) {
       const one: Wire["ForkRequest"] = {};
       if (name !== undefined && name !== null) one.name = name;
@@ -697,6 +714,7 @@ export class Machines {
       Object.assign(one, lifetime);
       return this.c._json({
         method: "POST", path: `/v1/machines/${seg(src)}/fork`, json: one, headers,
+        ...(one.wait !== undefined ? { idleTimeoutMs: null } : {}),
       });
     }
     if (name !== undefined) {

@@ -16,7 +16,7 @@
  * │   ├── AlreadyExists          .kind, .resourceName (duplicate name)
  * │   ├── StateError             .machine, .state, .required (wrong lifecycle state)
  * │   └── IdempotencyKeyReused   .key: the key was used for another request
- * ├── QuotaExceeded              .limit, .used                                      429
+ * ├── QuotaExceeded              .limit, .used, .retryAfter                         429
  * ├── ExecTimeout                .timeout, .stdout, .stderr (partial output)        408
  * ├── InfrastructureError        the machine, engine, agent or node failed, not the  503
  * │   │                          command: an exec's outcome is unknown; .machine
@@ -253,6 +253,10 @@ export class QuotaExceeded extends BoxdError {
   }
   get used(): number | undefined {
     return this.detail("used");
+  }
+  /** Seconds after which a retry likely finds room (set when a `wait` ended). */
+  get retryAfter(): number | undefined {
+    return this.detail("retry_after");
   }
 }
 

@@ -16,6 +16,7 @@ export {
   Images,
   Keys,
   MAX_TIMEOUT,
+  MAX_WAIT,
   Machines,
   Nodes,
   Snapshots,

@@ -30,7 +30,8 @@ export interface paths {
         };
         /**
          * Info
-         * @description What the host runs: engine, QEMU, accelerator, CPU model, data directory.
+         * @description What the host runs: engine, QEMU, accelerator, CPU model, data directory; and the
+         *     caller's creates and forks waiting for room (``queue``).
          */
         get: operations["info_v1_info_get"];
         put?: never;
@@ -808,10 +809,43 @@ export interface components {
             /** Accounts */
             accounts: components["schemas"]["Account"][];
         };
+        /**
+         * AccountQueue
+         * @description One account's requests waiting for room (`wait=` on create and fork).
+         */
+        AccountQueue: {
+            /** Account */
+            account: string;
+            /** Waiting */
+            waiting: number;
+            /**
+             * Oldest Seconds
+             * @description how long its first request has waited
+             */
+            oldest_seconds: number;
+        };
         /** AccountUpdate */
         AccountUpdate: {
             /** Max Machines */
             max_machines: number;
+        };
+        /**
+         * AdmissionQueue
+         * @description The admission queues: creates and forks waiting for room.
+         */
+        AdmissionQueue: {
+            /**
+             * Waiting
+             * @description requests waiting, every account shown
+             */
+            waiting: number;
+            /** Accounts */
+            accounts?: components["schemas"]["AccountQueue"][];
+            /**
+             * Per Account
+             * @description requests one account may have waiting
+             */
+            per_account: number;
         };
         /** ApiKey */
         ApiKey: {
@@ -1117,6 +1151,11 @@ export interface components {
              * @description what its end does: 'delete' (default) or 'hibernate'
              */
             on_timeout?: ("delete" | "hibernate") | null;
+            /**
+             * Wait
+             * @description seconds (0-3600) to wait in the account's queue for room when the account's quota or the nodes' room is used up, instead of a 429/507 at once; at the end a 429 quota_exceeded with retry_after (and a Retry-After header); absent or 0: no wait
+             */
+            wait?: number | null;
         } | {
             count: number;
         } | {
@@ -1159,6 +1198,11 @@ export interface components {
              * @description what its end does: 'delete' (default) or 'hibernate'
              */
             on_timeout?: ("delete" | "hibernate") | null;
+            /**
+             * Wait
+             * @description seconds (0-3600) to wait in the account's queue for room when the account's quota or the nodes' room is used up, instead of a 429/507 at once; at the end a 429 quota_exceeded with retry_after (and a Retry-After header); absent or 0: no wait
+             */
+            wait?: number | null;
         };
         /** ForkResult */
         ForkResult: {
@@ -1213,6 +1257,7 @@ export interface components {
              * @default 0
              */
             standby_memory_bytes: number;
+            queue?: components["schemas"]["AdmissionQueue"] | null;
         };
         /** Image */
         Image: {
@@ -1479,6 +1524,11 @@ export interface components {
              * @description what its end does: 'delete' (default) or 'hibernate'
              */
             on_timeout?: ("delete" | "hibernate") | null;
+            /**
+             * Wait
+             * @description seconds (0-3600) to wait in the account's queue for room when the account's quota or the nodes' room is used up, instead of a 429/507 at once; at the end a 429 quota_exceeded with retry_after (and a Retry-After header); absent or 0: no wait
+             */
+            wait?: number | null;
             /**
              * Image
              * @description an image imported for the account (`boxd image import`): NAME[:TAG] or sha256:DIGEST; the machine's root is that image's files, and its ENV and WORKDIR are exec's defaults. gVisor only for now; not with from_snapshot

@@ -114,6 +114,12 @@ export interface MachineNewOptions {
    * WORKDIR and USER are exec's defaults. gVisor only for now (`engine: "gvisor"`).
    */
   image?: string;
+  /**
+   * Seconds (0-3600) to wait in the account's queue when its quota or the nodes' room is
+   * used up, instead of rejecting at once; at its end a `QuotaExceeded` with
+   * `retryAfter`. Default 0: no wait.
+   */
+  wait?: number;
 }
 
 /** What a machine's end does (`timeout`): delete it or hibernate it. */

@@ -360,6 +360,43 @@ test("lifetimes: timeout and onTimeout on new and fork, setTimeout, checked befo
   }
 });
 
+test("admission: wait on new and fork is sent, a 429's retryAfter is read, bad waits refused unsent", async () => {
+  const { createServer } = await import("node:http");
+  const seen = [];
+  const srv = createServer((req, res) => {
+    let body = "";
+    req.on("data", (c) => (body += c));
+    req.on("end", () => {
+      seen.push(JSON.parse(body || "{}"));
+      res.setHeader("content-type", "application/json");
+      res.setHeader("retry-after", "7");
+      res.statusCode = 429;
+      res.end(JSON.stringify({ error: { code: "quota_exceeded", hint: "",
+        message: "no room after waiting 2.0 s: machine quota reached",
+        details: { limit: 1, used: 1, retry_after: 7 } } }));
+    });
+  });
+  await new Promise((ok) => srv.listen(0, "127.0.0.1", ok));
+  try {
+    const boxd = new sdk.Boxd({ baseUrl: `http://127.0.0.1:${srv.address().port}`, apiKey: "k" });
+    await assert.rejects(boxd.machines.new("a", { wait: 2 }), (e) =>
+      e instanceof sdk.QuotaExceeded && e.retryAfter === 7 && e.limit === 1);
+    assert.equal(seen[0].wait, 2);
+    await assert.rejects(boxd.machines.fork("a", { name: "b", wait: 1.5 }), sdk.QuotaExceeded);
+    assert.equal(seen[1].wait, 1.5);
+    await assert.rejects(boxd.machines.new("c"), sdk.QuotaExceeded);
+    assert.equal(seen[2].wait, undefined); // no wait unless asked
+    const before = seen.length;
+    for (const bad of [-1, sdk.MAX_WAIT + 1, "3", Number.NaN]) {
+      await assert.rejects(boxd.machines.new("x", { wait: bad }), sdk.InvalidRequest);
+      await assert.rejects(boxd.machines.fork("a", { count: 2, wait: bad }), sdk.InvalidRequest);
+    }
+    assert.equal(seen.length, before); // nothing bad is sent
+  } finally {
+    srv.close();
+  }
+});
+
 test("idempotency keys: sent as Idempotency-Key on new and fork, bad ones refused unsent", async () => {
   const { createServer } = await import("node:http");
   const seen = [];

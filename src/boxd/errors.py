@@ -248,7 +248,9 @@ class QuotaExceeded(BoxdError):
 
     code = "quota_exceeded"
     status = 429
-    _fields = ("limit", "used")
+    #: ``retry_after``: seconds after which a retry likely finds room (the HTTP answer's
+    #: Retry-After header too), set on an admission wait's end (`control/admission.py`).
+    _fields = ("limit", "used", "retry_after")
 
 
 class ExecTimeout(BoxdError):

@@ -244,6 +244,14 @@ TIMEOUT_DOC = (f"lifetime in seconds (1-{MAX_TIMEOUT}): at its end the machine i
                "or hibernated with on_timeout='hibernate'; default none")
 ON_TIMEOUT_DOC = "what its end does: 'delete' (default) or 'hibernate'"
 
+#: Longest admission wait a request may ask for (seconds).
+MAX_WAIT = 3600
+WAIT_DOC = (f"seconds (0-{MAX_WAIT}) to wait in the account's queue for room when the "
+            "account's quota or the nodes' room is used up, instead of a 429/507 at once; "
+            "at the end a 429 quota_exceeded with retry_after (and a Retry-After header); "
+            "absent or 0: no wait")
+Wait = Annotated[float | None, Field(ge=0, le=MAX_WAIT, description=WAIT_DOC)]
+
 
 #: A machine's labels in a request: checked by `check_labels`; the schema states it.
 Labels = Annotated[dict[str, str], WithJsonSchema(_LABELS_SCHEMA)]
@@ -329,6 +337,7 @@ class MachineCreate(BaseModel):
         description=f"labels to find it by (list and delete by selector). {LABEL_RULE}")
     timeout: Timeout = Field(None, description=TIMEOUT_DOC)
     on_timeout: OnTimeout | None = Field(None, description=ON_TIMEOUT_DOC)
+    wait: Wait = None
     image: str | None = Field(
         None, max_length=330, pattern=IMAGE_REF_PATTERN,
         description="an image imported for the account (`boxd image import`): NAME[:TAG] "
@@ -468,6 +477,7 @@ class ForkRequest(BaseModel):
     labels: Labels = Field(default_factory=dict, description=FORK_LABELS)
     timeout: Timeout = Field(None, description=FORK_TIMEOUT)
     on_timeout: OnTimeout | None = Field(None, description=ON_TIMEOUT_DOC)
+    wait: Wait = None
 
     @field_validator("labels", mode="before")
     @classmethod
@@ -517,6 +527,7 @@ class ForkBatchRequest(BaseModel):
     labels: Labels = Field(default_factory=dict, description=FORK_LABELS)
     timeout: Timeout = Field(None, description=FORK_TIMEOUT)
     on_timeout: OnTimeout | None = Field(None, description=ON_TIMEOUT_DOC)
+    wait: Wait = None
 
     @field_validator("labels", mode="before")
     @classmethod
@@ -844,6 +855,22 @@ class NodeList(BaseModel):
     nodes: list[NodeInfo]
 
 
+class AccountQueue(BaseModel):
+    """One account's requests waiting for room (`wait=` on create and fork)."""
+
+    account: str
+    waiting: int
+    oldest_seconds: float = Field(description="how long its first request has waited")
+
+
+class AdmissionQueue(BaseModel):
+    """The admission queues: creates and forks waiting for room."""
+
+    waiting: int = Field(description="requests waiting, every account shown")
+    accounts: list[AccountQueue] = Field(default_factory=list)
+    per_account: int = Field(description="requests one account may have waiting")
+
+
 class HostInfo(BaseModel):
     version: str
     engine: str
@@ -859,6 +886,7 @@ class HostInfo(BaseModel):
     limits: str | None = None  # per-machine resource limits (cgroups), or why there are none
     standby_forks: int = 0  # standby fork children ready on this node (not the user's machines)
     standby_memory_bytes: int = 0  # the host memory they hold (proportional set size)
+    queue: AdmissionQueue | None = None  # the caller's creates and forks waiting for room
 
 
 # --- container images (boxd image import / list / inspect / rm) ----------------------

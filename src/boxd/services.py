@@ -60,6 +60,10 @@ class MachineService(Protocol):
         """The nodes machines run on (one on a single host; each Ray node of a cluster)."""
         ...
 
+    def queue(self, account: str) -> models.AdmissionQueue:
+        """The account's creates and forks waiting for room (``wait``)."""
+        ...
+
     async def create(
         self, account: str, req: models.MachineCreate, idempotency_key: str | None = None,
     ) -> models.Machine:
@@ -141,13 +145,14 @@ class MachineService(Protocol):
         self, account: str, ref: str, names: builtins.list[str | None],
         node_hint: str | None = None, labels: Mapping[str, str] | None = None,
         idempotency_key: str | None = None, timeout: int | None = None,
-        on_timeout: str = "delete",
+        on_timeout: str = "delete", wait: float | None = None,
     ) -> builtins.list[models.Machine | Exception]:
         """Fork ``ref`` into ``len(names)`` children (None = generated name), per item,
         on node ``node_hint`` if given, with the source's labels merged with
         ``labels``, each with a lifetime of ``timeout`` seconds (None: none; never the
         source's); a retry with the same ``idempotency_key`` returns the first
-        request's items. Raises: InvalidRequest (labels, timeout), MachineNotFound,
+        request's items; children without room wait up to ``wait`` seconds for it
+        (then their items are 429s). Raises: InvalidRequest (labels, timeout), MachineNotFound,
         NotFound (no such node), InvalidRequest (the source's forks cannot go to that
         node), IdempotencyKeyReused (the key named another request)."""
         ...

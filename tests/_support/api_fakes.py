@@ -51,6 +51,9 @@ class FakeMachines(MachineService):
         # (account, snapshot ref) -> bare digest; FakeSnapshots installs its lookup
         self.snapshot_digest: Callable[[str, str], str] | None = None
 
+    def queue(self, account: str) -> models.AdmissionQueue:
+        return models.AdmissionQueue(waiting=0, per_account=256)
+
     async def nodes_list(self) -> list[models.NodeInfo]:
         return [models.NodeInfo(id="local", address="127.0.0.1", health="alive",
                                 machines=len(self.machines), max_machines=8,
@@ -190,7 +193,7 @@ class FakeMachines(MachineService):
     async def fork(  # type: ignore[valid-type]
         self, account: str, ref: str, names: list[str | None], node_hint: str | None = None,
         labels: Mapping[str, str] | None = None, idempotency_key: str | None = None,
-        timeout: int | None = None, on_timeout: str = "delete",
+        timeout: int | None = None, on_timeout: str = "delete", wait: float | None = None,
     ) -> list[models.Machine | Exception]:
         src = self._find(account, ref)
         if node_hint not in (None, "local"):  # one node, as nodes_list says
@@ -207,7 +210,7 @@ class FakeMachines(MachineService):
     async def warm(self, account: str, ref: str, forks: int) -> models.Standby:
         m = self._find(account, ref)
         return models.Standby(machine_id=m.id, forks=forks, memory_bytes=forks << 20,
-                              engine=m.engine)
+                              engine=m.engine or "qemu")  # (a fake machine may name none)
 
     async def checkpoint_save(self, account: str, ref: str, name: str) -> models.Checkpoint:
         m = self._find(account, ref)

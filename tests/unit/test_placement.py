@@ -181,12 +181,12 @@ def test_fork_children_fill_the_source_node_first_then_spread(tmp_path: Path) ->
     a, b, c = NumbersNode("a", 3, 100), NumbersNode("b", 2, 900), NumbersNode("c", 2, 500)
     plane = _plane(tmp_path, [a, b, c])
     (src,) = _put(plane, "a", 1)  # 2 free slots on the source's node
-    targets = asyncio.run(plane._fork_targets(src, cast(Node, a), 7))
+    targets = asyncio.run(plane.forks.targets(src, cast(Node, a), 7))
     assert _ids(targets) == ["a", "a", "b", "b", "c", "c", "ResourceExhausted"]
-    assert _ids(asyncio.run(plane._fork_targets(src, cast(Node, a), 2))) == ["a", "a"]
+    assert _ids(asyncio.run(plane.forks.targets(src, cast(Node, a), 2))) == ["a", "a"]
     # a node that received this source's template before comes before free memory
-    plane._received[src.id] = {"c"}
-    assert _ids(asyncio.run(plane._fork_targets(src, cast(Node, a), 5))) == [
+    plane.forks.received[src.id] = {"c"}
+    assert _ids(asyncio.run(plane.forks.targets(src, cast(Node, a), 5))) == [
         "a", "a", "c", "c", "b"]
 
 
@@ -194,14 +194,14 @@ def test_a_fork_with_a_node_puts_every_child_on_that_node(tmp_path: Path) -> Non
     a, b = NumbersNode("a", 3, 100), NumbersNode("b", 2, 900)
     plane = _plane(tmp_path, [a, b, NumbersNode("c", 2, 5000)])
     (src,) = _put(plane, "a", 1)
-    assert _ids(asyncio.run(plane._fork_targets(src, cast(Node, a), 2, "b"))) == ["b", "b"]
+    assert _ids(asyncio.run(plane.forks.targets(src, cast(Node, a), 2, "b"))) == ["b", "b"]
     # the source's own node: copy-on-write there, nowhere else
-    assert _ids(asyncio.run(plane._fork_targets(src, cast(Node, a), 3, "a"))) == [
+    assert _ids(asyncio.run(plane.forks.targets(src, cast(Node, a), 3, "a"))) == [
         "a", "a", "ResourceExhausted"]
-    full = asyncio.run(plane._fork_targets(src, cast(Node, a), 3, "b"))[2]
+    full = asyncio.run(plane.forks.targets(src, cast(Node, a), 3, "b"))[2]
     assert isinstance(full, ResourceExhausted) and "node b has no room" in str(full)
     with pytest.raises(NotFound) as bad:
-        asyncio.run(plane._fork_targets(src, cast(Node, a), 1, "nope"))
+        asyncio.run(plane.forks.targets(src, cast(Node, a), 1, "nope"))
     assert bad.value.details["field"] == "node"
 
 
@@ -217,10 +217,10 @@ def test_a_gvisor_fork_batch_spreads_past_its_nodes_cap(tmp_path: Path) -> None:
     a, b, c = NumbersNode("a", 2, 100), NumbersNode("b", 2, 900), NumbersNode("c", 2, 500)
     plane = _plane(tmp_path, [a, b, c])
     src = _source(plane, "a", "gvisor")  # 1 free slot left on a
-    assert _ids(asyncio.run(plane._fork_targets(src, cast(Node, a), 5))) == [
+    assert _ids(asyncio.run(plane.forks.targets(src, cast(Node, a), 5))) == [
         "a", "b", "b", "c", "c"]
     # a node named for the batch: its template moves there as a QEMU one does
-    assert _ids(asyncio.run(plane._fork_targets(src, cast(Node, a), 2, "b"))) == ["b", "b"]
+    assert _ids(asyncio.run(plane.forks.targets(src, cast(Node, a), 2, "b"))) == ["b", "b"]
 
 
 def test_a_batch_bigger_than_every_cap_gets_per_item_resource_exhausted(
@@ -261,7 +261,7 @@ def test_forks_whose_template_cannot_move_keep_their_nodes_cap(tmp_path: Path) -
     a = NumbersNode("a", 3, 100, portable=frozenset())
     plane = _plane(tmp_path, [a, NumbersNode("b", 2, 900)])
     src = _source(plane, "a", "fake")
-    targets = asyncio.run(plane._fork_targets(src, cast(Node, a), 4))
+    targets = asyncio.run(plane.forks.targets(src, cast(Node, a), 4))
     assert _ids(targets) == ["a", "a", "ResourceExhausted", "ResourceExhausted"]
     err = targets[2]
     assert isinstance(err, ResourceExhausted) and err.details["node"] == "a"
@@ -270,10 +270,10 @@ def test_forks_whose_template_cannot_move_keep_their_nodes_cap(tmp_path: Path) -
         in err.message and "fake machine's forks stay on its node" in err.message
     assert "delete machines on node a" in err.hint
     with pytest.raises(InvalidRequest) as bad:
-        asyncio.run(plane._fork_targets(src, cast(Node, a), 1, "b"))
+        asyncio.run(plane.forks.targets(src, cast(Node, a), 1, "b"))
     assert "fake machine's forks stay on its node (a)" in str(bad.value)
     assert bad.value.details["field"] == "node" and "--node" in bad.value.hint
-    own = asyncio.run(plane._fork_targets(src, cast(Node, a), 3, "a"))
+    own = asyncio.run(plane.forks.targets(src, cast(Node, a), 3, "a"))
     assert _ids(own) == ["a", "a", "ResourceExhausted"]
     assert "another node" not in own[2].hint  # type: ignore[union-attr]
     # one host: its own id is the only node a fork may name
@@ -281,9 +281,9 @@ def test_forks_whose_template_cannot_move_keep_their_nodes_cap(tmp_path: Path) -
     (tmp_path / "one").mkdir()
     host = _plane(tmp_path / "one", [one], cluster=False)
     (m,) = _put(host, "h", 1)
-    assert _ids(asyncio.run(host._fork_targets(m, cast(Node, one), 1, "h"))) == ["h"]
+    assert _ids(asyncio.run(host.forks.targets(m, cast(Node, one), 1, "h"))) == ["h"]
     with pytest.raises(NotFound):
-        asyncio.run(host._fork_targets(m, cast(Node, one), 1, "b"))
+        asyncio.run(host.forks.targets(m, cast(Node, one), 1, "b"))
 
 
 def test_the_chooser_is_an_interface() -> None:

@@ -13,6 +13,7 @@ No body names a file of the daemon: paths under its data directory or tmpfs fold
 from __future__ import annotations
 
 import logging
+import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -75,8 +76,13 @@ def error_body(exc: BaseException) -> models.ErrorBody:
 
 
 def error_response(exc: BoxdError) -> JSONResponse:
-    """A JSON response carrying a domain error at its status."""
-    return JSONResponse(status_code=exc.status, content=jsonable_encoder(exc.to_body()))
+    """A JSON response carrying a domain error at its status (and, when the error says
+    when to retry, ``Retry-After`` in whole seconds)."""
+    retry = exc.details.get("retry_after")
+    headers = ({"Retry-After": str(max(1, math.ceil(retry)))}
+               if isinstance(retry, int | float) and not isinstance(retry, bool) else None)
+    return JSONResponse(status_code=exc.status, content=jsonable_encoder(exc.to_body()),
+                        headers=headers)
 
 
 def _field(loc: Sequence[Any]) -> str:

@@ -18,7 +18,7 @@ import click
 from boxd import __version__, errors
 from boxd.cli import _render
 from boxd.config import Paths, parse_duration
-from boxd.models import MAX_TIMEOUT, MachineState
+from boxd.models import MAX_TIMEOUT, MAX_WAIT, MachineState
 from boxd.sdk import Boxd
 
 __all__ = ["main"]
@@ -173,6 +173,15 @@ def idempotency_option(what: str) -> Callable[[Callable[..., Any]], Callable[...
         "characters).")
 
 
+def queue_option(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    return click.option(
+        "--queue", "queue", type=click.FloatRange(0, MAX_WAIT), default=0.0,
+        metavar="SECONDS",
+        help=f"When the account's quota or the nodes' room is used up, wait up to SECONDS "
+        f"in the account's queue for room for {what} instead of failing at once "
+        "(`boxd info` shows the queue). Default: 0, no wait.")
+
+
 def label_option(help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     return click.option("--label", "-l", "labels", multiple=True, metavar="K=V",
                         callback=_labels, help=help)
@@ -212,6 +221,7 @@ def machine() -> None:
               "and `machine delete --label` select by it.")
 @idempotency_option("machine")
 @lifetime_options("the machine")
+@queue_option("it")
 @click.option("--wait/--no-wait", default=True, show_default=True, help="Wait until ready.")
 @click.option("--wait-timeout", type=float, default=120.0, show_default=True,
               metavar="SECONDS", help="Seconds to wait until ready.")
@@ -234,6 +244,7 @@ def machine_new(
     idempotency_key: str | None,
     lifetime: int | None,
     on_timeout: str,
+    queue: float,
     wait: bool,
     wait_timeout: float,
     as_json: bool,
@@ -256,6 +267,7 @@ def machine_new(
         timeout=lifetime,
         on_timeout=on_timeout,
         image=image,
+        wait=queue,
     )
     if wait:
         with _render.activity(f"waiting for {m.name} to boot", as_json=as_json):
@@ -561,12 +573,13 @@ def machine_exec_result(state: _State, name: str, exec_id: str, wait: float,
 @label_option("Label the children KEY=VALUE (repeat), over the labels they inherit from SRC.")
 @idempotency_option("children")
 @lifetime_options("each child (not inherited from SRC):")
+@queue_option("each child")
 @json_option
 @pass_state
 def machine_fork(
     state: _State, src: str, new: tuple[str, ...], count: int | None, node: str | None,
     labels: dict[str, str], idempotency_key: str | None, lifetime: int | None,
-    on_timeout: str, as_json: bool,
+    on_timeout: str, queue: float, as_json: bool,
 ) -> None:
     """Fork running machine SRC into NEW (the child continues from the same instruction).
 
@@ -576,17 +589,17 @@ def machine_fork(
     if count is None and len(new) <= 1:
         m = b.machines.fork(src, new[0] if new else None, node=node, labels=labels,
                             idempotency_key=idempotency_key, timeout=lifetime,
-                            on_timeout=on_timeout)
+                            on_timeout=on_timeout, wait=queue)
         _show(m, as_json, _render.machine)
         return
     results = (
         b.machines.fork(src, names=list(new), count=count, node=node, labels=labels,
                         idempotency_key=idempotency_key, timeout=lifetime,
-                        on_timeout=on_timeout)
+                        on_timeout=on_timeout, wait=queue)
         if new
         else b.machines.fork(src, count=count or 1, node=node, labels=labels,
                              idempotency_key=idempotency_key, timeout=lifetime,
-                             on_timeout=on_timeout)
+                             on_timeout=on_timeout, wait=queue)
     )
     made = [r for r in results if not isinstance(r, errors.BoxdError)]
     errs = [r for r in results if isinstance(r, errors.BoxdError)]

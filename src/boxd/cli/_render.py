@@ -367,6 +367,16 @@ def nodes(items: Sequence[models.NodeInfo]) -> None:
     )
 
 
+def _queue(q: models.AdmissionQueue | None) -> str | None:
+    """Your creates and forks waiting for room, and how long the first has waited."""
+    if q is None:
+        return None
+    if not q.waiting:
+        return f"none waiting (at most {q.per_account})"
+    oldest = max(a.oldest_seconds for a in q.accounts)
+    return f"{q.waiting} waiting for room, the first for {oldest:.0f} s"
+
+
 def host(info: models.HostInfo) -> None:
     details(
         [
@@ -380,6 +390,7 @@ def host(info: models.HostInfo) -> None:
             ("limits", info.limits),
             ("standby forks", f"{info.standby_forks} ({size(info.standby_memory_bytes)} "
              "host memory)"),
+            ("queue", _queue(info.queue)),
         ]
     )
     if info.engines:

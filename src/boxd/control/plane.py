@@ -35,10 +35,12 @@ from typing import Literal, TypeVar
 from boxd import models
 from boxd import process_models as pm
 from boxd.config import DEFAULT_MACHINE_QUOTA
+from boxd.control.admission import Admission
+from boxd.control.forking import ForkPlacement
 from boxd.control.idempotency import Idempotency, fingerprint
 from boxd.control.lifetimes import Lifetimes
 from boxd.control.nodes import Cluster, ClusterNode, LocalNode
-from boxd.control.placement import Placement, Room, check_hint, no_room
+from boxd.control.placement import Placement, Room, check_hint
 from boxd.engine.registry import ENGINES
 from boxd.errors import (
     BoxdError,
@@ -127,12 +129,14 @@ class Machines:
         self.snapshots: Snapshots | None = None
         self.cluster = cluster  # nodes on Ray (`boxd serve --ray`); None: this host only
         self.placement = placement or Placement()
-        # source machine id -> nodes that received its template (placement prefers them)
-        self._received: dict[str, set[str]] = {}
         # Held from a fork batch's placement to its claims: a concurrent batch reads
         # the room after them, so together they keep every node's cap.
         self._placing = asyncio.Lock()
         self.idempotency = Idempotency(repos)
+        self.forks = ForkPlacement(lambda: self.nodes, lambda: self.cluster, self.placement,
+                                   self._room, self._forget)
+        self.admission = Admission()  # requests with wait= (`control/admission.py`)
+        repos.machines.on_free = self.admission.freed
         # Ends machines at their lifetime's end (one task for all; started by recover)
         self.lifetimes = Lifetimes(repos, delete=lambda r: self.delete(r.account_id, r.id),
                                    hibernate=lambda r: self._node(r).hibernate(r.id))
@@ -224,6 +228,9 @@ class Machines:
         return await self.placement.launch(
             self._room, lambda nid: launch(self.nodes[nid]), hint=hint, prefer=prefer)
 
+    def queue(self, account: str) -> models.AdmissionQueue:
+        return self.admission.waiting(account)
+
     async def nodes_list(self) -> builtins.list[models.NodeInfo]:
         return [await node.info() for node in self.nodes.values()]
 
@@ -246,7 +253,7 @@ class Machines:
         run_image: RunImage | None = None,
     ) -> MachineRecord:
         name = validate_name(name if name is not None else f"machine-{secrets.token_hex(3)}")
-        return self.lifetimes.hold(self.repos.machines.claim(
+        rec = self.lifetimes.hold(self.repos.machines.claim(
             account, name, machine_id=new_id("m"), vcpus=vcpus, memory_mib=memory_mib,
             disk_gib=disk_gib, isolated=isolated, image=image or await node.image_key(),
             node_id=node.id, engine=engine or await node.engine_name(), parent_id=parent_id,
@@ -255,6 +262,8 @@ class Machines:
             labels=models.check_labels(labels or {}), run_image=run_image,
             end_at=self.lifetimes.end_at(timeout), on_timeout=models.check_on_timeout(on_timeout),
         ))
+        self.admission.claimed()  # its slot is taken: the next queued request may try
+        return rec
 
     # ---------------------------------------------------------------- create
 
@@ -268,11 +277,15 @@ class Machines:
             InvalidRequest, AlreadyExists, QuotaExceeded, SnapshotNotFound,
             HostSetupError; IdempotencyKeyReused: the key named another request.
         """
+        def admitted() -> Awaitable[models.Machine]:
+            return self.admission.run(account, req.wait, lambda: self._create(account, req))
+
         if idempotency_key is None:
-            return await self._create(account, req)
+            return await admitted()
         return await self.idempotency.machine(
-            account, idempotency_key, fingerprint("create", req.model_dump(mode="json")),
-            lambda: self._create(account, req), lambda m: _as_now(self, account, m))
+            account, idempotency_key,
+            fingerprint("create", req.model_dump(mode="json", exclude={"wait"})),
+            admitted, lambda m: _as_now(self, account, m))
 
     async def _create(self, account: str, req: models.MachineCreate) -> models.Machine:
         if req.name is not None:
@@ -452,14 +465,15 @@ class Machines:
         self, account: str, ref: str, names: builtins.list[str | None],
         node_hint: str | None = None, labels: Mapping[str, str] | None = None,
         idempotency_key: str | None = None, timeout: int | None = None,
-        on_timeout: str = "delete",
+        on_timeout: str = "delete", wait: float | None = None,
     ) -> builtins.list[models.Machine | Exception]:
         """Fork ``ref`` into one child per name (None: a generated name); each item is
         the child or the error that stopped it. ``node_hint`` puts every child on that
         node (a cluster's other node receives the source's template). The children
         carry the source's labels merged with ``labels``, and a lifetime of ``timeout``
         seconds (None: none; never the source's). A retry with ``idempotency_key``
-        returns the first request's items (`control/idempotency.py`).
+        returns the first request's items (`control/idempotency.py`); with ``wait``
+        the children that find no room wait for it (`control/admission.py`).
 
         Raises:
             InvalidRequest: a bad name, labels that break `models.LABEL_RULE` (with
@@ -467,14 +481,18 @@ class Machines:
             IdempotencyKeyReused: the key named another request.
         """
         Lifetimes.check(timeout, on_timeout)
+
+        def admitted() -> Awaitable[builtins.list[models.Machine | Exception]]:
+            return self.admission.run_items(account, wait, len(names), lambda todo: self._fork(
+                account, ref, [names[i] for i in todo], node_hint, labels, timeout,
+                on_timeout))
+
         if idempotency_key is None:
-            return await self._fork(account, ref, names, node_hint, labels, timeout,
-                                    on_timeout)
+            return await admitted()
         return await self.idempotency.items(
             account, idempotency_key,
             fingerprint("fork", ref, names, node_hint, labels or {}, timeout, on_timeout),
-            lambda: self._fork(account, ref, names, node_hint, labels, timeout, on_timeout),
-            lambda m: _as_now(self, account, m))
+            admitted, lambda m: _as_now(self, account, m))
 
     async def _fork(
         self, account: str, ref: str, names: builtins.list[str | None],
@@ -488,11 +506,11 @@ class Machines:
         inherited = models.check_labels({**src.labels, **models.check_labels(labels or {})})
         node = self._node(src)
         async with self._placing:  # room counts claims: batches choose one at a time
-            targets = await self._fork_targets(src, node, len(names), node_hint)
+            targets = await self.forks.targets(src, node, len(names), node_hint)
             claimed = await self._claim_children(account, src, names, targets, inherited,
                                                  timeout, on_timeout)
         with self.lifetimes.launching(claimed):  # their ends wait for the launch
-            results = await self._launch_children(src, node, claimed)
+            results = await self.forks.launch(src, node, claimed)
         out: builtins.list[models.Machine | Exception] = []
         for c in claimed:
             if isinstance(c, Exception):
@@ -530,74 +548,6 @@ class Machines:
             except Exception as exc:
                 claimed.append(exc)
         return claimed
-
-    async def _launch_children(
-        self, src: MachineRecord, node: Node, claimed: builtins.list[MachineRecord | Exception]
-    ) -> dict[str, Exception | None]:
-        """Launch the claimed children, node by node: each child's error or None.
-
-        The source's node first: it makes the template the other nodes then fetch. If
-        the source cannot be forked at all, the request fails and no child is left."""
-        by_node: dict[str, builtins.list[str]] = {}
-        for c in claimed:
-            if isinstance(c, MachineRecord):
-                by_node.setdefault(c.node_id, []).append(c.id)
-        results: dict[str, Exception | None] = {}
-        if node.id in by_node:
-            ids = by_node.pop(node.id)
-            try:
-                results.update(zip(ids, await node.fork(src.id, ids), strict=True))
-            except BaseException:
-                for c in claimed:
-                    if isinstance(c, MachineRecord):
-                        await self._forget(c.id, self.nodes[c.node_id])
-                raise
-
-        async def remote(nid: str, ids: builtins.list[str]) -> None:
-            # children off the source's node exist only on a cluster (_fork_targets)
-            assert self.cluster is not None
-            target, source = self.cluster.nodes[nid], self.cluster.nodes[node.id]
-            try:
-                results.update(zip(ids, await target.fork_from(source, src.id, ids),
-                                   strict=True))
-                self._received.setdefault(src.id, set()).add(nid)
-            except Exception as exc:  # that node's children failed; the others go on
-                for cid in ids:
-                    await self._forget(cid, target)
-                    results[cid] = exc
-
-        await asyncio.gather(*(remote(nid, ids) for nid, ids in by_node.items()))
-        return results
-
-    async def _fork_targets(
-        self, src: MachineRecord, node: Node, count: int, hint: str | None = None
-    ) -> builtins.list[Node | Exception]:
-        """Where each of ``count`` children goes, every node up to its cap: the source's
-        node while it has room (copy-on-write there), then, when the source's engine
-        can move a template (`ClusterNode.portable_templates`), the other nodes (the
-        template streams to them); with a ``hint``, that node only. A child that fits
-        nowhere is its item's `ResourceExhausted`. One host has no cap.
-
-        Raises:
-            NotFound: ``hint`` names no node.
-            InvalidRequest: ``hint`` names another node and the template cannot move.
-        """
-        check_hint(hint, self.nodes)
-        if self.cluster is None:
-            return [node] * count
-        portable = await self.cluster.nodes[node.id].portable_templates(src.engine)
-        only = _fork_only(src.engine, node.id, hint, portable)
-        room = await self._room()
-        if only is not None:
-            room = {only: room[only]} if only in room else {}
-        chosen = self.placement.fork_targets(room, node.id, count,
-                                             self._received.get(src.id, set()))
-        why = "" if portable else (
-            f"a {src.engine} machine's forks stay on its node (the engine cannot move a "
-            "template to another node)")
-        return [self.nodes[nid] if nid is not None else no_room(room, chosen, only=only,
-                                                                 why=why)
-                for nid in chosen]
 
     async def _forget(self, machine_id: str, node: Node) -> None:
         """Remove the record of a machine that was never launched."""
@@ -679,7 +629,7 @@ class Machines:
     async def delete(self, account: str, ref: str) -> None:
         rec = self._find(account, ref)
         node = self.nodes.get(rec.node_id)
-        self._received.pop(rec.id, None)
+        self.forks.received.pop(rec.id, None)
         if rec.state == MachineState.LOST or node is None or not self._alive(node.id):
             self.repos.machines.delete(rec.id)  # its node and VM are gone: only the record
             return
@@ -749,23 +699,6 @@ async def _delete_by_labels(
                 raise res  # a cancellation is the request's, not an item's
             err = None if isinstance(res, MachineNotFound) else res  # gone meanwhile
             out.append((models.MachineRef(id=rec.id, name=rec.name), err))
-
-
-def _fork_only(engine: str, source_node: str, hint: str | None,
-               portable: bool) -> str | None:
-    """The one node a fork's children may go to, if any: the ``hint``, or the source's
-    node when its engine cannot move a template.
-
-    Raises:
-        InvalidRequest: ``hint`` names another node and the template cannot move.
-    """
-    if hint is not None and hint != source_node and not portable:
-        raise InvalidRequest(
-            f"a {engine} machine's forks stay on its node ({source_node}): the "
-            f"{engine} engine cannot move a template to another node",
-            hint="prepare a baseline on that node (`boxd machine new --node`) "
-            "and fork it there, or fork without a node", field="node")
-    return hint if hint is not None or portable else source_node
 
 
 def _checkpoint(ck: CheckpointRecord) -> models.Checkpoint:

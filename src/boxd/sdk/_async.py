@@ -223,6 +223,7 @@ class AsyncMachines:
         timeout: int | None = None,
         on_timeout: str = "delete",
         image: str | None = None,
+        wait: float = 0.0,
     ) -> models.Machine:
         """Create and boot a machine; returns while it starts (see ``wait_until_ready``).
 
@@ -249,21 +250,20 @@ class AsyncMachines:
                 ``set_timeout``); kept across daemon restarts. None: until deleted.
             on_timeout: what its end does: ``"delete"`` or ``"hibernate"`` (its state
                 is kept on disk and any request wakes it, with no lifetime).
-            image: an image imported for this account (``images.import_``): ``NAME[:TAG]``
-                or ``sha256:DIGEST``; its files are the root, its ENV, WORKDIR and USER
-                exec's defaults. gVisor only for now (``engine="gvisor"``).
+            image: an image imported for this account (``NAME[:TAG]``, ``sha256:DIGEST``):
+                its files are the root, its ENV, WORKDIR, USER exec's defaults (gVisor).
+            wait: seconds to wait in the account's queue when its quota or the nodes'
+                room is used up, instead of failing at once (docs/lifecycle.md).
 
         Raises:
-            InvalidRequest, AlreadyExists, QuotaExceeded, SnapshotNotFound, HostSetupError.
-            IdempotencyKeyReused: the key was sent with a different request.
-            NotFound: ``image`` is not imported for this account.
+            InvalidRequest, AlreadyExists, SnapshotNotFound, HostSetupError; NotFound
+            (``image``); IdempotencyKeyReused (the key came with another request);
+            QuotaExceeded: no room (after ``wait``: ``retry_after`` says when to retry).
         """
-        return await self._c._parse(
-            models.Machine,
-            _base.machine_create(name, vcpus, memory_mib, disk_gib, isolated, from_snapshot,
-                                 engine, suspend_after, hibernate_after, node, public,
-                                 labels, idempotency_key, timeout, on_timeout, image),
-        )
+        return await self._c._parse(models.Machine, _base.machine_create(
+            name, vcpus, memory_mib, disk_gib, isolated, from_snapshot, engine,
+            suspend_after, hibernate_after, node, public, labels, idempotency_key, timeout,
+            on_timeout, image, wait))
 
     async def set_timeout(
         self, ref: str, timeout: int | None, *, on_timeout: str | None = None,
@@ -530,7 +530,7 @@ class AsyncMachines:
     async def fork(
         self, src: str, name: str | None = None, *, node: str | None = None,
         labels: Mapping[str, str] | None = None, idempotency_key: str | None = None,
-        timeout: int | None = None, on_timeout: str = "delete",
+        timeout: int | None = None, on_timeout: str = "delete", wait: float = 0.0,
     ) -> models.Machine: ...
 
     @overload
@@ -538,7 +538,7 @@ class AsyncMachines:
         self, src: str, name: None = None, *, count: int,
         names: builtins.list[str] | None = None, node: str | None = None,
         labels: Mapping[str, str] | None = None, idempotency_key: str | None = None,
-        timeout: int | None = None, on_timeout: str = "delete",
+        timeout: int | None = None, on_timeout: str = "delete", wait: float = 0.0,
     ) -> builtins.list[models.Machine | errors.BoxdError]: ...
 
     @overload
@@ -546,7 +546,7 @@ class AsyncMachines:
         self, src: str, name: None = None, *, count: int | None = None,
         names: builtins.list[str], node: str | None = None,
         labels: Mapping[str, str] | None = None, idempotency_key: str | None = None,
-        timeout: int | None = None, on_timeout: str = "delete",
+        timeout: int | None = None, on_timeout: str = "delete", wait: float = 0.0,
     ) -> builtins.list[models.Machine | errors.BoxdError]: ...
 
     async def fork(
@@ -561,6 +561,7 @@ class AsyncMachines:
         idempotency_key: str | None = None,
         timeout: int | None = None,
         on_timeout: str = "delete",
+        wait: float = 0.0,
     ) -> models.Machine | builtins.list[models.Machine | errors.BoxdError]:
         """Fork a running machine: the child continues from the same instruction.
 
@@ -574,7 +575,8 @@ class AsyncMachines:
         children, never new ones; a request that made no child frees its key.
         ``timeout`` gives each child a lifetime of that many whole seconds from now
         (deleted at its end, or hibernated with ``on_timeout="hibernate"``; see
-        ``new``); a child never inherits its source's lifetime.
+        ``new``); a child never inherits its source's lifetime. Children without room
+        wait up to ``wait`` seconds for it (see ``new``).
 
         Raises:
             MachineNotFound, StateError, AlreadyExists, QuotaExceeded (single fork; a
@@ -586,13 +588,13 @@ class AsyncMachines:
         if count is None and names is None:
             return await self._c._parse(
                 models.Machine, _base.machine_fork(src, name, node, labels, idempotency_key,
-                                                   timeout, on_timeout))
+                                                   timeout, on_timeout, wait))
         if name is not None:
             raise errors.InvalidRequest("pass either name or count/names", field="name")
         result = await self._c._parse(
             models.ForkResult,
             _base.machine_fork_batch(src, count, names, node, labels, idempotency_key,
-                                     timeout, on_timeout),
+                                     timeout, on_timeout, wait),
         )
         return _base.fork_items(result)
 

@@ -247,6 +247,7 @@ def machine_create(
     timeout: int | None = None,
     on_timeout: str = "delete",
     image: str | None = None,
+    wait: float = 0.0,
 ) -> Req:
     body: dict[str, Any] = {"isolated": bool(isolated)}
     if public:
@@ -254,6 +255,7 @@ def machine_create(
     if labels:
         body["labels"] = models.check_labels(labels)
     body.update(lifetime(timeout, on_timeout))
+    body.update(admission(wait))
     for k, v in (
         ("name", name),
         ("vcpus", vcpus),
@@ -268,7 +270,8 @@ def machine_create(
     ):
         if v is not None:  # absent fields take the daemon's defaults
             body[k] = v
-    return Req("POST", "/v1/machines", json=body, headers=idempotency(idempotency_key))
+    return Req("POST", "/v1/machines", json=body, headers=idempotency(idempotency_key),
+               timeout=NO_READ_TIMEOUT if wait else DEFAULT)
 
 
 def idempotency(key: str | None) -> dict[str, str]:
@@ -286,6 +289,20 @@ def idempotency(key: str | None) -> dict[str, str]:
             "characters without spaces", field="idempotency_key",
             hint="e.g. str(uuid.uuid4()) per logical request, the same on its retries")
     return {"Idempotency-Key": key}
+
+
+def admission(wait: float) -> dict[str, Any]:
+    """The ``wait`` body field of new and fork ({} for 0: no wait).
+
+    Raises:
+        InvalidRequest: ``wait`` is not a number of 0-`models.MAX_WAIT` seconds.
+    """
+    if isinstance(wait, bool) or not isinstance(wait, int | float) \
+            or not 0 <= wait <= models.MAX_WAIT:
+        raise errors.InvalidRequest(
+            f"wait must be 0-{models.MAX_WAIT} seconds, not {wait!r}", field="wait",
+            hint="how long a create or fork may wait for room (0: not at all)")
+    return {"wait": float(wait)} if wait else {}
 
 
 def lifetime(timeout: int | None, on_timeout: str = "delete") -> dict[str, Any]:
@@ -453,25 +470,28 @@ def machine_warm(ref: str, forks: int) -> Req:
 def machine_fork(src: str, name: str | None, node: str | None = None,
                  labels: Mapping[str, str] | None = None,
                  idempotency_key: str | None = None, timeout: int | None = None,
-                 on_timeout: str = "delete") -> Req:
+                 on_timeout: str = "delete", wait: float = 0.0) -> Req:
     body: dict[str, Any] = {k: v for k, v in (("name", name), ("node", node))
                             if v is not None}
     if labels:
         body["labels"] = models.check_labels(labels)
     body.update(lifetime(timeout, on_timeout))
+    body.update(admission(wait))
     return Req("POST", f"/v1/machines/{seg(src)}/fork", json=body,
-               headers=idempotency(idempotency_key))
+               headers=idempotency(idempotency_key),
+               timeout=NO_READ_TIMEOUT if wait else DEFAULT)
 
 
 def machine_fork_batch(src: str, count: int | None, names: list[str] | None,
                        node: str | None = None,
                        labels: Mapping[str, str] | None = None,
                        idempotency_key: str | None = None, timeout: int | None = None,
-                       on_timeout: str = "delete") -> Req:
+                       on_timeout: str = "delete", wait: float = 0.0) -> Req:
     body: dict[str, Any] = {} if node is None else {"node": node}
     if labels:
         body["labels"] = models.check_labels(labels)
     body.update(lifetime(timeout, on_timeout))
+    body.update(admission(wait))
     if count is not None:
         body["count"] = count
     if names is not None:

@@ -39,6 +39,11 @@ _RUNTIME_COLUMNS = frozenset(
 )
 # States that hold a quota slot: every state but these.
 _FREE_STATES = "('deleting','hibernated')"
+_FREE = frozenset({MachineState.DELETING, MachineState.HIBERNATED})  # (the same, as a set)
+
+
+def _nothing() -> None:
+    pass
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -72,6 +77,9 @@ class Machines:
 
     def __init__(self, db: Database) -> None:
         self._db = db
+        #: Called (from any thread) after a machine left its account's quota: deleted,
+        #: or moved to a state that does not count (the control plane's admission).
+        self.on_free: Callable[[], None] = _nothing
 
     def get(self, machine_id: str) -> MachineRecord | None:
         row = self._db.one("SELECT * FROM machines WHERE id=?", (machine_id,))
@@ -204,7 +212,10 @@ class Machines:
         sql = (f"UPDATE machines SET state=?, error=? WHERE id=? AND state IN "
                f"({','.join('?' * len(names))})")
         if quota is None:
-            return self._db.execute(sql, (new.value, error, machine_id, *names)) == 1
+            moved = self._db.execute(sql, (new.value, error, machine_id, *names)) == 1
+            if moved and new in _FREE:
+                self.on_free()
+            return moved
         with self._db.transaction() as conn:
             _check_quota(conn, quota[0], quota[1])
             changed: int = conn.execute(sql, (new.value, error, machine_id, *names)).rowcount
@@ -257,7 +268,8 @@ class Machines:
 
     @_writes
     def delete(self, machine_id: str) -> None:
-        self._db.execute("DELETE FROM machines WHERE id=?", (machine_id,))
+        if self._db.execute("DELETE FROM machines WHERE id=?", (machine_id,)):
+            self.on_free()
 
     def on_node(self, node_id: str) -> builtins.list[MachineRecord]:
         """Every machine placed on ``node_id`` (deleting ones included)."""
@@ -304,13 +316,16 @@ class Machines:
         Called by `Lifecycle.mirror` only (it names the states the copy keeps).
         """
         names = [s.value for s in keep]
-        return self._db.execute(
+        copied = self._db.execute(
             "UPDATE machines SET state=?, error=?, port=?, fwd_port=?, pid=?, vm_id=?, accel=?,"
             " last_active=?, ram_shared=?, generation=?"
             f" WHERE id=? AND state NOT IN ({','.join('?' * len(names))})",
             (rec.state.value, rec.error, rec.port, rec.fwd_port, rec.pid, rec.vm_id, rec.accel,
              rec.last_active, int(rec.ram_shared), rec.generation, rec.id, *names),
         ) == 1
+        if copied and rec.state in _FREE:
+            self.on_free()
+        return copied
 
     @_writes
     def compare_and_set_node(

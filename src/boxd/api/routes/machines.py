@@ -340,7 +340,8 @@ async def fork(
     (item,) = _items(await machines.fork(account, ref, [name], node, body.labels,
                                          idempotency_key=idempotency_key,
                                          timeout=body.timeout,
-                                         on_timeout=body.on_timeout or "delete"))
+                                         on_timeout=body.on_timeout or "delete",
+                                         wait=body.wait))
     if isinstance(item, Exception):
         raise item
     return item
@@ -389,7 +390,8 @@ async def fork_batch(
         raise InvalidRequest("give count or names", hint='e.g. {"count": 8}', field="count")
     items = _items(await machines.fork(account, ref, names, body.node, body.labels,
                                       idempotency_key=idempotency_key, timeout=body.timeout,
-                                      on_timeout=body.on_timeout or "delete"))
+                                      on_timeout=body.on_timeout or "delete",
+                                      wait=body.wait))
     children = []
     for item in items:
         if isinstance(item, models.Machine):

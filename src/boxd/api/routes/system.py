@@ -32,13 +32,14 @@ async def health() -> models.Health:
 
 
 @router.get("/info", response_model=models.HostInfo, responses=ERROR_RESPONSES)
-async def info(request: Request, account: Account) -> models.HostInfo:
-    """What the host runs: engine, QEMU, accelerator, CPU model, data directory."""
+async def info(request: Request, account: Account, machines: Machines) -> models.HostInfo:
+    """What the host runs: engine, QEMU, accelerator, CPU model, data directory; and the
+    caller's creates and forks waiting for room (``queue``)."""
     host_info: HostInfoFn = request.app.state.host_info
     result = host_info()
     if inspect.isawaitable(result):
         result = await result
-    return result
+    return result.model_copy(update={"queue": machines.queue(account)})
 
 
 @router.get("/nodes", response_model=models.NodeList, responses=ERROR_RESPONSES)
