@@ -121,6 +121,14 @@ class MachineService(Protocol):
         ``wait`` seconds for a running one to end. Raises: MachineNotFound, ExecNotFound."""
         ...
 
+    async def exec_list(
+        self, account: str, ref: str, limit: int = models.DEFAULT_EXEC_LIST
+    ) -> builtins.list[models.ExecSummary]:
+        """The machine's last ``limit`` kept execs (those `exec_result` reads), newest
+        first, without their output. Raises: MachineNotFound, InvalidRequest (``limit``
+        outside 1-MAX_EXEC_LIST)."""
+        ...
+
     def exec_stream(
         self, account: str, ref: str, req: models.ExecRequest
     ) -> AsyncIterator[models.ExecEvent]:

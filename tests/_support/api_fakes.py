@@ -47,6 +47,7 @@ class FakeMachines(MachineService):
         self.checkpoints: dict[tuple[str, str], models.Checkpoint] = {}
         self.closed = False
         self.execs: dict[tuple[str, str], models.ExecStatus] = {}  # (machine id, exec id)
+        self.commands: dict[tuple[str, str], str] = {}  # (machine id, exec id) -> command
         self.procs: dict[str, tuple[str, pm.Process, Any]] = {}  # id -> (account, p, queue)
         # (account, snapshot ref) -> bare digest; FakeSnapshots installs its lookup
         self.snapshot_digest: Callable[[str, str], str] | None = None
@@ -141,6 +142,7 @@ class FakeMachines(MachineService):
             raise RuntimeError("a bug in the service")
         exec_id = req.exec_id or f"x-{len(self.execs)}"
         m = self._find(account, ref)
+        self.commands[(m.id, exec_id)] = cmd
         self.execs[(m.id, exec_id)] = models.ExecStatus(
             exec_id=exec_id, running=False, stdout=cmd + "\n", stderr="", exit_code=0,
             duration=0.01, started_at=0.0)
@@ -155,6 +157,16 @@ class FakeMachines(MachineService):
             raise ExecNotFound(f"no exec {exec_id!r} is kept for machine {m.name!r}",
                                exec_id=exec_id)
         return self.execs[(m.id, exec_id)]
+
+    async def exec_list(
+        self, account: str, ref: str, limit: int = models.DEFAULT_EXEC_LIST
+    ) -> list[models.ExecSummary]:  # type: ignore[valid-type]
+        m = self._find(account, ref)
+        kept = [(eid, st) for (mid, eid), st in self.execs.items() if mid == m.id]
+        return [models.ExecSummary(command=self.commands.get((m.id, eid), ""),
+                                   **{k: v for k, v in st if k in models.ExecSummary.model_fields
+                                      and k != "command"})
+                for eid, st in kept[::-1][:limit]]
 
     async def exec_stream(  # type: ignore[override]
         self, account: str, ref: str, req: models.ExecRequest

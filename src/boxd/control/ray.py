@@ -203,6 +203,10 @@ class RayNode:
         out: models.ExecStatus = await self._call("exec_result", machine_id, exec_id, wait)
         return out
 
+    async def exec_list(self, machine_id: str, limit: int) -> list[models.ExecSummary]:
+        out: list[models.ExecSummary] = await self._call("exec_list", machine_id, limit)
+        return out
+
     async def _stream(self, method: Any, *args: Any) -> AsyncGenerator[Any, None]:
         """A node's async generator as a Ray streaming generator, a few items ahead of
         the consumer (back-pressure); closing it cancels the generator on the node."""

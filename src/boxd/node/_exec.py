@@ -224,6 +224,11 @@ class Exec:
                 await asyncio.wait_for(asyncio.shield(record.done.wait()), wait)
         return record.status()
 
+    async def execs(self, machine_id: str, limit: int) -> list[models.ExecSummary]:
+        """The machine's last ``limit`` kept execs, newest first (no output)."""
+        self._g.record(machine_id)
+        return [r.summary() for r in self.records.recent(machine_id, limit)]
+
     async def exec_stream(
         self, machine_id: str, req: models.ExecRequest
     ) -> AsyncIterator[models.ExecEvent]:

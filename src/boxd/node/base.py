@@ -83,6 +83,11 @@ class Node(Protocol):
         one. Raises: MachineNotFound, ExecNotFound."""
         ...
 
+    async def exec_list(self, machine_id: str, limit: int) -> list[models.ExecSummary]:
+        """The machine's last ``limit`` kept execs, newest first, without their output.
+        Raises: MachineNotFound."""
+        ...
+
     def exec_stream(
         self, machine_id: str, req: models.ExecRequest
     ) -> AsyncIterator[models.ExecEvent]: ...

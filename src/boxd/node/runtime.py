@@ -418,6 +418,9 @@ class NodeRuntime:
     async def exec_result(self, machine_id: str, exec_id: str, wait: float) -> models.ExecStatus:
         return await self.execs.exec_result(machine_id, exec_id, wait)
 
+    async def exec_list(self, machine_id: str, limit: int) -> list[models.ExecSummary]:
+        return await self.execs.execs(machine_id, limit)
+
     def exec_stream(
         self, machine_id: str, req: models.ExecRequest
     ) -> AsyncIterator[models.ExecEvent]:
