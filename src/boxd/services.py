@@ -311,6 +311,16 @@ class ProcessService(Protocol):
         """Raises: MachineNotFound, NotFound (process), Conflict (already attached)."""
         ...
 
+    async def process_output(
+        self, account: str, ref: str, process_id: str, after: int | None = None,
+        wait: float = 0.0,
+    ) -> pm.ProcessOutput:
+        """The process's stderr kept after offset ``after`` (None: all that is kept, its
+        last 64 KiB), waiting up to ``wait`` seconds for more: a reader that follows it
+        (the web console's live tail) without taking its client's frames.
+        Raises: MachineNotFound, NotFound (process)."""
+        ...
+
 
 __all__ = [
     "AccountService", "ByteStream", "GuestApi", "GuestCaller", "HostInfoFn", "MachineService",

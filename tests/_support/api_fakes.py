@@ -32,6 +32,7 @@ from boxd.errors import (
     NotFound,
     SnapshotNotFound,
 )
+from boxd.node._processes import OutputLog
 from boxd.services import MachineService, SnapshotService
 from boxd.state import Database, new_id
 
@@ -48,6 +49,7 @@ class FakeMachines(MachineService):
         self.closed = False
         self.execs: dict[tuple[str, str], models.ExecStatus] = {}  # (machine id, exec id)
         self.commands: dict[tuple[str, str], str] = {}  # (machine id, exec id) -> command
+        self.logs: dict[str, OutputLog] = {}  # process id -> its stderr
         self.procs: dict[str, tuple[str, pm.Process, Any]] = {}  # id -> (account, p, queue)
         # (account, snapshot ref) -> bare digest; FakeSnapshots installs its lookup
         self.snapshot_digest: Callable[[str, str], str] | None = None
@@ -281,13 +283,15 @@ class FakeMachines(MachineService):
     async def close(self) -> None:
         self.closed = True
 
-    # --- processes: an echo process (every frame comes back; b"exit" ends it) --------
+    # --- processes: an echo process (every frame comes back, and goes to its stderr;
+    # b"exit" ends it) ------------------------------------------------------------------
 
     async def spawn(self, account: str, ref: str, req: pm.SpawnRequest) -> pm.Process:
         m = self._find(account, ref)
         p = pm.Process(id=new_id("p"), machine=m.id, argv=req.argv, state="running",
                        started_at=time.time())
         self.procs[p.id] = (account, p, asyncio.Queue())
+        self.logs[p.id] = OutputLog()
         return p
 
     async def processes(self, account: str, ref: str) -> list[pm.Process]:  # type: ignore[valid-type]
@@ -309,7 +313,22 @@ class FakeMachines(MachineService):
                                  "signal": signal})
         self.procs[process_id] = (o, p, q)
         q.put_nowait(None)
+        self.logs[process_id].wake()
         return p
+
+    async def process_output(
+        self, account: str, ref: str, process_id: str, after: int | None = None,
+        wait: float = 0.0,
+    ) -> pm.ProcessOutput:
+        _, p, _ = self._proc(account, ref, process_id)
+        log = self.logs[process_id]
+        if wait > 0 and p.state != "exited" and (after or 0) >= log.end:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(log.more(), wait)
+        p = self.procs[process_id][1]
+        start, data = log.read(after)
+        return pm.ProcessOutput(start=start, end=start + len(data), data=data, state=p.state,
+                                exit_code=p.exit_code)
 
     @contextlib.asynccontextmanager
     async def process_attach(
@@ -334,8 +353,10 @@ class _EchoStream:
             self.fake.procs[self.id] = (o, p.model_copy(update={"state": "exited",
                                                                 "exit_code": 0}), q)
             q.put_nowait(None)
+            self.fake.logs[self.id].wake()
         else:
             q.put_nowait(data)
+            self.fake.logs[self.id].add(data)
 
     async def recv(self) -> bytes | None:
         data: bytes | None = await self.fake.procs[self.id][2].get()

@@ -606,6 +606,11 @@ class Machines:
         rec = self._find(account, ref)
         return await self._node(rec).process_kill(rec.id, process_id, signal)
 
+    async def process_output(self, account: str, ref: str, process_id: str,
+                             after: int | None = None, wait: float = 0.0) -> pm.ProcessOutput:
+        rec = self._find(account, ref)
+        return await self._node(rec).process_output(rec.id, process_id, after, wait)
+
     @contextlib.asynccontextmanager
     async def process_attach(
         self, account: str, ref: str, process_id: str

@@ -335,6 +335,12 @@ class RayNode:
         out: pm.Process = await self._call("process_kill", machine_id, process_id, signal)
         return out
 
+    async def process_output(self, machine_id: str, process_id: str, after: int | None,
+                             wait: float) -> pm.ProcessOutput:
+        out: pm.ProcessOutput = await self._call("process_output", machine_id, process_id,
+                                                 after, wait)
+        return out
+
     def process_attach(
         self, machine_id: str, process_id: str
     ) -> AbstractAsyncContextManager[ProcessStream]:

@@ -151,6 +151,12 @@ class Node(Protocol):
     async def process_kill(self, machine_id: str, process_id: str, signal: int) -> pm.Process:
         ...
 
+    async def process_output(self, machine_id: str, process_id: str, after: int | None,
+                             wait: float) -> pm.ProcessOutput:
+        """The process's stderr the node keeps after offset ``after`` (None: all of it),
+        waiting up to ``wait`` seconds for more. Raises: NotFound (process)."""
+        ...
+
     def process_attach(
         self, machine_id: str, process_id: str
     ) -> AbstractAsyncContextManager[ProcessStream]:

@@ -443,6 +443,10 @@ class NodeRuntime:
     async def process_kill(self, machine_id: str, process_id: str, signal: int) -> pm.Process:
         return await self.execs.process_kill(machine_id, process_id, signal)
 
+    async def process_output(self, machine_id: str, process_id: str, after: int | None,
+                             wait: float) -> pm.ProcessOutput:
+        return await self.execs.process_output(machine_id, process_id, after, wait)
+
     def process_attach(
         self, machine_id: str, process_id: str
     ) -> contextlib.AbstractAsyncContextManager[ProcessStream]:
