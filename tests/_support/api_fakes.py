@@ -110,7 +110,7 @@ class FakeMachines(MachineService):
     ) -> models.MachineList:
         found = [m for o, m in self.machines.values() if o == account
                  and labels_match(m, labels) and state in (None, m.state)]
-        if cursor and not cursor.isdigit():
+        if cursor and not (cursor.isascii() and cursor.isdigit()):  # "²".isdigit()
             raise InvalidRequest(f"invalid cursor {cursor!r}", field="cursor")
         start = int(cursor) if cursor else 0
         more = len(found) > start + limit
