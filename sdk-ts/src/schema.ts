@@ -239,6 +239,27 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/machines/{ref}/execs": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * Exec List
+         * @description The machine's last ``limit`` kept execs, newest first, without their output (the
+         *     node keeps each 15 minutes after it ends, the last 64 per machine).
+         */
+        get: operations["exec_list_v1_machines__ref__execs_get"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/machines/{ref}/execs/{exec_id}": {
         parameters: {
             query?: never;
@@ -972,6 +993,14 @@ export interface components {
         ErrorResponse: {
             error: components["schemas"]["ErrorBody"];
         };
+        /** ExecList */
+        ExecList: {
+            /**
+             * Execs
+             * @description newest first
+             */
+            execs: components["schemas"]["ExecSummary"][];
+        };
         /** ExecRequest */
         ExecRequest: {
             /**
@@ -1104,6 +1133,46 @@ export interface components {
              */
             started_at: number;
             /** @description it ended without an exit status (its machine failed, was deleted or stopped answering): what happened */
+            error?: components["schemas"]["ErrorBody"] | null;
+        };
+        /**
+         * ExecSummary
+         * @description One kept exec of a machine, without its output (``GET /v1/machines/{id}/execs``):
+         *     read the output with ``GET /v1/machines/{id}/execs/{exec_id}``.
+         */
+        ExecSummary: {
+            /** Exec Id */
+            exec_id: string;
+            /**
+             * Command
+             * @description the command as a shell reads it (an argv joined with shell quoting), its first 500 characters
+             */
+            command: string;
+            /** Running */
+            running: boolean;
+            /**
+             * Exit Code
+             * @description null while running or when it failed
+             */
+            exit_code?: number | null;
+            /** Signal */
+            signal?: number | null;
+            /**
+             * Timed Out
+             * @default false
+             */
+            timed_out: boolean;
+            /**
+             * Duration
+             * @description seconds it ran (null while running)
+             */
+            duration?: number | null;
+            /**
+             * Started At
+             * @description when it started (Unix time)
+             */
+            started_at: number;
+            /** @description it ended without an exit status */
             error?: components["schemas"]["ErrorBody"] | null;
         };
         /** FileInfo */
@@ -3275,6 +3344,112 @@ export interface operations {
             };
             /** @description exec_timeout; partial output in details */
             408: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description quota_exceeded */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description internal_error, integrity_error or host_setup */
+            500: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description resource_exhausted */
+            507: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+        };
+    };
+    exec_list_v1_machines__ref__execs_get: {
+        parameters: {
+            query?: {
+                /** @description execs to list */
+                limit?: number;
+            };
+            header?: never;
+            path: {
+                ref: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ExecList"];
+                };
+            };
+            /** @description invalid_request: malformed input */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description unauthorized: missing, unknown or revoked API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description forbidden: the key's account may not do this */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description not found for this account */
+            404: {
                 headers: {
                     [name: string]: unknown;
                 };

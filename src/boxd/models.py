@@ -660,6 +660,35 @@ class ExecStatus(BaseModel):
         "deleted or stopped answering): what happened")
 
 
+#: Execs ``GET /v1/machines/{id}/execs`` lists by default, and at most (a node keeps
+#: the last 64 per machine: `boxd.node._exec_records.KEEP_PER_MACHINE`).
+DEFAULT_EXEC_LIST = 20
+MAX_EXEC_LIST = 64
+#: Characters of an exec's command a listing shows (the rest is cut, with "…").
+EXEC_COMMAND_SHOWN = 500
+
+
+class ExecSummary(BaseModel):
+    """One kept exec of a machine, without its output (``GET /v1/machines/{id}/execs``):
+    read the output with ``GET /v1/machines/{id}/execs/{exec_id}``."""
+
+    exec_id: str
+    command: str = Field(..., description="the command as a shell reads it (an argv "
+                         f"joined with shell quoting), its first {EXEC_COMMAND_SHOWN} "
+                         "characters")
+    running: bool
+    exit_code: int | None = Field(None, description="null while running or when it failed")
+    signal: int | None = None
+    timed_out: bool = False
+    duration: float | None = Field(None, description="seconds it ran (null while running)")
+    started_at: float = Field(..., description="when it started (Unix time)")
+    error: ErrorBody | None = Field(None, description="it ended without an exit status")
+
+
+class ExecList(BaseModel):
+    execs: list[ExecSummary] = Field(..., description="newest first")
+
+
 class ExecEvent(BaseModel):
     """One line of a streaming exec (NDJSON): output as it arrives, then the exit."""
 

@@ -73,6 +73,19 @@ class Process(BaseModel):
         "for output nobody read past the node's bound, or its agent connection lost")
 
 
+class ProcessOutput(BaseModel):
+    """A process's stderr after an offset (`ProcessService.process_output`: the web
+    console's live tail; not on the HTTP API). Offsets count bytes since it started; the
+    node keeps the last 64 KiB."""
+
+    start: int = Field(..., description="the offset of data's first byte: past the one "
+                       "asked for when the bytes between were dropped")
+    end: int = Field(..., description="the offset after data: where the next read starts")
+    data: bytes
+    state: str = Field(..., description="the process's state ('exited': no more will come)")
+    exit_code: int | None = None
+
+
 class ProcessList(BaseModel):
     processes: list[Process]
 
@@ -81,4 +94,4 @@ class ProcessKill(BaseModel):
     signal: int = Field(9, ge=1, le=64)
 
 
-__all__ = ["Process", "ProcessKill", "ProcessList", "SpawnRequest"]
+__all__ = ["Process", "ProcessKill", "ProcessList", "ProcessOutput", "SpawnRequest"]

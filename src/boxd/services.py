@@ -121,6 +121,14 @@ class MachineService(Protocol):
         ``wait`` seconds for a running one to end. Raises: MachineNotFound, ExecNotFound."""
         ...
 
+    async def exec_list(
+        self, account: str, ref: str, limit: int = models.DEFAULT_EXEC_LIST
+    ) -> builtins.list[models.ExecSummary]:
+        """The machine's last ``limit`` kept execs (those `exec_result` reads), newest
+        first, without their output. Raises: MachineNotFound, InvalidRequest (``limit``
+        outside 1-MAX_EXEC_LIST)."""
+        ...
+
     def exec_stream(
         self, account: str, ref: str, req: models.ExecRequest
     ) -> AsyncIterator[models.ExecEvent]:
@@ -301,6 +309,16 @@ class ProcessService(Protocol):
         self, account: str, ref: str, process_id: str
     ) -> AbstractAsyncContextManager[ProcessStream]:
         """Raises: MachineNotFound, NotFound (process), Conflict (already attached)."""
+        ...
+
+    async def process_output(
+        self, account: str, ref: str, process_id: str, after: int | None = None,
+        wait: float = 0.0,
+    ) -> pm.ProcessOutput:
+        """The process's stderr kept after offset ``after`` (None: all that is kept, its
+        last 64 KiB), waiting up to ``wait`` seconds for more: a reader that follows it
+        (the web console's live tail) without taking its client's frames.
+        Raises: MachineNotFound, NotFound (process)."""
         ...
 
 

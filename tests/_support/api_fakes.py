@@ -32,6 +32,7 @@ from boxd.errors import (
     NotFound,
     SnapshotNotFound,
 )
+from boxd.node._processes import OutputLog
 from boxd.services import MachineService, SnapshotService
 from boxd.state import Database, new_id
 
@@ -47,6 +48,8 @@ class FakeMachines(MachineService):
         self.checkpoints: dict[tuple[str, str], models.Checkpoint] = {}
         self.closed = False
         self.execs: dict[tuple[str, str], models.ExecStatus] = {}  # (machine id, exec id)
+        self.commands: dict[tuple[str, str], str] = {}  # (machine id, exec id) -> command
+        self.logs: dict[str, OutputLog] = {}  # process id -> its stderr
         self.procs: dict[str, tuple[str, pm.Process, Any]] = {}  # id -> (account, p, queue)
         # (account, snapshot ref) -> bare digest; FakeSnapshots installs its lookup
         self.snapshot_digest: Callable[[str, str], str] | None = None
@@ -107,7 +110,7 @@ class FakeMachines(MachineService):
     ) -> models.MachineList:
         found = [m for o, m in self.machines.values() if o == account
                  and labels_match(m, labels) and state in (None, m.state)]
-        if cursor and not cursor.isdigit():
+        if cursor and not (cursor.isascii() and cursor.isdigit()):  # "²".isdigit()
             raise InvalidRequest(f"invalid cursor {cursor!r}", field="cursor")
         start = int(cursor) if cursor else 0
         more = len(found) > start + limit
@@ -141,6 +144,7 @@ class FakeMachines(MachineService):
             raise RuntimeError("a bug in the service")
         exec_id = req.exec_id or f"x-{len(self.execs)}"
         m = self._find(account, ref)
+        self.commands[(m.id, exec_id)] = cmd
         self.execs[(m.id, exec_id)] = models.ExecStatus(
             exec_id=exec_id, running=False, stdout=cmd + "\n", stderr="", exit_code=0,
             duration=0.01, started_at=0.0)
@@ -155,6 +159,16 @@ class FakeMachines(MachineService):
             raise ExecNotFound(f"no exec {exec_id!r} is kept for machine {m.name!r}",
                                exec_id=exec_id)
         return self.execs[(m.id, exec_id)]
+
+    async def exec_list(
+        self, account: str, ref: str, limit: int = models.DEFAULT_EXEC_LIST
+    ) -> list[models.ExecSummary]:  # type: ignore[valid-type]
+        m = self._find(account, ref)
+        kept = [(eid, st) for (mid, eid), st in self.execs.items() if mid == m.id]
+        return [models.ExecSummary(command=self.commands.get((m.id, eid), ""),
+                                   **{k: v for k, v in st if k in models.ExecSummary.model_fields
+                                      and k != "command"})
+                for eid, st in kept[::-1][:limit]]
 
     async def exec_stream(  # type: ignore[override]
         self, account: str, ref: str, req: models.ExecRequest
@@ -269,13 +283,15 @@ class FakeMachines(MachineService):
     async def close(self) -> None:
         self.closed = True
 
-    # --- processes: an echo process (every frame comes back; b"exit" ends it) --------
+    # --- processes: an echo process (every frame comes back, and goes to its stderr;
+    # b"exit" ends it) ------------------------------------------------------------------
 
     async def spawn(self, account: str, ref: str, req: pm.SpawnRequest) -> pm.Process:
         m = self._find(account, ref)
         p = pm.Process(id=new_id("p"), machine=m.id, argv=req.argv, state="running",
                        started_at=time.time())
         self.procs[p.id] = (account, p, asyncio.Queue())
+        self.logs[p.id] = OutputLog()
         return p
 
     async def processes(self, account: str, ref: str) -> list[pm.Process]:  # type: ignore[valid-type]
@@ -297,7 +313,22 @@ class FakeMachines(MachineService):
                                  "signal": signal})
         self.procs[process_id] = (o, p, q)
         q.put_nowait(None)
+        self.logs[process_id].wake()
         return p
+
+    async def process_output(
+        self, account: str, ref: str, process_id: str, after: int | None = None,
+        wait: float = 0.0,
+    ) -> pm.ProcessOutput:
+        _, p, _ = self._proc(account, ref, process_id)
+        log = self.logs[process_id]
+        if wait > 0 and p.state != "exited" and (after or 0) >= log.end:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(log.more(), wait)
+        p = self.procs[process_id][1]
+        start, data = log.read(after)
+        return pm.ProcessOutput(start=start, end=start + len(data), data=data, state=p.state,
+                                exit_code=p.exit_code)
 
     @contextlib.asynccontextmanager
     async def process_attach(
@@ -322,8 +353,10 @@ class _EchoStream:
             self.fake.procs[self.id] = (o, p.model_copy(update={"state": "exited",
                                                                 "exit_code": 0}), q)
             q.put_nowait(None)
+            self.fake.logs[self.id].wake()
         else:
             q.put_nowait(data)
+            self.fake.logs[self.id].add(data)
 
     async def recv(self) -> bytes | None:
         data: bytes | None = await self.fake.procs[self.id][2].get()

@@ -371,3 +371,117 @@ def test_a_saved_report_draws_its_plot(
         shots(page, "report")
     finally:
         client.reports.delete(name)
+
+
+# -- a machine's page: its execs, its process's output, its state, live (issue 43) ------
+
+_UNNAMED = """() => [...document.querySelectorAll('input, select, button, a[href], table')]
+    .filter(e => {
+        if (e.closest('dialog') && !e.closest('dialog').open) return false;
+        if (e.closest('[hidden]')) return false;
+        const name = e.getAttribute('aria-label') || (e.labels && e.labels.length &&
+            e.labels[0].textContent.trim()) || (e.tagName === 'TABLE' && e.caption &&
+            e.caption.textContent.trim()) || e.textContent.trim();
+        return !name;
+    }).map(e => e.outerHTML.slice(0, 80))"""
+
+
+def _machine_page(open_page: Callable[..., Any], machine_id: str) -> Any:
+    page = open_page()
+    page.goto(page.url.rstrip("/") + f"/machines/{machine_id}")
+    sync_api.expect(page.locator("#live")).to_have_text("live")
+    page.evaluate("window.__sameDocument = true")
+    return page
+
+
+def test_a_machines_page_shows_its_execs_live_with_their_exit_codes(
+        open_page: Callable[..., Any], client: Any, forks: Callable[..., Any],
+        shots: Shots) -> None:
+    m = forks()
+    client.machines.exec(m.id, "echo before", exec_id="before-page")
+    page = _machine_page(open_page, m.id)
+    before = page.locator('#execs tbody tr[data-exec="before-page"]')
+    sync_api.expect(before.locator("td").nth(0)).to_have_text("echo before")
+    sync_api.expect(before.locator("td").nth(1)).to_have_text("0")
+
+    res = client.machines.exec(m.id, ["sh", "-c", "echo failing; exit 3"])
+    assert res.exit_code == 3
+    row = page.locator(f'#execs tbody tr[data-exec="{res.exec_id}"]')
+    sync_api.expect(row).to_be_visible()  # the page's stream brought it: no reload
+    assert page.evaluate("window.__sameDocument") is True
+    sync_api.expect(row.locator("td").nth(0)).to_have_text("sh -c 'echo failing; exit 3'")
+    sync_api.expect(row.locator("td").nth(1)).to_have_text("3")
+    sync_api.expect(row.locator("td.exit-bad")).to_have_count(1)
+    sync_api.expect(row.locator("td").nth(3)).to_contain_text(" s")  # its duration
+    # Newest first.
+    ids = page.eval_on_selector_all("#execs tbody tr", "rows => rows.map(r => r.dataset.exec)")
+    assert ids[:2] == [res.exec_id, "before-page"]
+    shots(page, "execs")
+
+
+_SERVICE = """
+import sys
+print("service started", file=sys.stderr, flush=True)
+while True:
+    head = sys.stdin.buffer.read(4)
+    if len(head) < 4:
+        break
+    msg = sys.stdin.buffer.read(int.from_bytes(head, "big"))
+    print("got", msg.decode(), file=sys.stderr, flush=True)
+    sys.stdout.buffer.write(head + msg)
+    sys.stdout.buffer.flush()
+"""
+
+
+def test_a_processes_output_is_tailed_live_and_its_client_keeps_its_frames(
+        open_page: Callable[..., Any], client: Any, forks: Callable[..., Any],
+        shots: Shots) -> None:
+    m = forks()
+    with client.machines.spawn(m.id, ["python3", "-c", _SERVICE]) as proc:
+        page = _machine_page(open_page, m.id)
+        tail = page.locator("#tail")
+        sync_api.expect(page.get_by_label("Process", exact=True)).to_have_value(proc.id)
+        sync_api.expect(tail).to_contain_text("service started")
+        sync_api.expect(page.locator("#tail-status")).to_have_text("live")
+        assert page.evaluate(_UNNAMED) == []
+
+        word = f"hello-{uuid.uuid4().hex[:6]}"
+        proc.send(word.encode())  # written after the page loaded
+        assert proc.recv(timeout=30) == word.encode()  # the console took no frame
+        sync_api.expect(tail).to_contain_text(f"got {word}")
+        assert page.evaluate("window.__sameDocument") is True
+        shots(page, "tail")
+
+        proc.kill(15)
+        sync_api.expect(page.locator("#tail-status")).to_have_text("exited (143)")
+        sync_api.expect(page.get_by_label("Process", exact=True)).to_contain_text("exited")
+    # The text stays; the stream ended with the process (no reconnects).
+    sync_api.expect(tail).to_contain_text(f"got {word}")
+
+
+def test_the_state_badge_follows_the_machine_live(
+        open_page: Callable[..., Any], client: Any, forks: Callable[..., Any],
+        shots: Shots) -> None:
+    m = forks()
+    page = _machine_page(open_page, m.id)
+    badge = page.locator("#state")
+    sync_api.expect(badge).to_have_text("running")
+    client.machines.suspend(m.id)
+    sync_api.expect(badge).to_have_text("suspended")
+    sync_api.expect(badge).to_have_class("state state-suspended")
+    assert page.evaluate("window.__sameDocument") is True
+    shots(page, "suspended-live")
+    client.machines.resume(m.id)
+    sync_api.expect(badge).to_have_text("running")
+
+
+def test_the_header_names_the_account(
+        open_page: Callable[..., Any], client: Any, gvisor_base: Any) -> None:
+    local = client.accounts.get("local")
+    page = open_page()
+    base = page.url.rstrip("/")
+    for path in ("/", f"/machines/{gvisor_base.id}", "/snapshots", "/reports"):
+        page.goto(base + path)
+        header = page.locator("header #account")
+        sync_api.expect(header).to_have_text("account local")
+        assert local.id not in page.locator("header").inner_text()

@@ -85,7 +85,8 @@ def test_without_a_session_no_page_or_json_has_data(fleet: Fleet) -> None:
     m = fleet.add("alice", "secret-machine")
     c = fleet.client(None)
     for path in ("/", f"/machines/{m.id}", "/snapshots", "/api/machines",
-                 f"/api/machines/{m.id}/graph", "/api/events"):
+                 f"/api/machines/{m.id}/graph", "/api/events", f"/api/machines/{m.id}/events",
+                 f"/api/machines/{m.id}/processes/p-1/output"):
         r = c.get(path)
         assert r.status_code == 401, path
         assert "secret-machine" not in r.text and m.id not in r.text, path

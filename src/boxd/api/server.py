@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import uvicorn
 from fastapi import FastAPI
@@ -39,7 +39,7 @@ from boxd.control import build_services
 from boxd.e2b.app import create_e2b_app
 from boxd.e2b.env import url_file
 from boxd.errors import Conflict, HostSetupError, InvalidRequest
-from boxd.services import HostInfoFn, MachineService, SnapshotService
+from boxd.services import HostInfoFn, MachineService, ProcessService, SnapshotService
 from boxd.state import Database
 from boxd.storage.fds import OwnedFd
 from boxd.storage.reports import ReportStore
@@ -371,8 +371,11 @@ class Daemon:
 
     def _console_side(self, settings: Settings) -> _Side:
         listen = _side_listen(settings.console_listen, "BOXD_CONSOLE_LISTEN")
+        # The machine service serves processes too (as the API's process routes take it).
+        processes = cast(ProcessService, self.machines)
         app = create_console_app(self.machines, self.snapshots, self.keys.authenticate,
-                                 reports=self.reports)
+                                 reports=self.reports, processes=processes,
+                                 account_name=self.keys.account_name)
         console = app.state.console
 
         def end_streams() -> None:

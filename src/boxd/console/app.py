@@ -5,16 +5,17 @@ answers 401 with a page that holds no data, and JSON routes 401. Machines are lo
 for the session's account only, so another account's machine answers 404, as in the API.
 Actions (POST) need the header ``X-Boxd-Console: 1`` besides the SameSite=Strict cookie:
 a cross-site form cannot send it, and a cross-site script would need a CORS preflight
-this app never grants.
+this app never grants. The live streams (the machines table, a machine's page, a
+process's output) are `boxd.console.live`'s.
 """
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +35,12 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from boxd import models
-from boxd.console import report, views
+from boxd import process_models as pm
+from boxd.console import live, report, views
 from boxd.console.login import TOKENS_PATH
 from boxd.console.sessions import COOKIE, Logins, cookie_header
-from boxd.errors import AuthError, BoxdError, InvalidRequest, NotFound
-from boxd.services import MachineService, ReportService, SnapshotService
+from boxd.errors import AuthError, BoxdError, InvalidRequest, MachineNotFound, NotFound
+from boxd.services import MachineService, ProcessService, ReportService, SnapshotService
 
 __all__ = ["Authenticate", "create_console_app"]
 
@@ -46,13 +48,13 @@ log = logging.getLogger("boxd.console")
 
 Authenticate = Callable[[str | None], str]
 """An API key's secret -> its account id (raises AuthError)."""
+AccountName = Callable[[str], str]
+"""An account id -> the account's name, which the pages show (raises NotFound)."""
 
 _HERE = Path(__file__).parent
-#: Seconds between two looks at the account's machines for the live stream.
-POLL_SECONDS = 1.0
-#: Seconds after which an idle live stream sends a comment (proxies keep it open).
-KEEPALIVE_SECONDS = 15.0
 ACTION_HEADER = "x-boxd-console"
+#: Recent execs a machine's page shows.
+EXECS_SHOWN = 20
 
 _CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
         "connect-src 'self'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'")
@@ -65,14 +67,20 @@ class Console:
 
     def __init__(self, machines: MachineService, snapshots: SnapshotService,
                  authenticate: Authenticate, logins: Logins,
-                 reports: ReportService | None = None) -> None:
+                 reports: ReportService | None = None,
+                 processes: ProcessService | None = None,
+                 account_name: AccountName | None = None) -> None:
         self.machines = machines
         self.snapshots = snapshots
         self.reports = reports
+        self.processes = processes
         self.authenticate = authenticate
+        self.account_name = account_name
         self.logins = logins
         #: Set when the daemon stops: live streams end, so the listener can close.
         self.stopping = False
+        #: Live streams open now (each ends when its page closes).
+        self.streams = 0
         self.templates = jinja2.Environment(
             loader=jinja2.FileSystemLoader(_HERE / "templates"),
             autoescape=True, undefined=jinja2.StrictUndefined,
@@ -80,9 +88,35 @@ class Console:
 
     # -- helpers ---------------------------------------------------------------------
 
-    def page(self, name: str, code: int = 200, **context: Any) -> HTMLResponse:
+    def page(self, name: str, code: int = 200, *, account: str | None = None,
+             **context: Any) -> HTMLResponse:
+        """Render a template; ``account`` (an id) is shown by its name, in the header."""
+        if account is not None:
+            context["account"] = self.shown_account(account)
         html = self.templates.get_template(name).render(**context)
         return HTMLResponse(html, status_code=code, headers=_HEADERS)
+
+    def shown_account(self, account: str) -> str:
+        """The account's name (its id when the name cannot be had)."""
+        if self.account_name is None:
+            return account
+        try:
+            return self.account_name(account)
+        except BoxdError:
+            return account
+
+    def stream(self, events: AsyncGenerator[str, None]) -> StreamingResponse:
+        """A live stream of server-sent events, counted in `streams` while it is open."""
+        async def counted() -> AsyncIterator[str]:
+            self.streams += 1
+            try:
+                async with contextlib.aclosing(events):
+                    async for chunk in events:
+                        yield chunk
+            finally:
+                self.streams -= 1
+
+        return StreamingResponse(counted(), media_type="text/event-stream", headers=_HEADERS)
 
     def account(self, request: Request) -> str:
         return self.logins.account(request.cookies.get(COOKIE))
@@ -136,12 +170,26 @@ class Console:
         checkpoints = await self.machines.checkpoint_list(account, m.id)
         snaps = await self._snapshot_map(account)
         names = {x.id: x.name for x in machines}
+        guest = await self._guest_parts(account, m.id)
         return self.page(
             "machine.html", account=account, m=m, row=views.machine_row(m, names, snaps),
             tree=views.tree_list(m, machines), checkpoints=checkpoints,
-            actions=views.ACTIONS, nav="machines",
-            time=_time,
+            actions=views.ACTIONS, nav="machines", execs=guest["execs"],
+            execs_shown=EXECS_SHOWN, processes=guest["processes"], time=views.clock,
         )
+
+    async def _guest_parts(self, account: str, machine_id: str) -> dict[str, Any]:
+        """A machine's recent execs and processes, as its page shows them (none when its
+        node cannot say: a lost node's machine still has a page)."""
+        execs: list[dict[str, Any]] = []
+        procs: list[pm.Process] = []
+        with contextlib.suppress(BoxdError):
+            execs = [views.exec_row(e) for e in
+                     await self.machines.exec_list(account, machine_id, EXECS_SHOWN)]
+        if self.processes is not None:
+            with contextlib.suppress(BoxdError):
+                procs = await self.processes.processes(account, machine_id)
+        return {"execs": execs, "processes": [views.process_row(p) for p in procs]}
 
     async def snapshots_page(self, request: Request) -> Response:
         account = self.account(request)
@@ -153,7 +201,7 @@ class Console:
         account = self.account(request)
         rows = await self.reports.list(account) if self.reports is not None else []
         return self.page("reports.html", account=account, rows=rows, nav="reports",
-                         time=_time)
+                         time=views.clock)
 
     async def report_page(self, request: Request) -> Response:
         account = self.account(request)
@@ -163,7 +211,7 @@ class Console:
         saved = await self.reports.get(account, name)
         return self.page("report.html", account=account, saved=saved, nav="reports",
                          body=Markup(report.report_sections(saved.report)),
-                         data=Markup(report.script_json(saved.report)), time=_time)
+                         data=Markup(report.script_json(saved.report)), time=views.clock)
 
     # -- JSON ------------------------------------------------------------------------
 
@@ -179,27 +227,47 @@ class Console:
             await self.machines.checkpoint_list(account, m.id))
         return JSONResponse({"elements": elements}, headers=_HEADERS)
 
+    def _stopping(self) -> bool:
+        return self.stopping
+
     async def events(self, request: Request) -> Response:
         """Server-sent events: ``machines`` with every row whenever any row changes."""
         account = self.account(request)
 
-        async def stream() -> AsyncIterator[str]:
-            last = None
-            quiet = 0.0
-            yield "retry: 2000\n\n"
-            while not self.stopping:
-                data = json.dumps(await self.rows(account), sort_keys=True)
-                if data != last:
-                    last, quiet = data, 0.0
-                    yield f"event: machines\ndata: {data}\n\n"
-                elif quiet >= KEEPALIVE_SECONDS:
-                    quiet = 0.0
-                    yield ": keepalive\n\n"
-                await asyncio.sleep(POLL_SECONDS)
-                quiet += POLL_SECONDS
+        async def fetch() -> Mapping[str, Any]:
+            return {"machines": await self.rows(account)}
 
-        return StreamingResponse(stream(), media_type="text/event-stream",
-                                 headers=_HEADERS)
+        return self.stream(live.changes(fetch, self._stopping))
+
+    async def machine_events(self, request: Request) -> Response:
+        """Server-sent events of a machine's page: ``machine`` (its state), ``execs`` and
+        ``processes`` whenever one changes; ``gone`` once it is deleted."""
+        account = self.account(request)
+        m = await self.machines.get(account, request.path_params["ref"])
+
+        async def fetch() -> Mapping[str, Any] | None:
+            try:
+                now = await self.machines.get(account, m.id)
+            except MachineNotFound:
+                return None
+            return {"machine": views.machine_live(now),
+                    **await self._guest_parts(account, m.id)}
+
+        return self.stream(live.changes(fetch, self._stopping))
+
+    async def process_output(self, request: Request) -> Response:
+        """Server-sent events: the process's output (`boxd.console.live.tail`), from
+        the ``Last-Event-ID`` a reconnecting browser sends, else all the node keeps."""
+        account = self.account(request)
+        if self.processes is None:
+            raise NotFound("this console shows no processes")
+        m = await self.machines.get(account, request.path_params["ref"])
+        process_id = request.path_params["process"]
+        await self.processes.process_output(account, m.id, process_id)  # 404s first
+        last = request.headers.get("last-event-id", "")
+        after = int(last) if last.isdigit() else None
+        return self.stream(live.tail(self.processes, account, m.id, process_id, after,
+                                     self._stopping))
 
     async def action(self, request: Request) -> Response:
         account = self.account(request)
@@ -272,8 +340,6 @@ async def _name(request: Request) -> str | None:
     return name or None
 
 
-def _time(t: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
 
 
 def _wants_json(request: Request) -> bool:
@@ -290,8 +356,11 @@ def _handler(console: Console) -> Callable[[Request, Exception], Awaitable[Respo
             return JSONResponse(exc.to_body(), status_code=exc.status, headers=_HEADERS)
         if isinstance(exc, AuthError):
             return console.page("login.html", exc.status, reason=exc.message)
+        account = None
+        with contextlib.suppress(AuthError):  # a logged-in user's header names them
+            account = console.account(request)
         return console.page("error.html", exc.status, message=exc.message, hint=exc.hint,
-                            status=exc.status, nav="")
+                            status=exc.status, nav="", account=account)
     return on_error
 
 
@@ -301,6 +370,8 @@ def create_console_app(
     authenticate: Authenticate,
     logins: Logins | None = None,
     reports: ReportService | None = None,
+    processes: ProcessService | None = None,
+    account_name: AccountName | None = None,
 ) -> Starlette:
     """The console's ASGI app over the daemon's services.
 
@@ -310,10 +381,13 @@ def create_console_app(
         authenticate: an API key -> its account (mints login tokens).
         logins: the login tokens and sessions (default: a new, empty store).
         reports: saved reproducibility reports (None: the console lists none).
+        processes: machines' spawned processes (None: a machine's page shows none).
+        account_name: an account id -> its name, for the header (None: the id).
 
     ``app.state.console`` is the `Console`: set its ``stopping`` to end live streams.
     """
-    console = Console(machines, snapshots, authenticate, logins or Logins(), reports)
+    console = Console(machines, snapshots, authenticate, logins or Logins(), reports,
+                      processes, account_name)
     c = console
     app = Starlette(routes=[
         Route(TOKENS_PATH, c.login_tokens, methods=["POST"]),
@@ -327,6 +401,9 @@ def create_console_app(
         Route("/api/machines", c.machines_json, methods=["GET"]),
         Route("/api/events", c.events, methods=["GET"]),
         Route("/api/machines/{ref}/graph", c.graph_json, methods=["GET"]),
+        Route("/api/machines/{ref}/events", c.machine_events, methods=["GET"]),
+        Route("/api/machines/{ref}/processes/{process}/output", c.process_output,
+              methods=["GET"]),
         Route("/api/machines/{ref}/actions/{action}", c.action, methods=["POST"]),
         Mount("/static", StaticFiles(directory=_HERE / "static"), name="static"),
     ], exception_handlers={BoxdError: _handler(console)})

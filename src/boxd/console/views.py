@@ -2,18 +2,22 @@
 
 A machine row (the table's columns), the fork tree around one machine as graph elements
 (cytoscape.js's ``{"data": ...}`` shape) and as a nested list (the same tree, readable
-without the canvas: screen readers, keyboards).
+without the canvas: screen readers, keyboards), and what a machine's page follows live:
+its state, its recent execs, its processes.
 """
 
 from __future__ import annotations
 
+import shlex
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from boxd import models
+from boxd import process_models as pm
 
-__all__ = ["ACTIONS", "graph_elements", "machine_row", "snapshot_row", "tree_list"]
+__all__ = ["ACTIONS", "exec_row", "graph_elements", "machine_live", "machine_row",
+           "process_row", "snapshot_row", "tree_list"]
 
 #: The actions a row offers, in the order of its buttons.
 ACTIONS = ("suspend", "resume", "hibernate", "fork", "checkpoint", "snapshot", "delete")
@@ -63,6 +67,52 @@ def machine_row(m: models.Machine, names: Mapping[str, str],
         "idle": _age(m.idle_seconds) if m.idle_seconds is not None else "",
         "memory": f"{m.memory_mib} MiB",
     }
+
+
+def clock(t: float) -> str:
+    """A moment as the pages show it: the daemon's local time."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def machine_live(m: models.Machine) -> dict[str, Any]:
+    """What a machine's page follows of the machine itself (nothing that changes by the
+    second, so an event means a change)."""
+    return {"id": m.id, "name": m.name, "state": m.state.value, "error": m.error or ""}
+
+
+def exec_row(e: models.ExecSummary) -> dict[str, Any]:
+    """One row of a machine's recent execs: ``exit`` says how it ended in words, ``ok``
+    whether that was a zero exit."""
+    if e.running:
+        ended = "running"
+    elif e.error is not None:
+        ended = f"failed: {e.error.message}"
+    elif e.timed_out:
+        ended = f"timed out ({e.exit_code})"
+    elif e.signal is not None:
+        ended = f"{e.exit_code} (signal {e.signal})"
+    else:
+        ended = str(e.exit_code)
+    return {
+        "exec_id": e.exec_id, "command": e.command, "exit": ended,
+        "ok": e.exit_code == 0 and not e.running and e.error is None,
+        "started": clock(e.started_at),
+        "duration": f"{e.duration:.2f} s" if e.duration is not None else "",
+    }
+
+
+#: Characters of a process's command its page shows (in a list to pick from).
+PROCESS_COMMAND_SHOWN = 80
+
+
+def process_row(p: pm.Process) -> dict[str, Any]:
+    """One of a machine's processes, as its page lists it (and offers its output)."""
+    state = p.state if p.exit_code is None else f"{p.state} ({p.exit_code})"
+    command = shlex.join(p.argv)
+    if len(command) > PROCESS_COMMAND_SHOWN:
+        command = command[: PROCESS_COMMAND_SHOWN - 1] + "…"
+    return {"id": p.id, "command": command, "state": state,
+            "running": p.state != "exited", "started": clock(p.started_at)}
 
 
 def snapshot_row(s: models.Snapshot, names: Mapping[str, str]) -> dict[str, Any]:

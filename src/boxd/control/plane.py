@@ -378,9 +378,7 @@ class Machines:
             InvalidRequest: bad labels, a ``limit`` outside 1-MAX_LIST_LIMIT, or a cursor
                 this daemon did not make.
         """
-        if not 1 <= limit <= models.MAX_LIST_LIMIT:
-            raise InvalidRequest(f"limit must be 1-{models.MAX_LIST_LIMIT}, not {limit}",
-                                 field="limit")
+        _check_limit(limit, models.MAX_LIST_LIMIT)
         recs = self.repos.machines.page(
             account, labels=models.check_labels(labels or {}, "label"), state=state,
             after=_decode_cursor(cursor) if cursor else None, limit=limit)
@@ -419,6 +417,13 @@ class Machines:
         rec = self._find(account, ref)
         return await self._node(rec).exec_result(rec.id, exec_id, wait)
 
+    async def exec_list(self, account: str, ref: str, limit: int = models.DEFAULT_EXEC_LIST,
+                        ) -> builtins.list[models.ExecSummary]:
+        """Raises: MachineNotFound; InvalidRequest: ``limit`` outside 1-MAX_EXEC_LIST."""
+        _check_limit(limit, models.MAX_EXEC_LIST)
+        rec = self._find(account, ref)
+        return await self._node(rec).exec_list(rec.id, limit)
+
     async def exec_stream(
         self, account: str, ref: str, req: models.ExecRequest
     ) -> AsyncIterator[models.ExecEvent]:
@@ -452,13 +457,7 @@ class Machines:
             raise InvalidRequest(f"forks must be 0-{models.MAX_STANDBY_FORKS}, not {forks}",
                                  field="forks")
         rec = self._find(account, ref)
-        # Standby forks the account could never claim would hold memory for nothing: its
-        # pools on the node hold no more than the machines its quota still lets it start.
-        acct = self.repos.accounts.get(account)
-        claimable = (acct.max_machines - acct.used) if acct is not None else (
-            self.default_quota - sum(m.state not in (MachineState.DELETING,
-                                                     MachineState.HIBERNATED)
-                                     for m in self.repos.machines.list(account)))
+        claimable = _claimable(self.repos, account, self.default_quota)
         return await self._node(rec).warm(rec.id, forks, claimable)
 
     async def fork(
@@ -607,6 +606,11 @@ class Machines:
         rec = self._find(account, ref)
         return await self._node(rec).process_kill(rec.id, process_id, signal)
 
+    async def process_output(self, account: str, ref: str, process_id: str,
+                             after: int | None = None, wait: float = 0.0) -> pm.ProcessOutput:
+        rec = self._find(account, ref)
+        return await self._node(rec).process_output(rec.id, process_id, after, wait)
+
     @contextlib.asynccontextmanager
     async def process_attach(
         self, account: str, ref: str, process_id: str
@@ -661,6 +665,22 @@ class Machines:
         node (a remote node's machines have no route to this daemon's app yet)."""
         for node in self.local.values():
             node.serve_guests(handler)
+
+
+def _claimable(repos: Repos, account: str, default_quota: int) -> int:
+    """The machines ``account``'s quota still lets it start. Standby forks it could never
+    claim would hold memory for nothing: its pools on a node hold no more than these."""
+    acct = repos.accounts.get(account)
+    if acct is not None:
+        return acct.max_machines - acct.used
+    return default_quota - sum(m.state not in (MachineState.DELETING, MachineState.HIBERNATED)
+                               for m in repos.machines.list(account))
+
+
+def _check_limit(limit: int, most: int) -> None:
+    """Raises: InvalidRequest: ``limit`` is outside 1-``most``."""
+    if not 1 <= limit <= most:
+        raise InvalidRequest(f"limit must be 1-{most}, not {limit}", field="limit")
 
 
 def _as_now(plane: Machines, account: str, kept: models.Machine) -> models.Machine:

@@ -203,6 +203,10 @@ class RayNode:
         out: models.ExecStatus = await self._call("exec_result", machine_id, exec_id, wait)
         return out
 
+    async def exec_list(self, machine_id: str, limit: int) -> list[models.ExecSummary]:
+        out: list[models.ExecSummary] = await self._call("exec_list", machine_id, limit)
+        return out
+
     async def _stream(self, method: Any, *args: Any) -> AsyncGenerator[Any, None]:
         """A node's async generator as a Ray streaming generator, a few items ahead of
         the consumer (back-pressure); closing it cancels the generator on the node."""
@@ -329,6 +333,12 @@ class RayNode:
 
     async def process_kill(self, machine_id: str, process_id: str, signal: int) -> pm.Process:
         out: pm.Process = await self._call("process_kill", machine_id, process_id, signal)
+        return out
+
+    async def process_output(self, machine_id: str, process_id: str, after: int | None,
+                             wait: float) -> pm.ProcessOutput:
+        out: pm.ProcessOutput = await self._call("process_output", machine_id, process_id,
+                                                 after, wait)
         return out
 
     def process_attach(

@@ -224,6 +224,11 @@ class Exec:
                 await asyncio.wait_for(asyncio.shield(record.done.wait()), wait)
         return record.status()
 
+    async def execs(self, machine_id: str, limit: int) -> list[models.ExecSummary]:
+        """The machine's last ``limit`` kept execs, newest first (no output)."""
+        self._g.record(machine_id)
+        return [r.summary() for r in self.records.recent(machine_id, limit)]
+
     async def exec_stream(
         self, machine_id: str, req: models.ExecRequest
     ) -> AsyncIterator[models.ExecEvent]:
@@ -278,6 +283,25 @@ class Exec:
     async def processes(self, machine_id: str) -> list[pm.Process]:
         self._g.record(machine_id)
         return [r.model() for r in self.procs.list(machine_id)]
+
+    async def process_output(self, machine_id: str, process_id: str, after: int | None,
+                             wait: float) -> pm.ProcessOutput:
+        """The process's stderr kept after offset ``after`` (None: all that is kept),
+        waiting up to ``wait`` seconds for more when there is none yet. It reads the
+        node's copy only: no guest is woken, no frame taken from the process's client.
+
+        Raises:
+            NotFound: no such process.
+        """
+        relay = self.procs.get(machine_id, process_id)
+        log = relay.stderr
+        if wait > 0 and relay.state != "exited" and (after or 0) >= log.end:  # none yet
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(log.more(), wait)
+        start, data = log.read(after)
+        return pm.ProcessOutput(start=start, end=start + len(data), data=data,
+                                state=relay.state,
+                                exit_code=relay.exit.exit_code if relay.exit else None)
 
     async def process_kill(self, machine_id: str, process_id: str, signal: int) -> pm.Process:
         relay = self.procs.get(machine_id, process_id)

@@ -15,6 +15,7 @@ import asyncio
 import hashlib
 import json
 import secrets
+import shlex
 import time
 from collections import OrderedDict
 
@@ -34,6 +35,13 @@ KEPT_TOTAL = 256 << 20
 
 def new_exec_id() -> str:
     return "x-" + secrets.token_hex(8)
+
+
+def shown_command(command: str | list[str], limit: int = models.EXEC_COMMAND_SHOWN) -> str:
+    """``command`` as a listing shows it: a string as given, an argv shell-quoted; cut
+    to ``limit`` characters (the last one "…")."""
+    text = command if isinstance(command, str) else shlex.join(command)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def fingerprint(req: models.ExecRequest) -> str:
@@ -68,6 +76,7 @@ class ExecRecord:
         self.exec_id = exec_id
         self.machine_id = machine_id
         self.fingerprint = fingerprint(req)
+        self.command = shown_command(req.command)
         self.timeout = req.timeout
         self.started_at = time.time()
         self.stdout = _Tail(kept)
@@ -90,11 +99,17 @@ class ExecRecord:
         self.done.set()
 
     def status(self) -> models.ExecStatus:
-        ex = self.exit
+        fields = {k: v for k, v in self.summary() if k != "command"}
         return models.ExecStatus(
-            exec_id=self.exec_id, running=not self.done.is_set(),
-            stdout=self.stdout.text(), stderr=self.stderr.text(),
+            **fields, stdout=self.stdout.text(), stderr=self.stderr.text(),
             stdout_truncated=self.stdout.dropped, stderr_truncated=self.stderr.dropped,
+        )
+
+    def summary(self) -> models.ExecSummary:
+        """What a listing shows of it: no output."""
+        ex = self.exit
+        return models.ExecSummary(
+            exec_id=self.exec_id, command=self.command, running=not self.done.is_set(),
             exit_code=ex.exit_code if ex else None, signal=ex.signal if ex else None,
             timed_out=ex.timed_out if ex else False, duration=ex.duration if ex else None,
             started_at=self.started_at,
@@ -153,6 +168,12 @@ class ExecRecords:
             )
         return rec
 
+    def recent(self, machine_id: str, limit: int) -> list[ExecRecord]:
+        """The machine's last ``limit`` kept execs, newest first."""
+        self.prune()
+        records = list(self._by_machine.get(machine_id, OrderedDict()).values())
+        return records[::-1][:max(0, limit)]
+
     def add(self, rec: ExecRecord) -> None:
         self._by_machine.setdefault(rec.machine_id, OrderedDict())[rec.exec_id] = rec
         self.prune()
@@ -193,5 +214,5 @@ class ExecRecords:
 
 __all__ = [
     "KEEP_PER_MACHINE", "KEEP_SECONDS", "KEPT_OUTPUT", "KEPT_TOTAL", "ExecRecord",
-    "ExecRecords", "fingerprint", "new_exec_id",
+    "ExecRecords", "fingerprint", "new_exec_id", "shown_command",
 ]

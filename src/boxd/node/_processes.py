@@ -9,8 +9,10 @@ all processes of the node together (`MAX_BUFFERED_TOTAL`, a `Budget`): a frame h
 larger than a process may hold is refused at once, and a process whose output passes
 either bound is killed, its unread frames dropped, and the reason kept (`failure`,
 ``reason`` in its model). The agent channel stays at most a flow-control window ahead
-of the relay (`AgentClient.start`). The last few KiB of stderr are kept for error
-messages.
+of the relay (`AgentClient.start`). The last `LOG_TAIL` bytes of stderr are kept
+(`OutputLog`): its last few KiB for the process's model and error messages, all of it
+for a reader that follows it (`process_output`: the web console's live tail), which
+never takes a frame from the process's client.
 
 The table outlives a machine's VM process: when the VM is replaced (checkpoint
 restore, a wake from hibernation, a RAM swap) or forked, the guest still runs the
@@ -46,8 +48,10 @@ MAX_FRAME = MAX_BUFFERED
 MAX_BUFFERED_TOTAL = 256 << 20
 #: Seconds a process killed for its output is waited for (its exit status).
 KILL_WAIT = 10.0
-#: Bytes of stderr kept per process.
+#: Bytes of stderr a process's model and error messages show (its last ones).
 STDERR_TAIL = 8 << 10
+#: Bytes of stderr kept per process for a reader that follows it (its last ones).
+LOG_TAIL = 64 << 10
 #: Exited processes kept in the table (for their exit status) per machine.
 KEEP_EXITED = 32
 
@@ -154,6 +158,56 @@ class _Cutter:
             self.buf = bytearray()
 
 
+class OutputLog:
+    """The last ``limit`` bytes a process wrote to stderr, addressed by offset (bytes
+    since it started), so that a reader resumes where it was: `read` after an offset,
+    `more` to wait for the next bytes. Readers hold an offset each, nothing here: the
+    memory is the log's, however many follow it."""
+
+    def __init__(self, limit: int = LOG_TAIL) -> None:
+        self.limit = limit
+        self.buf = bytearray()
+        self.end = 0  # the offset after the last byte written
+        self._more = asyncio.Event()
+
+    @property
+    def start(self) -> int:
+        """The offset of the first byte kept."""
+        return self.end - len(self.buf)
+
+    def add(self, data: bytes) -> None:
+        if not data:
+            return
+        self.buf += data
+        self.end += len(data)
+        del self.buf[: max(0, len(self.buf) - self.limit)]
+        self.wake()
+
+    def wake(self) -> None:
+        """Wake the readers waiting in `more` (new bytes, or the process ended)."""
+        self._more.set()
+        self._more = asyncio.Event()
+
+    async def more(self) -> None:
+        """Return at the next `add` or `wake`."""
+        await self._more.wait()
+
+    def read(self, after: int | None) -> tuple[int, bytes]:
+        """The offset the bytes start at, and the bytes kept after ``after``: all that
+        is kept if ``after`` is None or older than `start` (the reader fell behind)."""
+        start = self.start
+        begin = start if after is None or after < start else min(after, self.end)
+        return begin, bytes(self.buf[begin - start:])
+
+    def tail(self, n: int) -> bytes:
+        return bytes(self.buf[-n:])
+
+    def copy(self) -> OutputLog:
+        log = OutputLog(self.limit)
+        log.buf, log.end = bytearray(self.buf), self.end
+        return log
+
+
 @dataclass
 class Relay:
     """One spawned process as the node sees it."""
@@ -167,7 +221,7 @@ class Relay:
     exit: ExecExit | None = None
     failure: str = ""
     attached: bool = False
-    stderr: bytearray = field(default_factory=bytearray)
+    stderr: OutputLog = field(default_factory=OutputLog)
     process: Process | None = None
     frames: asyncio.Queue[bytes | bytearray | None] = field(default_factory=asyncio.Queue)
     buffered: int = 0  # bytes of its output held: frames queued, and the partial frame
@@ -186,7 +240,7 @@ class Relay:
             attached=self.attached,
             exit_code=self.exit.exit_code if self.exit else None,
             signal=self.exit.signal if self.exit else None, started_at=self.started_at,
-            stderr_tail=self.stderr.decode(errors="replace"),
+            stderr_tail=self.stderr.tail(STDERR_TAIL).decode(errors="replace"),
             reason=self.failure or None,
         )
 
@@ -266,6 +320,7 @@ class Relay:
             if self.process is process:
                 self.process = None
             self.frames.put_nowait(None)
+            self.stderr.wake()  # its readers see it ended
 
     async def _pump(self, process: Process, on_frame: Callable[[], None], buf: _Cutter,
                     partial: list[int]) -> None:
@@ -274,8 +329,7 @@ class Relay:
         async for chunk in process:
             if isinstance(chunk, ExecOutput):
                 if chunk.stream == "stderr":
-                    self.stderr += chunk.data
-                    del self.stderr[:-STDERR_TAIL]
+                    self.stderr.add(chunk.data)
                     continue
                 partial[0] += len(chunk.data)
                 self._hold(len(chunk.data))
@@ -319,7 +373,7 @@ class Relay:
         if self.state == "exited":
             status = (f"exit status {self.exit.exit_code}" if self.exit else "no exit status")
             why = f": {self.failure}" if self.failure else ""
-            tail = self.stderr[-600:].decode(errors="replace").strip()
+            tail = self.stderr.tail(600).decode(errors="replace").strip()
             return Conflict(
                 f"process {self.id} has exited ({status}){why}"
                 + (f"; its stderr ends with: {tail}" if tail else ""),
@@ -430,7 +484,7 @@ class ProcessTable:
                 copies[r.id] = Relay(id=r.id, machine_id=child_id, argv=list(r.argv),
                                      started_at=r.started_at, exec_id=r.exec_id,
                                      state="detached", failure="a fork's copy",
-                                     stderr=bytearray(r.stderr), exec_ids=list(r.exec_ids),
+                                     stderr=r.stderr.copy(), exec_ids=list(r.exec_ids),
                                      budget=self.budget)
         if copies:
             self._by_machine[child_id] = copies
@@ -452,5 +506,5 @@ class ProcessTable:
             await self.drop(machine_id)
 
 
-__all__ = ["MAX_BUFFERED", "MAX_BUFFERED_TOTAL", "MAX_FRAME", "Budget", "ProcessStream",
-           "ProcessTable", "Relay"]
+__all__ = ["LOG_TAIL", "MAX_BUFFERED", "MAX_BUFFERED_TOTAL", "MAX_FRAME", "Budget",
+           "OutputLog", "ProcessStream", "ProcessTable", "Relay"]

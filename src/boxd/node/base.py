@@ -83,6 +83,11 @@ class Node(Protocol):
         one. Raises: MachineNotFound, ExecNotFound."""
         ...
 
+    async def exec_list(self, machine_id: str, limit: int) -> list[models.ExecSummary]:
+        """The machine's last ``limit`` kept execs, newest first, without their output.
+        Raises: MachineNotFound."""
+        ...
+
     def exec_stream(
         self, machine_id: str, req: models.ExecRequest
     ) -> AsyncIterator[models.ExecEvent]: ...
@@ -144,6 +149,12 @@ class Node(Protocol):
         ...
 
     async def process_kill(self, machine_id: str, process_id: str, signal: int) -> pm.Process:
+        ...
+
+    async def process_output(self, machine_id: str, process_id: str, after: int | None,
+                             wait: float) -> pm.ProcessOutput:
+        """The process's stderr the node keeps after offset ``after`` (None: all of it),
+        waiting up to ``wait`` seconds for more. Raises: NotFound (process)."""
         ...
 
     def process_attach(

@@ -338,9 +338,9 @@ class NodeActor:
 
 # Methods of NodeRuntime a control plane calls by machine id (everything else is above).
 _CALLS = frozenset({
-    "wait_until_ready", "exec", "exec_result", "checkpoint_save", "checkpoint_restore",
+    "wait_until_ready", "exec", "exec_result", "exec_list", "checkpoint_save", "checkpoint_restore",
     "checkpoint_list", "checkpoint_delete", "save_snapshot", "delete", "suspend", "hibernate",
-    "resume", "spawn", "processes", "process_kill",
+    "resume", "spawn", "processes", "process_kill", "process_output",
 })
 
 

@@ -418,6 +418,9 @@ class NodeRuntime:
     async def exec_result(self, machine_id: str, exec_id: str, wait: float) -> models.ExecStatus:
         return await self.execs.exec_result(machine_id, exec_id, wait)
 
+    async def exec_list(self, machine_id: str, limit: int) -> list[models.ExecSummary]:
+        return await self.execs.execs(machine_id, limit)
+
     def exec_stream(
         self, machine_id: str, req: models.ExecRequest
     ) -> AsyncIterator[models.ExecEvent]:
@@ -439,6 +442,10 @@ class NodeRuntime:
 
     async def process_kill(self, machine_id: str, process_id: str, signal: int) -> pm.Process:
         return await self.execs.process_kill(machine_id, process_id, signal)
+
+    async def process_output(self, machine_id: str, process_id: str, after: int | None,
+                             wait: float) -> pm.ProcessOutput:
+        return await self.execs.process_output(machine_id, process_id, after, wait)
 
     def process_attach(
         self, machine_id: str, process_id: str

@@ -436,6 +436,10 @@ def machine_exec(
     )
 
 
+def machine_exec_list(ref: str, limit: int) -> Req:
+    return Req("GET", f"/v1/machines/{seg(ref)}/execs", params={"limit": str(limit)})
+
+
 def machine_exec_result(ref: str, exec_id: str, wait: float) -> Req:
     # The daemon holds the request up to `wait`; give the HTTP read some slack on top.
     return Req(

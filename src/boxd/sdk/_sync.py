@@ -491,6 +491,19 @@ class Machines:
         return self._c._parse(
             models.ExecStatus, _base.machine_exec_result(ref, exec_id, wait))
 
+    def execs(self, ref: str, *, limit: int = 20,
+                    ) -> builtins.list[models.ExecSummary]:
+        """The machine's last ``limit`` (at most 64) kept execs, newest first: each one's
+        id, command, exit code (or ``running``, or ``error``), start and duration,
+        without output (read that with :meth:`exec_result`). Execs are kept as
+        :meth:`exec_result` says; an :meth:`exec_stream` is not kept.
+
+        Raises:
+            MachineNotFound; InvalidRequest: ``limit`` outside 1-64.
+        """
+        listed = self._c._parse(models.ExecList, _base.machine_exec_list(ref, limit))
+        return listed.execs
+
     def exec_stream(
         self,
         ref: str,

@@ -190,6 +190,19 @@ async def exec_command(
     return await machines.exec(account, ref, body)
 
 
+@router.get("/{ref}/execs", response_model=models.ExecList)
+async def exec_list(
+    ref: str,
+    account: Account,
+    machines: Machines,
+    limit: Annotated[int, Query(ge=1, le=models.MAX_EXEC_LIST,
+                                description="execs to list")] = models.DEFAULT_EXEC_LIST,
+) -> models.ExecList:
+    """The machine's last ``limit`` kept execs, newest first, without their output (the
+    node keeps each 15 minutes after it ends, the last 64 per machine)."""
+    return models.ExecList(execs=await machines.exec_list(account, ref, limit))
+
+
 @router.get("/{ref}/execs/{exec_id}", response_model=models.ExecStatus)
 async def exec_result(
     ref: str,
