@@ -39,6 +39,7 @@ import type {
   ExecOptions,
   ExecResult,
   ExecStatus,
+  ExecSummary,
   FileInfo,
   Health,
   HostInfo,
@@ -618,6 +619,21 @@ export class Machines {
       // The daemon holds the request up to `wait`; give the socket some slack on top.
       idleTimeoutMs: (wait + 30) * 1000,
     });
+  }
+
+  /**
+   * The machine's last `limit` (1-64, default 20) kept execs, newest first: each one's
+   * `execId`, `command`, `exitCode` (or `running`, or `error`), `startedAt` and
+   * `duration`, without output (read that with `execResult`).
+   * @throws MachineNotFound; InvalidRequest `limit` outside 1-64
+   */
+  async execs(ref: string, options: { limit?: number } = {}): Promise<ExecSummary[]> {
+    const listed: { execs: ExecSummary[] } = await this.c._json({
+      method: "GET",
+      path: `/v1/machines/${seg(ref)}/execs`,
+      query: { limit: options.limit ?? 20 },
+    });
+    return listed.execs;
   }
 
   /**

@@ -30,6 +30,8 @@ export type ExecEvent = Camel<Schemas["ExecEvent"]>;
  * `error` when it ended without an exit status.
  */
 export type ExecStatus = Camel<Schemas["ExecStatus"]>;
+/** One kept exec of a machine, without its output (`machines.execs`). */
+export type ExecSummary = Camel<Schemas["ExecSummary"]>;
 export type FileInfo = Camel<Schemas["FileInfo"]>;
 export type Checkpoint = Camel<Schemas["Checkpoint"]>;
 export type Snapshot = Camel<Schemas["Snapshot"]>;

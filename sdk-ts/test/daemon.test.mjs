@@ -143,6 +143,14 @@ describe("against a real daemon", LONG, () => {
     await assert.rejects(boxd.machines.execResult(base.id, "no-such-exec"), sdk.ExecNotFound);
     await assert.rejects(boxd.machines.exec(base.id, { command: "echo other", execId: "ts-1" }),
       sdk.ExecIdConflict);
+    // the machine's recent execs list it (newest first), without output
+    const listed = await boxd.machines.execs(base.id, { limit: 64 });
+    const mine = listed.find((e) => e.execId === "ts-1");
+    assert.ok(mine, JSON.stringify(listed));
+    assert.deepEqual({ command: mine.command, exitCode: mine.exitCode, running: mine.running },
+                     { command: "echo durable", exitCode: 0, running: false });
+    assert.equal(mine.stdout, undefined);
+    await assert.rejects(boxd.machines.execs(base.id, { limit: 65 }), sdk.InvalidRequest);
   });
 
   test("exec past its timeout throws ExecTimeout with the partial output", async () => {

@@ -136,3 +136,41 @@ def test_the_sdks_default_is_the_apis() -> None:
     # A literal in the SDK: `from boxd import Boxd` loads no models (test_light_client).
     default = inspect.signature(AsyncMachines.execs).parameters["limit"].default
     assert default == models.DEFAULT_EXEC_LIST
+
+
+class _Kept(httpx.BaseTransport):
+    """The world's transport, kept open across CLI invocations (each closes its client)."""
+
+    def __init__(self, inner: httpx.BaseTransport) -> None:
+        self.inner = inner
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        return self.inner.handle_request(request)
+
+
+def test_cli_machine_execs(transport: support.SyncASGITransport,
+                           monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from boxd import cli
+
+    monkeypatch.setattr(cli, "Boxd", lambda **_: Boxd(
+        api_key=transport.key, transport=_Kept(transport)))  # type: ignore[attr-defined]
+
+    def run(*args: str) -> tuple[int, str]:
+        r = CliRunner().invoke(cli.main, list(args), catch_exceptions=False)
+        return r.exit_code, r.stdout
+
+    assert run("machine", "new", "m", "--no-wait")[0] == 0
+    assert run("machine", "execs", "m") == (0, "no execs kept\n")
+    assert run("machine", "exec", "m", "--id", "e1", "--", "echo", "one")[0] == 0
+    run("machine", "exec", "m", "--id", "e2", "--", "cat", "/no such file")  # exits 1
+    code, out = run("machine", "execs", "m")
+    assert code == 0 and out.index("e2") < out.index("e1"), out
+    assert "echo one" in out and "cat '/no such file'" in out
+    code, out = run("machine", "execs", "m", "-n", "1", "--json")
+    assert code == 0 and [e["exec_id"] for e in json.loads(out)] == ["e2"]
+    assert json.loads(out)[0]["exit_code"] == 1
+    assert run("machine", "execs", "m", "-n", "65")[0] == 2

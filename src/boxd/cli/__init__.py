@@ -525,6 +525,18 @@ def _durable_exec(state: _State, name: str, cmd: str | list[str], variables: dic
     sys.exit(res.exit_code if 0 <= res.exit_code <= 255 else 1)
 
 
+@machine.command("execs")
+@click.argument("name")
+@click.option("--limit", "-n", type=click.IntRange(1, 64), default=20, show_default=True,
+              help="How many, newest first.")
+@json_option
+@pass_state
+def machine_execs(state: _State, name: str, limit: int, as_json: bool) -> None:
+    """List machine NAME's recent execs, newest first: id, exit, start, duration and
+    command (`boxd machine exec-result NAME ID` prints one's output)."""
+    _show(state.boxd.machines.execs(name, limit=limit), as_json, _render.execs)
+
+
 @machine.command("exec-result")
 @click.argument("name")
 @click.argument("exec_id", metavar="ID")

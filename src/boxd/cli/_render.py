@@ -223,6 +223,26 @@ def machines(items: Sequence[models.Machine]) -> None:
     )
 
 
+def _exit(e: models.ExecSummary) -> str:
+    if e.running:
+        return "running"
+    if e.error is not None:
+        return f"error: {e.error.code}"
+    if e.timed_out:
+        return "timed out"
+    return str(e.exit_code) if e.signal is None else f"signal {e.signal}"
+
+
+def execs(items: Sequence[models.ExecSummary]) -> None:
+    table(
+        ["ID", "EXIT", "STARTED", "DURATION", "COMMAND"],
+        ([e.exec_id, _exit(e), ago(e.started_at),
+          "-" if e.duration is None else f"{e.duration:.2f} s", e.command[:80]]
+         for e in items),
+        "no execs kept",
+    )
+
+
 def machine(m: models.Machine) -> None:
     details(
         [
