@@ -224,6 +224,7 @@ class AsyncMachines:
         on_timeout: str = "delete",
         image: str | None = None,
         wait: float = 0.0,
+        service: bool = True,
     ) -> models.Machine:
         """Create and boot a machine; returns while it starts (see ``wait_until_ready``).
 
@@ -254,6 +255,7 @@ class AsyncMachines:
                 its files are the root, its ENV, WORKDIR, USER exec's defaults (gVisor).
             wait: seconds to wait in the account's queue when its quota or the nodes'
                 room is used up, instead of failing at once (docs/lifecycle.md).
+            service: with ``image``, start its ENTRYPOINT + CMD (``logs`` reads it).
 
         Raises:
             InvalidRequest, AlreadyExists, SnapshotNotFound, HostSetupError; NotFound
@@ -263,7 +265,7 @@ class AsyncMachines:
         return await self._c._parse(models.Machine, _base.machine_create(
             name, vcpus, memory_mib, disk_gib, isolated, from_snapshot, engine,
             suspend_after, hibernate_after, node, public, labels, idempotency_key, timeout,
-            on_timeout, image, wait))
+            on_timeout, image, wait, service))
 
     async def set_timeout(
         self, ref: str, timeout: int | None, *, on_timeout: str | None = None,
@@ -503,6 +505,17 @@ class AsyncMachines:
         """
         listed = await self._c._parse(models.ExecList, _base.machine_exec_list(ref, limit))
         return listed.execs
+
+    async def logs(self, ref: str, *, after: int | None = None,
+                   wait: float = 0.0) -> models.ServiceLog:
+        """The machine's service output (its image's ENTRYPOINT + CMD) after offset
+        ``after`` (None: the last 64 KiB the node keeps), waiting up to ``wait`` seconds
+        (at most 60) for more; follow it by asking again with ``after=log.end``.
+
+        Raises:
+            MachineNotFound; NotFound: the machine has no service.
+        """
+        return await self._c._parse(models.ServiceLog, _base.machine_logs(ref, after, wait))
 
     async def exec_stream(
         self,
