@@ -230,9 +230,7 @@ class AsyncMachines:
 
         Args:
             name: DNS-label name, unique per account; generated if None.
-            vcpus: virtual CPUs (daemon default if None).
-            memory_mib: memory in MiB (daemon default if None).
-            disk_gib: disk size in GiB (daemon default if None).
+            vcpus, memory_mib, disk_gib: CPUs, MiB, GiB (None: the daemon's default).
             isolated: no network at all.
             from_snapshot: start from a snapshot (``NAME``, ``NAME@N`` or ``sha256:...``).
             engine: ``qemu`` or ``gvisor`` (the daemon's default if None; a snapshot
@@ -245,8 +243,7 @@ class AsyncMachines:
             labels: string keys and values to find it by (``list(labels=)``), inherited
                 by its forks; at most 32 (`models.LABEL_RULE`).
             idempotency_key: one per logical request (``str(uuid.uuid4())``), the same on
-                its retries: a retry within 24 h returns the first request's machine
-                (waiting for it if need be); a failed request frees it.
+                its retries: a retry within 24 h returns the first request's machine.
             timeout: its lifetime, whole seconds from now (1 to 30 days; ``end_at``,
                 ``set_timeout``); kept across daemon restarts. None: until deleted.
             on_timeout: what its end does: ``"delete"`` or ``"hibernate"`` (its state
