@@ -40,6 +40,7 @@ import type {
   ExecResult,
   ExecStatus,
   ExecSummary,
+  ServiceLog,
   FileInfo,
   Health,
   HostInfo,
@@ -403,6 +404,7 @@ export class Machines {
   async new(name?: string | null, options: MachineNewOptions = {}): Promise<Machine> {
     const body: Record<string, unknown> = { isolated: Boolean(options.isolated) };
     if (options.public) body.public = true;
+    if (options.service === false) body.service = false;
     const fields: [string, unknown][] = [
       ["name", name],
       ["vcpus", options.vcpus],
@@ -617,6 +619,22 @@ export class Machines {
       path: `/v1/machines/${seg(ref)}/execs/${seg(execId)}`,
       query: { wait },
       // The daemon holds the request up to `wait`; give the socket some slack on top.
+      idleTimeoutMs: (wait + 30) * 1000,
+    });
+  }
+
+  /**
+   * The machine's service output (its image's ENTRYPOINT + CMD, stdout and stderr as
+   * written) after offset `after` (absent: the last 64 KiB the node keeps), waiting up
+   * to `wait` seconds (at most 60) for more; follow it with `after: log.end`.
+   * @throws MachineNotFound; NotFound the machine has no service
+   */
+  async logs(ref: string, options: { after?: number; wait?: number } = {}): Promise<ServiceLog> {
+    const wait = options.wait ?? 0;
+    return this.c._json({
+      method: "GET",
+      path: `/v1/machines/${seg(ref)}/logs`,
+      query: { after: options.after, wait },
       idleTimeoutMs: (wait + 30) * 1000,
     });
   }

@@ -281,6 +281,28 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/machines/{ref}/logs": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * Logs
+         * @description The machine's service output (its image's ENTRYPOINT + CMD; stdout and stderr as
+         *     written) after offset ``after``; the node keeps the last 64 KiB. 404 without a
+         *     service.
+         */
+        get: operations["logs_v1_machines__ref__logs_get"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/machines/{ref}/exec/stream": {
         parameters: {
             query?: never;
@@ -1603,6 +1625,12 @@ export interface components {
              * @description an image imported for the account (`boxd image import`): NAME[:TAG] or sha256:DIGEST; the machine's root is that image's files, and its ENV and WORKDIR are exec's defaults. gVisor only for now; not with from_snapshot
              */
             image?: string | null;
+            /**
+             * Service
+             * @description with image: start the image's ENTRYPOINT + CMD as the machine's service once it boots (its HEALTHCHECK, else its first EXPOSEd port, then decides when it is ready); false: do not start it
+             * @default true
+             */
+            service: boolean;
         };
         /**
          * MachineImage
@@ -1619,6 +1647,11 @@ export interface components {
              * @description its manifest's digest
              */
             digest: string;
+            /**
+             * Service
+             * @description its ENTRYPOINT + CMD, started as the machine's service (`GET /v1/machines/{ref}/logs`); empty: none, or not started
+             */
+            service?: string[];
         };
         /** MachineList */
         MachineList: {
@@ -1830,6 +1863,41 @@ export interface components {
                 runs: number;
                 pairs: unknown[];
             };
+        };
+        /**
+         * ServiceLog
+         * @description A machine's service output (stdout and stderr as it wrote them) after an offset
+         *     (``GET /v1/machines/{ref}/logs``). Offsets count bytes since the service started;
+         *     the node keeps the last 64 KiB.
+         */
+        ServiceLog: {
+            /**
+             * Start
+             * @description the offset of data's first byte: past the one asked for when the bytes between were dropped
+             */
+            start: number;
+            /**
+             * End
+             * @description the offset after data: ask with after=end next
+             */
+            end: number;
+            /**
+             * Data
+             * @description the bytes as UTF-8 (invalid bytes replaced)
+             */
+            data: string;
+            /**
+             * State
+             * @description running, detached or exited (no more will come)
+             */
+            state: string;
+            /** Exit Code */
+            exit_code?: number | null;
+            /**
+             * Argv
+             * @description what the service runs
+             */
+            argv?: string[];
         };
         /**
          * SetTimeout
@@ -3526,6 +3594,114 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["ExecStatus"];
+                };
+            };
+            /** @description invalid_request: malformed input */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description unauthorized: missing, unknown or revoked API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description forbidden: the key's account may not do this */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description not found for this account */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description quota_exceeded */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description internal_error, integrity_error or host_setup */
+            500: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description resource_exhausted */
+            507: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+        };
+    };
+    logs_v1_machines__ref__logs_get: {
+        parameters: {
+            query?: {
+                /** @description the offset to read after (the last answer's end); absent: all that is kept */
+                after?: number | null;
+                /** @description seconds to wait for more when there is none after the offset */
+                wait?: number;
+            };
+            header?: never;
+            path: {
+                ref: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ServiceLog"];
                 };
             };
             /** @description invalid_request: malformed input */

@@ -32,6 +32,8 @@ export type ExecEvent = Camel<Schemas["ExecEvent"]>;
 export type ExecStatus = Camel<Schemas["ExecStatus"]>;
 /** One kept exec of a machine, without its output (`machines.execs`). */
 export type ExecSummary = Camel<Schemas["ExecSummary"]>;
+/** A machine's service output after an offset (`machines.logs`). */
+export type ServiceLog = Camel<Schemas["ServiceLog"]>;
 export type FileInfo = Camel<Schemas["FileInfo"]>;
 export type Checkpoint = Camel<Schemas["Checkpoint"]>;
 export type Snapshot = Camel<Schemas["Snapshot"]>;
@@ -116,6 +118,8 @@ export interface MachineNewOptions {
    * WORKDIR and USER are exec's defaults. gVisor only for now (`engine: "gvisor"`).
    */
   image?: string;
+  /** With `image`: `false` does not start its ENTRYPOINT + CMD as the machine's service. */
+  service?: boolean;
   /**
    * Seconds (0-3600) to wait in the account's queue when its quota or the nodes' room is
    * used up, instead of rejecting at once; at its end a `QuotaExceeded` with

@@ -397,6 +397,45 @@ test("admission: wait on new and fork is sent, a 429's retryAfter is read, bad w
   }
 });
 
+test("service: logs asks the logs route with after and wait; service: false is sent", async () => {
+  const { createServer } = await import("node:http");
+  const seen = [];
+  const srv = createServer((req, res) => {
+    let body = "";
+    req.on("data", (c) => (body += c));
+    req.on("end", () => {
+      const url = new URL(req.url, "http://x");
+      seen.push({ path: url.pathname, query: Object.fromEntries(url.searchParams),
+                  body: body && JSON.parse(body) });
+      res.setHeader("content-type", "application/json");
+      if (url.pathname.endsWith("/logs")) {
+        res.end(JSON.stringify({ start: 5, end: 9, data: "up\n", state: "running",
+                                 exit_code: null, argv: ["srv"] }));
+      } else {
+        res.end(JSON.stringify({ id: "m_a", name: "a", state: "running", vcpus: 1,
+          memory_mib: 128, disk_gib: 1, isolated: false, created_at: 1, labels: {} }));
+      }
+    });
+  });
+  await new Promise((ok) => srv.listen(0, "127.0.0.1", ok));
+  try {
+    const boxd = new sdk.Boxd({ baseUrl: `http://127.0.0.1:${srv.address().port}`, apiKey: "k" });
+    const log = await boxd.machines.logs("a", { after: 5, wait: 2 });
+    assert.deepEqual({ start: log.start, end: log.end, data: log.data, exitCode: log.exitCode },
+                     { start: 5, end: 9, data: "up\n", exitCode: null });
+    assert.deepEqual(seen[0], { path: "/v1/machines/a/logs", query: { after: "5", wait: "2" },
+                                body: "" });
+    await boxd.machines.logs("a");
+    assert.deepEqual(seen[1].query, { wait: "0" }); // no offset: all that is kept
+    await boxd.machines.new("a", { image: "env:v1", service: false });
+    assert.equal(seen[2].body.service, false);
+    await boxd.machines.new("b", { image: "env:v1" });
+    assert.equal(seen[3].body.service, undefined); // started unless asked not to
+  } finally {
+    srv.close();
+  }
+});
+
 test("idempotency keys: sent as Idempotency-Key on new and fork, bad ones refused unsent", async () => {
   const { createServer } = await import("node:http");
   const seen = [];

@@ -294,6 +294,9 @@ class MachineImage(BaseModel):
 
     name: str = Field(description="the image's name as given (NAME:TAG or its digest)")
     digest: str = Field(description="its manifest's digest")
+    service: list[str] = Field(
+        default_factory=list, description="its ENTRYPOINT + CMD, started as the machine's "
+        "service (`GET /v1/machines/{ref}/logs`); empty: none, or not started")
 
 
 class MachineCreate(BaseModel):
@@ -343,6 +346,10 @@ class MachineCreate(BaseModel):
         description="an image imported for the account (`boxd image import`): NAME[:TAG] "
         "or sha256:DIGEST; the machine's root is that image's files, and its ENV and "
         "WORKDIR are exec's defaults. gVisor only for now; not with from_snapshot")
+    service: bool = Field(
+        True, description="with image: start the image's ENTRYPOINT + CMD as the "
+        "machine's service once it boots (its HEALTHCHECK, else its first EXPOSEd port, "
+        "then decides when it is ready); false: do not start it")
 
     @field_validator("labels", mode="before")
     @classmethod
@@ -666,6 +673,20 @@ DEFAULT_EXEC_LIST = 20
 MAX_EXEC_LIST = 64
 #: Characters of an exec's command a listing shows (the rest is cut, with "…").
 EXEC_COMMAND_SHOWN = 500
+
+
+class ServiceLog(BaseModel):
+    """A machine's service output (stdout and stderr as it wrote them) after an offset
+    (``GET /v1/machines/{ref}/logs``). Offsets count bytes since the service started;
+    the node keeps the last 64 KiB."""
+
+    start: int = Field(..., description="the offset of data's first byte: past the one "
+                       "asked for when the bytes between were dropped")
+    end: int = Field(..., description="the offset after data: ask with after=end next")
+    data: str = Field(..., description="the bytes as UTF-8 (invalid bytes replaced)")
+    state: str = Field(..., description="running, detached or exited (no more will come)")
+    exit_code: int | None = None
+    argv: list[str] = Field(default_factory=list, description="what the service runs")
 
 
 class ExecSummary(BaseModel):

@@ -114,6 +114,13 @@ class MachineService(Protocol):
         """Run a command to completion. Raises: MachineNotFound, MachineFailed, ExecTimeout."""
         ...
 
+    async def logs(self, account: str, ref: str, after: int | None,
+                   wait: float) -> models.ServiceLog:
+        """The machine's service output after offset ``after`` (None: all that is
+        kept), waiting up to ``wait`` seconds for more. Raises: MachineNotFound,
+        NotFound (no service)."""
+        ...
+
     async def exec_result(
         self, account: str, ref: str, exec_id: str, wait: float = 0.0
     ) -> models.ExecStatus:

@@ -49,7 +49,7 @@ class FakeMachines(MachineService):
         self.closed = False
         self.execs: dict[tuple[str, str], models.ExecStatus] = {}  # (machine id, exec id)
         self.commands: dict[tuple[str, str], str] = {}  # (machine id, exec id) -> command
-        self.logs: dict[str, OutputLog] = {}  # process id -> its stderr
+        self.stderr_logs: dict[str, OutputLog] = {}  # process id -> its stderr
         self.procs: dict[str, tuple[str, pm.Process, Any]] = {}  # id -> (account, p, queue)
         # (account, snapshot ref) -> bare digest; FakeSnapshots installs its lookup
         self.snapshot_digest: Callable[[str, str], str] | None = None
@@ -221,6 +221,13 @@ class FakeMachines(MachineService):
                 out.append(exc)
         return out
 
+    async def logs(self, account: str, ref: str, after: int | None,
+                   wait: float) -> models.ServiceLog:
+        m = self._find(account, ref)
+        if m.image is None:
+            raise NotFound(f"machine {m.name!r} has no service", machine=m.name)
+        return models.ServiceLog(start=0, end=0, data="", state="running")
+
     async def warm(self, account: str, ref: str, forks: int) -> models.Standby:
         m = self._find(account, ref)
         return models.Standby(machine_id=m.id, forks=forks, memory_bytes=forks << 20,
@@ -291,7 +298,7 @@ class FakeMachines(MachineService):
         p = pm.Process(id=new_id("p"), machine=m.id, argv=req.argv, state="running",
                        started_at=time.time())
         self.procs[p.id] = (account, p, asyncio.Queue())
-        self.logs[p.id] = OutputLog()
+        self.stderr_logs[p.id] = OutputLog()
         return p
 
     async def processes(self, account: str, ref: str) -> list[pm.Process]:  # type: ignore[valid-type]
@@ -313,7 +320,7 @@ class FakeMachines(MachineService):
                                  "signal": signal})
         self.procs[process_id] = (o, p, q)
         q.put_nowait(None)
-        self.logs[process_id].wake()
+        self.stderr_logs[process_id].wake()
         return p
 
     async def process_output(
@@ -321,7 +328,7 @@ class FakeMachines(MachineService):
         wait: float = 0.0,
     ) -> pm.ProcessOutput:
         _, p, _ = self._proc(account, ref, process_id)
-        log = self.logs[process_id]
+        log = self.stderr_logs[process_id]
         if wait > 0 and p.state != "exited" and (after or 0) >= log.end:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(log.more(), wait)
@@ -353,10 +360,10 @@ class _EchoStream:
             self.fake.procs[self.id] = (o, p.model_copy(update={"state": "exited",
                                                                 "exit_code": 0}), q)
             q.put_nowait(None)
-            self.fake.logs[self.id].wake()
+            self.fake.stderr_logs[self.id].wake()
         else:
             q.put_nowait(data)
-            self.fake.logs[self.id].add(data)
+            self.fake.stderr_logs[self.id].add(data)
 
     async def recv(self) -> bytes | None:
         data: bytes | None = await self.fake.procs[self.id][2].get()

@@ -93,6 +93,18 @@ async def test_a_wait_without_room_ends_in_a_429_naming_the_limit(world: World) 
 
 
 @_run
+async def test_a_quota_of_zero_is_refused_at_once_however_long_the_wait(world: World) -> None:
+    # No room can come to an account allowed no machine (the API fuzz's account with a
+    # 120 s client timeout sent wait=3600): waiting would only hold the client.
+    world.repos.accounts.set_quota(ACCOUNT, 0)
+    t0 = asyncio.get_running_loop().time()
+    with pytest.raises(errors.QuotaExceeded, match="machine quota reached") as caught:
+        await world.machines.create(ACCOUNT, _new("a", wait=3600))
+    assert asyncio.get_running_loop().time() - t0 < 5 and caught.value.limit == 0
+    assert world.machines.queue(ACCOUNT).waiting == 0
+
+
+@_run
 async def test_each_accounts_queue_is_first_in_first_out(world: World) -> None:
     world.repos.accounts.set_quota(ACCOUNT, 1)
     await running(world, "x")

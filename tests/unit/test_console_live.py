@@ -257,7 +257,7 @@ def test_the_tail_decodes_characters_cut_in_two_and_says_what_was_dropped(
 
     async def run() -> list[str]:
         p = await fleet.machines.spawn("alice", m.id, pm.SpawnRequest(argv=["x"]))
-        log = fleet.machines.logs[p.id] = OutputLog(limit=8)
+        log = fleet.machines.stderr_logs[p.id] = OutputLog(limit=8)
         log.add(b"h\xc3")  # "hé" cut inside the é
         seen: list[str] = []
         gen = live.tail(fleet.machines, "alice", m.id, p.id, None, lambda: False, wait=0.01)

@@ -222,6 +222,8 @@ def machine() -> None:
 @idempotency_option("machine")
 @lifetime_options("the machine")
 @queue_option("it")
+@click.option("--no-start", "no_start", is_flag=True,
+              help="With --image: do not start the image's ENTRYPOINT + CMD as its service.")
 @click.option("--wait/--no-wait", default=True, show_default=True, help="Wait until ready.")
 @click.option("--wait-timeout", type=float, default=120.0, show_default=True,
               metavar="SECONDS", help="Seconds to wait until ready.")
@@ -245,6 +247,7 @@ def machine_new(
     lifetime: int | None,
     on_timeout: str,
     queue: float,
+    no_start: bool,
     wait: bool,
     wait_timeout: float,
     as_json: bool,
@@ -268,6 +271,7 @@ def machine_new(
         on_timeout=on_timeout,
         image=image,
         wait=queue,
+        service=not no_start,
     )
     if wait:
         with _render.activity(f"waiting for {m.name} to boot", as_json=as_json):
@@ -523,6 +527,28 @@ def _durable_exec(state: _State, name: str, cmd: str | list[str], variables: dic
     click.echo(res.stdout, nl=False)
     click.echo(res.stderr, nl=False, err=True)
     sys.exit(res.exit_code if 0 <= res.exit_code <= 255 else 1)
+
+
+@machine.command("logs")
+@click.argument("name")
+@click.option("--follow", "-f", is_flag=True, help="Keep printing new output until the "
+              "service exits (Ctrl-C stops).")
+@pass_state
+def machine_logs(state: _State, name: str, follow: bool) -> None:
+    """Print machine NAME's service output: its image's ENTRYPOINT + CMD, stdout and
+    stderr as written (the node keeps the last 64 KiB)."""
+    b = state.boxd
+    after: int | None = None
+    while True:
+        out = b.machines.logs(name, after=after, wait=30.0 if follow and after else 0.0)
+        if out.start > (after or 0) and after is not None:
+            click.echo(f"[{out.start - after} bytes dropped]", err=True)
+        click.echo(out.data, nl=False)
+        after = out.end
+        if not follow or out.state == "exited":
+            break
+    if follow and out.state == "exited":
+        click.echo(f"[the service exited: {out.exit_code}]", err=True)
 
 
 @machine.command("execs")

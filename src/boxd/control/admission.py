@@ -79,6 +79,8 @@ class Waiter:
             raise exc
         t.claimed = False
         adm.wake()
+        if exc.details.get("limit") == 0:  # a quota of 0: no room can come (the operator's)
+            raise exc
         if time.monotonic() >= self.deadline:
             raise adm.timed_out(t, exc) from exc
         await adm.changed(self.deadline)

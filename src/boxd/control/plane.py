@@ -52,6 +52,7 @@ from boxd.errors import (
 )
 from boxd.images.oci import resolve_image
 from boxd.models import NAME_RE, NAME_RULE, MachineState
+from boxd.node import SERVICE_ID, service_argv
 from boxd.node.base import Boot, FromSnapshot, Node, ProcessStream
 from boxd.services import GuestApi
 from boxd.state import (
@@ -108,7 +109,8 @@ def machine_model(rec: MachineRecord, host: str = "127.0.0.1") -> models.Machine
         end_at=(datetime.fromtimestamp(rec.end_at, UTC) if rec.end_at is not None else None),
         on_timeout=models.check_on_timeout(rec.on_timeout or "delete")
         if rec.end_at is not None else None,
-        image=models.MachineImage(name=rec.run_image.name, digest=rec.run_image.digest)
+        image=models.MachineImage(name=rec.run_image.name, digest=rec.run_image.digest,
+                                  service=service_argv(rec.run_image) or [])
         if rec.run_image is not None else None,
     )
 
@@ -410,6 +412,29 @@ class Machines:
     async def exec(self, account: str, ref: str, req: models.ExecRequest) -> models.ExecResult:
         rec = self._find(account, ref)
         return await self._node(rec).exec(rec.id, req)
+
+    async def logs(self, account: str, ref: str, after: int | None,
+                   wait: float) -> models.ServiceLog:
+        """The machine's service output after offset ``after`` (`boxd.node._services`).
+
+        Raises:
+            MachineNotFound; NotFound: the machine has no service (no image, an image
+                without ENTRYPOINT or CMD, or created with ``service=False``).
+        """
+        rec = self._find(account, ref)
+        try:
+            out = await self._node(rec).process_output(rec.id, SERVICE_ID, after, wait)
+        except NotFound as exc:
+            if isinstance(exc, MachineNotFound):
+                raise
+            raise NotFound(f"machine {rec.name!r} has no service", machine=rec.name,
+                           hint="a machine of an image with ENTRYPOINT or CMD has one "
+                           "(`boxd machine new NAME --image REF`)") from None
+        procs = {p.id: p for p in await self._node(rec).processes(rec.id)}
+        argv = procs[SERVICE_ID].argv if SERVICE_ID in procs else []
+        return models.ServiceLog(start=out.start, end=out.end,
+                                 data=out.data.decode(errors="replace"), state=out.state,
+                                 exit_code=out.exit_code, argv=argv)
 
     async def exec_result(
         self, account: str, ref: str, exec_id: str, wait: float = 0.0
@@ -766,7 +791,8 @@ async def _run_image(images: ImageStore | None, account: str,
     info = await asyncio.to_thread(resolve_image, images, account, ref)
     c = info.config
     return RunImage(info.name.removeprefix(f"{account}/"), info.digest, c.env,
-                    c.working_dir, c.user)
+                    c.working_dir, c.user, c.entrypoint, c.cmd, c.healthcheck,
+                    c.exposed_ports, req.service)
 
 
 def _check_engine(req: models.MachineCreate, engine: str) -> None:

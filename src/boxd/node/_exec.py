@@ -34,6 +34,7 @@ from boxd.errors import (
 )
 from boxd.node._exec_records import ExecRecord, ExecRecords, fingerprint, new_exec_id
 from boxd.node._processes import ProcessStream, ProcessTable, Relay
+from boxd.node._services import SERVICE_ID, service_argv
 from boxd.node.lifecycle import Lease, Lifecycle
 from boxd.state import MachineRecord
 
@@ -280,6 +281,21 @@ class Exec:
                  req.argv[0])
         return relay.model()
 
+    async def start_service(self, rec: MachineRecord, agent: Agent) -> None:
+        """Start the machine's image's service (`boxd.node._services`), if it has one;
+        one that cannot start is an exited process whose reason says why."""
+        argv = service_argv(rec.run_image)
+        if argv is None:
+            return
+        try:
+            proc = await agent.start(argv, **image_defaults(rec, None, None, None))
+        except BoxdError as exc:
+            self.procs.add_failed(rec.id, SERVICE_ID, argv, exc.message)
+            log.warning("machine=%s event=service_failed error=%s", rec.id, exc.message)
+            return
+        self.procs.add(rec.id, argv, proc, lambda: None, relay_id=SERVICE_ID, framed=False)
+        log.info("machine=%s event=service_started argv0=%s", rec.id, argv[0])
+
     async def processes(self, machine_id: str) -> list[pm.Process]:
         self._g.record(machine_id)
         return [r.model() for r in self.procs.list(machine_id)]
@@ -294,6 +310,11 @@ class Exec:
             NotFound: no such process.
         """
         relay = self.procs.get(machine_id, process_id)
+        if not relay.framed and relay.state == "detached":
+            # A fork child's (or a restored machine's) service: follow it on the
+            # machine's own connection, so its log goes on (the machine wakes for it).
+            with contextlib.suppress(BoxdError):
+                await self._reattach(relay)
         log = relay.stderr
         if wait > 0 and relay.state != "exited" and (after or 0) >= log.end:  # none yet
             with contextlib.suppress(TimeoutError):

@@ -1,7 +1,8 @@
 """Long-lived processes of machines (``machines.spawn``): the node's relay of frames.
 
 A spawned process's stdin and stdout carry frames (a 4-byte big-endian length, then
-the bytes). The relay writes each message the client sends as one frame and cuts the
+the bytes); a machine's service (`boxd.node._services`) is a process whose stdout is
+log, kept with its stderr. The relay writes each message the client sends as one frame and cuts the
 process's stdout into frames as the agent delivers it: one slice per frame, no work
 per byte. What the node holds of a process's output (the frames waiting for its
 reader and the frame being received) is bounded per process (`MAX_BUFFERED`) and for
@@ -233,6 +234,8 @@ class Relay:
     exec_ids: list[int] = field(default_factory=list)
     task: asyncio.Task[None] | None = None
     attaching: asyncio.Lock = field(default_factory=asyncio.Lock)  # one re-attach at a time
+    # False: a service (`boxd.node._services`): stdout is log, like stderr, not frames.
+    framed: bool = True
 
     def model(self) -> pm.Process:
         return pm.Process(
@@ -328,7 +331,7 @@ class Relay:
         frames (``partial[0]``: the bytes of ``buf`` counted as held)."""
         async for chunk in process:
             if isinstance(chunk, ExecOutput):
-                if chunk.stream == "stderr":
+                if chunk.stream == "stderr" or not self.framed:
                     self.stderr.add(chunk.data)
                     continue
                 partial[0] += len(chunk.data)
@@ -447,9 +450,13 @@ class ProcessTable:
         self.budget = budget if budget is not None else Budget()
 
     def add(self, machine_id: str, argv: list[str], process: Process,
-            on_frame: Callable[[], None]) -> Relay:
-        relay = Relay(id=f"p-{secrets.token_hex(6)}", machine_id=machine_id, argv=argv,
-                      started_at=time.time(), exec_id=process.exec_id, budget=self.budget)
+            on_frame: Callable[[], None], *, relay_id: str | None = None,
+            framed: bool = True) -> Relay:
+        """Follow a started ``process``; ``relay_id`` (default: a new one) replaces a
+        relay of that id; ``framed=False``: its stdout is log, not frames (a service)."""
+        relay = Relay(id=relay_id or f"p-{secrets.token_hex(6)}", machine_id=machine_id,
+                      argv=argv, started_at=time.time(), exec_id=process.exec_id,
+                      budget=self.budget, framed=framed)
         table = self._by_machine.setdefault(machine_id, {})
         exited = [r for r in table.values() if r.state == "exited" and not r.attached]
         for old in exited[: max(0, len(exited) + 1 - KEEP_EXITED)]:
@@ -458,6 +465,14 @@ class ProcessTable:
         table[relay.id] = relay
         relay.bind(process, on_frame)
         return relay
+
+    def add_failed(self, machine_id: str, relay_id: str, argv: list[str], why: str) -> None:
+        """A process that could not start: exited, with ``why`` as its reason."""
+        relay = Relay(id=relay_id, machine_id=machine_id, argv=argv, started_at=time.time(),
+                      exec_id=0, state="exited", failure=why, budget=self.budget,
+                      framed=False)
+        relay.stderr.add(f"boxd: it could not start: {why}\n".encode())
+        self._by_machine.setdefault(machine_id, {})[relay_id] = relay
 
     def get(self, machine_id: str, process_id: str) -> Relay:
         relay = self._by_machine.get(machine_id, {}).get(process_id)
@@ -485,7 +500,7 @@ class ProcessTable:
                                      started_at=r.started_at, exec_id=r.exec_id,
                                      state="detached", failure="a fork's copy",
                                      stderr=r.stderr.copy(), exec_ids=list(r.exec_ids),
-                                     budget=self.budget)
+                                     budget=self.budget, framed=r.framed)
         if copies:
             self._by_machine[child_id] = copies
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,7 @@ from boxd.errors import (
 from boxd.images.oci import image_by_digest, unpack_image
 from boxd.models import MachineState
 from boxd.node._checkpoints import Checkpoints
-from boxd.node._exec import HOST_GRACE, Exec
+from boxd.node._exec import HOST_GRACE, Exec, image_defaults
 from boxd.node._forks import Forks
 from boxd.node._guests import GuestRelay
 from boxd.node._host import Host
@@ -55,6 +56,7 @@ from boxd.node._ports import free_port
 from boxd.node._processes import ProcessStream, ProcessTable
 from boxd.node._proxy import PortProxy, Upstream, record_access
 from boxd.node._recovery import Recovery
+from boxd.node._services import wait_ready
 from boxd.node._sleep import IdleTimers, Sleep
 from boxd.node._standby import tree_pss
 from boxd.node._templates import MAX_CHAIN, Templates
@@ -379,6 +381,8 @@ class NodeRuntime:
         self.lifecycle.move(rec.id, S.RUNNING, expect=(S.STARTING,))
         # Not on a hot path: `wait_until_ready` answers once the socket is served.
         await self.guests.started(self.guests.serve(rec, handle, key))
+        if rec.run_image is not None:  # its image's ENTRYPOINT + CMD (`_services`)
+            await self.execs.start_service(rec, await handle.agent(timeout))
 
     def serve_guests(self, handler: GuestApi) -> None:
         """Serve each non-isolated machine's in-guest API socket with ``handler``.
@@ -407,8 +411,13 @@ class NodeRuntime:
             yield handle.open_http
 
     async def wait_until_ready(self, machine_id: str, timeout: float) -> None:
-        async with self.using(machine_id, timeout=timeout):
-            pass
+        """Until the machine runs and, for an image's machine, its HEALTHCHECK (else
+        its first EXPOSEd port) says its service is ready (`boxd.node._services`)."""
+        deadline = time.monotonic() + timeout
+        async with self.using(machine_id, timeout=timeout) as (rec, handle, agent):
+            if rec.run_image is not None:
+                await wait_ready(rec, handle, agent, image_defaults(rec, None, None, None),
+                                 max(0.0, deadline - time.monotonic()))
 
     # ---------------------------------------------- exec, files and processes
 

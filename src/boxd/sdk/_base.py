@@ -248,10 +248,13 @@ def machine_create(
     on_timeout: str = "delete",
     image: str | None = None,
     wait: float = 0.0,
+    service: bool = True,
 ) -> Req:
     body: dict[str, Any] = {"isolated": bool(isolated)}
     if public:
         body["public"] = True
+    if not service:
+        body["service"] = False
     if labels:
         body["labels"] = models.check_labels(labels)
     body.update(lifetime(timeout, on_timeout))
@@ -438,6 +441,14 @@ def machine_exec(
 
 def machine_exec_list(ref: str, limit: int) -> Req:
     return Req("GET", f"/v1/machines/{seg(ref)}/execs", params={"limit": str(limit)})
+
+
+def machine_logs(ref: str, after: int | None, wait: float) -> Req:
+    params = {"wait": _num(wait)}
+    if after is not None:
+        params["after"] = str(int(after))
+    return Req("GET", f"/v1/machines/{seg(ref)}/logs", params=params,
+               timeout=float(wait) + 30.0)
 
 
 def machine_exec_result(ref: str, exec_id: str, wait: float) -> Req:

@@ -224,14 +224,13 @@ class Machines:
         on_timeout: str = "delete",
         image: str | None = None,
         wait: float = 0.0,
+        service: bool = True,
     ) -> models.Machine:
         """Create and boot a machine; returns while it starts (see ``wait_until_ready``).
 
         Args:
             name: DNS-label name, unique per account; generated if None.
-            vcpus: virtual CPUs (daemon default if None).
-            memory_mib: memory in MiB (daemon default if None).
-            disk_gib: disk size in GiB (daemon default if None).
+            vcpus, memory_mib, disk_gib: CPUs, MiB, GiB (None: the daemon's default).
             isolated: no network at all.
             from_snapshot: start from a snapshot (``NAME``, ``NAME@N`` or ``sha256:...``).
             engine: ``qemu`` or ``gvisor`` (the daemon's default if None; a snapshot
@@ -244,8 +243,7 @@ class Machines:
             labels: string keys and values to find it by (``list(labels=)``), inherited
                 by its forks; at most 32 (`models.LABEL_RULE`).
             idempotency_key: one per logical request (``str(uuid.uuid4())``), the same on
-                its retries: a retry within 24 h returns the first request's machine
-                (waiting for it if need be); a failed request frees it.
+                its retries: a retry within 24 h returns the first request's machine.
             timeout: its lifetime, whole seconds from now (1 to 30 days; ``end_at``,
                 ``set_timeout``); kept across daemon restarts. None: until deleted.
             on_timeout: what its end does: ``"delete"`` or ``"hibernate"`` (its state
@@ -254,6 +252,7 @@ class Machines:
                 its files are the root, its ENV, WORKDIR, USER exec's defaults (gVisor).
             wait: seconds to wait in the account's queue when its quota or the nodes'
                 room is used up, instead of failing at once (docs/lifecycle.md).
+            service: with ``image``, start its ENTRYPOINT + CMD (``logs`` reads it).
 
         Raises:
             InvalidRequest, AlreadyExists, SnapshotNotFound, HostSetupError; NotFound
@@ -263,7 +262,7 @@ class Machines:
         return self._c._parse(models.Machine, _base.machine_create(
             name, vcpus, memory_mib, disk_gib, isolated, from_snapshot, engine,
             suspend_after, hibernate_after, node, public, labels, idempotency_key, timeout,
-            on_timeout, image, wait))
+            on_timeout, image, wait, service))
 
     def set_timeout(
         self, ref: str, timeout: int | None, *, on_timeout: str | None = None,
@@ -503,6 +502,17 @@ class Machines:
         """
         listed = self._c._parse(models.ExecList, _base.machine_exec_list(ref, limit))
         return listed.execs
+
+    def logs(self, ref: str, *, after: int | None = None,
+                   wait: float = 0.0) -> models.ServiceLog:
+        """The machine's service output (its image's ENTRYPOINT + CMD) after offset
+        ``after`` (None: the last 64 KiB the node keeps), waiting up to ``wait`` seconds
+        (at most 60) for more; follow it by asking again with ``after=log.end``.
+
+        Raises:
+            MachineNotFound; NotFound: the machine has no service.
+        """
+        return self._c._parse(models.ServiceLog, _base.machine_logs(ref, after, wait))
 
     def exec_stream(
         self,

@@ -17,25 +17,41 @@ from boxd.models import MachineState
 @dataclass(frozen=True)
 class RunImage:
     """The container image a machine runs (``machines.run_image``): its name as the
-    account gave it, its manifest digest, and the config exec defaults to."""
+    account gave it, its manifest digest, the config exec defaults to, and its service
+    (ENTRYPOINT + CMD, started unless ``service`` is false; HEALTHCHECK and EXPOSE
+    decide when it is ready: `boxd.node._services`)."""
 
     name: str
     digest: str
     env: tuple[str, ...] = ()
     working_dir: str = ""
     user: str = ""
+    entrypoint: tuple[str, ...] = ()
+    cmd: tuple[str, ...] = ()
+    healthcheck: tuple[str, ...] = ()
+    exposed_ports: tuple[str, ...] = ()
+    service: bool = True
 
     def to_json(self) -> dict[str, object]:
         return {"name": self.name, "digest": self.digest, "env": list(self.env),
-                "working_dir": self.working_dir, "user": self.user}
+                "working_dir": self.working_dir, "user": self.user,
+                "entrypoint": list(self.entrypoint), "cmd": list(self.cmd),
+                "healthcheck": list(self.healthcheck),
+                "exposed_ports": list(self.exposed_ports), "service": self.service}
 
     @classmethod
     def from_json(cls, data: object) -> RunImage | None:
+        """The record's JSON (a record written before the service fields has none)."""
         if not isinstance(data, dict) or not data.get("digest"):
             return None
-        return cls(str(data.get("name", "")), str(data["digest"]),
-                   tuple(str(e) for e in data.get("env") or ()),
-                   str(data.get("working_dir") or ""), str(data.get("user") or ""))
+
+        def strs(key: str) -> tuple[str, ...]:
+            return tuple(str(e) for e in data.get(key) or ())
+
+        return cls(str(data.get("name", "")), str(data["digest"]), strs("env"),
+                   str(data.get("working_dir") or ""), str(data.get("user") or ""),
+                   strs("entrypoint"), strs("cmd"), strs("healthcheck"),
+                   strs("exposed_ports"), bool(data.get("service", True)))
 
     def exec_env(self) -> dict[str, str]:
         """The image's ENV as exec's defaults (``K=V``; a bare ``K`` sets it empty)."""

@@ -218,6 +218,25 @@ async def exec_result(
     return await machines.exec_result(account, ref, exec_id, wait)
 
 
+#: Seconds `GET ./logs` may wait for more output.
+MAX_LOGS_WAIT = 60.0
+
+
+@router.get("/{ref}/logs", response_model=models.ServiceLog)
+async def logs(
+    ref: str, account: Account, machines: Machines,
+    after: Annotated[int | None, Query(ge=0, le=2**62, description="the offset to read "
+                                       "after (the last answer's end); absent: all "
+                                       "that is kept")] = None,
+    wait: Annotated[float, Query(ge=0, le=MAX_LOGS_WAIT, description="seconds to wait "
+                                 "for more when there is none after the offset")] = 0.0,
+) -> models.ServiceLog:
+    """The machine's service output (its image's ENTRYPOINT + CMD; stdout and stderr as
+    written) after offset ``after``; the node keeps the last 64 KiB. 404 without a
+    service."""
+    return await machines.logs(account, ref, after, wait)
+
+
 def _line(event: models.ExecEvent) -> bytes:
     return (event.model_dump_json(exclude_none=True) + "\n").encode()
 
