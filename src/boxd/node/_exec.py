@@ -36,6 +36,7 @@ from boxd.node._exec_records import ExecRecord, ExecRecords, fingerprint, new_ex
 from boxd.node._processes import ProcessStream, ProcessTable, Relay
 from boxd.node.lifecycle import Lease, Lifecycle
 from boxd.state import MachineRecord
+from boxd.storage.execs import ExecFiles
 
 log = logging.getLogger("boxd.node")
 
@@ -97,12 +98,12 @@ class Exec:
     """Exec, upload, download, spawn and the spawned processes of one node."""
 
     def __init__(self, guests: Guests, lifecycle: Lifecycle, procs: ProcessTable, *,
-                 max_output: int) -> None:
+                 max_output: int, files: ExecFiles | None = None) -> None:
         self._g = guests
         self.lifecycle = lifecycle
         self.procs = procs
         self._max_output = max_output
-        self.records = ExecRecords()
+        self.records = ExecRecords(files=files)
         self._tasks: set[asyncio.Task[ExecOutcome]] = set()
 
     async def exec(self, machine_id: str, req: models.ExecRequest) -> models.ExecResult:
@@ -193,9 +194,10 @@ class Exec:
             if not said:
                 self.records.drop(record)
             record.finish(None, err)
+            await self.records.finished(record)
             raise
         record.finish(exit, None)
-        self.records.prune()
+        await self.records.finished(record)
         return ExecOutcome(
             stdout=b"".join(kept["stdout"]), stderr=b"".join(kept["stderr"]),
             exit_code=exit.exit_code, signal=exit.signal, timed_out=exit.timed_out,
