@@ -365,6 +365,27 @@ def test_an_exec_running_when_the_daemon_died_answers_agent_lost(world: World) -
     asyncio.run(run())
 
 
+def test_an_exec_running_when_the_daemon_stops_answers_agent_lost(world: World) -> None:
+    """A graceful stop cancels the exec's task (what asyncio.run does to the tasks left):
+    kept with `AgentLost`, even before the command said anything, as after a kill."""
+    async def run() -> None:
+        m = await running(world, "m")
+        reached, _release = world.engine.gate("exec")
+        call = asyncio.create_task(world.machines.exec(ACCOUNT, m.id, _req("sleep 9", "stop")))
+        await reached.wait()
+        (task,) = world.node.execs._tasks
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):  # (its caller is being stopped too)
+            await call
+        for _ in range(2):  # this daemon, then the next
+            st = await world.machines.exec_result(ACCOUNT, m.id, "stop")
+            assert st.error is not None and st.error.code == "agent_lost", st
+            assert "daemon stopped" in st.error.message
+            await world.restart().recover()
+
+    asyncio.run(run())
+
+
 def test_exec_record_files_are_private_whole_and_go_with_their_machine(world: World) -> None:
     root = world.paths.execs
 

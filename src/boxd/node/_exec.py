@@ -25,6 +25,7 @@ from boxd import models
 from boxd import process_models as pm
 from boxd.engine.base import Agent, ExecExit, ExecOutcome, ExecOutput, MachineHandle
 from boxd.errors import (
+    AgentLost,
     BoxdError,
     Conflict,
     ExecIdConflict,
@@ -87,6 +88,19 @@ def image_defaults(
     merged: dict[str, str | None] = {**run.exec_env(), **(env or {})}
     return {"env": merged or None, "cwd": cwd if cwd is not None else (run.working_dir or "/"),
             "user": user if user is not None else (run.user or None)}
+
+
+def _without_exit(exc: BaseException, record: ExecRecord) -> BoxdError:
+    """The error that ended an exec without an exit status, as its record keeps it."""
+    if isinstance(exc, BoxdError):
+        return exc
+    if isinstance(exc, asyncio.CancelledError):
+        return AgentLost(
+            f"the daemon stopped while exec {record.exec_id!r} ran: its exit was lost with "
+            "the daemon's connection to the guest's agent", exec_id=record.exec_id,
+            hint="its outcome is unknown (the command may have run in part or whole): run "
+            "it again with a new exec id")
+    return MachineFailed(f"the exec ended without an exit status: {exc!r}")
 
 
 def _absolute(path: str) -> None:
@@ -189,9 +203,10 @@ class Exec:
             if exit is None:  # pragma: no cover - exec() always ends with an exit or raises
                 raise MachineFailed("exec ended without an exit status")
         except BaseException as exc:
-            err = exc if isinstance(exc, BoxdError) else MachineFailed(
-                f"the exec ended without an exit status: {exc!r}")
-            if not said:
+            err = _without_exit(exc, record)
+            # Only the daemon's stop cancels an exec's task: the command may be running,
+            # so it is kept (as after a kill) even if it said nothing yet.
+            if not said and not isinstance(exc, asyncio.CancelledError):
                 self.records.drop(record)
             record.finish(None, err)
             await self.records.finished(record)
