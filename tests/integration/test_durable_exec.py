@@ -2,7 +2,7 @@
 leaves its command running and its result readable by the exec's id; a command that
 traps SIGTERM is killed (SIGKILL after the grace) at its timeout; a finished exec's
 result is read after the daemon is killed (SIGKILL) and restarted, and an exec the
-daemon was running when killed answers `AgentLost`; an exec whose engine process (the
+daemon was running when killed (or stopped) answers `AgentLost`; an exec whose engine process (the
 gVisor sandbox) is killed raises `InfrastructureError`, and its result says the same."""
 
 from __future__ import annotations
@@ -161,6 +161,22 @@ def test_an_exec_running_when_the_daemon_is_killed_answers_agent_lost(  # type: 
         with pytest.raises(errors.AgentLost):  # its id again: not run blindly a second time
             c.machines.exec(machine.id, "sleep 30", exec_id="cut-1")
         assert c.machines.exec(machine.id, "echo alive").stdout == "alive\n"
+
+
+def test_an_exec_running_when_the_daemon_is_stopped_answers_agent_lost(  # type: ignore[no-untyped-def]
+    client, daemon, machine,
+) -> None:
+    """A graceful stop (SIGTERM) answers as a kill does: its command said nothing yet, but
+    it is not an exec a retry should run again."""
+    t, out = _in_thread(lambda c: c.machines.exec(machine.id, "sleep 30", exec_id="stop-1"))
+    _running(client, machine.id, "stop-1")
+    daemon.restart()
+    t.join(60)
+    assert not t.is_alive() and isinstance(out[0], errors.BoxdError), out
+    with Boxd() as c:
+        st = c.machines.exec_result(machine.id, "stop-1")
+        assert not st.running and st.error is not None, st
+        assert st.error.code == "agent_lost" and "daemon stopped" in st.error.message, st
 
 
 def test_an_exec_whose_sandbox_is_killed_raises_and_its_result_says_so(  # type: ignore[no-untyped-def]

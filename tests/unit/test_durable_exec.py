@@ -365,8 +365,10 @@ def test_an_exec_running_when_the_daemon_died_answers_agent_lost(world: World) -
     asyncio.run(run())
 
 
-def test_an_exec_running_when_the_daemon_stops_answers_agent_lost(world: World) -> None:
-    """A graceful stop cancels the exec's task (what asyncio.run does to the tasks left):
+def test_an_exec_whose_task_the_daemons_stop_cancels_answers_agent_lost(
+    world: World,
+) -> None:
+    """A stop cancels the exec tasks left (as asyncio.run does at its end): the exec is
     kept with `AgentLost`, even before the command said anything, as after a kill."""
     async def run() -> None:
         m = await running(world, "m")
@@ -382,6 +384,21 @@ def test_an_exec_running_when_the_daemon_stops_answers_agent_lost(world: World) 
             assert st.error is not None and st.error.code == "agent_lost", st
             assert "daemon stopped" in st.error.message
             await world.restart().recover()
+
+    asyncio.run(run())
+
+
+def test_an_exec_the_daemons_stop_cuts_off_is_kept_as_agent_lost(world: World) -> None:
+    """A stopping node detaches the agents: an exec failing then (before its command said
+    anything) is not a failure a retry should run again."""
+    async def run() -> None:
+        m = await running(world, "m")
+        world.node.execs.stopping = True  # what NodeRuntime.close sets first
+        world.engine.fail("exec", errors.AgentLost("the agent's channel closed", machine="m"))
+        with pytest.raises(errors.AgentLost):  # its caller hears what broke
+            await world.machines.exec(ACCOUNT, m.id, _req("sleep 9", "cut"))
+        st = await world.machines.exec_result(ACCOUNT, m.id, "cut")
+        assert st.error is not None and "daemon stopped" in st.error.message, st
 
     asyncio.run(run())
 

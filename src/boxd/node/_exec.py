@@ -90,16 +90,16 @@ def image_defaults(
             "user": user if user is not None else (run.user or None)}
 
 
-def _without_exit(exc: BaseException, record: ExecRecord) -> BoxdError:
+def _without_exit(exc: BaseException, record: ExecRecord, stopping: bool) -> BoxdError:
     """The error that ended an exec without an exit status, as its record keeps it."""
-    if isinstance(exc, BoxdError):
-        return exc
-    if isinstance(exc, asyncio.CancelledError):
+    if stopping:
         return AgentLost(
             f"the daemon stopped while exec {record.exec_id!r} ran: its exit was lost with "
             "the daemon's connection to the guest's agent", exec_id=record.exec_id,
             hint="its outcome is unknown (the command may have run in part or whole): run "
             "it again with a new exec id")
+    if isinstance(exc, BoxdError):
+        return exc
     return MachineFailed(f"the exec ended without an exit status: {exc!r}")
 
 
@@ -119,6 +119,7 @@ class Exec:
         self._max_output = max_output
         self.records = ExecRecords(files=files)
         self._tasks: set[asyncio.Task[ExecOutcome]] = set()
+        self.stopping = False  # the daemon stops: see `_run`
 
     async def exec(self, machine_id: str, req: models.ExecRequest) -> models.ExecResult:
         """Run ``req`` to completion in a task of the node's (a caller that goes away does
@@ -203,10 +204,12 @@ class Exec:
             if exit is None:  # pragma: no cover - exec() always ends with an exit or raises
                 raise MachineFailed("exec ended without an exit status")
         except BaseException as exc:
-            err = _without_exit(exc, record)
-            # Only the daemon's stop cancels an exec's task: the command may be running,
-            # so it is kept (as after a kill) even if it said nothing yet.
-            if not said and not isinstance(exc, asyncio.CancelledError):
+            # The daemon's stop (which detaches the agents, then cancels what is left)
+            # ends it: the command may be running, so it is kept (as after a kill) even
+            # if it said nothing yet.
+            stopping = self.stopping or isinstance(exc, asyncio.CancelledError)
+            err = _without_exit(exc, record, stopping)
+            if not said and not stopping:
                 self.records.drop(record)
             record.finish(None, err)
             await self.records.finished(record)

@@ -613,6 +613,7 @@ class NodeRuntime:
         self.idle.start()
 
     async def close(self) -> None:
+        self.execs.stopping = True  # execs cut off from here on are kept as such
         self.offers.close()
         await self.proxy.close_all()
         self.idle.stop()
