@@ -608,7 +608,8 @@ export class Machines {
    * also after the connection that started it was lost. A running exec is waited for up
    * to `wait` seconds (default 0); if it still runs, `running` is true. Only the last MiB
    * of each stream is kept; results are kept 15 minutes after the exec ends (the last 64
-   * per machine), not across a daemon restart.
+   * per machine), also across a daemon restart (an exec that still ran when the daemon
+   * died has `error` with code `agent_lost`).
    * @throws ExecNotFound no exec of that id is kept for the machine
    * @throws MachineNotFound
    */

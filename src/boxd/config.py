@@ -116,6 +116,11 @@ class Paths:
         return self.home / "uploads"
 
     @property
+    def execs(self) -> Path:
+        """Durable exec records: ``<machine id>/<exec id>.json`` (`boxd.storage.execs`)."""
+        return self.home / "execs"
+
+    @property
     def shm(self) -> Path:
         """Per-data-directory folder on tmpfs for RAM files and sockets.
 
@@ -153,8 +158,8 @@ class Paths:
         its -wal and -shm files the database's mode; the log handler appends).
         """
         subdirs = (self.images, self.disks, self.snapshots, self.machines, self.uploads,
-                   self.hibernated, self.shm / "machines", self.shm / "tmp", self.templates,
-                   self.checkpoints)
+                   self.execs, self.hibernated, self.shm / "machines", self.shm / "tmp",
+                   self.templates, self.checkpoints)
         for root in (self.home, self.shm):
             root.mkdir(parents=True, exist_ok=True, mode=0o700)
             mode = os.stat(root).st_mode & 0o7777

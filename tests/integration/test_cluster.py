@@ -235,8 +235,9 @@ def test_a_restarted_control_plane_finds_its_nodes_and_machines(
 def test_a_durable_exec_is_read_through_the_control_plane(
     cluster: LocalCluster, base: Any
 ) -> None:
-    """The exec's record lives on its machine's node; exec_result reaches it through the
-    control plane and the node actor, also while the exec runs."""
+    """The exec's record lives on its machine's node (in memory and in that node's data
+    directory); exec_result reaches it through the control plane and the node actor,
+    also while the exec runs."""
     import threading
 
     b = cluster.client
@@ -257,6 +258,8 @@ def test_a_durable_exec_is_read_through_the_control_plane(
     assert (st.running, st.stdout, st.exit_code) == (False, "durable\n", 0), st
     t.join(60)
     assert done and done[0].exec_id == "cluster-1"
+    kept = cluster.node_home(b.machines.get(base.id).node) / "execs" / base.id / "cluster-1.json"
+    assert kept.stat().st_mode & 0o777 == 0o600, kept  # what a restarted node actor loads
     with pytest.raises(errors.ExecNotFound):
         b.machines.exec_result(base.id, "no-such-exec")
 

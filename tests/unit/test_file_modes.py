@@ -32,8 +32,8 @@ def test_ensure_makes_the_data_directory_private(
     paths.ensure()
     assert _mode(paths.machines) == 0o750
     assert _mode(paths.disks) == 0o2770
-    for d in (paths.snapshots, paths.uploads, paths.shm / "machines", paths.templates,
-              paths.checkpoints):
+    for d in (paths.snapshots, paths.uploads, paths.execs, paths.shm / "machines",
+              paths.templates, paths.checkpoints):
         assert _mode(d) == 0o700, d
     for f in (paths.db, paths.log):
         assert _mode(f) == 0o600, f

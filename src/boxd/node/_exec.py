@@ -25,6 +25,7 @@ from boxd import models
 from boxd import process_models as pm
 from boxd.engine.base import Agent, ExecExit, ExecOutcome, ExecOutput, MachineHandle
 from boxd.errors import (
+    AgentLost,
     BoxdError,
     Conflict,
     ExecIdConflict,
@@ -37,6 +38,7 @@ from boxd.node._processes import ProcessStream, ProcessTable, Relay
 from boxd.node._services import SERVICE_ID, service_argv
 from boxd.node.lifecycle import Lease, Lifecycle
 from boxd.state import MachineRecord
+from boxd.storage.execs import ExecFiles
 
 log = logging.getLogger("boxd.node")
 
@@ -89,6 +91,19 @@ def image_defaults(
             "user": user if user is not None else (run.user or None)}
 
 
+def _without_exit(exc: BaseException, record: ExecRecord, stopping: bool) -> BoxdError:
+    """The error that ended an exec without an exit status, as its record keeps it."""
+    if stopping:
+        return AgentLost(
+            f"the daemon stopped while exec {record.exec_id!r} ran: its exit was lost with "
+            "the daemon's connection to the guest's agent", exec_id=record.exec_id,
+            hint="its outcome is unknown (the command may have run in part or whole): run "
+            "it again with a new exec id")
+    if isinstance(exc, BoxdError):
+        return exc
+    return MachineFailed(f"the exec ended without an exit status: {exc!r}")
+
+
 def _absolute(path: str) -> None:
     if not path.startswith("/"):
         raise InvalidRequest(f"guest path must be absolute: {path!r}", field="path")
@@ -98,13 +113,14 @@ class Exec:
     """Exec, upload, download, spawn and the spawned processes of one node."""
 
     def __init__(self, guests: Guests, lifecycle: Lifecycle, procs: ProcessTable, *,
-                 max_output: int) -> None:
+                 max_output: int, files: ExecFiles | None = None) -> None:
         self._g = guests
         self.lifecycle = lifecycle
         self.procs = procs
         self._max_output = max_output
-        self.records = ExecRecords()
+        self.records = ExecRecords(files=files)
         self._tasks: set[asyncio.Task[ExecOutcome]] = set()
+        self.stopping = False  # the daemon stops: see `_run`
 
     async def exec(self, machine_id: str, req: models.ExecRequest) -> models.ExecResult:
         """Run ``req`` to completion in a task of the node's (a caller that goes away does
@@ -189,14 +205,18 @@ class Exec:
             if exit is None:  # pragma: no cover - exec() always ends with an exit or raises
                 raise MachineFailed("exec ended without an exit status")
         except BaseException as exc:
-            err = exc if isinstance(exc, BoxdError) else MachineFailed(
-                f"the exec ended without an exit status: {exc!r}")
-            if not said:
+            # The daemon's stop (which detaches the agents, then cancels what is left)
+            # ends it: the command may be running, so it is kept (as after a kill) even
+            # if it said nothing yet.
+            stopping = self.stopping or isinstance(exc, asyncio.CancelledError)
+            err = _without_exit(exc, record, stopping)
+            if not said and not stopping:
                 self.records.drop(record)
             record.finish(None, err)
+            await self.records.finished(record)
             raise
         record.finish(exit, None)
-        self.records.prune()
+        await self.records.finished(record)
         return ExecOutcome(
             stdout=b"".join(kept["stdout"]), stderr=b"".join(kept["stderr"]),
             exit_code=exit.exit_code, signal=exit.signal, timed_out=exit.timed_out,

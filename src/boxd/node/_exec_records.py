@@ -5,23 +5,39 @@ connection drops does not end the command, and its result is read later by the e
 id. Each record keeps the last `KEPT_OUTPUT` bytes of stdout and of stderr, and the exit
 (or the error that ended the exec without one). Finished records are kept
 `KEEP_SECONDS`, at most `KEEP_PER_MACHINE` per machine and `KEPT_TOTAL` bytes of output
-on the node (the oldest finished ones go first); running ones are never dropped. The
-records are in memory: a daemon restart forgets them (docs/lifecycle.md#durable-exec).
+on the node (the oldest finished ones go first); running ones are never dropped.
+
+Records live in memory and, on a node with an `ExecFiles` (the daemon's), on disk too
+(`boxd.storage.execs`, ``<data dir>/execs/<machine id>/<exec id>.json``): an exec's
+record is written when it starts (running) and again when it ends, before its caller
+gets the answer; what is dropped from memory is removed from disk. A new daemon loads
+them (`ExecRecords.load`): a finished exec's result is read as before the restart, and
+an exec that was still running when the daemon died answers `AgentLost` (its result
+never reached the daemon; the command may have run in part or whole). See
+docs/lifecycle.md#durable-exec.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
 import hashlib
 import json
+import logging
 import secrets
 import shlex
 import time
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
 
 from boxd import models
 from boxd.engine.base import ExecExit
-from boxd.errors import BoxdError, ExecNotFound, ExecTimeout
+from boxd.errors import AgentLost, BoxdError, ExecNotFound, ExecTimeout, error_from_body
+from boxd.storage.execs import ExecFiles
+
+log = logging.getLogger("boxd.node")
 
 #: Bytes of each stream (stdout, stderr) an exec's record keeps: its last ones.
 KEPT_OUTPUT = 1 << 20
@@ -31,6 +47,9 @@ KEEP_SECONDS = 15 * 60.0
 KEEP_PER_MACHINE = 64
 #: Bytes of output the finished records of a node may hold together.
 KEPT_TOTAL = 256 << 20
+#: Output up to which a finished record's file is written on the event loop (a
+#: tenth of a millisecond); a larger one (up to 2 MiB: ten) is written in a thread.
+_WRITE_INLINE = 64 << 10
 
 
 def new_exec_id() -> str:
@@ -140,15 +159,57 @@ class ExecRecord:
             stdout_truncated=self.stdout.dropped, stderr_truncated=self.stderr.dropped,
         )
 
+    def doc(self) -> dict[str, Any]:
+        """The record as its file keeps it (`boxd.storage.execs`; the ids are its path)."""
+        ex = self.exit
+        return {
+            "fingerprint": self.fingerprint, "timeout": self.timeout,
+            "started_at": self.started_at,
+            # Wall clock on disk: the monotonic clock starts again with the host.
+            "finished_at": None if self.finished_at is None
+            else time.time() - (time.monotonic() - self.finished_at),
+            "exit": None if ex is None else {"exit_code": ex.exit_code, "signal": ex.signal,
+                                             "timed_out": ex.timed_out, "duration": ex.duration},
+            "error": None if self.error is None else self.error.to_body(),
+            "stdout": base64.b64encode(self.stdout.buf).decode(),
+            "stderr": base64.b64encode(self.stderr.buf).decode(),
+            "stdout_dropped": self.stdout.dropped, "stderr_dropped": self.stderr.dropped,
+        }
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any]) -> ExecRecord:
+        """The record a file kept (running, if it was when written).
+
+        Raises:
+            KeyError, TypeError, ValueError: not a record of this format.
+        """
+        rec = cls(str(doc["exec_id"]), str(doc["machine_id"]),
+                  models.ExecRequest(command="-", timeout=doc["timeout"]))
+        rec.fingerprint = str(doc["fingerprint"])
+        rec.started_at = float(doc["started_at"])
+        for tail, name in ((rec.stdout, "stdout"), (rec.stderr, "stderr")):
+            tail.add(base64.b64decode(str(doc[name]), validate=True))
+            tail.dropped = tail.dropped or bool(doc[f"{name}_dropped"])
+        if doc["finished_at"] is not None:
+            exit = ExecExit(**doc["exit"]) if doc["exit"] is not None else None
+            error = error_from_body(doc["error"]) if doc["error"] is not None else None
+            if exit is None and error is None:
+                raise ValueError("a finished record without its exit or error")
+            rec.finish(exit, error)
+            rec.finished_at = time.monotonic() - max(0.0, time.time() - doc["finished_at"])
+        return rec
+
 
 class ExecRecords:
     """The exec records of a node, per machine (see the module docstring)."""
 
     def __init__(self, *, keep_seconds: float = KEEP_SECONDS,
-                 per_machine: int = KEEP_PER_MACHINE, total: int = KEPT_TOTAL) -> None:
+                 per_machine: int = KEEP_PER_MACHINE, total: int = KEPT_TOTAL,
+                 files: ExecFiles | None = None) -> None:
         self.keep_seconds = keep_seconds
         self.per_machine = per_machine
         self.total = total
+        self.files = files  # None: in memory only
         self._by_machine: dict[str, OrderedDict[str, ExecRecord]] = {}
 
     def get(self, machine_id: str, exec_id: str) -> ExecRecord | None:
@@ -163,8 +224,7 @@ class ExecRecords:
                 f"no exec {exec_id!r} is kept for machine {machine_name!r}",
                 machine=machine_name, exec_id=exec_id,
                 hint=f"results are kept {self.keep_seconds / 60:.0f} minutes after the exec "
-                f"ends (the last {self.per_machine} per machine) and not across a daemon "
-                "restart; check the id",
+                f"ends (the last {self.per_machine} per machine); check the id",
             )
         return rec
 
@@ -175,6 +235,15 @@ class ExecRecords:
         return records[::-1][:max(0, limit)]
 
     def add(self, rec: ExecRecord) -> None:
+        """Keep a new (running) record.
+
+        Raises:
+            ResourceExhausted, InternalError: its file could not be written (nothing kept).
+        """
+        if self.files is not None:
+            # On disk before the command runs: a daemon that dies while it runs leaves a
+            # record that says so (`load`), not no record at all.
+            self.files.write(rec.machine_id, rec.exec_id, rec.doc())
         self._by_machine.setdefault(rec.machine_id, OrderedDict())[rec.exec_id] = rec
         self.prune()
 
@@ -184,10 +253,13 @@ class ExecRecords:
             del records[rec.exec_id]
             if not records:
                 del self._by_machine[rec.machine_id]
+            self._unlink(rec)
 
     def forget(self, machine_id: str) -> None:
         """The machine is gone: so are its records."""
         self._by_machine.pop(machine_id, None)
+        if self.files is not None:
+            self.files.remove_machine(machine_id)
 
     def prune(self) -> None:
         """Drop what is past its time, past a machine's count, past the node's bytes."""
@@ -197,9 +269,11 @@ class ExecRecords:
             for rec in list(records.values()):
                 if rec.finished_at is not None and now - rec.finished_at > self.keep_seconds:
                     del records[rec.exec_id]
+                    self._unlink(rec)
             over = len(records) - self.per_machine
             for rec in [r for r in records.values() if r.finished_at is not None][:max(0, over)]:
                 del records[rec.exec_id]
+                self._unlink(rec)
             if not records:
                 del self._by_machine[machine_id]
             finished += [r for r in records.values() if r.finished_at is not None]
@@ -210,6 +284,80 @@ class ExecRecords:
                 break
             held -= rec.size
             self.drop(rec)
+
+    # ------------------------------------------------------------ on disk
+
+    def _unlink(self, rec: ExecRecord) -> None:
+        if self.files is not None:
+            self.files.remove(rec.machine_id, rec.exec_id)
+
+    async def finished(self, rec: ExecRecord) -> None:
+        """``rec`` ended: its end goes to its file (before its caller hears of it), then
+        the bounds apply. A file that cannot be written is logged (it still says
+        running: after a restart the exec answers `AgentLost`)."""
+        self.prune()
+        if self.files is None or self._kept(rec) is not rec:
+            return
+        try:
+            if rec.size <= _WRITE_INLINE:
+                self.files.write(rec.machine_id, rec.exec_id, rec.doc())
+                return
+            # MiBs of output: encoded and written off the event loop. The record may be
+            # dropped meanwhile (its file then goes), or even replaced by a new exec of
+            # the same id (whose own record goes back).
+            await asyncio.to_thread(self.files.write, rec.machine_id, rec.exec_id, rec.doc())
+            now = self._kept(rec)
+            if now is None:
+                self._unlink(rec)
+            elif now is not rec:
+                self.files.write(now.machine_id, now.exec_id, now.doc())
+        except BoxdError as exc:
+            log.warning("machine=%s event=exec_record_not_written exec=%s error=%s",
+                        rec.machine_id, rec.exec_id, exc)
+
+    def _kept(self, rec: ExecRecord) -> ExecRecord | None:
+        """The record kept now under ``rec``'s machine and id (``rec`` or another)."""
+        return self._by_machine.get(rec.machine_id, OrderedDict()).get(rec.exec_id)
+
+    async def load(self, machine_name: Callable[[str], str | None]) -> None:
+        """After a daemon (re)start: the records the last one left on disk. A record that
+        was running when it died ends with `AgentLost` (and is written so). Records of
+        machines the node no longer has (``machine_name`` answers None) are removed;
+        then the bounds apply."""
+        if self.files is None:
+            return
+        files = self.files
+        loaded: list[ExecRecord] = []
+        for doc in await asyncio.to_thread(files.read_all):
+            name = machine_name(doc["machine_id"])
+            if name is None:
+                files.remove_machine(doc["machine_id"])
+                continue
+            try:
+                rec = ExecRecord.from_doc(doc)
+            except (KeyError, TypeError, ValueError) as exc:
+                log.warning("machine=%s event=exec_record_dropped exec=%s error=%r",
+                            doc["machine_id"], doc["exec_id"], exc)
+                files.remove(doc["machine_id"], doc["exec_id"])
+                continue
+            if rec.finished_at is None:
+                rec.finish(None, _interrupted(rec, name))
+                with contextlib.suppress(BoxdError):  # still "running": the same answer
+                    files.write(rec.machine_id, rec.exec_id, rec.doc())
+            loaded.append(rec)
+        for rec in sorted(loaded, key=lambda r: r.started_at):
+            self._by_machine.setdefault(rec.machine_id, OrderedDict())[rec.exec_id] = rec
+        self.prune()
+
+
+def _interrupted(rec: ExecRecord, machine: str) -> AgentLost:
+    return AgentLost(
+        f"the daemon restarted while exec {rec.exec_id!r} ran on machine {machine!r}: its "
+        "exit was lost with the daemon's connection to the guest's agent",
+        machine=machine, exec_id=rec.exec_id,
+        hint="its outcome is unknown (the command may have run in part or whole): run it "
+        "again with a new exec id",
+    )
 
 
 __all__ = [

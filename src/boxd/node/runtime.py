@@ -66,6 +66,7 @@ from boxd.node.lifecycle import Lease, Lifecycle, require
 from boxd.services import GuestApi
 from boxd.state import CheckpointRecord, MachineRecord, Repos, RunImage, TemplateRecord
 from boxd.storage import Manifest, SnapshotStore, disks
+from boxd.storage.execs import ExecFiles
 from boxd.storage.memory import remove_tree
 from boxd.storage.oci import ImageStore
 
@@ -135,7 +136,7 @@ class NodeRuntime:
         self.checkpoints = Checkpoints(paths, repos, host, store, self.lifecycle, machines=self,
                                        launcher=self.launcher, templates=self.templates)
         self.execs = Exec(self, self.lifecycle, self.procs,
-                          max_output=settings.max_exec_output)
+                          max_output=settings.max_exec_output, files=ExecFiles(paths.execs))
         self.recovery = Recovery(paths, repos, host, self.lifecycle, node_id=node_id,
                                  launcher=self.launcher, guests=self.guests, proxy=self.proxy,
                                  purge=self.purge, record=self.record)
@@ -613,16 +614,22 @@ class NodeRuntime:
 
     # ---------------------------------------------------------------- recovery
 
+    def _machine_name(self, machine_id: str) -> str | None:
+        rec = self.repos.machines.get(machine_id)
+        return None if rec is None or rec.state == S.DELETING else rec.name
+
     async def recover(self) -> None:
         """After a daemon (re)start: find the VMs of recorded machines again (see
         `boxd.node._recovery`); then the idle timers start."""
         if self.recovery.done:
             return
+        await self.execs.records.load(self._machine_name)
         await self.recovery.recover()
         self.gc()
         self.idle.start()
 
     async def close(self) -> None:
+        self.execs.stopping = True  # execs cut off from here on are kept as such
         self.offers.close()
         await self.proxy.close_all()
         self.idle.stop()

@@ -480,8 +480,9 @@ class Machines:
         has ``running=True`` and its output so far. Only the last MiB of each stream is
         kept (``stdout_truncated`` / ``stderr_truncated`` say when earlier output was
         dropped). Results are kept 15 minutes after the exec ends, the last 64 per
-        machine, and not across a daemon restart. An exec that failed without an exit
-        status (its machine died) has ``error`` set.
+        machine, also across a daemon restart. An exec that failed without an exit
+        status (its machine died) has ``error`` set; one that still ran when the daemon
+        died has ``error`` with code ``agent_lost`` (its exit never reached the daemon).
 
         Raises:
             ExecNotFound: no exec of that id is kept for the machine.
