@@ -15,7 +15,7 @@ import builtins
 import contextlib
 import os
 import tempfile
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, BinaryIO, overload
@@ -224,14 +224,13 @@ class AsyncMachines:
         on_timeout: str = "delete",
         image: str | None = None,
         wait: float = 0.0,
+        expose_host: Sequence[int] = (), egress: Sequence[str] | None = None,
     ) -> models.Machine:
         """Create and boot a machine; returns while it starts (see ``wait_until_ready``).
 
         Args:
             name: DNS-label name, unique per account; generated if None.
-            vcpus: virtual CPUs (daemon default if None).
-            memory_mib: memory in MiB (daemon default if None).
-            disk_gib: disk size in GiB (daemon default if None).
+            vcpus, memory_mib, disk_gib: CPUs, MiB, GiB (daemon defaults if None).
             isolated: no network at all.
             from_snapshot: start from a snapshot (``NAME``, ``NAME@N`` or ``sha256:...``).
             engine: ``qemu`` or ``gvisor`` (the daemon's default if None; a snapshot
@@ -239,13 +238,11 @@ class AsyncMachines:
             suspend_after: idle seconds before its vCPUs stop (0: never; None: default).
             hibernate_after: idle seconds before it goes to disk (0: never; None: default).
             node: the cluster node to place it on (``nodes.list()``; None: most free).
-            public: its URL needs no token (the bare ``http://127.0.0.1:PORT``, any TCP
-                protocol): every local user reaches its port 8080 and wakes it.
+            public: its URL needs no token: every local user reaches its port 8080.
             labels: string keys and values to find it by (``list(labels=)``), inherited
                 by its forks; at most 32 (`models.LABEL_RULE`).
-            idempotency_key: one per logical request (``str(uuid.uuid4())``), the same on
-                its retries: a retry within 24 h returns the first request's machine
-                (waiting for it if need be); a failed request frees it.
+            idempotency_key: one per logical request, the same on its retries: a retry
+                within 24 h returns the first request's machine; a failure frees it.
             timeout: its lifetime, whole seconds from now (1 to 30 days; ``end_at``,
                 ``set_timeout``); kept across daemon restarts. None: until deleted.
             on_timeout: what its end does: ``"delete"`` or ``"hibernate"`` (its state
@@ -254,6 +251,9 @@ class AsyncMachines:
                 its files are the root, its ENV, WORKDIR, USER exec's defaults (gVisor).
             wait: seconds to wait in the account's queue when its quota or the nodes'
                 room is used up, instead of failing at once (docs/lifecycle.md).
+            expose_host: host loopback ports it reaches at ``host.boxd.internal:PORT``.
+            egress: allow-list of its outbound connections (CIDRs, addresses, names, with
+                ``:PORT``; ``[]``: none; None: public addresses). Both: docs/security.md.
 
         Raises:
             InvalidRequest, AlreadyExists, SnapshotNotFound, HostSetupError; NotFound
@@ -263,7 +263,7 @@ class AsyncMachines:
         return await self._c._parse(models.Machine, _base.machine_create(
             name, vcpus, memory_mib, disk_gib, isolated, from_snapshot, engine,
             suspend_after, hibernate_after, node, public, labels, idempotency_key, timeout,
-            on_timeout, image, wait))
+            on_timeout, image, wait, expose_host, egress))
 
     async def set_timeout(
         self, ref: str, timeout: int | None, *, on_timeout: str | None = None,
