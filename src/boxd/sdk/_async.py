@@ -236,18 +236,16 @@ class AsyncMachines:
             from_snapshot: start from a snapshot (``NAME``, ``NAME@N`` or ``sha256:...``).
             engine: ``qemu`` or ``gvisor`` (the daemon's default if None; a snapshot
                 starts on the engine it was saved on). ``info().engines`` lists them.
-            suspend_after: idle seconds before its vCPUs stop (0: never; None: default).
-            hibernate_after: idle seconds before it goes to disk (0: never; None: default).
+            suspend_after, hibernate_after: idle seconds before its vCPUs stop, before it
+                goes to disk (0: never; None: the daemon's default).
             node: the cluster node to place it on (``nodes.list()``; None: most free).
             public: its URL needs no token: every local user reaches its port 8080.
-            labels: string keys and values to find it by (``list(labels=)``), inherited
-                by its forks; at most 32 (`models.LABEL_RULE`).
+            labels: to find it by (``list(labels=)``); its forks inherit them.
             idempotency_key: one per logical request, the same on its retries: a retry
                 within 24 h returns the first request's machine; a failure frees it.
             timeout: its lifetime, whole seconds from now (1 to 30 days; ``end_at``,
                 ``set_timeout``); kept across daemon restarts. None: until deleted.
-            on_timeout: what its end does: ``"delete"`` or ``"hibernate"`` (its state
-                is kept on disk and any request wakes it, with no lifetime).
+            on_timeout: what its end does: ``"delete"`` or ``"hibernate"``.
             image: an image imported for this account (``NAME[:TAG]``, ``sha256:DIGEST``):
                 its files are the root, its ENV, WORKDIR, USER exec's defaults (gVisor).
             wait: seconds to wait in the account's queue when its quota or the nodes'
