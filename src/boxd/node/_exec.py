@@ -322,9 +322,11 @@ class Exec:
 
     async def process_output(self, machine_id: str, process_id: str, after: int | None,
                              wait: float) -> pm.ProcessOutput:
-        """The process's stderr kept after offset ``after`` (None: all that is kept),
-        waiting up to ``wait`` seconds for more when there is none yet. It reads the
-        node's copy only: no guest is woken, no frame taken from the process's client.
+        """The process's stderr (a service's stdout too) kept after offset ``after``
+        (None: all that is kept), waiting up to ``wait`` seconds for more when there is
+        none yet. It reads the node's copy: no frame is taken from the process's client,
+        and no guest is woken, except to follow a service detached from its stream (a
+        fork child's copy, a restored or woken machine's).
 
         Raises:
             NotFound: no such process.
