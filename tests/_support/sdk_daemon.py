@@ -122,6 +122,17 @@ class SyncASGITransport(httpx.BaseTransport):
             self.loop.close()
 
 
+class KeptTransport(httpx.BaseTransport):
+    """A transport kept open across CLI invocations (each closes its client, and with
+    it the transport it was given): what a CLI test's patched ``Boxd`` is handed."""
+
+    def __init__(self, inner: httpx.BaseTransport) -> None:
+        self.inner = inner
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        return self.inner.handle_request(request)
+
+
 async def _cancel_others() -> None:
     others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
     for task in others:

@@ -15,7 +15,6 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from click.testing import CliRunner
 from tests._support import sdk_daemon as support
@@ -250,15 +249,6 @@ def test_the_sdk_refuses_a_bad_wait(boxd: Boxd, bad: Any) -> None:
         boxd.machines.new("a", wait=bad)
 
 
-class _Kept(httpx.BaseTransport):
-    """The world's transport, kept open across CLI invocations (each closes its client)."""
-
-    def __init__(self, inner: httpx.BaseTransport) -> None:
-        self.inner = inner
-
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
-        return self.inner.handle_request(request)
-
 
 def test_cli_new_and_fork_queue_and_info_shows_the_queue(
     world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -266,7 +256,8 @@ def test_cli_new_and_fork_queue_and_info_shows_the_queue(
     app, keys = support.world_app(world, tmp_path)
     key = keys.create(ACCOUNT, "cli").secret
     transport = support.SyncASGITransport(app)
-    monkeypatch.setattr(cli, "Boxd", lambda **_: Boxd(api_key=key, transport=_Kept(transport)))
+    monkeypatch.setattr(cli, "Boxd", lambda **_: Boxd(
+        api_key=key, transport=support.KeptTransport(transport)))
     world.repos.accounts.set_quota(ACCOUNT, 1)
     try:
         def run(*args: str) -> tuple[int, str, str]:

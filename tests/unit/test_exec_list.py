@@ -138,15 +138,6 @@ def test_the_sdks_default_is_the_apis() -> None:
     assert default == models.DEFAULT_EXEC_LIST
 
 
-class _Kept(httpx.BaseTransport):
-    """The world's transport, kept open across CLI invocations (each closes its client)."""
-
-    def __init__(self, inner: httpx.BaseTransport) -> None:
-        self.inner = inner
-
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
-        return self.inner.handle_request(request)
-
 
 def test_cli_machine_execs(transport: support.SyncASGITransport,
                            monkeypatch: pytest.MonkeyPatch) -> None:
@@ -157,7 +148,7 @@ def test_cli_machine_execs(transport: support.SyncASGITransport,
     from boxd import cli
 
     monkeypatch.setattr(cli, "Boxd", lambda **_: Boxd(
-        api_key=transport.key, transport=_Kept(transport)))  # type: ignore[attr-defined]
+        api_key=transport.key, transport=support.KeptTransport(transport)))  # type: ignore[attr-defined]
 
     def run(*args: str) -> tuple[int, str]:
         r = CliRunner().invoke(cli.main, list(args), catch_exceptions=False)

@@ -246,7 +246,6 @@ def test_concurrent_http_retries_make_one_machine(
     key = keys.create(ACCOUNT, "sdk").secret
 
     async def main() -> list[str]:
-        import httpx
         async with AsyncBoxd(api_key=key, transport=httpx.ASGITransport(app)) as b:
             made = await asyncio.gather(*(b.machines.new(idempotency_key="http")
                                           for _ in range(5)))
@@ -323,15 +322,6 @@ def _cli(*args: str) -> tuple[int, str, str]:
     return r.exit_code, r.stdout, r.stderr
 
 
-class _Kept(httpx.BaseTransport):
-    """The world's transport, kept open across CLI invocations (each closes its client)."""
-
-    def __init__(self, inner: httpx.BaseTransport) -> None:
-        self.inner = inner
-
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
-        return self.inner.handle_request(request)
-
 
 def test_cli_new_and_fork_take_an_idempotency_key(
     world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -339,7 +329,8 @@ def test_cli_new_and_fork_take_an_idempotency_key(
     app, keys = support.world_app(world, tmp_path)
     key = keys.create(ACCOUNT, "cli").secret
     transport = support.SyncASGITransport(app)
-    monkeypatch.setattr(cli, "Boxd", lambda **_: Boxd(api_key=key, transport=_Kept(transport)))
+    monkeypatch.setattr(cli, "Boxd", lambda **_: Boxd(
+        api_key=key, transport=support.KeptTransport(transport)))
     try:
         code, out, _ = _cli("machine", "new", "a", "--idempotency-key", "cli-1", "--json")
         assert code == 0, out
