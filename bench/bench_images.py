@@ -1,12 +1,15 @@
 """Container images (issue 41): import, new → ready, and the disk that images sharing a
 base take.
 
-Figures (each image is made here, offline: an OCI layout whose base layer is ~170 MB of
-this host's own files, real binaries and text, plus a small layer of its own):
+Figures (each image is made here, offline: an OCI layout whose base layer is 600 MB of
+this host's own files, real binaries and text, ~170 MB compressed, plus a small layer
+of its own):
 
-- ``import oci: (N MB)``: `boxd image import` of the layout, each run a new name after
-  the last was removed. Baseline, same run: the host's ``tar -xzf`` of the same layers,
-  the floor an importer that verifies and unpacks has to beat. Target: ≤ 10 s.
+- ``import oci: (N MB)``: `boxd image import` of the layout (N MB compressed), each run
+  a new name after the last was removed. Baseline, same run: ``cp`` + ``sha256sum`` of
+  the same blobs, the floor of an importer that verifies and stores. Target: ≤ 10 s.
+  ``tar -xzf`` of the layers is shown beside it: the floor of the unpack that the
+  image's first machine does.
 - ``new → ready, image`` against ``new → ready, default image`` on each engine that
   runs images: the same machine size, from the image and from boxd's own root; the
   first new of an image unpacks it and is shown apart (``first new``). Target: ≤ 1.5x.
@@ -73,13 +76,20 @@ def _layer(dest: Path, files: Iterator[Path] | dict[str, bytes]) -> tuple[str, s
         else:
             for p in files:
                 tar.add(p, arcname=str(p).lstrip("/"), recursive=False)
-    diff = hashlib.sha256(raw.read_bytes()).hexdigest()
-    with open(raw, "rb") as src, open(dest, "wb") as f, \
-            gzip.GzipFile(fileobj=f, mode="wb", compresslevel=6, mtime=0) as out:
+    h = hashlib.sha256()
+    with open(raw, "rb") as src:
+        while chunk := src.read(1 << 20):
+            h.update(chunk)
+    diff = h.hexdigest()
+    with open(raw, "rb") as src, open(dest, "wb") as dst, \
+            gzip.GzipFile(fileobj=dst, mode="wb", compresslevel=6, mtime=0) as out:
         shutil.copyfileobj(src, out, 1 << 20)
     raw.unlink()
-    data = dest.read_bytes()
-    return hashlib.sha256(data).hexdigest(), diff, len(data)
+    h = hashlib.sha256()
+    with open(dest, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest(), diff, dest.stat().st_size
 
 
 def _layout(root: Path, base: tuple[Path, str, str, int], top: dict[str, bytes]) -> Path:
@@ -152,7 +162,7 @@ def run(client: Any | None = None, log: Callable[[str], None] | None = None) -> 
     tell = log or say
     b = client or Boxd()
     n = int(os.environ.get("BENCH_IMG_N", "5"))
-    mb = int(os.environ.get("BENCH_IMG_MB", "170"))
+    mb = int(os.environ.get("BENCH_IMG_MB", "600"))
     busybox = shutil.which("busybox")
     if busybox is None:
         raise SystemExit("bench_images needs a static busybox (Debian's busybox-static)")
@@ -171,6 +181,14 @@ def run(client: Any | None = None, log: Callable[[str], None] | None = None) -> 
                    for i in range(10)]
         size_mb = sum(p.stat().st_size for p in (layouts[0] / "blobs/sha256").iterdir()) / 1e6
 
+        def copy_hash() -> None:
+            dest = Path(tempfile.mkdtemp(dir=work))
+            for blob in sorted((layouts[0] / "blobs/sha256").iterdir()):
+                subprocess.run(["cp", str(blob), str(dest)], check=True)
+                subprocess.run(["sha256sum", str(dest / blob.name)], check=True,
+                               capture_output=True)
+            shutil.rmtree(dest)
+
         def tar_x() -> None:
             dest = Path(tempfile.mkdtemp(dir=work))
             for blob in sorted((layouts[0] / "blobs/sha256").iterdir()):
@@ -183,16 +201,20 @@ def run(client: Any | None = None, log: Callable[[str], None] | None = None) -> 
             b.images.import_(f"oci:{layouts[0]}:v1", name)
             b.images.remove(name)
 
-        tell(f"bench_images: import x{n} against tar -xzf")
+        tell(f"bench_images: import x{n} against cp + sha256sum")
+        b.info()  # the daemon is up before anything is timed
+        floor = [_timed(copy_hash) for _ in range(n)]
         untar = [_timed(tar_x) for _ in range(n)]
         imports = []
         for i in range(n):
             imports.append(_timed(lambda i=i: import_once(i)))  # type: ignore[misc]
-        rows.append(row_from(GROUP, "tar -xzf of the layers (host floor)", untar,
-                             note=f"{size_mb:.0f} MB compressed"))
-        rows.append(row_from(GROUP, f"import oci: ({size_mb:.0f} MB compressed)", imports,
-                             baseline="tar -xzf of the layers (host floor)",
-                             baseline_values=untar, note="verify, store, index; then rm"))
+        what = f"{size_mb:.0f} MB compressed, {mb} MB of files"
+        rows.append(row_from(GROUP, "cp + sha256sum of the blobs (host floor)", floor,
+                             note=what))
+        rows.append(row_from(GROUP, f"import oci: ({size_mb:.0f} MB)", imports,
+                             baseline="cp + sha256sum of the blobs (host floor)",
+                             baseline_values=floor, note="verify, store, index; then rm"))
+        rows.append(row_from(GROUP, "tar -xzf of the layers (host)", untar, note=what))
         store, roots = paths.images_store, paths.image_roots
         names.append("bench/img0:v1")
         b.images.import_(f"oci:{layouts[0]}:v1", names[0])
@@ -224,8 +246,8 @@ def run(client: Any | None = None, log: Callable[[str], None] | None = None) -> 
                                  baseline=f"new → ready, default image ({engine})",
                                  baseline_values=default))
             rows.append(row_from(GROUP, f"first new → ready of an image ({engine})", first,
-                                 accel=accel, note="unpacks its layers"))
-            if engine == engines[0]:
+                                 accel=accel, note="unpacks its layers (see tar -xzf)"))
+            if not any(r.unit == "MB" for r in rows):  # on the first engine that runs images
                 one = _du(*_image_paths(b, store, roots, names[0]))
                 for i, layout in enumerate(layouts[1:], 1):
                     names.append(f"bench/img{i}:v1")

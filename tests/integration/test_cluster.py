@@ -358,3 +358,55 @@ def test_the_fleet_controls_hold_on_a_cluster(cluster: LocalCluster, base: Any) 
     assert {d.id for d in out.deleted} == {c.id for c in kids[1:] + fillers} | {got[0].id}
     assert b.machines.list(labels=run) == []
     assert b.machines.exec(base.id, "echo ok").stdout == "ok\n"
+
+
+@_on("gvisor")
+def test_an_image_machine_starts_on_any_node(cluster: LocalCluster, tmp_path: Path) -> None:
+    """The image store is the control plane's: a node that runs an image's machine gets
+    the image's blobs pushed once (verified there) and unpacks them; the machine's forks
+    stay on its node."""
+    from tests._support.oci import make_image, write_layout
+
+    busybox = shutil.which("busybox")
+    if busybox is None:
+        pytest.skip("no busybox on this host (Debian's busybox-static); "
+                    "tests/integration/test_image_machines.py covers images on one host")
+    bb = Path(busybox).read_bytes()
+    img = make_image([{"bin/busybox": bb, "bin/sh": bb, "srv/hello.txt": b"from the image\n"}],
+                     config={"Env": ["PATH=/bin", "WHO=cluster"], "WorkingDir": "/srv"})
+    b = cluster.client
+    b.images.import_(f"oci:{write_layout(tmp_path / 'layout', {'v1': img})}:v1", "it/bb:v1")
+    busy = {m.node for m in b.machines.list()}
+    free = [n for n in cluster.node_ids if n not in busy]  # the base may hold one
+    assert len(free) >= 2, busy
+    made = []
+    try:
+        for nid in free[:2]:
+            m = b.machines.new(image="it/bb:v1", node=nid)
+            made.append(m.id)
+            assert m.node == nid and m.image is not None and m.image.digest == img.digest
+            r = b.machines.exec(m.id, "cat hello.txt; echo $WHO; pwd")
+            assert r.stdout == "from the image\ncluster\n/srv\n", r
+            store = cluster.node_home(nid) / "oci" / "blobs" / "sha256"
+            assert {p.name for p in store.iterdir()} >= {
+                d[7:] for d in img.blobs()}, "the node holds the image's blobs"
+        (kid,) = b.machines.fork(made[0], count=1)
+        assert not isinstance(kid, Exception), kid
+        made.append(kid.id)
+        assert kid.node == free[0]  # an image machine's forks stay on its node
+        assert b.machines.exec(kid.id, "cat hello.txt").stdout == "from the image\n"
+        # its snapshot starts where the image's tree is, and says so when asked elsewhere
+        b.machines.exec(made[1], "echo changed > /srv/state.txt")
+        b.snapshots.save(made[1], "bb-snap")
+        with pytest.raises(errors.InvalidRequest, match="holds it"):
+            b.machines.new(from_snapshot="bb-snap", node=free[0])
+        again = b.machines.new(from_snapshot="bb-snap")
+        made.append(again.id)
+        assert again.node == free[1]
+        r = b.machines.exec(again.id, "cat hello.txt state.txt")
+        assert r.stdout == "from the image\nchanged\n", r
+        b.snapshots.delete("bb-snap")
+    finally:
+        for mid in made:
+            b.machines.delete(mid)
+        b.images.remove("it/bb:v1")

@@ -373,3 +373,27 @@ def test_the_store_is_the_daemons_alone(store: ImageStore, tmp_path: Path) -> No
     for path in [store.root, *store.root.rglob("*")]:
         mode = path.stat().st_mode & 0o777
         assert mode == (0o700 if path.is_dir() else 0o600), (path, oct(mode))
+
+
+def test_a_pushed_blob_is_stored_once_whole_and_verified(store: ImageStore) -> None:
+    """A cluster's control plane pushes image blobs to a node chunk by chunk
+    (`ImageStore.receive`): stored when whole and matching, never out of order or
+    corrupt."""
+    data = os.urandom(3000)
+    digest = sha(data)
+    assert store.receive(digest, len(data), 0, data[:1000]) is False
+    assert not store.has(digest)
+    with pytest.raises(CorruptData, match="does not follow"):
+        store.receive(digest, len(data), 2000, data[2000:])
+    assert store.receive(digest, len(data), 1000, data[1000:2000]) is False
+    assert store.receive(digest, len(data), 2000, data[2000:]) is True
+    assert store.path(digest).read_bytes() == data
+    with pytest.raises(CorruptData, match="before its start"):
+        store.receive(sha(b"x"), 2, 1, b"x")
+    bad = sha(b"other bytes")
+    store.receive(bad, 4, 0, b"abc")
+    with pytest.raises(IntegrityError):
+        store.receive(bad, 4, 3, b"d")
+    assert not store.has(bad)
+    assert [p.name for p in store.blobs.iterdir() if p.name.startswith(".")] == []
+    assert store.receive(sha(b""), 0, 0, b"") is True  # an empty blob is one empty chunk
