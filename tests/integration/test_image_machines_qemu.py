@@ -12,6 +12,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from boxd import errors
@@ -23,10 +24,11 @@ pytestmark = pytest.mark.vm
 IMAGE = "itq/app:v1"
 PASSWD = {"etc/passwd": b"root:x:0:0::/root:/bin/sh\napp:x:1000:1000::/home/app:/bin/sh\n",
           "etc/group": b"root:x:0:\napp:x:1000:\n"}
-# The service: ENTRYPOINT + CMD, as the image's USER in its WORKDIR.
-SERVICE = {**CONFIG, "User": "app",
+# The service: ENTRYPOINT + CMD, as the image's USER in its WORKDIR, serving its
+# EXPOSEd port (which decides when the machine is ready).
+SERVICE = {**CONFIG, "User": "app", "ExposedPorts": {"8000/tcp": {}},
            "Cmd": ["/bin/sh", "-c", "echo service up as $(busybox id -u) in $(pwd); "
-                   "exec busybox sleep 3600"]}
+                   "exec busybox httpd -f -p 8000 -h /srv/app"]}
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +80,9 @@ def test_a_qemu_machine_runs_an_image_without_python_forks_and_snapshots(  # typ
             and time.monotonic() < deadline:
         time.sleep(0.5)
     assert "service up as 1000 in /srv/app\n" in log.data, log
+    # its EXPOSEd port, through the machine's URL
+    r = httpx.get(client.machines.url(m.id, port=8000).rstrip("/") + "/data.txt", timeout=60)
+    assert (r.status_code, r.text) == (200, "image data\n"), r
     # writes go to the machine's disk; a fork sees them, and its own stay its own
     client.machines.exec(m.id, "echo parent > /tmp/../srv/app/mine.txt", user="root")
     child = client.machines.fork(m.id, "imgq-child")
