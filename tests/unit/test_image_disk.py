@@ -49,3 +49,32 @@ def test_the_tree_becomes_an_ext4_disk_once(tree: Path, tmp_path: Path) -> None:
     (tree / "srv/app/data.txt").write_text("changed\n")
     assert image_disk(tree, dest).stat().st_ino == ino
     assert [p.name for p in dest.iterdir() if p.name.endswith(".ext4")] == [disk.name]
+
+
+def test_a_disk_smaller_than_the_images_files_is_refused(tree: Path, tmp_path: Path) -> None:
+    import asyncio
+
+    from boxd.engine.qemu import QemuEngine
+    from boxd.engine.qemu._probe import AccelChoice
+    from boxd.errors import InvalidRequest
+
+    if shutil.which("qemu-img") is None:
+        pytest.skip("no qemu-img on this host")
+    dest = tmp_path / "disks"
+    engine = QemuEngine("qemu-system-x86_64", AccelChoice("tcg", "test"),
+                        runtime=tmp_path / "rootfs.img", image_disks=dest)
+    assert engine.image_roots
+    layer = tmp_path / "l.qcow2"
+    asyncio.run(engine.create_disk(layer, tree, "raw", 1))  # a few MiB of files: fits
+    info = subprocess.run(["qemu-img", "info", "--output=json", str(layer)],
+                          capture_output=True, text=True, check=True).stdout
+    assert f'"backing-filename": "{dest / (tree.name + ".ext4")}"' in info
+    # an image whose ext4 is 2.5 GiB (made before, as a big image's would be)
+    big = tree.with_name("cd" * 32)
+    shutil.copytree(tree, big, symlinks=True)
+    dest.joinpath(f"{big.name}.ext4").write_bytes(b"")
+    os.truncate(dest / f"{big.name}.ext4", 5 << 29)
+    with pytest.raises(InvalidRequest, match="at least 3 GiB; the machine's is 2 GiB"):
+        asyncio.run(engine.create_disk(tmp_path / "l2.qcow2", big, "raw", 2))
+    assert not (tmp_path / "l2.qcow2").exists()
+    assert not QemuEngine("q", AccelChoice("tcg", "test")).image_roots  # no runtime given

@@ -28,7 +28,7 @@ from boxd.engine.cgroups import Cgroups, Limits, memory_limit
 from boxd.engine.qemu import _argv, _net
 from boxd.engine.qemu._probe import AccelChoice
 from boxd.engine.qemu._process import QemuProcess, pid_matches
-from boxd.errors import BoxdError, InternalError, MachineFailed
+from boxd.errors import BoxdError, InternalError, InvalidRequest, MachineFailed
 from boxd.images import image_disk
 from boxd.storage import disks
 from boxd.storage.fds import OwnedFd
@@ -409,6 +409,13 @@ class QemuEngine:
             group = self.file_owner[1] if self.file_owner else None
             backing = await asyncio.to_thread(image_disk, backing, self.image_disks, group)
             fmt = "raw"
+            # An overlay smaller than its base would cut the image's filesystem short.
+            need = -(-backing.stat().st_size // (1 << 30))
+            if size_gib < need:
+                raise InvalidRequest(
+                    f"this image's files need a disk of at least {need} GiB; the machine's "
+                    f"is {size_gib} GiB", field="disk_gib",
+                    hint=f"boxd machine new NAME --image REF --disk {need} (or more)")
         await disks.create_overlay(path, backing, fmt, size_gib, owner=self.file_owner)
 
     async def flatten_disk(self, layer: Path, dest: Path) -> None:
