@@ -100,9 +100,8 @@ def test_an_image_the_account_lacks_is_not_found_and_leaves_no_machine(world: Wo
 
 
 def test_an_engine_without_image_roots_refuses_with_a_typed_error(world: World) -> None:
-    world.engine.roots_from_images = False  # as QEMU's
-    with pytest.raises(InvalidRequest, match="images run on gVisor only for now; use "
-                                             "engine=gvisor"):
+    world.engine.roots_from_images = False  # an engine that boots no image's root
+    with pytest.raises(InvalidRequest, match="engine cannot run container images"):
         _new(world, name="q", image="envs/tiny:v1")
     assert world.repos.machines.list(ACCOUNT) == []
     assert not world.paths.image_roots.exists(), "nothing unpacked for a refused machine"
