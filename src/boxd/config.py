@@ -13,8 +13,9 @@ else ``$XDG_DATA_HOME/boxd`` or ``~/.local/share/boxd``)::
     host.json            cached accelerator probe
     images/<hash>/       guest kernel, initramfs, rootfs (one per recipe)
     oci/                 imported container images: an OCI layout (blobs/, index.json)
-    oci-roots/<digest>/  an imported image unpacked (gVisor boots on it)
-    oci-disks/<digest>.ext4  the same as a raw ext4 disk (QEMU boots on it)
+    oci-roots/chains/<chain>/  images unpacked, one tree per layer chain (hard links to
+                         the chain below); oci-roots/<digest> names an image's (gVisor)
+    oci-disks/<chain>.ext4  an image's tree as a raw ext4 disk (QEMU boots on it)
     disks/<layer>.qcow2  disk layers: a machine's writable overlay or a frozen layer
     snapshots/           content-addressed snapshot store (blobs/, manifests)
     machines/<id>/       per-machine persistent files (console log)
