@@ -96,17 +96,15 @@ class BoxdProvider(ContainerProvider):  # type: ignore[misc]
             **kwargs: ``name``, the new machine's name (generated if absent).
 
         Returns:
-            The base URL of the session's server (``http://127.0.0.1:PORT/TOKEN``, or
-            ``.../TOKEN.N`` for guest port N).
+            The session's base URL (``http://127.0.0.1:PORT/TOKEN[.N]``, N: guest port).
 
         Raises:
-            InvalidRequest: a session is already started, or ``port``/``env_vars``/a
-                keyword cannot be honoured.
+            InvalidRequest: a session is already started, or ``port``, ``env_vars`` or
+                a keyword cannot be honoured.
             NotFound: no machine, no snapshot and no image has the name ``image``.
-            StateError: an image's baseline did not become ready (its service's log
-                says why: ``boxd machine logs``).
-            TimeoutError: an image's baseline did not answer ``/health`` in time.
-            BoxdError: the fork or start failed (its own type: StateError, QuotaExceeded...).
+            StateError, TimeoutError: an image's baseline was not ready, or did not
+                answer ``/health``, in time (``boxd machine logs`` says why).
+            BoxdError: the fork or start failed (its own type: QuotaExceeded...).
         """
         if self._session is not None:
             raise errors.InvalidRequest(
