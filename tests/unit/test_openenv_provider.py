@@ -94,6 +94,11 @@ def boxd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_daemon: Paths,
     layout = write_layout(tmp_path / "layout", {"v1": make_image([{"srv/x": b"x"}])})
     import_image(ImageStore(w.paths.images_store), f"oci:{layout}:v1",
                  f"{ACCOUNT}/envs/counter:v1")
+    sick = make_image([{"srv/x": b"x"}], config={
+        "Entrypoint": ["cat"], "Healthcheck": {"Test": ["CMD", "cat", "/no such"]}})
+    layout = write_layout(tmp_path / "layout-sick", {"v1": sick})
+    import_image(ImageStore(w.paths.images_store), f"oci:{layout}:v1",
+                 f"{ACCOUNT}/envs/sick:v1")
     keys = KeyService(w.repos.db)
     app = create_app(machines=w.machines, snapshots=w.snapshots, keys=keys,
                      host_info=host_info, upload_dir=tmp_path / "uploads",
@@ -268,6 +273,29 @@ def test_an_image_name_starts_one_baseline_that_every_session_forks(
     assert baseline.name == f"openenv-{digest[7:19]}"
     assert baseline.image is not None and baseline.image.digest == digest
     assert _names(boxd) == ["echo-warm", baseline.name]  # the forks went at close
+
+
+def test_a_baseline_another_session_started_is_forked_and_a_sick_one_goes(
+        boxd: Boxd, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session that finds the baseline's name taken (another session started it)
+    waits for that machine and forks it; a baseline whose service never gets ready is
+    deleted by the session that started it, which raises, leaving nothing."""
+    from boxd.openenv import _provider
+
+    digest = boxd.images.get("envs/counter:v1").digest
+    theirs = boxd.machines.new(_provider.baseline_name(digest), image=digest)
+    provider = BoxdProvider(boxd)
+    provider.start_container("envs/counter:v1")
+    assert provider.baseline == theirs.id
+    assert boxd.machines.get(provider.machine or "").parent_id == theirs.id
+    provider.stop_container()
+    assert boxd.machines.get(theirs.id).state == "running"  # not the session's to delete
+    boxd.machines.delete(theirs.id)
+
+    monkeypatch.setattr(_provider, "BASELINE_TIMEOUT", 1.5)
+    with pytest.raises(errors.StateError, match="boxd machine logs"):
+        BoxdProvider(boxd).start_container("envs/sick:v1")
+    assert _names(boxd) == ["echo-warm"]
 
 
 def test_an_image_port_is_its_first_exposed_tcp_port_else_8000() -> None:
