@@ -1622,7 +1622,7 @@ export interface components {
             wait?: number | null;
             /**
              * Image
-             * @description an image imported for the account (`boxd image import`): NAME[:TAG] or sha256:DIGEST; the machine's root is that image's files, and its ENV and WORKDIR are exec's defaults. gVisor only for now; not with from_snapshot
+             * @description an image imported for the account (`boxd image import`): NAME[:TAG] or sha256:DIGEST; the machine's root is that image's files, and its ENV and WORKDIR are exec's defaults (either engine); not with from_snapshot
              */
             image?: string | null;
             /**

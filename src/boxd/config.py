@@ -13,6 +13,8 @@ else ``$XDG_DATA_HOME/boxd`` or ``~/.local/share/boxd``)::
     host.json            cached accelerator probe
     images/<hash>/       guest kernel, initramfs, rootfs (one per recipe)
     oci/                 imported container images: an OCI layout (blobs/, index.json)
+    oci-roots/<digest>/  an imported image unpacked (gVisor boots on it)
+    oci-disks/<digest>.ext4  the same as a raw ext4 disk (QEMU boots on it)
     disks/<layer>.qcow2  disk layers: a machine's writable overlay or a frozen layer
     snapshots/           content-addressed snapshot store (blobs/, manifests)
     machines/<id>/       per-machine persistent files (console log)
@@ -98,6 +100,11 @@ class Paths:
     def image_roots(self) -> Path:
         """Imported images unpacked for machines to run on: one tree per image digest."""
         return self.home / "oci-roots"
+
+    @property
+    def image_disks(self) -> Path:
+        """Imported images as raw ext4 disks, for engines that boot a disk (QEMU)."""
+        return self.home / "oci-disks"
 
     @property
     def disks(self) -> Path:

@@ -345,7 +345,7 @@ class MachineCreate(BaseModel):
         None, max_length=330, pattern=IMAGE_REF_PATTERN,
         description="an image imported for the account (`boxd image import`): NAME[:TAG] "
         "or sha256:DIGEST; the machine's root is that image's files, and its ENV and "
-        "WORKDIR are exec's defaults. gVisor only for now; not with from_snapshot")
+        "WORKDIR are exec's defaults (either engine); not with from_snapshot")
     service: bool = Field(
         True, description="with image: start the image's ENTRYPOINT + CMD as the "
         "machine's service once it boots (its HEALTHCHECK, else its first EXPOSEd port, "

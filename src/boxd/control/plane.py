@@ -50,7 +50,7 @@ from boxd.errors import (
     NotFound,
     SnapshotNotFound,
 )
-from boxd.images.oci import resolve_image
+from boxd.images.oci import image_by_digest, resolve_image
 from boxd.models import NAME_RE, NAME_RULE, MachineState
 from boxd.node import SERVICE_ID, service_argv
 from boxd.node.base import Boot, FromSnapshot, Node, ProcessStream
@@ -308,12 +308,25 @@ class Machines:
                 on_timeout=req.on_timeout or "delete", run_image=run_image,
             )
             held.append(rec)
+            if run_image is not None and self.cluster is not None:
+                try:
+                    await self._push_image(node.id, run_image.digest)
+                except BaseException:
+                    await self._forget(rec.id, node)
+                    raise
             await node.create(rec.id, Boot())  # on failure the record is gone
             return rec
 
         with self.lifetimes.launching() as held:  # its end waits for the create
             rec = await self._launch(req.node, set(), launch)
         return await self.get(account, rec.id)
+
+    async def _push_image(self, node_id: str, digest: str) -> None:
+        """On a cluster: give the node the image's blobs it lacks (the store is here)."""
+        assert self.images is not None and self.cluster is not None
+        info = await asyncio.to_thread(image_by_digest, self.images, digest, digest)
+        await self.cluster.nodes[node_id].receive_image(
+            self.images, [info.digest, info.config_digest, *(d.digest for d in info.layers)])
 
     async def _create_from_snapshot(
         self, account: str, req: models.MachineCreate
@@ -356,8 +369,9 @@ class Machines:
                                     holder=None if holder.id == node.id else holder)
             return rec
 
+        hint = _image_snapshot_node(req.node, holders, meta) if holders else req.node
         with self.lifetimes.launching() as held:
-            rec = await self._launch(req.node, set(holders), launch)
+            rec = await self._launch(hint, set(holders), launch)
         return await self.get(account, rec.id)
 
     # ------------------------------------------------------------ inspection
@@ -934,6 +948,25 @@ class Snapshots:
             return self._model(existing)
         return self._model(self.repos.snapshots.add(account, name, manifest.digest,
                                                     new_version=True))
+
+
+def _image_snapshot_node(node: str | None, holders: Mapping[str, ClusterNode],
+                         meta: Mapping[str, object]) -> str | None:
+    """The node a snapshot starts on: ``node`` (None: placement's choice), except that a
+    container image machine's snapshot names its image's tree on the node that saved it,
+    so it starts on a node that holds it.
+
+    Raises:
+        InvalidRequest: ``node`` does not hold the image machine's snapshot.
+    """
+    if meta.get("run_image") is None or (node is not None and node in holders):
+        return node
+    if node is None:
+        return next(iter(holders))
+    raise InvalidRequest(
+        f"a container image machine's snapshot starts on a node that holds it "
+        f"({', '.join(holders)}), not on {node} yet", field="node",
+        hint="start it without a node, or on one of those")
 
 
 async def _holders(nodes: Iterable[ClusterNode], digest: str, ref: str,

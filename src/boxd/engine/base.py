@@ -51,6 +51,10 @@ class MachineConfig:
     kernel: Path
     initrd: Path
     cmdline: str  # extra kernel command line of the image (timing hints)
+    # The disk's root is a container image's files (`Engine.image_roots`): the engine
+    # brings the agent's runtime beside it (QEMU: boxd's guest root as a second,
+    # read-only disk). Part of what the machine is: its forks and restores keep it.
+    image_root: bool = False
 
 
 @dataclass(frozen=True)
@@ -290,8 +294,10 @@ class Engine(Protocol):
     @property
     def image_roots(self) -> bool:
         """True when a machine can boot on a directory tree (an imported container
-        image, unpacked): `create_disk` then takes that directory as a raw backing and
-        the engine brings its own agent runtime, whatever the tree holds."""
+        image, unpacked): `create_disk` then takes that directory as a raw backing (in
+        whatever form the engine boots: gVisor serves the tree, QEMU packs it into an
+        ext4 disk once per image), and the engine brings its own agent runtime to a
+        machine whose config says ``image_root``, whatever the tree holds."""
         ...
 
     def info(self) -> EngineInfo: ...

@@ -144,20 +144,20 @@ class Launcher:
 
     def config_for(
         self, vm_id: str, hostname: str, *, vcpus: int, memory_mib: int, isolated: bool,
-        port: int | None,
+        port: int | None, image_root: bool = False,
     ) -> MachineConfig:
         image = self.host.image
         return MachineConfig(
             id=vm_id, hostname=hostname, vcpus=vcpus, memory_mib=memory_mib,
             isolated=isolated, port=port,
             kernel=image.kernel if image else Path(), initrd=image.initrd if image else Path(),
-            cmdline=image.cmdline_hint if image else "",
+            cmdline=image.cmdline_hint if image else "", image_root=image_root,
         )
 
     def config(self, rec: MachineRecord) -> MachineConfig:
         return self.config_for(
             rec.vm_id, rec.name, vcpus=rec.vcpus, memory_mib=rec.memory_mib,
-            isolated=rec.isolated, port=rec.fwd_port,
+            isolated=rec.isolated, port=rec.fwd_port, image_root=rec.run_image is not None,
         )
 
     # ----------------------------------------------------- handles and watchers

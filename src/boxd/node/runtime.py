@@ -284,8 +284,9 @@ class NodeRuntime:
         """
         if not supported:
             raise InvalidRequest(
-                "images run on gVisor only for now; use engine=gvisor", field="engine",
-                hint=f"boxd machine new NAME --image {run.name} --engine gvisor")
+                "this machine's engine cannot run container images", field="engine",
+                hint=f"boxd machine new NAME --image {run.name} --engine ENGINE, naming an "
+                "engine that runs them (`boxd info` lists the engines)")
         store = ImageStore(self.paths.images_store)
 
         def unpack() -> Path:

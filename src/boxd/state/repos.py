@@ -299,12 +299,14 @@ class Machines:
                 "INSERT OR REPLACE INTO machines (id, account_id, name, state, vcpus, memory_mib,"
                 " disk_gib, isolated, image, parent_id, snapshot, created_at, node_id, engine,"
                 " vm_id, last_active, suspend_after, hibernate_after, port, url_token,"
-                " url_public, labels) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                " url_public, labels, run_image)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (rec.id, rec.account_id, rec.name, rec.state.value, rec.vcpus, rec.memory_mib,
                  rec.disk_gib, int(rec.isolated), rec.image, rec.parent_id, rec.snapshot,
                  rec.created_at, rec.node_id, rec.engine, rec.vm_id, rec.last_active,
                  rec.suspend_after, rec.hibernate_after, rec.port, rec.url_token,
-                 int(rec.url_public), json.dumps(rec.labels)),
+                 int(rec.url_public), json.dumps(rec.labels),
+                 json.dumps(rec.run_image.to_json()) if rec.run_image is not None else None),
             )
 
     @_writes
