@@ -22,7 +22,14 @@ from boxd import models
 from boxd.e2b._ids import is_sandbox_id, new_sandbox_id
 from boxd.e2b._store import SandboxRecord, SandboxStore, now
 from boxd.e2b.env import SANDBOX_LABELS, source_labels
-from boxd.errors import BoxdError, InvalidRequest, MachineNotFound, StateError
+from boxd.errors import (
+    BoxdError,
+    InvalidRequest,
+    MachineNotFound,
+    NotFound,
+    SnapshotNotFound,
+    StateError,
+)
 from boxd.services import MachineService
 
 __all__ = ["BASE_TEMPLATE", "HOME", "MAX_FORKS", "Sandbox", "Sandboxes"]
@@ -129,8 +136,8 @@ class Sandboxes:
         on when its client goes, so a retry after a lost reply finds it.
 
         Raises:
-            InvalidRequest, QuotaExceeded, SnapshotNotFound (an unknown template),
-            MachineFailed, HostSetupError.
+            InvalidRequest, QuotaExceeded, SnapshotNotFound (a template that is no
+            snapshot and no image), MachineFailed, HostSetupError.
         """
         make = self._create(account, template, timeout, metadata=metadata,
                             env_vars=env_vars, auto_pause=auto_pause, isolated=isolated)
@@ -174,7 +181,7 @@ class Sandboxes:
         try:
             machine = await self._fork_warm(account, template, sandbox_id, isolated)
             if machine is None:
-                await self.machines.create(account, req)
+                await self._boot(account, req)
                 machine = await self._ready(account, sandbox_id)
         except BaseException:
             self.store.remove(sandbox_id)
@@ -183,6 +190,30 @@ class Sandboxes:
             raise
         self._wakeup.set()
         return Sandbox(rec, machine)
+
+    async def _boot(self, account: str, req: models.MachineCreate) -> None:
+        """Create the sandbox's machine: of boxd's default image for `BASE_TEMPLATE`,
+        else from the snapshot the template names, else from the account's image of
+        that name (``NAME[:TAG]``: its root and its service, docs/images.md).
+
+        Raises:
+            SnapshotNotFound: the template is neither a snapshot nor an image.
+        """
+        try:
+            await self.machines.create(account, req)
+            return
+        except SnapshotNotFound:
+            pass
+        template = req.from_snapshot
+        try:
+            await self.machines.create(account, req.model_copy(
+                update={"from_snapshot": None, "image": template}))
+        except NotFound:  # the image's: no such image either
+            raise SnapshotNotFound(
+                f"template {template!r} not found: no snapshot and no image has that name",
+                snapshot=template,
+                hint="`boxd snapshots list` and `boxd image list` show what there is") \
+                from None
 
     async def _fork_warm(self, account: str, template: str, sandbox_id: str,
                          isolated: bool) -> models.Machine | None:

@@ -239,6 +239,13 @@ class NodeRuntime:
     # ------------------------------------------------------------------ create
 
     async def create(self, machine_id: str, source: Boot | FromSnapshot) -> None:
+        # The whole create holds the machine's lease, an image's unpacking included: a
+        # request for the machine meanwhile (its record exists, starting, with no VM
+        # process yet) waits for the create instead of answering that no VM runs.
+        async with self.lease(machine_id).op():
+            await self._create(machine_id, source)
+
+    async def _create(self, machine_id: str, source: Boot | FromSnapshot) -> None:
         rec = self.record(machine_id)
         try:
             image, engine = await self.host.ready(rec.engine)
@@ -252,18 +259,17 @@ class NodeRuntime:
         self.repos.machines.update(machine_id, port=port)
         rec = self.record(machine_id)
         try:
-            async with self.lease(machine_id).op():
-                if isinstance(source, Boot):
-                    await self.launcher.start(
-                        rec, Launch(None, backing=root, backing_format="raw",
-                                    disk_gib=rec.disk_gib),
-                        identity=False, to_running=False,
-                    )
-                else:
-                    await self.launcher.start(rec, Launch(
-                        MemoryImage(source.memory, source.state, rec.memory_mib),
-                        backing=source.disk, backing_format="layer", disk_gib=rec.disk_gib,
-                    ))
+            if isinstance(source, Boot):
+                await self.launcher.start(
+                    rec, Launch(None, backing=root, backing_format="raw",
+                                disk_gib=rec.disk_gib),
+                    identity=False, to_running=False,
+                )
+            else:
+                await self.launcher.start(rec, Launch(
+                    MemoryImage(source.memory, source.state, rec.memory_mib),
+                    backing=source.disk, backing_format="layer", disk_gib=rec.disk_gib,
+                ))
         except BaseException:
             await self.purge(machine_id)
             raise
