@@ -161,6 +161,14 @@ def test_timeout_interrupts_the_cell(sbx) -> None:  # type: ignore[no-untyped-de
     assert time.monotonic() - start < 30
 
 
+def test_a_dead_kernel_is_an_error_and_is_restarted(sbx) -> None:  # type: ignore[no-untyped-def]
+    ctx = sbx.create_code_context()
+    ex = sbx.run_code("import os\nos._exit(1)", context=ctx, timeout=60)
+    assert ex.error is not None and "kernel died" in ex.error.value
+    assert sbx.run_code("1 + 1", context=ctx).text == "2"
+    sbx.remove_code_context(ctx)
+
+
 def test_commands_still_work(sbx) -> None:  # type: ignore[no-untyped-def]
     assert sbx.commands.run("echo $((6 * 7))").stdout == "42\n"
     sbx.files.write("/home/user/data.txt", "from files")

@@ -167,6 +167,10 @@ class Context:
             try:
                 msg = self.client.get_iopub_msg(timeout=0.2)
             except Exception:  # queue.Empty: nothing yet
+                if not self.manager.is_alive():
+                    self.restart()
+                    raise RuntimeError("the kernel died (it was restarted: its state is "
+                                       "gone)") from None
                 continue
             if msg.get("parent_header", {}).get("msg_id") != msg_id:
                 continue
@@ -198,7 +202,8 @@ class Context:
 class Contexts:
     """The kernels, by context id; ``default`` per language is made on first use."""
 
-    def __init__(self) -> None:
+    def __init__(self, kind: type[Context] = Context) -> None:
+        self.kind = kind  # what a context is (tests: one without a kernel)
         self._lock = threading.Lock()
         self._all: dict[str, Context] = {}
         self._defaults: dict[str, str] = {}
@@ -210,7 +215,7 @@ class Contexts:
         with self._lock:
             if len(self._all) >= MAX_CONTEXTS:
                 raise HttpError(400, f"at most {MAX_CONTEXTS} contexts: remove one first")
-        ctx = Context(uuid.uuid4().hex, language, cwd or DEFAULT_CWD)
+        ctx = self.kind(uuid.uuid4().hex, language, cwd or DEFAULT_CWD)
         try:
             ctx.start()
         except Exception as exc:
@@ -330,6 +335,26 @@ class Handler(BaseHTTPRequestHandler):
         self._json(200, {})
 
     def _execute(self, body: dict[str, Any]) -> None:
+        code, ctx, env = self._cell(body)
+        with ctx.lock:
+            set_env, reset_env = env_code(env)
+            if env:
+                ctx.quiet(set_env)  # before the head: a failure here is a plain 500
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-ndjson")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            try:
+                self._stream(ctx, code)
+            finally:
+                if env:
+                    try:
+                        ctx.quiet(reset_env)
+                    except Exception as exc:
+                        self.log_message("env_vars not reset: %s", exc)
+
+    def _cell(self, body: dict[str, Any]) -> tuple[str, Context, dict[str, str]]:
+        """What ``/execute`` asks: the code, its context, its env_vars (HttpError: bad)."""
         code = body.get("code")
         if not isinstance(code, str):
             raise HttpError(400, "code must be a string")
@@ -343,23 +368,21 @@ class Handler(BaseHTTPRequestHandler):
         if context_id is not None and not isinstance(context_id, str):
             raise HttpError(400, "context_id must be a string")
         ctx = self.contexts.get(context_id) if context_id else self.contexts.default(language)
-        with ctx.lock:
-            self.send_response(200)
-            self.send_header("Content-Type", "application/x-ndjson")
-            self.send_header("Transfer-Encoding", "chunked")
-            self.end_headers()
-            if env:
-                set_env, reset_env = env_code(env)
-                ctx.quiet(set_env)
-            try:
-                for line in ctx.run(code, self._client_gone):
-                    self._chunk((json.dumps(line) + "\n").encode())
-                self._chunk(b"")
-            except OSError:
-                self.close_connection = True
-            finally:
-                if env:
-                    ctx.quiet(reset_env)
+        return code, ctx, env
+
+    def _stream(self, ctx: Context, code: str) -> None:
+        """The cell's lines as chunks, then the last chunk (the head is sent)."""
+        try:
+            for line in ctx.run(code, self._client_gone):
+                self._chunk((json.dumps(line) + "\n").encode())
+        except OSError:
+            self.close_connection = True  # the client went
+            return
+        except Exception as exc:  # the head is sent: the failure is the cell's error
+            self._chunk((json.dumps({
+                "type": "error", "name": "InterpreterError",
+                "value": f"{type(exc).__name__}: {exc}", "traceback": ""}) + "\n").encode())
+        self._chunk(b"")
 
     def _client_gone(self) -> bool:
         """The client closed its side (its request was read whole: any byte or EOF now
@@ -433,10 +456,12 @@ class Handler(BaseHTTPRequestHandler):
             self._json(500, {"error": f"{type(exc).__name__}: {exc}"})
 
 
-def serve(port: int = PORT, contexts: Contexts | None = None) -> ThreadingHTTPServer:
-    """The service's server on ``port`` (not yet serving: call ``serve_forever``)."""
+def serve(port: int = PORT, contexts: Contexts | None = None,
+          host: str = "0.0.0.0") -> ThreadingHTTPServer:
+    """The service's server on ``host:port`` (not yet serving: call ``serve_forever``).
+    Every address of the guest: the host reaches it through the guest's network."""
     handler = type("BoundHandler", (Handler,), {"contexts": contexts or Contexts()})
-    server = ThreadingHTTPServer(("0.0.0.0", port), handler)
+    server = ThreadingHTTPServer((host, port), handler)
     server.daemon_threads = True
     return server
 
@@ -449,8 +474,8 @@ def main() -> None:
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, stop)
-    contexts.default("python")  # warm: the first cell finds its kernel running
     server = serve(PORT, contexts)
+    contexts.default("python")  # warm: the first cell finds its kernel running
     print(f"interpreter: listening on {PORT}", file=sys.stderr, flush=True)
     server.serve_forever()
 
