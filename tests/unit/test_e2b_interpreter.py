@@ -180,14 +180,18 @@ class _Guest(BaseHTTPRequestHandler):
         pass
 
     def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers["Content-Length"]))
+        length = self.headers.get("Content-Length")
+        body = self.rfile.read(int(length)) if length else b""
         data = json.dumps({"path": self.path, "body": body.decode(),
-                           "probe": self.headers.get("x-probe")}).encode()
+                           "probe": self.headers.get("x-probe"),
+                           "framing": self.headers.get("Transfer-Encoding")}).encode()
         self.send_response(201)
         self.send_header("Content-Length", str(len(data)))
         self.send_header("X-Guest", "yes")
         self.end_headers()
         self.wfile.write(data)
+
+    do_GET = do_POST
 
 
 class _UrlMachines(FakeMachines):
@@ -228,7 +232,10 @@ def test_other_ports_are_relayed_through_the_machine_url(
     machines.url = url
     r = client.post("/a/b?q=1", content=b"payload", headers=headers)
     assert r.status_code == 201 and r.headers["x-guest"] == "yes"
-    assert r.json() == {"path": "/tok.8000/a/b?q=1", "body": "payload", "probe": "p"}
+    assert r.json() == {"path": "/tok.8000/a/b?q=1", "body": "payload", "probe": "p",
+                        "framing": None}
+    r = client.get("/empty", headers=headers)  # no body: none sent (not an empty chunked)
+    assert r.status_code == 201 and r.json()["framing"] is None
     r = client.post("/sandboxes", content=b"x", headers={"Host": f"8000-{sid}.sbx.test"})
     assert r.status_code == 201 and r.json()["path"] == "/tok.8000/sandboxes"
     r = client.post("/x", content=b"x", headers={**headers, "E2b-Sandbox-Port": "99999"})

@@ -71,8 +71,14 @@ class PortRelay:
         url = response + _path(scope)
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in _HOP]
         body_done = asyncio.Event()
+        # A request without a body is sent without one (not as an empty chunked body).
+        framed = any(k.lower() in (b"content-length", b"transfer-encoding")
+                     for k, _ in scope["headers"])
+        if not framed:
+            body_done.set()
         request = self._client.build_request(
-            scope["method"], url, headers=headers, content=_body(receive, body_done))
+            scope["method"], url, headers=headers,
+            content=_body(receive, body_done) if framed else None)
         relay = asyncio.create_task(self._relay(request, send, sandbox_id, port, scope,
                                                 receive))
         watch = asyncio.create_task(_disconnect(receive, body_done))
