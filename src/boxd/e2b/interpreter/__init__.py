@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import shutil
 import time
 from pathlib import Path
 
@@ -95,8 +96,14 @@ class InterpreterTemplate:
         wheels = sorted(self.cache.glob("*.whl"))
         if not wheels:
             staging = self.cache.with_name(self.cache.name + f".{secrets.token_hex(4)}")
-            await asyncio.to_thread(download_wheels, PACKAGES, staging)
-            staging.rename(self.cache)
+            try:
+                await asyncio.to_thread(download_wheels, PACKAGES, staging)
+                staging.rename(self.cache)
+            except OSError:
+                if not any(self.cache.glob("*.whl")):  # another build's download won
+                    raise
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
             wheels = sorted(self.cache.glob("*.whl"))
         return wheels
 
