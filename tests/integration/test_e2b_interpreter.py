@@ -158,7 +158,8 @@ def test_timeout_interrupts_the_cell(sbx) -> None:  # type: ignore[no-untyped-de
         sbx.run_code("import time\ntime.sleep(120)", timeout=3)
     start = time.monotonic()
     assert sbx.run_code("'next'", timeout=60).text == "'next'"
-    assert time.monotonic() - start < 30
+    # not a speed bound: without the interrupt the cell would wait out the sleep (~2 min)
+    assert time.monotonic() - start < 60
 
 
 def test_a_dead_kernel_is_an_error_and_is_restarted(sbx) -> None:  # type: ignore[no-untyped-def]
@@ -194,4 +195,3 @@ def test_async_sandbox_and_a_second_create(e2b_env: dict[str, str], sbx) -> None
     fresh, answer, took = asyncio.run(run())
     assert (fresh, answer) == ("False", "42")
     print(f"a later code-interpreter-v1 create: {took:.2f} s")
-    assert took < 120
