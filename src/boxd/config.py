@@ -313,6 +313,7 @@ class Settings:
     cgroups: str = "auto"  # BOXD_CGROUPS: auto (a cgroup per QEMU process if possible), off
     event_loop: str = "auto"  # BOXD_EVENT_LOOP: auto (uvloop if installed), uvloop, asyncio
     e2b_listen: str = "127.0.0.1:0"  # BOXD_E2B_LISTEN: HOST:PORT of the E2B API; "off" none
+    e2b_domain: str = ""  # BOXD_E2B_DOMAIN: serve <port>-<sandbox id>.DOMAIN Host names too
     console_listen: str = "127.0.0.1:0"  # BOXD_CONSOLE_LISTEN: the web console's; "off" none
 
     @classmethod
@@ -346,6 +347,7 @@ class Settings:
             cgroups="off" if e.get("BOXD_CGROUPS", "").strip().lower() in _OFF else "auto",
             event_loop=e.get("BOXD_EVENT_LOOP", "auto").strip().lower() or "auto",
             e2b_listen=e.get("BOXD_E2B_LISTEN", "").strip() or "127.0.0.1:0",
+            e2b_domain=e.get("BOXD_E2B_DOMAIN", "").strip().lower().strip("."),
             console_listen=e.get("BOXD_CONSOLE_LISTEN", "").strip() or "127.0.0.1:0",
         )
 

@@ -365,7 +365,7 @@ class Daemon:
     def _e2b_side(self, settings: Settings) -> _Side:
         listen = _side_listen(settings.e2b_listen, "BOXD_E2B_LISTEN")
         app = create_e2b_app(self.machines, self.keys.authenticate, self.paths.home / "e2b",
-                             self.snapshots)
+                             self.snapshots, domain=settings.e2b_domain or None)
         return _Side("e2b api", "BOXD_E2B_LISTEN", listen, url_file(self.paths.home),
                      _QuietServer(_side_config(app, ws="none")))
 

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import secrets
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 
 from boxd import models
@@ -32,7 +33,7 @@ from boxd.errors import (
 )
 from boxd.services import MachineService
 
-__all__ = ["BASE_TEMPLATE", "HOME", "MAX_FORKS", "Sandbox", "Sandboxes"]
+__all__ = ["BASE_TEMPLATE", "HOME", "MAX_FORKS", "BuiltTemplate", "Sandbox", "Sandboxes"]
 
 log = logging.getLogger("boxd.e2b")
 
@@ -55,6 +56,9 @@ NEVER = float("inf")
 #: A woken sandbox's lifetime when connect names none (E2B's SDK default).
 WOKEN_TIMEOUT = 300
 _PAUSED = (models.MachineState.HIBERNATED, models.MachineState.HIBERNATING)
+
+#: Makes sure an account has the snapshot a built template names (building it if not).
+BuiltTemplate = Callable[[str], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -84,9 +88,12 @@ def check_timeout(value: object, field: str = "timeout") -> int:
 class Sandboxes:
     """Create, find, list, time out, pause, wake, fork and kill sandboxes."""
 
-    def __init__(self, machines: MachineService, store: SandboxStore) -> None:
+    def __init__(self, machines: MachineService, store: SandboxStore,
+                 built: Mapping[str, BuiltTemplate] | None = None) -> None:
         self.machines = machines
         self.store = store
+        # Templates boxd builds on an account's first use, by name (code-interpreter-v1)
+        self.built = dict(built or {})
         self._wakeup = asyncio.Event()
         # (account, Idempotency-Key) -> the create it started; the newest IDEMPOTENCY_KEYS
         self._creates: OrderedDict[tuple[str, str], asyncio.Task[Sandbox]] = OrderedDict()
@@ -181,6 +188,8 @@ class Sandboxes:
         try:
             machine = await self._fork_warm(account, template, sandbox_id, isolated)
             if machine is None:
+                if template in self.built:  # a snapshot of the template's name, made once
+                    await self.built[template](account)
                 await self._boot(account, req)
                 machine = await self._ready(account, sandbox_id)
         except BaseException:
