@@ -32,6 +32,8 @@ from boxd.engine.agent import (
     FileStat,
     GuestStream,
 )
+from boxd.net_policy import DEFAULT as DEFAULT_POLICY
+from boxd.net_policy import NetPolicy
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,8 @@ class MachineConfig:
     kernel: Path
     initrd: Path
     cmdline: str  # extra kernel command line of the image (timing hints)
+    # host loopback ports it reaches and its egress allow-list (boxd.net_policy)
+    net: NetPolicy = DEFAULT_POLICY
 
 
 @dataclass(frozen=True)

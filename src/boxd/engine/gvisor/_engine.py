@@ -902,7 +902,8 @@ class GvisorEngine:
         files = RunFiles(run_dir)
         netns = None
         if not config.isolated:
-            netns = await asyncio.to_thread(_net.start, self.net, run_dir, config.id)
+            netns = await asyncio.to_thread(_net.start, self.net, run_dir, config.id,
+                                            config.net)
         try:
             await asyncio.to_thread(_spec.write_bundle, files, config.hostname, roots,
                                     config.memory_mib, netns.path if netns else None)
