@@ -351,7 +351,7 @@ class MachineCreate(BaseModel):
         True, description="with image: start the image's ENTRYPOINT + CMD as the "
         "machine's service once it boots (its HEALTHCHECK, else its first EXPOSEd port, "
         "then decides when it is ready); false: do not start it")
-    expose_host: list[StrictInt] = Field(
+    expose_host: list[Annotated[StrictInt, Field(ge=1, le=65535)]] = Field(
         default_factory=list, max_length=16,
         description="TCP ports of the host's loopback (127.0.0.1) the machine reaches at "
         "host.boxd.internal:PORT, and nothing else of the host; inherited by forks. Not "
