@@ -374,6 +374,14 @@ class MachineCreate(BaseModel):
     def _timeout(cls, seconds: object) -> object:
         return _timeout_field(seconds)
 
+    @field_validator("expose_host", mode="before")
+    @classmethod
+    def _ports(cls, ports: object) -> object:
+        # A JSON number without a fraction (8000.0) is an integer, as the schema says.
+        if isinstance(ports, list):
+            return [int(p) if isinstance(p, float) and p.is_integer() else p for p in ports]
+        return ports
+
 
 class Machine(BaseModel):
     id: str

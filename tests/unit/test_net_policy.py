@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from tests._support import sdk_daemon as support
 from tests._support.fake_world import ACCOUNT, World
 
-from boxd import Boxd, errors
+from boxd import Boxd, errors, models
 from boxd.api.server import Daemon
 from boxd.cli import main
 from boxd.control import netpolicy
@@ -288,3 +288,11 @@ def test_cli_new_with_expose_host_and_egress(daemon: Daemon) -> None:
     code, out = _cli("machine", "new", "c", "--json")
     assert code == 0 and json.loads(out)["egress"] is None
     assert _cli("machine", "new", "d", "--expose-host", "0")[0] == 2  # refused by click
+
+
+def test_a_json_port_without_a_fraction_is_an_integer_as_the_schema_says() -> None:
+    # The API fuzz sent expose_host [8000.0]: JSON Schema's integer; refused with a 400.
+    assert models.MachineCreate(expose_host=[8000.0, 9]).expose_host == [8000, 9]
+    for bad in ([True], [8000.5], ["80"], [0], [65536]):
+        with pytest.raises(ValueError):
+            models.MachineCreate(expose_host=bad)
