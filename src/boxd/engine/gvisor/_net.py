@@ -259,6 +259,25 @@ def _gid(user: passt_net.NetUser) -> int:
     return pwd.getpwnam(user.name).pw_gid
 
 
+#: /proc/net/tcp's states of a connection whose handshake is under way.
+_HANDSHAKE_STATES = {"02", "03"}  # SYN_SENT, SYN_RECV
+
+
+def handshakes(proc_net_tcp: str) -> int:
+    """How many sockets of a /proc/net/tcp or tcp6 table are in a handshake with a
+    peer outside the guest (a loopback connection is saved whatever its state)."""
+    count = 0
+    for line in proc_net_tcp.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) < 4 or fields[3] not in _HANDSHAKE_STATES:
+            continue
+        local = fields[1].split(":")[0]
+        if local.endswith("7F") or local == "0" * 24 + "01000000":  # 127/8, ::1
+            continue
+        count += 1
+    return count
+
+
 def load(run_dir: Path) -> Namespace | None:
     """The namespace a machine's run directory records, if any."""
     try:
@@ -268,4 +287,5 @@ def load(run_dir: Path) -> Namespace | None:
         return None
 
 
-__all__ = ["GvisorNet", "Namespace", "ensure_tun_access", "load", "pasta_argv", "start"]
+__all__ = ["GvisorNet", "Namespace", "ensure_tun_access", "handshakes", "load", "pasta_argv",
+           "start"]
