@@ -525,20 +525,26 @@ class GvisorMachine:
     async def _settle_handshakes(self) -> int:
         """Wait up to SETTLE_HANDSHAKES for the guest's TCP connections in a handshake
         with the outside (SYN_SENT, SYN_RECV) to be established or given up; how many
-        are left. Best effort: 0 when the agent cannot tell."""
-        deadline = time.monotonic() + SETTLE_HANDSHAKES
-        while True:
-            try:
-                agent = await self.agent(timeout=5.0)
-                tables = await asyncio.gather(*(agent.read_file(f"/proc/net/{name}")
-                                                 for name in ("tcp", "tcp6")))
-            except (BoxdError, OSError) as exc:
-                log.debug("machine=%s event=handshakes_unknown error=%s", self._config.id, exc)
-                return 0
-            left = sum(_net.handshakes(t.decode(errors="replace")) for t in tables)
-            if left == 0 or time.monotonic() >= deadline:
-                return left
-            await asyncio.sleep(0.02)
+        are left. Best effort, through the agent connection the machine has (none, or
+        one that does not answer in time: 0, and a checkpoint that meets such a
+        connection fails with the same StateError, `checkpoint_refusal`)."""
+        agent = self._agent
+        if agent is None or not agent.connected:
+            return 0
+        left = 0
+        try:
+            async with asyncio.timeout(SETTLE_HANDSHAKES + 1.0):
+                deadline = time.monotonic() + SETTLE_HANDSHAKES
+                while True:
+                    tables = await asyncio.gather(*(agent.read_file(f"/proc/net/{name}")
+                                                    for name in ("tcp", "tcp6")))
+                    left = sum(_net.handshakes(t.decode(errors="replace")) for t in tables)
+                    if left == 0 or time.monotonic() >= deadline:
+                        return left
+                    await asyncio.sleep(0.02)
+        except (BoxdError, OSError, TimeoutError) as exc:
+            log.debug("machine=%s event=handshakes_unknown error=%r", self._config.id, exc)
+            return left
 
     async def hold(self) -> None:
         """Stop a standby copy until its claim. Where its cgroup has a freezer, the
