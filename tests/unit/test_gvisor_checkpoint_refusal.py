@@ -29,12 +29,13 @@ OPENING = ('checkpoint failed: checkpointing container "m_x": encoding error: ru
 
 def test_a_connection_being_opened_is_named() -> None:
     why = checkpoint_refusal(OPENING)
-    assert why is not None and "being opened" in why
+    assert why is not None and "being opened" in why[0] and "retry" in why[1]
 
 
 def test_a_connected_endpoint_of_a_sandbox_without_the_flag_is_named() -> None:
     why = checkpoint_refusal(CONNECTED)
-    assert why is not None and "remote 10.0.2.2:35987" in why and "goroutine" not in why
+    assert why is not None and "remote 10.0.2.2:35987" in why[0] and "goroutine" not in why[0]
+    assert "--net-disconnect-ok" in why[1]
 
 
 def test_other_failures_are_not_the_guests_tcp_state() -> None:

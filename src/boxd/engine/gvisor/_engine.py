@@ -250,9 +250,9 @@ def _error_head(text: str) -> str:
     return text.split("\ngoroutine ", 1)[0].strip()
 
 
-def checkpoint_refusal(text: str) -> str | None:
-    """Why ``runsc checkpoint`` refused a sandbox because of its guest's TCP state, or
-    None when it failed for another reason.
+def checkpoint_refusal(text: str) -> tuple[str, str] | None:
+    """Why ``runsc checkpoint`` refused a sandbox because of its guest's TCP state, and
+    what to do (message, hint), or None when it failed for another reason.
 
     gVisor cannot save a TCP connection to outside the sandbox. Without
     ``--net-disconnect-ok`` it refuses the save for any connection in a connected
@@ -268,9 +268,12 @@ def checkpoint_refusal(text: str) -> str | None:
     if "resetConnectionLocked" in text:
         return ("the machine cannot be checkpointed while one of its TCP connections is "
                 "being opened (its SYN sent, no answer yet): gVisor 20240729 fails on "
-                "such a connection; that connection attempt will time out in the guest")
+                "such a connection; that connection attempt will time out in the guest",
+                "retry once the guest's connection is established or given up")
     return ("the machine cannot be checkpointed while it has a TCP connection to outside "
-            f"the sandbox: {_error_head(text)[-300:]}")
+            f"the sandbox: {_error_head(text)[-300:]}",
+            "its sandbox was started without --net-disconnect-ok (by an older boxd): "
+            "retry once its connections are closed, or hibernate and wake it")
 
 
 class Runsc:
@@ -340,8 +343,7 @@ class Runsc:
             if not text and log is not None:
                 text = _tail(log)
             if what == "checkpoint" and (refusal := checkpoint_refusal(text)):
-                raise StateError(refusal, hint="retry once the guest's connection is "
-                                 "established or given up", machine=machine)
+                raise StateError(refusal[0], hint=refusal[1], machine=machine)
             raise MachineFailed(
                 f"runsc {what} failed (exit {proc.returncode}): "
                 f"{_error_head(text)[-400:] or 'no output'}",
