@@ -6,7 +6,10 @@
 * ``egress=[...]``: the machine reaches the listed test host and not another one,
   which a machine with the default policy reaches (test hosts at documentation
   addresses, TEST-NET-2/3, in a network namespace the test makes: nothing leaves the
-  host).
+  host);
+* a gVisor machine talking to the host forks right after closing a connection and while
+  holding one (gVisor resets it), and a fork while a connection is being opened waits,
+  then refuses without harming it (runsc 20240729 cannot save such a connection).
 """
 
 from __future__ import annotations
