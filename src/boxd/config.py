@@ -284,6 +284,13 @@ def qemu_user(env: Mapping[str, str] | None = None) -> str:
     return (os.environ if env is None else env).get("BOXD_QEMU_USER", "boxd-qemu")
 
 
+def net_id_base(env: Mapping[str, str] | None = None) -> str:
+    """``BOXD_NET_ID_BASE``: the first uid/gid of the ids the passt or pasta of machines
+    with a network policy of their own run as (empty: the default, see
+    `boxd.engine.netpolicy`). Read alone by the engines' shared network rules."""
+    return (os.environ if env is None else env).get("BOXD_NET_ID_BASE", "")
+
+
 @dataclass(frozen=True)
 class Settings:
     """The daemon's settings, read once from the environment (see the README's table)."""

@@ -32,6 +32,8 @@ from boxd.engine.agent import (
     FileStat,
     GuestStream,
 )
+from boxd.net_policy import DEFAULT as DEFAULT_POLICY
+from boxd.net_policy import NetPolicy
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,8 @@ class MachineConfig:
     # brings the agent's runtime beside it (QEMU: boxd's guest root as a second,
     # read-only disk). Part of what the machine is: its forks and restores keep it.
     image_root: bool = False
+    # host loopback ports it reaches and its egress allow-list (boxd.net_policy)
+    net: NetPolicy = DEFAULT_POLICY
 
 
 @dataclass(frozen=True)

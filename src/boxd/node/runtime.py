@@ -382,7 +382,8 @@ class NodeRuntime:
             raise failed_error(rec, "its VM process is not running")
         try:
             key = self.guests.new_key(rec)
-            await set_identity(rec.name, handle, timeout, api_key=key)
+            await set_identity(rec.name, handle, timeout, api_key=key,
+                               host_name=bool(rec.net.expose_host))
         except MachineFailed as exc:
             await self.raise_if_died(rec, handle, exc)
             raise

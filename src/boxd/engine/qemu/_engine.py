@@ -18,10 +18,11 @@ import stat
 import subprocess
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from boxd.config import GUEST_HTTP_PORT
+from boxd.engine import netpolicy as _policy
 from boxd.engine.agent import AgentClient, connect_watched, dial_guest_port
 from boxd.engine.base import BootDisk, EngineInfo, MachineConfig, MemoryImage
 from boxd.engine.cgroups import Cgroups, Limits, memory_limit
@@ -94,6 +95,18 @@ class NetSetup:
     passt: str
     user: _net.NetUser | None
     filtered: bool
+    policies: _policy.Policies = field(default_factory=_policy.Policies)
+
+    def own_id(self, config: MachineConfig) -> int | None:
+        """The uid and gid of a machine's passt when it has a network policy of its own
+        (its rules installed), else None (passt runs as ``user``).
+
+        Raises:
+            HostSetupError: the policy cannot be enforced here (see `netpolicy.Policies`).
+        """
+        if not config.net.restricted:
+            return None
+        return self.policies.prepare(config.net, self.filtered, _net.resolvers())
 
     @classmethod
     def detect(cls, user_name: str = "boxd-net") -> NetSetup:
@@ -467,7 +480,8 @@ class QemuEngine:
             # migration stream carries the NIC's state, not its backend.
             passt, net = _net.spawn_passt(
                 self.net.passt, port=config.port, user=self.net.user,
-                log_file=log_path.with_name("passt.log"),
+                log_file=log_path.with_name("passt.log"), own_id=self.net.own_id(config),
+                map_gw=bool(config.net.expose_host),
             )
             if config.port is not None:
                 forward = _Forward(passt, config.port, log_path.with_name("passt.log"),
