@@ -410,3 +410,56 @@ def test_an_image_machine_starts_on_any_node(cluster: LocalCluster, tmp_path: Pa
         for mid in made:
             b.machines.delete(mid)
         b.images.remove("it/bb:v1")
+
+
+@_on("gvisor")
+def test_a_route_to_the_trainer_holds_on_a_cluster_node(cluster: LocalCluster) -> None:
+    """``expose_host`` on a cluster: the node's loopback port (the trainer's model server,
+    here a banner server in the cluster's namespace) answers the machine at
+    ``host.boxd.internal``, a port it did not expose does not, and a fork keeps the
+    route."""
+    import subprocess
+    import sys
+
+    from boxd.net_policy import HOST_NAME
+
+    server = ("import socket, sys\n"
+              "s = socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen(16)\n"
+              "print('ready', flush=True)\n"
+              "while True:\n"
+              "    c, _ = s.accept(); c.sendall(b'trainer\\n'); c.close()\n")
+    ports = [47101, 47102]
+    procs = [subprocess.Popen(["ip", "netns", "exec", cluster.netns, sys.executable, "-c",
+                               server, str(p)], stdout=subprocess.PIPE, text=True)
+             for p in ports]
+    probe = ("import socket, sys\n"
+             "for p in sys.argv[1:]:\n"
+             "    try:\n"
+             "        c = socket.create_connection(('" + HOST_NAME + "', int(p)), timeout=5)\n"
+             "        print(p, c.recv(64).decode().strip())\n"
+             "    except OSError as e:\n"
+             "        print(p, 'refused', type(e).__name__)\n")
+    b = cluster.client
+    made = []
+    try:
+        for proc in procs:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        m = b.machines.new(expose_host=[ports[0]])
+        made.append(m.id)
+        m = b.machines.wait_until_ready(m.id, timeout=300)
+        assert m.expose_host == [ports[0]] and m.node in cluster.node_ids
+        b.machines.files.upload(m.id, "/tmp/probe.py", probe)
+        out = b.machines.exec(m.id, ["python3", "/tmp/probe.py", *map(str, ports)]).stdout
+        assert out.splitlines()[0] == f"{ports[0]} trainer", out
+        assert out.splitlines()[1].startswith(f"{ports[1]} refused"), out
+        (kid,) = b.machines.fork(m.id, count=1)
+        assert not isinstance(kid, Exception), kid
+        made.append(kid.id)
+        out = b.machines.exec(kid.id, ["python3", "/tmp/probe.py", str(ports[0])]).stdout
+        assert out.strip() == f"{ports[0]} trainer", out
+    finally:
+        for mid in made:
+            b.machines.delete(mid)
+        for proc in procs:
+            proc.kill()
+            proc.wait()
