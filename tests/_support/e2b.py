@@ -24,10 +24,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def e2b_daemon(session: Daemon, name: str) -> Iterator[tuple[Daemon, dict[str, str]]]:
-    """A gVisor daemon on ``/tmp/boxd-<name>-<pid>``, and E2B's variables from
+def e2b_daemon(session: Daemon, name: str,
+               engine: str = "gvisor") -> Iterator[tuple[Daemon, dict[str, str]]]:
+    """A daemon of ``engine`` on ``/tmp/boxd-<name>-<pid>``, and E2B's variables from
     ``boxd e2b env`` put in os.environ (restored after). Its E2B port is fixed, so the
-    URL outlives a restart. Skips when gVisor is not available here."""
+    URL outlives a restart. Skips when the engine is not available here."""
     from boxd import Boxd
 
     home = Path(f"/tmp/boxd-{name}-{os.getpid()}")
@@ -36,15 +37,15 @@ def e2b_daemon(session: Daemon, name: str) -> Iterator[tuple[Daemon, dict[str, s
         if (session.home / cached).exists():
             (home / cached).write_bytes((session.home / cached).read_bytes())
     saved = dict(os.environ)
-    os.environ.update({"BOXD_ENGINE": "gvisor",
+    os.environ.update({"BOXD_ENGINE": engine,
                        "BOXD_E2B_LISTEN": f"127.0.0.1:{free_port()}"})
     d = start_daemon(home)
     try:
         os.environ["BOXD_HOME"] = str(home)
         with Boxd() as b:
-            gvisor = next(e for e in b.info().engines if e.name == "gvisor")
-        if gvisor.status != "ok":
-            pytest.skip(f"gvisor unavailable here: {gvisor.reason}")
+            info = next(e for e in b.info().engines if e.name == engine)
+        if info.status != "ok":
+            pytest.skip(f"{engine} unavailable here: {info.reason}")
         out = subprocess.run([sys.executable, "-m", "boxd", "e2b", "env"], check=True,
                              capture_output=True, text=True, env=dict(os.environ)).stdout
         exports = dict(line.removeprefix("export ").split("=", 1) for line in out.splitlines())
