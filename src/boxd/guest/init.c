@@ -6,9 +6,9 @@
  * (the RL rollout path: fork, run a command, read its output) and exec with streamed
  * stdin (machines.spawn's processes: boxd.rl's step channel, one stdin message in and
  * one stdout message out per frame), with kill, stdin and attach for those execs.
- * Everything else (exec with one-shot stdin, files, stat) is relayed, line by line, to
- * the Python agent over a socketpair (agent.py --relay-fd 3), and the agent's lines
- * are relayed back.
+ * Everything else (exec with one-shot stdin or on a pty, resize, files, stat) is relayed,
+ * line by line, to the Python agent over a socketpair (agent.py --relay-fd 3), and the
+ * agent's lines are relayed back.
  *
  * Why: a fork child is a new QEMU process, and under TCG it must translate every guest
  * code path it runs before running it. Answering hello + identity in CPython costs
@@ -61,7 +61,7 @@
 #include <unistd.h>
 
 #define PROTOCOL_MAJOR "1"
-#define PROTOCOL_VERSION "1.6"
+#define PROTOCOL_VERSION "1.7"
 #define PORT_NAME "boxd.agent"
 #define IDENTITY_DIR "run/boxd"
 #define MAX_LINE (64L * 1024 * 1024)
@@ -1630,7 +1630,10 @@ static void host_line(const char *line, size_t n) {
                            (!st || (st->vlen == 5 && !memcmp(st->val, "false", 5)) ||
                             st->type == J_NULL);
             int stream = st && st->vlen == 4 && !memcmp(st->val, "true", 4);
-            if (!strcmp(name, "exec") && (no_stdin || stream) &&
+            /* An exec on a pty (1.7) and its resizes are agent.py's. */
+            const struct jfield *pty = field(f, nf, "pty");
+            int on_pty = pty && pty->type != J_NULL;
+            if (!strcmp(name, "exec") && !on_pty && (no_stdin || stream) &&
                 op_exec(id, f, nf, stream) == 0)
                 return;
             if (!strcmp(name, "kill") && op_kill(id, f, nf) == 0) return;
