@@ -328,7 +328,19 @@ def test_envd_requests_are_checked(api: tuple[TestClient, FakeMachines]) -> None
     assert r.status_code == 200
     assert _split(r.content)[0][1]["error"]["code"] == "invalid_argument"  # type: ignore[index]
     r = client.post("/process.Process/SendInput", json={}, headers=headers)
-    assert r.status_code == 501 and r.json()["code"] == "unimplemented"
+    assert r.status_code == 400 and r.json()["code"] == "invalid_argument"
+    r = client.post("/process.Process/SendInput", json={
+        "process": {"pid": 99999}, "input": {"stdin": "aGk="}}, headers=headers)
+    assert r.status_code == 404 and r.json()["code"] == "not_found"
+    r = client.post("/process.Process/SendInput", json={
+        "process": {"pid": 1}, "input": {"stdin": "not base64!"}}, headers=headers)
+    assert r.status_code == 400 and r.json()["code"] == "invalid_argument"
+    r = client.post("/process.Process/Update", json={
+        "process": {"pid": 1}, "pty": {"size": {"rows": 0, "cols": 80}}}, headers=headers)
+    assert r.status_code == 400 and r.json()["code"] == "invalid_argument"
+    r = client.post("/filesystem.Filesystem/GetWatcherEvents", json={"watcherId": "nope"},
+                    headers=headers)
+    assert r.status_code == 404 and r.json()["code"] == "not_found"
     r = client.get("/health", headers={**headers, "E2b-Sandbox-Port": "8080"})
     assert r.status_code == 502 and "port is not open" in r.json()["message"]
     client.delete(f"/sandboxes/{sb['sandboxID']}", headers=ALICE)

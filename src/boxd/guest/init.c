@@ -1585,6 +1585,18 @@ static int op_attach(long long id, const struct jfield *f, int n) {
     return 0;
 }
 
+/* A resize (1.7) of one of our execs: none runs on a pty (those are agent.py's).
+   Returns -1 for agent.py's execs. */
+static int op_resize(long long id, const struct jfield *f, int n) {
+    long long exec_id;
+    struct exec *x;
+    if (!is_int(field(f, n, "exec_id"), &exec_id) || !(x = find_exec(exec_id))) return -1;
+    char msg[100];
+    snprintf(msg, sizeof msg, "exec %lld does not run on a pty", exec_id);
+    fail(id, x->exited ? "ESRCH" : "EINVAL", msg);
+    return 0;
+}
+
 /* Whether agent.py answers this relayed request with a result or an error of its own:
    only those are tracked in `inflight` (an id tracked and never ended would stay there
    for the connection's life, and be "failed" if agent.py restarts). A write's later
@@ -1640,6 +1652,7 @@ static void host_line(const char *line, size_t n) {
             if (!strcmp(name, "stdin") && op_stdin(id, f, nf) == 0) return;
             if (!strcmp(name, "ack") && op_ack(id, f, nf) == 0) return;
             if (!strcmp(name, "attach") && op_attach(id, f, nf) == 0) return;
+            if (!strcmp(name, "resize") && op_resize(id, f, nf) == 0) return;
         } else {
             name[0] = 0; /* json_str may have left part of a name */
         }
