@@ -303,6 +303,9 @@ class Watchers:
         watcher.task = asyncio.create_task(
             watcher.run(machines.exec_stream(account, sandbox_id, req)))
         self._all[watcher.id] = watcher
+        # A watcher whose program ended (its sandbox was killed) leaves the table; its
+        # client's next call is answered not_found, and a stream ends with an error.
+        watcher.task.add_done_callback(lambda _: self._all.pop(watcher.id, None))
         try:
             await watcher.started
         except BaseException:
