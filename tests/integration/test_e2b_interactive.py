@@ -88,6 +88,11 @@ def test_pty_create_input_resize_kill(sbx) -> None:  # type: ignore[no-untyped-d
     sbx.pty.resize(h.pid, e2b.PtySize(rows=40, cols=100))
     sbx.pty.send_stdin(h.pid, b"stty size\n")
     assert "40 100" in _pty_text(h, "40 100")
+    # a second client connects to the running pty and sees its output from then on
+    again = sbx.pty.connect(h.pid)
+    sbx.pty.stream_input(h.pid, [b"echo con$((6", b"*7))nected\n"])
+    assert "con42nected" in _pty_text(again, "con42nected")  # the output, not the echo
+    again.disconnect()
     assert h.pid in [p.pid for p in sbx.commands.list()]
     assert sbx.pty.kill(h.pid) is True
     with pytest.raises(e2b.CommandExitException):
@@ -143,15 +148,23 @@ def test_async_sdk_stdin_pty_and_watch(e2b_env: dict[str, str]) -> None:
             assert info.value.exit_code == 7 and b"33 99" in data, bytes(data)
 
             seen: list[object] = []
-            await s.files.make_dir("/home/user/awatched")
+            await s.files.make_dir("/home/user/awatched/sub")
             w = await s.files.watch_dir("/home/user/awatched", seen.append, recursive=True)
-            await s.files.write("/home/user/awatched/a.txt", "x")
+            await s.files.write("/home/user/awatched/sub/a.txt", "x")
             for _ in range(60):
-                if any(e.name == "a.txt" for e in seen):  # type: ignore[attr-defined]
+                if any(e.name == "sub/a.txt" for e in seen):  # type: ignore[attr-defined]
+                    break
+                await asyncio.sleep(0.5)
+            await s.files.remove("/home/user/awatched/sub/a.txt")
+            for _ in range(60):
+                if any(e.type == e2b.FilesystemEventType.REMOVE  # type: ignore[attr-defined]
+                       for e in seen):
                     break
                 await asyncio.sleep(0.5)
             await w.stop()
-            assert any(e.name == "a.txt" for e in seen), seen  # type: ignore[attr-defined]
+            names = [(e.name, e.type) for e in seen]  # type: ignore[attr-defined]
+            assert ("sub/a.txt", e2b.FilesystemEventType.CREATE) in names, names
+            assert ("sub/a.txt", e2b.FilesystemEventType.REMOVE) in names, names
         finally:
             await s.kill()
 
