@@ -13,15 +13,20 @@ import pytest
 
 from tests._support.daemon import Daemon
 from tests._support.e2b import e2b_daemon
+from tests.integration.test_bounded_memory import GROWTH_BOUND, MIB, _peak_rss
 
 e2b = pytest.importorskip("e2b", reason="the dev extra installs the e2b SDK")
 
 pytestmark = pytest.mark.vm
 
 
+_DAEMON: list[Daemon] = []
+
+
 @pytest.fixture(scope="module")
 def e2b_env(daemon: Daemon) -> Iterator[dict[str, str]]:
-    with e2b_daemon(daemon, "e2b-interactive") as (_, exports):
+    with e2b_daemon(daemon, "e2b-interactive") as (d, exports):
+        _DAEMON[:] = [d]
         yield exports
 
 
@@ -103,6 +108,25 @@ def test_pty_create_input_resize_kill(sbx) -> None:  # type: ignore[no-untyped-d
     with pytest.raises(e2b.SandboxException, match="pty"):
         sbx.pty.resize(plain.pid, e2b.PtySize(rows=10, cols=10))
     sbx.commands.kill(plain.pid)
+
+
+def test_a_flooding_pty_nobody_reads_holds_the_command_not_the_daemon(sbx) -> None:  # type: ignore[no-untyped-def]
+    """`yes` on a pty whose client reads nothing: flow control holds the command in
+    the guest (agent window, the shim's queue, the HTTP stream), so the daemon's memory
+    stays within the bound; the pty still answers a kill."""
+    h = sbx.pty.create(e2b.PtySize(rows=24, cols=80))
+    with _peak_rss(_DAEMON[0].proc.pid) as rss:
+        sbx.pty.send_stdin(h.pid, b"yes 0123456789abcdef0123456789abcdef0123456789\n")
+        time.sleep(10)
+    assert rss["growth"] < GROWTH_BOUND, f"daemon grew {rss['growth'] / MIB:.0f} MiB"
+    assert sbx.pty.kill(h.pid) is True  # it once waited for the reader: a timeout
+    h.disconnect()
+    # the same for a plain command whose client reads nothing
+    flood = sbx.commands.run("yes", background=True)
+    time.sleep(3)
+    assert sbx.commands.kill(flood.pid) is True
+    flood.disconnect()
+    assert sbx.commands.run("echo still").stdout == "still\n"
 
 
 def test_watch_dir_sees_a_written_file(sbx) -> None:  # type: ignore[no-untyped-def]

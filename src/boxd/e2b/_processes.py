@@ -83,6 +83,16 @@ class Proc:
         for q in list(self.subscribers):
             await q.put(event)
 
+    def finish(self, end: Item) -> None:
+        """The last two items, ``end`` and None, to every subscriber, now: a subscriber
+        whose client stopped reading loses its oldest events instead (a kill, or the
+        command's end, must not wait for a reader that may never come)."""
+        for q in list(self.subscribers):
+            for item in (end, None):
+                while q.full():
+                    q.get_nowait()
+                q.put_nowait(item)
+
     def attach(self) -> asyncio.Queue[Item]:
         """A new subscriber's queue. Attach in the same step as the command starts
         (before any await): then no event is published before it is there."""
@@ -252,9 +262,7 @@ class ProcessTable:
             running.pop(proc.pid, None)
             if not running:  # no empty table per sandbox that ever ran a command
                 self._procs.pop(proc.sandbox_id, None)
-            with contextlib.suppress(Exception):
-                await proc.publish(end or end_event(-1, None, "the command ended unseen"))
-                await proc.publish(None)
+            proc.finish(end or end_event(-1, None, "the command ended unseen"))
 
     async def kill(self, sandbox_id: str, selector: Event | None) -> None:
         """End a process (SIGKILL or SIGTERM alike: its exec stream is closed).
