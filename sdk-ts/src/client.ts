@@ -385,6 +385,29 @@ function selectorQuery(sel: LabelSelector): Record<string, string | string[] | u
   return { label: label.length ? label : undefined, state: sel.state };
 }
 
+/**
+ * The `expose_host` and `egress` fields of a create (none for the defaults).
+ * @throws InvalidRequest `exposeHost` is not an array of port integers, or `egress` not an
+ *   array of strings (the daemon checks the entries)
+ */
+export function netPolicyBody(opts: { exposeHost?: number[]; egress?: string[] }): Record<string, unknown> {
+  const out: Record<string, unknown> = {};
+  const ports = opts.exposeHost ?? [];
+  if (!Array.isArray(ports) || !ports.every((p) => Number.isInteger(p))) {
+    throw new InvalidRequest(`exposeHost must be an array of TCP port integers, not ${String(ports)}`,
+                             { details: { field: "expose_host" }, hint: "e.g. exposeHost: [8000]" });
+  }
+  if (ports.length) out.expose_host = [...ports];
+  if (opts.egress !== undefined) {
+    if (!Array.isArray(opts.egress) || !opts.egress.every((e) => typeof e === "string")) {
+      throw new InvalidRequest(`egress must be an array of strings, not ${String(opts.egress)}`,
+                               { details: { field: "egress" } });
+    }
+    out.egress = [...opts.egress];
+  }
+  return out;
+}
+
 /** Machines: create, inspect, run commands in, fork and delete (`boxd.machines`). */
 export class Machines {
   readonly files: Files;
@@ -419,7 +442,7 @@ export class Machines {
     ];
     for (const [k, v] of fields) if (v !== undefined && v !== null) body[k] = v; // daemon defaults
     if (options.labels && Object.keys(options.labels).length) body.labels = { ...options.labels };
-    Object.assign(body, lifetimeBody(options), waitBody(options.wait));
+    Object.assign(body, lifetimeBody(options), waitBody(options.wait), netPolicyBody(options));
     return this.c._json({
       method: "POST", path: "/v1/machines", json: body,
       headers: idempotencyHeaders(options.idempotencyKey),

@@ -1538,6 +1538,16 @@ export interface components {
             on_timeout?: ("delete" | "hibernate") | null;
             /** @description the container image it runs (None: boxd's default guest image) */
             image?: components["schemas"]["MachineImage"] | null;
+            /**
+             * Expose Host
+             * @description host loopback ports it reaches at host.boxd.internal:PORT
+             */
+            expose_host?: number[];
+            /**
+             * Egress
+             * @description its egress allow-list as enforced: A.B.C.D/N or A.B.C.D/N:PORT (names resolved when it was created); null: the default (public addresses)
+             */
+            egress?: string[] | null;
         };
         /** MachineCreate */
         MachineCreate: {
@@ -1622,7 +1632,7 @@ export interface components {
             wait?: number | null;
             /**
              * Image
-             * @description an image imported for the account (`boxd image import`): NAME[:TAG] or sha256:DIGEST; the machine's root is that image's files, and its ENV and WORKDIR are exec's defaults. gVisor only for now; not with from_snapshot
+             * @description an image imported for the account (`boxd image import`): NAME[:TAG] or sha256:DIGEST; the machine's root is that image's files, and its ENV and WORKDIR are exec's defaults (either engine); not with from_snapshot
              */
             image?: string | null;
             /**
@@ -1631,6 +1641,16 @@ export interface components {
              * @default true
              */
             service: boolean;
+            /**
+             * Expose Host
+             * @description TCP ports of the host's loopback (127.0.0.1) the machine reaches at host.boxd.internal:PORT, and nothing else of the host; inherited by forks. Not the daemon's own ports (its listeners, the bands of machines' URL ports)
+             */
+            expose_host?: number[];
+            /**
+             * Egress
+             * @description allow-list of the machine's outbound connections: CIDRs, IPv4 addresses, host names, each with an optional :PORT (names are resolved once, when the machine is created); [] allows none. DNS to the host's resolvers and expose_host's ports stay; private, loopback and link-local ranges stay blocked. Default (null): every public address. Inherited by forks
+             */
+            egress?: string[] | null;
         };
         /**
          * MachineImage

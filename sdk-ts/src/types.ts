@@ -126,6 +126,18 @@ export interface MachineNewOptions {
    * `retryAfter`. Default 0: no wait.
    */
   wait?: number;
+  /**
+   * TCP ports of the host's loopback (127.0.0.1) the machine reaches at
+   * `host.boxd.internal:PORT` (a trainer's model server), and nothing else of the host;
+   * its forks inherit them. Not the daemon's own ports (docs/security.md).
+   */
+  exposeHost?: number[];
+  /**
+   * Allow-list of its outbound connections: CIDRs, IPv4 addresses, host names (resolved
+   * when it is created), each with an optional `:PORT`; `[]` allows none. Absent: every
+   * public address. Private, loopback and link-local ranges stay blocked.
+   */
+  egress?: string[];
 }
 
 /** What a machine's end does (`timeout`): delete it or hibernate it. */

@@ -528,3 +528,43 @@ test("image: sent on new and shown on the machine; exec and spawn send user", as
     srv.close();
   }
 });
+
+test("network policy: exposeHost and egress sent on new as expose_host and egress, checked before sending", async () => {
+  const { createServer } = await import("node:http");
+  const seen = [];
+  const machine = {
+    id: "m_a", name: "a", state: "running", vcpus: 1, memory_mib: 128, disk_gib: 1,
+    isolated: false, created_at: 1, expose_host: [8000], egress: ["203.0.113.0/24"],
+  };
+  const srv = createServer((req, res) => {
+    let body = "";
+    req.on("data", (c) => (body += c));
+    req.on("end", () => {
+      seen.push(body && JSON.parse(body));
+      res.setHeader("content-type", "application/json");
+      res.end(JSON.stringify(machine));
+    });
+  });
+  await new Promise((ok) => srv.listen(0, "127.0.0.1", ok));
+  try {
+    const boxd = new sdk.Boxd({ baseUrl: `http://127.0.0.1:${srv.address().port}`, apiKey: "k" });
+    const m = await boxd.machines.new("a", { exposeHost: [8000], egress: ["203.0.113.0/24"] });
+    assert.deepEqual(m.exposeHost, [8000]);
+    assert.deepEqual(m.egress, ["203.0.113.0/24"]);
+    assert.deepEqual(seen[0].expose_host, [8000]);
+    assert.deepEqual(seen[0].egress, ["203.0.113.0/24"]);
+    await boxd.machines.new("b");
+    assert.equal(seen[1].expose_host, undefined); // the defaults are not sent
+    assert.equal(seen[1].egress, undefined);
+    await boxd.machines.new("c", { egress: [] });
+    assert.deepEqual(seen[2].egress, []); // an empty allow-list is sent: nothing allowed
+    const before = seen.length;
+    for (const bad of [["8000"], [1.5], "8000"]) {
+      await assert.rejects(boxd.machines.new("x", { exposeHost: bad }), sdk.InvalidRequest);
+    }
+    await assert.rejects(boxd.machines.new("x", { egress: "pypi.org" }), sdk.InvalidRequest);
+    assert.equal(seen.length, before); // nothing bad is sent
+  } finally {
+    srv.close();
+  }
+});

@@ -13,6 +13,9 @@ else ``$XDG_DATA_HOME/boxd`` or ``~/.local/share/boxd``)::
     host.json            cached accelerator probe
     images/<hash>/       guest kernel, initramfs, rootfs (one per recipe)
     oci/                 imported container images: an OCI layout (blobs/, index.json)
+    oci-roots/chains/<chain>/  images unpacked, one tree per layer chain (hard links to
+                         the chain below); oci-roots/<digest> names an image's (gVisor)
+    oci-disks/<chain>.ext4  an image's tree as a raw ext4 disk (QEMU boots on it)
     disks/<layer>.qcow2  disk layers: a machine's writable overlay or a frozen layer
     snapshots/           content-addressed snapshot store (blobs/, manifests)
     machines/<id>/       per-machine persistent files (console log)
@@ -98,6 +101,11 @@ class Paths:
     def image_roots(self) -> Path:
         """Imported images unpacked for machines to run on: one tree per image digest."""
         return self.home / "oci-roots"
+
+    @property
+    def image_disks(self) -> Path:
+        """Imported images as raw ext4 disks, for engines that boot a disk (QEMU)."""
+        return self.home / "oci-disks"
 
     @property
     def disks(self) -> Path:
@@ -276,6 +284,13 @@ def qemu_user(env: Mapping[str, str] | None = None) -> str:
     return (os.environ if env is None else env).get("BOXD_QEMU_USER", "boxd-qemu")
 
 
+def net_id_base(env: Mapping[str, str] | None = None) -> str:
+    """``BOXD_NET_ID_BASE``: the first uid/gid of the ids the passt or pasta of machines
+    with a network policy of their own run as (empty: the default, see
+    `boxd.engine.netpolicy`). Read alone by the engines' shared network rules."""
+    return (os.environ if env is None else env).get("BOXD_NET_ID_BASE", "")
+
+
 @dataclass(frozen=True)
 class Settings:
     """The daemon's settings, read once from the environment (see the README's table)."""
@@ -305,6 +320,7 @@ class Settings:
     cgroups: str = "auto"  # BOXD_CGROUPS: auto (a cgroup per QEMU process if possible), off
     event_loop: str = "auto"  # BOXD_EVENT_LOOP: auto (uvloop if installed), uvloop, asyncio
     e2b_listen: str = "127.0.0.1:0"  # BOXD_E2B_LISTEN: HOST:PORT of the E2B API; "off" none
+    e2b_domain: str = ""  # BOXD_E2B_DOMAIN: serve <port>-<sandbox id>.DOMAIN Host names too
     console_listen: str = "127.0.0.1:0"  # BOXD_CONSOLE_LISTEN: the web console's; "off" none
 
     @classmethod
@@ -338,6 +354,7 @@ class Settings:
             cgroups="off" if e.get("BOXD_CGROUPS", "").strip().lower() in _OFF else "auto",
             event_loop=e.get("BOXD_EVENT_LOOP", "auto").strip().lower() or "auto",
             e2b_listen=e.get("BOXD_E2B_LISTEN", "").strip() or "127.0.0.1:0",
+            e2b_domain=e.get("BOXD_E2B_DOMAIN", "").strip().lower().strip("."),
             console_listen=e.get("BOXD_CONSOLE_LISTEN", "").strip() or "127.0.0.1:0",
         )
 

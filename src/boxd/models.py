@@ -16,6 +16,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictInt,
     StringConstraints,
     ValidationInfo,
     WithJsonSchema,
@@ -345,11 +346,23 @@ class MachineCreate(BaseModel):
         None, max_length=330, pattern=IMAGE_REF_PATTERN,
         description="an image imported for the account (`boxd image import`): NAME[:TAG] "
         "or sha256:DIGEST; the machine's root is that image's files, and its ENV and "
-        "WORKDIR are exec's defaults. gVisor only for now; not with from_snapshot")
+        "WORKDIR are exec's defaults (either engine); not with from_snapshot")
     service: bool = Field(
         True, description="with image: start the image's ENTRYPOINT + CMD as the "
         "machine's service once it boots (its HEALTHCHECK, else its first EXPOSEd port, "
         "then decides when it is ready); false: do not start it")
+    expose_host: list[Annotated[StrictInt, Field(ge=1, le=65535)]] = Field(
+        default_factory=list, max_length=16,
+        description="TCP ports of the host's loopback (127.0.0.1) the machine reaches at "
+        "host.boxd.internal:PORT, and nothing else of the host; inherited by forks. Not "
+        "the daemon's own ports (its listeners, the bands of machines' URL ports)")
+    egress: list[Annotated[str, Field(min_length=1, max_length=260)]] | None = Field(
+        None, max_length=64,
+        description="allow-list of the machine's outbound connections: CIDRs, IPv4 "
+        "addresses, host names, each with an optional :PORT (names are resolved once, "
+        "when the machine is created); [] allows none. DNS to the host's resolvers and "
+        "expose_host's ports stay; private, loopback and link-local ranges stay blocked. "
+        "Default (null): every public address. Inherited by forks")
 
     @field_validator("labels", mode="before")
     @classmethod
@@ -360,6 +373,14 @@ class MachineCreate(BaseModel):
     @classmethod
     def _timeout(cls, seconds: object) -> object:
         return _timeout_field(seconds)
+
+    @field_validator("expose_host", mode="before")
+    @classmethod
+    def _ports(cls, ports: object) -> object:
+        # A JSON number without a fraction (8000.0) is an integer, as the schema says.
+        if isinstance(ports, list):
+            return [int(p) if isinstance(p, float) and p.is_integer() else p for p in ports]
+        return ports
 
 
 class Machine(BaseModel):
@@ -395,6 +416,12 @@ class Machine(BaseModel):
         None, description="what its end does: 'delete' or 'hibernate' (None: no lifetime)")
     image: MachineImage | None = Field(
         None, description="the container image it runs (None: boxd's default guest image)")
+    expose_host: list[int] = Field(
+        default_factory=list,
+        description="host loopback ports it reaches at host.boxd.internal:PORT")
+    egress: list[str] | None = Field(
+        None, description="its egress allow-list as enforced: A.B.C.D/N or A.B.C.D/N:PORT "
+        "(names resolved when it was created); null: the default (public addresses)")
 
     def url_for(self, port: int = config.GUEST_HTTP_PORT) -> str:
         """Its URL for a guest TCP port: ``url`` for 8080, ``http://127.0.0.1:PORT/TOKEN.N``

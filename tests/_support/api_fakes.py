@@ -32,6 +32,7 @@ from boxd.errors import (
     NotFound,
     SnapshotNotFound,
 )
+from boxd.net_policy import resolve_egress
 from boxd.node._processes import OutputLog
 from boxd.services import MachineService, SnapshotService
 from boxd.state import Database, new_id
@@ -93,6 +94,11 @@ class FakeMachines(MachineService):
         if req.from_snapshot is not None and self.snapshot_digest is not None:
             digest = self.snapshot_digest(account, req.from_snapshot)
         m = self._add(account, req.name, snapshot=digest, labels=req.labels)
+        if req.expose_host or req.egress is not None:  # the real service's normal form
+            m = m.model_copy(update={
+                "expose_host": sorted(set(req.expose_host)),
+                "egress": None if req.egress is None else list(resolve_egress(req.egress))})
+            self.machines[m.id] = (account, m)
         if req.timeout is None:
             return m
         return await self.set_timeout(account, m.id, req.timeout, req.on_timeout or "delete")

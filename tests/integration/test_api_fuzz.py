@@ -71,6 +71,11 @@ def _offline(case: schemathesis.Case) -> None:
     if case.operation.path == "/v1/images" and isinstance(body, dict) \
             and str(body.get("source", "")).startswith("docker://"):
         body["source"] = "docker://127.0.0.1:9/fuzz:latest"
+    # An egress entry may be a host name the daemon resolves (a DNS query out): each
+    # becomes a documentation address (RFC 5737), which needs no lookup.
+    if case.operation.path == "/v1/machines" and isinstance(body, dict) \
+            and isinstance(body.get("egress"), list):
+        body["egress"] = ["203.0.113.7"] * len(body["egress"])
 
 
 def _send(client: httpx.Client, case: schemathesis.Case) -> httpx.Response:
@@ -93,6 +98,12 @@ def _unstatable(case: schemathesis.Case) -> bool:
     if case.operation.path == "/v1/machines" and (case.query or {}).get("cursor") is not None:
         return True  # a cursor must be a page's next_cursor, not any string
     body = case.body
+    if case.operation.path == "/v1/machines" and isinstance(body, dict):
+        ports = body.get("expose_host") or []
+        if any(isinstance(p, int) and p >= 20000 for p in ports):
+            return True  # boxd's own port bands (from the host's ephemeral range)
+        if body.get("isolated") and (ports or body.get("egress") is not None):
+            return True  # an isolated machine has no network to apply them to
     if case.operation.path.endswith("/fork/batch") and isinstance(body, dict):
         names, count = body.get("names"), body.get("count")
         return isinstance(names, list) and count is not None and count != len(names)

@@ -306,3 +306,107 @@ def test_losing_a_node_marks_exactly_its_machines(cluster: LocalCluster, base: A
     assert all(not isinstance(c, Exception) and c.node != victim for c in after), after
     for c in after:
         b.machines.delete(c.id)
+
+
+@_on("gvisor")
+def test_the_fleet_controls_hold_on_a_cluster(cluster: LocalCluster, base: Any) -> None:
+    """Labels, idempotency keys, lifetimes and the admission queue are the control
+    plane's: on a cluster they act on machines of every node, a fork that finds every
+    node full waits for room (no 429), and a restarted control plane keeps deadlines."""
+    import threading
+
+    b = cluster.client
+    run = {"run": "fleet-1"}
+    first = b.machines.fork(base.id, count=3, labels=run, idempotency_key="fleet-a")
+    assert all(not isinstance(c, Exception) for c in first), first
+    again = b.machines.fork(base.id, count=3, labels=run, idempotency_key="fleet-a")
+    assert [c.id for c in again] == [c.id for c in first]  # type: ignore[union-attr]
+    kids = [c for c in first if not isinstance(c, Exception)]
+    assert len({c.node for c in kids} | {base.node}) >= 2  # they span nodes
+    assert {m.id for m in b.machines.list(labels=run)} == {c.id for c in kids}
+    assert all(m.labels == run for m in b.machines.list(labels=run))
+    fillers = []  # every node's CAP slots taken: a fork without wait is refused at once
+    with pytest.raises(errors.ResourceExhausted):
+        for _ in range(3 * CAP):
+            fillers.append(b.machines.fork(base.id, labels=run))
+    assert len(b.machines.list()) == 3 * CAP
+    got: list[Any] = []
+    waiter = threading.Thread(target=lambda: got.append(
+        b.machines.fork(base.id, "queued", labels=run, wait=120)), daemon=True)
+    waiter.start()
+    deadline = time.monotonic() + 30
+    while b.info().queue.waiting < 1:  # it waits in the control plane's queue
+        assert time.monotonic() < deadline and not got, got
+        time.sleep(0.1)
+    b.machines.delete(fillers.pop().id)  # room: the queued fork takes it
+    waiter.join(120)
+    assert got and got[0].name == "queued" and got[0].labels == run, got
+    assert b.machines.exec(got[0].id, "echo ok").stdout == "ok\n"
+    # a lifetime set before a control-plane restart ends the machine after it
+    short = b.machines.set_timeout(kids[0].id, 20)
+    assert short.end_at is not None
+    cluster.restart_control_plane()
+    b = cluster.client
+    assert b.machines.get(kids[0].id).end_at == short.end_at
+    deadline = time.monotonic() + 90
+    while kids[0].id in {m.id for m in b.machines.list(labels=run)}:
+        assert time.monotonic() < deadline, "the deadline was not kept across the restart"
+        time.sleep(0.5)
+    # a crashed run's cleanup: one call, every node's machines of the run, not the base
+    out = b.machines.delete_many(run)
+    assert not out.errors, out.errors
+    assert {d.id for d in out.deleted} == {c.id for c in kids[1:] + fillers} | {got[0].id}
+    assert b.machines.list(labels=run) == []
+    assert b.machines.exec(base.id, "echo ok").stdout == "ok\n"
+
+
+@_on("gvisor")
+def test_an_image_machine_starts_on_any_node(cluster: LocalCluster, tmp_path: Path) -> None:
+    """The image store is the control plane's: a node that runs an image's machine gets
+    the image's blobs pushed once (verified there) and unpacks them; the machine's forks
+    stay on its node."""
+    from tests._support.oci import make_image, write_layout
+
+    busybox = shutil.which("busybox")
+    if busybox is None:
+        pytest.skip("no busybox on this host (Debian's busybox-static); "
+                    "tests/integration/test_image_machines.py covers images on one host")
+    bb = Path(busybox).read_bytes()
+    img = make_image([{"bin/busybox": bb, "bin/sh": bb, "srv/hello.txt": b"from the image\n"}],
+                     config={"Env": ["PATH=/bin", "WHO=cluster"], "WorkingDir": "/srv"})
+    b = cluster.client
+    b.images.import_(f"oci:{write_layout(tmp_path / 'layout', {'v1': img})}:v1", "it/bb:v1")
+    busy = {m.node for m in b.machines.list()}
+    free = [n for n in cluster.node_ids if n not in busy]  # the base may hold one
+    assert len(free) >= 2, busy
+    made = []
+    try:
+        for nid in free[:2]:
+            m = b.machines.new(image="it/bb:v1", node=nid)
+            made.append(m.id)
+            assert m.node == nid and m.image is not None and m.image.digest == img.digest
+            r = b.machines.exec(m.id, "cat hello.txt; echo $WHO; pwd")
+            assert r.stdout == "from the image\ncluster\n/srv\n", r
+            store = cluster.node_home(nid) / "oci" / "blobs" / "sha256"
+            assert {p.name for p in store.iterdir()} >= {
+                d[7:] for d in img.blobs()}, "the node holds the image's blobs"
+        (kid,) = b.machines.fork(made[0], count=1)
+        assert not isinstance(kid, Exception), kid
+        made.append(kid.id)
+        assert kid.node == free[0]  # an image machine's forks stay on its node
+        assert b.machines.exec(kid.id, "cat hello.txt").stdout == "from the image\n"
+        # its snapshot starts where the image's tree is, and says so when asked elsewhere
+        b.machines.exec(made[1], "echo changed > /srv/state.txt")
+        b.snapshots.save(made[1], "bb-snap")
+        with pytest.raises(errors.InvalidRequest, match="holds it"):
+            b.machines.new(from_snapshot="bb-snap", node=free[0])
+        again = b.machines.new(from_snapshot="bb-snap")
+        made.append(again.id)
+        assert again.node == free[1]
+        r = b.machines.exec(again.id, "cat hello.txt state.txt")
+        assert r.stdout == "from the image\nchanged\n", r
+        b.snapshots.delete("bb-snap")
+    finally:
+        for mid in made:
+            b.machines.delete(mid)
+        b.images.remove("it/bb:v1")

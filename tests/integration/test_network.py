@@ -143,14 +143,13 @@ def test_a_machine_reaches_nothing_on_the_host(  # type: ignore[no-untyped-def]
     assert loop.accepted == [] and all(lst.accepted == [] for lst in wide)
 
 
-@pytest.fixture
-def far_hosts() -> Iterator[tuple[list[str], int, Path]]:
-    """Test hosts at a private and a link-local address, in a network namespace this test
-    makes (a veth pair; the host side has no address, only /32 routes to the test hosts).
-    Yields (addresses, port, file listing the peers that connected)."""
+@contextlib.contextmanager
+def _test_hosts(addrs: list[str]) -> Iterator[tuple[int, Path]]:
+    """Test hosts at ``addrs``, in a network namespace made here (a veth pair; the host
+    side has no address, only /32 routes to the test hosts). Yields (port, file listing
+    each connection: the test host's address it reached, then the peer)."""
     tag = uuid.uuid4().hex[:6]
     ns, host_if, ns_if = f"boxdt-{tag}", f"bxh{tag}", f"bxn{tag}"
-    addrs = [f"10.{int(tag[:2], 16)}.{int(tag[2:4], 16)}.2", f"169.254.{int(tag[4:], 16)}.2"]
     seen = Path(tempfile.mkdtemp(prefix="boxd-far-")) / "seen"
     seen.touch()
     server = (
@@ -158,7 +157,7 @@ def far_hosts() -> Iterator[tuple[list[str], int, Path]]:
         "srv = socket.create_server(('0.0.0.0', 0)); print(srv.getsockname()[1], flush=True)\n"
         "while True:\n"
         "    c, peer = srv.accept()\n"
-        "    open(sys.argv[1], 'a').write(repr(peer) + '\\n'); c.close()\n"
+        "    open(sys.argv[1], 'a').write(f'{c.getsockname()[0]} {peer!r}\\n'); c.close()\n"
     )
 
     def sh(*cmd: str) -> None:
@@ -180,13 +179,23 @@ def far_hosts() -> Iterator[tuple[list[str], int, Path]]:
                                  str(seen)], stdout=subprocess.PIPE, text=True)
         assert proc.stdout is not None
         port = int(proc.stdout.readline())
-        yield addrs, port, seen
+        yield port, seen
     finally:
         if proc is not None:
             proc.kill()
             proc.wait()
         subprocess.run(["ip", "link", "del", host_if], capture_output=True, check=False)
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+
+
+@pytest.fixture
+def far_hosts() -> Iterator[tuple[list[str], int, Path]]:
+    """Test hosts at a private and a link-local address (`_test_hosts`).
+    Yields (addresses, port, file listing the peers that connected)."""
+    tag = uuid.uuid4().hex[:6]
+    addrs = [f"10.{int(tag[:2], 16)}.{int(tag[2:4], 16)}.2", f"169.254.{int(tag[4:], 16)}.2"]
+    with _test_hosts(addrs) as (port, seen):
+        yield addrs, port, seen
 
 
 def test_private_and_link_local_ranges_are_unreachable(  # type: ignore[no-untyped-def]

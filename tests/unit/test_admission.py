@@ -169,8 +169,13 @@ async def test_fork_children_without_room_wait_and_the_others_go_at_once(
     for name in made:
         await world.machines.delete(ACCOUNT, name)
     items = await asyncio.wait_for(batch, 10)
-    assert all(isinstance(i, models.Machine) for i in items), items
-    assert [i.name for i in items if isinstance(i, models.Machine)] == ["k0", "k1", "k2", "k3"]
+    # the two that waited got the freed slots; the two deleted are theirs as the batch
+    # saw them last (running, or already gone: the item's answer races the delete)
+    for name, item in zip(["k0", "k1", "k2", "k3"], items, strict=True):
+        if name in made:
+            assert isinstance(item, models.Machine | errors.MachineNotFound), item
+        else:
+            assert isinstance(item, models.Machine) and item.name == name, items
 
 
 @_run

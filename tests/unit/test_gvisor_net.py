@@ -72,3 +72,24 @@ def test_a_run_directory_without_a_namespace_loads_none(tmp_path: Path) -> None:
     assert _net.load(tmp_path) is None
     (tmp_path / "net.json").write_text('{"pasta": 5, "holder": 6}')
     assert _net.load(tmp_path) == _net.Namespace(5, 6)
+
+
+# /proc/net/tcp as gVisor shows it: a socket listening, one established, one whose SYN
+# is sent (02), one loopback SYN_SENT (saved whatever its state).
+_TCP = """  sl  local_address rem_address   st tx_queue rx_queue ...
+   3: 00000000:1F90 00000000:0000 0A 00000000:00000000 9
+  12: 0F02000A:A504 0202000A:1F40 01 00000000:00000000 13
+  13: 0F02000A:A506 0202000A:1F41 02 00000000:00000000 14
+  14: 0100007F:A508 0100007F:1F90 02 00000000:00000000 15
+"""
+_TCP6 = """  sl  local_address                         remote_address                        st
+   1: 00000000000000000000000001000000:A50A 00000000000000000000000001000000:1F90 02
+   2: 0000000000000000FFFF00000F02000A:A50C 0000000000000000FFFF00000202000A:1F40 03
+"""
+
+
+def test_handshakes_counts_connections_being_opened_to_the_outside() -> None:
+    assert _net.handshakes(_TCP) == 1
+    assert _net.handshakes(_TCP6) == 1  # ::1 is loopback; the v4-mapped SYN_RECV counts
+    assert _net.handshakes(_TCP.splitlines()[0]) == 0
+    assert _net.handshakes("") == 0

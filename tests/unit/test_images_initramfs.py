@@ -47,6 +47,14 @@ def test_init_script_contract() -> None:
                    "resize2fs", "switch_root", "/run/boxd/agent.py", "python3 -u",
                    "virtio_mmio.", "devpts", "/dev/shm"):
         assert needle in s
+    # a container image's machine: the guest root's disk, found by the serial the
+    # engine names, lends the agent its Python through its own loader
+    from boxd.engine.qemu._argv import RUNTIME_SERIAL
+
+    assert RUNTIME_SERIAL == "boxd-rt"
+    for needle in ("boxd.runtime=", "/sys/block/vd*", "/serial", "ro,noload",
+                   "/opt/boxd-rt", "--python-arg --library-path", "usr/sbin/resize2fs"):
+        assert needle in s, needle
 
 
 def test_modinfo_field() -> None:

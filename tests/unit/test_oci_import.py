@@ -330,7 +330,34 @@ def test_unpack_refuses_a_corrupt_layer_and_leaves_nothing(store: ImageStore,
     img = _raw_image([b"this is not a tar archive" * 40], gz=True)
     with pytest.raises(CorruptData, match="not a valid tar"):
         _unpacked(store, tmp_path, img)
-    assert [p for p in (tmp_path / "roots").iterdir()] == []
+    roots = tmp_path / "roots"
+    assert [p for p in roots.rglob("*") if p != roots / "chains"] == []
+
+
+def test_images_that_share_base_layers_share_their_files(store: ImageStore,
+                                                         tmp_path: Path) -> None:
+    """Ten images on one base: the base's files are one inode each on disk, and what an
+    image's own layer changes (a file replaced, one whited out, a mode) stays its own."""
+    base = _tar_entries([("dir", "usr", None), ("file", "usr/big", b"b" * 100_000),
+                         ("file", "usr/conf", b"base"), ("suid", "usr/su", b"#!")])
+    roots = tmp_path / "roots"
+    trees = []
+    for i in range(10):
+        top = _tar_entries([("file", f"app{i}", str(i).encode()),
+                            ("file", "usr/conf", f"own {i}".encode()),
+                            *([("file", "usr/.wh.su", b"")] if i == 0 else [])])
+        layout = write_layout(tmp_path / f"layout{i}", {"x": _raw_image([base, top])})
+        import_image(store, f"oci:{layout}", f"t{i}")
+        trees.append(unpack_image(store, inspect_image(store, f"t{i}"), roots))
+    assert len({os.stat(t / "usr/big").st_ino for t in trees}) == 1  # stored once
+    assert [(t / "usr/conf").read_bytes() for t in trees] == [
+        f"own {i}".encode() for i in range(10)]
+    assert not (trees[0] / "usr/su").exists()
+    assert all(os.stat(t / "usr/su").st_mode & 0o4000 for t in trees[1:])
+    assert sorted(p.name for p in trees[3].iterdir()) == ["app3", "usr"]
+    # the image's name leads to its tree; a second unpack reuses it
+    assert (roots / inspect_image(store, "t3").digest[7:]).resolve() == trees[3]
+    assert unpack_image(store, inspect_image(store, "t3"), roots) == trees[3]
 
 
 def test_the_store_is_the_daemons_alone(store: ImageStore, tmp_path: Path) -> None:
@@ -346,3 +373,27 @@ def test_the_store_is_the_daemons_alone(store: ImageStore, tmp_path: Path) -> No
     for path in [store.root, *store.root.rglob("*")]:
         mode = path.stat().st_mode & 0o777
         assert mode == (0o700 if path.is_dir() else 0o600), (path, oct(mode))
+
+
+def test_a_pushed_blob_is_stored_once_whole_and_verified(store: ImageStore) -> None:
+    """A cluster's control plane pushes image blobs to a node chunk by chunk
+    (`ImageStore.receive`): stored when whole and matching, never out of order or
+    corrupt."""
+    data = os.urandom(3000)
+    digest = sha(data)
+    assert store.receive(digest, len(data), 0, data[:1000]) is False
+    assert not store.has(digest)
+    with pytest.raises(CorruptData, match="does not follow"):
+        store.receive(digest, len(data), 2000, data[2000:])
+    assert store.receive(digest, len(data), 1000, data[1000:2000]) is False
+    assert store.receive(digest, len(data), 2000, data[2000:]) is True
+    assert store.path(digest).read_bytes() == data
+    with pytest.raises(CorruptData, match="before its start"):
+        store.receive(sha(b"x"), 2, 1, b"x")
+    bad = sha(b"other bytes")
+    store.receive(bad, 4, 0, b"abc")
+    with pytest.raises(IntegrityError):
+        store.receive(bad, 4, 3, b"d")
+    assert not store.has(bad)
+    assert [p.name for p in store.blobs.iterdir() if p.name.startswith(".")] == []
+    assert store.receive(sha(b""), 0, 0, b"") is True  # an empty blob is one empty chunk

@@ -32,13 +32,17 @@ from openenv.core.containers.runtime import ContainerProvider
 from tests._support import sdk_daemon as support
 from tests._support.api_fakes import host_info
 from tests._support.fake_world import ACCOUNT, World, make_world
+from tests._support.oci import make_image, write_layout
 
 from boxd import Boxd, errors
 from boxd.api import create_app
+from boxd.api.services.images import ImageService
 from boxd.api.services.keys import KeyService
 from boxd.config import Paths
 from boxd.engine.fake import FakeMachine
+from boxd.images.oci import import_image
 from boxd.openenv import BoxdProvider
+from boxd.storage.oci import ImageStore
 
 paths = support.paths  # fixtures
 no_daemon = support.no_daemon
@@ -86,10 +90,20 @@ def boxd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_daemon: Paths,
 
     monkeypatch.setattr(FakeMachine, "open_http", open_http)
     w: World = make_world(tmp_path, monkeypatch)
+    # A boxd image of the env: the fake machines' port 8000 is the env server above.
+    layout = write_layout(tmp_path / "layout", {"v1": make_image([{"srv/x": b"x"}])})
+    import_image(ImageStore(w.paths.images_store), f"oci:{layout}:v1",
+                 f"{ACCOUNT}/envs/counter:v1")
+    sick = make_image([{"srv/x": b"x"}], config={
+        "Entrypoint": ["cat"], "Healthcheck": {"Test": ["CMD", "cat", "/no such"]}})
+    layout = write_layout(tmp_path / "layout-sick", {"v1": sick})
+    import_image(ImageStore(w.paths.images_store), f"oci:{layout}:v1",
+                 f"{ACCOUNT}/envs/sick:v1")
     keys = KeyService(w.repos.db)
     app = create_app(machines=w.machines, snapshots=w.snapshots, keys=keys,
                      host_info=host_info, upload_dir=tmp_path / "uploads",
-                     private_dirs=(w.paths.home, w.paths.shm))
+                     private_dirs=(w.paths.home, w.paths.shm),
+                     images=ImageService(w.paths.images_store))
     with Boxd(api_key=keys.create(ACCOUNT, "sdk").secret,
               transport=support.SyncASGITransport(app)) as b:
         b.machines.new("echo-warm")
@@ -210,7 +224,8 @@ def test_a_session_on_another_guest_port_and_its_branches_reach_that_port(
 
 def test_refusals_are_typed(boxd: Boxd) -> None:
     provider = BoxdProvider(boxd)
-    with pytest.raises(errors.NotFound, match="no machine and no snapshot named 'nope'"):
+    with pytest.raises(errors.NotFound,
+                       match="no machine, no snapshot and no image named 'nope'"):
         provider.start_container("nope")
     with pytest.raises(errors.InvalidRequest, match="port 70000") as port:
         provider.start_container("echo-warm", port=70000)
@@ -229,6 +244,73 @@ def test_refusals_are_typed(boxd: Boxd) -> None:
         provider.branch(url, 0)
     provider.stop_container()
     assert _names(boxd) == ["echo-warm"]
+
+
+def test_an_image_name_starts_one_baseline_that_every_session_forks(
+        boxd: Boxd, counter: ModuleType) -> None:
+    """``from_docker_image`` of a boxd image: the first session starts the image's
+    baseline machine (named by its digest), waits for its /health on port 8000 (the
+    image EXPOSEs none: OpenEnv's port), and forks it; the next session forks the same
+    baseline; the sessions go at close, the baseline stays for the next one."""
+    digest = boxd.images.get("envs/counter:v1").digest
+
+    async def session() -> tuple[str | None, str | None, int]:
+        provider = BoxdProvider(boxd)
+        env = await counter.CounterClient.from_docker_image("envs/counter:v1",
+                                                            provider=provider)
+        try:
+            fork = boxd.machines.get(provider.machine or "")
+            assert fork.parent_id == provider.baseline
+            assert str(env._ws_url).endswith(".8000/ws")  # the fork's port-8000 URL
+            result = await env.step(counter.CounterAction(delta=3))
+            return provider.baseline, provider.machine, int(result.observation.count)
+        finally:
+            await env.close()
+
+    (base1, fork1, _), (base2, fork2, _) = asyncio.run(session()), asyncio.run(session())
+    assert base1 == base2 and fork1 != fork2
+    baseline = boxd.machines.get(base1 or "")
+    assert baseline.name == f"openenv-{digest[7:19]}"
+    assert baseline.image is not None and baseline.image.digest == digest
+    assert _names(boxd) == ["echo-warm", baseline.name]  # the forks went at close
+
+
+def test_a_baseline_another_session_started_is_forked_and_a_sick_one_goes(
+        boxd: Boxd, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session that finds the baseline's name taken (another session started it)
+    waits for that machine and forks it; a baseline whose service never gets ready is
+    deleted by the session that started it, which raises, leaving nothing."""
+    from boxd.openenv import _provider
+
+    digest = boxd.images.get("envs/counter:v1").digest
+    theirs = boxd.machines.new(_provider.baseline_name(digest), image=digest)
+    provider = BoxdProvider(boxd)
+    provider.start_container("envs/counter:v1")
+    assert provider.baseline == theirs.id
+    assert boxd.machines.get(provider.machine or "").parent_id == theirs.id
+    provider.stop_container()
+    assert boxd.machines.get(theirs.id).state == "running"  # not the session's to delete
+    boxd.machines.delete(theirs.id)
+
+    monkeypatch.setattr(_provider, "BASELINE_TIMEOUT", 1.5)
+    with pytest.raises(errors.StateError, match="boxd machine logs"):
+        BoxdProvider(boxd).start_container("envs/sick:v1")
+    assert _names(boxd) == ["echo-warm"]
+
+
+def test_an_image_port_is_its_first_exposed_tcp_port_else_8000() -> None:
+    from boxd import models
+    from boxd.openenv._provider import image_port
+
+    def image(*ports: str) -> models.Image:
+        return models.Image(name="x:v1", digest="sha256:" + "0" * 64,
+                            config_digest="sha256:" + "1" * 64, layers=[], size=0,
+                            architecture="amd64", os="linux", created="",
+                            config=models.ImageRunConfig(exposed_ports=list(ports)))
+
+    assert image_port(image()) == 8000
+    assert image_port(image("9000/udp", "7000/tcp", "8000/tcp")) == 7000
+    assert image_port(image("5000")) == 5000
 
 
 class _Health(http.server.BaseHTTPRequestHandler):

@@ -28,7 +28,7 @@ from boxd.errors import (
 from boxd.models import MachineState
 from boxd.node.base import Boot, FromSnapshot, Node
 from boxd.node.lifecycle import Lifecycle
-from boxd.state import Database, MachineRecord, Repos
+from boxd.state import Database, MachineRecord, Repos, RunImage
 from boxd.storage import SnapshotStore
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "boxd"
@@ -413,6 +413,15 @@ def test_a_node_adopts_the_control_planes_claim(tmp_path: Path) -> None:
     got = node_repos.machines.get(rec.id)
     assert got is not None and got.state == MachineState.STARTING and got.name == rec.name
     assert node_repos.accounts.get(rec.account_id) is not None
+    # a container image's machine: the node boots the image because its copy says so
+    run = RunImage("it/x:v1", "sha256:" + "a" * 64, env=("A=1",), working_dir="/srv")
+    img = plane.repos.machines.claim(
+        _acct(plane), "img-1", machine_id="m_img1", vcpus=1, memory_mib=256, disk_gib=1,
+        isolated=False, image="img", node_id="a", engine="gvisor", default_quota=100,
+        run_image=run)
+    Lifecycle(node_repos.machines).adopt(img, 7)
+    got = node_repos.machines.get(img.id)
+    assert got is not None and got.run_image == run
 
 
 def test_the_control_plane_asks_no_node_what_kind_it_is() -> None:

@@ -117,3 +117,19 @@ def test_named_cpu_model_and_tcg_cache() -> None:
     assert "host" not in _opt(_build(accel="kvm"), "-cpu")[0]
     assert "mitigations=off" in _opt(argv, "-append")[0]
     assert "mitigations=off" not in _opt(_build(accel="kvm"), "-append")[0]
+
+
+def test_a_container_images_machine_gets_the_guest_root_as_a_read_only_disk() -> None:
+    from dataclasses import replace
+
+    plain = _build(runtime=Path("/img/rootfs.img"))
+    assert "boxd.runtime" not in " ".join(plain) and "rt0" not in " ".join(plain)
+    argv = _build(config=replace(_config(), image_root=True), runtime=Path("/img/rootfs.img"))
+    drives = _opt(argv, "-drive")
+    assert drives[0].startswith("file=/d.qcow2,") and "id=disk0" in drives[0]
+    assert drives[1] == "file=/img/rootfs.img,if=none,id=rt0,format=raw,readonly=on"
+    assert f"virtio-blk-device,drive=rt0,serial={_argv.RUNTIME_SERIAL}" in _opt(argv, "-device")
+    (append,) = _opt(argv, "-append")
+    assert f"boxd.runtime={_argv.RUNTIME_SERIAL}" in append.split()
+    with pytest.raises(ValueError, match="runtime"):
+        _build(config=replace(_config(), image_root=True))

@@ -23,7 +23,7 @@ def test_a_version_1_database_is_migrated_in_place_and_keeps_its_records(tmp_pat
         )
     db = Database(path)
     try:
-        assert db.one("PRAGMA user_version")[0] == 9  # type: ignore[index]
+        assert db.one("PRAGMA user_version")[0] == 10  # type: ignore[index]
         rec = Repos(db).machines.get("m_old")
         assert rec is not None
         assert (rec.name, rec.state, rec.port) == ("old", MachineState.RUNNING, 40001)
@@ -35,10 +35,11 @@ def test_a_version_1_database_is_migrated_in_place_and_keeps_its_records(tmp_pat
         assert Repos(db).idempotency.count("a_1") == 0  # v7: the table is there
         assert rec.end_at is None and rec.on_timeout is None  # v8
         assert rec.run_image is None  # v9: the default guest image
+        assert not rec.net.restricted  # v10: the default network policy
     finally:
         db.close()
     again = Database(path)  # a second open migrates nothing
     try:
-        assert again.one("PRAGMA user_version")[0] == 9  # type: ignore[index]
+        assert again.one("PRAGMA user_version")[0] == 10  # type: ignore[index]
     finally:
         again.close()

@@ -35,7 +35,7 @@ from boxd.api.services.keys import KeyService
 from boxd.config import Paths, Settings
 from boxd.console.app import create_console_app
 from boxd.console.login import url_file as console_url_file
-from boxd.control import build_services
+from boxd.control import build_services, netpolicy
 from boxd.e2b.app import create_e2b_app
 from boxd.e2b.env import url_file
 from boxd.errors import Conflict, HostSetupError, InvalidRequest
@@ -198,6 +198,7 @@ def _tcp_socket(host: str, port: int) -> socket.socket:
     sock.bind((host, port))
     sock.listen(BACKLOG)
     sock.setblocking(False)
+    netpolicy.LISTENING.add(sock.getsockname()[1])  # never a machine's expose_host port
     return sock
 
 
@@ -365,7 +366,7 @@ class Daemon:
     def _e2b_side(self, settings: Settings) -> _Side:
         listen = _side_listen(settings.e2b_listen, "BOXD_E2B_LISTEN")
         app = create_e2b_app(self.machines, self.keys.authenticate, self.paths.home / "e2b",
-                             self.snapshots)
+                             self.snapshots, domain=settings.e2b_domain or None)
         return _Side("e2b api", "BOXD_E2B_LISTEN", listen, url_file(self.paths.home),
                      _QuietServer(_side_config(app, ws="none")))
 

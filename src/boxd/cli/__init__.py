@@ -190,6 +190,13 @@ def label_option(help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]
 _STATES = click.Choice([s.value for s in MachineState])
 
 
+def _egress(values: tuple[str, ...]) -> list[str] | None:
+    """``--egress`` as the SDK's list: None when absent, [] for ``none``."""
+    if not values:
+        return None
+    return [] if values == ("none",) else list(values)
+
+
 @main.group(context_settings=_CONTEXT)
 def machine() -> None:
     """Create, run commands in, fork, checkpoint and delete machines."""
@@ -207,6 +214,14 @@ def machine() -> None:
     help="No network: the machine reaches nothing. The boundary is the engine's "
     "(`boxd info`): KVM a hardware VM, gvisor a user-space kernel, QEMU/TCG emulation.",
 )
+@click.option("--expose-host", "expose_host", type=click.IntRange(1, 65535), multiple=True,
+              metavar="PORT",
+              help="Let it reach the host's 127.0.0.1:PORT at host.boxd.internal:PORT, and "
+              "nothing else of the host (repeat; its forks inherit it).")
+@click.option("--egress", "egress", multiple=True, metavar="DEST",
+              help="Allow outbound connections to DEST only (repeat): a CIDR, an address "
+              "or a host name (resolved now), each with an optional :PORT; `--egress none` "
+              "allows none. Default: every public address.")
 @click.option("--engine", type=click.Choice(["qemu", "gvisor"]),
               help="Engine to run it on (default: the daemon's; `boxd info` lists them).")
 @click.option("--vcpus", type=click.IntRange(1), help="Virtual CPUs.")
@@ -235,6 +250,8 @@ def machine_new(
     from_snapshot: str | None,
     image: str | None,
     isolated: bool,
+    expose_host: tuple[int, ...],
+    egress: tuple[str, ...],
     engine: str | None,
     vcpus: int | None,
     memory_mib: int | None,
@@ -272,6 +289,8 @@ def machine_new(
         image=image,
         wait=queue,
         service=not no_start,
+        expose_host=list(expose_host),
+        egress=_egress(egress),
     )
     if wait:
         with _render.activity(f"waiting for {m.name} to boot", as_json=as_json):

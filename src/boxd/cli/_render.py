@@ -257,6 +257,9 @@ def machine(m: models.Machine) -> None:
             ("memory", f"{m.memory_mib} MiB"),
             ("disk", f"{m.disk_gib} GiB"),
             ("isolated", "yes" if m.isolated else "no"),
+            ("host ports", ", ".join(f"host.boxd.internal:{p}" for p in m.expose_host)
+             or None),
+            ("egress", None if m.egress is None else ", ".join(m.egress) or "none"),
             ("engine", m.engine),
             ("port", m.port),
             ("url", m.url),

@@ -47,7 +47,8 @@ def _cluster_services(
 ) -> tuple[Machines, Snapshots, HostInfoFn]:
     """The control plane of a Ray cluster: its nodes join as Ray reports them (see
     `boxd.control.ray`); this process runs no machines itself."""
-    machines = Machines(repos, {}, store, default_quota=settings.default_max_machines)
+    machines = Machines(repos, {}, store, default_quota=settings.default_max_machines,
+                        images=ImageStore(paths.images_store))  # pushed to nodes as used
     cluster = RayCluster(settings.ray_address, paths, settings, repos, machines.quota_of)
     machines.cluster = cluster
     snapshots = Snapshots(machines, store)

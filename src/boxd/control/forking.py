@@ -87,7 +87,10 @@ class ForkPlacement:
         cluster = self._cluster()
         if cluster is None:
             return [node] * count
-        portable = await cluster.nodes[node.id].portable_templates(src.engine)
+        # An image machine's template names its image's tree on this node: its forks
+        # stay here (a node that received the template would boot another root).
+        portable = src.run_image is None and \
+            await cluster.nodes[node.id].portable_templates(src.engine)
         only = _fork_only(src.engine, node.id, hint, portable)
         room = await self._room()
         if only is not None:
@@ -95,6 +98,8 @@ class ForkPlacement:
         chosen = self._placement.fork_targets(room, node.id, count,
                                              self.received.get(src.id, set()))
         why = "" if portable else (
+            "a container image's machine's forks stay on its node (its template is not "
+            "moved yet)" if src.run_image is not None else
             f"a {src.engine} machine's forks stay on its node (the engine cannot move a "
             "template to another node)")
         return [self._nodes()[nid] if nid is not None else no_room(room, chosen, only=only,

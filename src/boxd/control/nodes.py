@@ -15,6 +15,7 @@ from typing import Protocol
 from boxd.node.base import Boot, FromSnapshot, Node
 from boxd.services import GuestApi
 from boxd.storage import SnapshotStore
+from boxd.storage.oci import ImageStore
 
 
 class LocalNode(Node, Protocol):
@@ -69,6 +70,10 @@ class ClusterNode(Node, Protocol):
 
     async def fetch_snapshot(self, digest: str, store: SnapshotStore) -> None:
         """Copy a snapshot this node holds into ``store`` (blobs it lacks, verified)."""
+        ...
+
+    async def receive_image(self, store: ImageStore, digests: list[str]) -> None:
+        """Copy the blobs of ``digests`` (an image's) this node lacks from ``store``."""
         ...
 
     async def drop_snapshot(self, digest: str) -> None:

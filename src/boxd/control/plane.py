@@ -35,6 +35,7 @@ from typing import Literal, TypeVar
 from boxd import models
 from boxd import process_models as pm
 from boxd.config import DEFAULT_MACHINE_QUOTA
+from boxd.control import netpolicy
 from boxd.control.admission import Admission
 from boxd.control.forking import ForkPlacement
 from boxd.control.idempotency import Idempotency, fingerprint
@@ -50,8 +51,10 @@ from boxd.errors import (
     NotFound,
     SnapshotNotFound,
 )
-from boxd.images.oci import resolve_image
+from boxd.images.oci import image_by_digest, resolve_image
 from boxd.models import NAME_RE, NAME_RULE, MachineState
+from boxd.net_policy import DEFAULT as DEFAULT_POLICY
+from boxd.net_policy import NetPolicy
 from boxd.node import SERVICE_ID, service_argv
 from boxd.node.base import Boot, FromSnapshot, Node, ProcessStream
 from boxd.services import GuestApi
@@ -112,6 +115,8 @@ def machine_model(rec: MachineRecord, host: str = "127.0.0.1") -> models.Machine
         image=models.MachineImage(name=rec.run_image.name, digest=rec.run_image.digest,
                                   service=service_argv(rec.run_image) or [])
         if rec.run_image is not None else None,
+        expose_host=list(rec.net.expose_host),
+        egress=list(rec.net.egress) if rec.net.egress is not None else None,
     )
 
 
@@ -252,7 +257,7 @@ class Machines:
         suspend_after: float | None = None, hibernate_after: float | None = None,
         public: bool = False, labels: Mapping[str, str] | None = None,
         timeout: int | None = None, on_timeout: str = "delete",
-        run_image: RunImage | None = None,
+        run_image: RunImage | None = None, net: NetPolicy = DEFAULT_POLICY,
     ) -> MachineRecord:
         name = validate_name(name if name is not None else f"machine-{secrets.token_hex(3)}")
         rec = self.lifetimes.hold(self.repos.machines.claim(
@@ -263,6 +268,7 @@ class Machines:
             suspend_after=suspend_after, hibernate_after=hibernate_after, url_public=public,
             labels=models.check_labels(labels or {}), run_image=run_image,
             end_at=self.lifetimes.end_at(timeout), on_timeout=models.check_on_timeout(on_timeout),
+            net=net,
         ))
         self.admission.claimed()  # its slot is taken: the next queued request may try
         return rec
@@ -296,8 +302,9 @@ class Machines:
             raise InvalidRequest(f"unknown engine {req.engine!r}", field="engine",
                                  hint=f"use one of {', '.join(ENGINES)}")
         run_image = await _run_image(self.images, account, req)
+        net = await netpolicy.policy_for(req)
         if req.from_snapshot:
-            return await self._create_from_snapshot(account, req)
+            return await self._create_from_snapshot(account, req, net)
 
         async def launch(node: Node) -> MachineRecord:
             rec = await self._claim(
@@ -305,9 +312,15 @@ class Machines:
                 disk_gib=req.disk_gib, isolated=req.isolated, engine=req.engine,
                 suspend_after=req.suspend_after, hibernate_after=req.hibernate_after,
                 public=req.public, labels=req.labels, timeout=req.timeout,
-                on_timeout=req.on_timeout or "delete", run_image=run_image,
+                on_timeout=req.on_timeout or "delete", run_image=run_image, net=net,
             )
             held.append(rec)
+            if run_image is not None and self.cluster is not None:
+                try:
+                    await self._push_image(node.id, run_image.digest)
+                except BaseException:
+                    await self._forget(rec.id, node)
+                    raise
             await node.create(rec.id, Boot())  # on failure the record is gone
             return rec
 
@@ -315,8 +328,15 @@ class Machines:
             rec = await self._launch(req.node, set(), launch)
         return await self.get(account, rec.id)
 
+    async def _push_image(self, node_id: str, digest: str) -> None:
+        """On a cluster: give the node the image's blobs it lacks (the store is here)."""
+        assert self.images is not None and self.cluster is not None
+        info = await asyncio.to_thread(image_by_digest, self.images, digest, digest)
+        await self.cluster.nodes[node_id].receive_image(
+            self.images, [info.digest, info.config_digest, *(d.digest for d in info.layers)])
+
     async def _create_from_snapshot(
-        self, account: str, req: models.MachineCreate
+        self, account: str, req: models.MachineCreate, net: NetPolicy
     ) -> models.Machine:
         assert self.snapshots is not None and req.from_snapshot is not None
         snap = self.snapshots.resolve(account, req.from_snapshot)
@@ -336,6 +356,7 @@ class Machines:
 
         async def launch(node: Node) -> MachineRecord:
             _check_engine(req, engine)  # after placement, as its errors come first
+            netpolicy.check_isolated(bool(meta.get("isolated", False)), net)
             rec = await self._claim(
                 account, req.name, node, vcpus=int(meta.get("vcpus", req.vcpus)),
                 memory_mib=int(meta.get("memory_mib", req.memory_mib)),
@@ -344,7 +365,7 @@ class Machines:
                 snapshot=manifest.digest, engine=engine, public=req.public, labels=req.labels,
                 suspend_after=req.suspend_after, hibernate_after=req.hibernate_after,
                 timeout=req.timeout, on_timeout=req.on_timeout or "delete",
-                run_image=RunImage.from_json(meta.get("run_image")),
+                run_image=RunImage.from_json(meta.get("run_image")), net=net,
             )
             held.append(rec)
             if self.cluster is None:
@@ -356,8 +377,9 @@ class Machines:
                                     holder=None if holder.id == node.id else holder)
             return rec
 
+        hint = _image_snapshot_node(req.node, holders, meta) if holders else req.node
         with self.lifetimes.launching() as held:
-            rec = await self._launch(req.node, set(holders), launch)
+            rec = await self._launch(hint, set(holders), launch)
         return await self.get(account, rec.id)
 
     # ------------------------------------------------------------ inspection
@@ -575,7 +597,7 @@ class Machines:
                     image=src.image, engine=src.engine, suspend_after=src.suspend_after,
                     hibernate_after=src.hibernate_after, public=src.url_public,
                     labels=labels, timeout=timeout, on_timeout=on_timeout,
-                    run_image=src.run_image,
+                    run_image=src.run_image, net=src.net,
                 ))
             except Exception as exc:
                 claimed.append(exc)
@@ -942,6 +964,25 @@ class Snapshots:
             return self._model(existing)
         return self._model(self.repos.snapshots.add(account, name, manifest.digest,
                                                     new_version=True))
+
+
+def _image_snapshot_node(node: str | None, holders: Mapping[str, ClusterNode],
+                         meta: Mapping[str, object]) -> str | None:
+    """The node a snapshot starts on: ``node`` (None: placement's choice), except that a
+    container image machine's snapshot names its image's tree on the node that saved it,
+    so it starts on a node that holds it.
+
+    Raises:
+        InvalidRequest: ``node`` does not hold the image machine's snapshot.
+    """
+    if meta.get("run_image") is None or (node is not None and node in holders):
+        return node
+    if node is None:
+        return next(iter(holders))
+    raise InvalidRequest(
+        f"a container image machine's snapshot starts on a node that holds it "
+        f"({', '.join(holders)}), not on {node} yet", field="node",
+        hint="start it without a node, or on one of those")
 
 
 async def _holders(nodes: Iterable[ClusterNode], digest: str, ref: str,

@@ -34,6 +34,7 @@ from boxd.node.cluster import CHUNK, NAMESPACE, RESOURCE, NodeActor, receive_sna
 from boxd.node.lifecycle import Lifecycle
 from boxd.state import CheckpointRecord, MachineRecord, Repos
 from boxd.storage import SnapshotStore
+from boxd.storage.oci import ImageStore
 
 log = logging.getLogger("boxd.cluster")
 
@@ -71,6 +72,7 @@ class RayNode:
         self.last_info: models.NodeInfo | None = None
         self._info_at = 0.0
         self._portable: dict[str, bool] = {}  # engine -> `portable_templates` answer
+        self._pushing: dict[str, asyncio.Lock] = {}  # image digest -> its push here
 
     @property
     def id(self) -> str:
@@ -302,6 +304,22 @@ class RayNode:
         """Copy a snapshot this node holds into ``store`` (blobs it lacks, verified)."""
         raw, offers = await self._ask(self.actor.offer_snapshot.remote(digest))
         await receive_snapshot(self.actor, store, digest, raw, offers)
+
+    async def receive_image(self, store: ImageStore, digests: list[str]) -> None:
+        """Copy the blobs of ``digests`` (an image's manifest, config and layers) this
+        node's image store lacks from ``store``, chunk by chunk; the node verifies each.
+        One push of an image to this node at a time (a second create waits for it)."""
+        async with self._pushing.setdefault(digests[0], asyncio.Lock()):
+            missing: list[str] = await self._ask(self.actor.image_missing.remote(digests))
+            for digest in missing:
+                with open(store.path(digest), "rb") as f:
+                    size, offset = os.fstat(f.fileno()).st_size, 0
+                    while True:
+                        data = await asyncio.to_thread(f.read, CHUNK)
+                        await self._ask(self.actor.image_put.remote(digest, size, offset, data))
+                        offset += len(data)
+                        if offset >= size:
+                            break
 
     async def drop_snapshot(self, digest: str) -> None:
         await self._ask(self.actor.drop_snapshot.remote(digest))

@@ -43,6 +43,9 @@ class E2BState:
     processes: ProcessTable
     authenticate: Authenticate
     snapshots: SnapshotService | None = None
+    #: The operator's sandbox domain (``BOXD_E2B_DOMAIN``): ``<port>-<id>.<domain>`` Host
+    #: names reach sandboxes, and creates answer it as ``domain`` (the SDK's ``get_host``).
+    domain: str | None = None
     watchers: Watchers = field(default_factory=Watchers)
 
 
@@ -68,15 +71,17 @@ def iso(ts: float) -> str:
     return when.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def sandbox_json(sandbox: Sandbox, *, detail: bool = False, token: bool = True) -> dict[
-        str, Any]:
+def sandbox_json(sandbox: Sandbox, *, detail: bool = False, token: bool = True,
+                 domain: str | None = None) -> dict[str, Any]:
     """E2B's ``Sandbox`` (create, connect, fork) or, with ``detail``, ``SandboxDetail`` /
-    ``ListedSandbox``."""
+    ``ListedSandbox``; ``domain``: the sandbox domain to answer (None: none)."""
     rec, machine = sandbox.record, sandbox.machine
     out: dict[str, Any] = {
         "sandboxID": rec.sandbox_id, "templateID": rec.template, "clientID": CLIENT_ID,
         "envdVersion": ENVD_VERSION,
     }
+    if domain is not None:
+        out["domain"] = domain
     if token:
         out["envdAccessToken"] = rec.token
     if detail:

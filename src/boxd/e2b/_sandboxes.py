@@ -16,16 +16,24 @@ import contextlib
 import logging
 import secrets
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 
 from boxd import models
 from boxd.e2b._ids import is_sandbox_id, new_sandbox_id
 from boxd.e2b._store import SandboxRecord, SandboxStore, now
 from boxd.e2b.env import SANDBOX_LABELS, source_labels
-from boxd.errors import BoxdError, InvalidRequest, MachineNotFound, StateError
+from boxd.errors import (
+    BoxdError,
+    InvalidRequest,
+    MachineNotFound,
+    NotFound,
+    SnapshotNotFound,
+    StateError,
+)
 from boxd.services import MachineService
 
-__all__ = ["BASE_TEMPLATE", "HOME", "MAX_FORKS", "Sandbox", "Sandboxes"]
+__all__ = ["BASE_TEMPLATE", "HOME", "MAX_FORKS", "BuiltTemplate", "Sandbox", "Sandboxes"]
 
 log = logging.getLogger("boxd.e2b")
 
@@ -48,6 +56,9 @@ NEVER = float("inf")
 #: A woken sandbox's lifetime when connect names none (E2B's SDK default).
 WOKEN_TIMEOUT = 300
 _PAUSED = (models.MachineState.HIBERNATED, models.MachineState.HIBERNATING)
+
+#: Makes sure an account has the snapshot a built template names (building it if not).
+BuiltTemplate = Callable[[str], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -77,9 +88,12 @@ def check_timeout(value: object, field: str = "timeout") -> int:
 class Sandboxes:
     """Create, find, list, time out, pause, wake, fork and kill sandboxes."""
 
-    def __init__(self, machines: MachineService, store: SandboxStore) -> None:
+    def __init__(self, machines: MachineService, store: SandboxStore,
+                 built: Mapping[str, BuiltTemplate] | None = None) -> None:
         self.machines = machines
         self.store = store
+        # Templates boxd builds on an account's first use, by name (code-interpreter-v1)
+        self.built = dict(built or {})
         self._wakeup = asyncio.Event()
         # (account, Idempotency-Key) -> the create it started; the newest IDEMPOTENCY_KEYS
         self._creates: OrderedDict[tuple[str, str], asyncio.Task[Sandbox]] = OrderedDict()
@@ -129,8 +143,8 @@ class Sandboxes:
         on when its client goes, so a retry after a lost reply finds it.
 
         Raises:
-            InvalidRequest, QuotaExceeded, SnapshotNotFound (an unknown template),
-            MachineFailed, HostSetupError.
+            InvalidRequest, QuotaExceeded, SnapshotNotFound (a template that is no
+            snapshot and no image), MachineFailed, HostSetupError.
         """
         make = self._create(account, template, timeout, metadata=metadata,
                             env_vars=env_vars, auto_pause=auto_pause, isolated=isolated)
@@ -174,7 +188,9 @@ class Sandboxes:
         try:
             machine = await self._fork_warm(account, template, sandbox_id, isolated)
             if machine is None:
-                await self.machines.create(account, req)
+                if template in self.built:  # a snapshot of the template's name, made once
+                    await self.built[template](account)
+                await self._boot(account, req)
                 machine = await self._ready(account, sandbox_id)
         except BaseException:
             self.store.remove(sandbox_id)
@@ -183,6 +199,30 @@ class Sandboxes:
             raise
         self._wakeup.set()
         return Sandbox(rec, machine)
+
+    async def _boot(self, account: str, req: models.MachineCreate) -> None:
+        """Create the sandbox's machine: of boxd's default image for `BASE_TEMPLATE`,
+        else from the snapshot the template names, else from the account's image of
+        that name (``NAME[:TAG]``: its root and its service, docs/images.md).
+
+        Raises:
+            SnapshotNotFound: the template is neither a snapshot nor an image.
+        """
+        try:
+            await self.machines.create(account, req)
+            return
+        except SnapshotNotFound:
+            pass
+        template = req.from_snapshot
+        try:
+            await self.machines.create(account, req.model_copy(
+                update={"from_snapshot": None, "image": template}))
+        except NotFound:  # the image's: no such image either
+            raise SnapshotNotFound(
+                f"template {template!r} not found: no snapshot and no image has that name",
+                snapshot=template,
+                hint="`boxd snapshots list` and `boxd image list` show what there is") \
+                from None
 
     async def _fork_warm(self, account: str, template: str, sandbox_id: str,
                          isolated: bool) -> models.Machine | None:

@@ -5,20 +5,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from boxd.e2b import control, envd
 from boxd.e2b._common import ENVD_PORT, Authenticate, E2BState, boxd_error, e2b_error
+from boxd.e2b._ports import PortRelay
 from boxd.e2b._processes import ProcessTable
 from boxd.e2b._sandboxes import Sandboxes
 from boxd.e2b._store import SandboxStore
+from boxd.e2b.interpreter import CODE_INTERPRETER, InterpreterTemplate
 from boxd.errors import BoxdError
 from boxd.services import MachineService, SnapshotService
 
@@ -55,7 +58,8 @@ _CONTROL_PREFIXES = ("/sandboxes", "/v2/", "/v3/", "/snapshots", "/templates")
 
 
 class _Dispatch:
-    """Requests naming a sandbox (``E2b-Sandbox-Id``) go to envd, the rest to control.
+    """Requests naming a sandbox (``E2b-Sandbox-Id``) go to envd (``E2b-Sandbox-Port``
+    49983 or none) or to that port in the guest (`PortRelay`), the rest to control.
 
     A request to an envd path with no ``E2b-Sandbox-Id`` but a sandbox's
     ``X-Access-Token`` is that sandbox's: e2b 2.7-2.25.0 (Python) send no sandbox
@@ -64,12 +68,27 @@ class _Dispatch:
     one envd requires anyway.
     """
 
-    def __init__(self, control_app: ASGIApp, envd_app: ASGIApp, store: SandboxStore) -> None:
+    def __init__(self, control_app: ASGIApp, envd_app: ASGIApp, store: SandboxStore,
+                 ports: PortRelay, domain: str | None = None) -> None:
         self.control = control_app
         self.envd = envd_app
         self.store = store
+        self.ports = ports
+        self.host = None if domain is None else re.compile(
+            rb"([0-9]{1,5})-([a-z0-9]+)\." + re.escape(domain.encode()) + rb"(?::[0-9]+)?")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.host is not None:
+            # <port>-<id>.<domain>: that sandbox's port whatever the path (a guest's own
+            # server may have a /sandboxes too); the name says what the headers say.
+            named = self.host.fullmatch(dict(scope["headers"]).get(b"host", b"").lower())
+            if named is not None:
+                scope = {**scope, "headers": [
+                    *[(k, v) for k, v in scope["headers"]
+                      if k not in (b"e2b-sandbox-id", b"e2b-sandbox-port")],
+                    (b"e2b-sandbox-id", named.group(2)), (b"e2b-sandbox-port", named.group(1))]}
+                await self._sandbox(scope, receive, send, named.group(2), named.group(1))
+                return
         if scope["type"] == "http" and not str(scope["path"]).startswith(_CONTROL_PREFIXES):
             headers = dict(scope["headers"])
             sandbox = headers.get(b"e2b-sandbox-id")
@@ -81,25 +100,36 @@ class _Dispatch:
                     scope = {**scope, "headers": [*scope["headers"],
                                                   (b"e2b-sandbox-id", sandbox)]}
             if sandbox is not None:
-                port = headers.get(b"e2b-sandbox-port", str(ENVD_PORT).encode())
-                if port != str(ENVD_PORT).encode():
-                    await _port_closed(sandbox, port)(scope, receive, send)
-                    return
-                await self.envd(scope, receive, send)
+                await self._sandbox(scope, receive, send, sandbox,
+                                    headers.get(b"e2b-sandbox-port"))
                 return
         await self.control(scope, receive, send)
 
+    async def _sandbox(self, scope: Scope, receive: Receive, send: Send, sandbox: bytes,
+                       port_header: bytes | None) -> None:
+        port = _port(port_header)
+        if port is None:
+            await e2b_error(400, "E2b-Sandbox-Port must be a TCP port, 1-65535")(
+                scope, receive, send)
+        elif port == ENVD_PORT:
+            await self.envd(scope, receive, send)
+        else:
+            await self.ports(scope, receive, send, sandbox.decode(errors="replace"), port)
 
-def _port_closed(sandbox: bytes, port: bytes) -> Response:
-    return JSONResponse({"sandboxId": sandbox.decode(errors="replace"), "code": 502,
-                         "message": f"The sandbox is running but port is not open: boxd's "
-                         f"E2B listener serves envd ({ENVD_PORT}) only, not port "
-                         f"{port.decode(errors='replace')} (docs/e2b.md)"},
-                        status_code=502)
+
+def _port(value: bytes | None) -> int | None:
+    """The guest port a request names (envd's when it names none); None: not a port."""
+    if value is None:
+        return ENVD_PORT
+    text = value.decode(errors="replace").strip()
+    if not text.isascii() or not text.isdigit() or not 1 <= int(text) <= 65535:
+        return None
+    return int(text)
 
 
 def create_e2b_app(machines: MachineService, authenticate: Authenticate,
-                   directory: Path, snapshots: SnapshotService | None = None) -> Starlette:
+                   directory: Path, snapshots: SnapshotService | None = None, *,
+                   domain: str | None = None) -> Starlette:
     """The E2B API over ``machines``.
 
     Args:
@@ -107,14 +137,23 @@ def create_e2b_app(machines: MachineService, authenticate: Authenticate,
         authenticate: an API key's secret -> its account id (raises AuthError).
         directory: where sandbox records are kept (``<data dir>/e2b``).
         snapshots: the snapshot service (E2B's snapshots are boxd's); None: no
-            snapshot routes.
+            snapshot routes (and no ``code-interpreter-v1``, a snapshot boxd builds).
+        domain: the operator's sandbox domain (``BOXD_E2B_DOMAIN``): requests whose Host
+            is ``<port>-<sandbox id>.<domain>`` go to that sandbox's port, and creates
+            answer it as ``domain``; None: the headers alone route.
 
     Returns:
         The ASGI app. Its lifespan runs the task that ends sandboxes at their timeout.
     """
     store = SandboxStore(directory)
-    state = E2BState(Sandboxes(machines, store), ProcessTable(machines), authenticate,
-                     snapshots)
+    ports = PortRelay(machines, store)
+    built = {}
+    if snapshots is not None:
+        interpreter = InterpreterTemplate(machines, snapshots,
+                                          directory / "interpreter-wheels")
+        built[CODE_INTERPRETER] = interpreter.ensure
+    state = E2BState(Sandboxes(machines, store, built), ProcessTable(machines),
+                     authenticate, snapshots, domain)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -125,6 +164,7 @@ def create_e2b_app(machines: MachineService, authenticate: Authenticate,
             reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reaper
+            await ports.aclose()
 
     control_app = Starlette(routes=control.routes, exception_handlers=_HANDLERS)
     envd_app = Starlette(routes=envd.routes, exception_handlers=_HANDLERS)
@@ -132,5 +172,5 @@ def create_e2b_app(machines: MachineService, authenticate: Authenticate,
         sub.state.e2b = state
     app = Starlette(lifespan=lifespan)
     app.state.e2b = state
-    app.mount("/", _Dispatch(control_app, envd_app, store))
+    app.mount("/", _Dispatch(control_app, envd_app, store, ports, domain))
     return app

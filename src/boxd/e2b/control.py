@@ -106,14 +106,15 @@ async def create(request: Request) -> Response:
         isolated=not _bool(body.get("allow_internet_access"), "allow_internet_access", True),
         idempotency_key=key,
     )
-    return JSONResponse(sandbox_json(sandbox), status_code=201)
+    return JSONResponse(sandbox_json(sandbox, domain=state_of(request).domain),
+                        status_code=201)
 
 
 async def get_one(request: Request) -> Response:
     """``GET /sandboxes/{id}``."""
     sandbox = await state_of(request).sandboxes.get(account_of(request),
                                                     request.path_params["id"])
-    return JSONResponse(sandbox_json(sandbox, detail=True))
+    return JSONResponse(sandbox_json(sandbox, detail=True, domain=state_of(request).domain))
 
 
 def _metadata_filter(text: str | None) -> dict[str, str]:
@@ -236,7 +237,8 @@ async def connect(request: Request) -> Response:
     sandbox, woken = await state_of(request).sandboxes.connect(
         account, request.path_params["id"],
         None if timeout is None else check_timeout(timeout))
-    return JSONResponse(sandbox_json(sandbox), status_code=201 if woken else 200)
+    return JSONResponse(sandbox_json(sandbox, domain=state_of(request).domain),
+                        status_code=201 if woken else 200)
 
 
 async def fork(request: Request) -> Response:
@@ -255,7 +257,7 @@ async def fork(request: Request) -> Response:
         if isinstance(item, BoxdError):
             items.append({"error": {"code": item.status, "message": item.message}})
         else:
-            items.append({"sandbox": sandbox_json(item)})
+            items.append({"sandbox": sandbox_json(item, domain=state_of(request).domain)})
     return JSONResponse(items, status_code=201)
 
 

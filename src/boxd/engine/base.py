@@ -32,6 +32,8 @@ from boxd.engine.agent import (
     FileStat,
     GuestStream,
 )
+from boxd.net_policy import DEFAULT as DEFAULT_POLICY
+from boxd.net_policy import NetPolicy
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,12 @@ class MachineConfig:
     kernel: Path
     initrd: Path
     cmdline: str  # extra kernel command line of the image (timing hints)
+    # The disk's root is a container image's files (`Engine.image_roots`): the engine
+    # brings the agent's runtime beside it (QEMU: boxd's guest root as a second,
+    # read-only disk). Part of what the machine is: its forks and restores keep it.
+    image_root: bool = False
+    # host loopback ports it reaches and its egress allow-list (boxd.net_policy)
+    net: NetPolicy = DEFAULT_POLICY
 
 
 @dataclass(frozen=True)
@@ -296,8 +304,10 @@ class Engine(Protocol):
     @property
     def image_roots(self) -> bool:
         """True when a machine can boot on a directory tree (an imported container
-        image, unpacked): `create_disk` then takes that directory as a raw backing and
-        the engine brings its own agent runtime, whatever the tree holds."""
+        image, unpacked): `create_disk` then takes that directory as a raw backing (in
+        whatever form the engine boots: gVisor serves the tree, QEMU packs it into an
+        ext4 disk once per image), and the engine brings its own agent runtime to a
+        machine whose config says ``image_root``, whatever the tree holds."""
         ...
 
     def info(self) -> EngineInfo: ...

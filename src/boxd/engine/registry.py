@@ -176,7 +176,7 @@ def _open_qemu(settings: Settings, paths: Paths, image: GuestImage) -> Engine:
     return QemuEngine(
         qemu, accel, readonly_rom=version >= (8, 2, 0), run_as=run_as,
         version=".".join(map(str, version)), net_user=settings.net_user,
-        cgroups=cgroups,
+        cgroups=cgroups, runtime=image.rootfs, image_disks=paths.image_disks,
     )
 
 

@@ -51,18 +51,47 @@ while read -r mod; do
   fi
 done < /lib/modules/load-order
 
+# boxd.runtime=SERIAL: a container image's machine. Its root disk holds the image's
+# files; the disk with that serial, boxd's own guest root (read-only), lends the agent
+# its Python, mounted at /opt/boxd-rt (docs/images.md).
+rt_serial=""
+for word in $cmdline; do
+  case "$word" in boxd.runtime=?*) rt_serial="${word#boxd.runtime=}";; esac
+done
+root=vda
+rt=""
 i=0
-while [ ! -b /dev/vda ]; do
+while :; do
+  if [ -n "$rt_serial" ]; then
+    for d in /sys/block/vd*; do
+      [ -e "$d" ] || continue
+      if [ "$(cat $d/serial 2>/dev/null)" = "$rt_serial" ]; then rt=${d##*/}
+      else root=${d##*/}; fi
+    done
+  fi
+  found=1
+  [ -b /dev/$root ] || found=""
+  if [ -n "$rt_serial" ]; then [ -n "$rt" ] && [ "$rt" != "$root" ] || found=""; fi
+  [ -n "$found" ] && break
   i=$((i + 1))
-  [ "$i" -gt 500 ] && die "no root disk /dev/vda after 5 s"
+  [ "$i" -gt 500 ] && die "no root disk /dev/$root (or no disk $rt_serial) after 5 s"
   usleep 10000
 done
 # noinit_itable: no ext4lazyinit thread zeroing inode tables in the background (after
 # an online grow that is minutes of TCG time, repeated by every fork child).
-mount -t ext4 -o rw,noinit_itable /dev/vda /newroot || die "cannot mount /dev/vda"
+mount -t ext4 -o rw,noinit_itable /dev/$root /newroot || die "cannot mount /dev/$root"
 
 R=/newroot
-mkdir -p $R/proc $R/sys $R/dev $R/run $R/tmp
+RT=/opt/boxd-rt
+mkdir -p $R/proc $R/sys $R/dev $R/run $R/tmp $R/etc
+if [ -n "$rt" ]; then
+  mkdir -p $R$RT
+  mount -t ext4 -o ro,noload /dev/$rt $R$RT || die "cannot mount the guest root /dev/$rt"
+  ld=$(ls $R$RT/usr/lib/*-linux-gnu/ld-linux*.so.* 2>/dev/null | head -n 1)
+  py=$(readlink -f $R$RT/usr/bin/python3)
+  [ -f "$ld" ] && [ -f "$py" ] || die "no dynamic loader or python3 in the guest root"
+  libdir=${ld%/*}
+fi
 mount -t proc proc $R/proc
 mount -t sysfs sysfs $R/sys
 mount -t devtmpfs devtmpfs $R/dev
@@ -95,12 +124,17 @@ if [ -e /sys/class/net/eth0 ]; then
 fi
 
 # Grow the filesystem online when the disk (a qcow2 overlay) is larger than it.
-disk_bytes=$(( $(cat /sys/class/block/vda/size) * 512 ))
-blocks=$(od -An -tu4 -j1028 -N4 /dev/vda | tr -d ' ')
-log_bs=$(od -An -tu4 -j1048 -N4 /dev/vda | tr -d ' ')
+disk_bytes=$(( $(cat /sys/class/block/$root/size) * 512 ))
+blocks=$(od -An -tu4 -j1028 -N4 /dev/$root | tr -d ' ')
+log_bs=$(od -An -tu4 -j1048 -N4 /dev/$root | tr -d ' ')
 fs_bytes=$(( blocks * (1024 << log_bs) ))
 if [ "$disk_bytes" -gt "$fs_bytes" ]; then
-  chroot $R /sbin/resize2fs /dev/vda >/dev/null 2>&1 || log "resize2fs failed"
+  if [ -n "$rt" ]; then  # the image has no resize2fs: the guest root's, on its loader
+    $ld --library-path $libdir $R$RT/usr/sbin/resize2fs /dev/$root >/dev/null 2>&1 \
+      || log "resize2fs failed"
+  else
+    chroot $R /sbin/resize2fs /dev/$root >/dev/null 2>&1 || log "resize2fs failed"
+  fi
 fi
 
 cp /boxd/*.py $R/run/boxd/ 2>/dev/null
@@ -115,6 +149,18 @@ cd $R/home/boxd 2>/dev/null
 export HOME=/root LANG=C.UTF-8 TERM=linux
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 # boxd-init answers the hot operations itself and runs agent.py behind it.
+if [ -n "$rt" ]; then
+  # The guest root's Python through its own loader: no LD_LIBRARY_PATH or PYTHONHOME
+  # for the image's commands; -E -s: the image's PYTHON* leave the agent alone.
+  ld=${ld#$R} libdir=${libdir#$R} py=${py#$R}
+  if [ -x $R/run/boxd/boxd-init ]; then
+    exec switch_root $R /run/boxd/boxd-init --python $ld --python-arg --library-path \
+      --python-arg $libdir --python-arg $py --python-arg -E --python-arg -s \
+      < $R/dev/console > $R/dev/console 2>&1
+  fi
+  exec switch_root $R $ld --library-path $libdir $py -E -s -u /run/boxd/agent.py \
+    < $R/dev/console > $R/dev/console 2>&1
+fi
 if [ -x $R/run/boxd/boxd-init ]; then
   exec switch_root $R /run/boxd/boxd-init < $R/dev/console > $R/dev/console 2>&1
 fi

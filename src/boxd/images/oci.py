@@ -18,6 +18,7 @@ the blobs it wrote alone go with the next collection.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -470,11 +471,19 @@ _PLAIN = ("application/vnd.oci.image.layer.v1.tar",
 
 
 def unpack_image(store: ImageStore, info: ImageInfo, roots: Path) -> Path:
-    """The image's root tree (its layers applied in order), made once per image digest
-    under ``roots`` and shared read-only by what uses it; returns its path.
+    """The image's root tree (its layers applied in order), shared read-only by what
+    uses it; returns its path.
 
-    The layers are applied by a child process chrooted into the tree
-    (`boxd.images._unpack`), so no path in a layer reaches outside it.
+    Trees are made per layer chain: ``roots/chains/<id>`` is the tree of the first k
+    layers, its id the hash of the chain below it and the k-th layer's digest. A chain
+    starts as hard links of the one below (`_link_tree`: new directories, the same
+    file inodes) and applies its own layer, so images that share base layers share
+    those layers' file data on disk however many are unpacked. ``roots/<digest>`` is a
+    symbolic link naming the image's chain, made last: an image is unpacked once.
+
+    A layer replaces a file by unlinking it first (`boxd.images._unpack`), so a
+    chain never writes through a link into the tree below it. The layers are applied
+    by a child process chrooted into the tree, so no path in a layer reaches outside it.
 
     Raises:
         CorruptData: a layer is not a tar of a supported compression.
@@ -482,35 +491,77 @@ def unpack_image(store: ImageStore, info: ImageInfo, roots: Path) -> Path:
     """
     final = roots / info.digest.split(":", 1)[1]
     if final.is_dir():
-        return final
-    specs = []
-    for d in info.layers:
-        if d.media_type in _GZIP:
-            specs.append("gzip")
-        elif d.media_type in _PLAIN:
-            specs.append("")
-        else:
-            raise CorruptData(f"layer {d.digest} of {info.name} is {d.media_type!r}",
-                              hint="boxd unpacks tar and tar+gzip layers; convert the image "
-                                   "(e.g. skopeo copy --dest-compress-format gzip)")
+        return final.resolve()
+    specs = [_compression(d, info.name) for d in info.layers]
     roots.mkdir(parents=True, exist_ok=True, mode=0o700)  # the trees inside: the image's modes
-    tmp = Path(tempfile.mkdtemp(dir=roots, prefix=f".{final.name[:12]}-"))
+    chains = roots / "chains"
+    chains.mkdir(exist_ok=True, mode=0o700)
+    below: Path | None = None
+    chain = ""
+    for d, how in zip(info.layers, specs, strict=True):
+        chain = hashlib.sha256(f"{chain}|{d.digest}".encode()).hexdigest()
+        here = chains / chain
+        if not here.is_dir():
+            _make_chain(store, here, below, d.digest, how, info.name)
+        below = here
+    if below is None:  # an image of no layers: an empty root
+        below = chains / hashlib.sha256(b"").hexdigest()
+        below.mkdir(mode=0o755, exist_ok=True)
+    link = roots / f".{final.name[:12]}-{os.getpid()}-link"
+    with contextlib.suppress(FileNotFoundError):
+        link.unlink()
+    link.symlink_to(Path("chains") / below.name)
+    os.replace(link, final)  # the last step: a root named by its image is whole
+    return below
+
+
+def _compression(d: Descriptor, name: str) -> str:
+    if d.media_type in _GZIP:
+        return "gzip"
+    if d.media_type in _PLAIN:
+        return ""
+    raise CorruptData(f"layer {d.digest} of {name} is {d.media_type!r}",
+                      hint="boxd unpacks tar and tar+gzip layers; convert the image "
+                           "(e.g. skopeo copy --dest-compress-format gzip)")
+
+
+def _make_chain(store: ImageStore, here: Path, below: Path | None, digest: str, how: str,
+                name: str) -> None:
+    """The tree ``here``: ``below``'s tree linked, then the layer ``digest`` applied;
+    made in a temporary directory and renamed into place (another process making the
+    same chain meanwhile wins; its tree is used)."""
+    tmp = Path(tempfile.mkdtemp(dir=here.parent, prefix=f".{here.name[:12]}-"))
     os.chmod(tmp, 0o755)
     try:
-        with contextlib.ExitStack() as stack:
-            files = [stack.enter_context(store.open(d.digest)) for d in info.layers]
-            args = [f"{f.fileno()}:{how}" for f, how in zip(files, specs, strict=True)]
-            _run_unpack(tmp, args, [f.fileno() for f in files], info.name)
+        if below is not None:
+            _link_tree(below, tmp, name)
+        with store.open(digest) as f:
+            _run_unpack(tmp, [f"{f.fileno()}:{how}"], [f.fileno()], name)
         try:
-            os.rename(tmp, final)
-        except OSError:  # another unpack of the same image won: use its tree
-            if not final.is_dir():
+            os.rename(tmp, here)
+        except OSError:  # another unpack of the same chain won: use its tree
+            if not here.is_dir():
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return final
+
+
+def _link_tree(src: Path, dest: Path, name: str) -> None:
+    """``src``'s tree in ``dest``: directories made anew with their modes, owners,
+    times and xattrs; every other entry a hard link to ``src``'s (GNU cp)."""
+    prefix = [] if os.geteuid() == 0 else ["unshare", "--map-root-user"]
+    cmd = [*prefix, "cp", "-a", "--link", "--no-target-directory", f"{src}/.", str(dest)]
+    try:
+        r = subprocess.run(cmd, capture_output=True, timeout=3600, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise HostSetupError(f"cannot unpack {name}: {exc}",
+                             hint="run the daemon as root, or enable user namespaces") from None
+    if r.returncode != 0:
+        tail = " | ".join(r.stderr.decode(errors="replace").strip().splitlines()[-3:])
+        raise HostSetupError(f"unpacking {name} failed: linking its lower layers: {tail}",
+                             hint="check the disk holding the data directory has room")
 
 
 def _run_unpack(dest: Path, args: list[str], fds: list[int], name: str) -> None:

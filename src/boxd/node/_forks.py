@@ -226,7 +226,8 @@ class Forks:
         port = None if src.isolated else free_port()
         config = self._launcher.config_for(
             vm_id, src.name, vcpus=src.vcpus, memory_mib=src.memory_mib,
-            isolated=src.isolated, port=port)
+            isolated=src.isolated, port=port, image_root=src.run_image is not None,
+            net=src.net)
         try:
             # Pinned while it launches (it maps the template's files); once prepared it
             # lives only while the template is current (`SparePool.prune`).

@@ -30,6 +30,8 @@ from boxd.config import Paths
 from boxd.engine.base import BootDisk, MachineConfig, MachineHandle, MemoryImage
 from boxd.errors import BoxdError, MachineFailed, ResourceExhausted
 from boxd.models import MachineState
+from boxd.net_policy import DEFAULT as DEFAULT_POLICY
+from boxd.net_policy import GATEWAY, HOST_NAME, NetPolicy
 from boxd.node._guests import GuestRelay
 from boxd.node._host import Host
 from boxd.node._ports import free_port
@@ -78,14 +80,40 @@ def failed_error(rec: MachineRecord, reason: str | None) -> MachineFailed:
 
 async def set_identity(
     hostname: str, handle: MachineHandle, timeout: float = 60.0, api_key: str | None = None,
+    host_name: bool = False,
 ) -> None:
     """A new machine-id, a reseeded RNG and the host's clock (and the hostname; and the
-    in-guest API credential when given)."""
+    in-guest API credential when given; and ``host.boxd.internal`` in /etc/hosts for a
+    machine that exposes host ports, ``host_name``)."""
     agent = await handle.agent(timeout=timeout)
     await agent.identity(
         hostname=hostname, machine_id=secrets.token_hex(16), seed=os.urandom(64),
         now=time.time(), api_key=api_key,
     )
+    if host_name:
+        await name_the_host(handle)
+
+
+HOSTS_LINE = f"{GATEWAY}\t{HOST_NAME}\n"
+
+
+async def name_the_host(handle: MachineHandle) -> None:
+    """Make ``host.boxd.internal`` resolve to the guest's gateway (which passt or pasta
+    map to the host's loopback for such a machine): a line in the guest's /etc/hosts,
+    added once (a fork's disk has it already). Best effort: a guest whose /etc/hosts
+    cannot be written still reaches the exposed ports at the gateway's address."""
+    agent = await handle.agent(timeout=60.0)
+    try:
+        hosts = await agent.read_file("/etc/hosts")
+    except BoxdError:  # none (a bare container image): write one
+        hosts = b"127.0.0.1\tlocalhost\n"
+    if any(HOST_NAME in line.split()[1:] for line in hosts.decode(errors="replace")
+           .splitlines() if not line.lstrip().startswith("#")):
+        return
+    try:
+        await agent.write_file("/etc/hosts", hosts.rstrip(b"\n") + b"\n" + HOSTS_LINE.encode())
+    except BoxdError as exc:
+        log.warning("machine=%s event=hosts_not_written error=%r", handle.config.id, exc)
 
 
 def launch_error(rec: MachineRecord, exc: Exception) -> BoxdError:
@@ -144,20 +172,21 @@ class Launcher:
 
     def config_for(
         self, vm_id: str, hostname: str, *, vcpus: int, memory_mib: int, isolated: bool,
-        port: int | None,
+        port: int | None, image_root: bool = False, net: NetPolicy = DEFAULT_POLICY,
     ) -> MachineConfig:
         image = self.host.image
         return MachineConfig(
             id=vm_id, hostname=hostname, vcpus=vcpus, memory_mib=memory_mib,
-            isolated=isolated, port=port,
+            isolated=isolated, port=port, net=net,
             kernel=image.kernel if image else Path(), initrd=image.initrd if image else Path(),
-            cmdline=image.cmdline_hint if image else "",
+            cmdline=image.cmdline_hint if image else "", image_root=image_root,
         )
 
     def config(self, rec: MachineRecord) -> MachineConfig:
         return self.config_for(
             rec.vm_id, rec.name, vcpus=rec.vcpus, memory_mib=rec.memory_mib,
-            isolated=rec.isolated, port=rec.fwd_port,
+            isolated=rec.isolated, port=rec.fwd_port, image_root=rec.run_image is not None,
+            net=rec.net,
         )
 
     # ----------------------------------------------------- handles and watchers
@@ -321,7 +350,8 @@ class Launcher:
         # in identity for a fork child or a snapshot start; else one cheap op.
         key = self._guests.new_key(rec) if identity or to_running else None
         if identity:
-            await set_identity(rec.name, handle, api_key=key)
+            await set_identity(rec.name, handle, api_key=key,
+                               host_name=bool(rec.net.expose_host))
         elif key is not None:
             await (await handle.agent(timeout=60.0)).set_api_key(key)
         return rec, handle, key

@@ -45,6 +45,7 @@ from boxd.node.base import Boot, FromSnapshot, ProcessStream
 from boxd.node.runtime import NodeRuntime
 from boxd.state import Database, MachineRecord, Repos
 from boxd.storage import SnapshotStore
+from boxd.storage.oci import ImageStore
 
 log = logging.getLogger("boxd.cluster")
 
@@ -240,6 +241,16 @@ class NodeActor:
 
     async def read_chunk(self, kind: str, key: str, offset: int, length: int) -> bytes:
         return await self.rt.read_chunk(kind, key, offset, length)
+
+    async def image_missing(self, digests: list[str]) -> list[str]:
+        """The blobs of ``digests`` this node's image store lacks."""
+        store = ImageStore(self.paths.images_store)
+        return [d for d in digests if not store.has(d)]
+
+    async def image_put(self, digest: str, size: int, offset: int, data: bytes) -> bool:
+        """One chunk of an image blob the control plane pushes (`ImageStore.receive`)."""
+        store = ImageStore(self.paths.images_store)
+        return await asyncio.to_thread(store.receive, digest, size, offset, data)
 
     async def offer_done(self, template_id: str) -> None:
         self.rt.offer_done(template_id)

@@ -239,6 +239,13 @@ class NodeRuntime:
     # ------------------------------------------------------------------ create
 
     async def create(self, machine_id: str, source: Boot | FromSnapshot) -> None:
+        # The whole create holds the machine's lease, an image's unpacking included: a
+        # request for the machine meanwhile (its record exists, starting, with no VM
+        # process yet) waits for the create instead of answering that no VM runs.
+        async with self.lease(machine_id).op():
+            await self._create(machine_id, source)
+
+    async def _create(self, machine_id: str, source: Boot | FromSnapshot) -> None:
         rec = self.record(machine_id)
         try:
             image, engine = await self.host.ready(rec.engine)
@@ -252,18 +259,17 @@ class NodeRuntime:
         self.repos.machines.update(machine_id, port=port)
         rec = self.record(machine_id)
         try:
-            async with self.lease(machine_id).op():
-                if isinstance(source, Boot):
-                    await self.launcher.start(
-                        rec, Launch(None, backing=root, backing_format="raw",
-                                    disk_gib=rec.disk_gib),
-                        identity=False, to_running=False,
-                    )
-                else:
-                    await self.launcher.start(rec, Launch(
-                        MemoryImage(source.memory, source.state, rec.memory_mib),
-                        backing=source.disk, backing_format="layer", disk_gib=rec.disk_gib,
-                    ))
+            if isinstance(source, Boot):
+                await self.launcher.start(
+                    rec, Launch(None, backing=root, backing_format="raw",
+                                disk_gib=rec.disk_gib),
+                    identity=False, to_running=False,
+                )
+            else:
+                await self.launcher.start(rec, Launch(
+                    MemoryImage(source.memory, source.state, rec.memory_mib),
+                    backing=source.disk, backing_format="layer", disk_gib=rec.disk_gib,
+                ))
         except BaseException:
             await self.purge(machine_id)
             raise
@@ -278,8 +284,9 @@ class NodeRuntime:
         """
         if not supported:
             raise InvalidRequest(
-                "images run on gVisor only for now; use engine=gvisor", field="engine",
-                hint=f"boxd machine new NAME --image {run.name} --engine gvisor")
+                "this machine's engine cannot run container images", field="engine",
+                hint=f"boxd machine new NAME --image {run.name} --engine ENGINE, naming an "
+                "engine that runs them (`boxd info` lists the engines)")
         store = ImageStore(self.paths.images_store)
 
         def unpack() -> Path:
@@ -375,7 +382,8 @@ class NodeRuntime:
             raise failed_error(rec, "its VM process is not running")
         try:
             key = self.guests.new_key(rec)
-            await set_identity(rec.name, handle, timeout, api_key=key)
+            await set_identity(rec.name, handle, timeout, api_key=key,
+                               host_name=bool(rec.net.expose_host))
         except MachineFailed as exc:
             await self.raise_if_died(rec, handle, exc)
             raise

@@ -15,6 +15,12 @@ from boxd.sdk import Boxd
 #: The guest port a session's URL reaches unless ``start_container(port=...)`` names
 #: another (docs/lifecycle.md#urls): the OpenEnv server in the source listens there.
 GUEST_PORT = 8080
+#: The port of a session of an image that EXPOSEs none: OpenEnv's images serve on it.
+IMAGE_PORT = 8000
+#: The name of the machine a boxd image's sessions fork: one per image digest.
+BASELINE_PREFIX = "openenv-"
+#: Seconds a baseline started from an image may take to be ready and answer /health.
+BASELINE_TIMEOUT = 300.0
 #: Seconds between two ``/health`` polls.
 _POLL = 0.2
 
@@ -30,13 +36,17 @@ class BoxdProvider(ContainerProvider):  # type: ignore[misc]
     Args:
         client: the boxd client to use; a ``Boxd()`` from the environment if None (the
             provider then closes it in ``stop_container``).
+        engine: the engine of the baseline machine it starts from a boxd image (None:
+            the daemon's default); machines and snapshots keep their own.
 
     Example:
         >>> env = MyEnv.from_docker_image("echo-warm", provider=BoxdProvider())
     """
 
-    def __init__(self, client: Boxd | None = None) -> None:
+    def __init__(self, client: Boxd | None = None, *, engine: str | None = None) -> None:
         self._given = client
+        self._engine = engine
+        self._baseline: str | None = None  # the image baseline the session forked
         self._own: Boxd | None = None  # made on first use, closed by stop_container
         self._session: str | None = None  # machine id of the session started
         self._urls: dict[str, str] = {}  # base URL -> machine id, session and branches
@@ -55,6 +65,13 @@ class BoxdProvider(ContainerProvider):  # type: ignore[misc]
         """Id of the session's machine (None before ``start_container``, after stop)."""
         return self._session
 
+    @property
+    def baseline(self) -> str | None:
+        """Id of the machine started from a boxd image whose fork is the session (None
+        when ``image`` named a machine or a snapshot). It outlives the session: the
+        next session of that image forks it too (delete it to free it)."""
+        return self._baseline
+
     def start_container(
         self,
         image: str,
@@ -62,35 +79,40 @@ class BoxdProvider(ContainerProvider):  # type: ignore[misc]
         env_vars: dict[str, str] | None = None,
         **kwargs: Any,
     ) -> str:
-        """Start a session: fork the machine ``image`` (or start one from the snapshot
-        ``image`` when no machine has that name) and return the new machine's URL.
+        """Start a session: fork the machine ``image``; when no machine has that name,
+        start one from the snapshot ``image``; when there is no such snapshot either, fork
+        the baseline machine of the boxd image ``image`` (started from it on first use,
+        and kept); return the new machine's URL.
 
         Args:
-            image: a machine name or id whose OpenEnv server is listening, or a
-                snapshot (``NAME``, ``NAME@N``, ``sha256:...``) saved from one.
-            port: the guest port the server listens on (default 8080; OpenEnv's
-                images use 8000): the session's URL reaches that port.
+            image: a machine name or id whose OpenEnv server is listening, a snapshot
+                (``NAME``, ``NAME@N``, ``sha256:...``) saved from one, or a boxd image
+                (``NAME[:TAG]``, ``boxd image list``) whose ENTRYPOINT/CMD serves it.
+            port: the guest port the server listens on: the session's URL reaches it
+                (default: 8080 for a machine or snapshot; for an image its first
+                EXPOSEd port, else 8000, where OpenEnv's images serve).
             env_vars: must be empty: the server already runs in the source, with the
                 environment it was started with.
             **kwargs: ``name``, the new machine's name (generated if absent).
 
         Returns:
-            The base URL of the session's server (``http://127.0.0.1:PORT/TOKEN``, or
-            ``.../TOKEN.N`` for guest port N).
+            The session's base URL (``http://127.0.0.1:PORT/TOKEN[.N]``, N: guest port).
 
         Raises:
-            InvalidRequest: a session is already started, or ``port``/``env_vars``/a
-                keyword cannot be honoured.
-            NotFound: no machine and no snapshot has the name ``image``.
-            BoxdError: the fork or start failed (its own type: StateError, QuotaExceeded...).
+            InvalidRequest: a session is already started, or ``port``, ``env_vars`` or
+                a keyword cannot be honoured.
+            NotFound: no machine, no snapshot and no image has the name ``image``.
+            StateError, TimeoutError: an image's baseline was not ready, or did not
+                answer ``/health``, in time (``boxd machine logs`` says why).
+            BoxdError: the fork or start failed (its own type: QuotaExceeded...).
         """
         if self._session is not None:
             raise errors.InvalidRequest(
                 f"this provider already holds session machine {self._session}; "
                 "use one BoxdProvider per session (or call stop_container first)",
                 field="image")
-        guest_port = GUEST_PORT if port is None else port
-        if not isinstance(guest_port, int) or not 1 <= guest_port <= 65535:
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int)
+                                 or not 1 <= port <= 65535):
             raise errors.InvalidRequest(f"port {port!r} is not a TCP port (1-65535)",
                                         field="port")
         if env_vars:
@@ -102,28 +124,62 @@ class BoxdProvider(ContainerProvider):  # type: ignore[misc]
         if kwargs:
             raise errors.InvalidRequest(
                 f"BoxdProvider.start_container takes no {sorted(kwargs)}", field="kwargs")
-        machine = self._launch(image, name)
+        machine, default_port = self._launch(image, name, port)
         self._session = machine.id
         try:
-            return self._record(machine, guest_port)
+            return self._record(machine, default_port if port is None else port)
         except BaseException:  # no half-started session: the machine goes too
             self._session = None
             self._delete(machine.id)
             raise
 
-    def _launch(self, image: str, name: str | None) -> models.Machine:
+    def _launch(self, image: str, name: str | None,
+                port: int | None) -> tuple[models.Machine, int]:
+        """The session's machine and the guest port its server listens on by default."""
         machines = self._client.machines
         try:
-            return machines.fork(image, name)
-        except errors.MachineNotFound:
+            return machines.fork(image, name), GUEST_PORT
+        except errors.NotFound:  # MachineNotFound; or no route: "NAME:TAG" is no ref
             pass
         try:
-            return machines.new(name, from_snapshot=image)
+            return machines.new(name, from_snapshot=image), GUEST_PORT
         except errors.SnapshotNotFound:
+            pass
+        try:
+            found = self._client.images.get(image)
+        except errors.NotFound:
             raise errors.NotFound(
-                f"no machine and no snapshot named {image!r}",
+                f"no machine, no snapshot and no image named {image!r}",
                 hint="prepare a source with its OpenEnv server listening "
-                     "(examples/openenv/), or snapshot one") from None
+                     "(examples/openenv/), snapshot one, or build its Dockerfile "
+                     "(boxd image build -t NAME DIR)") from None
+        served = image_port(found) if port is None else port
+        baseline = self._start_baseline(found, served)
+        self._baseline = baseline.id
+        return machines.fork(baseline.id, name), served
+
+    def _start_baseline(self, image: models.Image, port: int) -> models.Machine:
+        """The running machine of ``image`` whose server answers ``/health`` on ``port``:
+        started on first use (by whichever session gets there first; the others wait
+        for it) and kept, so every session of the image is a fork of one warm server.
+        One that this call started and that never becomes ready is deleted."""
+        machines = self._client.machines
+        name = baseline_name(image.digest)
+        try:
+            made = machines.new(name, image=image.digest, engine=self._engine)
+        except errors.AlreadyExists:
+            made = None  # another session started it: wait for it as that one does
+        try:
+            ready = machines.wait_until_ready(made.id if made else name,
+                                              timeout=BASELINE_TIMEOUT)
+            if ready.url is None:
+                raise errors.InternalError(f"machine {ready.id} is ready but has no URL")
+            self.wait_for_ready(ready.url_for(port), timeout_s=BASELINE_TIMEOUT)
+            return ready
+        except BaseException:
+            if made is not None:
+                self._delete(made.id)
+            raise
 
     def _record(self, machine: models.Machine, port: int) -> str:
         if machine.url is None:  # a machine gets its URL port when it first runs
@@ -200,11 +256,13 @@ class BoxdProvider(ContainerProvider):  # type: ignore[misc]
         self._delete(machine)
 
     def stop_container(self) -> None:
-        """Delete the session's machine and every branch made of it (idempotent)."""
+        """Delete the session's machine and every branch made of it (idempotent). An
+        image's baseline stays, for the image's next session."""
         for url in list(self._urls):
             self._ports.pop(url, None)
             self._delete(self._urls.pop(url))
         self._session = None
+        self._baseline = None
         own, self._own = self._own, None
         if own is not None:
             own.close()
@@ -219,3 +277,19 @@ class BoxdProvider(ContainerProvider):  # type: ignore[misc]
     def _delete(self, machine: str) -> None:
         with contextlib.suppress(errors.MachineNotFound):  # gone: the end state wanted
             self._client.machines.delete(machine)
+
+
+def baseline_name(digest: str) -> str:
+    """The name of the baseline machine of the image with manifest digest ``digest``:
+    ``openenv-`` and its first 12 hex digits (a rebuilt image gets a new baseline)."""
+    return BASELINE_PREFIX + digest.removeprefix("sha256:")[:12]
+
+
+def image_port(image: models.Image) -> int:
+    """The guest port an image's OpenEnv server listens on: its first EXPOSEd TCP port,
+    else `IMAGE_PORT`."""
+    for exposed in image.config.exposed_ports:
+        number, _, proto = exposed.partition("/")
+        if number.isdigit() and proto in ("", "tcp") and 1 <= int(number) <= 65535:
+            return int(number)
+    return IMAGE_PORT

@@ -33,12 +33,25 @@ def check_reset_mode(mode: str) -> ResetMode:
     return mode  # type: ignore[return-value]
 
 
-def resolve_home(source: str | Home, boxd: Boxd | None) -> Home:
-    """A machine name or id becomes a `MachineHome` on ``boxd`` (``Boxd()`` if None)."""
-    if isinstance(source, str):
-        from boxd.rl._machines import MachineHome
+def resolve_home(source: str | Home | None, boxd: Boxd | None,
+                 image: str | None = None) -> Home:
+    """A machine name or id, or a boxd image's name (``image``), becomes a `MachineHome`
+    on ``boxd`` (``Boxd()`` if None).
 
+    Raises:
+        InvalidRequest: both or neither of ``source`` and ``image``.
+    """
+    from boxd.rl._machines import MachineHome
+
+    if image is not None:
+        if source is not None:
+            raise errors.InvalidRequest("give source= or image=, not both", field="image")
+        return MachineHome(None, boxd, image=image)
+    if isinstance(source, str):
         return MachineHome(source, boxd)
+    if source is None:
+        raise errors.InvalidRequest("give source= (a machine, or a Home) or image= (a "
+                                    "boxd image)", field="source")
     return source
 
 
@@ -50,6 +63,9 @@ class Env(gym.Env[Any, Any]):
             ``"module:function"`` importable in the machine, or any callable returning
             an env (shipped with cloudpickle; called with ``**make_kwargs``).
         source: the machine to fork (name or id), or a `Home` such as `boxd.rl.local()`.
+        image: instead of ``source``, a boxd image (``NAME[:TAG]``, ``boxd image list``)
+            whose ``python3`` has the env's packages: a machine started from it (its
+            service ready) is the source, and goes with the rest at ``close``.
         reset_mode: ``"env"`` (the env's own ``reset``), ``"rewind"`` (rewind the
             machine to the moment the env was built, then ``reset``: byte-identical
             starts) or ``"refork"`` (a fresh fork of that moment, then ``reset``).
@@ -69,7 +85,8 @@ class Env(gym.Env[Any, Any]):
         self,
         env: str | Callable[..., Any],
         *,
-        source: str | Home,
+        source: str | Home | None = None,
+        image: str | None = None,
         reset_mode: ResetMode = DEFAULT_RESET_MODE,
         boxd: Boxd | None = None,
         pickle_by_value: Sequence[Any] = (),
@@ -79,9 +96,9 @@ class Env(gym.Env[Any, Any]):
         self.reset_mode: ResetMode = check_reset_mode(reset_mode)
         self.step_timeout = step_timeout
         self._closed = False
-        self._home = resolve_home(source, boxd)
+        self._home = resolve_home(source, boxd, image)
         make = MakeRequest.of(env, make_kwargs, pickle_by_value)
-        self._owns_home = isinstance(source, str)
+        self._owns_home = isinstance(source, str) or image is not None
         try:
             self._slot: Slot = self._home.open(make, rewindable=self.reset_mode == "rewind",
                                                shared=self.reset_mode == "refork")

@@ -176,7 +176,8 @@ class _Template:
 
 
 class MachineHome:
-    """Env servers in forks of ``source`` (a machine name or id).
+    """Env servers in forks of ``source`` (a machine name or id), or of a baseline
+    machine it starts from the boxd image ``image`` (deleted with the home).
 
     With ``shared`` slots (a factory several sub-envs share, or ``reset_mode="refork"``)
     the env is built once in a template machine and each slot forks it; `close`
@@ -189,8 +190,12 @@ class MachineHome:
     whose answer was lost (a crash, a branch that failed partway).
     """
 
-    def __init__(self, source: str, boxd: Boxd | None = None, *,
-                 node: str | None = None, labels: dict[str, str] | None = None) -> None:
+    def __init__(self, source: str | None, boxd: Boxd | None = None, *,
+                 node: str | None = None, labels: dict[str, str] | None = None,
+                 image: str | None = None) -> None:
+        if (source is None) == (image is None):
+            raise errors.InvalidRequest("give a source machine or an image, not both "
+                                        "and not neither", field="image")
         if boxd is None:
             from boxd.sdk._sync import Boxd
 
@@ -198,7 +203,6 @@ class MachineHome:
             self._owns = True
         else:
             self._owns = False
-        self.source = source
         self.node = node
         self.labels = dict(labels) if labels is not None else run_labels("env")
         self.boxd = boxd
@@ -206,8 +210,32 @@ class MachineHome:
         self._lock = threading.Lock()
         self._building: dict[bytes, threading.Lock] = {}
         self._templates: dict[bytes, _Template] = {}
-        # Fail early, with the SDK's own error, when the source does not exist.
-        boxd.machines.get(source)
+        try:
+            if image is not None:
+                source = self._start_image(image)
+            else:  # fail early, with the SDK's own error, when the source does not exist
+                assert source is not None
+                boxd.machines.get(source)
+        except BaseException:
+            if self._owns:
+                boxd.close()
+            raise
+        self.source: str = source
+
+    def _start_image(self, image: str) -> str:
+        """The id of a running machine of ``image`` (its service ready) that the slots
+        fork; it carries the home's labels, so `close` deletes it."""
+        c = self.boxd
+        with CREATIONS.creating():
+            base = c.machines.new(_name("rl-image"), image=image, node=self.node,
+                                  labels=self.labels)
+        try:
+            c.machines.wait_until_ready(base.id, timeout=READY_TIMEOUT)
+        except BaseException:
+            with contextlib.suppress(errors.NotFound):
+                c.machines.delete(base.id)
+            raise
+        return base.id
 
     def open(self, make: MakeRequest, *, rewindable: bool, index: int | None = None,
              shared: bool = False) -> MachineSlot:

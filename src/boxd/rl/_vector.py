@@ -79,6 +79,9 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
             id / ``"module:function"`` with ``num_envs``.
         num_envs: the number of sub-envs when ``env_fns`` is an id or one callable.
         source: the machine to fork (name or id), or a `Home` such as `boxd.rl.local()`.
+        image: instead of ``source``, a boxd image (``NAME[:TAG]``, ``boxd image list``)
+            whose ``python3`` has the env's packages: a machine started from it (its
+            service ready) is the source, and goes with the rest at ``close``.
         autoreset_mode: an `AutoresetMode` or its string value.
         reset_mode: how an explicit reset or an autoreset happens: ``"env"``,
             ``"rewind"`` or ``"refork"`` (see `boxd.rl.Env`).
@@ -116,7 +119,8 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
         env_fns: Sequence[Callable[..., Any]] | Callable[..., Any] | str,
         num_envs: int | None = None,
         *,
-        source: str | Home,
+        source: str | Home | None = None,
+        image: str | None = None,
         autoreset_mode: AutoresetMode | str = AutoresetMode.NEXT_STEP,
         reset_mode: ResetMode = DEFAULT_RESET_MODE,
         recover: bool = False,
@@ -137,7 +141,7 @@ class VectorEnv(gym.vector.VectorEnv[Any, Any, Any]):
         factories = _factories(env_fns, num_envs)
         makes = [MakeRequest.of(f, make_kwargs, pickle_by_value) for f in factories]
         self.num_envs = len(makes)
-        self._pool = Pool(resolve_home(source, boxd), makes, reset_mode=self.reset_mode,
+        self._pool = Pool(resolve_home(source, boxd, image), makes, reset_mode=self.reset_mode,
                           step_timeout=step_timeout, envs_per_machine=envs_per_machine)
         self.envs_per_machine = envs_per_machine
         try:

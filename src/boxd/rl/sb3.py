@@ -46,6 +46,9 @@ class VecEnv(_SB3VecEnv):
             ``num_envs``.
         num_envs: the number of sub-envs when one factory or id is given.
         source: the machine to fork (name or id), or a `Home` such as `boxd.rl.local()`.
+        image: instead of ``source``, a boxd image (``NAME[:TAG]``, ``boxd image list``)
+            whose ``python3`` has the env's packages: a machine started from it (its
+            service ready) is the source, and goes with the rest at ``close``.
         reset_mode: ``"env"``, ``"rewind"`` or ``"refork"`` (see `boxd.rl.Env`).
         recover: replace a sub-env whose machine died (its episode ends as truncated,
             ``infos[i]["recovered"] = True``); without it the failure is raised.
@@ -64,7 +67,8 @@ class VecEnv(_SB3VecEnv):
         env_fns_or_ids: Sequence[Callable[..., Any] | str] | Callable[..., Any] | str,
         num_envs: int | None = None,
         *,
-        source: str | Home,
+        source: str | Home | None = None,
+        image: str | None = None,
         reset_mode: ResetMode = DEFAULT_RESET_MODE,
         recover: bool = False,
         step_timeout: float | None = None,
@@ -85,7 +89,7 @@ class VecEnv(_SB3VecEnv):
         self.reset_mode: ResetMode = check_reset_mode(reset_mode)
         self.recover = recover
         makes = [MakeRequest.of(f, make_kwargs, pickle_by_value) for f in factories]
-        self._pool = Pool(resolve_home(source, boxd), makes, reset_mode=self.reset_mode,
+        self._pool = Pool(resolve_home(source, boxd, image), makes, reset_mode=self.reset_mode,
                           step_timeout=step_timeout, envs_per_machine=envs_per_machine)
         self.envs_per_machine = envs_per_machine
         self._closed = False

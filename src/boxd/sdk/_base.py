@@ -13,7 +13,7 @@ import json
 import os
 import re
 import tarfile
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Final, TypeVar
@@ -249,12 +249,15 @@ def machine_create(
     image: str | None = None,
     wait: float = 0.0,
     service: bool = True,
+    expose_host: Sequence[int] = (),
+    egress: Sequence[str] | None = None,
 ) -> Req:
     body: dict[str, Any] = {"isolated": bool(isolated)}
     if public:
         body["public"] = True
     if not service:
         body["service"] = False
+    body.update(net_policy(expose_host, egress))
     if labels:
         body["labels"] = models.check_labels(labels)
     body.update(lifetime(timeout, on_timeout))
@@ -275,6 +278,30 @@ def machine_create(
             body[k] = v
     return Req("POST", "/v1/machines", json=body, headers=idempotency(idempotency_key),
                timeout=NO_READ_TIMEOUT if wait else DEFAULT)
+
+
+def net_policy(expose_host: Sequence[int], egress: Sequence[str] | None) -> dict[str, Any]:
+    """The ``expose_host`` and ``egress`` body fields of new ({} for the defaults).
+
+    Raises:
+        InvalidRequest: ``expose_host`` is not a sequence of TCP port ints, or ``egress``
+            a str instead of a list of them (the daemon checks the entries).
+    """
+    body: dict[str, Any] = {}
+    if isinstance(expose_host, str | bytes) or not all(
+            isinstance(p, int) and not isinstance(p, bool) for p in expose_host):
+        raise errors.InvalidRequest(
+            f"expose_host must be a list of TCP port ints, not {expose_host!r}",
+            field="expose_host", hint="e.g. expose_host=[8000]")
+    if expose_host:
+        body["expose_host"] = [int(p) for p in expose_host]
+    if egress is not None:
+        if isinstance(egress, str | bytes) or not all(isinstance(e, str) for e in egress):
+            raise errors.InvalidRequest(
+                f"egress must be a list of strings, not {egress!r}", field="egress",
+                hint='e.g. egress=["pypi.org:443", "203.0.113.0/24"]')
+        body["egress"] = list(egress)
+    return body
 
 
 def idempotency(key: str | None) -> dict[str, str]:

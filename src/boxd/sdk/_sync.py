@@ -15,7 +15,7 @@ import contextlib
 import os
 import tempfile
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, BinaryIO, overload
@@ -225,6 +225,7 @@ class Machines:
         image: str | None = None,
         wait: float = 0.0,
         service: bool = True,
+        expose_host: Sequence[int] = (), egress: Sequence[str] | None = None,
     ) -> models.Machine:
         """Create and boot a machine; returns while it starts (see ``wait_until_ready``).
 
@@ -250,6 +251,9 @@ class Machines:
             wait: seconds to wait in the account's queue when its quota or the nodes'
                 room is used up, instead of failing at once (docs/lifecycle.md).
             service: with ``image``, start its ENTRYPOINT + CMD (``logs`` reads it).
+            expose_host: host loopback ports it reaches at ``host.boxd.internal:PORT``.
+            egress: allow-list of its outbound connections (CIDRs, addresses, names, with
+                ``:PORT``; ``[]``: none; None: public addresses). Both: docs/security.md.
 
         Raises:
             InvalidRequest, AlreadyExists, SnapshotNotFound, HostSetupError; NotFound
@@ -259,7 +263,7 @@ class Machines:
         return self._c._parse(models.Machine, _base.machine_create(
             name, vcpus, memory_mib, disk_gib, isolated, from_snapshot, engine,
             suspend_after, hibernate_after, node, public, labels, idempotency_key, timeout,
-            on_timeout, image, wait, service))
+            on_timeout, image, wait, service, expose_host, egress))
 
     def set_timeout(
         self, ref: str, timeout: int | None, *, on_timeout: str | None = None,

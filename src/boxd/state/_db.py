@@ -18,7 +18,8 @@ _MIGRATIONS: list[str] = [
     resources.files("boxd.state").joinpath(name).read_text()
     for name in ("schema.sql", "migrations_v2.sql", "migrations_v3.sql",
                  "migrations_v4.sql", "migrations_v5.sql", "migrations_v6.sql",
-                 "migrations_v7.sql", "migrations_v8.sql", "migrations_v9.sql")
+                 "migrations_v7.sql", "migrations_v8.sql", "migrations_v9.sql",
+                 "migrations_v10.sql")
 ]
 
 _ALPHABET = "abcdefghijkmnpqrstuvwxyz23456789"

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from boxd.models import MachineState
+from boxd.net_policy import DEFAULT as DEFAULT_POLICY
+from boxd.net_policy import NetPolicy
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,7 @@ class MachineRecord:
     end_at: float | None = None  # its lifetime's end (epoch seconds); None: none
     on_timeout: str | None = None  # what the end does: "delete" or "hibernate"
     run_image: RunImage | None = None  # None: the default guest image
+    net: NetPolicy = DEFAULT_POLICY  # host ports it reaches, its egress allow-list
 
     @classmethod
     def of(cls, row: sqlite3.Row) -> MachineRecord:
@@ -119,6 +122,7 @@ class MachineRecord:
             labels=json.loads(row["labels"] or "{}"),
             end_at=row["end_at"], on_timeout=row["on_timeout"],
             run_image=RunImage.from_json(json.loads(row["run_image"] or "null")),
+            net=NetPolicy.from_json(json.loads(row["net_policy"] or "null")),
         )
 
 

@@ -18,6 +18,8 @@ from typing import ParamSpec, TypeVar
 
 from boxd.errors import AlreadyExists, Conflict, QuotaExceeded
 from boxd.models import MachineState
+from boxd.net_policy import DEFAULT as DEFAULT_POLICY
+from boxd.net_policy import NetPolicy
 from boxd.state._db import Database, new_id
 from boxd.state.records import (
     AccountRecord,
@@ -40,6 +42,10 @@ _RUNTIME_COLUMNS = frozenset(
 # States that hold a quota slot: every state but these.
 _FREE_STATES = "('deleting','hibernated')"
 _FREE = frozenset({MachineState.DELETING, MachineState.HIBERNATED})  # (the same, as a set)
+
+
+def _json_or_null(value: object) -> str | None:
+    return None if value is None else json.dumps(value)
 
 
 def _nothing() -> None:
@@ -155,6 +161,7 @@ class Machines:
         hibernate_after: float | None = None, url_public: bool = False,
         labels: Mapping[str, str] | None = None, end_at: float | None = None,
         on_timeout: str | None = None, run_image: RunImage | None = None,
+        net: NetPolicy = DEFAULT_POLICY,
     ) -> MachineRecord:
         """Claim a name and a quota slot and insert the record (state ``starting``),
         with a new URL token (a machine's own: a new one even for the same name), its
@@ -177,14 +184,15 @@ class Machines:
                 "INSERT INTO machines (id, account_id, name, state, vcpus, memory_mib, disk_gib,"
                 " isolated, image, parent_id, snapshot, created_at, node_id, engine, vm_id,"
                 " last_active, suspend_after, hibernate_after, url_token, url_public, labels,"
-                " end_at, on_timeout, run_image)"
-                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                " end_at, on_timeout, run_image, net_policy)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (machine_id, account, name, MachineState.STARTING.value, vcpus, memory_mib,
                  disk_gib, int(isolated), image, parent_id, snapshot, time.time(), node_id,
                  engine, machine_id, time.time(), suspend_after, hibernate_after,
                  secrets.token_hex(16), int(url_public), json.dumps(dict(labels or {})),
                  end_at, on_timeout if end_at is not None else None,
-                 json.dumps(run_image.to_json()) if run_image is not None else None),
+                 json.dumps(run_image.to_json()) if run_image is not None else None,
+                 _json_or_null(net.to_json())),
             )
             conn.executemany(
                 "INSERT INTO machine_labels (machine_id, key, value) VALUES (?,?,?)",
@@ -299,12 +307,15 @@ class Machines:
                 "INSERT OR REPLACE INTO machines (id, account_id, name, state, vcpus, memory_mib,"
                 " disk_gib, isolated, image, parent_id, snapshot, created_at, node_id, engine,"
                 " vm_id, last_active, suspend_after, hibernate_after, port, url_token,"
-                " url_public, labels) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                " url_public, labels, run_image, net_policy)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (rec.id, rec.account_id, rec.name, rec.state.value, rec.vcpus, rec.memory_mib,
                  rec.disk_gib, int(rec.isolated), rec.image, rec.parent_id, rec.snapshot,
                  rec.created_at, rec.node_id, rec.engine, rec.vm_id, rec.last_active,
                  rec.suspend_after, rec.hibernate_after, rec.port, rec.url_token,
-                 int(rec.url_public), json.dumps(rec.labels)),
+                 int(rec.url_public), json.dumps(rec.labels),
+                 json.dumps(rec.run_image.to_json()) if rec.run_image is not None else None,
+                 _json_or_null(rec.net.to_json())),
             )
 
     @_writes

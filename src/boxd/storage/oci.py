@@ -178,6 +178,41 @@ class ImageStore:
             raise
         return Descriptor("", got, n)
 
+    def receive(self, digest: str, size: int, offset: int, data: bytes) -> bool:
+        """Write one chunk of the blob ``digest`` (``size`` bytes in all), pushed in
+        order from offset 0 by one sender (a cluster's control plane, see
+        `boxd.control.ray`); after the last chunk the blob is verified and stored: True.
+
+        Raises:
+            CorruptData: a chunk that does not follow the bytes received so far.
+            IntegrityError: the bytes do not match ``digest`` and ``size``; nothing is
+                stored.
+        """
+        self._dirs()
+        part = self.blobs / f".push-{parse_digest(digest).split(':', 1)[1]}"
+        flags = os.O_WRONLY | (os.O_CREAT | os.O_TRUNC if offset == 0 else 0)
+        try:
+            fd = os.open(part, flags, 0o600)
+        except FileNotFoundError:
+            raise CorruptData(f"a chunk at {offset} of blob {digest} came before its start",
+                              hint="push the blob again from offset 0") from None
+        try:
+            got = os.fstat(fd).st_size
+            if got != offset:
+                raise CorruptData(f"a chunk at {offset} of blob {digest} does not follow the "
+                                  f"{got} bytes received", hint="push the blob again from 0")
+            os.pwrite(fd, data, offset)
+        finally:
+            os.close(fd)
+        if offset + len(data) < size:
+            return False
+        try:
+            with open(part, "rb") as f:
+                self.ingest(iter(lambda: f.read(1 << 20), b""), digest=digest, size=size)
+        finally:
+            part.unlink(missing_ok=True)
+        return True
+
     def ingest_bytes(self, data: bytes, digest: str | None = None) -> Descriptor:
         return self.ingest([data], digest, None if digest is None else len(data))
 

@@ -66,7 +66,7 @@ from boxd.engine.cgroups import (
 )
 from boxd.engine.gvisor import _net, _spec
 from boxd.engine.gvisor._spec import Roots, RunFiles
-from boxd.errors import HostSetupError, InternalError, MachineFailed
+from boxd.errors import BoxdError, HostSetupError, InternalError, MachineFailed, StateError
 from boxd.guest import protocol as P
 from boxd.images import AGENT_MOUNT, rootfs_tree
 from boxd.storage.fds import OwnedFd, pipe_file
@@ -96,6 +96,9 @@ HOLD_AFTER = 1.5
 # without a cgroup CPU controller every thread gets this niceness (on top of the
 # daemon's). Claiming it gives it an equal share again.
 BACKGROUND_NICE = 19
+#: Seconds a pause waits for the guest's TCP handshakes with the outside to finish
+#: (`GvisorMachine._settle_handshakes`).
+SETTLE_HANDSHAKES = 2.0
 
 
 # ----------------------------------------------------------------------- layers
@@ -242,6 +245,37 @@ def _tail(path: Path, n: int = 400) -> str:
         return ""
 
 
+def _error_head(text: str) -> str:
+    """A runsc failure's own words: what it printed before a Go stack trace."""
+    return text.split("\ngoroutine ", 1)[0].strip()
+
+
+def checkpoint_refusal(text: str) -> tuple[str, str] | None:
+    """Why ``runsc checkpoint`` refused a sandbox because of its guest's TCP state, and
+    what to do (message, hint), or None when it failed for another reason.
+
+    gVisor cannot save a TCP connection to outside the sandbox. Without
+    ``--net-disconnect-ok`` it refuses the save for any connection in a connected
+    state, TIME_WAIT included (60 s after every connection the guest closed first);
+    with it (what this engine runs) the save resets those connections. runsc
+    20240729 still fails on a connection whose handshake is under way (SYN sent, no
+    answer yet): resetting it dereferences state a handshake has not set up (a nil
+    pointer in ``resetConnectionLocked``, fixed upstream in gVisor pull request
+    12567). The sandbox runs on; that one connection attempt does not complete (its
+    segments stay queued: it times out in the guest)."""
+    if "tcp.(*Endpoint).beforeSave" not in text:
+        return None
+    if "resetConnectionLocked" in text:
+        return ("the machine cannot be checkpointed while one of its TCP connections is "
+                "being opened (its SYN sent, no answer yet): gVisor 20240729 fails on "
+                "such a connection; that connection attempt will time out in the guest",
+                "retry once the guest's connection is established or given up")
+    return ("the machine cannot be checkpointed while it has a TCP connection to outside "
+            f"the sandbox: {_error_head(text)[-300:]}",
+            "its sandbox was started without --net-disconnect-ok (by an older boxd): "
+            "retry once its connections are closed, or hibernate and wake it")
+
+
 class Runsc:
     """Runs ``runsc`` subcommands with the engine's global flags."""
 
@@ -251,9 +285,14 @@ class Runsc:
         self.log_dir = log_dir
 
     def argv(self, *args: str, log: Path | None = None, network: str = "none") -> list[str]:
+        """runsc's command line; a sandbox with a network (``sandbox``) gets
+        ``--net-disconnect-ok``: a checkpoint resets its TCP connections to outside
+        the sandbox instead of failing (see `checkpoint_refusal`)."""
         return [
             self.binary, f"--root={self.state_root}", "--platform=systrap",
-            f"--network={network}", "--overlay2=root:memory", "--ignore-cgroups",
+            f"--network={network}",
+            *(["--net-disconnect-ok"] if network == "sandbox" else []),
+            "--overlay2=root:memory", "--ignore-cgroups",
             f"--log={log or self.log_dir / 'runsc.log'}", *args,
         ]
 
@@ -268,7 +307,8 @@ class Runsc:
         ``preexec_fn`` runs in the child before exec (joining the sandbox's cgroup).
 
         Raises:
-            MachineFailed: it failed or timed out; the message has runsc's last words.
+            MachineFailed: it failed or timed out; the message has runsc's own words.
+            StateError: a checkpoint the guest's TCP state refused (`checkpoint_refusal`).
         """
         argv = self.argv(*args, log=log)
         if netns is not None:
@@ -302,8 +342,11 @@ class Runsc:
             text = (err or b"").decode(errors="replace").strip()
             if not text and log is not None:
                 text = _tail(log)
+            if what == "checkpoint" and (refusal := checkpoint_refusal(text)):
+                raise StateError(refusal[0], hint=refusal[1], machine=machine)
             raise MachineFailed(
-                f"runsc {what} failed (exit {proc.returncode}): {text[-400:] or 'no output'}",
+                f"runsc {what} failed (exit {proc.returncode}): "
+                f"{_error_head(text)[-400:] or 'no output'}",
                 hint="see the machine's runsc.log; `boxd info` shows whether gvisor works here",
                 machine=machine,
             )
@@ -347,6 +390,8 @@ class GvisorMachine:
         # A standby copy held by its freezer alone (`hold`: frozen, or its freeze due):
         # not runsc-paused, so its claim is a thaw, not a ``runsc resume``.
         self._held = False
+        # Guest TCP connections still being opened when it was last paused.
+        self._opening = 0
 
     @property
     def config(self) -> MachineConfig:
@@ -461,7 +506,16 @@ class GvisorMachine:
             return self._agent
 
     async def pause(self) -> None:
+        """``runsc pause``; a machine with a network first lets the guest's TCP
+        handshakes with the outside finish (`_settle_handshakes`): a capture follows
+        most pauses, and gVisor cannot checkpoint a connection being opened."""
         self.thaw()
+        self._opening = 0
+        if self.netns is not None and self.standby is None:
+            t0 = time.monotonic()
+            self._opening = await self._settle_handshakes()
+            log.debug("machine=%s event=handshakes_settled left=%d seconds=%.3f",
+                      self._config.id, self._opening, time.monotonic() - t0)
         await self.engine.runsc.run("pause", self._config.id, what="pause",
                                     machine=self._config.id, log=self.log_path)
         if self.cgroup is not None:
@@ -469,6 +523,30 @@ class GvisorMachine:
             # milliseconds, and a freeze then would only cost a thaw.
             self._freeze_timer = asyncio.get_running_loop().call_later(
                 FREEZE_AFTER, self._freeze)
+
+    async def _settle_handshakes(self) -> int:
+        """Wait up to SETTLE_HANDSHAKES for the guest's TCP connections in a handshake
+        with the outside (SYN_SENT, SYN_RECV) to be established or given up; how many
+        are left. Best effort, through the agent connection the machine has (none, or
+        one that does not answer in time: 0, and a checkpoint that meets such a
+        connection fails with the same StateError, `checkpoint_refusal`)."""
+        agent = self._agent
+        if agent is None or not agent.connected:
+            return 0
+        left = 0
+        try:
+            async with asyncio.timeout(SETTLE_HANDSHAKES + 1.0):
+                deadline = time.monotonic() + SETTLE_HANDSHAKES
+                while True:
+                    tables = await asyncio.gather(*(agent.read_file(f"/proc/net/{name}")
+                                                    for name in ("tcp", "tcp6")))
+                    left = sum(_net.handshakes(t.decode(errors="replace")) for t in tables)
+                    if left == 0 or time.monotonic() >= deadline:
+                        return left
+                    await asyncio.sleep(0.02)
+        except (BoxdError, OSError, TimeoutError) as exc:
+            log.debug("machine=%s event=handshakes_unknown error=%r", self._config.id, exc)
+            return left
 
     async def hold(self) -> None:
         """Stop a standby copy until its claim. Where its cgroup has a freezer, the
@@ -508,6 +586,7 @@ class GvisorMachine:
     async def resume(self) -> None:
         held = self._held
         self.thaw()
+        self._opening = 0  # unknown again until its next pause
         if self.standby == "cpu.idle" and self.cgroup is not None:
             # A claimed standby copy: from now on it runs at an equal CPU share.
             if not self.cgroup.set_idle(False):
@@ -560,6 +639,15 @@ class GvisorMachine:
         around the call as for any engine.
         """
         self.thaw()
+        if self._opening:
+            # Refused before the checkpoint, which would fail and leave that
+            # connection attempt stuck (`checkpoint_refusal`).
+            raise StateError(
+                f"machine {self._config.id} cannot be checkpointed now: its guest was "
+                f"still opening {self._opening} TCP connection(s) after "
+                f"{SETTLE_HANDSHAKES:.0f}s (SYN sent, no answer), which gVisor 20240729 "
+                "cannot save", hint="retry once the guest's connection is established "
+                "or given up", machine=self._config.id)
         dest_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
         await self.engine.runsc.run(
@@ -902,7 +990,8 @@ class GvisorEngine:
         files = RunFiles(run_dir)
         netns = None
         if not config.isolated:
-            netns = await asyncio.to_thread(_net.start, self.net, run_dir, config.id)
+            netns = await asyncio.to_thread(_net.start, self.net, run_dir, config.id,
+                                            config.net)
         try:
             await asyncio.to_thread(_spec.write_bundle, files, config.hostname, roots,
                                     config.memory_mib, netns.path if netns else None)

@@ -37,11 +37,13 @@ import signal
 import stat
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from boxd.engine.netpolicy import Policies
 from boxd.engine.qemu import _net as passt_net
 from boxd.errors import HostSetupError, MachineFailed
+from boxd.net_policy import NetPolicy
 
 TUN = Path("/dev/net/tun")
 GUEST_ADDRESS = passt_net.GUEST_ADDRESS
@@ -60,6 +62,7 @@ class GvisorNet:
     pasta: str
     user: passt_net.NetUser | None
     filtered: bool
+    policies: Policies = field(default_factory=Policies)
 
     @classmethod
     def detect(cls, user_name: str = "boxd-net") -> GvisorNet:
@@ -112,10 +115,13 @@ def ensure_tun_access(user: passt_net.NetUser, tun: Path = TUN) -> None:
     os.chmod(tun, stat.S_IMODE(st.st_mode) | 0o060)
 
 
-def pasta_argv(pasta: str) -> list[str]:
-    """pasta's command line: a new namespace around the holder, no ports forwarded."""
+def pasta_argv(pasta: str, map_gw: bool = False) -> list[str]:
+    """pasta's command line: a new namespace around the holder, no ports forwarded;
+    ``map_gw``: the gateway is the host's loopback (``expose_host``: the machine's own
+    filter passes its exposed ports only, see `boxd.engine.netpolicy`)."""
     return [
-        pasta, "--foreground", "--quiet", "--config-net", "--no-map-gw", "--ipv4-only",
+        pasta, "--foreground", "--quiet", "--config-net",
+        *([] if map_gw else ["--no-map-gw"]), "--ipv4-only",
         "--no-dhcp", "--no-ndp", "--no-dhcpv6", "--no-ra", "--ns-ifname", "eth0",
         "--address", GUEST_ADDRESS, "--netmask", "24", "--gateway", GUEST_GATEWAY,
         "--dns-forward", GUEST_DNS,
@@ -192,25 +198,31 @@ def _has_default_route(pid: int) -> bool:
     return any(len(f := line.split()) > 2 and f[1] == "00000000" for line in lines)
 
 
-def start(net: GvisorNet, run_dir: Path, machine: str) -> Namespace:
+def start(net: GvisorNet, run_dir: Path, machine: str,
+          policy: NetPolicy | None = None) -> Namespace:
     """A new namespace for one sandbox, configured and connected; its pids go to
-    ``run_dir/net.json`` (so a daemon restart can end them).
+    ``run_dir/net.json`` (so a daemon restart can end them). A machine with a network
+    policy of its own gets a pasta with its own uid and gid and its rules installed.
 
     Raises:
-        HostSetupError: pasta could not be started.
+        HostSetupError: pasta could not be started, or the policy cannot be enforced.
         MachineFailed: the namespace was not ready in time.
     """
     log_file = run_dir / "pasta.log"
     uid = gid = None
     groups: list[int] | None = None
-    if net.user is not None:
+    policy = policy or NetPolicy()
+    if policy.restricted:  # the tap device is open to boxd-net's group (ensure_tun_access)
+        uid = gid = net.policies.prepare(policy, net.filtered, passt_net.resolvers())
+        groups = [_gid(net.user)] if net.user is not None else []
+    elif net.user is not None:
         uid, gid, groups = net.user.uid, _gid(net.user), []
     try:
         with open(log_file, "ab") as err:
             popen = subprocess.Popen(
-                pasta_argv(net.pasta), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=err, start_new_session=True, cwd="/", user=uid, group=gid,
-                extra_groups=groups,
+                pasta_argv(net.pasta, map_gw=bool(policy.expose_host)),
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                start_new_session=True, cwd="/", user=uid, group=gid, extra_groups=groups,
             )
     except OSError as exc:
         raise HostSetupError(f"cannot start pasta: {exc}",
@@ -247,6 +259,25 @@ def _gid(user: passt_net.NetUser) -> int:
     return pwd.getpwnam(user.name).pw_gid
 
 
+#: /proc/net/tcp's states of a connection whose handshake is under way.
+_HANDSHAKE_STATES = {"02", "03"}  # SYN_SENT, SYN_RECV
+
+
+def handshakes(proc_net_tcp: str) -> int:
+    """How many sockets of a /proc/net/tcp or tcp6 table are in a handshake with a
+    peer outside the guest (a loopback connection is saved whatever its state)."""
+    count = 0
+    for line in proc_net_tcp.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) < 4 or fields[3] not in _HANDSHAKE_STATES:
+            continue
+        local = fields[1].split(":")[0]
+        if local.endswith("7F") or local == "0" * 24 + "01000000":  # 127/8, ::1
+            continue
+        count += 1
+    return count
+
+
 def load(run_dir: Path) -> Namespace | None:
     """The namespace a machine's run directory records, if any."""
     try:
@@ -256,4 +287,5 @@ def load(run_dir: Path) -> Namespace | None:
         return None
 
 
-__all__ = ["GvisorNet", "Namespace", "ensure_tun_access", "load", "pasta_argv", "start"]
+__all__ = ["GvisorNet", "Namespace", "ensure_tun_access", "handshakes", "load", "pasta_argv",
+           "start"]

@@ -54,6 +54,11 @@ class Memory:
     readonly: bool = False
 
 
+#: The serial number of the read-only disk that holds boxd's own guest root in a
+#: machine of a container image (its /init finds the disk by it, whatever its order).
+RUNTIME_SERIAL = "boxd-rt"
+
+
 def kernel_cmdline(config: MachineConfig) -> str:
     parts = [
         "console=ttyS0",
@@ -63,6 +68,10 @@ def kernel_cmdline(config: MachineConfig) -> str:
         "panic=-1",
         f"boxd.hostname={config.hostname}",
     ]
+    if config.image_root:
+        # The guest's /init: the root disk holds a container image's files, and the
+        # agent runs on the Python of the disk with this serial (`runtime_args`).
+        parts.append(f"boxd.runtime={RUNTIME_SERIAL}")
     if config.cmdline:
         parts.append(config.cmdline)
     return " ".join(parts)
@@ -82,12 +91,17 @@ def build(
     readonly_rom_supported: bool = True,
     run_as: str | None = None,
     net_fd: int | None = None,
+    runtime: Path | None = None,
 ) -> list[str]:
     """The full argv of one machine's QEMU process.
 
     A non-isolated machine's NIC is attached to passt through ``net_fd`` (QEMU's end of
-    a socketpair, see ``_net``); an isolated machine has no NIC.
+    a socketpair, see ``_net``); an isolated machine has no NIC. A machine of a
+    container image (``config.image_root``) gets ``runtime``, boxd's guest root, as a
+    second, read-only disk.
     """
+    if config.image_root and runtime is None:
+        raise ValueError("a machine of a container image needs the guest root (runtime)")
     argv = [
         qemu,
         "-name", f"boxd-{config.id},debug-threads=off",
@@ -100,6 +114,7 @@ def build(
         "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
         *_boot_args(config, accel, console_log),
         *_device_args(disk, files),
+        *(runtime_args(runtime) if config.image_root and runtime is not None else []),
     ]
     if QBOOT.exists():
         argv += ["-bios", str(QBOOT)]
@@ -154,6 +169,16 @@ def _device_args(disk: Path, files: RunFiles) -> list[str]:
         "-device", "virtserialport,chardev=agent,name=boxd.agent",
         "-qmp", f"unix:{files.qmp},server=on,wait=off",
         "-pidfile", str(files.pidfile),
+    ]
+
+
+def runtime_args(runtime: Path) -> list[str]:
+    """boxd's guest root (a raw ext4 image every machine shares) as a read-only disk
+    named by `RUNTIME_SERIAL`: a container image's machine runs its agent on that
+    disk's Python, so the image needs none (docs/images.md)."""
+    return [
+        "-drive", f"file={runtime},if=none,id=rt0,format=raw,readonly=on",
+        "-device", f"virtio-blk-device,drive=rt0,serial={RUNTIME_SERIAL}",
     ]
 
 

@@ -18,17 +18,19 @@ import stat
 import subprocess
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from boxd.config import GUEST_HTTP_PORT
+from boxd.engine import netpolicy as _policy
 from boxd.engine.agent import AgentClient, connect_watched, dial_guest_port
 from boxd.engine.base import BootDisk, EngineInfo, MachineConfig, MemoryImage
 from boxd.engine.cgroups import Cgroups, Limits, memory_limit
 from boxd.engine.qemu import _argv, _net
 from boxd.engine.qemu._probe import AccelChoice
 from boxd.engine.qemu._process import QemuProcess, pid_matches
-from boxd.errors import BoxdError, InternalError, MachineFailed
+from boxd.errors import BoxdError, InternalError, InvalidRequest, MachineFailed
+from boxd.images import image_disk
 from boxd.storage import disks
 from boxd.storage.fds import OwnedFd
 from boxd.storage.memory import sparse_copy
@@ -93,6 +95,18 @@ class NetSetup:
     passt: str
     user: _net.NetUser | None
     filtered: bool
+    policies: _policy.Policies = field(default_factory=_policy.Policies)
+
+    def own_id(self, config: MachineConfig) -> int | None:
+        """The uid and gid of a machine's passt when it has a network policy of its own
+        (its rules installed), else None (passt runs as ``user``).
+
+        Raises:
+            HostSetupError: the policy cannot be enforced here (see `netpolicy.Policies`).
+        """
+        if not config.net.restricted:
+            return None
+        return self.policies.prepare(config.net, self.filtered, _net.resolvers())
 
     @classmethod
     def detect(cls, user_name: str = "boxd-net") -> NetSetup:
@@ -327,7 +341,12 @@ class QemuEngine:
         self, qemu: str, accel: AccelChoice, *, readonly_rom: bool = True,
         run_as: RunAs | None = None, version: str = "", net: NetSetup | None = None,
         net_user: str = "boxd-net", cgroups: Cgroups | None = None,
+        runtime: Path | None = None, image_disks: Path | None = None,
     ) -> None:
+        # boxd's guest root (the default image's rootfs.img) and where imported images
+        # become disks: with both, machines boot on a container image (`image_roots`).
+        self.runtime = runtime
+        self.image_disks = image_disks
         self._net = net
         self._net_user = net_user
         self.qemu = qemu
@@ -393,7 +412,23 @@ class QemuEngine:
     async def create_disk(
         self, path: Path, backing: Path, backing_format: str, size_gib: int
     ) -> None:
+        """A qcow2 overlay on ``backing``; a directory (a container image's unpacked
+        root, `image_roots`) is first packed into an ext4 disk, once per image."""
         fmt = "raw" if backing_format == "raw" else "qcow2"
+        if backing.is_dir():
+            if self.image_disks is None:
+                raise InternalError("this QEMU engine was opened without a place for "
+                                    "image disks: it cannot boot a container image")
+            group = self.file_owner[1] if self.file_owner else None
+            backing = await asyncio.to_thread(image_disk, backing, self.image_disks, group)
+            fmt = "raw"
+            # An overlay smaller than its base would cut the image's filesystem short.
+            need = -(-backing.stat().st_size // (1 << 30))
+            if size_gib < need:
+                raise InvalidRequest(
+                    f"this image's files need a disk of at least {need} GiB; the machine's "
+                    f"is {size_gib} GiB", field="disk_gib",
+                    hint=f"boxd machine new NAME --image REF --disk {need} (or more)")
         await disks.create_overlay(path, backing, fmt, size_gib, owner=self.file_owner)
 
     async def flatten_disk(self, layer: Path, dest: Path) -> None:
@@ -404,9 +439,9 @@ class QemuEngine:
 
     @property
     def image_roots(self) -> bool:
-        # A guest boots a block device: an image's tree would need a disk image made
-        # from it and an init that runs the agent without the image's Python (not yet).
-        return False
+        # The image's tree becomes an ext4 disk (`create_disk`); the guest's /init runs
+        # the agent on the Python of boxd's guest root, a second read-only disk.
+        return self.runtime is not None and self.image_disks is not None
 
     @property
     def portable_templates(self) -> bool:
@@ -445,7 +480,8 @@ class QemuEngine:
             # migration stream carries the NIC's state, not its backend.
             passt, net = _net.spawn_passt(
                 self.net.passt, port=config.port, user=self.net.user,
-                log_file=log_path.with_name("passt.log"),
+                log_file=log_path.with_name("passt.log"), own_id=self.net.own_id(config),
+                map_gw=bool(config.net.expose_host),
             )
             if config.port is not None:
                 forward = _Forward(passt, config.port, log_path.with_name("passt.log"),
@@ -456,7 +492,7 @@ class QemuEngine:
                 disk=disk, memory=memory, console_log=log_path.with_name("console.log"),
                 incoming=incoming, readonly_rom_supported=self.readonly_rom,
                 run_as=self.run_as.user if self.run_as else None,
-                net_fd=None if net is None else net.fd,
+                net_fd=None if net is None else net.fd, runtime=self.runtime,
             )
             for stale in (files.qmp, files.agent, files.pidfile):
                 stale.unlink(missing_ok=True)

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from boxd import config as cfg
 from boxd.errors import HostSetupError, MachineFailed
+from boxd.net_policy import BLOCKED_V4, BLOCKED_V6
 from boxd.storage.fds import OwnedFd
 
 log = logging.getLogger("boxd.engine")
@@ -48,29 +49,6 @@ TABLE = "boxd_egress"
 GUEST_ADDRESS = "10.0.2.15"
 GUEST_GATEWAY = "10.0.2.2"
 GUEST_DNS = "10.0.2.3"
-
-#: Destinations no machine may open a connection to (besides the host's own addresses).
-BLOCKED_V4 = (
-    "0.0.0.0/8",        # "this network"
-    "10.0.0.0/8",       # private (RFC 1918)
-    "100.64.0.0/10",    # shared address space (carrier-grade NAT)
-    "127.0.0.0/8",      # loopback
-    "169.254.0.0/16",   # link-local (cloud metadata services live here)
-    "172.16.0.0/12",    # private
-    "192.0.0.0/24",     # IETF protocol assignments
-    "192.168.0.0/16",   # private
-    "198.18.0.0/15",    # benchmarking
-    "224.0.0.0/3",      # multicast and reserved, broadcast
-)
-BLOCKED_V6 = (
-    "::/127",           # unspecified, loopback
-    "::ffff:0:0/96",    # IPv4-mapped (would bypass the IPv4 list)
-    "64:ff9b::/96",     # NAT64 (idem)
-    "fc00::/7",         # unique local
-    "fe80::/10",        # link-local
-    "ff00::/8",         # multicast
-)
-
 
 @dataclass(frozen=True)
 class NetUser:
@@ -195,18 +173,26 @@ def passt_binary() -> str:
 
 
 def passt_argv(passt: str, *, fd: int, port: int | None, user: NetUser | None,
-               log_file: Path) -> list[str]:
-    """passt's command line for one QEMU process (its end of the socketpair is ``fd``)."""
+               log_file: Path, own_id: int | None = None,
+               map_gw: bool = False) -> list[str]:
+    """passt's command line for one QEMU process (its end of the socketpair is ``fd``).
+
+    ``own_id``: the uid and gid of a machine with a network policy of its own (see
+    `_policy`), else it runs as ``user``; ``map_gw``: the guest's gateway is the host's
+    loopback (``expose_host``: the policy's filter passes the exposed ports only)."""
     argv = [
         passt, "--foreground", "--quiet", "--one-off", "--fd", str(fd),
-        "--no-map-gw", "--ipv4-only", "--no-dhcp", "--no-ndp", "--no-dhcpv6", "--no-ra",
+        *([] if map_gw else ["--no-map-gw"]),
+        "--ipv4-only", "--no-dhcp", "--no-ndp", "--no-dhcpv6", "--no-ra",
         "--address", GUEST_ADDRESS, "--netmask", "24", "--gateway", GUEST_GATEWAY,
         "--dns-forward", GUEST_DNS,
         "--udp-ports", "none",
         "--tcp-ports", f"127.0.0.1/{port}:{cfg.GUEST_HTTP_PORT}" if port else "none",
         "--log-file", str(log_file),
     ]
-    if user is not None:
+    if own_id is not None:
+        argv += ["--runas", f"{own_id}:{own_id}"]
+    elif user is not None:
         argv += ["--runas", user.name]
     return argv
 
@@ -216,7 +202,8 @@ def _stderr_file(log_file: Path) -> Path:
 
 
 def spawn_passt(passt: str, *, port: int | None, user: NetUser | None,
-                log_file: Path) -> tuple[subprocess.Popen[bytes], OwnedFd]:
+                log_file: Path, own_id: int | None = None,
+                map_gw: bool = False) -> tuple[subprocess.Popen[bytes], OwnedFd]:
     """Start passt on one end of a new socketpair; returns it and QEMU's end (which the
     caller passes to QEMU and then closes).
 
@@ -231,7 +218,7 @@ def spawn_passt(passt: str, *, port: int | None, user: NetUser | None,
     try:
         log_file.unlink(missing_ok=True)
         argv = passt_argv(passt, fd=passt_end.fileno(), port=port, user=user,
-                          log_file=log_file)
+                          log_file=log_file, own_id=own_id, map_gw=map_gw)
         try:
             # What passt says before its log is open (a bad option, the user switch) goes
             # to stderr: keep it beside the log.
