@@ -8,6 +8,9 @@ on the process's side); the host side sees one message per frame, over a WebSock
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
 from boxd.models import (
@@ -94,4 +97,26 @@ class ProcessKill(BaseModel):
     signal: int = Field(9, ge=1, le=64)
 
 
-__all__ = ["Process", "ProcessKill", "ProcessList", "ProcessOutput", "SpawnRequest"]
+@dataclass(frozen=True)
+class ExecInput:
+    """One item for an interactive exec (`MachineService.exec_interactive`): bytes for
+    its stdin, its stdin's end (``eof``), or a new terminal ``size`` (rows, cols) for a
+    command on a pty. Not on the HTTP API: the E2B front door sends these."""
+
+    data: bytes = b""
+    eof: bool = False
+    size: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class ExecBytes:
+    """Output of an interactive exec, as the command wrote it (a pty's is ``stdout``)."""
+
+    stream: Literal["stdout", "stderr"]
+    data: bytes
+
+
+__all__ = [
+    "ExecBytes", "ExecInput", "Process", "ProcessKill", "ProcessList", "ProcessOutput",
+    "SpawnRequest",
+]

@@ -142,6 +142,16 @@ class MachineService(Protocol):
         """Run a command, yielding stdout/stderr events as they arrive, then one exit event."""
         ...
 
+    def exec_interactive(
+        self, account: str, ref: str, req: models.ExecRequest,
+        inputs: AsyncIterator[pm.ExecInput], pty: tuple[int, int] | None = None,
+    ) -> AsyncIterator[pm.ExecBytes | models.ExecEvent]:
+        """Run a command whose stdin stays open, fed by ``inputs`` (on a terminal of
+        ``pty``'s (rows, cols) if given), yielding its output as it comes, then one exit
+        event; closing the iterator kills it. Raises: MachineNotFound, InvalidRequest,
+        GuestFileNotFound (the program or cwd)."""
+        ...
+
     async def upload(
         self, account: str, ref: str, path: str, data: bytes | AsyncIterable[bytes],
         mode: int = 0o644,

@@ -187,6 +187,23 @@ class FakeMachines(MachineService):
             raise MachineFailed("the VM died", machine=ref)
         yield models.ExecEvent(type="exit", exit_code=0, duration=0.01)
 
+    async def exec_interactive(  # type: ignore[override]
+        self, account: str, ref: str, req: models.ExecRequest,
+        inputs: AsyncIterator[pm.ExecInput], pty: tuple[int, int] | None = None,
+    ) -> AsyncIterator[pm.ExecBytes | models.ExecEvent]:
+        """A ``cat``: each input's bytes come back (a size as ``size R C``) until EOF."""
+        self._find(account, ref)
+        if pty is not None:
+            yield pm.ExecBytes("stdout", f"size {pty[0]} {pty[1]}\n".encode())
+        async for item in inputs:
+            if item.size is not None:
+                yield pm.ExecBytes("stdout", f"size {item.size[0]} {item.size[1]}\n".encode())
+            if item.data:
+                yield pm.ExecBytes("stdout", item.data)
+            if item.eof:
+                break
+        yield models.ExecEvent(type="exit", exit_code=0, duration=0.01)
+
     async def upload(
         self, account: str, ref: str, path: str, data: bytes | AsyncIterable[bytes],
         mode: int = 0o644,

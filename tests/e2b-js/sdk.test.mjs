@@ -9,6 +9,7 @@ import assert from 'node:assert/strict'
 import {
   AuthenticationError,
   CommandExitError,
+  FilesystemEventType,
   NotFoundError,
   RateLimitError,
   Sandbox,
@@ -84,6 +85,50 @@ describe('one sandbox', () => {
     assert.equal((await again.wait()).stdout, 'done\n')
     assert.equal((await bg.wait()).stdout, 'done\n')
     assert.equal(lines.join(''), 'done\n')
+  })
+
+  test('sendStdin, closeStdin; an unknown pid is NotFoundError', async () => {
+    const h = await sbx.commands.run('cat; echo done', { background: true, stdin: true })
+    await sbx.commands.sendStdin(h.pid, 'hello\n')
+    await sbx.commands.sendStdin(h.pid, new Uint8Array([0x62, 0x79, 0x74, 0x65, 0x73, 0x0a]))
+    await sbx.commands.closeStdin(h.pid)
+    assert.equal((await h.wait()).stdout, 'hello\nbytes\ndone\n')
+    await assert.rejects(sbx.commands.sendStdin(987654, 'x'), NotFoundError)
+    await assert.rejects(sbx.commands.closeStdin(987654), NotFoundError)
+  })
+
+  test('pty: create, sendInput, resize, kill', async () => {
+    const chunks = []
+    const text = () => Buffer.concat(chunks).toString()
+    const until = async (want) => {
+      for (let i = 0; i < 240 && !text().includes(want); i++) {
+        await new Promise((resolve) => setTimeout(resolve, 250))
+      }
+      assert.ok(text().includes(want), `no ${want} in ${JSON.stringify(text())}`)
+    }
+    const p = await sbx.pty.create({ cols: 80, rows: 24,
+      onData: (d) => { chunks.push(Buffer.from(d)) } })
+    await sbx.pty.sendInput(p.pid, new TextEncoder().encode('stty size\n'))
+    await until('24 80')
+    await sbx.pty.resize(p.pid, { cols: 120, rows: 50 })
+    await sbx.pty.sendInput(p.pid, new TextEncoder().encode('stty size\n'))
+    await until('50 120')
+    assert.equal(await sbx.pty.kill(p.pid), true)
+    await assert.rejects(p.wait(), CommandExitError)
+    assert.ok(!(await sbx.commands.list()).some((x) => x.pid === p.pid))
+  })
+
+  test('files.watchDir sees a written file', async () => {
+    await sbx.files.makeDir('/home/user/jswatched')
+    const events = []
+    const w = await sbx.files.watchDir('/home/user/jswatched', (e) => { events.push(e) })
+    await sbx.files.write('/home/user/jswatched/new.txt', 'content')
+    for (let i = 0; i < 60 && !events.some((e) => e.name === 'new.txt'); i++) {
+      await new Promise((resolve) => setTimeout(resolve, 500))
+    }
+    await w.stop()
+    assert.ok(events.some((e) => e.name === 'new.txt' && e.type === FilesystemEventType.CREATE),
+      JSON.stringify(events))
   })
 
   test('files: write, read, list, makeDir, exists, rename, remove', async () => {

@@ -45,9 +45,10 @@ def e2b_env(daemon: Daemon) -> Iterator[dict[str, str]]:
 
 
 def test_e2b_js_sdk(e2b_env: dict[str, str]) -> None:
-    """create, commands (foreground, background, streaming callbacks), files, list with a
-    metadata filter, setTimeout, fork, connect, kill; unknown template, another account's
-    sandbox, a full quota: every call of tests/e2b-js/sdk.test.mjs."""
+    """create, commands (foreground, background, streaming callbacks, sendStdin and
+    closeStdin), pty, files and watchDir, list with a metadata filter, setTimeout,
+    fork, connect, kill; unknown template, another account's sandbox, a full quota:
+    every call of tests/e2b-js/sdk.test.mjs."""
     from boxd import Boxd
 
     node, npm = shutil.which("node"), shutil.which("npm")
@@ -68,5 +69,5 @@ def test_e2b_js_sdk(e2b_env: dict[str, str]) -> None:
     out = _run([npm, "test"], env, timeout=1200)
     counts = dict(line[2:].split(" ", 1) for line in out.splitlines()
                   if line.startswith(("# pass ", "# fail ", "# skipped ")))
-    assert int(counts.get("pass", 0)) >= 16 and counts.get("fail") == "0", out[-4000:]
+    assert int(counts.get("pass", 0)) >= 19 and counts.get("fail") == "0", out[-4000:]
     assert counts.get("skipped") == "0", out[-4000:]

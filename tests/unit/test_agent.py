@@ -276,6 +276,49 @@ def test_exec_as_another_user_resolves_it_in_the_guests_passwd(guest: Guest) -> 
     with_client(guest, body)
 
 
+async def _read_until(proc: object, want: bytes, seen: bytearray) -> None:
+    """Output of ``proc`` into ``seen`` until ``want`` is in it."""
+    items = aiter(proc)  # type: ignore[call-overload]
+    while want not in seen:
+        item = await asyncio.wait_for(anext(items), 20)
+        assert isinstance(item, ExecOutput), (item, bytes(seen))
+        assert item.stream == "stdout"  # a pty has one output
+        seen += item.data
+
+
+def test_a_command_on_a_pty_sees_a_terminal_of_its_size(guest: Guest) -> None:
+    # 1.7: both front ends (boxd-init relays a pty exec and its resize to agent.py).
+    script = ("stty size; tty -s && echo is-a-tty; echo err >&2; read x; echo got-$x; "
+              "read y; stty size; exit 3")
+
+    async def body(c: AgentClient) -> None:
+        proc = await c.start(["sh", "-c", script], pty=(24, 81))
+        seen = bytearray()
+        await _read_until(proc, b"err", seen)
+        assert b"24 81" in seen and b"is-a-tty" in seen  # stderr on the terminal too
+        await proc.write(b"hello\n")
+        await _read_until(proc, b"got-hello", seen)
+        await proc.resize(40, 100)
+        await proc.write(b"\n")
+        await _read_until(proc, b"40 100", seen)
+        rest = [item async for item in proc]
+        assert isinstance(rest[-1], ExecExit) and rest[-1].exit_code == 3
+        # a resize of a command without a pty, or of one that ended, is refused
+        plain = await c.start(["cat"])
+        with pytest.raises(InvalidRequest, match="does not run on a pty"):
+            await plain.resize(10, 10)
+        await plain.kill()
+        with pytest.raises(InvalidRequest):
+            await proc.resize(10, 10)
+        with pytest.raises(InvalidRequest, match="rows and cols"):
+            await c.start(["true"], pty=(0, 80))
+        c.agent_version = "1.6"  # an older agent: refused on the host
+        with pytest.raises(InvalidRequest, match="on a pty"):
+            await c.start(["true"], pty=(24, 80))
+
+    with_client(guest, body)
+
+
 _BAD_EXECS: list[tuple[str, dict[str, object]]] = [
     ("NUL in a shell command", {"command": "echo a\x00b"}),
     ("NUL in argv", {"command": ["echo", "a\x00b"]}),

@@ -8,7 +8,7 @@ import base64
 import json
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -22,6 +22,7 @@ from boxd.e2b._connect import (
     decode_envelopes,
     encode_envelope,
     end_stream,
+    read_envelopes,
 )
 from boxd.e2b._ids import is_sandbox_id, new_sandbox_id
 from boxd.e2b._store import SandboxRecord, SandboxStore
@@ -80,6 +81,27 @@ def test_malformed_envelopes_are_connect_errors(body: bytes, code: str, words: s
 
 
 # -- ids, keys, records ------------------------------------------------------------------
+
+
+def test_a_client_stream_is_read_message_by_message() -> None:
+    """StreamInput's body: each message as its envelope completes, however it is cut."""
+    import asyncio
+
+    body = encode_envelope({"a": 1}) + encode_envelope({"b": 2})
+
+    async def read(chunks: list[bytes]) -> list[dict[str, object]]:
+        async def gen() -> AsyncIterator[bytes]:
+            for c in chunks:
+                yield c
+        return [m async for m in read_envelopes(gen())]
+
+    cut = [body[i:i + 3] for i in range(0, len(body), 3)]
+    assert asyncio.run(read(cut)) == [{"a": 1}, {"b": 2}]
+    with pytest.raises(ConnectError, match="truncated"):
+        asyncio.run(read([body[:-1]]))
+    with pytest.raises(ConnectError) as info:
+        asyncio.run(read([b"\x00\xff\xff\xff\xff"]))
+    assert info.value.code == "resource_exhausted"
 
 
 def test_sandbox_ids_are_e2b_shaped_machine_names() -> None:
@@ -316,6 +338,76 @@ def test_process_start_streams_envelopes(api: tuple[TestClient, FakeMachines]) -
     assert frames[-1] == (END_STREAM, {})
 
 
+def _frames_until(lines: Iterator[bytes], buf: bytearray, count: int
+                  ) -> list[tuple[int, dict[str, object]]]:
+    """Read a response stream until ``count`` whole envelopes are in ``buf``."""
+    while True:
+        try:
+            frames = _split(bytes(buf))
+            if len(frames) >= count:
+                return frames
+        except (AssertionError, IndexError, ValueError, struct.error):
+            pass
+        buf += next(lines)
+
+
+def test_interactive_commands_take_input(api: tuple[TestClient, FakeMachines]) -> None:
+    """Start with stdin: true, then SendInput, StreamInput, Update (a pty's size) and
+    CloseStdin reach the command in order; its output is its bytes (``pty`` data on a
+    pty); a plain command refuses pty input."""
+    client, _ = api
+    sb = _create(client)
+    headers = _envd(client, sb)
+    stream_headers = {**headers, "Content-Type": "application/connect+json"}
+    start = encode_envelope({"process": {"cmd": "cat"}, "stdin": True,
+                             "pty": {"size": {"rows": 24, "cols": 80}}})
+    with client.stream("POST", "/process.Process/Start", content=start,
+                       headers=stream_headers) as r:
+        lines = r.iter_bytes()
+        buf = bytearray()
+        pid = _frames_until(lines, buf, 1)[0][1]["event"]["start"]["pid"]  # type: ignore[index]
+        sel = {"pid": pid}
+        ok = client.post("/process.Process/SendInput", headers=headers, json={
+            "process": sel, "input": {"pty": base64.b64encode(b"\x00one\n").decode()}})
+        assert ok.status_code == 200, ok.text
+        body = b"".join(encode_envelope(m) for m in [
+            {"start": {"process": sel}},
+            {"data": {"input": {"pty": base64.b64encode(b"two").decode()}}},
+            {"keepalive": {}},
+            {"data": {"input": {"pty": base64.b64encode(b"three").decode()}}}])
+        streamed = client.post("/process.Process/StreamInput", content=body,
+                               headers=stream_headers)
+        assert _split(streamed.content) == [(0, {}), (END_STREAM, {})]
+        assert client.post("/process.Process/Update", headers=headers, json={
+            "process": sel, "pty": {"size": {"rows": 50, "cols": 120}}}).status_code == 200
+        assert client.post("/process.Process/CloseStdin", headers=headers,
+                           json={"process": sel}).status_code == 200
+        frames = _split(bytes(buf) + b"".join(lines))
+    out = b"".join(base64.b64decode(f[1]["event"]["data"]["pty"])  # type: ignore[index]
+                   for f in frames if "data" in f[1].get("event", {}))  # type: ignore[union-attr]
+    assert out == b"size 24 80\n\x00one\ntwothreesize 50 120\n"
+    assert frames[-2][1]["event"]["end"]["exitCode"] == 0  # type: ignore[index]
+    # pty input or a size for a command without a pty: refused; a closed stdin: refused
+    plain = encode_envelope({"process": {"cmd": "echo"}, "stdin": True})
+    with client.stream("POST", "/process.Process/Start", content=plain,
+                       headers=stream_headers) as r:
+        lines = r.iter_bytes()
+        pid = _frames_until(lines, bytearray(), 1)[0][1]["event"]["start"][  # type: ignore[index]
+            "pid"]
+        bad = client.post("/process.Process/SendInput", headers=headers, json={
+            "process": {"pid": pid}, "input": {"pty": "eA=="}})
+        assert bad.status_code == 400 and bad.json()["code"] == "failed_precondition"
+        bad = client.post("/process.Process/Update", headers=headers, json={
+            "process": {"pid": pid}, "pty": {"size": {"rows": 5, "cols": 5}}})
+        assert bad.json()["code"] == "failed_precondition"
+        client.post("/process.Process/CloseStdin", headers=headers,
+                    json={"process": {"pid": pid}})
+        again = client.post("/process.Process/CloseStdin", headers=headers,
+                            json={"process": {"pid": pid}})
+        assert again.json()["code"] in ("failed_precondition", "not_found")
+        b"".join(lines)
+
+
 def test_envd_requests_are_checked(api: tuple[TestClient, FakeMachines]) -> None:
     client, _ = api
     sb = _create(client)
@@ -328,7 +420,19 @@ def test_envd_requests_are_checked(api: tuple[TestClient, FakeMachines]) -> None
     assert r.status_code == 200
     assert _split(r.content)[0][1]["error"]["code"] == "invalid_argument"  # type: ignore[index]
     r = client.post("/process.Process/SendInput", json={}, headers=headers)
-    assert r.status_code == 501 and r.json()["code"] == "unimplemented"
+    assert r.status_code == 400 and r.json()["code"] == "invalid_argument"
+    r = client.post("/process.Process/SendInput", json={
+        "process": {"pid": 99999}, "input": {"stdin": "aGk="}}, headers=headers)
+    assert r.status_code == 404 and r.json()["code"] == "not_found"
+    r = client.post("/process.Process/SendInput", json={
+        "process": {"pid": 1}, "input": {"stdin": "not base64!"}}, headers=headers)
+    assert r.status_code == 400 and r.json()["code"] == "invalid_argument"
+    r = client.post("/process.Process/Update", json={
+        "process": {"pid": 1}, "pty": {"size": {"rows": 0, "cols": 80}}}, headers=headers)
+    assert r.status_code == 400 and r.json()["code"] == "invalid_argument"
+    r = client.post("/filesystem.Filesystem/GetWatcherEvents", json={"watcherId": "nope"},
+                    headers=headers)
+    assert r.status_code == 404 and r.json()["code"] == "not_found"
     r = client.get("/health", headers={**headers, "E2b-Sandbox-Port": "8080"})
     assert r.status_code == 502 and "port is not open" in r.json()["message"]
     client.delete(f"/sandboxes/{sb['sandboxID']}", headers=ALICE)

@@ -478,6 +478,14 @@ class Machines:
         async for event in self._node(rec).exec_stream(rec.id, req):
             yield event
 
+    async def exec_interactive(
+        self, account: str, ref: str, req: models.ExecRequest,
+        inputs: AsyncIterator[pm.ExecInput], pty: tuple[int, int] | None = None,
+    ) -> AsyncIterator[pm.ExecBytes | models.ExecEvent]:
+        rec = self._find(account, ref)
+        async for event in self._node(rec).exec_interactive(rec.id, req, inputs, pty):
+            yield event
+
     async def upload(
         self, account: str, ref: str, path: str, data: bytes | AsyncIterable[bytes],
         mode: int = 0o644,

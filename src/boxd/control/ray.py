@@ -28,7 +28,7 @@ from boxd import models
 from boxd import process_models as pm
 from boxd.config import Paths, Settings
 from boxd.control.nodes import Cluster, ClusterNode
-from boxd.errors import BoxdError, HostSetupError, MachineNotFound, NodeLost
+from boxd.errors import BoxdError, HostSetupError, InvalidRequest, MachineNotFound, NodeLost
 from boxd.node.base import Boot, FromSnapshot, ProcessStream
 from boxd.node.cluster import CHUNK, NAMESPACE, RESOURCE, NodeActor, receive_snapshot
 from boxd.node.lifecycle import Lifecycle
@@ -237,6 +237,15 @@ class RayNode:
         async with contextlib.aclosing(stream) as events:
             async for event in events:
                 yield event
+
+    async def exec_interactive(
+        self, machine_id: str, req: models.ExecRequest, inputs: AsyncIterator[pm.ExecInput],
+        pty: tuple[int, int] | None,
+    ) -> AsyncIterator[pm.ExecBytes | models.ExecEvent]:
+        """Not across Ray: the input would need a stream of actor calls of its own."""
+        raise InvalidRequest("an interactive exec (stdin kept open, a pty) is not "
+                             "served on a Ray cluster's nodes yet", machine=machine_id)
+        yield  # an async generator, as the protocol's callers iterate it
 
     async def upload(
         self, machine_id: str, path: str, data: bytes | AsyncIterable[bytes], mode: int

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from boxd.e2b._fs import Watchers
 from boxd.e2b._processes import ProcessTable
 from boxd.e2b._sandboxes import Sandbox, Sandboxes
 from boxd.errors import BoxdError
@@ -21,9 +22,10 @@ __all__ = [
 ]
 
 #: The envd version boxd's shim answers for: the highest E2B version whose features the
-#: SDKs gate on that the shim implements (docs/e2b.md: e.g. not yet stdin, octet-stream
-#: uploads or the default user of envd 0.3-0.4).
-ENVD_VERSION = "0.2.0"
+#: SDKs gate on that the shim implements (docs/e2b.md): stdin (0.3.0), no default user
+#: (0.4.0: the SDKs send none, boxd runs commands as root anyway) and CloseStdin
+#: (0.5.2); not yet octet-stream uploads (0.5.7) or file metadata (0.6.2).
+ENVD_VERSION = "0.5.2"
 #: E2B's ``clientID``: a constant.
 CLIENT_ID = "boxd"
 #: The port envd listens on in an E2B sandbox (the ``E2b-Sandbox-Port`` of its calls).
@@ -44,6 +46,7 @@ class E2BState:
     #: The operator's sandbox domain (``BOXD_E2B_DOMAIN``): ``<port>-<id>.<domain>`` Host
     #: names reach sandboxes, and creates answer it as ``domain`` (the SDK's ``get_host``).
     domain: str | None = None
+    watchers: Watchers = field(default_factory=Watchers)
 
 
 def state_of(request: Request) -> E2BState:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "decode_envelopes",
     "encode_envelope",
     "end_stream",
+    "read_envelopes",
 ]
 
 #: Flag of the last envelope of a response stream.
@@ -114,3 +116,31 @@ def parse_json(data: bytes) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ConnectError("invalid_argument", "the message must be a JSON object")
     return value
+
+
+async def read_envelopes(body: AsyncIterable[bytes]) -> AsyncIterator[dict[str, Any]]:
+    """A client stream's messages, each as soon as its envelope is complete (at most one
+    message and a chunk are held).
+
+    Raises:
+        ConnectError: as `decode_envelopes`, for a bad or truncated envelope.
+    """
+    buf = bytearray()
+    async for chunk in body:
+        buf += chunk
+        while len(buf) >= _HEADER.size:
+            flags, length = _HEADER.unpack_from(buf, 0)
+            if flags & COMPRESSED:
+                raise ConnectError("invalid_argument", "compressed messages are not "
+                                   "supported: send them uncompressed")
+            if length > MAX_MESSAGE:
+                raise ConnectError("resource_exhausted", f"a message of {length} bytes "
+                                   f"is over the limit of {MAX_MESSAGE}")
+            if len(buf) - _HEADER.size < length:
+                break
+            data = bytes(buf[_HEADER.size:_HEADER.size + length])
+            del buf[:_HEADER.size + length]
+            yield parse_json(data)
+    if buf:
+        raise ConnectError("invalid_argument", f"truncated envelope: {len(buf)} bytes left "
+                           "at the end of the stream")

@@ -1,5 +1,11 @@
 """envd's Filesystem service as one small Python program run in the guest per call.
 
+Watching (``WatchDir``, ``CreateWatcher``) runs `WATCH_PROGRAM` in the guest for as long
+as the watcher lives: it lists the directory every `WATCH_INTERVAL` seconds and prints
+the differences. Polling, not inotify: boxd's guest agent has no inotify, a listing
+works alike on every engine and file system (and on a forked or restored sandbox),
+and it costs one exec per watcher, not one per poll.
+
 ``stat``, ``list``, ``mkdir``, ``remove`` and ``move`` each run `GUEST_PROGRAM` with
 the guest's python3 through boxd's exec; it prints one JSON line, the answer or
 ``{"error": {"code", "message"}}`` in Connect's codes. Entries are envd's
@@ -8,15 +14,21 @@ the guest's python3 through boxd's exec; it prints one JSON line, the answer or
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import contextlib
 import json
 import posixpath
-from typing import Any
+import secrets
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, cast
 
 from boxd import models
 from boxd.e2b._connect import ConnectError
+from boxd.errors import BoxdError
 from boxd.services import MachineService
 
-__all__ = ["GUEST_PROGRAM", "absolute", "fs_call"]
+__all__ = ["GUEST_PROGRAM", "WATCH_PROGRAM", "Watcher", "Watchers", "absolute", "fs_call"]
 
 GUEST_PROGRAM = r'''
 import datetime, grp, json, os, pwd, shutil, stat, sys
@@ -135,3 +147,186 @@ async def fs_call(machines: MachineService, account: str, sandbox_id: str, op: s
     if isinstance(error, dict):
         raise ConnectError(str(error.get("code", "internal")), str(error.get("message", "")))
     return answer
+
+
+# -- WatchDir and the watchers -----------------------------------------------------------
+
+#: The watch program: lists the directory (stat of each entry) every ``interval``
+#: seconds in the guest and prints one JSON line per change, after a first
+#: ``{"start": true}`` (or one ``{"error": ...}``). At most ``MAX_WATCHED`` entries are
+#: looked at, so its memory stays bounded whatever the directory holds.
+WATCH_PROGRAM = r'''
+import json, os, stat, sys, time
+root, recursive = sys.argv[1], sys.argv[2] == "1"
+interval, limit = float(sys.argv[3]), int(sys.argv[4])
+
+def snap():
+    out, todo = {}, [""]
+    while todo and len(out) < limit:
+        rel = todo.pop()
+        try:
+            it = list(os.scandir(os.path.join(root, rel)))
+        except OSError:
+            continue
+        for e in it:
+            if len(out) >= limit:
+                break
+            name = os.path.join(rel, e.name) if rel else e.name
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            out[name] = (st.st_mtime_ns, st.st_size, stat.S_IMODE(st.st_mode))
+            if recursive and stat.S_ISDIR(st.st_mode):
+                todo.append(name)
+    return out
+
+def say(msg):
+    sys.stdout.write(json.dumps(msg) + "\n")
+    sys.stdout.flush()
+
+if not os.path.isdir(root):
+    code = "not_found" if not os.path.exists(root) else "invalid_argument"
+    say({"error": {"code": code, "message": "%s is not a directory" % root}})
+    sys.exit(0)
+before = snap()
+say({"start": True})
+while True:
+    time.sleep(interval)
+    now = snap()
+    for name in sorted(now.keys() - before.keys()):
+        say({"name": name, "type": "EVENT_TYPE_CREATE"})
+    for name in sorted(before.keys() - now.keys()):
+        say({"name": name, "type": "EVENT_TYPE_REMOVE"})
+    for name in sorted(now.keys() & before.keys()):
+        old, new = before[name], now[name]
+        if old[:2] != new[:2]:
+            say({"name": name, "type": "EVENT_TYPE_WRITE"})
+        elif old[2] != new[2]:
+            say({"name": name, "type": "EVENT_TYPE_CHMOD"})
+    before = now
+'''
+#: Seconds between two listings of a watched directory.
+WATCH_INTERVAL = 0.5
+#: Entries of a watched tree the program looks at (the rest are not watched).
+MAX_WATCHED = 20000
+#: Events a watcher keeps for `GetWatcherEvents` (the oldest are dropped past it).
+MAX_KEPT_EVENTS = 4096
+#: Watchers (streams and ``CreateWatcher`` ones) one sandbox may have.
+MAX_WATCHERS = 32
+
+
+class Watcher:
+    """One watched directory: the watch program's exec and the events it printed."""
+
+    def __init__(self, watcher_id: str, sandbox_id: str) -> None:
+        self.id = watcher_id
+        self.sandbox_id = sandbox_id
+        self.kept: collections.deque[dict[str, Any]] = collections.deque(
+            maxlen=MAX_KEPT_EVENTS)
+        self.changed = asyncio.Event()
+        self.started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.task: asyncio.Task[None] | None = None
+        self.ended = False
+
+    def take(self) -> list[dict[str, Any]]:
+        """The events kept since the last call."""
+        out = list(self.kept)
+        self.kept.clear()
+        self.changed.clear()
+        return out
+
+    async def run(self, events: AsyncIterator[models.ExecEvent]) -> None:
+        line = ""
+        try:
+            async for ev in events:
+                if ev.type != "stdout" or not ev.data:
+                    continue
+                line += ev.data
+                *whole, line = line.split("\n")
+                for text in whole:
+                    self._line(text)
+                if len(line) > 1 << 16:  # no event line is this long: not the program's
+                    line = ""
+            self._fail(ConnectError("internal", "the watch program ended"))
+        except BoxdError as exc:
+            self._fail(ConnectError("unavailable", f"watching stopped: {exc.message}"))
+        finally:
+            self.ended = True
+            self.changed.set()
+            await cast("AsyncGenerator[object, None]", events).aclose()
+
+    def _line(self, text: str) -> None:
+        try:
+            msg = json.loads(text)
+        except ValueError:
+            return
+        if not isinstance(msg, dict):
+            return
+        if msg.get("start") is True and not self.started.done():
+            self.started.set_result(None)
+        elif isinstance(msg.get("error"), dict):
+            err = msg["error"]
+            self._fail(ConnectError(str(err.get("code", "internal")),
+                                    str(err.get("message", ""))))
+        elif isinstance(msg.get("name"), str) and isinstance(msg.get("type"), str):
+            self.kept.append({"name": msg["name"], "type": msg["type"]})
+            self.changed.set()
+
+    def _fail(self, exc: ConnectError) -> None:
+        if not self.started.done():
+            self.started.set_exception(exc)
+
+
+class Watchers:
+    """The watchers of every sandbox, by id."""
+
+    def __init__(self) -> None:
+        self._all: dict[str, Watcher] = {}
+
+    async def create(self, machines: MachineService, account: str, sandbox_id: str,
+                     path: str, recursive: bool) -> Watcher:
+        """Start watching ``path``; returns once the first listing is taken.
+
+        Raises:
+            ConnectError: ``not_found`` / ``invalid_argument`` (no such directory),
+                ``resource_exhausted`` (too many watchers).
+            BoxdError: the machine could not run it.
+        """
+        if sum(w.sandbox_id == sandbox_id for w in self._all.values()) >= MAX_WATCHERS:
+            raise ConnectError("resource_exhausted", f"sandbox {sandbox_id} has "
+                               f"{MAX_WATCHERS} watchers: remove some first")
+        watcher = Watcher(secrets.token_hex(8), sandbox_id)
+        req = models.ExecRequest(command=[
+            "python3", "-c", WATCH_PROGRAM, path, "1" if recursive else "0",
+            str(WATCH_INTERVAL), str(MAX_WATCHED)], timeout=None)
+        watcher.task = asyncio.create_task(
+            watcher.run(machines.exec_stream(account, sandbox_id, req)))
+        self._all[watcher.id] = watcher
+        # A watcher whose program ended (its sandbox was killed) leaves the table; its
+        # client's next call is answered not_found, and a stream ends with an error.
+        watcher.task.add_done_callback(lambda _: self._all.pop(watcher.id, None))
+        try:
+            await watcher.started
+        except BaseException:
+            await self.remove(sandbox_id, watcher.id)
+            raise
+        return watcher
+
+    def get(self, sandbox_id: str, watcher_id: object) -> Watcher:
+        """Raises: ConnectError ``not_found``."""
+        watcher = self._all.get(watcher_id) if isinstance(watcher_id, str) else None
+        if watcher is None or watcher.sandbox_id != sandbox_id:
+            raise ConnectError("not_found", f"watcher {watcher_id!r} not found")
+        return watcher
+
+    async def remove(self, sandbox_id: str, watcher_id: object) -> None:
+        """Stop a watcher (its program ends with its exec stream).
+
+        Raises: ConnectError ``not_found``."""
+        watcher = self.get(sandbox_id, watcher_id)
+        self._all.pop(watcher.id, None)
+        if watcher.task is not None:
+            watcher.task.cancel()
+            with contextlib.suppress(BaseException):
+                await watcher.task

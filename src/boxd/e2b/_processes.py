@@ -6,6 +6,12 @@ command one (per sandbox, counting up) and runs it in a task of its own: the com
 keeps running when the client that started it goes (as a background command does on
 E2B), its events go to whoever is connected, and a signal ends it by closing the exec
 stream, which kills the command in the guest. An ended process leaves the table.
+
+A command started with ``stdin: true`` or a ``pty`` is an interactive exec
+(`MachineService.exec_interactive`): ``SendInput``, ``StreamInput``, ``CloseStdin`` and
+``Update`` (a pty's size) go through its input queue (`INPUT_QUEUE` items: a sender
+waits while the command does not read), and its output reaches the client as the bytes
+the command wrote (a pty's as ``pty`` data).
 """
 
 from __future__ import annotations
@@ -16,13 +22,14 @@ import builtins
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 from pydantic import ValidationError
 
 from boxd import models
+from boxd import process_models as pm
 from boxd.e2b._connect import ConnectError
 from boxd.errors import BoxdError, MachineFailed, MachineNotFound
 from boxd.services import MachineService
@@ -35,6 +42,8 @@ log = logging.getLogger("boxd.e2b")
 MAX_PROCESSES = 1024
 #: Events one connected client may lag behind before the command waits for it.
 _QUEUE = 256
+#: Inputs (each at most one request's bytes) an interactive command may have waiting.
+INPUT_QUEUE = 8
 
 Event = dict[str, Any]
 #: What a subscriber receives: an event, the error that ended the command, or None (the
@@ -56,6 +65,9 @@ class Proc:
     task: asyncio.Task[None] | None = None
     gone: bool = False  # its sandbox was killed
     subscribers: list[asyncio.Queue[Item]] = field(default_factory=list)
+    #: An interactive command's input (None: its stdin is /dev/null, or closed).
+    inputs: asyncio.Queue[pm.ExecInput] | None = None
+    pty: bool = False
 
     def info(self) -> Event:
         """Its ``ProcessInfo`` (proto3 JSON)."""
@@ -70,6 +82,16 @@ class Proc:
     async def publish(self, event: Item) -> None:
         for q in list(self.subscribers):
             await q.put(event)
+
+    def finish(self, end: Item) -> None:
+        """The last two items, ``end`` and None, to every subscriber, now: a subscriber
+        whose client stopped reading loses its oldest events instead (a kill, or the
+        command's end, must not wait for a reader that may never come)."""
+        for q in list(self.subscribers):
+            for item in (end, None):
+                while q.full():
+                    q.get_nowait()
+                q.put_nowait(item)
 
     def attach(self) -> asyncio.Queue[Item]:
         """A new subscriber's queue. Attach in the same step as the command starts
@@ -107,8 +129,27 @@ def _signal_name(signal: int) -> str:
                                                                             f"signal {signal}")
 
 
-def _data_event(kind: str, text: str) -> Event:
-    return {"data": {kind: base64.b64encode(text.encode("utf-8", "surrogateescape")).decode()}}
+def _data_event(kind: str, data: str | bytes) -> Event:
+    raw = data.encode("utf-8", "surrogateescape") if isinstance(data, str) else data
+    return {"data": {kind: base64.b64encode(raw).decode()}}
+
+
+def _event_of(proc: Proc, ev: pm.ExecBytes | models.ExecEvent) -> Event | None:
+    """envd's event for an exec's: ``data`` or ``end`` (None: nothing to send)."""
+    if isinstance(ev, pm.ExecBytes):
+        return _data_event("pty" if proc.pty else ev.stream, ev.data) if ev.data else None
+    if ev.type in ("stdout", "stderr") and ev.data:
+        return _data_event(ev.type, ev.data)
+    if ev.type == "exit":
+        return end_event(ev.exit_code if ev.exit_code is not None else -1, ev.signal)
+    if ev.type == "error" and ev.error is not None:
+        return end_event(-1, None, ev.error.message)
+    return None
+
+
+async def _drain(queue: asyncio.Queue[pm.ExecInput]) -> AsyncIterator[pm.ExecInput]:
+    while True:
+        yield await queue.get()
 
 
 class ProcessTable:
@@ -138,9 +179,11 @@ class ProcessTable:
         raise ConnectError("not_found", f"process {selector} not found (it may have ended)")
 
     def start(self, account: str, sandbox_id: str, argv: builtins.list[str],
-              envs: dict[str, str],
-              cwd: str | None, tag: str | None) -> Proc:
+              envs: dict[str, str], cwd: str | None, tag: str | None, *,
+              stdin: bool = False, pty: tuple[int, int] | None = None) -> Proc:
         """Start a command in its own task; a client subscribes to see its events.
+        With ``stdin`` its stdin stays open for `send`; with ``pty`` (rows, cols) it
+        runs on a terminal of that size.
 
         Raises:
             ConnectError: ``invalid_argument`` (a bad command), ``resource_exhausted``.
@@ -155,22 +198,54 @@ class ProcessTable:
             raise ConnectError("invalid_argument", "bad command: " + "; ".join(
                 str(e.get("msg")) for e in exc.errors())) from exc
         proc = Proc(next(self._pids), sandbox_id, argv[0], argv[1:], envs, cwd, tag)
+        events: AsyncIterator[pm.ExecBytes | models.ExecEvent]
+        if stdin or pty is not None:
+            proc.inputs = asyncio.Queue(INPUT_QUEUE)
+            proc.pty = pty is not None
+            events = self.machines.exec_interactive(account, sandbox_id, req,
+                                                    _drain(proc.inputs), pty)
+        else:
+            events = self.machines.exec_stream(account, sandbox_id, req)
         running[proc.pid] = proc
-        proc.task = asyncio.create_task(self._run(account, proc, req))
+        proc.task = asyncio.create_task(self._run(proc, events))
         return proc
 
-    async def _run(self, account: str, proc: Proc, req: models.ExecRequest) -> None:
-        events = self.machines.exec_stream(account, proc.sandbox_id, req)
+    async def send(self, sandbox_id: str, selector: Event | None, item: pm.ExecInput,
+                   kind: str = "stdin") -> None:
+        """Queue ``item`` for a process's input (``kind``: ``stdin`` or ``pty``, as the
+        client sent it); returns once it is queued, or the process ended.
+
+        Raises:
+            ConnectError: ``not_found`` (no such process, or it ended meanwhile),
+                ``failed_precondition`` (started without stdin, stdin closed, or a pty
+                input or size for a command that has no pty).
+        """
+        proc = self.find(sandbox_id, selector)
+        if proc.inputs is None:
+            raise ConnectError("failed_precondition", f"process {proc.pid} was not started "
+                               "with stdin enabled, or its stdin was closed")
+        if (kind == "pty" or item.size is not None) and not proc.pty:
+            raise ConnectError("failed_precondition", f"process {proc.pid} has no pty")
+        queue, task = proc.inputs, proc.task
+        if item.eof:
+            proc.inputs = None  # closed: later sends are refused
+        put = asyncio.ensure_future(queue.put(item))
+        if task is not None:
+            await asyncio.wait([put, task], return_when=asyncio.FIRST_COMPLETED)
+        if not put.done():
+            put.cancel()
+            raise ConnectError("not_found", f"process {proc.pid} has ended")
+
+    async def _run(self, proc: Proc,
+                   events: AsyncIterator[pm.ExecBytes | models.ExecEvent]) -> None:
         end: Item = None
         try:
             async for ev in events:
-                if ev.type in ("stdout", "stderr") and ev.data:
-                    await proc.publish(_data_event(ev.type, ev.data))
-                elif ev.type == "exit":
-                    end = end_event(ev.exit_code if ev.exit_code is not None else -1,
-                                    ev.signal)
-                elif ev.type == "error" and ev.error is not None:
-                    end = end_event(-1, None, ev.error.message)
+                out = _event_of(proc, ev)
+                if out is not None and "end" in out:
+                    end = out
+                elif out is not None:
+                    await proc.publish(out)
         except asyncio.CancelledError:
             end = sandbox_gone(proc.sandbox_id) if proc.gone else end_event(-1, 9)
             raise
@@ -182,14 +257,12 @@ class ProcessTable:
             log.exception("command %s in %s failed", proc.pid, proc.sandbox_id)
             end = ConnectError("internal", f"the command failed: {exc}")
         finally:
-            await cast("AsyncGenerator[models.ExecEvent, None]", events).aclose()
+            await cast("AsyncGenerator[object, None]", events).aclose()
             running = self._procs.get(proc.sandbox_id, {})
             running.pop(proc.pid, None)
             if not running:  # no empty table per sandbox that ever ran a command
                 self._procs.pop(proc.sandbox_id, None)
-            with contextlib.suppress(Exception):
-                await proc.publish(end or end_event(-1, None, "the command ended unseen"))
-                await proc.publish(None)
+            proc.finish(end or end_event(-1, None, "the command ended unseen"))
 
     async def kill(self, sandbox_id: str, selector: Event | None) -> None:
         """End a process (SIGKILL or SIGTERM alike: its exec stream is closed).

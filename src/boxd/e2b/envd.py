@@ -3,9 +3,10 @@
 A request carrying ``E2b-Sandbox-Id`` (and ``E2b-Sandbox-Port`` 49983, envd's) comes
 here. It must carry the sandbox's ``X-Access-Token`` (returned by create). Served:
 the Connect JSON ``process.Process`` service (``Start`` and ``Connect`` streams,
-``List``, ``SendSignal``), the ``filesystem.Filesystem`` unary calls (``Stat``,
-``ListDir``, ``MakeDir``, ``Remove``, ``Move``), ``GET/POST /files`` and ``/health``.
-Any other call is a Connect ``unimplemented``. A sandbox that is gone answers 502
+``List``, ``SendSignal``, ``SendInput``, ``StreamInput``, ``CloseStdin``, ``Update``),
+the ``filesystem.Filesystem`` service (``Stat``, ``ListDir``, ``MakeDir``, ``Remove``,
+``Move``, the ``WatchDir`` stream and the watcher calls), ``GET/POST /files`` and
+``/health``. Any other path is a 404. A sandbox that is gone answers 502
 "... was not found", as E2B's proxy does, so the SDK raises its
 ``SandboxNotRunningException``.
 """
@@ -13,6 +14,7 @@ Any other call is a Connect ``unimplemented``. A sandbox that is gone answers 50
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import hmac
 import posixpath
@@ -25,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from boxd import process_models as pm
 from boxd.e2b._common import ENVD_PORT, boxd_error, e2b_error, state_of
 from boxd.e2b._connect import (
     MAX_MESSAGE,
@@ -33,8 +36,9 @@ from boxd.e2b._connect import (
     encode_envelope,
     end_stream,
     parse_json,
+    read_envelopes,
 )
-from boxd.e2b._fs import absolute, fs_call
+from boxd.e2b._fs import Watcher, absolute, fs_call
 from boxd.e2b._processes import Item, Proc, connect_code
 from boxd.e2b._sandboxes import HOME
 from boxd.e2b._store import SandboxRecord
@@ -195,14 +199,16 @@ async def process_start(request: Request, rec: SandboxRecord) -> Response:
             raise ConnectError("invalid_argument", "process.args must be strings")
         if not isinstance(envs, dict):
             raise ConnectError("invalid_argument", "process.envs must be an object")
-        if msg.get("pty"):
-            raise ConnectError("unimplemented", "PTY commands are not supported by boxd yet")
+        pty = _pty_size(msg["pty"]) if msg.get("pty") is not None else None
         cwd = config.get("cwd")
         tag = msg.get("tag")
         proc = state_of(request).processes.start(
             rec.account, rec.sandbox_id, [config["cmd"], *args],
             {**rec.env_vars, **{str(k): str(v) for k, v in envs.items()}},
-            absolute(cwd, "cwd") if cwd else HOME, tag if isinstance(tag, str) else None)
+            absolute(cwd, "cwd") if cwd else HOME, tag if isinstance(tag, str) else None,
+            # An absent ``stdin`` is E2B's old default (open); boxd keeps stdin open only
+            # when asked (the SDKs since 2.x send it): docs/e2b.md, "Differs".
+            stdin=msg.get("stdin") is True, pty=pty)
     except ConnectError as exc:
         return _stream_error(exc)
     return _stream(request, proc)
@@ -233,12 +239,87 @@ async def process_signal(request: Request, rec: SandboxRecord) -> Response:
     return JSONResponse({})
 
 
-def _unimplemented(what: str) -> Handler:
-    async def handler(request: Request, rec: SandboxRecord) -> Response:
-        raise ConnectError("unimplemented", f"{what} is not supported by boxd yet "
-                           "(docs/e2b.md lists what is)")
+def _pty_size(pty: object) -> tuple[int, int]:
+    """A ``PTY`` message's ``size`` as (rows, cols).
 
-    return handler
+    Raises:
+        ConnectError: ``invalid_argument`` for a missing size or one outside 1-65535.
+    """
+    size = pty.get("size") if isinstance(pty, dict) else None
+    dims = (size.get("rows"), size.get("cols")) if isinstance(size, dict) else (None, None)
+    if not all(isinstance(n, int) and not isinstance(n, bool) and 0 < n < 65536
+               for n in dims):
+        raise ConnectError("invalid_argument", "pty.size needs rows and cols of 1-65535")
+    return cast("tuple[int, int]", dims)
+
+
+def _input(msg: dict[str, Any]) -> tuple[str, bytes]:
+    """A ``ProcessInput``'s kind (``stdin`` or ``pty``) and bytes.
+
+    Raises:
+        ConnectError: ``invalid_argument`` unless it is one of them, in base64.
+    """
+    given = msg.get("input")
+    kinds = [k for k in ("stdin", "pty") if isinstance(given, dict) and k in given]
+    if len(kinds) != 1 or not isinstance(cast("dict[str, Any]", given)[kinds[0]], str):
+        raise ConnectError("invalid_argument", "input must be {\"stdin\": <base64>} or "
+                           "{\"pty\": <base64>}")
+    try:
+        data = base64.b64decode(cast("dict[str, str]", given)[kinds[0]], validate=True)
+    except ValueError as exc:
+        raise ConnectError("invalid_argument", "input is not base64") from exc
+    return kinds[0], data
+
+
+async def process_send_input(request: Request, rec: SandboxRecord) -> Response:
+    msg = await _unary_body(request)
+    kind, data = _input(msg)
+    await state_of(request).processes.send(rec.sandbox_id, msg.get("process"),
+                                           pm.ExecInput(data=data), kind)
+    return JSONResponse({})
+
+
+async def process_close_stdin(request: Request, rec: SandboxRecord) -> Response:
+    msg = await _unary_body(request)
+    await state_of(request).processes.send(rec.sandbox_id, msg.get("process"),
+                                           pm.ExecInput(eof=True))
+    return JSONResponse({})
+
+
+async def process_update(request: Request, rec: SandboxRecord) -> Response:
+    msg = await _unary_body(request)
+    if msg.get("pty") is None:
+        return JSONResponse({})  # nothing to change
+    size = _pty_size(msg["pty"])
+    await state_of(request).processes.send(rec.sandbox_id, msg.get("process"),
+                                           pm.ExecInput(size=size))
+    return JSONResponse({})
+
+
+async def process_stream_input(request: Request, rec: SandboxRecord) -> Response:
+    """Client streaming: a ``start`` naming the process, then ``data`` and ``keepalive``
+    messages, each handed on as it arrives (a slow command holds the upload)."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind != CONNECT_JSON:
+        return _stream_error(ConnectError("invalid_argument", "a streaming call is sent "
+                                          f"as {CONNECT_JSON}"))
+    processes = state_of(request).processes
+    selector: dict[str, Any] | None = None
+    try:
+        async for msg in read_envelopes(request.stream()):
+            if isinstance(msg.get("start"), dict):
+                selector = msg["start"].get("process")
+                processes.find(rec.sandbox_id, selector)
+            elif isinstance(msg.get("data"), dict):
+                if selector is None:
+                    raise ConnectError("invalid_argument", "the first message must be "
+                                       "start {process}")
+                kind, data = _input(msg["data"])
+                await processes.send(rec.sandbox_id, selector, pm.ExecInput(data=data),
+                                     kind)
+    except ConnectError as exc:
+        return _stream_error(exc)
+    return Response(encode_envelope({}) + end_stream(), media_type=CONNECT_JSON)
 
 
 # -- filesystem.Filesystem ---------------------------------------------------------------
@@ -359,24 +440,79 @@ def _rpc(name: str, handler: Handler) -> Route:
     return Route(f"/{name}", _guarded(handler, rpc=True), methods=["POST"])
 
 
-_UNIMPLEMENTED = [
-    "process.Process/SendInput", "process.Process/StreamInput", "process.Process/Update",
-    "process.Process/CloseStdin", "filesystem.Filesystem/WatchDir",
-    "filesystem.Filesystem/CreateWatcher", "filesystem.Filesystem/GetWatcherEvents",
-    "filesystem.Filesystem/RemoveWatcher",
-]
+async def _watch(request: Request, rec: SandboxRecord, msg: dict[str, Any]) -> Watcher:
+    recursive = msg.get("recursive", False)
+    if not isinstance(recursive, bool):
+        raise ConnectError("invalid_argument", "recursive must be true or false")
+    return await state_of(request).watchers.create(
+        state_of(request).sandboxes.machines, rec.account, rec.sandbox_id,
+        absolute(msg.get("path")), recursive)
+
+
+async def fs_watch_dir(request: Request, rec: SandboxRecord) -> Response:
+    """A stream of the directory's changes: start, then each event as it is seen."""
+    try:
+        watcher = await _watch(request, rec, await _stream_body(request))
+    except ConnectError as exc:
+        return _stream_error(exc)
+    except BoxdError as exc:
+        return _stream_error(ConnectError(connect_code(exc), exc.message))
+    watchers, interval = state_of(request).watchers, _keepalive(request)
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            yield encode_envelope({"start": {}})
+            while not watcher.ended:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(watcher.changed.wait(), interval)
+                events = watcher.take()
+                for event in events:
+                    yield encode_envelope({"filesystem": event})
+                if not events and not watcher.ended:
+                    yield encode_envelope({"keepalive": {}})
+            yield end_stream(ConnectError("unavailable", "watching stopped (the sandbox "
+                                          "is gone or stopped answering)"))
+        finally:
+            with contextlib.suppress(ConnectError):
+                await watchers.remove(rec.sandbox_id, watcher.id)
+
+    return StreamingResponse(body(), media_type=CONNECT_JSON)
+
+
+async def fs_create_watcher(request: Request, rec: SandboxRecord) -> Response:
+    watcher = await _watch(request, rec, await _unary_body(request))
+    return JSONResponse({"watcherId": watcher.id})
+
+
+async def fs_watcher_events(request: Request, rec: SandboxRecord) -> Response:
+    msg = await _unary_body(request)
+    watcher = state_of(request).watchers.get(rec.sandbox_id, msg.get("watcherId"))
+    return JSONResponse({"events": watcher.take()})
+
+
+async def fs_remove_watcher(request: Request, rec: SandboxRecord) -> Response:
+    msg = await _unary_body(request)
+    await state_of(request).watchers.remove(rec.sandbox_id, msg.get("watcherId"))
+    return JSONResponse({})
 
 routes = [
     _rpc("process.Process/Start", process_start),
     _rpc("process.Process/Connect", process_connect),
     _rpc("process.Process/List", process_list),
     _rpc("process.Process/SendSignal", process_signal),
+    _rpc("process.Process/SendInput", process_send_input),
+    _rpc("process.Process/CloseStdin", process_close_stdin),
+    _rpc("process.Process/Update", process_update),
+    _rpc("process.Process/StreamInput", process_stream_input),
     _rpc("filesystem.Filesystem/Stat", fs_stat),
     _rpc("filesystem.Filesystem/ListDir", fs_list),
     _rpc("filesystem.Filesystem/MakeDir", fs_make_dir),
     _rpc("filesystem.Filesystem/Remove", fs_remove),
     _rpc("filesystem.Filesystem/Move", fs_move),
-    *(_rpc(name, _unimplemented(name)) for name in _UNIMPLEMENTED),
+    _rpc("filesystem.Filesystem/WatchDir", fs_watch_dir),
+    _rpc("filesystem.Filesystem/CreateWatcher", fs_create_watcher),
+    _rpc("filesystem.Filesystem/GetWatcherEvents", fs_watcher_events),
+    _rpc("filesystem.Filesystem/RemoveWatcher", fs_remove_watcher),
     Route("/files", _guarded(files_get, rpc=False), methods=["GET"]),
     Route("/files", _guarded(files_post, rpc=False), methods=["POST"]),
     Route("/health", _guarded(health, rpc=False), methods=["GET"]),

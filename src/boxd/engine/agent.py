@@ -86,6 +86,8 @@ RELAY_MINOR = 5
 #: The protocol minor version from which an exec takes ``user`` (an older agent would
 #: ignore it and run the command as root).
 USER_MINOR = 6
+#: The protocol minor version from which an exec runs on a pty (``pty``, ``resize``).
+PTY_MINOR = 7
 #: How often `connect` re-sends hello while the guest agent is not up yet.
 HELLO_RETRY = 0.25
 #: The protocol minor version from which reads and execs take a flow-control ``window``.
@@ -486,8 +488,13 @@ class AgentClient:
         cwd: str | None = None,
         timeout: float | None = None,
         user: str | None = None,
+        pty: tuple[int, int] | None = None,
     ) -> ExecProcess:
         """Start a long-lived command whose stdin stays open (e.g. a warm worker).
+
+        With ``pty`` (``(rows, cols)``, protocol 1.7) it runs on a new terminal of that
+        size: its output (stdout and stderr alike) is the terminal's, as ``stdout``
+        chunks, its stdin the terminal's input; `ExecProcess.resize` changes the size.
 
         Feed it with `ExecProcess.write` / `ExecProcess.close_stdin` and iterate the
         `ExecProcess` for its output and exit, exactly as with `exec`. Returns once the
@@ -502,8 +509,15 @@ class AgentClient:
             InvalidRequest: the agent rejected the request, or the program cannot be
                 executed (exit status 126).
         """
-        return await self._execs.start(
-            _exec_fields(command, env, cwd, timeout, self._user(user)))
+        fields = _exec_fields(command, env, cwd, timeout, self._user(user))
+        if pty is not None:
+            if not self.supports(PTY_MINOR):
+                raise InvalidRequest(
+                    f"this machine's agent ({self.agent_version}) cannot run a command "
+                    "on a pty", field="pty",
+                    hint="create the machine again (its agent is older than this boxd)")
+            fields["pty"] = {"rows": pty[0], "cols": pty[1]}
+        return await self._execs.start(fields)
 
     async def run(
         self,
@@ -1151,6 +1165,11 @@ class _ExecSessions:
         await self._channel.send({"id": exec_id, "op": P.OP_STDIN, "exec_id": exec_id,
                                   "data": _b64(data), "eof": eof, "reply": False})
 
+    async def resize(self, exec_id: int, rows: int, cols: int) -> None:
+        """A new terminal size for a pty exec (`ExecProcess.resize`)."""
+        await self._channel.call(P.OP_RESIZE, exec_id=exec_id,
+                                 size={"rows": rows, "cols": cols})
+
     async def kill(self, exec_id: int, signal: int) -> bool:
         """Signal an exec's process group (`AgentClient.kill`)."""
         try:
@@ -1617,6 +1636,15 @@ class ExecProcess:
             MachineFailed: the connection was lost.
         """
         await self._sessions.stdin(self.exec_id, b"", True)
+
+    async def resize(self, rows: int, cols: int) -> None:
+        """Resize the terminal of a command started with ``pty``.
+
+        Raises:
+            InvalidRequest: it has finished, or does not run on a pty.
+            MachineFailed: the connection was lost.
+        """
+        await self._sessions.resize(self.exec_id, rows, cols)
 
     async def kill(self, signal: int = 9) -> bool:
         """Signal the command's process group; False when it already finished."""

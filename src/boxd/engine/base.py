@@ -107,6 +107,10 @@ class Process(Protocol):
 
     async def close_stdin(self) -> None: ...
 
+    async def resize(self, rows: int, cols: int) -> None:
+        """A new terminal size (a command started with ``pty``)."""
+        ...
+
     async def kill(self, signal: int = 9) -> bool: ...
 
     async def aclose(self) -> None: ...
@@ -138,8 +142,10 @@ class Agent(Protocol):
     async def start(
         self, command: str | list[str], *, env: Mapping[str, str | None] | None = None,
         cwd: str | None = None, timeout: float | None = None, user: str | None = None,
+        pty: tuple[int, int] | None = None,
     ) -> Process:
-        """A long-lived command whose stdin stays open (``machines.spawn``)."""
+        """A long-lived command whose stdin stays open (``machines.spawn``); with
+        ``pty`` (rows, cols) it runs on a terminal of that size."""
         ...
 
     async def attach(self, exec_id: int) -> Process:

@@ -95,6 +95,10 @@ class FakeProcess:
     async def close_stdin(self) -> None:
         self._end(0, None)
 
+    async def resize(self, rows: int, cols: int) -> None:
+        self._agent._check()
+        raise InvalidRequest(f"exec {self.exec_id} does not run on a pty", field="pty")
+
     async def kill(self, signal: int = 9) -> bool:
         ended = self._ended
         self._end(128 + signal, signal)
@@ -152,13 +156,14 @@ class FakeAgent:
     async def start(
         self, command: str | list[str], *, env: Mapping[str, str | None] | None = None,
         cwd: str | None = None, timeout: float | None = None, user: str | None = None,
+        pty: tuple[int, int] | None = None,
     ) -> Process:
         # The fake guest runs no programs but ``cat``: process streams (forks, re-attach)
         # are tested on real machines.
         self._check()
-        if command != ["cat"]:
-            raise InvalidRequest("the fake engine runs no long-lived processes but cat",
-                                 field="argv")
+        if command != ["cat"] or pty is not None:
+            raise InvalidRequest("the fake engine runs no long-lived processes but cat "
+                                 "(and no pty)", field="argv")
         return FakeProcess(self)
 
     async def attach(self, exec_id: int) -> Process:

@@ -38,6 +38,7 @@ import stat
 import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 import traceback
@@ -488,6 +489,7 @@ class Exec:
         self.stream_stdin = False
         self.done = False
         self.window = Window(0)
+        self.tty_fd = -1  # 1.7: the pty's master, for a command run on a terminal
 
 
 class Command(NamedTuple):
@@ -500,6 +502,7 @@ class Command(NamedTuple):
     timeout: float | None
     want_stdin: bool
     user: RunAs | None = None
+    pty: tuple[int, int] | None = None  # 1.7: (rows, cols) of the terminal it runs on
 
 
 class RunAs(NamedTuple):
@@ -608,6 +611,29 @@ def cwd_arg(msg: dict[str, Any], default_cwd: str) -> str:
     return cwd
 
 
+def size_arg(raw: Any, name: str = "pty") -> tuple[int, int]:
+    """A terminal size ``{"rows", "cols"}`` (each 1-65535) as ``(rows, cols)``."""
+    if not isinstance(raw, dict):
+        raise RequestError(P.ERR_INVALID, f"{name} must be {{\"rows\": R, \"cols\": C}}",
+                           field=name)
+    size = raw.get("rows"), raw.get("cols")
+    if not all(isinstance(n, int) and not isinstance(n, bool) and 0 < n < 65536
+               for n in size):
+        raise RequestError(P.ERR_INVALID, f"{name} rows and cols must be 1-65535",
+                           field=name)
+    return int(raw["rows"]), int(raw["cols"])
+
+
+def set_winsize(fd: int, rows: int, cols: int) -> None:
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
+
+def take_tty() -> None:
+    """In a pty command's child (a session leader): its terminal becomes the session's
+    controlling terminal, so job control and SIGWINCH reach the shell."""
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
 def timeout_arg(msg: dict[str, Any]) -> float | None:
     timeout = msg.get("timeout")
     if timeout is not None and (not isinstance(timeout, int | float) or timeout <= 0):
@@ -662,13 +688,16 @@ class RunningCommand:
         timeout: float | None,
         reaped: tuple[threading.Event, list[int]],
     ) -> None:
-        assert proc.stdout is not None and proc.stderr is not None
+        assert proc.stdout is not None
         self.host = host
         self.ex = ex
         self.proc = proc
-        self.outputs = (proc.stdout, proc.stderr)
+        # A command on a pty has one output, the terminal (its stderr goes there too).
+        self.outputs = tuple(f for f in (proc.stdout, proc.stderr) if f is not None)
         self.done_event, self.status_box = reaped
-        self.pipes = {proc.stdout.fileno(): P.EV_STDOUT, proc.stderr.fileno(): P.EV_STDERR}
+        self.pipes = {proc.stdout.fileno(): P.EV_STDOUT}
+        if proc.stderr is not None:
+            self.pipes[proc.stderr.fileno()] = P.EV_STDERR
         for fd in self.pipes:
             os.set_blocking(fd, False)
         self.poller = select.poll()
@@ -787,6 +816,7 @@ class Execs:
             timeout=timeout_arg(msg),
             want_stdin=msg.get("stdin") is not None or bool(msg.get("stdin_stream")),
             user=user_arg(msg, env),
+            pty=size_arg(msg["pty"]) if msg.get("pty") is not None else None,
         )
         ex = Exec(req_id, conn)
         ex.window = window_arg(msg)
@@ -826,6 +856,9 @@ class Execs:
             return
         reaped = self.reaper.register(proc.pid, start)
         ex.proc = proc
+        if command.pty is not None:
+            assert proc.stdout is not None
+            ex.tty_fd = proc.stdout.fileno()
         with self.lock:
             ex.pgid = proc.pid
             early_signal = ex.pending_signal
@@ -854,6 +887,8 @@ class Execs:
         """Start the command; when it cannot start, answer the exec as a shell would
         (its error on stderr, exit code 127 or 126) and return None."""
         try:
+            if command.pty is not None:
+                return self.spawn_pty(command)
             return subprocess.Popen(
                 command.argv,
                 stdin=subprocess.PIPE if command.want_stdin else subprocess.DEVNULL,
@@ -880,6 +915,30 @@ class Execs:
                 duration=time.monotonic() - start,
             )
             return None
+
+    @staticmethod
+    def spawn_pty(command: Command) -> subprocess.Popen[bytes]:
+        """Start the command on a new pty of ``command.pty``'s size (1.7): the master is
+        its output and its stdin."""
+        assert command.pty is not None
+        master, slave = os.openpty()
+        try:
+            set_winsize(slave, *command.pty)
+            proc = subprocess.Popen(
+                command.argv, stdin=slave, stdout=slave, stderr=slave, env=command.env,
+                cwd=command.cwd, start_new_session=True, close_fds=True,
+                preexec_fn=take_tty,
+                **({"user": command.user.uid, "group": command.user.gid,
+                    "extra_groups": command.user.groups} if command.user else {}),
+            )
+        except BaseException:
+            os.close(master)
+            raise
+        finally:
+            os.close(slave)
+        proc.stdout = os.fdopen(master, "rb", buffering=0)
+        proc.stdin = os.fdopen(os.dup(master), "wb", buffering=0)
+        return proc
 
     def find_exec(self, msg: dict[str, Any]) -> Exec:
         exec_id = msg.get("exec_id")
@@ -917,6 +976,18 @@ class Execs:
             ex.stdin_q.put(None)
         if msg.get("reply") is not False:  # 1.4: "reply": false is answered only on error
             self.host.reply(req_id, conn, size=len(data))
+
+    def op_resize(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
+        """A new size for a pty command's terminal (1.7); its foreground gets SIGWINCH."""
+        ex = self.find_exec(msg)
+        rows, cols = size_arg(msg.get("size"), "size")
+        if ex.tty_fd < 0:
+            raise RequestError(P.ERR_INVALID, f"exec {ex.id} does not run on a pty")
+        try:
+            set_winsize(ex.tty_fd, rows, cols)
+        except OSError as exc:
+            raise RequestError(P.ERR_NO_EXEC, f"exec {ex.id} has ended: {exc}") from exc
+        self.host.reply(req_id, conn, rows=rows, cols=cols)
 
     def op_kill(self, req_id: int, conn: str | None, msg: dict[str, Any]) -> None:
         ex = self.find_exec(msg)
@@ -1552,6 +1623,7 @@ class Agent:
             P.OP_ATTACH: self.execs.op_attach,
             P.OP_STDIN: self.execs.op_stdin,
             P.OP_KILL: self.execs.op_kill,
+            P.OP_RESIZE: self.execs.op_resize,
             P.OP_STAT: self.files.op_stat,
             P.OP_WRITE: self.files.op_write,
             P.OP_READ: self.files.op_read,

@@ -6,9 +6,9 @@
  * (the RL rollout path: fork, run a command, read its output) and exec with streamed
  * stdin (machines.spawn's processes: boxd.rl's step channel, one stdin message in and
  * one stdout message out per frame), with kill, stdin and attach for those execs.
- * Everything else (exec with one-shot stdin, files, stat) is relayed, line by line, to
- * the Python agent over a socketpair (agent.py --relay-fd 3), and the agent's lines
- * are relayed back.
+ * Everything else (exec with one-shot stdin or on a pty, resize, files, stat) is relayed,
+ * line by line, to the Python agent over a socketpair (agent.py --relay-fd 3), and the
+ * agent's lines are relayed back.
  *
  * Why: a fork child is a new QEMU process, and under TCG it must translate every guest
  * code path it runs before running it. Answering hello + identity in CPython costs
@@ -61,7 +61,7 @@
 #include <unistd.h>
 
 #define PROTOCOL_MAJOR "1"
-#define PROTOCOL_VERSION "1.6"
+#define PROTOCOL_VERSION "1.7"
 #define PORT_NAME "boxd.agent"
 #define IDENTITY_DIR "run/boxd"
 #define MAX_LINE (64L * 1024 * 1024)
@@ -1585,6 +1585,18 @@ static int op_attach(long long id, const struct jfield *f, int n) {
     return 0;
 }
 
+/* A resize (1.7) of one of our execs: none runs on a pty (those are agent.py's).
+   Returns -1 for agent.py's execs. */
+static int op_resize(long long id, const struct jfield *f, int n) {
+    long long exec_id;
+    struct exec *x;
+    if (!is_int(field(f, n, "exec_id"), &exec_id) || !(x = find_exec(exec_id))) return -1;
+    char msg[100];
+    snprintf(msg, sizeof msg, "exec %lld does not run on a pty", exec_id);
+    fail(id, x->exited ? "ESRCH" : "EINVAL", msg);
+    return 0;
+}
+
 /* Whether agent.py answers this relayed request with a result or an error of its own:
    only those are tracked in `inflight` (an id tracked and never ended would stay there
    for the connection's life, and be "failed" if agent.py restarts). A write's later
@@ -1630,13 +1642,17 @@ static void host_line(const char *line, size_t n) {
                            (!st || (st->vlen == 5 && !memcmp(st->val, "false", 5)) ||
                             st->type == J_NULL);
             int stream = st && st->vlen == 4 && !memcmp(st->val, "true", 4);
-            if (!strcmp(name, "exec") && (no_stdin || stream) &&
+            /* An exec on a pty (1.7) and its resizes are agent.py's. */
+            const struct jfield *pty = field(f, nf, "pty");
+            int on_pty = pty && pty->type != J_NULL;
+            if (!strcmp(name, "exec") && !on_pty && (no_stdin || stream) &&
                 op_exec(id, f, nf, stream) == 0)
                 return;
             if (!strcmp(name, "kill") && op_kill(id, f, nf) == 0) return;
             if (!strcmp(name, "stdin") && op_stdin(id, f, nf) == 0) return;
             if (!strcmp(name, "ack") && op_ack(id, f, nf) == 0) return;
             if (!strcmp(name, "attach") && op_attach(id, f, nf) == 0) return;
+            if (!strcmp(name, "resize") && op_resize(id, f, nf) == 0) return;
         } else {
             name[0] = 0; /* json_str may have left part of a name */
         }

@@ -8,7 +8,7 @@ backward-compatible additions and ``PROTOCOL_MAJOR`` for anything else.
 from __future__ import annotations
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 6
+PROTOCOL_MINOR = 7
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
 
 #: Name of the virtio-serial port (``-device virtserialport,name=...``).
@@ -61,6 +61,7 @@ OP_ACK = "ack"  # 1.3: the host consumed N bytes of a read's or exec's output (f
 OP_CANCEL = "cancel"  # 1.3: stop a read (the host no longer wants it)
 OP_RELAY_LISTEN = "relay_listen"  # 1.5: serve the in-guest API socket, with a new key
 OP_RELAY_SEND = "relay_send"  # 1.5: bytes for one relayed stream (no reply)
+OP_RESIZE = "resize"  # 1.7: a new terminal size for an exec started with "pty"
 
 # Events (agent -> host, field "ev"). RESULT and ERROR end a request.
 EV_STARTED = "started"  # exec: the process is running (pid)

@@ -23,7 +23,14 @@ from typing import Any, Protocol
 
 from boxd import models
 from boxd import process_models as pm
-from boxd.engine.base import Agent, ExecExit, ExecOutcome, ExecOutput, MachineHandle
+from boxd.engine.base import (
+    Agent,
+    ExecExit,
+    ExecOutcome,
+    ExecOutput,
+    MachineHandle,
+    Process,
+)
 from boxd.errors import (
     AgentLost,
     BoxdError,
@@ -89,6 +96,25 @@ def image_defaults(
     merged: dict[str, str | None] = {**run.exec_env(), **(env or {})}
     return {"env": merged or None, "cwd": cwd if cwd is not None else (run.working_dir or "/"),
             "user": user if user is not None else (run.user or None)}
+
+
+async def _feed(proc: Process, inputs: AsyncIterator[pm.ExecInput]) -> None:
+    """Hand an interactive exec its input until the input or the command ends. An item
+    it cannot take (the command closed its stdin, a resize of no pty) is dropped: the
+    command's events tell the rest, and the input is still drained."""
+    async for item in inputs:
+        try:
+            if item.size is not None:
+                await proc.resize(*item.size)
+            if item.data:
+                await proc.write(item.data)
+            if item.eof:
+                await proc.close_stdin()
+        except InvalidRequest as exc:
+            log.debug("exec input dropped: %s", exc.message)
+        except BoxdError as exc:  # the connection is lost: the events end too
+            log.debug("exec input stopped: %s", exc.message)
+            return
 
 
 def _without_exit(exc: BaseException, record: ExecRecord, stopping: bool) -> BoxdError:
@@ -265,6 +291,31 @@ class Exec:
                         type="exit", exit_code=item.exit_code, signal=item.signal,
                         timed_out=item.timed_out, duration=item.duration, error=None,
                     )
+
+    async def exec_interactive(
+        self, machine_id: str, req: models.ExecRequest, inputs: AsyncIterator[pm.ExecInput],
+        pty: tuple[int, int] | None,
+    ) -> AsyncIterator[pm.ExecBytes | models.ExecEvent]:
+        """A command whose stdin stays open: ``inputs`` feed it (bytes, EOF, a pty's new
+        size) while its output is yielded as it comes, then one exit event. Closing the
+        iterator before the exit kills the command."""
+        async with self._g.using(machine_id) as (rec, _handle, agent):
+            self._g.changed(machine_id)
+            proc = await agent.start(
+                req.command, **image_defaults(rec, req.env, req.cwd, req.user),
+                timeout=req.timeout, pty=pty)
+            feeder = asyncio.create_task(_feed(proc, inputs), name=f"stdin {machine_id}")
+            try:
+                async for item in proc:
+                    if isinstance(item, ExecOutput):
+                        yield pm.ExecBytes(item.stream, item.data)
+                    else:
+                        yield models.ExecEvent(
+                            type="exit", exit_code=item.exit_code, signal=item.signal,
+                            timed_out=item.timed_out, duration=item.duration, error=None)
+            finally:
+                feeder.cancel()
+                await proc.aclose()
 
     async def upload(
         self, machine_id: str, path: str, data: bytes | AsyncIterable[bytes], mode: int

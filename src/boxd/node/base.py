@@ -92,6 +92,11 @@ class Node(Protocol):
         self, machine_id: str, req: models.ExecRequest
     ) -> AsyncIterator[models.ExecEvent]: ...
 
+    def exec_interactive(
+        self, machine_id: str, req: models.ExecRequest, inputs: AsyncIterator[pm.ExecInput],
+        pty: tuple[int, int] | None,
+    ) -> AsyncIterator[pm.ExecBytes | models.ExecEvent]: ...
+
     async def upload(
         self, machine_id: str, path: str, data: bytes | AsyncIterable[bytes], mode: int
     ) -> models.FileInfo:

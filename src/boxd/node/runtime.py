@@ -444,6 +444,12 @@ class NodeRuntime:
     ) -> AsyncIterator[models.ExecEvent]:
         return self.execs.exec_stream(machine_id, req)
 
+    def exec_interactive(
+        self, machine_id: str, req: models.ExecRequest, inputs: AsyncIterator[pm.ExecInput],
+        pty: tuple[int, int] | None,
+    ) -> AsyncIterator[pm.ExecBytes | models.ExecEvent]:
+        return self.execs.exec_interactive(machine_id, req, inputs, pty)
+
     async def upload(
         self, machine_id: str, path: str, data: bytes | AsyncIterable[bytes], mode: int
     ) -> models.FileInfo:
