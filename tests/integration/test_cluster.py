@@ -463,3 +463,44 @@ def test_a_route_to_the_trainer_holds_on_a_cluster_node(cluster: LocalCluster) -
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+E2B_SCRIPT = """
+import sys
+from e2b import Sandbox
+
+sbx = Sandbox.create(timeout=600)
+try:
+    assert sbx.commands.run("echo hi").stdout == "hi\\n"
+    sbx.files.write("/home/user/state", "42")
+    kids = sbx.fork(count=2)
+    try:
+        for kid in kids:
+            assert kid.files.read("/home/user/state") == "42"
+            assert kid.commands.run("cat /home/user/state").stdout == "42"
+        print("ids", sbx.sandbox_id, *(k.sandbox_id for k in kids))
+    finally:
+        for kid in kids:
+            kid.kill()
+finally:
+    sbx.kill()
+print("ok")
+"""
+
+
+@_on("gvisor")
+def test_the_unmodified_e2b_sdk_runs_against_a_cluster(cluster: LocalCluster) -> None:
+    """E2B's front door is the control plane's: `boxd e2b env` in the cluster's namespace
+    points the unmodified e2b SDK at it; a sandbox and its live forks run on the nodes."""
+    import sys
+
+    pytest.importorskip("e2b", reason="the dev extra installs the e2b SDK")
+    env = {**os.environ, "BOXD_HOME": str(cluster.home)}
+    out = cluster.in_netns(sys.executable, "-m", "boxd", "e2b", "env", env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    exports = dict(line.removeprefix("export ").split("=", 1) for line in out.stdout.splitlines())
+    assert set(exports) == {"E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY"}, exports
+    r = cluster.in_netns(sys.executable, "-c", E2B_SCRIPT, env={**env, **exports}, timeout=600)
+    assert r.returncode == 0 and r.stdout.splitlines()[-1] == "ok", (r.stdout, r.stderr[-3000:])
+    ids = next(line for line in r.stdout.splitlines() if line.startswith("ids")).split()[1:]
+    assert len(ids) == 3 and not any(m.name in ids for m in cluster.client.machines.list())
