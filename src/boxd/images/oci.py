@@ -17,10 +17,10 @@ the blobs it wrote alone go with the next collection.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -507,9 +507,8 @@ def unpack_image(store: ImageStore, info: ImageInfo, roots: Path) -> Path:
     if below is None:  # an image of no layers: an empty root
         below = chains / hashlib.sha256(b"").hexdigest()
         below.mkdir(mode=0o755, exist_ok=True)
-    link = roots / f".{final.name[:12]}-{os.getpid()}-link"
-    with contextlib.suppress(FileNotFoundError):
-        link.unlink()
+    # a name of this call's own: two unpacks of one image at once each make a link
+    link = roots / f".{final.name[:12]}-{os.getpid()}-{secrets.token_hex(4)}-link"
     link.symlink_to(Path("chains") / below.name)
     os.replace(link, final)  # the last step: a root named by its image is whole
     return below
