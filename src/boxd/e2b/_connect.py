@@ -71,6 +71,23 @@ def end_stream(error: ConnectError | None = None) -> bytes:
     return encode_envelope({"error": error.body()} if error else {}, END_STREAM)
 
 
+def _check_header(data: bytes | bytearray, at: int) -> int:
+    """The message length in the envelope header at ``data[at:]``.
+
+    Raises:
+        ConnectError: ``invalid_argument`` for a compressed message,
+            ``resource_exhausted`` for one over `MAX_MESSAGE` bytes.
+    """
+    flags, length = _HEADER.unpack_from(data, at)
+    if flags & COMPRESSED:
+        raise ConnectError("invalid_argument", "compressed messages are not supported: "
+                           "send them uncompressed")
+    if length > MAX_MESSAGE:
+        raise ConnectError("resource_exhausted", f"a message of {length} bytes is over "
+                           f"the limit of {MAX_MESSAGE}")
+    return int(length)
+
+
 def decode_envelopes(body: bytes) -> list[dict[str, Any]]:
     """The JSON messages of a request body made of envelopes.
 
@@ -85,14 +102,8 @@ def decode_envelopes(body: bytes) -> list[dict[str, Any]]:
         if len(body) - at < _HEADER.size:
             raise ConnectError("invalid_argument", "truncated envelope: fewer than 5 header "
                                "bytes")
-        flags, length = _HEADER.unpack_from(body, at)
+        length = _check_header(body, at)
         at += _HEADER.size
-        if flags & COMPRESSED:
-            raise ConnectError("invalid_argument", "compressed messages are not supported: "
-                               "send them uncompressed")
-        if length > MAX_MESSAGE:
-            raise ConnectError("resource_exhausted", f"a message of {length} bytes is over "
-                               f"the limit of {MAX_MESSAGE}")
         if len(body) - at < length:
             raise ConnectError("invalid_argument", f"truncated envelope: {length} bytes "
                                f"announced, {len(body) - at} sent")
@@ -129,13 +140,7 @@ async def read_envelopes(body: AsyncIterable[bytes]) -> AsyncIterator[dict[str, 
     async for chunk in body:
         buf += chunk
         while len(buf) >= _HEADER.size:
-            flags, length = _HEADER.unpack_from(buf, 0)
-            if flags & COMPRESSED:
-                raise ConnectError("invalid_argument", "compressed messages are not "
-                                   "supported: send them uncompressed")
-            if length > MAX_MESSAGE:
-                raise ConnectError("resource_exhausted", f"a message of {length} bytes "
-                                   f"is over the limit of {MAX_MESSAGE}")
+            length = _check_header(buf, 0)
             if len(buf) - _HEADER.size < length:
                 break
             data = bytes(buf[_HEADER.size:_HEADER.size + length])
