@@ -140,15 +140,13 @@ def _du(*paths: Path) -> float:
 def _image_paths(b: Any, store: Path, roots: Path, name: str) -> list[Path]:
     """What the image ``name`` holds on disk: its blobs in the store and its unpacked
     layer chains (named as `boxd.images.oci.unpack_image` names them)."""
+    from boxd.images.oci import chain_ids
+
     img = b.images.get(name)
     blobs = store / "blobs" / "sha256"
-    out = [blobs / d.split(":", 1)[1] for d in (img.digest, img.config_digest)]
-    chain = ""
-    for layer in img.layers:
-        out.append(blobs / layer.digest.split(":", 1)[1])
-        chain = hashlib.sha256(f"{chain}|{layer.digest}".encode()).hexdigest()
-        out.append(roots / "chains" / chain)
-    return out
+    digests = [img.digest, img.config_digest, *(layer.digest for layer in img.layers)]
+    return [*(blobs / d.split(":", 1)[1] for d in digests),
+            *(roots / "chains" / c for c in chain_ids([lyr.digest for lyr in img.layers]))]
 
 
 def _timed(fn: Callable[[], Any]) -> float:

@@ -49,6 +49,7 @@ __all__ = [
     "ImageConfig",
     "ImageInfo",
     "Source",
+    "chain_ids",
     "docker_credentials",
     "image_by_digest",
     "import_image",
@@ -497,9 +498,8 @@ def unpack_image(store: ImageStore, info: ImageInfo, roots: Path) -> Path:
     chains = roots / "chains"
     chains.mkdir(exist_ok=True, mode=0o700)
     below: Path | None = None
-    chain = ""
-    for d, how in zip(info.layers, specs, strict=True):
-        chain = hashlib.sha256(f"{chain}|{d.digest}".encode()).hexdigest()
+    ids = chain_ids([d.digest for d in info.layers])
+    for d, how, chain in zip(info.layers, specs, ids, strict=True):
         here = chains / chain
         if not here.is_dir():
             _make_chain(store, here, below, d.digest, how, info.name)
@@ -512,6 +512,18 @@ def unpack_image(store: ImageStore, info: ImageInfo, roots: Path) -> Path:
     link.symlink_to(Path("chains") / below.name)
     os.replace(link, final)  # the last step: a root named by its image is whole
     return below
+
+
+def chain_ids(layers: list[str]) -> list[str]:
+    """The id of each layer chain of an image whose layers are ``layers`` (digests, in
+    order): the k-th is the hash of the (k-1)-th and the k-th layer's digest, the name
+    of its tree under ``<roots>/chains`` (`unpack_image`)."""
+    out: list[str] = []
+    chain = ""
+    for digest in layers:
+        chain = hashlib.sha256(f"{chain}|{digest}".encode()).hexdigest()
+        out.append(chain)
+    return out
 
 
 def _compression(d: Descriptor, name: str) -> str:
