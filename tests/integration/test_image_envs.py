@@ -22,16 +22,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import importlib.util
 import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 from boxd import Boxd, errors
+from tests._support.bench import load_path as _load
 from tests._support.daemon import REPO, Daemon
 from tests._support.e2b import e2b_daemon
 from tests._support.oci import make_image, write_layout
@@ -44,14 +43,6 @@ pytestmark = pytest.mark.vm
 EXAMPLES = REPO / "examples" / "openenv"
 OPENENV_WHEELS = REPO / ".cache" / "wheels-openenv"
 IMAGE = "openenv-counter:v1"
-
-
-def _load(path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")

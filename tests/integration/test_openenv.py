@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from boxd import errors
+from tests._support.bench import load_path as _load
 from tests._support.rl_guest import REPO, _ok
 
 pytest.importorskip("openenv.core.containers.runtime",
@@ -54,16 +55,6 @@ def _wheels(recipe: Any) -> list[Path]:
 def counter() -> Any:
     """examples/openenv/counter_env.py: the env's server module and its client."""
     return _load(EXAMPLE)
-
-
-def _load(path: Path) -> Any:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
