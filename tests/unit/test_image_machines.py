@@ -78,7 +78,8 @@ def test_a_machine_boots_on_the_images_tree_and_exec_defaults_to_its_config(
     assert _exec(world, "img-child", "pwd") == "/srv/app\n"
     other = _new(world, name="img2", image=digest)
     assert other.image == m.image
-    assert set(os.listdir(world.paths.image_roots)) == {"chains", digest.split(":", 1)[1]}
+    assert set(os.listdir(world.paths.image_roots)) == {
+        "chains", digest.split(":", 1)[1], ".gc-lock"}  # the collection's lock (empty)
     assert len(os.listdir(world.paths.image_roots / "chains")) == 1  # one layer: one tree
     # a machine of the default image keeps the agent's own defaults
     plain = _new(world, name="plain")

@@ -36,11 +36,13 @@ from boxd.config import Paths, Settings
 from boxd.console.app import create_console_app
 from boxd.console.login import url_file as console_url_file
 from boxd.control import build_services, netpolicy
+from boxd.control.images import images_in_use
 from boxd.e2b.app import create_e2b_app
 from boxd.e2b.env import url_file
 from boxd.errors import Conflict, HostSetupError, InvalidRequest
 from boxd.services import HostInfoFn, MachineService, ProcessService, SnapshotService
-from boxd.state import Database
+from boxd.state import Database, Repos
+from boxd.storage import SnapshotStore
 from boxd.storage.fds import OwnedFd
 from boxd.storage.reports import ReportStore
 
@@ -139,6 +141,20 @@ def _read_local_key(path: Path) -> str | None:
         return path.read_text().strip() or None
     except (FileNotFoundError, PermissionError, UnicodeDecodeError):
         return None
+
+
+def _image_service(paths: Paths, machines: object) -> ImageService:
+    """The image store; with the control plane's records, removing an image also
+    collects its unpacked trees and disks once no machine or snapshot runs it."""
+    repos, store = getattr(machines, "repos", None), getattr(machines, "store", None)
+    if not isinstance(repos, Repos) or not isinstance(store, SnapshotStore):
+        return ImageService(paths.images_store)  # a test's stand-in service
+
+    def in_use() -> set[str]:
+        return images_in_use(repos, store)
+
+    return ImageService(paths.images_store, in_use=in_use,
+                        unpacked=(paths.image_roots, paths.image_disks))
 
 
 def _fallback_host_info(paths: Paths) -> Callable[[], models.HostInfo]:
@@ -346,6 +362,7 @@ class Daemon:
             self.machines = machines
             self.snapshots = snapshots
             self.reports = ReportStore(paths.home / "reports")
+            self.images = _image_service(paths, machines)
             key_file = local_key_path(paths)
             secret = self.keys.ensure_default_local_key(os.getuid(), _read_local_key(key_file))
             write_local_key(key_file, secret)
@@ -396,7 +413,7 @@ class Daemon:
             host_info=host_info,
             upload_dir=paths.home / "uploads",
             private_dirs=(paths.home, paths.shm),
-            images=ImageService(paths.images_store),
+            images=self.images,
             reports=self.reports,
             max_body=settings.max_body,
             max_upload=settings.max_upload,
@@ -458,13 +475,18 @@ class Daemon:
                                           "tcp": self.tcp, "home": str(self.paths.home)})
         started = time.monotonic()
         running: list[_Running | None] = []
+        collecting: asyncio.Task[int] | None = None
         try:
             # Find the VMs of machines recorded before a restart (they kept running).
             await self.machines.recover()
+            # Unpacked images that machines deleted while it was down no longer need.
+            collecting = asyncio.create_task(self.images.collect())
             for side in (self.e2b, self.console):
                 running.append(await self._start_side(side))
             await self.server.serve(sockets=sockets)
         finally:
+            if collecting is not None:
+                collecting.cancel()
             for r in running:
                 await self._stop_side(r)
             try:

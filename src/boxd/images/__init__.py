@@ -7,6 +7,7 @@ docs/images.md for the layout, the QEMU flags it boots with and measured timings
 from __future__ import annotations
 
 from ._build import CACHE_ENV, GuestImage, Recipe, cache_dir, ensure_image, list_images
+from ._collect import collect_unpacked
 from ._disk import image_disk
 from ._rootfs import GUEST_CLIENT_DIR
 from ._tree import AGENT_MOUNT, CLIENT_DIR, RELAY_ENV, agent_tree, native_relay, rootfs_tree
@@ -21,6 +22,7 @@ __all__ = [
     "Recipe",
     "agent_tree",
     "cache_dir",
+    "collect_unpacked",
     "ensure_image",
     "image_disk",
     "list_images",

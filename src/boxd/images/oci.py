@@ -17,6 +17,8 @@ the blobs it wrote alone go with the next collection.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -26,7 +28,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -278,15 +280,19 @@ def list_images(store: ImageStore) -> list[ImageInfo]:
     return [_info(store, n, d) for n, d in sorted(store.refs().items())]
 
 
-def remove_image(store: ImageStore, name: str) -> ImageInfo:
-    """Remove the name and the blobs only it held; return what was removed.
+def remove_image(store: ImageStore, name: str,
+                 keep: Iterable[str] | None = ()) -> ImageInfo:
+    """Remove the name and the blobs only it held, but those of the manifests ``keep``
+    names (images that machines or snapshots still run; None: unknown, so no blob is
+    removed); return what was removed.
 
     Raises:
         NotFound: no such image.
     """
     info = inspect_image(store, name)
     store.untag(info.name)
-    store.collect()
+    if keep is not None:
+        store.collect(keep)
     return info
 
 
@@ -490,6 +496,24 @@ def unpack_image(store: ImageStore, info: ImageInfo, roots: Path) -> Path:
         CorruptData: a layer is not a tar of a supported compression.
         HostSetupError: the tree cannot be made (no root and no user namespaces).
     """
+    with roots_lock(roots, fcntl.LOCK_SH):  # no collection meanwhile (`_collect`)
+        return _unpack_image(store, info, roots)
+
+
+@contextlib.contextmanager
+def roots_lock(roots: Path, mode: int) -> Iterator[None]:
+    """``roots/.gc-lock`` held in ``mode``: unpacks share it, a collection of unneeded
+    trees (`boxd.images._collect`) holds it alone."""
+    roots.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with open(roots / ".gc-lock", "a+b") as f:
+        fcntl.flock(f.fileno(), mode)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _unpack_image(store: ImageStore, info: ImageInfo, roots: Path) -> Path:
     final = roots / info.digest.split(":", 1)[1]
     if final.is_dir():
         return final.resolve()

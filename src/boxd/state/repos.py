@@ -98,6 +98,14 @@ class Machines:
         )
         return MachineRecord.of(row) if row else None
 
+    def run_image_digests(self) -> set[str]:
+        """The manifest digest of every container image a machine runs (any account,
+        any state: a machine being deleted still has its disk on it)."""
+        rows = self._db.all(
+            "SELECT DISTINCT json_extract(run_image, '$.digest') AS d FROM machines "
+            "WHERE run_image IS NOT NULL", ())
+        return {str(r["d"]) for r in rows if r["d"]}
+
     def list(self, account: str) -> builtins.list[MachineRecord]:
         rows = self._db.all(
             "SELECT * FROM machines WHERE account_id=? AND state!='deleting' ORDER BY created_at",

@@ -269,15 +269,18 @@ class ImageStore:
                 self._write_index(keep)
         return Descriptor.parse(gone[0]) if gone else None
 
-    def collect(self) -> list[str]:
+    def collect(self, keep: Iterable[str] = ()) -> list[str]:
         """Remove every blob no name reaches (manifest, its config and layers, an
-        index's manifests). Return the digests removed. Blobs being written (temporary
-        files) are kept, and no import is between its first blob and its name meanwhile
-        (`importing`)."""
+        index's manifests) and no manifest digest in ``keep`` does (an image a machine
+        or snapshot still runs, its name removed). Return the digests removed. Blobs
+        being written (temporary files) are kept, and no import is between its first
+        blob and its name meanwhile (`importing`)."""
         with self._flock(".gc-lock", fcntl.LOCK_EX), self.locked():
             live: set[str] = set()
             for desc in self.refs().values():
                 self._reach(desc, live)
+            for digest in keep:
+                self._reach(Descriptor(MANIFEST_MEDIA, digest, 0), live)
             removed = []
             for f in self.blobs.iterdir():
                 if f.name.startswith("."):

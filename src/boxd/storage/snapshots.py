@@ -619,13 +619,22 @@ class SnapshotStore:
     def list(self) -> list[Manifest]:
         """Every stored snapshot, sorted by digest; unreadable manifests are logged and
         skipped (`verify` or `get` reports them)."""
-        out = []
+        return self.list_all()[0]
+
+    def list_all(self) -> tuple[builtins.list[Manifest], bool]:
+        """`list`, and whether every manifest could be read (a snapshot deleted
+        meanwhile counts as read)."""
+        out: builtins.list[Manifest] = []
+        whole = True
         for digest in self._manifest_digests():
             try:
                 out.append(self.get(digest))
-            except (IntegrityError, SnapshotNotFound, InternalError) as exc:
+            except SnapshotNotFound:
+                continue
+            except (IntegrityError, InternalError) as exc:
                 log.warning("snapshot %s skipped in list: %s", digest[:12], exc)
-        return out
+                whole = False
+        return out, whole
 
     def _manifest_digests(self) -> builtins.list[str]:
         with os_errors("list snapshots", self.manifests_dir):

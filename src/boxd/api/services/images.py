@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import logging
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from boxd import models
-from boxd.errors import NotFound
+from boxd.errors import BoxdError, NotFound
+from boxd.images import collect_unpacked
 from boxd.images.build import BuildRequest, build_image, unpack_context
 from boxd.images.oci import ImageInfo, import_image, inspect_image, list_images, parse_name
 from boxd.images.oci import remove_image as _remove
@@ -22,15 +24,22 @@ from boxd.storage.oci import ImageStore
 
 __all__ = ["ImageService"]
 
+log = logging.getLogger(__name__)
+
 
 class ImageService:
     """The daemon's image store, per account."""
 
-    def __init__(self, root: Path | None) -> None:
+    def __init__(self, root: Path | None, *, unpacked: tuple[Path, Path] | None = None,
+                 in_use: Callable[[], set[str]] | None = None) -> None:
         """``root``: the store's folder; None: a new temporary folder, made on first use
-        (an app built only to read its schema makes none)."""
+        (an app built only to read its schema makes none). ``unpacked``: where images
+        are unpacked for machines (trees, disks: `collect`); ``in_use``: the manifest
+        digests of the images machines and snapshots still run (raises when unknown)."""
         self._root = root
         self._store: ImageStore | None = None
+        self._unpacked = unpacked
+        self._in_use = in_use or set
 
     @property
     def store(self) -> ImageStore:
@@ -78,11 +87,39 @@ class ImageService:
             raise _missing(name) from None
 
     async def remove(self, account: str, name: str) -> models.Image:
+        """Remove the name; its blobs, trees and disks go unless another name, a machine
+        or a snapshot still needs them (`collect`)."""
         full = f"{account}/{parse_name(name)}"
+
+        def run() -> ImageInfo:
+            try:
+                keep: set[str] | None = self._in_use()
+            except BoxdError as exc:
+                log.warning("image blobs kept: what runs them is unknown (%s)", exc)
+                keep = None
+            return _remove(self.store, full, keep)
+
         try:
-            return _model(account, await asyncio.to_thread(_remove, self.store, full))
+            info = await asyncio.to_thread(run)
         except NotFound:
             raise _missing(name) from None
+        await self.collect()
+        return _model(account, info)
+
+    async def collect(self) -> int:
+        """Remove the unpacked trees and disks no image, machine or snapshot needs
+        (`boxd.images._collect`); return how many entries went. Run after a remove and
+        when the daemon starts (a machine deleted since frees its image's then)."""
+        if self._unpacked is None:
+            return 0
+        roots, disks = self._unpacked
+        try:
+            removed = await asyncio.to_thread(collect_unpacked, self.store, roots, disks,
+                                              self._in_use)
+        except BoxdError as exc:
+            log.warning("unpacked images not collected: %s", exc)
+            return 0
+        return len(removed)
 
 
 def _missing(name: str) -> NotFound:
