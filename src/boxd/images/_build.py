@@ -33,7 +33,9 @@ from boxd.storage._files import fsync_dir, write_atomic
 from . import _apt, _initramfs, _kernel, _rootfs
 from ._util import Progress, fsync_tree, remove_build_tree
 
-BUILDER_VERSION = "2"  # 2: the boxd client's dependencies and its .pth (in-machine Boxd())
+# 2: the boxd client's dependencies and its .pth (in-machine Boxd());
+# 3: login scripts that fork no program bash answers itself (`_rootfs.fast_login`)
+BUILDER_VERSION = "3"
 CACHE_ENV = IMAGE_CACHE_ENV
 GUEST_DIR = Path(__file__).resolve().parent.parent / "guest"
 RECIPE_FILE = "recipe.json"
