@@ -24,7 +24,14 @@ BASE_PACKAGES = (
     "e2fsprogs",
     "iputils-ping",
     "netbase",
+    "sudo",  # E2B's `user` runs root commands through it (`GUEST_USER`)
 )
+
+#: The unprivileged account every image has, as E2B's templates have it: uid 1000, home
+#: /home/user, bash, sudo without a password. boxd's own exec still runs as root unless
+#: asked (``user=``); the E2B shim runs its commands as this user (docs/e2b.md).
+GUEST_USER = "user"
+GUEST_USER_UID = 1000
 
 #: What the in-machine boxd client (``from boxd import Boxd`` in a guest) needs besides the
 #: stdlib, installed from wheels into every image. The client's own files come with the
@@ -153,6 +160,12 @@ def mmdebstrap(suite: str, target: Path, apt: Sequence[str], pip: Sequence[str],
             f"--find-links /tmp/{wheels.name} " + " ".join(_shell_quote(p) for p in pip),
             f"--customize-hook=rm -rf \"$1/tmp/{wheels.name}\"",
         ]
+    argv += [
+        f"--customize-hook=chroot \"$1\" useradd --create-home --uid {GUEST_USER_UID} "
+        f"--user-group --shell /bin/bash {GUEST_USER}",
+        f"--customize-hook=echo '{GUEST_USER} ALL=(ALL:ALL) NOPASSWD: ALL' "
+        f"> \"$1/etc/sudoers.d/{GUEST_USER}\" && chmod 0440 \"$1/etc/sudoers.d/{GUEST_USER}\"",
+    ]
     argv += [suite, target, *mirror_lines(suite)]
     run(private_mounts(argv), "mmdebstrap",
         hint="check the package names and the host's apt sources; scripts/setup-host.sh "
