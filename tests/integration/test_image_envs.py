@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
+import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -134,6 +137,24 @@ def test_an_e2b_template_may_name_an_image(client: Boxd, tmp_path: Path) -> None
         sbx.kill()
     with pytest.raises(e2b.exceptions.SandboxException, match="no snapshot and no image"):
         e2b.Sandbox.create(template="e2b/none:v1", timeout=60)
+    # `boxd e2b warm` of the image's name: its creates fork one machine of the image
+    warm = subprocess.run([sys.executable, "-m", "boxd", "e2b", "warm", "e2b/busybox:v1",
+                           "--forks", "1", "--json"], capture_output=True, text=True,
+                          check=True, env=dict(os.environ))
+    source = json.loads(warm.stdout)["machine"]
+    try:
+        assert client.machines.get(source).image is not None
+        sbx = e2b.Sandbox.create(template="e2b/busybox:v1", timeout=300)
+        try:
+            assert client.machines.get(sbx.sandbox_id).parent_id == source
+            assert sbx.commands.run("cat /etc/image-marker").stdout == "an image's own file\n"
+        finally:
+            sbx.kill()
+    finally:
+        client.machines.delete(source)
+    bad = subprocess.run([sys.executable, "-m", "boxd", "e2b", "warm", "e2b/none:v1"],
+                         capture_output=True, text=True, env=dict(os.environ))
+    assert bad.returncode == 1 and "no snapshot and no image" in bad.stderr, bad
 
 
 RL_DOCKERFILE = """\

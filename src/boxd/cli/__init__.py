@@ -1003,6 +1003,7 @@ def e2b_warm(state: _State, template: str, forks: int, isolated: bool,
     \b
     boxd e2b warm base --forks 8
     boxd e2b warm my-snapshot          # a boxd snapshot name is an E2B template
+    boxd e2b warm envs/tool:v1         # so is an image name (boxd image list)
 
     Starts (once) a machine of TEMPLATE labelled boxd.e2b/template=TEMPLATE and keeps
     FORKS standby forks of it: Sandbox.create(TEMPLATE) then claims one (a live
@@ -1022,10 +1023,21 @@ def e2b_warm(state: _State, template: str, forks: int, isolated: bool,
     if found:
         src = found[0]
     else:
-        src = b.machines.new(
-            f"e2b-warm-{secrets.token_hex(4)}", isolated=isolated, labels=labels,
-            from_snapshot=None if template == "base" else template,
-            suspend_after=0, hibernate_after=0)  # a source that sleeps forks slowly
+        # A source that sleeps forks slowly. As for a create of TEMPLATE: boxd's default
+        # image for base, else the snapshot of that name, else the image of that name.
+        kw: dict[str, Any] = {"isolated": isolated, "labels": labels, "suspend_after": 0,
+                              "hibernate_after": 0}
+        name = f"e2b-warm-{secrets.token_hex(4)}"
+        try:
+            src = b.machines.new(name, from_snapshot=None if template == "base"
+                                 else template, **kw)
+        except errors.SnapshotNotFound:
+            try:
+                src = b.machines.new(name, image=template, **kw)
+            except errors.NotFound:
+                fail(f"template {template!r} not found: no snapshot and no image has that "
+                     "name (a built-in template such as code-interpreter-v1 is made by "
+                     "its first Sandbox.create: warm it after that)")
         b.machines.wait_until_ready(src.id, timeout=300)
         # E2B's base template works in /home/user (what a cold create makes first).
         r = b.machines.exec(src.id, ["mkdir", "-p", "/home/user"], timeout=60)
