@@ -361,12 +361,12 @@ def test_an_image_machine_whose_engine_cannot_move_its_template_forks_on_its_nod
     src = _image_source(plane, tmp_path, "a", "qemu")
     targets = asyncio.run(plane.forks.targets(src, cast(Node, a), 3))
     assert _ids(targets) == ["a", "a", "ResourceExhausted"]
-    assert "a qemu machine of a container image's forks stay on its node (the qemu " \
+    assert "the forks of a qemu machine of a container image stay on its node (the qemu " \
         "engine cannot move the template of a container image's machine" \
         in targets[2].message  # type: ignore[union-attr]
     with pytest.raises(InvalidRequest) as bad:
         asyncio.run(plane.forks.targets(src, cast(Node, a), 1, "b"))
-    assert "forks stay on its node (a)" in str(bad.value)
+    assert "stay on its node (a)" in str(bad.value)
     assert "container image" in str(bad.value) and bad.value.details["field"] == "node"
     # a QEMU machine of the default image still spreads
     plain = _source(plane, "a", "qemu")

@@ -109,7 +109,7 @@ class ForkPlacement:
             room = {only: room[only]} if only in room else {}
         chosen = self._placement.fork_targets(room, node.id, count,
                                              self.received.get(src.id, set()))
-        why = "" if portable else f"{_kind(src)}'s forks stay on its node ({_cannot(src)})"
+        why = "" if portable else f"{_forks_of(src)} stay on its node ({_cannot(src)})"
         return [self._nodes()[nid] if nid is not None else no_room(room, chosen, only=only,
                                                                  why=why)
                 for nid in chosen]
@@ -125,16 +125,16 @@ def _fork_only(src: MachineRecord, source_node: str, hint: str | None,
     """
     if hint is not None and hint != source_node and not portable:
         raise InvalidRequest(
-            f"{_kind(src)}'s forks stay on its node ({source_node}): {_cannot(src)}",
+            f"{_forks_of(src)} stay on its node ({source_node}): {_cannot(src)}",
             hint="prepare a baseline on that node (`boxd machine new --node`) "
             "and fork it there, or fork without a node", field="node")
     return hint if hint is not None or portable else source_node
 
 
-def _kind(src: MachineRecord) -> str:
-    """The source as a placement message names it."""
-    return (f"a {src.engine} machine" if src.run_image is None else
-            f"a {src.engine} machine of a container image")
+def _forks_of(src: MachineRecord) -> str:
+    """The source's forks, as a placement message names them."""
+    return (f"a {src.engine} machine's forks" if src.run_image is None else
+            f"the forks of a {src.engine} machine of a container image")
 
 
 def _cannot(src: MachineRecord) -> str:
