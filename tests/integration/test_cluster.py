@@ -363,8 +363,8 @@ def test_the_fleet_controls_hold_on_a_cluster(cluster: LocalCluster, base: Any) 
 @_on("gvisor")
 def test_an_image_machine_starts_on_any_node(cluster: LocalCluster, tmp_path: Path) -> None:
     """The image store is the control plane's: a node that runs an image's machine gets
-    the image's blobs pushed once (verified there) and unpacks them; the machine's forks
-    stay on its node."""
+    the image's blobs pushed once (verified there) and unpacks them; a fork goes to its
+    source's node while that has room (copy-on-write there)."""
     from tests._support.oci import make_image, write_layout
 
     busybox = shutil.which("busybox")
@@ -393,7 +393,7 @@ def test_an_image_machine_starts_on_any_node(cluster: LocalCluster, tmp_path: Pa
         (kid,) = b.machines.fork(made[0], count=1)
         assert not isinstance(kid, Exception), kid
         made.append(kid.id)
-        assert kid.node == free[0]  # an image machine's forks stay on its node
+        assert kid.node == free[0]  # the source's node first, as any machine's
         assert b.machines.exec(kid.id, "cat hello.txt").stdout == "from the image\n"
         # its snapshot starts where the image's tree is, and says so when asked elsewhere
         b.machines.exec(made[1], "echo changed > /srv/state.txt")
@@ -410,6 +410,69 @@ def test_an_image_machine_starts_on_any_node(cluster: LocalCluster, tmp_path: Pa
         for mid in made:
             b.machines.delete(mid)
         b.images.remove("it/bb:v1")
+
+
+@_on("gvisor")
+def test_an_image_machines_forks_spread_over_nodes_on_their_own_trees(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """Issue 41 item 4: an image machine forks as any machine does. Children past its
+    node's room go to other nodes, which get the image pushed first and restore the
+    template on their own tree of it; each child sees the image's files (not boxd's
+    Debian root) and what the source wrote before the fork, and a child on another node
+    forks there in turn."""
+    from tests._support.oci import make_image, write_layout
+
+    busybox = shutil.which("busybox")
+    if busybox is None:
+        pytest.skip("no busybox on this host (Debian's busybox-static)")
+    bb = Path(busybox).read_bytes()
+    img = make_image([{"bin/busybox": bb, "bin/sh": bb,
+                       "srv/hello.txt": b"from the spread image\n"}],
+                     config={"Env": ["PATH=/bin", "WHO=spread"], "WorkingDir": "/srv"})
+    b = cluster.client
+    b.images.import_(f"oci:{write_layout(tmp_path / 'layout', {'v1': img})}:v1",
+                     "it/spread:v1")
+    busy = [m.node for m in b.machines.list()]
+    home = next(n for n in cluster.node_ids if n not in busy)  # the base may hold one
+    src = b.machines.new(image="it/spread:v1", node=home)
+    made = [src.id]
+    check = "cat hello.txt; echo $WHO; pwd; cat state.txt; ls /usr/bin 2>/dev/null | wc -l"
+    want = "from the spread image\nspread\n/srv\nbefore the fork\n0\n"
+    try:
+        b.machines.exec(src.id, "echo 'before the fork' > /srv/state.txt")
+        room = CAP - 1  # the source takes one of its node's slots
+        kids = b.machines.fork(src.id, count=room + 2)  # more than its node holds
+        made += [c.id for c in kids if not isinstance(c, Exception)]
+        assert all(not isinstance(c, Exception) for c in kids), kids
+        assert sum(c.node == home for c in kids) == room, kids  # type: ignore[union-attr]
+        far = [c for c in kids if c.node != home]  # type: ignore[union-attr]
+        assert len(far) == 2, kids
+        for c in kids:
+            assert c.image is not None and c.image.digest == img.digest  # type: ignore[union-attr]
+            r = b.machines.exec(c.id, check)  # type: ignore[union-attr]
+            assert r.stdout == want, (c.node, r)  # type: ignore[union-attr]
+        for c in far:  # the node got the image, then the template, on its own tree
+            assert c.node is not None
+            store = cluster.node_home(c.node) / "oci" / "blobs" / "sha256"
+            assert {p.name for p in store.iterdir()} >= {d[7:] for d in img.blobs()}
+            assert (cluster.node_home(c.node) / "oci-roots" / img.digest[7:]).is_dir()
+            log = (cluster.node_home(c.node) / "daemon.log").read_text()
+            assert f"source={src.id} event=fork_from" in log
+        # a child on another node forks in turn (room made for it)
+        for c in kids:
+            if c is not far[0]:
+                b.machines.delete(c.id)  # type: ignore[union-attr]
+                made.remove(c.id)  # type: ignore[union-attr]
+        (grand,) = b.machines.fork(far[0].id, count=1)
+        assert not isinstance(grand, Exception), grand
+        made.append(grand.id)
+        assert grand.image is not None and grand.image.digest == img.digest
+        assert b.machines.exec(grand.id, check).stdout == want
+    finally:
+        for mid in made:
+            b.machines.delete(mid)
+        b.images.remove("it/spread:v1")
 
 
 @_on("gvisor")

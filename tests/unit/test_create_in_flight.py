@@ -21,7 +21,7 @@ from tests._support.oci import make_image, write_layout
 from boxd import models
 from boxd.errors import MachineNotFound
 from boxd.images.oci import import_image
-from boxd.node.runtime import NodeRuntime
+from boxd.node._host import Host
 from boxd.storage.oci import ImageStore
 
 
@@ -31,13 +31,13 @@ def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[World]:
     layout = write_layout(tmp_path / "layout", {"v1": make_image([{"srv/x": b"x\n"}])})
     import_image(ImageStore(w.paths.images_store), f"oci:{layout}:v1",
                  f"{ACCOUNT}/envs/big:v1")
-    slow_root = NodeRuntime._image_root
+    slow_root = Host.image_root
 
-    async def image_root(self: NodeRuntime, *args: object) -> Path:
+    async def image_root(self: Host, *args: object) -> Path:
         await asyncio.sleep(0.5)  # a large image's unpacking
         return await slow_root(self, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(NodeRuntime, "_image_root", image_root)
+    monkeypatch.setattr(Host, "image_root", image_root)
     yield w
     w.repos.db.close()
 
@@ -65,11 +65,11 @@ def test_a_wait_during_the_create_returns_when_it_runs(world: World) -> None:
 
 def test_a_wait_during_a_create_that_fails_is_not_found(
         world: World, monkeypatch: pytest.MonkeyPatch) -> None:
-    async def image_root(self: NodeRuntime, *args: object) -> Path:
+    async def image_root(self: Host, *args: object) -> Path:
         await asyncio.sleep(0.5)
         raise OSError("the disk is full")
 
-    monkeypatch.setattr(NodeRuntime, "_image_root", image_root)
+    monkeypatch.setattr(Host, "image_root", image_root)
     (created,), waited = run(_create_and_wait(world, "big", "envs/big:v1"))  # type: ignore[misc]
     assert isinstance(created, OSError)
     assert isinstance(waited, MachineNotFound), waited

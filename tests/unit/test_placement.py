@@ -30,6 +30,7 @@ from boxd.node.base import Boot, FromSnapshot, Node
 from boxd.node.lifecycle import Lifecycle
 from boxd.state import Database, MachineRecord, Repos, RunImage
 from boxd.storage import SnapshotStore
+from boxd.storage.oci import ImageStore
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "boxd"
 
@@ -40,9 +41,13 @@ class NumbersNode:
 
     def __init__(self, node_id: str, cap: int, free_mib: int,
                  fail: BoxdError | None = None,
-                 portable: frozenset[str] = frozenset({"qemu", "gvisor"})) -> None:
+                 portable: frozenset[str] = frozenset({"qemu", "gvisor"}),
+                 portable_images: frozenset[str] = frozenset({"gvisor"})) -> None:
         self.id = node_id
         self.portable = portable  # engines whose templates may leave this node
+        self.portable_images = portable_images  # ... an image machine's too
+        self.image_fail: BoxdError | None = None  # a push of an image here fails so
+        self.events: list[str] = []  # images pushed and forks received, in order
         self.cap = cap
         self.free_mib = free_mib
         self.fail = fail
@@ -72,8 +77,14 @@ class NumbersNode:
             raise self.fail
         Lifecycle(self.repos.machines).move(machine_id, MachineState.RUNNING)
 
-    async def portable_templates(self, engine: str) -> bool:
-        return engine in self.portable
+    async def portable_templates(self, engine: str, image: bool = False) -> bool:
+        return engine in self.portable and (not image or engine in self.portable_images)
+
+    async def receive_image(self, store: ImageStore, digests: list[str]) -> None:
+        assert all(store.has(d) for d in digests), "the control plane's store holds them"
+        if self.image_fail is not None:
+            raise self.image_fail
+        self.events.append(f"image {digests[0]}")
 
     async def fork(self, source_id: str, child_ids: list[str]) -> list[Exception | None]:
         assert self.repos is not None
@@ -84,6 +95,7 @@ class NumbersNode:
 
     async def fork_from(self, source: ClusterNode, source_id: str,
                         child_ids: list[str]) -> list[Exception | None]:
+        self.events.append(f"fork_from {source.id}")
         return await self.fork(source_id, child_ids)
 
     async def delete(self, machine_id: str) -> None:
@@ -108,7 +120,8 @@ def _conforms(cluster: FakeCluster) -> Cluster:
     return cluster  # mypy proves the fake is a Cluster
 
 
-def _plane(tmp_path: Path, nodes: list[NumbersNode], *, cluster: bool = True) -> Machines:
+def _plane(tmp_path: Path, nodes: list[NumbersNode], *, cluster: bool = True,
+           images: ImageStore | None = None) -> Machines:
     repos = Repos(Database(tmp_path / "state.db"))
     repos.keys.add_account("acct", 100)
     for n in nodes:
@@ -116,7 +129,7 @@ def _plane(tmp_path: Path, nodes: list[NumbersNode], *, cluster: bool = True) ->
     store = SnapshotStore(tmp_path / "snapshots")
     if not cluster:
         return Machines(repos, {n.id: cast(LocalNode, n) for n in nodes}, store)
-    return Machines(repos, {}, store, cluster=FakeCluster(nodes))
+    return Machines(repos, {}, store, cluster=FakeCluster(nodes), images=images)
 
 
 def _acct(plane: Machines) -> str:
@@ -284,6 +297,81 @@ def test_forks_whose_template_cannot_move_keep_their_nodes_cap(tmp_path: Path) -
     assert _ids(asyncio.run(host.forks.targets(m, cast(Node, one), 1, "h"))) == ["h"]
     with pytest.raises(NotFound):
         asyncio.run(host.forks.targets(m, cast(Node, one), 1, "b"))
+
+
+def _image_source(plane: Machines, tmp_path: Path, node: str, engine: str) -> MachineRecord:
+    """A machine of a container image imported into the control plane's store."""
+    from tests._support.oci import make_image, write_layout
+
+    from boxd.images.oci import import_image
+
+    assert plane.images is not None
+    img = make_image([{"srv/hello.txt": b"from the image\n"}])
+    import_image(plane.images, f"oci:{write_layout(tmp_path / 'layout', {'v1': img})}:v1",
+                 f"{_acct(plane)}/it/x:v1")
+    return plane.repos.machines.claim(
+        _acct(plane), f"img-{engine}", machine_id=f"m_img_{engine}", vcpus=1,
+        memory_mib=256, disk_gib=1, isolated=False, image="img", node_id=node,
+        engine=engine, default_quota=100, run_image=RunImage("it/x:v1", img.digest))
+
+
+def test_an_image_machines_forks_spread_and_each_node_gets_the_image_first(
+    tmp_path: Path
+) -> None:
+    # issue 41: an image machine's forks stayed on its node (its template named the
+    # image's tree there); now they spread as any machine's, each other node pushed
+    # the image before it receives the template
+    a, b, c = NumbersNode("a", 2, 100), NumbersNode("b", 2, 900), NumbersNode("c", 2, 500)
+    plane = _plane(tmp_path, [a, b, c], images=ImageStore(tmp_path / "images"))
+    src = _image_source(plane, tmp_path, "a", "gvisor")  # 1 free slot left on a
+    digest = src.run_image.digest  # type: ignore[union-attr]
+    assert _ids(asyncio.run(plane.forks.targets(src, cast(Node, a), 5))) == [
+        "a", "b", "b", "c", "c"]
+    assert _ids(asyncio.run(plane.forks.targets(src, cast(Node, a), 2, "b"))) == ["b", "b"]
+    out = asyncio.run(plane.fork(_acct(plane), src.id, [None] * 5))
+    assert all(isinstance(m, models.Machine) for m in out), out
+    assert sorted(m.node or "" for m in out) == ["a", "b", "b", "c", "c"]  # type: ignore[union-attr]
+    assert all(m.image is not None and m.image.digest == digest  # type: ignore[union-attr]
+               for m in out)
+    assert a.events == []  # the source's node holds the image: nothing pushed there
+    for n in (b, c):
+        assert n.events == [f"image {digest}", "fork_from a"], n.events
+    # a node that cannot get the image: its children's items are that error, no record
+    # of them is left; the other nodes' children run
+    for m in out:
+        asyncio.run(plane.delete(_acct(plane), m.id))  # type: ignore[union-attr]
+    b.events.clear()
+    c.image_fail = NodeLost("node c is gone", node="c")
+    out = asyncio.run(plane.fork(_acct(plane), src.id, [None] * 5))
+    kids = [m for m in out if isinstance(m, models.Machine)]
+    assert sorted(m.node or "" for m in kids) == ["a", "b", "b"]
+    failed = [e for e in out if isinstance(e, Exception)]
+    assert len(failed) == 2 and all(isinstance(e, NodeLost) for e in failed), failed
+    assert plane.repos.machines.count_by_node() == {"a": 2, "b": 2}
+    assert "fork_from c" not in c.events
+
+
+def test_an_image_machine_whose_engine_cannot_move_its_template_forks_on_its_node(
+    tmp_path: Path
+) -> None:
+    # QEMU packs an image's tree into an ext4 disk on each node, not byte for byte the
+    # same: a layer written over one node's would corrupt another's
+    a, b = NumbersNode("a", 3, 100), NumbersNode("b", 2, 900)
+    plane = _plane(tmp_path, [a, b], images=ImageStore(tmp_path / "images"))
+    src = _image_source(plane, tmp_path, "a", "qemu")
+    targets = asyncio.run(plane.forks.targets(src, cast(Node, a), 3))
+    assert _ids(targets) == ["a", "a", "ResourceExhausted"]
+    assert "the forks of a qemu machine of a container image stay on its node (the qemu " \
+        "engine cannot move the template of a container image's machine" \
+        in targets[2].message  # type: ignore[union-attr]
+    with pytest.raises(InvalidRequest) as bad:
+        asyncio.run(plane.forks.targets(src, cast(Node, a), 1, "b"))
+    assert "stay on its node (a)" in str(bad.value)
+    assert "container image" in str(bad.value) and bad.value.details["field"] == "node"
+    # a QEMU machine of the default image still spreads
+    plain = _source(plane, "a", "qemu")
+    assert _ids(asyncio.run(plane.forks.targets(plain, cast(Node, a), 3))) == [
+        "a", "b", "b"]
 
 
 def test_the_chooser_is_an_interface() -> None:

@@ -7,6 +7,7 @@ real engines' transfer runs in tests/integration/test_cluster.py."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from tests._support.fake_world import ACCOUNT, World, make_world, running, sh
 from boxd import models
 from boxd.errors import InvalidRequest, NotFound
 from boxd.node._transfer import Fetch, FileOffer
+from boxd.state import RunImage
 
 
 def _fetch_from(world: World, counter: list[str]) -> Fetch:
@@ -31,11 +33,12 @@ def _two_nodes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[World, 
     return a, b
 
 
-def _claim(w: World, names: list[str], src_id: str) -> list[str]:
+def _claim(w: World, names: list[str], src_id: str,
+           run_image: RunImage | None = None) -> list[str]:
     return [w.repos.machines.claim(
         ACCOUNT, n, machine_id=f"m_{n}", vcpus=1, memory_mib=256, disk_gib=1,
         isolated=True, image="img1", node_id=w.node.id, engine="fake", parent_id=src_id,
-        default_quota=100).id for n in names]
+        default_quota=100, run_image=run_image).id for n in names]
 
 
 def test_a_template_of_any_portable_engine_moves_and_is_kept_while_current(
@@ -146,5 +149,66 @@ def test_an_offer_a_peer_never_finishes_is_let_go_after_its_lease(
         await asyncio.sleep(0.6)
         assert a.node.templates.refs.holders(offer.template_id) == {}
         assert not (a.paths.templates / offer.template_id).exists()
+
+    asyncio.run(main())
+
+
+def _import(w: World, layout: Path) -> None:
+    from boxd.images.oci import import_image
+    from boxd.storage.oci import ImageStore
+
+    import_image(ImageStore(w.paths.images_store), f"oci:{layout}:v1", f"{ACCOUNT}/it/x:v1")
+
+
+def _backing(w: World, layer_id: str) -> Path:
+    """What a fake engine's layer file sits on."""
+    return Path(json.loads(w.node.templates.layer_path(layer_id).read_text())["backing"])
+
+
+def test_an_image_machines_template_moves_onto_the_receivers_own_tree_of_the_image(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # issue 41: the template of a container image's machine named the image's tree on
+    # its node; the receiving node re-points its base layer at its own tree of that
+    # image (unpacked from its own store: the control plane pushed the blobs before)
+    from tests._support.oci import make_image, write_layout
+
+    a, b = _two_nodes(tmp_path, monkeypatch)
+    img = make_image([{"srv/hello.txt": b"from the image\n"}])
+    layout = write_layout(tmp_path / "layout", {"v1": img})
+    _import(a, layout)
+    hexd = img.digest.split(":", 1)[1]
+
+    async def main() -> None:
+        src = await a.machines.create(ACCOUNT, models.MachineCreate(name="img",
+                                                                    image="it/x:v1"))
+        await a.machines.wait_until_ready(ACCOUNT, src.id, timeout=5)
+        await sh(a, src.id, "write /root/state before-the-fork")
+        offer = await a.node.offer_template(src.id)
+        assert offer.run_image is not None and offer.run_image.digest == img.digest
+        # a node whose store lacks the image refuses it, typed, and keeps nothing
+        with pytest.raises(NotFound):
+            await b.node.receive_template(offer, _fetch_from(a, []))
+        assert not b.paths.templates.exists() or not any(b.paths.templates.iterdir())
+        assert b.repos.layers.ids() == set()
+        # an engine that cannot move an image machine's template (QEMU) refuses it
+        _import(b, layout)
+        b.engine.portable_images = False
+        with pytest.raises(InvalidRequest, match="container image's machine cannot move"):
+            await b.node.receive_template(offer, _fetch_from(a, []))
+        b.engine.portable_images = True
+        tpl = await b.node.receive_template(offer, _fetch_from(a, []))
+        base = b.repos.layers.chain(tpl.layer_id)[-1]
+        ours = (b.paths.image_roots / hexd).resolve()
+        assert _backing(b, base.id) == ours and base.base == str(ours)
+        assert (ours / "srv/hello.txt").read_bytes() == b"from the image\n"
+        assert not str(_backing(b, base.id)).startswith(str(a.paths.home))
+        rec = a.repos.machines.get(src.id)
+        assert rec is not None
+        ids = _claim(b, ["k1"], src.id, rec.run_image)
+        assert await b.node.fork_received(rec, tpl, ids) == [None]
+        b.node.unpin_template(tpl.id)
+        out = await b.node.exec(ids[0], models.ExecRequest(command="cat /root/state"))
+        assert out.stdout == "before-the-fork"
 
     asyncio.run(main())

@@ -55,9 +55,10 @@ class ClusterNode(Node, Protocol):
         per child None or its error (a failed child's record is gone)."""
         ...
 
-    async def portable_templates(self, engine: str) -> bool:
-        """True when this node's templates of ``engine``'s machines can stream to a
-        peer (the engine's capability): a fork batch may then spread past this node."""
+    async def portable_templates(self, engine: str, image: bool = False) -> bool:
+        """True when this node's templates of ``engine``'s machines (``image``: of a
+        machine that runs a container image) can stream to a peer (the engine's
+        capability): a fork batch may then spread past this node."""
         ...
 
     async def snapshot_digests(self) -> set[str]:
@@ -73,7 +74,9 @@ class ClusterNode(Node, Protocol):
         ...
 
     async def receive_image(self, store: ImageStore, digests: list[str]) -> None:
-        """Copy the blobs of ``digests`` (an image's) this node lacks from ``store``."""
+        """Copy the blobs of ``digests`` (an image's: manifest first) this node lacks
+        from ``store`` (before a machine of it is created or forked here); a node known
+        to hold them is not asked again."""
         ...
 
     async def drop_snapshot(self, digest: str) -> None:

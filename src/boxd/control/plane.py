@@ -141,7 +141,7 @@ class Machines:
         self._placing = asyncio.Lock()
         self.idempotency = Idempotency(repos)
         self.forks = ForkPlacement(lambda: self.nodes, lambda: self.cluster, self.placement,
-                                   self._room, self._forget)
+                                   self._room, self._forget, self._push_image)
         self.admission = Admission()  # requests with wait= (`control/admission.py`)
         repos.machines.on_free = self.admission.freed
         # Ends machines at their lifetime's end (one task for all; started by recover)
@@ -329,7 +329,7 @@ class Machines:
         return await self.get(account, rec.id)
 
     async def _push_image(self, node_id: str, digest: str) -> None:
-        """On a cluster: give the node the image's blobs it lacks (the store is here)."""
+        """On a cluster: give the node the image's blobs it lacks (to create or fork on)."""
         assert self.images is not None and self.cluster is not None
         info = await asyncio.to_thread(image_by_digest, self.images, digest, digest)
         await self.cluster.nodes[node_id].receive_image(

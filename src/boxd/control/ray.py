@@ -28,7 +28,14 @@ from boxd import models
 from boxd import process_models as pm
 from boxd.config import Paths, Settings
 from boxd.control.nodes import Cluster, ClusterNode
-from boxd.errors import BoxdError, HostSetupError, InvalidRequest, MachineNotFound, NodeLost
+from boxd.errors import (
+    BoxdError,
+    HostSetupError,
+    InvalidRequest,
+    MachineNotFound,
+    NodeLost,
+    NotFound,
+)
 from boxd.node.base import Boot, FromSnapshot, ProcessStream
 from boxd.node.cluster import CHUNK, NAMESPACE, RESOURCE, NodeActor, receive_snapshot
 from boxd.node.lifecycle import Lifecycle
@@ -71,8 +78,12 @@ class RayNode:
         self.error: str | None = None
         self.last_info: models.NodeInfo | None = None
         self._info_at = 0.0
-        self._portable: dict[str, bool] = {}  # engine -> `portable_templates` answer
+        # (engine, image machine) -> `portable_templates` answer
+        self._portable: dict[tuple[str, bool], bool] = {}
         self._pushing: dict[str, asyncio.Lock] = {}  # image digest -> its push here
+        # Images whose blobs this node holds (pushed, or found whole): nodes never drop
+        # image blobs, so a later fork or create there asks nothing.
+        self._images: set[str] = set()
 
     @property
     def id(self) -> str:
@@ -138,11 +149,11 @@ class RayNode:
         name: str = await self._ask(self.actor.engine_name.remote())
         return name
 
-    async def portable_templates(self, engine: str) -> bool:
-        if engine not in self._portable:  # an engine's capability: asked once
-            self._portable[engine] = bool(
-                await self._ask(self.actor.portable_templates.remote(engine)))
-        return self._portable[engine]
+    async def portable_templates(self, engine: str, image: bool = False) -> bool:
+        if (engine, image) not in self._portable:  # an engine's capability: asked once
+            self._portable[engine, image] = bool(
+                await self._ask(self.actor.portable_templates.remote(engine, image)))
+        return self._portable[engine, image]
 
     def _forget(self, ids: list[str]) -> None:
         for mid in ids:
@@ -308,11 +319,20 @@ class RayNode:
     async def receive_image(self, store: ImageStore, digests: list[str]) -> None:
         """Copy the blobs of ``digests`` (an image's manifest, config and layers) this
         node's image store lacks from ``store``, chunk by chunk; the node verifies each.
-        One push of an image to this node at a time (a second create waits for it)."""
+        One push of an image to this node at a time (a second create waits for it), and
+        none once the node holds it (``_images``)."""
         async with self._pushing.setdefault(digests[0], asyncio.Lock()):
+            if digests[0] in self._images:
+                return
             missing: list[str] = await self._ask(self.actor.image_missing.remote(digests))
             for digest in missing:
-                with open(store.path(digest), "rb") as f:
+                try:
+                    f = open(store.path(digest), "rb")  # noqa: SIM115 (closed below)
+                except FileNotFoundError:
+                    raise NotFound(f"image blob {digest} left the control plane's store",
+                                   hint="the image was removed meanwhile; import it "
+                                   "again") from None
+                with f:
                     size, offset = os.fstat(f.fileno()).st_size, 0
                     while True:
                         data = await asyncio.to_thread(f.read, CHUNK)
@@ -320,6 +340,7 @@ class RayNode:
                         offset += len(data)
                         if offset >= size:
                             break
+            self._images.add(digests[0])
 
     async def drop_snapshot(self, digest: str) -> None:
         await self._ask(self.actor.drop_snapshot.remote(digest))

@@ -302,6 +302,16 @@ class Engine(Protocol):
         ...
 
     @property
+    def portable_image_templates(self) -> bool:
+        """True when a template of a machine that boots on a container image's tree
+        (`image_roots`) can move as well (`portable_templates`): the receiving node's
+        own root of the same image (unpacked from the same digest) stands in for the
+        sender's, re-pointed by `retarget_disk` like the guest image's root. False when
+        the engine's form of that root differs byte for byte between nodes while the
+        template's layers sit on it block by block."""
+        ...
+
+    @property
     def image_roots(self) -> bool:
         """True when a machine can boot on a directory tree (an imported container
         image, unpacked): `create_disk` then takes that directory as a raw backing (in

@@ -375,6 +375,7 @@ class FakeEngine:
         self.gates: dict[str, tuple[asyncio.Event, asyncio.Event]] = {}
         self.calls: list[str] = []
         self.portable = True  # its templates move between nodes (`portable_templates`)
+        self.portable_images = True  # ... an image machine's too (`portable_image_templates`)
         self.roots_from_images = True  # boots on an image's tree (`image_roots`)
 
     @property
@@ -480,6 +481,10 @@ class FakeEngine:
     @property
     def portable_templates(self) -> bool:
         return self.portable
+
+    @property
+    def portable_image_templates(self) -> bool:
+        return self.portable_images
 
     async def retarget_disk(self, path: Path, backing: Path, backing_format: str) -> None:
         await self._step("retarget_disk")

@@ -1,14 +1,20 @@
-"""The host side of a node: the guest image and its engines, prepared once, lazily."""
+"""The host side of a node: the guest image and its engines, prepared once, lazily;
+and the trees of the container images its machines boot on, unpacked once each."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
 from boxd.config import Paths, Settings
 from boxd.engine.base import Engine
 from boxd.engine.registry import AUTO, EngineStatus, describe_engines, open_engine, resolve_auto
+from boxd.errors import InvalidRequest
 from boxd.images import GuestImage, Recipe, ensure_image
+from boxd.images.oci import image_by_digest, unpack_image
+from boxd.state import RunImage
+from boxd.storage.oci import ImageStore
 
 log = logging.getLogger("boxd.node")
 
@@ -62,6 +68,27 @@ class Host:
                                                        self.image)
             return self.image, self.engines[name]
 
+    async def image_root(self, run: RunImage, engine: Engine) -> Path:
+        """This node's root tree of the imported image ``run`` (unpacked once per
+        digest from the node's image store): what a machine of it boots on, and what a
+        fork template of one received from another node is re-pointed at.
+
+        Raises:
+            InvalidRequest: ``engine`` cannot boot on an image's tree.
+            NotFound: the node's store lacks the image (removed, or never pushed here).
+        """
+        if not engine.image_roots:
+            raise InvalidRequest(
+                "this machine's engine cannot run container images", field="engine",
+                hint=f"boxd machine new NAME --image {run.name} --engine ENGINE, naming an "
+                "engine that runs them (`boxd info` lists the engines)")
+        store = ImageStore(self.paths.images_store)
+
+        def unpack() -> Path:
+            return unpack_image(store, image_by_digest(store, run.name, run.digest),
+                                self.paths.image_roots)
+
+        return await asyncio.to_thread(unpack)
 
     async def describe(self) -> list[EngineStatus]:
         """Every engine's status here (for ``boxd info``)."""

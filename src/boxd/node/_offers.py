@@ -135,6 +135,7 @@ class Offers:
                 image=src.image, engine=src.engine, memory_mib=src.memory_mib,
                 mem=transfer.offer("mem", tpl.id, tpl.mem_path),
                 state=transfer.offer("state", tpl.id, tpl.state_path), layers=layers,
+                run_image=src.run_image,
             )
 
         self._offers[tpl.id] = await asyncio.to_thread(describe)

@@ -322,6 +322,7 @@ class Templates:
                 f"{o.image}",
                 hint="run the same boxd version (and image recipe) on every node",
             )
+        root = image.rootfs if o.run_image is None else await self._image_root(o, engine)
         # the state twice: an engine may lay it out anew beside the copy (gVisor)
         ensure_space(self.paths.shm, o.mem.data_bytes + 2 * o.state.size)
         t0 = time.monotonic()
@@ -335,7 +336,7 @@ class Templates:
                 # As a template made here: QEMU reads the state file as its own user.
                 for p in (dest, dest / "mem", dest / "state"):
                     os.chown(p, *engine.file_owner)
-            received += await self._receive_layers(o, fetch, image.rootfs, engine, made)
+            received += await self._receive_layers(o, fetch, root, engine, made)
             # The engine lays the copy out as its own captures are (gVisor: the files
             # runsc restores from, naming this node's root and agent trees).
             got = await engine.receive_image(
@@ -361,6 +362,23 @@ class Templates:
         log.info("template=%s event=received source=%s bytes=%d seconds=%.3f", tpl.id,
                  o.source_id, received, time.monotonic() - t0)
         return tpl
+
+    async def _image_root(self, o: TemplateOffer, engine: Engine) -> Path:
+        """This node's root of the container image ``o``'s base layer sits on (its own
+        tree, unpacked from the image's blobs here), which that layer is re-pointed at.
+
+        Raises:
+            InvalidRequest: the engine cannot move an image machine's template.
+            NotFound: this node's store lacks the image (the control plane pushes it
+                before it sends the template).
+        """
+        assert o.run_image is not None
+        if not engine.portable_image_templates:
+            raise InvalidRequest(
+                f"the {o.engine} engine's templates of a container image's machine "
+                "cannot move to another node", field="node",
+                hint="fork the machine on its own node (leave the node out)")
+        return await self.host.image_root(o.run_image, engine)
 
     async def _receive_layers(
         self, o: TemplateOffer, fetch: Fetch, rootfs: Path, engine: Engine, made: list[str],

@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from boxd.state import RunImage
 from boxd.storage import Manifest, SnapshotStore
 from boxd.storage._files import data_regions, os_errors
 from boxd.storage.fds import OwnedFd
@@ -68,6 +69,9 @@ class TemplateOffer:
     mem: FileOffer
     state: FileOffer
     layers: tuple[LayerOffer, ...]  # the frozen layer first, down to the base image
+    # The container image the base layer sits on (None: the guest image): the receiving
+    # node re-points that layer at its own root of the image (`Host.image_root`).
+    run_image: RunImage | None = None
 
     @property
     def data_bytes(self) -> int:

@@ -169,11 +169,12 @@ class NodeActor:
     async def snapshot_digests(self) -> list[str]:
         return [m.digest for m in self.rt.store.list()]
 
-    async def portable_templates(self, engine: str) -> bool:
-        """Whether templates of ``engine``'s machines here can move to a peer node
-        (`Engine.portable_templates`)."""
+    async def portable_templates(self, engine: str, image: bool = False) -> bool:
+        """Whether templates of ``engine``'s machines here (``image``: of a container
+        image's machine) can move to a peer node (`Engine.portable_templates`,
+        `Engine.portable_image_templates`)."""
         _, eng = await self.rt.host.ready(engine)
-        return eng.portable_templates
+        return eng.portable_templates and (not image or eng.portable_image_templates)
 
     # --------------------------------------------------------------- launch
 

@@ -43,7 +43,6 @@ from boxd.errors import (
     MachineFailed,
     MachineNotFound,
 )
-from boxd.images.oci import image_by_digest, unpack_image
 from boxd.models import MachineState
 from boxd.node._checkpoints import Checkpoints
 from boxd.node._exec import HOST_GRACE, Exec, image_defaults
@@ -64,11 +63,10 @@ from boxd.node._transfer import Fetch, FileOffer, TemplateOffer
 from boxd.node.base import Boot, FromSnapshot
 from boxd.node.lifecycle import Lease, Lifecycle, require
 from boxd.services import GuestApi
-from boxd.state import CheckpointRecord, MachineRecord, Repos, RunImage, TemplateRecord
+from boxd.state import CheckpointRecord, MachineRecord, Repos, TemplateRecord
 from boxd.storage import Manifest, SnapshotStore, disks
 from boxd.storage.execs import ExecFiles
 from boxd.storage.memory import remove_tree
-from boxd.storage.oci import ImageStore
 
 log = logging.getLogger("boxd.node")
 
@@ -251,7 +249,7 @@ class NodeRuntime:
             image, engine = await self.host.ready(rec.engine)
             root = image.rootfs
             if isinstance(source, Boot) and rec.run_image is not None:
-                root = await self._image_root(rec.run_image, engine.image_roots)
+                root = await self.host.image_root(rec.run_image, engine)
         except BaseException:
             await self.purge(machine_id)  # its engine cannot run here: no record is left
             raise
@@ -274,26 +272,6 @@ class NodeRuntime:
             await self.purge(machine_id)
             raise
         log.info("machine=%s event=created name=%s", machine_id, rec.name)
-
-    async def _image_root(self, run: RunImage, supported: bool) -> Path:
-        """The root tree of the imported image ``run`` (unpacked once per digest).
-
-        Raises:
-            InvalidRequest: the machine's engine cannot boot on an image's tree.
-            NotFound: the image was removed from the store meanwhile.
-        """
-        if not supported:
-            raise InvalidRequest(
-                "this machine's engine cannot run container images", field="engine",
-                hint=f"boxd machine new NAME --image {run.name} --engine ENGINE, naming an "
-                "engine that runs them (`boxd info` lists the engines)")
-        store = ImageStore(self.paths.images_store)
-
-        def unpack() -> Path:
-            return unpack_image(store, image_by_digest(store, run.name, run.digest),
-                                self.paths.image_roots)
-
-        return await asyncio.to_thread(unpack)
 
     # -------------------------------------------------------------- agent use
 

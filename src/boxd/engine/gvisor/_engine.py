@@ -1147,6 +1147,12 @@ class GvisorEngine:
         # features: runsc refuses a restore on a CPU that lacks one the image used).
         return True
 
+    @property
+    def portable_image_templates(self) -> bool:
+        # The image's root is its unpacked tree (the same files on every node, from
+        # the same digest) under an in-memory overlay: the layer JSON names this node's.
+        return True
+
     async def retarget_disk(self, path: Path, backing: Path, backing_format: str) -> None:
         fmt = "raw" if backing_format == "raw" else "layer"
         await asyncio.to_thread(write_layer, path, backing, fmt)

@@ -448,6 +448,13 @@ class QemuEngine:
         # A template is a RAM file, a device state stream and qcow2 layers: files.
         return True
 
+    @property
+    def portable_image_templates(self) -> bool:
+        # A container image's disk is packed on each node by mkfs.ext4 (its own UUID,
+        # timestamps and block layout): a frozen qcow2 layer written over the sender's
+        # would corrupt the receiver's. An image machine's forks stay on its node.
+        return False
+
     async def retarget_disk(self, path: Path, backing: Path, backing_format: str) -> None:
         await disks.retarget(path, backing, "raw" if backing_format == "raw" else "qcow2")
 
