@@ -521,6 +521,32 @@ def test_sync(guest: Guest) -> None:
     with_client(guest, body)
 
 
+def test_metrics_reads_the_guest_s_counters(guest: Guest) -> None:
+    # 1.8: both front ends (boxd-init relays the new op to agent.py). The guest here is
+    # a host process: its /proc and root are the host's.
+    async def body(c: AgentClient) -> None:
+        first = await c.metrics()
+        burn = time.monotonic() + 0.3
+        while time.monotonic() < burn:
+            pass
+        second = await c.metrics()
+        stat_lines = Path("/proc/stat").read_text().splitlines()
+        assert first.cpu_count == len([n for n in stat_lines
+                                       if n[:3] == "cpu" and n[3].isdigit()])
+        assert 0 < first.cpu_busy <= second.cpu_busy
+        assert first.cpu_total < second.cpu_total
+        assert 0 < first.mem_used < first.mem_total
+        st = os.statvfs("/")
+        assert first.disk_total == st.f_blocks * st.f_frsize
+        assert 0 < first.disk_used <= first.disk_total
+        assert abs(first.time - time.time()) < 5
+        c.agent_version = "1.7"  # an older agent: refused on the host, typed
+        with pytest.raises(InvalidRequest, match="does not report metrics"):
+            await c.metrics()
+
+    with_client(guest, body)
+
+
 # ------------------------------------------------------------------------ reconnects
 
 
