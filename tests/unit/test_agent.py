@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import stat
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -545,6 +546,15 @@ def test_metrics_reads_the_guest_s_counters(guest: Guest) -> None:
             await c.metrics()
 
     with_client(guest, body)
+
+
+def test_process_ticks_count_reaped_children() -> None:
+    """gVisor's /proc/stat is all zeros: there CPU use is every process's time, a
+    reaped child's included (in its parent's cutime)."""
+    before = agent_module.process_ticks()
+    burn = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass"
+    subprocess.run([sys.executable, "-c", burn], check=True)  # waited for: reaped
+    assert agent_module.process_ticks() - before >= 0.2 * os.sysconf("SC_CLK_TCK")
 
 
 # ------------------------------------------------------------------------ reconnects

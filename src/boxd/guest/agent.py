@@ -1601,11 +1601,31 @@ class ApiRelay:
 # --------------------------------------------------------------------------- metrics
 
 
+def process_ticks() -> int:
+    """CPU clock ticks every process has used, summed from /proc/PID/stat: its own
+    (utime, stime) and its waited-for children's (cutime, cstime), so the time of a
+    process that ended counts once it is reaped (PID 1 reaps orphans)."""
+    ticks = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue  # it ended meanwhile
+        ticks += sum(int(v) for v in fields[11:15])  # utime stime cutime cstime
+    return ticks
+
+
 def read_metrics(root: str = "/") -> dict[str, int]:
     """``metrics`` (1.8): CPU time since boot (``cpu_busy`` of ``cpu_total`` clock ticks,
     summed over ``cpu_count`` CPUs: /proc/stat's ``cpu`` line, idle and iowait being
     idle), memory (/proc/meminfo: used is total minus available, as ``free`` says) and
-    the root file system (statvfs, in bytes)."""
+    the root file system (statvfs, in bytes).
+
+    gVisor's /proc/stat counts nothing (all zeros): there busy is every process's CPU
+    time (`process_ticks`) and total the uptime times the CPUs."""
     cpu_count, busy, total = 0, 0, 0
     with open("/proc/stat") as f:
         for line in f:
@@ -1616,6 +1636,12 @@ def read_metrics(root: str = "/") -> dict[str, int]:
                 busy = total - sum(ticks[3:5])  # idle, iowait
             elif name.startswith("cpu") and name[3:].isdigit():
                 cpu_count += 1
+    cpu_count = cpu_count or (os.cpu_count() or 1)
+    if total == 0:
+        hz = os.sysconf("SC_CLK_TCK")
+        with open("/proc/uptime") as f:
+            total = int(float(f.read().split()[0]) * hz) * cpu_count
+        busy = min(process_ticks(), total)
     mem: dict[str, int] = {}
     with open("/proc/meminfo") as f:
         for line in f:
@@ -1627,7 +1653,7 @@ def read_metrics(root: str = "/") -> dict[str, int]:
     available = mem.get("MemAvailable", mem.get("MemFree", 0))
     disk = os.statvfs(root)
     return {
-        "cpu_count": cpu_count or (os.cpu_count() or 1), "cpu_busy": busy, "cpu_total": total,
+        "cpu_count": cpu_count, "cpu_busy": busy, "cpu_total": total,
         "mem_total": mem_total, "mem_used": max(0, mem_total - available),
         "mem_cache": mem.get("Cached", 0),
         "disk_total": disk.f_blocks * disk.f_frsize,

@@ -92,24 +92,29 @@ class Metrics:
 
     async def take(self, machine_id: str) -> models.MetricSample | None:
         """Sample the machine now if it runs (None: it does not; it is not woken)."""
-        usage = await self._usage(machine_id)
-        if usage is None:
+        got = await self._usage(machine_id)
+        if got is None:
             return None
+        rec, usage = got
         busy, total = self._counters.get(machine_id, (0, 0))
         if usage.cpu_total < total or usage.cpu_busy < busy:
             busy, total = 0, 0  # a new guest kernel (restored elsewhere): since its boot
         ticks = usage.cpu_total - total
         pct = 100.0 * (usage.cpu_busy - busy) / ticks if ticks > 0 else 0.0
         self._counters[machine_id] = (usage.cpu_busy, usage.cpu_total)
+        # At most the machine's own sizes: a gVisor guest sees the host's memory and an
+        # unbounded root (its writes live in memory, docs/http-api.md).
+        mem_total = min(usage.mem_total, rec.memory_mib << 20)
+        disk_total = min(usage.disk_total, rec.disk_gib << 30)
         sample = models.MetricSample(
             timestamp=time.time(), cpu_count=usage.cpu_count,
-            cpu_used_pct=round(min(100.0, max(0.0, pct)), 2), mem_total=usage.mem_total,
-            mem_used=usage.mem_used, mem_cache=usage.mem_cache,
-            disk_total=usage.disk_total, disk_used=usage.disk_used)
+            cpu_used_pct=round(min(100.0, max(0.0, pct)), 2), mem_total=mem_total,
+            mem_used=min(usage.mem_used, mem_total), mem_cache=usage.mem_cache,
+            disk_total=disk_total, disk_used=min(usage.disk_used, disk_total))
         self.samples.setdefault(machine_id, deque(maxlen=self.kept)).append(sample)
         return sample
 
-    async def _usage(self, machine_id: str) -> GuestUsage | None:
+    async def _usage(self, machine_id: str) -> tuple[MachineRecord, GuestUsage] | None:
         """One reading of the guest, under the machine's lease (a swap or suspend waits
         for it), if it runs; never a wake, never activity for its idle timers."""
         if self.machines.record(machine_id).state != MachineState.RUNNING:
@@ -120,7 +125,7 @@ class Metrics:
             if rec.state != MachineState.RUNNING or handle is None:
                 return None
             agent = await handle.agent(timeout=10.0)
-            return await agent.metrics()
+            return rec, await agent.metrics()
 
     def forget(self, machine_id: str) -> None:
         """The machine is gone: drop its samples."""
