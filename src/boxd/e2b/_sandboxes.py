@@ -130,6 +130,12 @@ class Sandboxes:
                 found.append(Sandbox(rec, machines[rec.sandbox_id]))
         return sorted(found, key=lambda s: (s.record.started_at, s.record.sandbox_id))
 
+    async def metrics(self, account: str, sandbox_id: str) -> models.MachineMetrics:
+        """The sandbox machine's kept samples, one taken now if it runs (a paused one is
+        not woken). Raises: MachineNotFound (also another account's sandbox)."""
+        self.record(account, sandbox_id)
+        return await self.machines.metrics(account, sandbox_id)
+
     # -- create, fork -------------------------------------------------------------------
 
     async def create(

@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from boxd import models
-from boxd.e2b._common import sandbox_json, state_of
+from boxd.e2b._common import iso, sandbox_json, state_of
 from boxd.e2b._sandboxes import BASE_TEMPLATE, MAX_FORKS, check_timeout
 from boxd.e2b.env import from_e2b_key
 from boxd.errors import BoxdError, InvalidRequest, NotFound
@@ -261,6 +261,58 @@ async def fork(request: Request) -> Response:
     return JSONResponse(items, status_code=201)
 
 
+def _unix(text: str | None, field: str) -> int | None:
+    """A ``start``/``end`` query value: whole Unix seconds (None: absent)."""
+    if text is None or text == "":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise InvalidRequest(f"{field} must be Unix seconds, not {text!r}",
+                             field=field) from None
+
+
+def _metric_json(s: models.MetricSample) -> dict[str, Any]:
+    """E2B's ``SandboxMetric`` of one boxd sample."""
+    return {"timestamp": iso(s.timestamp), "timestampUnix": int(s.timestamp),
+            "cpuCount": s.cpu_count, "cpuUsedPct": s.cpu_used_pct, "memUsed": s.mem_used,
+            "memTotal": s.mem_total, "memCache": s.mem_cache, "diskUsed": s.disk_used,
+            "diskTotal": s.disk_total}
+
+
+async def metrics(request: Request) -> Response:
+    """``GET /sandboxes/{id}/metrics?start=&end=`` -> ``[SandboxMetric]``, oldest first:
+    the machine's samples (`MachineService.metrics`) whose second is in [start, end]. A
+    paused sandbox answers what was kept (maybe ``[]``), as E2B answers no new ones."""
+    account = account_of(request)
+    sandbox_id = request.path_params["id"]
+    start = _unix(request.query_params.get("start"), "start")
+    end = _unix(request.query_params.get("end"), "end")
+    got = await state_of(request).sandboxes.metrics(account, sandbox_id)
+    return JSONResponse([_metric_json(s) for s in got.samples
+                         if (start is None or int(s.timestamp) >= start)
+                         and (end is None or int(s.timestamp) <= end)])
+
+
+async def metrics_batch(request: Request) -> Response:
+    """``GET /sandboxes/metrics?sandbox_ids=a,b`` -> ``{"sandboxes": {id: SandboxMetric}}``:
+    each running sandbox's newest sample (one taken now); unknown ids are left out."""
+    account = account_of(request)
+    ids = [i for i in request.query_params.get("sandbox_ids", "").split(",") if i]
+    if not ids or len(ids) > MAX_PAGE:
+        raise InvalidRequest(f"sandbox_ids must name 1-{MAX_PAGE} sandboxes",
+                             field="sandbox_ids")
+    out: dict[str, Any] = {}
+    for sandbox_id in dict.fromkeys(ids):
+        try:
+            got = await state_of(request).sandboxes.metrics(account, sandbox_id)
+        except NotFound:
+            continue
+        if got.samples:
+            out[sandbox_id] = _metric_json(got.samples[-1])
+    return JSONResponse({"sandboxes": out})
+
+
 def _snapshot_service(request: Request) -> SnapshotService:
     service = state_of(request).snapshots
     if service is None:
@@ -317,7 +369,9 @@ routes = [
     Route("/v2/sandboxes", create, methods=["POST"]),
     Route("/sandboxes", list_v1, methods=["GET"]),
     Route("/v2/sandboxes", list_v2, methods=["GET"]),
+    Route("/sandboxes/metrics", metrics_batch, methods=["GET"]),
     Route("/sandboxes/{id}", get_one, methods=["GET"]),
+    Route("/sandboxes/{id}/metrics", metrics, methods=["GET"]),
     Route("/sandboxes/{id}", kill, methods=["DELETE"]),
     Route("/sandboxes/{id}/timeout", set_timeout, methods=["POST"]),
     Route("/sandboxes/{id}/pause", pause, methods=["POST"]),
