@@ -281,6 +281,25 @@ def test_signed_download_and_upload_urls(sbx) -> None:  # type: ignore[no-untype
     assert r.status_code == 401 and "expired" in r.json()["message"]
 
 
+def test_network_on_create_and_update_network(e2b_env: dict[str, str]) -> None:
+    """network={deny_out: [ALL_TRAFFIC], allow_out: [...]} is the machine's egress
+    allow-list (which the engines enforce: tests/integration/test_net_policy.py);
+    update_network is refused with why; a deny-list is refused at create."""
+    from boxd import Boxd
+
+    s = e2b.Sandbox.create(timeout=120, network={"deny_out": [e2b.ALL_TRAFFIC],
+                                                  "allow_out": ["1.1.1.1"]})
+    try:
+        with Boxd() as b:
+            assert b.machines.get(s.sandbox_id).egress == ["1.1.1.1/32"]
+        with pytest.raises(e2b.SandboxException, match="cannot be changed"):
+            s.update_network({"allow_out": ["8.8.8.8"]})
+    finally:
+        s.kill()
+    with pytest.raises(e2b.SandboxException, match="allow-list"):
+        e2b.Sandbox.create(timeout=60, network={"deny_out": ["8.8.8.8"]})
+
+
 def test_sandboxes_survive_a_daemon_restart(e2b_env: dict[str, str]) -> None:
     """The id -> machine alias and the record (metadata, timeout, token) are kept across
     a daemon restart; the same SDK object goes on working."""

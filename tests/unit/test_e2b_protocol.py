@@ -599,3 +599,31 @@ def test_metrics_answer_e2bs_shape(api: tuple[TestClient, FakeMachines]) -> None
     assert r.status_code == 400
     client.post(f"/sandboxes/{sb['sandboxID']}/pause", headers=ALICE)
     assert client.get(f"/sandboxes/{sb['sandboxID']}/metrics", headers=ALICE).json() == []
+
+
+def test_network_on_create_is_boxd_s_egress_allow_list(
+        api: tuple[TestClient, FakeMachines]) -> None:
+    """E2B's deny-all-but-allowOut is boxd's egress allow-list; no denyOut is the
+    default; a deny-list, unsupported fields and update_network are clear 400s."""
+    client, machines = api
+
+    def egress(network: object) -> object:
+        sb = _create(client, network=network)
+        (m,) = [m for _, m in machines.machines.values() if m.name == sb["sandboxID"]]
+        return m.egress
+
+    assert egress({"denyOut": ["0.0.0.0/0"], "allowOut": ["1.1.1.1", "8.8.8.0/24"]}) \
+        == ["1.1.1.1/32", "8.8.8.0/24"]
+    assert egress({"denyOut": ["0.0.0.0/0"]}) == []
+    assert egress({"allowOut": ["1.1.1.1"]}) is None  # nothing denied: all allowed
+    for network, words in (({"denyOut": ["1.1.1.1"]}, "allow-list"),
+                           ({"rules": {"x": [1]}}, "network.rules"),
+                           ({"allowOut": "1.1.1.1"}, "list of addresses")):
+        r = client.post("/v2/sandboxes", json={"network": network}, headers=ALICE)
+        assert r.status_code == 400 and words in r.json()["message"], r.text
+    sb = _create(client)
+    r = client.put(f"/sandboxes/{sb['sandboxID']}/network", json={"allowOut": []},
+                   headers=ALICE)
+    assert r.status_code == 400 and "cannot be changed" in r.json()["message"]
+    r = client.put(f"/sandboxes/{sb['sandboxID']}/network", json={}, headers=BOB)
+    assert r.status_code == 404

@@ -86,6 +86,50 @@ def _bool(value: object, field: str, default: bool) -> bool:
     return value
 
 
+#: E2B's "all traffic" CIDR (``e2b.ALL_TRAFFIC``): in ``denyOut``, deny what is not allowed.
+ALL_TRAFFIC = "0.0.0.0/0"
+#: Fields of E2B's ``network`` that boxd's egress policy has no counterpart for.
+_NETWORK_UNSUPPORTED = ("rules", "egressProxy", "dnsServers", "maskRequestHost",
+                        "httpsPorts")
+
+
+def network_egress(network: object) -> list[str] | None:
+    """A create's ``network`` ({allowOut, denyOut}) as boxd's egress allow-list (None:
+    every public address, boxd's default).
+
+    E2B allows what ``allowOut`` lists even where ``denyOut`` denies it, and everything
+    when nothing is denied; boxd's policy is an allow-list. So ``denyOut: [0.0.0.0/0]``
+    with ``allowOut: [...]`` is that allow-list (without ``allowOut``: nothing), no
+    ``denyOut`` is the default, and a ``denyOut`` of particular addresses (a deny-list)
+    has no counterpart. ``allowPublicTraffic`` is not served (docs/e2b.md).
+
+    Raises:
+        InvalidRequest: a deny-list, a field boxd has no counterpart for, a bad shape.
+    """
+    if network is None:
+        return None
+    if not isinstance(network, dict):
+        raise InvalidRequest("network must be an object", field="network")
+    for name in _NETWORK_UNSUPPORTED:
+        if network.get(name):
+            raise InvalidRequest(f"network.{name} is not supported by boxd",
+                                 field=f"network.{name}", hint="docs/e2b.md lists what is")
+    allow, deny = network.get("allowOut"), network.get("denyOut")
+    for name, value in (("allowOut", allow), ("denyOut", deny)):
+        if value is not None and (not isinstance(value, list)
+                                  or not all(isinstance(v, str) for v in value)):
+            raise InvalidRequest(f"network.{name} must be a list of addresses",
+                                 field=f"network.{name}")
+    if not deny:
+        return None
+    if ALL_TRAFFIC not in deny:
+        raise InvalidRequest(
+            "network.denyOut of particular addresses is not supported: boxd's egress "
+            "policy is an allow-list", field="network.denyOut",
+            hint=f"deny {ALL_TRAFFIC} and list what may be reached in allowOut")
+    return list(allow or [])
+
+
 async def create(request: Request) -> Response:
     """``POST /sandboxes`` and ``/v2/sandboxes``."""
     account = account_of(request)
@@ -104,7 +148,7 @@ async def create(request: Request) -> Response:
         env_vars=_strings(body.get("envVars"), "envVars"),
         auto_pause=_bool(body.get("autoPause"), "autoPause", False),
         isolated=not _bool(body.get("allow_internet_access"), "allow_internet_access", True),
-        idempotency_key=key,
+        egress=network_egress(body.get("network")), idempotency_key=key,
     )
     return JSONResponse(sandbox_json(sandbox, domain=state_of(request).domain),
                         status_code=201)
@@ -359,6 +403,17 @@ async def delete_snapshot(request: Request) -> Response:
     return Response(status_code=204)
 
 
+async def update_network(request: Request) -> Response:
+    """``PUT /sandboxes/{id}/network`` (``update_network``): refused. boxd's engines fix a
+    machine's egress policy when it starts (docs/security.md), so it cannot change on a
+    running sandbox; give ``network`` on create."""
+    state_of(request).sandboxes.record(account_of(request), request.path_params["id"])
+    raise InvalidRequest(
+        "a sandbox's network cannot be changed once it runs: boxd fixes a machine's "
+        "egress policy when it is created", field="network",
+        hint="create the sandbox with network={allow_out, deny_out} (docs/e2b.md)")
+
+
 async def health(request: Request) -> Response:
     return Response(status_code=200)
 
@@ -372,6 +427,7 @@ routes = [
     Route("/sandboxes/metrics", metrics_batch, methods=["GET"]),
     Route("/sandboxes/{id}", get_one, methods=["GET"]),
     Route("/sandboxes/{id}/metrics", metrics, methods=["GET"]),
+    Route("/sandboxes/{id}/network", update_network, methods=["PUT"]),
     Route("/sandboxes/{id}", kill, methods=["DELETE"]),
     Route("/sandboxes/{id}/timeout", set_timeout, methods=["POST"]),
     Route("/sandboxes/{id}/pause", pause, methods=["POST"]),
