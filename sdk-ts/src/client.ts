@@ -42,6 +42,7 @@ import type {
   ExecSummary,
   ServiceLog,
   FileInfo,
+  MachineMetrics,
   Health,
   HostInfo,
   Image,
@@ -660,6 +661,22 @@ export class Machines {
       path: `/v1/machines/${seg(ref)}/logs`,
       query: { after: options.after, wait },
       idleTimeoutMs: (wait + 30) * 1000,
+    });
+  }
+
+  /**
+   * The machine's recent CPU, memory and disk samples (oldest first) from `start` to
+   * `end` (Unix times in seconds; absent: no bound), read inside its guest. Asking takes
+   * a sample now if the machine runs and samples it every 5 s for the next 5 minutes
+   * (the node keeps the last 120); a sleeping machine is not woken.
+   * @throws MachineNotFound; InvalidRequest `start` after `end`, or an agent older
+   *   than this boxd
+   */
+  async metrics(ref: string, options: { start?: number; end?: number } = {}): Promise<MachineMetrics> {
+    return this.c._json({
+      method: "GET",
+      path: `/v1/machines/${seg(ref)}/metrics`,
+      query: { start: options.start, end: options.end },
     });
   }
 

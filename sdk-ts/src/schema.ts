@@ -303,6 +303,29 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/machines/{ref}/metrics": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * Metrics
+         * @description The machine's recent CPU, memory and disk samples, read inside its guest: one is
+         *     taken now if it runs, and it is sampled every 5 s for the next 5 minutes; the node
+         *     keeps the last 120. A machine that does not run is not woken: its kept samples
+         *     (maybe none) are answered. docs/http-api.md has the fields.
+         */
+        get: operations["metrics_v1_machines__ref__metrics_get"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/machines/{ref}/exec/stream": {
         parameters: {
             query?: never;
@@ -1683,6 +1706,34 @@ export interface components {
              */
             next_cursor?: string | null;
         };
+        /**
+         * MachineMetrics
+         * @description A machine's recent resource samples (``GET /v1/machines/{ref}/metrics``).
+         *
+         *     Asking samples a running machine now and keeps sampling it every
+         *     `METRICS_INTERVAL` seconds for the next 5 minutes; the node keeps its last
+         *     `METRICS_KEPT` samples. A machine that is not running is not woken: its kept
+         *     samples are answered as they are.
+         */
+        MachineMetrics: {
+            /**
+             * Machine
+             * @description the machine's name
+             */
+            machine: string;
+            state: components["schemas"]["MachineState"];
+            /**
+             * Interval
+             * @description seconds between samples
+             * @default 5
+             */
+            interval: number;
+            /**
+             * Samples
+             * @description oldest first
+             */
+            samples: components["schemas"]["MetricSample"][];
+        };
         /** MachineRef */
         MachineRef: {
             /** Id */
@@ -1710,6 +1761,52 @@ export interface components {
             deleted: components["schemas"]["MachineRef"][];
             /** Errors */
             errors?: components["schemas"]["DeleteItemError"][];
+        };
+        /**
+         * MetricSample
+         * @description One reading of a running machine's resources, from inside its guest.
+         */
+        MetricSample: {
+            /**
+             * Timestamp
+             * @description when it was taken (Unix time, the host's)
+             */
+            timestamp: number;
+            /**
+             * Cpu Count
+             * @description CPUs the guest sees
+             */
+            cpu_count: number;
+            /**
+             * Cpu Used Pct
+             * @description percent of all the guest's CPU time spent busy since the sample before (0-100; the first sample: since the guest booted)
+             */
+            cpu_used_pct: number;
+            /**
+             * Mem Total
+             * @description bytes of memory the guest has
+             */
+            mem_total: number;
+            /**
+             * Mem Used
+             * @description bytes in use (total minus available)
+             */
+            mem_used: number;
+            /**
+             * Mem Cache
+             * @description bytes of page cache
+             */
+            mem_cache: number;
+            /**
+             * Disk Total
+             * @description bytes of the root file system
+             */
+            disk_total: number;
+            /**
+             * Disk Used
+             * @description bytes used on it
+             */
+            disk_used: number;
         };
         /**
          * NodeInfo
@@ -3722,6 +3819,114 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["ServiceLog"];
+                };
+            };
+            /** @description invalid_request: malformed input */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description unauthorized: missing, unknown or revoked API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description forbidden: the key's account may not do this */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description not found for this account */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description conflict: duplicate name, wrong machine state or an idempotency key reused for another request */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description quota_exceeded */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description internal_error, integrity_error or host_setup */
+            500: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description infrastructure_error: machine_failed, agent_lost or node_lost (the machine, its engine, agent or node failed; not the command) */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description resource_exhausted */
+            507: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+        };
+    };
+    metrics_v1_machines__ref__metrics_get: {
+        parameters: {
+            query?: {
+                /** @description the oldest sample to answer (Unix time); absent: all kept */
+                start?: number | null;
+                /** @description the newest sample to answer (Unix time); absent: up to now */
+                end?: number | null;
+            };
+            header?: never;
+            path: {
+                ref: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["MachineMetrics"];
                 };
             };
             /** @description invalid_request: malformed input */

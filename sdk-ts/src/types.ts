@@ -34,6 +34,10 @@ export type ExecStatus = Camel<Schemas["ExecStatus"]>;
 export type ExecSummary = Camel<Schemas["ExecSummary"]>;
 /** A machine's service output after an offset (`machines.logs`). */
 export type ServiceLog = Camel<Schemas["ServiceLog"]>;
+/** A machine's recent CPU, memory and disk samples (`machines.metrics`), oldest first. */
+export type MachineMetrics = Camel<Schemas["MachineMetrics"]>;
+/** One sample: `cpuUsedPct` since the sample before, memory and disk in bytes. */
+export type MetricSample = Camel<Schemas["MetricSample"]>;
 export type FileInfo = Camel<Schemas["FileInfo"]>;
 export type Checkpoint = Camel<Schemas["Checkpoint"]>;
 export type Snapshot = Camel<Schemas["Snapshot"]>;

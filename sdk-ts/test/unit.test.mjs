@@ -436,6 +436,31 @@ test("service: logs asks the logs route with after and wait; service: false is s
   }
 });
 
+test("metrics: asks the metrics route with start and end; samples come back camelCase", async () => {
+  const { createServer } = await import("node:http");
+  const seen = [];
+  const srv = createServer((req, res) => {
+    const url = new URL(req.url, "http://x");
+    seen.push({ path: url.pathname, query: Object.fromEntries(url.searchParams) });
+    res.setHeader("content-type", "application/json");
+    res.end(JSON.stringify({ machine: "a", state: "running", interval: 5, samples: [
+      { timestamp: 10.5, cpu_count: 2, cpu_used_pct: 12.5, mem_total: 4, mem_used: 2,
+        mem_cache: 1, disk_total: 8, disk_used: 3 }] }));
+  });
+  await new Promise((ok) => srv.listen(0, "127.0.0.1", ok));
+  try {
+    const boxd = new sdk.Boxd({ baseUrl: `http://127.0.0.1:${srv.address().port}`, apiKey: "k" });
+    const got = await boxd.machines.metrics("a", { start: 10, end: 20 });
+    assert.deepEqual(seen[0], { path: "/v1/machines/a/metrics", query: { start: "10", end: "20" } });
+    assert.equal(got.samples[0].cpuUsedPct, 12.5);
+    assert.equal(got.samples[0].memCache, 1);
+    await boxd.machines.metrics("a");
+    assert.deepEqual(seen[1].query, {}); // no bounds: all that is kept
+  } finally {
+    srv.close();
+  }
+});
+
 test("idempotency keys: sent as Idempotency-Key on new and fork, bad ones refused unsent", async () => {
   const { createServer } = await import("node:http");
   const seen = [];

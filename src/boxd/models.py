@@ -751,6 +751,41 @@ class ExecEvent(BaseModel):
     )
 
 
+#: Seconds between the samples a node takes of a machine someone asked for recently.
+METRICS_INTERVAL = 5.0
+#: Samples a node keeps per machine (10 minutes at `METRICS_INTERVAL`).
+METRICS_KEPT = 120
+
+
+class MetricSample(BaseModel):
+    """One reading of a running machine's resources, from inside its guest."""
+
+    timestamp: float = Field(..., description="when it was taken (Unix time, the host's)")
+    cpu_count: int = Field(..., description="CPUs the guest sees")
+    cpu_used_pct: float = Field(..., description="percent of all the guest's CPU time "
+                                "spent busy since the sample before (0-100; the first "
+                                "sample: since the guest booted)")
+    mem_total: int = Field(..., description="bytes of memory the guest has")
+    mem_used: int = Field(..., description="bytes in use (total minus available)")
+    mem_cache: int = Field(..., description="bytes of page cache")
+    disk_total: int = Field(..., description="bytes of the root file system")
+    disk_used: int = Field(..., description="bytes used on it")
+
+
+class MachineMetrics(BaseModel):
+    """A machine's recent resource samples (``GET /v1/machines/{ref}/metrics``).
+
+    Asking samples a running machine now and keeps sampling it every
+    `METRICS_INTERVAL` seconds for the next 5 minutes; the node keeps its last
+    `METRICS_KEPT` samples. A machine that is not running is not woken: its kept
+    samples are answered as they are."""
+
+    machine: str = Field(..., description="the machine's name")
+    state: MachineState
+    interval: float = Field(default=METRICS_INTERVAL, description="seconds between samples")
+    samples: list[MetricSample] = Field(..., description="oldest first")
+
+
 class FileInfo(BaseModel):
     path: str
     size: int

@@ -121,6 +121,15 @@ class MachineService(Protocol):
         NotFound (no service)."""
         ...
 
+    async def metrics(self, account: str, ref: str, start: float | None = None,
+                      end: float | None = None) -> models.MachineMetrics:
+        """The machine's recent CPU, memory and disk samples from ``start`` to ``end``
+        (Unix times; None: no bound), one taken now if it runs; a machine that does not
+        run is not woken (its kept samples, maybe none). Raises: MachineNotFound,
+        InvalidRequest (``start`` after ``end``; an agent before protocol 1.8),
+        MachineFailed."""
+        ...
+
     async def exec_result(
         self, account: str, ref: str, exec_id: str, wait: float = 0.0
     ) -> models.ExecStatus:

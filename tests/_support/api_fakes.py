@@ -251,6 +251,20 @@ class FakeMachines(MachineService):
             raise NotFound(f"machine {m.name!r} has no service", machine=m.name)
         return models.ServiceLog(start=0, end=0, data="", state="running")
 
+    async def metrics(self, account: str, ref: str, start: float | None = None,
+                      end: float | None = None) -> models.MachineMetrics:
+        """One sample per call while the machine runs, none while it sleeps."""
+        m = self._find(account, ref)
+        if start is not None and end is not None and start > end:
+            raise InvalidRequest(f"start ({start}) is after end ({end})", field="start")
+        samples = []
+        if m.state == models.MachineState.RUNNING:
+            samples.append(models.MetricSample(
+                timestamp=time.time(), cpu_count=m.vcpus, cpu_used_pct=12.5,
+                mem_total=m.memory_mib << 20, mem_used=64 << 20, mem_cache=8 << 20,
+                disk_total=m.disk_gib << 30, disk_used=1 << 28))
+        return models.MachineMetrics(machine=m.name, state=m.state, samples=samples)
+
     async def warm(self, account: str, ref: str, forks: int) -> models.Standby:
         m = self._find(account, ref)
         return models.Standby(machine_id=m.id, forks=forks, memory_bytes=forks << 20,

@@ -171,6 +171,26 @@ describe('one sandbox', () => {
     assert.equal(await sbx.isRunning(), true)
   })
 
+  test('getMetrics: samples from the guest, instance and static', async () => {
+    const [m] = await sbx.getMetrics()
+    assert.ok(m.timestamp instanceof Date && m.cpuCount >= 1, JSON.stringify(m))
+    assert.ok(m.memUsed > 0 && m.memUsed <= m.memTotal && m.diskUsed <= m.diskTotal)
+    assert.ok((await Sandbox.getMetrics(sbx.sandboxId)).length >= 1)
+  })
+
+  test('downloadUrl / uploadUrl work from plain fetch; a tampered one is a 401', async () => {
+    const form = new FormData()
+    form.append('file', new Blob(['by signed url']), 'signed.txt')
+    const up = await fetch(await sbx.uploadUrl('signed.txt', { useSignatureExpiration: 60 }),
+      { method: 'POST', body: form })
+    assert.equal(up.status, 200, await up.clone().text())
+    const down = await fetch(await sbx.downloadUrl('signed.txt'))
+    assert.equal(await down.text(), 'by signed url')
+    const bad = await fetch((await sbx.downloadUrl('signed.txt')).replace('signed.txt', 'x'))
+    assert.equal(bad.status, 401)
+    assert.deepEqual(await bad.json(), { code: 401, message: 'invalid signature' })
+  })
+
   test('connect to a sandbox by id', async () => {
     const again = await Sandbox.connect(sbx.sandboxId)
     assert.equal(again.sandboxId, sbx.sandboxId)

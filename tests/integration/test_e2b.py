@@ -4,6 +4,7 @@ gVisor machines: ``eval "$(boxd e2b env)"`` and E2B code runs (docs/e2b.md)."""
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import shlex
 import subprocess
@@ -224,6 +225,79 @@ def test_async_sdk(e2b_env: dict[str, str]) -> None:
             await s.kill()
 
     asyncio.run(main())
+
+
+def test_get_metrics_sync_and_async(e2b_env: dict[str, str]) -> None:
+    """get_metrics (instance and class variant, sync and async): samples read inside the
+    gVisor guest; a busy command shows in the CPU use; a paused sandbox is not woken and
+    answers what was kept."""
+    import asyncio
+
+    s = e2b.Sandbox.create(timeout=180)
+    try:
+        [first] = s.get_metrics()
+        assert isinstance(first.timestamp, datetime.datetime)
+        assert first.cpu_count >= 1 and 0 <= first.cpu_used_pct <= 100
+        assert 0 < first.mem_used < first.mem_total and first.mem_cache >= 0
+        assert 0 < first.disk_used <= first.disk_total
+        s.commands.run("timeout 2 sh -c 'while :; do :; done'; true")
+        time.sleep(1.1)  # a second apart: a new sample, not the fresh one again
+        later = e2b.Sandbox.get_metrics(s.sandbox_id)
+        assert len(later) >= 2 and later[0].timestamp == first.timestamp
+        assert max(m.cpu_used_pct for m in later[1:]) > 10, later  # idle: about 0
+        since = e2b.Sandbox.get_metrics(s.sandbox_id, start=later[-1].timestamp)
+        assert [m.timestamp for m in since] == [later[-1].timestamp]
+
+        async def in_async() -> list[object]:
+            a = await e2b.AsyncSandbox.connect(s.sandbox_id)
+            got: list[object] = await a.get_metrics()
+            return got
+
+        assert len(asyncio.run(in_async())) >= len(later)
+        s.pause()
+        kept = e2b.Sandbox.get_metrics(s.sandbox_id)
+        assert kept[:len(later)] == later
+        assert s.get_info().state == e2b.SandboxState.PAUSED  # not woken
+    finally:
+        s.kill()
+    with pytest.raises(e2b.SandboxException):  # SandboxNotFoundException
+        e2b.Sandbox.get_metrics(s.sandbox_id)
+
+
+def test_signed_download_and_upload_urls(sbx) -> None:  # type: ignore[no-untyped-def]
+    """download_url / upload_url work from a plain HTTP client (no E2B headers): the
+    signature names the sandbox; a tampered or expired URL is envd's 401."""
+    url = sbx.upload_url("signed/up.txt", use_signature_expiration=120)
+    assert "signature=" in url and "signature_expiration=" in url
+    r = httpx.post(url, files={"file": ("up.txt", b"plain http upload")})
+    assert r.status_code == 200, r.text
+    assert sbx.files.read("signed/up.txt") == "plain http upload"
+    r = httpx.get(sbx.download_url("signed/up.txt"))
+    assert r.status_code == 200 and r.content == b"plain http upload"
+    tampered = sbx.download_url("signed/up.txt").replace("up.txt", "other.txt")
+    r = httpx.get(tampered)
+    assert r.status_code == 401 and r.json() == {"code": 401, "message": "invalid signature"}
+    r = httpx.get(sbx.download_url("signed/up.txt", use_signature_expiration=-5))
+    assert r.status_code == 401 and "expired" in r.json()["message"]
+
+
+def test_network_on_create_and_update_network(e2b_env: dict[str, str]) -> None:
+    """network={deny_out: [ALL_TRAFFIC], allow_out: [...]} is the machine's egress
+    allow-list (which the engines enforce: tests/integration/test_net_policy.py);
+    update_network is refused with why; a deny-list is refused at create."""
+    from boxd import Boxd
+
+    s = e2b.Sandbox.create(timeout=120, network={"deny_out": [e2b.ALL_TRAFFIC],
+                                                  "allow_out": ["1.1.1.1"]})
+    try:
+        with Boxd() as b:
+            assert b.machines.get(s.sandbox_id).egress == ["1.1.1.1/32"]
+        with pytest.raises(e2b.SandboxException, match="cannot be changed"):
+            s.update_network({"allow_out": ["8.8.8.8"]})
+    finally:
+        s.kill()
+    with pytest.raises(e2b.SandboxException, match="allow-list"):
+        e2b.Sandbox.create(timeout=60, network={"deny_out": ["8.8.8.8"]})
 
 
 def test_sandboxes_survive_a_daemon_restart(e2b_env: dict[str, str]) -> None:

@@ -69,5 +69,5 @@ def test_e2b_js_sdk(e2b_env: dict[str, str]) -> None:
     out = _run([npm, "test"], env, timeout=1200)
     counts = dict(line[2:].split(" ", 1) for line in out.splitlines()
                   if line.startswith(("# pass ", "# fail ", "# skipped ")))
-    assert int(counts.get("pass", 0)) >= 19 and counts.get("fail") == "0", out[-4000:]
+    assert int(counts.get("pass", 0)) >= 21 and counts.get("fail") == "0", out[-4000:]
     assert counts.get("skipped") == "0", out[-4000:]

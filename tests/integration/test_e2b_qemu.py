@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from tests._support.daemon import Daemon
@@ -44,6 +45,12 @@ def test_create_run_files_fork_and_kill_on_qemu(e2b_env: dict[str, str]) -> None
         assert sbx.commands.run("cat /tmp/state").stdout == "kept\n"  # the source ran on
         with pytest.raises(e2b.CommandExitException):
             sbx.commands.run("exit 3")
+        # metrics from the guest kernel's own counters (/proc/stat works under QEMU)
+        [m] = sbx.get_metrics()
+        assert m.cpu_count >= 1 and 0 <= m.cpu_used_pct <= 100
+        assert 0 < m.mem_used < m.mem_total and 0 < m.disk_used < m.disk_total
+        # a signed URL from a plain client
+        assert httpx.get(sbx.download_url("notes/a.txt")).content == b"from qemu"
     finally:
         for s in [*kids, sbx]:
             with contextlib.suppress(Exception):

@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import stat
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -519,6 +520,41 @@ def test_sync(guest: Guest) -> None:
         assert await c.ping() > 0
 
     with_client(guest, body)
+
+
+def test_metrics_reads_the_guest_s_counters(guest: Guest) -> None:
+    # 1.8: both front ends (boxd-init relays the new op to agent.py). The guest here is
+    # a host process: its /proc and root are the host's.
+    async def body(c: AgentClient) -> None:
+        first = await c.metrics()
+        burn = time.monotonic() + 0.3
+        while time.monotonic() < burn:
+            pass
+        second = await c.metrics()
+        stat_lines = Path("/proc/stat").read_text().splitlines()
+        assert first.cpu_count == len([n for n in stat_lines
+                                       if n[:3] == "cpu" and n[3].isdigit()])
+        assert 0 < first.cpu_busy <= second.cpu_busy
+        assert first.cpu_total < second.cpu_total
+        assert 0 < first.mem_used < first.mem_total
+        st = os.statvfs("/")
+        assert first.disk_total == st.f_blocks * st.f_frsize
+        assert 0 < first.disk_used <= first.disk_total
+        assert abs(first.time - time.time()) < 5
+        c.agent_version = "1.7"  # an older agent: refused on the host, typed
+        with pytest.raises(InvalidRequest, match="does not report metrics"):
+            await c.metrics()
+
+    with_client(guest, body)
+
+
+def test_process_ticks_count_reaped_children() -> None:
+    """gVisor's /proc/stat is all zeros: there CPU use is every process's time, a
+    reaped child's included (in its parent's cutime)."""
+    before = agent_module.process_ticks()
+    burn = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass"
+    subprocess.run([sys.executable, "-c", burn], check=True)  # waited for: reaped
+    assert agent_module.process_ticks() - before >= 0.2 * os.sysconf("SC_CLK_TCK")
 
 
 # ------------------------------------------------------------------------ reconnects

@@ -522,3 +522,108 @@ def test_idempotency_key_makes_one_sandbox(api: tuple[TestClient, FakeMachines])
     client.delete(f"/sandboxes/{first['sandboxID']}", headers=ALICE)
     fresh = _create(client, {**ALICE, "Idempotency-Key": "job-1"})  # the first is gone
     assert fresh["sandboxID"] != first["sandboxID"]
+
+
+def test_signed_file_urls_name_their_sandbox(api: tuple[TestClient, FakeMachines]) -> None:
+    """E2B's download_url / upload_url: no header names the sandbox, the signature (made
+    with its envdAccessToken, as the SDK's own get_signature makes it) does; a wrong, an
+    expired or a missing one is envd's 401."""
+    get_signature = pytest.importorskip("e2b.sandbox.signature").get_signature
+    client, _ = api
+    sb = _create(client)
+    _create(client)  # another sandbox: its token signs nothing of this one's
+    token = str(sb["envdAccessToken"])
+
+    def signed(path: str, op: str, expires: int | None = None, **extra: str) -> dict[str, str]:
+        sig = get_signature(path, op, extra.get("username"), token, expires)
+        params = {"path": path, "signature": sig["signature"], **extra}
+        if sig["expiration"] is not None:
+            params["signature_expiration"] = str(sig["expiration"])
+        return params
+
+    r = client.post("/files", params=signed("up/s.txt", "write", 60),
+                    files={"file": ("s.txt", b"signed upload")})
+    assert r.status_code == 200, r.text
+    assert r.json()[0]["path"] == "/home/user/up/s.txt"
+    r = client.get("/files", params=signed("up/s.txt", "read"))
+    assert r.status_code == 200 and r.content == b"signed upload"
+    r = client.get("/files", params=signed("up/s.txt", "read", username="root"))
+    assert r.content == b"signed upload"  # the username is part of what is signed
+    # a write signature does not read; another path, user or token is not this one's
+    for params in (signed("up/s.txt", "write"), {**signed("up/s.txt", "read"), "path": "x"},
+                   {**signed("up/s.txt", "read"), "username": "root"},
+                   {"path": "up/s.txt", "signature": "v1_bm9wZQ"}):
+        r = client.get("/files", params=params)
+        assert (r.status_code, r.json()) == (401, {"code": 401,
+                                                   "message": "invalid signature"}), params
+    expired = signed("up/s.txt", "read", -10)
+    r = client.get("/files", params=expired)
+    assert (r.status_code, r.json()["message"]) == (401, "signature is already expired")
+    r = client.get("/files", params={"path": "up/s.txt"})
+    assert r.status_code == 401 and "access token" in r.json()["message"]
+    # with the sandbox header (BOXD_E2B_DOMAIN's host names set it too), the same checks
+    named = {"E2b-Sandbox-Id": str(sb["sandboxID"])}
+    assert client.get("/files", params=signed("up/s.txt", "read"),
+                      headers=named).content == b"signed upload"
+    r = client.get("/files", params=expired, headers=named)
+    assert (r.status_code, r.json()["message"]) == (401, "signature is already expired")
+    r = client.get("/files", params={"path": "up/s.txt"}, headers=named)
+    assert r.status_code == 401 and "missing signature" in r.json()["message"]
+    # a token sent with it is judged alone, as envd does
+    r = client.get("/files", params=signed("up/s.txt", "read"),
+                   headers={**named, "X-Access-Token": "wrong"})
+    assert r.status_code == 401
+
+
+def test_metrics_answer_e2bs_shape(api: tuple[TestClient, FakeMachines]) -> None:
+    client, _ = api
+    sb = _create(client)
+    r = client.get(f"/sandboxes/{sb['sandboxID']}/metrics", headers=ALICE)
+    assert r.status_code == 200, r.text
+    [m] = r.json()
+    assert set(m) == {"timestamp", "timestampUnix", "cpuCount", "cpuUsedPct", "memUsed",
+                      "memTotal", "memCache", "diskUsed", "diskTotal"}
+    assert m["cpuUsedPct"] == 12.5 and m["timestamp"].endswith("Z")
+    later = m["timestampUnix"] + 1
+    assert client.get(f"/sandboxes/{sb['sandboxID']}/metrics", params={"start": later},
+                      headers=ALICE).json() == []
+    assert len(client.get(f"/sandboxes/{sb['sandboxID']}/metrics",
+                          params={"end": m["timestampUnix"]}, headers=ALICE).json()) == 1
+    r = client.get("/sandboxes/metrics", params={"sandbox_ids": f"{sb['sandboxID']},nope"},
+                   headers=ALICE)
+    assert list(r.json()["sandboxes"]) == [sb["sandboxID"]]
+    r = client.get(f"/sandboxes/{sb['sandboxID']}/metrics", headers=BOB)
+    assert r.status_code == 404  # another account's
+    r = client.get(f"/sandboxes/{sb['sandboxID']}/metrics", params={"start": "soon"},
+                   headers=ALICE)
+    assert r.status_code == 400
+    client.post(f"/sandboxes/{sb['sandboxID']}/pause", headers=ALICE)
+    assert client.get(f"/sandboxes/{sb['sandboxID']}/metrics", headers=ALICE).json() == []
+
+
+def test_network_on_create_is_boxd_s_egress_allow_list(
+        api: tuple[TestClient, FakeMachines]) -> None:
+    """E2B's deny-all-but-allowOut is boxd's egress allow-list; no denyOut is the
+    default; a deny-list, unsupported fields and update_network are clear 400s."""
+    client, machines = api
+
+    def egress(network: object) -> object:
+        sb = _create(client, network=network)
+        (m,) = [m for _, m in machines.machines.values() if m.name == sb["sandboxID"]]
+        return m.egress
+
+    assert egress({"denyOut": ["0.0.0.0/0"], "allowOut": ["1.1.1.1", "8.8.8.0/24"]}) \
+        == ["1.1.1.1/32", "8.8.8.0/24"]
+    assert egress({"denyOut": ["0.0.0.0/0"]}) == []
+    assert egress({"allowOut": ["1.1.1.1"]}) is None  # nothing denied: all allowed
+    for network, words in (({"denyOut": ["1.1.1.1"]}, "allow-list"),
+                           ({"rules": {"x": [1]}}, "network.rules"),
+                           ({"allowOut": "1.1.1.1"}, "list of addresses")):
+        r = client.post("/v2/sandboxes", json={"network": network}, headers=ALICE)
+        assert r.status_code == 400 and words in r.json()["message"], r.text
+    sb = _create(client)
+    r = client.put(f"/sandboxes/{sb['sandboxID']}/network", json={"allowOut": []},
+                   headers=ALICE)
+    assert r.status_code == 400 and "cannot be changed" in r.json()["message"]
+    r = client.put(f"/sandboxes/{sb['sandboxID']}/network", json={}, headers=BOB)
+    assert r.status_code == 404

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -568,6 +569,22 @@ def machine_logs(state: _State, name: str, follow: bool) -> None:
             break
     if follow and out.state == "exited":
         click.echo(f"[the service exited: {out.exit_code}]", err=True)
+
+
+@machine.command("metrics")
+@click.argument("name")
+@click.option("--since", type=click.FloatRange(0), default=None, metavar="SECONDS",
+              help="Only the samples of the last SECONDS.")
+@json_option
+@pass_state
+def machine_metrics(state: _State, name: str, since: float | None, as_json: bool) -> None:
+    """Show machine NAME's CPU, memory and disk use, read inside its guest, oldest first.
+
+    Asking takes a sample now if the machine runs and samples it every 5 s for the next
+    5 minutes (the node keeps the last 120); a sleeping machine is not woken.
+    """
+    start = None if since is None else time.time() - since
+    _show(state.boxd.machines.metrics(name, start=start), as_json, _render.metrics)
 
 
 @machine.command("execs")

@@ -243,6 +243,16 @@ def execs(items: Sequence[models.ExecSummary]) -> None:
     )
 
 
+def metrics(m: models.MachineMetrics) -> None:
+    table(
+        ["TIME", "CPUS", "CPU", "MEMORY", "CACHE", "DISK"],
+        ([ago(s.timestamp), str(s.cpu_count), f"{s.cpu_used_pct:.1f}%",
+          f"{size(s.mem_used)} / {size(s.mem_total)}", size(s.mem_cache),
+          f"{size(s.disk_used)} / {size(s.disk_total)}"] for s in m.samples),
+        f"no samples kept (the machine is {m.state}: only a running machine is sampled)",
+    )
+
+
 def machine(m: models.Machine) -> None:
     details(
         [

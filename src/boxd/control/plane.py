@@ -444,19 +444,7 @@ class Machines:
                 without ENTRYPOINT or CMD, or created with ``service=False``).
         """
         rec = self._find(account, ref)
-        try:
-            out = await self._node(rec).process_output(rec.id, SERVICE_ID, after, wait)
-        except NotFound as exc:
-            if isinstance(exc, MachineNotFound):
-                raise
-            raise NotFound(f"machine {rec.name!r} has no service", machine=rec.name,
-                           hint="a machine of an image with ENTRYPOINT or CMD has one "
-                           "(`boxd machine new NAME --image REF`)") from None
-        procs = {p.id: p for p in await self._node(rec).processes(rec.id)}
-        argv = procs[SERVICE_ID].argv if SERVICE_ID in procs else []
-        return models.ServiceLog(start=out.start, end=out.end,
-                                 data=out.data.decode(errors="replace"), state=out.state,
-                                 exit_code=out.exit_code, argv=argv)
+        return await _service_log(self._node(rec), rec, after, wait)
 
     async def exec_result(
         self, account: str, ref: str, exec_id: str, wait: float = 0.0
@@ -470,6 +458,16 @@ class Machines:
         _check_limit(limit, models.MAX_EXEC_LIST)
         rec = self._find(account, ref)
         return await self._node(rec).exec_list(rec.id, limit)
+
+    async def metrics(self, account: str, ref: str, start: float | None = None,
+                      end: float | None = None) -> models.MachineMetrics:
+        """Raises: MachineNotFound, InvalidRequest, MachineFailed (`MachineService`)."""
+        if start is not None and end is not None and start > end:
+            raise InvalidRequest(f"start ({start}) is after end ({end})", field="start")
+        rec = self._find(account, ref)
+        samples = await self._node(rec).machine_metrics(rec.id, start, end)
+        now = self._find(account, rec.id)
+        return models.MachineMetrics(machine=now.name, state=now.state, samples=samples)
 
     async def exec_stream(
         self, account: str, ref: str, req: models.ExecRequest
@@ -720,6 +718,24 @@ class Machines:
         node (a remote node's machines have no route to this daemon's app yet)."""
         for node in self.local.values():
             node.serve_guests(handler)
+
+
+async def _service_log(node: Node, rec: MachineRecord, after: int | None,
+                       wait: float) -> models.ServiceLog:
+    """`Machines.logs` on the machine's node."""
+    try:
+        out = await node.process_output(rec.id, SERVICE_ID, after, wait)
+    except NotFound as exc:
+        if isinstance(exc, MachineNotFound):
+            raise
+        raise NotFound(f"machine {rec.name!r} has no service", machine=rec.name,
+                       hint="a machine of an image with ENTRYPOINT or CMD has one "
+                       "(`boxd machine new NAME --image REF`)") from None
+    procs = {p.id: p for p in await node.processes(rec.id)}
+    argv = procs[SERVICE_ID].argv if SERVICE_ID in procs else []
+    return models.ServiceLog(start=out.start, end=out.end,
+                             data=out.data.decode(errors="replace"), state=out.state,
+                             exit_code=out.exit_code, argv=argv)
 
 
 def _claimable(repos: Repos, account: str, default_quota: int) -> int:

@@ -220,6 +220,12 @@ class RayNode:
         out: list[models.ExecSummary] = await self._call("exec_list", machine_id, limit)
         return out
 
+    async def machine_metrics(self, machine_id: str, start: float | None,
+                              end: float | None) -> list[models.MetricSample]:
+        out: list[models.MetricSample] = await self._call("machine_metrics", machine_id,
+                                                          start, end)
+        return out
+
     async def _stream(self, method: Any, *args: Any) -> AsyncGenerator[Any, None]:
         """A node's async generator as a Ray streaming generator, a few items ahead of
         the consumer (back-pressure); closing it cancels the generator on the node."""

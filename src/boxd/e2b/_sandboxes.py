@@ -130,12 +130,18 @@ class Sandboxes:
                 found.append(Sandbox(rec, machines[rec.sandbox_id]))
         return sorted(found, key=lambda s: (s.record.started_at, s.record.sandbox_id))
 
+    async def metrics(self, account: str, sandbox_id: str) -> models.MachineMetrics:
+        """The sandbox machine's kept samples, one taken now if it runs (a paused one is
+        not woken). Raises: MachineNotFound (also another account's sandbox)."""
+        self.record(account, sandbox_id)
+        return await self.machines.metrics(account, sandbox_id)
+
     # -- create, fork -------------------------------------------------------------------
 
     async def create(
         self, account: str, template: str, timeout: int, *, metadata: dict[str, str],
         env_vars: dict[str, str], auto_pause: bool, isolated: bool,
-        idempotency_key: str | None = None,
+        egress: builtins.list[str] | None = None, idempotency_key: str | None = None,
     ) -> Sandbox:
         """Create a sandbox and return once it runs a command. A create repeated with the
         same ``idempotency_key`` (E2B's ``Idempotency-Key``) returns the same sandbox while
@@ -147,7 +153,8 @@ class Sandboxes:
             snapshot and no image), MachineFailed, HostSetupError.
         """
         make = self._create(account, template, timeout, metadata=metadata,
-                            env_vars=env_vars, auto_pause=auto_pause, isolated=isolated)
+                            env_vars=env_vars, auto_pause=auto_pause, isolated=isolated,
+                            egress=egress)
         if idempotency_key is None:
             return await make
         key = (account, idempotency_key)
@@ -170,10 +177,11 @@ class Sandboxes:
     async def _create(
         self, account: str, template: str, timeout: int, *, metadata: dict[str, str],
         env_vars: dict[str, str], auto_pause: bool, isolated: bool,
+        egress: builtins.list[str] | None = None,
     ) -> Sandbox:
         sandbox_id = new_sandbox_id()
         req = models.MachineCreate.model_validate({
-            "name": sandbox_id, "isolated": isolated,
+            "name": sandbox_id, "isolated": isolated, "egress": egress,
             "from_snapshot": None if template == BASE_TEMPLATE else template,
             # It lives until its timeout, as on E2B: no idle suspend in between.
             "suspend_after": 0, "hibernate_after": 0,
@@ -186,7 +194,9 @@ class Sandboxes:
         )
         self.store.put(rec)
         try:
-            machine = await self._fork_warm(account, template, sandbox_id, isolated)
+            # A fork keeps its source's network: an egress policy needs a machine of its own
+            machine = None if egress is not None else await self._fork_warm(
+                account, template, sandbox_id, isolated)
             if machine is None:
                 if template in self.built:  # a snapshot of the template's name, made once
                     await self.built[template](account)

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import re
+import urllib.parse
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -15,12 +16,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from boxd.e2b import _signing as signing
 from boxd.e2b import control, envd
 from boxd.e2b._common import ENVD_PORT, Authenticate, E2BState, boxd_error, e2b_error
 from boxd.e2b._ports import PortRelay
 from boxd.e2b._processes import ProcessTable
 from boxd.e2b._sandboxes import Sandboxes
-from boxd.e2b._store import SandboxStore
+from boxd.e2b._signing import operation_of
+from boxd.e2b._store import SandboxRecord, SandboxStore
 from boxd.e2b.interpreter import CODE_INTERPRETER, InterpreterTemplate
 from boxd.errors import BoxdError
 from boxd.services import MachineService, SnapshotService
@@ -93,17 +96,35 @@ class _Dispatch:
             headers = dict(scope["headers"])
             sandbox = headers.get(b"e2b-sandbox-id")
             token = headers.get(b"x-access-token")
+            rec = None
             if sandbox is None and token is not None:
                 rec = self.store.by_token(token.decode(errors="replace"))
-                if rec is not None:
-                    sandbox = rec.sandbox_id.encode()
-                    scope = {**scope, "headers": [*scope["headers"],
-                                                  (b"e2b-sandbox-id", sandbox)]}
+            elif sandbox is None and scope["path"] == "/files":
+                rec, refusal = self._signed(scope)
+                if refusal is not None:
+                    await refusal(scope, receive, send)
+                    return
+            if rec is not None:
+                sandbox = rec.sandbox_id.encode()
+                scope = {**scope, "headers": [*scope["headers"], (b"e2b-sandbox-id", sandbox)]}
             if sandbox is not None:
                 await self._sandbox(scope, receive, send, sandbox,
                                     headers.get(b"e2b-sandbox-port"))
                 return
         await self.control(scope, receive, send)
+
+    def _signed(self, scope: Scope) -> tuple[SandboxRecord | None, Response | None]:
+        """A ``/files`` request with no sandbox header nor token: a signed URL (E2B's
+        ``download_url`` / ``upload_url``) names its sandbox by its signature; else it
+        is refused as envd refuses an unauthenticated one."""
+        query = dict(urllib.parse.parse_qsl(scope.get("query_string", b"").decode(
+            errors="replace"), keep_blank_values=True))
+        operation = operation_of(str(scope["method"]))
+        if "signature" not in query or operation is None:
+            return None, e2b_error(401, "unauthorized access, please provide a valid access "
+                                   "token or method signing if supported")
+        rec = signing.find(self.store.all(), query, operation)
+        return rec, None if rec is not None else e2b_error(401, "invalid signature")
 
     async def _sandbox(self, scope: Scope, receive: Receive, send: Send, sandbox: bytes,
                        port_header: bytes | None) -> None:

@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from boxd import models
-from boxd.e2b._common import sandbox_json, state_of
+from boxd.e2b._common import iso, sandbox_json, state_of
 from boxd.e2b._sandboxes import BASE_TEMPLATE, MAX_FORKS, check_timeout
 from boxd.e2b.env import from_e2b_key
 from boxd.errors import BoxdError, InvalidRequest, NotFound
@@ -86,6 +86,50 @@ def _bool(value: object, field: str, default: bool) -> bool:
     return value
 
 
+#: E2B's "all traffic" CIDR (``e2b.ALL_TRAFFIC``): in ``denyOut``, deny what is not allowed.
+ALL_TRAFFIC = "0.0.0.0/0"
+#: Fields of E2B's ``network`` that boxd's egress policy has no counterpart for.
+_NETWORK_UNSUPPORTED = ("rules", "egressProxy", "dnsServers", "maskRequestHost",
+                        "httpsPorts")
+
+
+def network_egress(network: object) -> list[str] | None:
+    """A create's ``network`` ({allowOut, denyOut}) as boxd's egress allow-list (None:
+    every public address, boxd's default).
+
+    E2B allows what ``allowOut`` lists even where ``denyOut`` denies it, and everything
+    when nothing is denied; boxd's policy is an allow-list. So ``denyOut: [0.0.0.0/0]``
+    with ``allowOut: [...]`` is that allow-list (without ``allowOut``: nothing), no
+    ``denyOut`` is the default, and a ``denyOut`` of particular addresses (a deny-list)
+    has no counterpart. ``allowPublicTraffic`` is not served (docs/e2b.md).
+
+    Raises:
+        InvalidRequest: a deny-list, a field boxd has no counterpart for, a bad shape.
+    """
+    if network is None:
+        return None
+    if not isinstance(network, dict):
+        raise InvalidRequest("network must be an object", field="network")
+    for name in _NETWORK_UNSUPPORTED:
+        if network.get(name):
+            raise InvalidRequest(f"network.{name} is not supported by boxd",
+                                 field=f"network.{name}", hint="docs/e2b.md lists what is")
+    allow, deny = network.get("allowOut"), network.get("denyOut")
+    for name, value in (("allowOut", allow), ("denyOut", deny)):
+        if value is not None and (not isinstance(value, list)
+                                  or not all(isinstance(v, str) for v in value)):
+            raise InvalidRequest(f"network.{name} must be a list of addresses",
+                                 field=f"network.{name}")
+    if not deny:
+        return None
+    if ALL_TRAFFIC not in deny:
+        raise InvalidRequest(
+            "network.denyOut of particular addresses is not supported: boxd's egress "
+            "policy is an allow-list", field="network.denyOut",
+            hint=f"deny {ALL_TRAFFIC} and list what may be reached in allowOut")
+    return list(allow or [])
+
+
 async def create(request: Request) -> Response:
     """``POST /sandboxes`` and ``/v2/sandboxes``."""
     account = account_of(request)
@@ -104,7 +148,7 @@ async def create(request: Request) -> Response:
         env_vars=_strings(body.get("envVars"), "envVars"),
         auto_pause=_bool(body.get("autoPause"), "autoPause", False),
         isolated=not _bool(body.get("allow_internet_access"), "allow_internet_access", True),
-        idempotency_key=key,
+        egress=network_egress(body.get("network")), idempotency_key=key,
     )
     return JSONResponse(sandbox_json(sandbox, domain=state_of(request).domain),
                         status_code=201)
@@ -261,6 +305,58 @@ async def fork(request: Request) -> Response:
     return JSONResponse(items, status_code=201)
 
 
+def _unix(text: str | None, field: str) -> int | None:
+    """A ``start``/``end`` query value: whole Unix seconds (None: absent)."""
+    if text is None or text == "":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise InvalidRequest(f"{field} must be Unix seconds, not {text!r}",
+                             field=field) from None
+
+
+def _metric_json(s: models.MetricSample) -> dict[str, Any]:
+    """E2B's ``SandboxMetric`` of one boxd sample."""
+    return {"timestamp": iso(s.timestamp), "timestampUnix": int(s.timestamp),
+            "cpuCount": s.cpu_count, "cpuUsedPct": s.cpu_used_pct, "memUsed": s.mem_used,
+            "memTotal": s.mem_total, "memCache": s.mem_cache, "diskUsed": s.disk_used,
+            "diskTotal": s.disk_total}
+
+
+async def metrics(request: Request) -> Response:
+    """``GET /sandboxes/{id}/metrics?start=&end=`` -> ``[SandboxMetric]``, oldest first:
+    the machine's samples (`MachineService.metrics`) whose second is in [start, end]. A
+    paused sandbox answers what was kept (maybe ``[]``), as E2B answers no new ones."""
+    account = account_of(request)
+    sandbox_id = request.path_params["id"]
+    start = _unix(request.query_params.get("start"), "start")
+    end = _unix(request.query_params.get("end"), "end")
+    got = await state_of(request).sandboxes.metrics(account, sandbox_id)
+    return JSONResponse([_metric_json(s) for s in got.samples
+                         if (start is None or int(s.timestamp) >= start)
+                         and (end is None or int(s.timestamp) <= end)])
+
+
+async def metrics_batch(request: Request) -> Response:
+    """``GET /sandboxes/metrics?sandbox_ids=a,b`` -> ``{"sandboxes": {id: SandboxMetric}}``:
+    each running sandbox's newest sample (one taken now); unknown ids are left out."""
+    account = account_of(request)
+    ids = [i for i in request.query_params.get("sandbox_ids", "").split(",") if i]
+    if not ids or len(ids) > MAX_PAGE:
+        raise InvalidRequest(f"sandbox_ids must name 1-{MAX_PAGE} sandboxes",
+                             field="sandbox_ids")
+    out: dict[str, Any] = {}
+    for sandbox_id in dict.fromkeys(ids):
+        try:
+            got = await state_of(request).sandboxes.metrics(account, sandbox_id)
+        except NotFound:
+            continue
+        if got.samples:
+            out[sandbox_id] = _metric_json(got.samples[-1])
+    return JSONResponse({"sandboxes": out})
+
+
 def _snapshot_service(request: Request) -> SnapshotService:
     service = state_of(request).snapshots
     if service is None:
@@ -307,6 +403,17 @@ async def delete_snapshot(request: Request) -> Response:
     return Response(status_code=204)
 
 
+async def update_network(request: Request) -> Response:
+    """``PUT /sandboxes/{id}/network`` (``update_network``): refused. boxd's engines fix a
+    machine's egress policy when it starts (docs/security.md), so it cannot change on a
+    running sandbox; give ``network`` on create."""
+    state_of(request).sandboxes.record(account_of(request), request.path_params["id"])
+    raise InvalidRequest(
+        "a sandbox's network cannot be changed once it runs: boxd fixes a machine's "
+        "egress policy when it is created", field="network",
+        hint="create the sandbox with network={allow_out, deny_out} (docs/e2b.md)")
+
+
 async def health(request: Request) -> Response:
     return Response(status_code=200)
 
@@ -317,7 +424,10 @@ routes = [
     Route("/v2/sandboxes", create, methods=["POST"]),
     Route("/sandboxes", list_v1, methods=["GET"]),
     Route("/v2/sandboxes", list_v2, methods=["GET"]),
+    Route("/sandboxes/metrics", metrics_batch, methods=["GET"]),
     Route("/sandboxes/{id}", get_one, methods=["GET"]),
+    Route("/sandboxes/{id}/metrics", metrics, methods=["GET"]),
+    Route("/sandboxes/{id}/network", update_network, methods=["PUT"]),
     Route("/sandboxes/{id}", kill, methods=["DELETE"]),
     Route("/sandboxes/{id}/timeout", set_timeout, methods=["POST"]),
     Route("/sandboxes/{id}/pause", pause, methods=["POST"]),

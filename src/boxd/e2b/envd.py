@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from boxd import process_models as pm
+from boxd.e2b import _signing as signing
 from boxd.e2b._common import ENVD_PORT, boxd_error, e2b_error, state_of
 from boxd.e2b._connect import (
     MAX_MESSAGE,
@@ -41,6 +42,7 @@ from boxd.e2b._connect import (
 from boxd.e2b._fs import Watcher, absolute, fs_call
 from boxd.e2b._processes import Item, Proc, connect_code
 from boxd.e2b._sandboxes import HOME
+from boxd.e2b._signing import operation_of
 from boxd.e2b._store import SandboxRecord
 from boxd.errors import BoxdError, MachineNotFound
 
@@ -64,17 +66,24 @@ def not_found_response(sandbox_id: str) -> JSONResponse:
                         status_code=502)
 
 
-def sandbox_of(request: Request) -> SandboxRecord:
-    """The record of the sandbox the request is for, its access token checked.
+def sandbox_of(request: Request, *, signed: bool = False) -> SandboxRecord:
+    """The record of the sandbox the request is for, its access token checked; with
+    ``signed`` (``/files``) a request without the token may carry a signature instead
+    (`boxd.e2b._signing`: E2B's ``download_url`` / ``upload_url``).
 
     Raises:
         Gone: no such sandbox.
-        ConnectError: ``unauthenticated`` (a missing or wrong ``X-Access-Token``).
+        ConnectError: ``unauthenticated`` (a missing or wrong ``X-Access-Token``, or a
+            missing, invalid or expired signature).
     """
     sandbox_id = request.headers.get("e2b-sandbox-id", "")
     rec = state_of(request).sandboxes.store.get(sandbox_id)
     if rec is None:
         raise Gone(sandbox_id)
+    operation = operation_of(request.method) if signed else None
+    if "x-access-token" not in request.headers and operation is not None:
+        signing.check(request.query_params, operation, rec.token)
+        return rec
     token = request.headers.get("x-access-token", "")
     if not hmac.compare_digest(token.encode(), rec.token.encode()):
         raise ConnectError("unauthenticated", "missing or wrong X-Access-Token: send the "
@@ -85,14 +94,15 @@ def sandbox_of(request: Request) -> SandboxRecord:
 Handler = Callable[[Request, SandboxRecord], Awaitable[Response]]
 
 
-def _guarded(handler: Handler, *, rpc: bool) -> Callable[[Request], Awaitable[Response]]:
+def _guarded(handler: Handler, *, rpc: bool,
+             signed: bool = False) -> Callable[[Request], Awaitable[Response]]:
     """The route around ``handler``: the sandbox looked up, errors in the right shape
-    (Connect's for RPC, E2B's ``{code, message}`` for ``/files``)."""
+    (Connect's for RPC, E2B's ``{code, message}`` for ``/files``, which may be signed)."""
 
     async def route(request: Request) -> Response:
         sandbox_id = request.headers.get("e2b-sandbox-id", "")
         try:
-            return await handler(request, sandbox_of(request))
+            return await handler(request, sandbox_of(request, signed=signed))
         except Gone:
             return not_found_response(sandbox_id)
         except MachineNotFound:
@@ -513,8 +523,8 @@ routes = [
     _rpc("filesystem.Filesystem/CreateWatcher", fs_create_watcher),
     _rpc("filesystem.Filesystem/GetWatcherEvents", fs_watcher_events),
     _rpc("filesystem.Filesystem/RemoveWatcher", fs_remove_watcher),
-    Route("/files", _guarded(files_get, rpc=False), methods=["GET"]),
-    Route("/files", _guarded(files_post, rpc=False), methods=["POST"]),
+    Route("/files", _guarded(files_get, rpc=False, signed=True), methods=["GET"]),
+    Route("/files", _guarded(files_post, rpc=False, signed=True), methods=["POST"]),
     Route("/health", _guarded(health, rpc=False), methods=["GET"]),
 ]
 

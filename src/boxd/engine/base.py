@@ -31,6 +31,7 @@ from boxd.engine.agent import (
     ExecOutput,
     FileStat,
     GuestStream,
+    GuestUsage,
 )
 from boxd.net_policy import DEFAULT as DEFAULT_POLICY
 from boxd.net_policy import NetPolicy
@@ -180,6 +181,10 @@ class Agent(Protocol):
         ...
 
     async def sync(self, timeout: float = 60.0) -> None: ...
+
+    async def metrics(self) -> GuestUsage:
+        """The guest's CPU counters, memory and root disk use now (protocol 1.8)."""
+        ...
 
     async def clock(self, now: float) -> None:
         """Step the guest's wall clock to ``now`` (after a wake)."""
@@ -398,6 +403,7 @@ __all__ = [
     "ExecOutput",
     "FileStat",
     "GuestStream",
+    "GuestUsage",
     "MachineConfig",
     "MachineHandle",
     "MemoryImage",

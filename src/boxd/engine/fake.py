@@ -19,6 +19,7 @@ import asyncio
 import itertools
 import json
 import shutil
+import time
 from collections.abc import (
     AsyncGenerator,
     AsyncIterable,
@@ -30,7 +31,14 @@ from collections.abc import (
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from boxd.engine.agent import ExecChunk, ExecExit, ExecOutcome, ExecOutput, FileStat
+from boxd.engine.agent import (
+    ExecChunk,
+    ExecExit,
+    ExecOutcome,
+    ExecOutput,
+    FileStat,
+    GuestUsage,
+)
 from boxd.engine.base import (
     BootDisk,
     EngineInfo,
@@ -59,6 +67,7 @@ class FakeGuest:
     identities: int = 0  # how many times identity was set
     clock_steps: int = 0  # how many times the clock was stepped (wakes)
     api_keys: list[str] = field(default_factory=list)  # credentials delivered (serve_relay)
+    metric_reads: int = 0  # `metrics` calls answered
 
 
 class FakeProcess:
@@ -222,6 +231,16 @@ class FakeAgent:
 
     async def sync(self, timeout: float = 60.0) -> None:
         self._check()
+
+    async def metrics(self) -> GuestUsage:
+        """A guest whose CPU counters advance by one busy tick of four per call."""
+        self._check()
+        self._m.guest.metric_reads += 1
+        n = self._m.guest.metric_reads
+        return GuestUsage(time=time.time(), cpu_count=self._m.config.vcpus, cpu_busy=n * 100,
+                          cpu_total=n * 400, mem_total=self._m.config.memory_mib << 20,
+                          mem_used=64 << 20, mem_cache=16 << 20, disk_total=1 << 30,
+                          disk_used=256 << 20)
 
     async def clock(self, now: float) -> None:
         self._check()

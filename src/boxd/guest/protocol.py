@@ -8,7 +8,7 @@ backward-compatible additions and ``PROTOCOL_MAJOR`` for anything else.
 from __future__ import annotations
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 7
+PROTOCOL_MINOR = 8
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
 
 #: Name of the virtio-serial port (``-device virtserialport,name=...``).
@@ -62,6 +62,7 @@ OP_CANCEL = "cancel"  # 1.3: stop a read (the host no longer wants it)
 OP_RELAY_LISTEN = "relay_listen"  # 1.5: serve the in-guest API socket, with a new key
 OP_RELAY_SEND = "relay_send"  # 1.5: bytes for one relayed stream (no reply)
 OP_RESIZE = "resize"  # 1.7: a new terminal size for an exec started with "pty"
+OP_METRICS = "metrics"  # 1.8: the guest's CPU counters, memory and root disk use
 
 # Events (agent -> host, field "ev"). RESULT and ERROR end a request.
 EV_STARTED = "started"  # exec: the process is running (pid)

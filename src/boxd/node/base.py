@@ -88,6 +88,13 @@ class Node(Protocol):
         Raises: MachineNotFound."""
         ...
 
+    async def machine_metrics(self, machine_id: str, start: float | None,
+                              end: float | None) -> list[models.MetricSample]:
+        """The machine's kept resource samples in [start, end] (Unix times; None: no
+        bound), oldest first, one taken now if it runs (a sleeping machine is not woken).
+        Raises: MachineNotFound, InvalidRequest (an agent before protocol 1.8)."""
+        ...
+
     def exec_stream(
         self, machine_id: str, req: models.ExecRequest
     ) -> AsyncIterator[models.ExecEvent]: ...

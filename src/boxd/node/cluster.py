@@ -352,7 +352,7 @@ class NodeActor:
 _CALLS = frozenset({
     "wait_until_ready", "exec", "exec_result", "exec_list", "checkpoint_save", "checkpoint_restore",
     "checkpoint_list", "checkpoint_delete", "save_snapshot", "delete", "suspend", "hibernate",
-    "resume", "spawn", "processes", "process_kill", "process_output",
+    "resume", "spawn", "processes", "process_kill", "process_output", "machine_metrics",
 })
 
 

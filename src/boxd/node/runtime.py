@@ -19,6 +19,7 @@ each, with narrow interfaces:
 - `boxd.node._sleep` (`Sleep`, `IdleTimers`): suspend, hibernate, wake; the idle policy.
 - `boxd.node._checkpoints` (`Checkpoints`): checkpoints and snapshot saves.
 - `boxd.node._recovery` (`Recovery`): after a daemon restart.
+- `boxd.node._metrics` (`Metrics`): samples of machines' CPU, memory and disk use.
 
 Every state change goes through `Lifecycle`; reads never write.
 """
@@ -50,6 +51,7 @@ from boxd.node._forks import Forks
 from boxd.node._guests import GuestRelay
 from boxd.node._host import Host
 from boxd.node._launch import Launch, Launcher, failed_error, set_identity
+from boxd.node._metrics import Metrics
 from boxd.node._offers import Offers
 from boxd.node._ports import free_port
 from boxd.node._processes import ProcessStream, ProcessTable
@@ -138,6 +140,7 @@ class NodeRuntime:
         self.recovery = Recovery(paths, repos, host, self.lifecycle, node_id=node_id,
                                  launcher=self.launcher, guests=self.guests, proxy=self.proxy,
                                  purge=self.purge, record=self.record)
+        self.metrics = Metrics(self, self._spawn)
 
     @property
     def id(self) -> str:
@@ -454,6 +457,11 @@ class NodeRuntime:
     ) -> contextlib.AbstractAsyncContextManager[ProcessStream]:
         return self.execs.process_attach(machine_id, process_id)
 
+    async def machine_metrics(self, machine_id: str, start: float | None,
+                              end: float | None) -> list[models.MetricSample]:
+        """Its kept samples in [start, end], one taken now if it runs (`Metrics.read`)."""
+        return await self.metrics.read(machine_id, start, end)
+
     # ------------------------------------------------------------------ delete
 
     async def delete(self, machine_id: str) -> None:
@@ -488,6 +496,7 @@ class NodeRuntime:
             await asyncio.to_thread(remove_tree, d)
         self._leases.pop(machine_id, None)
         self.idle.forget(machine_id)
+        self.metrics.forget(machine_id)
         await self.procs.drop(machine_id)
         self.gc()
 

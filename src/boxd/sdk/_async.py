@@ -516,6 +516,21 @@ class AsyncMachines:
         """
         return await self._c._parse(models.ServiceLog, _base.machine_logs(ref, after, wait))
 
+    async def metrics(self, ref: str, *, start: float | None = None,
+                      end: float | None = None) -> models.MachineMetrics:
+        """The machine's recent CPU, memory and disk samples (oldest first) from ``start``
+        to ``end`` (Unix times; None: no bound), read inside its guest. Asking takes a
+        sample now if the machine runs and samples it every 5 s for the next 5 minutes;
+        the node keeps the last 120. A sleeping machine is not woken (its kept samples,
+        maybe none, with its ``state``).
+
+        Raises:
+            MachineNotFound; InvalidRequest: ``start`` after ``end``, or the machine's
+            agent is older than this boxd (create it again).
+        """
+        return await self._c._parse(models.MachineMetrics,
+                                    _base.machine_metrics(ref, start, end))
+
     async def exec_stream(
         self,
         ref: str,

@@ -478,6 +478,11 @@ def machine_logs(ref: str, after: int | None, wait: float) -> Req:
                timeout=float(wait) + 30.0)
 
 
+def machine_metrics(ref: str, start: float | None, end: float | None) -> Req:
+    params = {k: _num(v) for k, v in (("start", start), ("end", end)) if v is not None}
+    return Req("GET", f"/v1/machines/{seg(ref)}/metrics", params=params)
+
+
 def machine_exec_result(ref: str, exec_id: str, wait: float) -> Req:
     # The daemon holds the request up to `wait`; give the HTTP read some slack on top.
     return Req(

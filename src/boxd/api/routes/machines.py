@@ -237,6 +237,21 @@ async def logs(
     return await machines.logs(account, ref, after, wait)
 
 
+@router.get("/{ref}/metrics", response_model=models.MachineMetrics)
+async def metrics(
+    ref: str, account: Account, machines: Machines,
+    start: Annotated[float | None, Query(ge=0, le=2**40, description="the oldest sample "
+                                         "to answer (Unix time); absent: all kept")] = None,
+    end: Annotated[float | None, Query(ge=0, le=2**40, description="the newest sample to "
+                                       "answer (Unix time); absent: up to now")] = None,
+) -> models.MachineMetrics:
+    """The machine's recent CPU, memory and disk samples, read inside its guest: one is
+    taken now if it runs, and it is sampled every 5 s for the next 5 minutes; the node
+    keeps the last 120. A machine that does not run is not woken: its kept samples
+    (maybe none) are answered. docs/http-api.md has the fields."""
+    return await machines.metrics(account, ref, start, end)
+
+
 def _line(event: models.ExecEvent) -> bytes:
     return (event.model_dump_json(exclude_none=True) + "\n").encode()
 
