@@ -560,7 +560,7 @@ print("ok")
 """
 
 
-@_on("gvisor")
+@ON_BOTH
 def test_the_e2b_sdks_interactive_commands_and_ptys_run_on_a_cluster_node(
     cluster: LocalCluster,
 ) -> None:
@@ -648,3 +648,62 @@ def test_an_interactive_session_whose_control_plane_died_ends_with_its_lease(
         assert f"machine={m.id} event=interactive_expired" in log
     finally:
         b.machines.delete(m.id)
+
+
+E2B_PTY_ON_A_DYING_NODE = """
+import sys, time
+from e2b import PtySize, Sandbox
+
+sbx = Sandbox.create(timeout=600)
+p = sbx.pty.create(PtySize(rows=24, cols=80))
+sbx.pty.send_stdin(p.pid, b"echo rea''dy\\n")
+seen = b""
+for _, _, out in p:
+    seen += bytes(out or b"")
+    if b"ready" in seen:
+        break
+print("sandbox", sbx.sandbox_id, flush=True)
+sys.stdin.readline()  # the test removes the sandbox's node meanwhile
+t = time.monotonic()
+try:
+    p.wait()
+    print("ended", flush=True)
+except Exception as exc:
+    print("error", round(time.monotonic() - t), type(exc).__name__, exc, flush=True)
+"""
+
+
+@_on("gvisor")
+def test_a_node_lost_under_an_e2b_pty_ends_its_stream(cluster: LocalCluster) -> None:
+    """The last test of the gVisor cluster (it removes a node): a PTY's stream through
+    the unmodified e2b SDK ends with the sandbox gone when its node is lost, at once
+    (not when a timeout or lease ends it)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("e2b", reason="the dev extra installs the e2b SDK")
+    env = {**os.environ, "BOXD_HOME": str(cluster.home)}
+    out = cluster.in_netns(sys.executable, "-m", "boxd", "e2b", "env", env=env, timeout=60)
+    exports = dict(line.removeprefix("export ").split("=", 1) for line in out.stdout.splitlines())
+    script = subprocess.Popen(
+        ["ip", "netns", "exec", cluster.netns, sys.executable, "-c", E2B_PTY_ON_A_DYING_NODE],
+        env={**env, **exports}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        assert script.stdout is not None and script.stdin is not None
+        line = script.stdout.readline()
+        assert line.startswith("sandbox "), (line, script.stderr and script.stderr.read())
+        sid = line.split()[1]
+        m = next(m for m in cluster.client.machines.list() if sid in (m.name, m.id))
+        assert m.node in cluster.node_ids
+        removed = cluster.command(f"remove {cluster.node_ids.index(m.node)}")
+        assert removed["removed"] == m.node
+        script.stdin.write("go\n")
+        script.stdin.flush()
+        ended = script.stdout.readline().split(maxsplit=3)
+        assert ended[:1] == ["error"] and int(ended[1]) < 20, ended
+        assert f"The sandbox {sid} was not found" in ended[3], ended
+    finally:
+        script.kill()
+        script.wait()
+    cluster.client.machines.delete(m.id)  # a lost machine's record goes with delete
