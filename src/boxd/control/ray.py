@@ -271,8 +271,9 @@ class RayNode:
                     task.cancel()
                 # Not awaited: a lost node must not hold the close. It ends the session
                 # also where the stream's cancel did not reach the node's task.
-                with contextlib.suppress(Exception):
-                    self.actor.interactive_end.remote(sid)
+                if self.alive:
+                    with contextlib.suppress(Exception):
+                        self.actor.interactive_end.remote(sid)
 
     async def _feed(self, sid: str, inputs: AsyncIterator[pm.ExecInput]) -> None:
         """Hand a node's interactive session ``inputs`` until either ends (a lost node:

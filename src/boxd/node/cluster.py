@@ -68,8 +68,8 @@ MAX_INTERACTIVE = 1024
 INTERACTIVE_INPUTS = 8
 #: Seconds an interactive session lives without word from its control plane (its
 #: input, or a renewal: `NodeActor.interactive_renew`). A control plane that died
-#: cannot close its streams (Ray leaves a dead caller's actor tasks running): its
-#: sessions end, and their commands are killed, when their leases lapse.
+#: cannot close its streams (Ray does not end a dead caller's stream that yields
+#: nothing): its sessions end, and their commands are killed, when their leases lapse.
 INTERACTIVE_LEASE = 30.0
 
 #: What an interactive exec yields: the command's bytes, then its exit event.
