@@ -567,3 +567,206 @@ def test_the_unmodified_e2b_sdk_runs_against_a_cluster(cluster: LocalCluster) ->
     assert r.returncode == 0 and r.stdout.splitlines()[-1] == "ok", (r.stdout, r.stderr[-3000:])
     ids = next(line for line in r.stdout.splitlines() if line.startswith("ids")).split()[1:]
     assert len(ids) == 3 and not any(m.name in ids for m in cluster.client.machines.list())
+
+
+E2B_INTERACTIVE_SCRIPT = """
+import re, time
+from e2b import CommandExitException, PtySize, Sandbox
+
+def pty_text(handle, until, timeout=60):
+    seen = b""
+    deadline = time.monotonic() + timeout
+    for _, _, pty in handle:
+        if pty is not None:
+            seen += bytes(pty)
+        if re.search(until.encode(), seen) or time.monotonic() > deadline:
+            break
+    return seen.decode(errors="replace")
+
+sbx = Sandbox.create(timeout=600)
+try:
+    print("sandbox", sbx.sandbox_id, flush=True)
+    h = sbx.commands.run("cat; echo done", background=True, stdin=True)
+    sbx.commands.send_stdin(h.pid, "hello\\n")
+    sbx.commands.send_stdin(h.pid, b"\\x00bytes\\xff\\n")
+    sbx.commands.close_stdin(h.pid)
+    r = h.wait()
+    # (the SDK decodes output as UTF-8: the \\xff arrives as U+FFFD)
+    assert r.exit_code == 0 and r.stdout == "hello\\n\\x00bytes\\ufffd\\ndone\\n", r.stdout
+    h = sbx.commands.run("head -c 9", background=True, stdin=True)
+    sbx.commands.stream_input(h.pid, ["abc", b"def", "ghi"])
+    assert h.wait().stdout == "abcdefghi"
+
+    p = sbx.pty.create(PtySize(rows=24, cols=80), envs={"PS1": "$ "})
+    sbx.pty.send_stdin(p.pid, b"stty size; tty\\n")
+    out = pty_text(p, "/dev/pts/")
+    assert "24 80" in out and "/dev/pts/" in out, out
+    sbx.pty.resize(p.pid, PtySize(rows=40, cols=100))  # a resize crosses to the node too
+    sbx.pty.send_stdin(p.pid, b"stty size; echo pid=$$.\\n")
+    out = pty_text(p, "pid=[0-9]+[.]")
+    assert "40 100" in out, out
+    shell = re.search("pid=([0-9]+)[.]", out).group(1)
+    assert sbx.pty.kill(p.pid) is True
+    try:
+        p.wait()
+        raise AssertionError("a killed pty exited cleanly")
+    except CommandExitException:
+        pass
+    # the kill reached the node: the pty's shell is gone from the guest
+    deadline = time.monotonic() + 30
+    while sbx.commands.run(f"test -d /proc/{shell} && echo alive || echo gone").stdout != "gone\\n":
+        assert time.monotonic() < deadline, "the pty's shell outlived its kill"
+        time.sleep(0.5)
+finally:
+    sbx.kill()
+print("ok")
+"""
+
+
+@ON_BOTH
+def test_the_e2b_sdks_interactive_commands_and_ptys_run_on_a_cluster_node(
+    cluster: LocalCluster,
+) -> None:
+    """Issue 40: a command's stdin (send_stdin, stream_input, close_stdin) and a PTY
+    (create, input, resize, kill) through the unmodified e2b SDK reach a machine on a
+    cluster node: the input crosses to the node actor one call per item, the output
+    streams back, and a kill ends the command in the guest."""
+    import sys
+
+    pytest.importorskip("e2b", reason="the dev extra installs the e2b SDK")
+    env = {**os.environ, "BOXD_HOME": str(cluster.home)}
+    out = cluster.in_netns(sys.executable, "-m", "boxd", "e2b", "env", env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    exports = dict(line.removeprefix("export ").split("=", 1) for line in out.stdout.splitlines())
+    r = cluster.in_netns(sys.executable, "-c", E2B_INTERACTIVE_SCRIPT, env={**env, **exports},
+                         timeout=600)
+    assert r.returncode == 0 and r.stdout.splitlines()[-1] == "ok", (r.stdout, r.stderr[-3000:])
+    # every session ended on its node (the commands that exited, and the killed pty)
+    assert all(n["interactive"] == 0 for n in _open_sessions(cluster).values())
+
+
+_SESSIONS = r"""
+import json, sys, ray
+ray.init(address=sys.argv[1], namespace="boxd", logging_level="ERROR", log_to_driver=False)
+print(json.dumps({n: ray.get(ray.get_actor("boxd-node-" + n).open_sessions.remote())
+                  for n in sys.argv[2:]}))
+"""
+
+
+def _open_sessions(cluster: LocalCluster) -> dict[str, dict[str, int]]:
+    """Each node actor's `open_sessions`, asked by a Ray driver in the namespace."""
+    import json
+    import sys
+
+    r = cluster.in_netns(sys.executable, "-c", _SESSIONS, cluster.address, *cluster.node_ids,
+                         timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out: dict[str, dict[str, int]] = json.loads(r.stdout.splitlines()[-1])
+    return out
+
+
+_DYING_CONTROL_PLANE = r"""
+import os, sys, ray
+from boxd import models, process_models as pm
+ray.init(address=sys.argv[1], namespace="boxd", logging_level="ERROR", log_to_driver=False)
+node = ray.get_actor("boxd-node-" + sys.argv[2])
+gen = node.interactive.options(num_returns="streaming").remote(
+    sys.argv[3], models.ExecRequest(command="read line; echo got $line; exec sleep 601"), None)
+sid = ray.get(next(gen))
+assert ray.get(node.interactive_input.remote(sid, pm.ExecInput(data=b"in\n")))
+print(ray.get(next(gen)).data.decode(), end="", flush=True)
+os._exit(0)  # a control plane that dies: nothing closes its stream or renews its lease
+"""
+
+
+@_on("gvisor")
+def test_an_interactive_session_whose_control_plane_died_ends_with_its_lease(
+    cluster: LocalCluster,
+) -> None:
+    """A Ray driver (a control plane) opens an interactive session on a node actor, feeds
+    it, and dies: Ray leaves the session's stream running, so the node ends it when its
+    lease lapses and the command is killed in the guest."""
+    import sys
+
+    from boxd.node.cluster import INTERACTIVE_LEASE
+
+    b = cluster.client
+    m = b.machines.wait_until_ready(b.machines.new("lease").id, timeout=300)
+    try:
+        assert m.node is not None
+        r = cluster.in_netns(sys.executable, "-c", _DYING_CONTROL_PLANE, cluster.address,
+                             m.node, m.id, timeout=120)
+        assert r.returncode == 0 and r.stdout == "got in\n", (r.stdout, r.stderr[-3000:])
+        alive = "pgrep -f 'slee[p] 601' >/dev/null && echo alive || echo gone"
+        assert b.machines.exec(m.id, alive).stdout == "alive\n"
+        assert _open_sessions(cluster)[m.node]["interactive"] == 1
+        deadline = time.monotonic() + INTERACTIVE_LEASE + 30
+        while _open_sessions(cluster)[m.node]["interactive"]:
+            assert time.monotonic() < deadline, "the session outlived its lease"
+            time.sleep(2)
+        while b.machines.exec(m.id, alive).stdout != "gone\n":
+            assert time.monotonic() < deadline, "the command outlived its session"
+            time.sleep(1)
+        log = (cluster.node_home(m.node) / "daemon.log").read_text()
+        assert f"machine={m.id} event=interactive_expired" in log
+    finally:
+        b.machines.delete(m.id)
+
+
+E2B_PTY_ON_A_DYING_NODE = """
+import sys, time
+from e2b import PtySize, Sandbox
+
+sbx = Sandbox.create(timeout=600)
+p = sbx.pty.create(PtySize(rows=24, cols=80))
+sbx.pty.send_stdin(p.pid, b"echo rea''dy\\n")
+seen = b""
+for _, _, out in p:
+    seen += bytes(out or b"")
+    if b"ready" in seen:
+        break
+print("sandbox", sbx.sandbox_id, flush=True)
+sys.stdin.readline()  # the test removes the sandbox's node meanwhile
+t = time.monotonic()
+try:
+    p.wait()
+    print("ended", flush=True)
+except Exception as exc:
+    print("error", round(time.monotonic() - t), type(exc).__name__, exc, flush=True)
+"""
+
+
+@_on("gvisor")
+def test_a_node_lost_under_an_e2b_pty_ends_its_stream(cluster: LocalCluster) -> None:
+    """The last test of the gVisor cluster (it removes a node): a PTY's stream through
+    the unmodified e2b SDK ends with the sandbox gone when its node is lost, at once
+    (not when a timeout or lease ends it)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("e2b", reason="the dev extra installs the e2b SDK")
+    env = {**os.environ, "BOXD_HOME": str(cluster.home)}
+    out = cluster.in_netns(sys.executable, "-m", "boxd", "e2b", "env", env=env, timeout=60)
+    exports = dict(line.removeprefix("export ").split("=", 1) for line in out.stdout.splitlines())
+    script = subprocess.Popen(
+        ["ip", "netns", "exec", cluster.netns, sys.executable, "-c", E2B_PTY_ON_A_DYING_NODE],
+        env={**env, **exports}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        assert script.stdout is not None and script.stdin is not None
+        line = script.stdout.readline()
+        assert line.startswith("sandbox "), (line, script.stderr and script.stderr.read())
+        sid = line.split()[1]
+        m = next(m for m in cluster.client.machines.list() if sid in (m.name, m.id))
+        assert m.node in cluster.node_ids
+        removed = cluster.command(f"remove {cluster.node_ids.index(m.node)}")
+        assert removed["removed"] == m.node
+        script.stdin.write("go\n")
+        script.stdin.flush()
+        ended = script.stdout.readline().split(maxsplit=3)
+        assert ended[:1] == ["error"] and int(ended[1]) < 20, ended
+        assert f"The sandbox {sid} was not found" in ended[3], ended
+    finally:
+        script.kill()
+        script.wait()
+    cluster.client.machines.delete(m.id)  # a lost machine's record goes with delete

@@ -31,13 +31,19 @@ from boxd.control.nodes import Cluster, ClusterNode
 from boxd.errors import (
     BoxdError,
     HostSetupError,
-    InvalidRequest,
     MachineNotFound,
     NodeLost,
     NotFound,
 )
 from boxd.node.base import Boot, FromSnapshot, ProcessStream
-from boxd.node.cluster import CHUNK, NAMESPACE, RESOURCE, NodeActor, receive_snapshot
+from boxd.node.cluster import (
+    CHUNK,
+    INTERACTIVE_LEASE,
+    NAMESPACE,
+    RESOURCE,
+    NodeActor,
+    receive_snapshot,
+)
 from boxd.node.lifecycle import Lifecycle
 from boxd.state import CheckpointRecord, MachineRecord, Repos
 from boxd.storage import SnapshotStore
@@ -49,6 +55,9 @@ log = logging.getLogger("boxd.cluster")
 POLL = 1.0
 #: Seconds a node's capacity figures (free memory) are reused for placement.
 INFO_TTL = 2.0
+#: Seconds between renewals of an interactive session's lease on its node (three per
+#: lease: one lost or slow renewal does not end it).
+RENEW = INTERACTIVE_LEASE / 3
 
 
 def _unwrap(exc: BaseException, node: str) -> BaseException:
@@ -259,10 +268,47 @@ class RayNode:
         self, machine_id: str, req: models.ExecRequest, inputs: AsyncIterator[pm.ExecInput],
         pty: tuple[int, int] | None,
     ) -> AsyncIterator[pm.ExecBytes | models.ExecEvent]:
-        """Not across Ray: the input would need a stream of actor calls of its own."""
-        raise InvalidRequest("an interactive exec (stdin kept open, a pty) is not "
-                             "served on a Ray cluster's nodes yet", machine=machine_id)
-        yield  # an async generator, as the protocol's callers iterate it
+        """The node's interactive session (`NodeActor.interactive`): its stream's first
+        item names the session, which ``inputs`` then reach one actor call each, in
+        order; the rest is the command's output. The session's lease is renewed while
+        this runs. Closing this ends the session on the node, which kills the command
+        (as on one host)."""
+        stream = self._stream(self.actor.interactive, machine_id, req, pty)
+        async with contextlib.aclosing(stream) as events:
+            sid = await anext(events)
+            helpers = [asyncio.create_task(self._feed(sid, inputs),
+                                           name=f"stdin {machine_id} {sid}"),
+                       asyncio.create_task(self._renew(sid), name=f"lease {machine_id} {sid}")]
+            try:
+                async for event in events:
+                    yield event
+            finally:
+                for task in helpers:
+                    task.cancel()
+                # Not awaited: a lost node must not hold the close. It ends the session
+                # also where the stream's cancel did not reach the node's task.
+                if self.alive:
+                    with contextlib.suppress(Exception):
+                        self.actor.interactive_end.remote(sid)
+
+    async def _feed(self, sid: str, inputs: AsyncIterator[pm.ExecInput]) -> None:
+        """Hand a node's interactive session ``inputs`` until either ends (a lost node:
+        the session's stream says so)."""
+        try:
+            async for item in inputs:
+                if not await self._ask(self.actor.interactive_input.remote(sid, item)):
+                    return  # the command ended: its stream tells the rest
+        except BoxdError as exc:
+            log.debug("session=%s event=input_stopped error=%s", sid, exc.message)
+
+    async def _renew(self, sid: str) -> None:
+        """Renew a node's interactive session's lease until it is over (a control plane
+        that dies stops renewing: the node ends the session when its lease lapses)."""
+        with contextlib.suppress(BoxdError):  # a lost node: the session's stream says so
+            while True:
+                await asyncio.sleep(RENEW)
+                if not await self._ask(self.actor.interactive_renew.remote(sid)):
+                    return
 
     async def upload(
         self, machine_id: str, path: str, data: bytes | AsyncIterable[bytes], mode: int
@@ -543,4 +589,4 @@ def _conforms(node: RayNode, cluster: RayCluster) -> tuple[ClusterNode, Cluster]
     return node, cluster  # mypy proves RayNode and RayCluster implement the protocols
 
 
-__all__ = ["INFO_TTL", "POLL", "RayCluster", "RayNode"]
+__all__ = ["INFO_TTL", "POLL", "RENEW", "RayCluster", "RayNode"]

@@ -17,6 +17,14 @@ signal), kills every process whose command line names the node's directories.
 
 Cross-node work goes node to node, not through the control plane: the receiving actor
 gets the sender's actor handle and pulls chunks (`boxd.node._transfer`).
+
+An interactive exec (stdin kept open, a pty: the E2B front door's) is a session on the
+actor (`NodeActor.interactive`): a Ray streaming generator whose first item names the
+session, then the command's output; the control plane feeds the command's input with
+one `NodeActor.interactive_input` call per item. The session lives as long as that
+stream: when the control plane stops reading it (its client went, or a kill), the
+session ends and the command is killed in the guest, as on one host. A session holds a
+lease its control plane renews; one whose control plane died ends when it lapses.
 """
 
 from __future__ import annotations
@@ -29,15 +37,15 @@ import secrets
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from boxd import models
 from boxd import process_models as pm
 from boxd.config import Paths, Settings
-from boxd.errors import BoxdError, InternalError
+from boxd.errors import BoxdError, InternalError, ResourceExhausted
 from boxd.node import _transfer as transfer
 from boxd.node._host import Host
 from boxd.node._transfer import FileOffer, TemplateOffer
@@ -54,6 +62,18 @@ NAMESPACE = "boxd"
 RESOURCE = "boxd"
 #: The bytes of one chunk of a file crossing the cluster (uploads, transfers).
 CHUNK = transfer.CHUNK
+#: Interactive execs (`NodeActor.interactive`) one node serves at once, and the inputs
+#: (each at most one request's bytes) one of them may have waiting on the node.
+MAX_INTERACTIVE = 1024
+INTERACTIVE_INPUTS = 8
+#: Seconds an interactive session lives without word from its control plane (its
+#: input, or a renewal: `NodeActor.interactive_renew`). A control plane that died
+#: cannot close its streams (Ray does not end a dead caller's stream that yields
+#: nothing): its sessions end, and their commands are killed, when their leases lapse.
+INTERACTIVE_LEASE = 30.0
+
+#: What an interactive exec yields: the command's bytes, then its exit event.
+Output = pm.ExecBytes | models.ExecEvent
 
 _REAPER = r"""
 import os, signal, sys
@@ -90,6 +110,48 @@ def _start_reaper(paths: Paths) -> subprocess.Popen[bytes]:
     )
 
 
+class _Interactive:
+    """One interactive exec a control plane drives on this node. Its command runs in a
+    task of its own, fed from ``inputs`` (`NodeActor.interactive_input`); its output waits
+    in ``output`` one item at a time (the command waits for the reader), then None or
+    the error that ended it. `close` ends it whatever it was doing (kills the command);
+    ``expire`` is called when its lease (`INTERACTIVE_LEASE`) lapses unrenewed."""
+
+    def __init__(self, start: Callable[[AsyncIterator[pm.ExecInput]], AsyncIterator[Output]],
+                 name: str, expire: Callable[[], None]) -> None:
+        self.inputs: asyncio.Queue[pm.ExecInput] = asyncio.Queue(INTERACTIVE_INPUTS)
+        self.output: asyncio.Queue[Output | Exception | None] = asyncio.Queue(1)
+        self.task = asyncio.create_task(self._run(start(self._drain())), name=name)
+        self._expire = expire
+        self._lease = asyncio.get_running_loop().call_later(INTERACTIVE_LEASE, expire)
+
+    def renew(self) -> None:
+        self._lease.cancel()
+        self._lease = asyncio.get_running_loop().call_later(INTERACTIVE_LEASE, self._expire)
+
+    async def _drain(self) -> AsyncIterator[pm.ExecInput]:
+        while True:
+            yield await self.inputs.get()
+
+    async def _run(self, events: AsyncIterator[Output]) -> None:
+        end: Exception | None = None
+        try:
+            async with contextlib.aclosing(cast("AsyncGenerator[Output, None]", events)):
+                async for event in events:
+                    await self.output.put(event)
+        except Exception as exc:  # the reader raises it
+            end = exc
+        await self.output.put(end)
+
+    def close(self) -> None:
+        """Kill the command (closing its exec) and leave the reader only the end."""
+        self._lease.cancel()
+        self.task.cancel()
+        while not self.output.empty():
+            self.output.get_nowait()
+        self.output.put_nowait(None)
+
+
 class NodeActor:
     """The Ray actor (async) that runs one node runtime on its Ray node."""
 
@@ -102,6 +164,7 @@ class NodeActor:
         self._sessions: dict[str, tuple[AsyncExitStack, ProcessStream]] = {}
         self._uploads: dict[str, tuple[asyncio.Queue[bytes | None],
                                        asyncio.Task[models.FileInfo]]] = {}
+        self._interactive: dict[str, _Interactive] = {}
         self._started: asyncio.Future[None] | None = None
 
     async def start(self) -> str:
@@ -323,6 +386,70 @@ class NodeActor:
         if entry is not None:
             entry[1].cancel()
 
+    async def interactive(self, machine_id: str, req: models.ExecRequest,
+                          pty: tuple[int, int] | None) -> AsyncIterator[str | Output]:
+        """An interactive exec (`NodeRuntime.exec_interactive`), as a Ray streaming
+        generator: first the session's id, which `interactive_input` calls name, then the
+        command's output and exit event. The session ends with this stream: cancelled
+        or closed (the control plane stopped reading), it kills the command.
+
+        Raises:
+            ResourceExhausted: this node serves `MAX_INTERACTIVE` sessions already.
+        """
+        if len(self._interactive) >= MAX_INTERACTIVE:
+            raise ResourceExhausted(
+                f"node {self.node_id} serves {MAX_INTERACTIVE} interactive commands already",
+                hint="end some (close their stdin, kill them) and try again")
+        sid = secrets.token_hex(8)
+        session = self._interactive[sid] = _Interactive(
+            lambda inputs: self.rt.exec_interactive(machine_id, req, inputs, pty),
+            f"interactive {machine_id} {sid}", lambda: self._expire_interactive(machine_id, sid))
+        try:
+            yield sid
+            while (item := await session.output.get()) is not None:
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+        finally:
+            self._end_interactive(sid)
+
+    async def interactive_input(self, sid: str, item: pm.ExecInput) -> bool:
+        """Queue ``item`` (bytes, EOF, a pty's size) for session ``sid``'s command,
+        waiting while its queue is full; False once the session is over."""
+        session = self._interactive.get(sid)
+        if session is None:
+            return False
+        session.renew()
+        put = asyncio.ensure_future(session.inputs.put(item))
+        await asyncio.wait({put, session.task}, return_when=asyncio.FIRST_COMPLETED)
+        if not put.done():  # the command ended (or was killed) first
+            put.cancel()
+            return False
+        return True
+
+    async def interactive_renew(self, sid: str) -> bool:
+        """Renew session ``sid``'s lease (its control plane still reads it); False once
+        the session is over."""
+        session = self._interactive.get(sid)
+        if session is not None:
+            session.renew()
+        return session is not None
+
+    def _expire_interactive(self, machine_id: str, sid: str) -> None:
+        log.warning("machine=%s event=interactive_expired session=%s lease=%.0f",
+                    machine_id, sid, INTERACTIVE_LEASE)
+        self._end_interactive(sid)
+
+    async def interactive_end(self, sid: str) -> None:
+        """End session ``sid`` (its command is killed) if it still runs: the control
+        plane's word when it stops reading, as the cancel of a stream is best effort."""
+        self._end_interactive(sid)
+
+    def _end_interactive(self, sid: str) -> None:
+        session = self._interactive.pop(sid, None)
+        if session is not None:
+            session.close()
+
     async def attach(self, machine_id: str, process_id: str) -> tuple[str, pm.Process]:
         stack = AsyncExitStack()
         stream = await stack.enter_async_context(self.rt.process_attach(machine_id, process_id))
@@ -340,6 +467,12 @@ class NodeActor:
         entry = self._sessions.pop(sid, None)
         if entry is not None:
             await entry[0].aclose()
+
+    async def open_sessions(self) -> dict[str, int]:
+        """How many sessions of each kind this node holds for a control plane (a leak
+        shows here: tests, and a look at a busy node)."""
+        return {"interactive": len(self._interactive), "attach": len(self._sessions),
+                "upload": len(self._uploads)}
 
     async def delete_all(self) -> None:
         """Delete every machine of this node (tests, and `boxd nodes drain`)."""
@@ -387,4 +520,5 @@ async def receive_snapshot(peer: Any, store: SnapshotStore, digest: str, raw: by
     await transfer.receive_snapshot(store, digest, raw, offers, fetcher(peer))
 
 
-__all__ = ["CHUNK", "NAMESPACE", "RESOURCE", "NodeActor", "fetcher", "receive_snapshot"]
+__all__ = ["CHUNK", "INTERACTIVE_INPUTS", "INTERACTIVE_LEASE", "MAX_INTERACTIVE", "NAMESPACE",
+           "RESOURCE", "NodeActor", "fetcher", "receive_snapshot"]
