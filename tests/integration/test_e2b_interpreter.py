@@ -113,8 +113,9 @@ def test_websockets_reach_the_guest(e2b_env: dict[str, str]) -> None:
     tests/_support/ws_echo.py) by the headers and by a <port>-<id>.<domain> Host: text
     and binary messages, the subprotocol the guest chose, the path, close codes both
     ways; a message over the bound (either way) closes with 1009 and the daemon's memory
-    does not grow by it; a closed port, envd's port, no sandbox and an unknown sandbox
-    are refused with E2B's status and message."""
+    does not grow by it; a killed sandbox ends its WebSockets (1014); a closed port,
+    envd's port, no sandbox and an unknown sandbox are refused with E2B's status and
+    message, and a guest's own refusal passes as it is."""
     url = e2b_env["E2B_SANDBOX_URL"]
     ws_url = "ws" + url.removeprefix("http")
     where = urlsplit(url)
@@ -127,12 +128,24 @@ def test_websockets_reach_the_guest(e2b_env: dict[str, str]) -> None:
         # The client's closes reached the guest; so did the over-the-bound ones (1009).
         assert closes[:2] == ["4001 bye", "1000 by host"]
         assert closes[2].startswith("1009 ") and all(c.startswith("1009 ") for c in closes[2:])
+        asyncio.run(_killed_mid_connection(s, ws_url))
     finally:
         s.kill()
     with pytest.raises(InvalidStatus) as info:
         asyncio.run(_open(f"{ws_url}/", _headers(s, 8765)))
     assert info.value.response.status_code == 502
     assert "was not found" in json.loads(info.value.response.body or b"")["message"]
+
+
+async def _killed_mid_connection(s: object, ws_url: str) -> None:
+    """A sandbox killed under an open WebSocket ends it with 1014 (bad gateway)."""
+    async with await _open(f"{ws_url}/", _headers(s, 8765)) as ws:
+        await ws.send("still here")
+        assert await ws.recv() == "still here"
+        await asyncio.to_thread(s.kill)  # type: ignore[attr-defined]
+        with pytest.raises(ConnectionClosed) as closed:
+            await asyncio.wait_for(ws.recv(), 60)
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1014
 
 
 async def _open(url: str, headers: dict[str, str], **kw: object) -> ClientConnection:
