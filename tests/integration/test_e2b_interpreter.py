@@ -7,12 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from tests._support import ws_echo
 from tests._support.daemon import Daemon
 from tests._support.e2b import e2b_daemon
 
@@ -26,13 +33,16 @@ pytestmark = pytest.mark.vm
 #: The daemon's sandbox domain (BOXD_E2B_DOMAIN); .test never resolves: only the Host
 #: header carries it here, as a wildcard DNS name in front of the listener would.
 DOMAIN = "sbx.boxd.test"
+#: The module's daemon (its pid, for the WebSocket relay's memory).
+_DAEMON: list[Daemon] = []
 
 
 @pytest.fixture(scope="module")
 def e2b_env(daemon: Daemon) -> Iterator[dict[str, str]]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("BOXD_E2B_DOMAIN", DOMAIN)
-        with e2b_daemon(daemon, "e2bci") as (_d, exports):
+        with e2b_daemon(daemon, "e2bci") as (d, exports):
+            _DAEMON[:] = [d]
             yield exports
 
 
@@ -91,6 +101,141 @@ def test_other_ports_reach_the_guest(e2b_env: dict[str, str]) -> None:
         s.kill()
     r = httpx.get(f"{url}/hello.txt", headers=_headers(s, 8000), timeout=60)
     assert r.status_code == 502 and "was not found" in r.json()["message"]
+
+
+def _peak_rss_kib(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(x for x in status.splitlines() if x.startswith("VmHWM:")).split()[1])
+
+
+def test_websockets_reach_the_guest(e2b_env: dict[str, str]) -> None:
+    """A WebSocket to another port reaches the guest's server (a stdlib echo server,
+    tests/_support/ws_echo.py) by the headers and by a <port>-<id>.<domain> Host: text
+    and binary messages, the subprotocol the guest chose, the path, close codes both
+    ways; a message over the bound (either way) closes with 1009 and the daemon's memory
+    does not grow by it; a killed sandbox ends its WebSockets (1014); a closed port,
+    envd's port, no sandbox and an unknown sandbox are refused with E2B's status and
+    message, and a guest's own refusal passes as it is."""
+    url = e2b_env["E2B_SANDBOX_URL"]
+    ws_url = "ws" + url.removeprefix("http")
+    where = urlsplit(url)
+    s = e2b.Sandbox.create(timeout=300)
+    try:
+        s.files.write("/tmp/ws_echo.py", Path(ws_echo.__file__).read_text())
+        s.commands.run("python3 /tmp/ws_echo.py 8765 /tmp/ws-closes.log", background=True)
+        asyncio.run(_websocket_checks(s, ws_url, (where.hostname or "", where.port or 0)))
+        closes = s.files.read("/tmp/ws-closes.log").splitlines()
+        # The client's closes reached the guest; so did the over-the-bound ones (1009).
+        assert closes[:2] == ["4001 bye", "1000 by host"]
+        assert closes[2].startswith("1009 ") and all(c.startswith("1009 ") for c in closes[2:])
+        asyncio.run(_killed_mid_connection(s, ws_url))
+    finally:
+        s.kill()
+    with pytest.raises(InvalidStatus) as info:
+        asyncio.run(_open(f"{ws_url}/", _headers(s, 8765)))
+    assert info.value.response.status_code == 502
+    assert "was not found" in json.loads(info.value.response.body or b"")["message"]
+
+
+async def _killed_mid_connection(s: object, ws_url: str) -> None:
+    """A sandbox killed under an open WebSocket ends it with 1014 (bad gateway)."""
+    async with await _open(f"{ws_url}/", _headers(s, 8765)) as ws:
+        await ws.send("still here")
+        assert await ws.recv() == "still here"
+        await asyncio.to_thread(s.kill)  # type: ignore[attr-defined]
+        with pytest.raises(ConnectionClosed) as closed:
+            await asyncio.wait_for(ws.recv(), 60)
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1014
+
+
+async def _open(url: str, headers: dict[str, str], **kw: object) -> ClientConnection:
+    return await connect(url, additional_headers=headers, proxy=None, open_timeout=120,
+                         **kw)  # type: ignore[arg-type]
+
+
+async def _refused(url: str, headers: dict[str, str]) -> tuple[int, str]:
+    with pytest.raises(InvalidStatus) as info:
+        await _open(url, headers)
+    answer = info.value.response
+    return answer.status_code, json.loads(answer.body or b"")["message"]
+
+
+async def _websocket_checks(s: object, ws_url: str, listener: tuple[str, int]) -> None:
+    deadline = time.monotonic() + 60
+    while True:  # until the guest's server listens
+        try:
+            ws = await _open(f"{ws_url}/chat?room=1", _headers(s, 8765),
+                             subprotocols=["nope", "echo.v1"], max_size=None,
+                             origin="http://app.example")
+            break
+        except InvalidStatus:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)
+    async with ws:
+        assert ws.subprotocol == "echo.v1"
+        await ws.send("hello")
+        assert await ws.recv() == "hello"
+        await ws.send(b"\x00\xffbin")
+        assert await ws.recv() == b"\x00\xffbin"
+        big = bytes(range(256)) * 4096  # 1 MiB: within the bound, it passes
+        await ws.send(big)
+        assert await ws.recv() == big
+        await ws.send("whoami")
+        assert json.loads(await ws.recv()) == {
+            "path": "/chat?room=1", "origin": "http://app.example", "protocol": "echo.v1"}
+        await ws.close(4001, "bye")
+    # <port>-<id>.<domain>: the Host names the sandbox's port (the listener's address
+    # is where a wildcard DNS name would lead).
+    host = s.get_host(8765)  # type: ignore[attr-defined]
+    sock = socket.create_connection(listener)
+    async with connect(f"ws://{host}/by-host", sock=sock, proxy=None) as ws:
+        await ws.send("whoami")
+        assert json.loads(await ws.recv())["path"] == "/by-host"
+        await ws.send("close 4002 done")  # the guest's close reaches the client
+        with pytest.raises(ConnectionClosed) as closed:
+            await ws.recv()
+        assert closed.value.rcvd is not None
+        assert (closed.value.rcvd.code, closed.value.rcvd.reason) == (4002, "done")
+    async with await _open(f"{ws_url}/", _headers(s, 8765)) as ws:
+        await ws.close(1000, "by host")
+    with pytest.raises(InvalidStatus) as info:  # the guest's refusal is the client's
+        await _open(f"{ws_url}/deny", _headers(s, 8765))
+    answer = info.value.response
+    assert (answer.status_code, answer.body, answer.headers.get("x-why")) == (
+        403, b"no way", "test")
+    await _over_the_bound(s, ws_url)
+    status, message = await _refused(f"{ws_url}/", _headers(s, 8766))
+    assert status == 502 and "port is not open" in message
+    status, message = await _refused(f"{ws_url}/", _headers(s, 49983))
+    assert status == 404 and "no WebSocket" in message
+    status, message = await _refused(f"{ws_url}/", {})
+    assert status == 404 and "E2b-Sandbox-Id" in message
+
+
+async def _over_the_bound(s: object, ws_url: str) -> None:
+    """64 MiB messages, each way, against the 16 MiB bound: closed with 1009, and the
+    daemon's peak memory grows by less than the bound (the client offers compression,
+    which the listener declines: a small deflated frame cannot become a big message)."""
+    pid = _DAEMON[0].server_pid()
+    assert pid is not None
+    before = _peak_rss_kib(pid)
+    n = 64 * 1024 * 1024
+    async with await _open(f"{ws_url}/", _headers(s, 8765), max_size=None) as ws:
+        with contextlib.suppress(ConnectionClosed):
+            await ws.send(bytes(n))
+        with pytest.raises(ConnectionClosed) as closed:
+            await ws.recv()
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009
+    async with await _open(f"{ws_url}/", _headers(s, 8765), max_size=None) as ws:
+        await ws.send(f"big {n}")
+        with pytest.raises(ConnectionClosed) as closed:
+            await ws.recv()
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009
+        assert "over the 16777216-byte limit" in closed.value.rcvd.reason
+    grown = _peak_rss_kib(pid) - before
+    print(f"the daemon's peak RSS grew by {grown} KiB over two 64 MiB messages")
+    assert grown < 16 * 1024, f"the daemon's peak RSS grew by {grown} KiB"
 
 
 def test_state_is_kept_between_cells(sbx) -> None:  # type: ignore[no-untyped-def]

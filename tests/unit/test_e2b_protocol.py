@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from starlette.testclient import TestClient
+from starlette.testclient import TestClient, WebSocketDenialResponse
 from tests._support.api_fakes import FakeMachines
 
 from boxd.e2b._connect import (
@@ -438,6 +438,36 @@ def test_envd_requests_are_checked(api: tuple[TestClient, FakeMachines]) -> None
     client.delete(f"/sandboxes/{sb['sandboxID']}", headers=ALICE)
     r = client.get("/health", headers=headers)
     assert r.status_code == 502 and "was not found" in r.json()["message"]
+
+
+def test_websockets_are_refused_as_requests_are(
+        api: tuple[TestClient, FakeMachines]) -> None:
+    """A WebSocket that names no sandbox, envd's port, no port, a port that does not
+    answer, or a sandbox that is gone gets an HTTP denial with E2B's status and message
+    (tests/integration/test_e2b_interpreter.py relays them to a guest's server)."""
+    client, _ = api
+    sb = _create(client)
+    headers = {**_envd(client, sb), "E2b-Sandbox-Port": "8080"}
+
+    def denied(extra: dict[str, str]) -> tuple[int, str]:
+        with pytest.raises(WebSocketDenialResponse) as info, \
+                client.websocket_connect("/ws", headers={**headers, **extra}):
+            pass
+        return info.value.status_code, str(info.value.json()["message"])
+
+    with pytest.raises(WebSocketDenialResponse) as info, \
+            client.websocket_connect("/sandboxes"):
+        pass
+    assert info.value.status_code == 404 and "E2b-Sandbox-Id" in info.value.json()["message"]
+    status, message = denied({"E2b-Sandbox-Port": "49983"})
+    assert status == 404 and "no WebSocket" in message
+    status, message = denied({"E2b-Sandbox-Port": "x"})
+    assert status == 400
+    status, message = denied({})
+    assert status == 502 and "port is not open" in message
+    client.delete(f"/sandboxes/{sb['sandboxID']}", headers=ALICE)
+    status, message = denied({})
+    assert status == 502 and "was not found" in message
 
 
 def test_files_round_trip(api: tuple[TestClient, FakeMachines]) -> None:

@@ -37,7 +37,7 @@ from boxd.console.app import create_console_app
 from boxd.console.login import url_file as console_url_file
 from boxd.control import build_services, netpolicy
 from boxd.control.images import images_in_use
-from boxd.e2b.app import create_e2b_app
+from boxd.e2b.app import WS_MAX_MESSAGE, create_e2b_app
 from boxd.e2b.env import url_file
 from boxd.errors import Conflict, HostSetupError, InvalidRequest
 from boxd.services import HostInfoFn, MachineService, ProcessService, SnapshotService
@@ -296,10 +296,17 @@ def _side_listen(value: str, env: str) -> tuple[str, int] | None:
 
 
 def _side_config(app: Any, ws: str) -> uvicorn.Config:
+    # WebSockets (the E2B side's, relayed to guest ports): websockets' Sans-I/O protocol
+    # as the main API's; no keepalive pings of the listener's own (the relay answers
+    # each side's pings where they arrive); messages up to the relay's bound; and no
+    # permessage-deflate: the relay passes what the guest's server sends (which
+    # compresses what it wants: noVNC's encodings do), and compressing it again would
+    # run zlib over every message in the daemon's event loop.
     return uvicorn.Config(
         app, log_config=None, access_log=True, proxy_headers=False,
         timeout_graceful_shutdown=10, timeout_keep_alive=KEEP_ALIVE_SECONDS,
-        http="h11", ws=ws,
+        http="h11", ws=ws, ws_ping_interval=None, ws_max_size=WS_MAX_MESSAGE,
+        ws_per_message_deflate=False,
     )
 
 
@@ -385,7 +392,7 @@ class Daemon:
         app = create_e2b_app(self.machines, self.keys.authenticate, self.paths.home / "e2b",
                              self.snapshots, domain=settings.e2b_domain or None)
         return _Side("e2b api", "BOXD_E2B_LISTEN", listen, url_file(self.paths.home),
-                     _QuietServer(_side_config(app, ws="none")))
+                     _QuietServer(_side_config(app, ws="websockets-sansio")))
 
     def _console_side(self, settings: Settings) -> _Side:
         listen = _side_listen(settings.console_listen, "BOXD_CONSOLE_LISTEN")

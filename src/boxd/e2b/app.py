@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from boxd.e2b import _signing as signing
 from boxd.e2b import control, envd
 from boxd.e2b._common import ENVD_PORT, Authenticate, E2BState, boxd_error, e2b_error
-from boxd.e2b._ports import PortRelay
+from boxd.e2b._ports import WS_MAX_MESSAGE, PortRelay
 from boxd.e2b._processes import ProcessTable
 from boxd.e2b._sandboxes import Sandboxes
 from boxd.e2b._signing import operation_of
@@ -28,7 +28,7 @@ from boxd.e2b.interpreter import CODE_INTERPRETER, InterpreterTemplate
 from boxd.errors import BoxdError
 from boxd.services import MachineService, SnapshotService
 
-__all__ = ["create_e2b_app"]
+__all__ = ["WS_MAX_MESSAGE", "create_e2b_app"]
 
 log = logging.getLogger("boxd.e2b")
 
@@ -63,6 +63,8 @@ _CONTROL_PREFIXES = ("/sandboxes", "/v2/", "/v3/", "/snapshots", "/templates")
 class _Dispatch:
     """Requests naming a sandbox (``E2b-Sandbox-Id``) go to envd (``E2b-Sandbox-Port``
     49983 or none) or to that port in the guest (`PortRelay`), the rest to control.
+    A WebSocket goes to its sandbox's port (`PortRelay`) or is refused: neither the
+    control API nor envd has one.
 
     A request to an envd path with no ``E2b-Sandbox-Id`` but a sandbox's
     ``X-Access-Token`` is that sandbox's: e2b 2.7-2.25.0 (Python) send no sandbox
@@ -81,17 +83,12 @@ class _Dispatch:
             rb"([0-9]{1,5})-([a-z0-9]+)\." + re.escape(domain.encode()) + rb"(?::[0-9]+)?")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.host is not None:
-            # <port>-<id>.<domain>: that sandbox's port whatever the path (a guest's own
-            # server may have a /sandboxes too); the name says what the headers say.
-            named = self.host.fullmatch(dict(scope["headers"]).get(b"host", b"").lower())
-            if named is not None:
-                scope = {**scope, "headers": [
-                    *[(k, v) for k, v in scope["headers"]
-                      if k not in (b"e2b-sandbox-id", b"e2b-sandbox-port")],
-                    (b"e2b-sandbox-id", named.group(2)), (b"e2b-sandbox-port", named.group(1))]}
-                await self._sandbox(scope, receive, send, named.group(2), named.group(1))
-                return
+        if scope["type"] in ("http", "websocket") and self.host is not None \
+                and await self._by_host(scope, receive, send):
+            return
+        if scope["type"] == "websocket":
+            await self._websocket(scope, receive, send)
+            return
         if scope["type"] == "http" and not str(scope["path"]).startswith(_CONTROL_PREFIXES):
             headers = dict(scope["headers"])
             sandbox = headers.get(b"e2b-sandbox-id")
@@ -113,6 +110,33 @@ class _Dispatch:
                 return
         await self.control(scope, receive, send)
 
+    async def _by_host(self, scope: Scope, receive: Receive, send: Send) -> bool:
+        """A ``<port>-<id>.<domain>`` Host: that sandbox's port whatever the path (a
+        guest's own server may have a /sandboxes too); the name says what the headers
+        say. Whether it was one (and was answered)."""
+        assert self.host is not None
+        named = self.host.fullmatch(dict(scope["headers"]).get(b"host", b"").lower())
+        if named is None:
+            return False
+        scope = {**scope, "headers": [
+            *[(k, v) for k, v in scope["headers"]
+              if k not in (b"e2b-sandbox-id", b"e2b-sandbox-port")],
+            (b"e2b-sandbox-id", named.group(2)), (b"e2b-sandbox-port", named.group(1))]}
+        await self._sandbox(scope, receive, send, named.group(2), named.group(1))
+        return True
+
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Only a sandbox's ports have WebSockets (the control API and envd none): the
+        headers name the sandbox whatever the path."""
+        sandbox = dict(scope["headers"]).get(b"e2b-sandbox-id")
+        if sandbox is None:
+            await e2b_error(404, "no WebSocket here: name a sandbox's port with "
+                            "E2b-Sandbox-Id and E2b-Sandbox-Port (docs/e2b.md)")(
+                scope, receive, send)
+            return
+        await self._sandbox(scope, receive, send, sandbox,
+                            dict(scope["headers"]).get(b"e2b-sandbox-port"))
+
     def _signed(self, scope: Scope) -> tuple[SandboxRecord | None, Response | None]:
         """A ``/files`` request with no sandbox header nor token: a signed URL (E2B's
         ``download_url`` / ``upload_url``) names its sandbox by its signature; else it
@@ -132,6 +156,9 @@ class _Dispatch:
         if port is None:
             await e2b_error(400, "E2b-Sandbox-Port must be a TCP port, 1-65535")(
                 scope, receive, send)
+        elif port == ENVD_PORT and scope["type"] == "websocket":
+            await e2b_error(404, f"envd (port {ENVD_PORT}) has no WebSocket: E2B's envd "
+                            "speaks Connect over HTTP; name another port")(scope, receive, send)
         elif port == ENVD_PORT:
             await self.envd(scope, receive, send)
         else:
