@@ -7,7 +7,7 @@ docs/images.md for the layout, the QEMU flags it boots with and measured timings
 from __future__ import annotations
 
 from ._build import CACHE_ENV, GuestImage, Recipe, cache_dir, ensure_image, list_images
-from ._disk import image_disk
+from ._disk import disk_format, image_disk, virtual_size
 from ._rootfs import GUEST_CLIENT_DIR
 from ._tree import AGENT_MOUNT, CLIENT_DIR, RELAY_ENV, agent_tree, native_relay, rootfs_tree
 
@@ -21,9 +21,11 @@ __all__ = [
     "Recipe",
     "agent_tree",
     "cache_dir",
+    "disk_format",
     "ensure_image",
     "image_disk",
     "list_images",
     "native_relay",
     "rootfs_tree",
+    "virtual_size",
 ]
