@@ -243,3 +243,34 @@ def test_a_chain_that_needs_more_room_grows_its_disk(tmp_path: Path) -> None:
     assert virtual_size(disk) == make_ext4(top, tmp_path / "whole.ext4")
     listing = _listing(_raw(disk, tmp_path), tmp_path, top)
     assert "Size: 314572800" in listing["srv/big"] and "start" in listing["srv/big"]
+
+
+def test_a_machines_overlay_backs_on_the_top_chains_qcow2(tmp_path: Path) -> None:
+    """QEMU's `create_disk` on an image tree: the overlay's backing file is the top
+    chain's qcow2 (QEMU follows the chain below it), and a machine disk smaller than
+    that qcow2's virtual size is refused."""
+    import asyncio
+    import json
+
+    from boxd.engine.qemu import QemuEngine
+    from boxd.engine.qemu._probe import AccelChoice
+    from boxd.errors import InvalidRequest
+
+    _need_tools()
+    top = _tree(tmp_path, [BASE[:3], [{"path": "srv/a", "data": b"a"}]])
+    dest = tmp_path / "disks"
+    engine = QemuEngine("qemu-system-x86_64", AccelChoice("tcg", "test"),
+                        runtime=tmp_path / "rootfs.img", image_disks=dest)
+    layer = tmp_path / "machine.qcow2"
+    asyncio.run(engine.create_disk(layer, top, "raw", 1))
+    info = json.loads(subprocess.run(["qemu-img", "info", "--output=json", str(layer)],
+                                     capture_output=True, text=True, check=True).stdout)
+    assert info["backing-filename"] == str(dest / f"{top.name}.qcow2")
+    assert info["backing-filename-format"] == "qcow2"
+    # an image whose top chain's disk the guest sees as 3 GiB (made before)
+    big = _tree(tmp_path, [BASE[:3], [{"path": "srv/b", "data": b"b"}]], "big")
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(dest / f"{big.name}.qcow2"),
+                    "3G"], check=True)
+    with pytest.raises(InvalidRequest, match="at least 3 GiB; the machine's is 2 GiB"):
+        asyncio.run(engine.create_disk(tmp_path / "l2.qcow2", big, "raw", 2))
+    assert not (tmp_path / "l2.qcow2").exists()
