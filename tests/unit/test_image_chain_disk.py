@@ -62,6 +62,7 @@ MIDDLE = [
     {"path": "home/app/notes", "data": b"mine", "uid": 1000, "gid": 1000},
     {"path": "home/app/big", "data": os.urandom(300_000), "uid": 100000, "gid": 70000},
     {"path": 'etc/we"ird name #1', "data": b"quoted"},
+    {"path": 'etc/-da\\sh; rm ""x"" ', "data": b"no command in a name"},
     {"path": f"{LONG}/{LONG}", "data": b"long path"},
 ]
 TOP = [
@@ -157,7 +158,8 @@ def test_a_chain_disk_holds_exactly_what_the_tree_holds(tmp_path: Path) -> None:
     assert "lost+found" in got
     # and what that means, against the tree itself
     assert not {"etc/gone", "opq/old", "opq/sub", "srv/tree", "bin/cat"} & got.keys()
-    assert {"opq/new", f"var/{LONG}", f"{LONG}/{LONG}", 'etc/we"ird name #1'} <= got.keys()
+    assert {"opq/new", f"var/{LONG}", f"{LONG}/{LONG}", 'etc/we"ird name #1',
+            'etc/-da\\sh; rm ""x"" '} <= got.keys()
     assert "Mode:  04711" in got["bin/su"] and "Mode:  04755" in got["bin/busybox"]
     assert "Links: 1" in got["bin/sh2"] and "v1" in got["bin/sh2"]
     assert "Fast link dest: \"cat\"" in got["bin/sh"]

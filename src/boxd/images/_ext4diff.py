@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -240,13 +239,4 @@ def _groups(tree: Tree) -> dict[int, list[str]]:
     return out
 
 
-def script_lines(below: Path, here: Path, values: Path) -> Iterator[str]:
-    """The debugfs script turning ``below``'s ext4 into ``here``'s (see `Script`).
-
-    Raises:
-        Unsupported: an entry debugfs cannot make.
-    """
-    yield from Script(Tree.walk(below), Tree.walk(here), values).build()
-
-
-__all__ = ["Entry", "Script", "Tree", "Unsupported", "script_lines"]
+__all__ = ["Entry", "Script", "Tree", "Unsupported"]
