@@ -185,7 +185,8 @@ def registry(tmp: Path, htpasswd: Path | None = None) -> Iterator[str]:
 def entries_tar(rows: list[dict[str, object]]) -> bytes:
     """A layer from rows, in order: ``{"path", "kind", ...}`` with kind ``file`` (``data``),
     ``dir``, ``symlink`` / ``hardlink`` (``target``), ``fifo``; optional ``mode``,
-    ``uid``, ``gid``, ``mtime``. Whiteouts are files named ``.wh.NAME`` (``.wh..wh..opq``:
+    ``uid``, ``gid``, ``mtime``, ``xattrs`` (name -> bytes, as PAX ``SCHILY.xattr.``
+    records, as docker writes them). Whiteouts are files named ``.wh.NAME`` (``.wh..wh..opq``:
     an opaque directory)."""
     kinds = {"file": tarfile.REGTYPE, "dir": tarfile.DIRTYPE, "symlink": tarfile.SYMTYPE,
              "hardlink": tarfile.LNKTYPE, "fifo": tarfile.FIFOTYPE}
@@ -202,6 +203,9 @@ def entries_tar(rows: list[dict[str, object]]) -> bytes:
             info.mtime = int(row.get("mtime", 1_700_000_000))  # type: ignore[call-overload]
             if kind in ("symlink", "hardlink"):
                 info.linkname = str(row["target"])
+            xattrs: dict[str, bytes] = row.get("xattrs", {})  # type: ignore[assignment]
+            info.pax_headers = {f"SCHILY.xattr.{k}": v.decode("utf-8", "surrogateescape")
+                                for k, v in xattrs.items()}
             data = bytes(row.get("data", b""))  # type: ignore[arg-type]
             info.size = len(data) if kind == "file" else 0
             tar.addfile(info, io.BytesIO(data) if kind == "file" else None)

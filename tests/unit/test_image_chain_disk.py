@@ -31,7 +31,8 @@ BASE = [
     {"path": "bin/busybox", "data": b"\x7fELF busybox v1", "mode": 0o4755},
     {"path": "bin/sh2", "kind": "hardlink", "target": "bin/busybox", "mode": 0o4755},
     {"path": "bin/sh", "kind": "symlink", "target": "busybox"},
-    {"path": "bin/ping", "data": b"ping", "mode": 0o755},
+    {"path": "bin/ping", "data": b"ping", "mode": 0o755,
+     "xattrs": {"security.capability": CAP, "user.mark": b"\xff\x00binary"}},
     {"path": "etc", "kind": "dir"},
     {"path": "etc/gone", "data": b"whited out above"},
     {"path": "etc/keep", "data": b"kept"},
@@ -68,13 +69,15 @@ MIDDLE = [
 TOP = [
     {"path": ".wh.srv"},  # a whole subtree
     {"path": "srv", "kind": "dir", "mode": 0o750},  # and made again
-    {"path": "srv/only", "data": b"top"},
+    {"path": "srv/only", "data": b"top", "xattrs": {"user.note": b"top's own\x00binary"}},
     {"path": "usr/local/bin/tool", "data": b"tool", "mode": 0o700, "uid": 1000},
     {"path": "bin/.wh.cat"},  # a link removed: bin/sh2's inode back to 1 link
 ]
 
 
 def _need_tools() -> None:
+    if os.geteuid() != 0:  # an unpack in a user namespace keeps only uid 0
+        pytest.skip("the images' owners (uid 1000, 100000) and capabilities need root")
     for tool in ("mkfs.ext4", "debugfs", "e2fsck", "resize2fs", "qemu-img"):
         if shutil.which(tool) is None and shutil.which(tool, path="/usr/sbin:/sbin") is None:
             pytest.skip(f"no {tool} on this host")
@@ -132,11 +135,13 @@ def _listing(raw: Path, tmp_path: Path, tree: Path) -> dict[str, str]:
 def test_a_chain_disk_holds_exactly_what_the_tree_holds(tmp_path: Path) -> None:
     _need_tools()
     top = _tree(tmp_path, [BASE, MIDDLE, TOP])
-    # xattrs the trees carry (a capability on a base file, others on the top's own)
+    # the layers' xattrs are in the trees (a capability, binary values), and one set on
+    # the top's own directory here
     base = top.with_name(os.readlink(top.with_name(
         os.readlink(top.with_name(top.name + ".below")) + ".below")))
-    os.setxattr(base / "bin/ping", "security.capability", CAP)
-    os.setxattr(top / "srv/only", "user.note", b"top's own\x00binary")
+    assert os.getxattr(base / "bin/ping", "security.capability") == CAP
+    assert os.getxattr(top / "bin/ping", "user.mark") == b"\xff\x00binary"
+    assert os.getxattr(top / "srv/only", "user.note") == b"top's own\x00binary"
     os.setxattr(top / "etc", "user.dir", b"on a directory")
     disk = image_disk(top, tmp_path / "disks", group=os.getgid())
     assert disk == tmp_path / "disks" / f"{top.name}.qcow2"
@@ -166,7 +171,7 @@ def test_a_chain_disk_holds_exactly_what_the_tree_holds(tmp_path: Path) -> None:
     assert "User:  1000   Group:  1000" in got["home/app"] and "Mode:  0700" in got["home/app"]
     assert "User: 100000   Group: 70000" in got["home/app/big"]
     assert "Type: FIFO" in got["run/fifo"] and "Mode:  0600" in got["run/fifo"]
-    assert "security.capability (20)" in got["bin/ping"]
+    assert "security.capability (20)" in got["bin/ping"] and "user.mark (8)" in got["bin/ping"]
     assert "user.note (16)" in got["srv/only"] and "user.dir" in got["etc"]
     assert "Mode:  0750" in got["srv"]
     # a hard link made in a layer above its file's layer
