@@ -65,7 +65,8 @@ def _layers() -> list[bytes]:
         {"path": "bin/busybox", "data": busybox, "mode": 0o755},
         {"path": "bin/cat", "kind": "hardlink", "target": "bin/busybox", "mode": 0o755},
         {"path": "bin/ls", "kind": "symlink", "target": "busybox"},
-        {"path": "bin/ping", "data": b"not really ping", "mode": 0o755},
+        {"path": "bin/ping", "data": b"not really ping", "mode": 0o755,
+         "xattrs": {"security.capability": CAP}},
         {"path": "etc/passwd", "data": b"root:x:0:0::/root:/bin/sh\n"
                                        b"app:x:1000:1000::/home/app:/bin/sh\n"},
         {"path": "etc/group", "data": b"root:x:0:\napp:x:1000:\n"},
@@ -80,7 +81,8 @@ def _layers() -> list[bytes]:
         {"path": "opq/.wh..wh..opq"},
         {"path": "opq/new", "data": b"new"},
         {"path": "bin/head", "kind": "hardlink", "target": "bin/busybox", "mode": 0o755},
-        {"path": "bin/su", "data": b"setuid", "mode": 0o4755},
+        {"path": "bin/su", "data": b"setuid", "mode": 0o4755,
+         "xattrs": {"user.note": b"the top's own\x00value"}},
         {"path": "home/app", "kind": "dir", "mode": 0o700, "uid": 1000, "gid": 1000},
         {"path": "home/app/notes", "data": b"mine", "mode": 0o600, "uid": 1000, "gid": 1000},
         {"path": f"srv/{LONG}", "data": b"a long name"},
@@ -102,7 +104,9 @@ def _listing(tree: Path, paths: list[str]) -> dict[str, object]:
 @pytest.fixture(scope="module")
 def image(client, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:  # type: ignore[no-untyped-def]
     """The image imported, and its tree unpacked (in the daemon's data directory, as
-    the daemon unpacks it) with xattrs on a base file and on one of the top layer's."""
+    the daemon unpacks it: the tree gVisor serves, the reference), with an xattr set
+    on a directory of the top chain's own besides the layers' (a capability on a base
+    file, a binary value on one of the top layer's)."""
     root = tmp_path_factory.mktemp("chain-layouts")
     img = image_of_tars(_layers(), config={"Env": ["PATH=/bin"], "User": "app"})
     write_layout(root / "chained", {"v1": img})
@@ -111,9 +115,7 @@ def image(client, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[st
     store = ImageStore(home / "oci")
     info = image_by_digest(store, f"local/{IMAGE}", digest)
     tree = unpack_image(store, info, home / "oci-roots")
-    base = tree.with_name(os.readlink(tree.with_name(tree.name + ".below")))
-    os.setxattr(base / "bin/ping", "security.capability", CAP)
-    os.setxattr(tree / "bin/su", "user.note", b"the top's own\x00value")
+    os.setxattr(tree / "srv", "user.dir", b"on a directory")
     yield digest, tree
     with contextlib.suppress(errors.NotFound):
         client.images.remove(IMAGE)
@@ -125,6 +127,7 @@ def test_the_guest_sees_the_images_tree_through_its_chain_disks(  # type: ignore
     paths = sorted(str(p.relative_to(tree)) for p in tree.rglob("*"))
     want = _listing(tree, paths + GONE)
     assert want["bin/su"][0] & stat.S_ISUID and want["etc/gone"] is None  # type: ignore[index]
+    assert want["bin/ping"][6] == {"security.capability": CAP.hex()}  # type: ignore[index]
     m = client.machines.new("imgchain", engine="qemu", image=IMAGE)
     try:
         m = client.machines.wait_until_ready(m.id, timeout=300)
