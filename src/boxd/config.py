@@ -107,7 +107,8 @@ class Paths:
 
     @property
     def image_disks(self) -> Path:
-        """Imported images as raw ext4 disks, for engines that boot a disk (QEMU)."""
+        """Imported images as disks, one per layer chain, for engines that boot a disk
+        (QEMU): the base's raw ext4, a qcow2 of each chain's changes on the one below."""
         return self.home / "oci-disks"
 
     @property

@@ -32,7 +32,8 @@ BASE = [
     {"path": "bin/sh2", "kind": "hardlink", "target": "bin/busybox", "mode": 0o4755},
     {"path": "bin/sh", "kind": "symlink", "target": "busybox"},
     {"path": "bin/ping", "data": b"ping", "mode": 0o755,
-     "xattrs": {"security.capability": CAP, "user.mark": b"\xff\x00binary"}},
+     "xattrs": {"security.capability": CAP, "user.mark": b"\xff\x00binary",
+                "trusted.overlay.opaque": b"y"}},  # the host's: dropped
     {"path": "etc", "kind": "dir"},
     {"path": "etc/gone", "data": b"whited out above"},
     {"path": "etc/keep", "data": b"kept"},
@@ -141,6 +142,7 @@ def test_a_chain_disk_holds_exactly_what_the_tree_holds(tmp_path: Path) -> None:
         os.readlink(top.with_name(top.name + ".below")) + ".below")))
     assert os.getxattr(base / "bin/ping", "security.capability") == CAP
     assert os.getxattr(top / "bin/ping", "user.mark") == b"\xff\x00binary"
+    assert not any(n.startswith("trusted.") for n in os.listxattr(top / "bin/ping"))
     assert os.getxattr(top / "srv/only", "user.note") == b"top's own\x00binary"
     os.setxattr(top / "etc", "user.dir", b"on a directory")
     disk = image_disk(top, tmp_path / "disks", group=os.getgid())

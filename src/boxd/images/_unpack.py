@@ -26,6 +26,9 @@ from collections.abc import Mapping
 WHITEOUT = ".wh."
 OPAQUE = ".wh..wh..opq"
 XATTR = "SCHILY.xattr."
+#: The xattr names (prefixes) a layer may set on its files.
+KEPT_XATTRS = ("user.", "security.capability", "system.posix_acl_access",
+               "system.posix_acl_default")
 
 
 def _clean(name: str) -> str | None:
@@ -97,11 +100,12 @@ def apply(layer: tarfile.TarFile) -> None:
 def _set_xattrs(path: str, pax: Mapping[str, str]) -> None:
     """The entry's xattrs (PAX ``SCHILY.xattr.NAME`` records, as docker and buildah
     write them; tarfile applies none), set after the owner: a chown clears a file's
-    security.capability. A value is bytes (tarfile decoded it with surrogateescape). One
-    this process may not set (trusted.* in a user namespace, security.* a kernel
-    refuses) is left out, as before xattrs were applied at all."""
+    security.capability. A value is bytes (tarfile decoded it with surrogateescape).
+    Only the names an image's files mean for their guest (`KEPT_XATTRS`): trusted.*
+    and other security.* names are the host's (overlayfs metadata, LSM labels) and are
+    left out, as is one the kernel refuses (as before xattrs were applied at all)."""
     for key, value in pax.items():
-        if key.startswith(XATTR):
+        if key.startswith(XATTR) and key[len(XATTR):].startswith(KEPT_XATTRS):
             try:
                 os.setxattr(path, key[len(XATTR):], value.encode("utf-8", "surrogateescape"),
                             follow_symlinks=False)
