@@ -31,6 +31,8 @@ BASE = [
     {"path": "bin/busybox", "data": b"\x7fELF busybox v1", "mode": 0o4755},
     {"path": "bin/sh2", "kind": "hardlink", "target": "bin/busybox", "mode": 0o4755},
     {"path": "bin/sh", "kind": "symlink", "target": "busybox"},
+    {"path": "bin/true", "data": b"true"},  # two links no layer above touches
+    {"path": "bin/false", "kind": "hardlink", "target": "bin/true"},
     {"path": "bin/ping", "data": b"ping", "mode": 0o755,
      "xattrs": {"security.capability": CAP, "user.mark": b"\xff\x00binary",
                 "trusted.overlay.opaque": b"y"}},  # the host's: dropped
@@ -169,6 +171,7 @@ def test_a_chain_disk_holds_exactly_what_the_tree_holds(tmp_path: Path) -> None:
             'etc/-da\\sh; rm ""x"" '} <= got.keys()
     assert "Mode:  04711" in got["bin/su"] and "Mode:  04755" in got["bin/busybox"]
     assert "Links: 1" in got["bin/sh2"] and "v1" in got["bin/sh2"]
+    assert "Links: 2" in got["bin/true"] and "Links: 2" in got["bin/false"]
     assert "Fast link dest: \"cat\"" in got["bin/sh"]
     assert "User:  1000   Group:  1000" in got["home/app"] and "Mode:  0700" in got["home/app"]
     assert "User: 100000   Group: 70000" in got["home/app/big"]

@@ -217,7 +217,7 @@ class Script:
         inode's set of paths changed."""
         for ino, paths in self.links.items():
             old = self.links_below.get(ino, [])
-            if len(paths) > 1 or (old and old != paths):
+            if old != paths and (old or len(paths) > 1):
                 self.lines.append(f"sif {_abs(paths[0])} links_count {len(paths)}")
 
 
