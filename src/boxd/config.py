@@ -15,7 +15,10 @@ else ``$XDG_DATA_HOME/boxd`` or ``~/.local/share/boxd``)::
     oci/                 imported container images: an OCI layout (blobs/, index.json)
     oci-roots/chains/<chain>/  images unpacked, one tree per layer chain (hard links to
                          the chain below); oci-roots/<digest> names an image's (gVisor)
-    oci-disks/<chain>.ext4  an image's tree as a raw ext4 disk (QEMU boots on it)
+                         (<chain>.below: a link naming the chain under it)
+    oci-disks/<chain>.ext4|.qcow2  an image's trees as disks, one per layer chain (QEMU
+                         boots on them): a raw ext4 of the first chain, qcow2s of each
+                         chain's changes backed by the disk below
     disks/<layer>.qcow2  disk layers: a machine's writable overlay or a frozen layer
     snapshots/           content-addressed snapshot store (blobs/, manifests)
     machines/<id>/       per-machine persistent files (console log)
@@ -104,7 +107,8 @@ class Paths:
 
     @property
     def image_disks(self) -> Path:
-        """Imported images as raw ext4 disks, for engines that boot a disk (QEMU)."""
+        """Imported images as disks, one per layer chain, for engines that boot a disk
+        (QEMU): the base's raw ext4, a qcow2 of each chain's changes on the one below."""
         return self.home / "oci-disks"
 
     @property

@@ -60,7 +60,12 @@ class Image:
 
 def make_image(layers: list[Files], *, config: Mapping[str, object] | None = None,
                arch: str = "amd64") -> Image:
-    tars = [layer_tar(f) for f in layers]
+    return image_of_tars([layer_tar(f) for f in layers], config=config, arch=arch)
+
+
+def image_of_tars(tars: list[bytes], *, config: Mapping[str, object] | None = None,
+                  arch: str = "amd64") -> Image:
+    """An image of the layers ``tars`` (uncompressed tars, gzipped here)."""
     gz = [gzip.compress(t, mtime=0) for t in tars]
     cfg = json.dumps({
         "architecture": arch, "os": "linux", "created": "2026-12-05T00:00:00Z",
@@ -175,3 +180,33 @@ def registry(tmp: Path, htpasswd: Path | None = None) -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def entries_tar(rows: list[dict[str, object]]) -> bytes:
+    """A layer from rows, in order: ``{"path", "kind", ...}`` with kind ``file`` (``data``),
+    ``dir``, ``symlink`` / ``hardlink`` (``target``), ``fifo``; optional ``mode``,
+    ``uid``, ``gid``, ``mtime``, ``xattrs`` (name -> bytes, as PAX ``SCHILY.xattr.``
+    records, as docker writes them). Whiteouts are files named ``.wh.NAME`` (``.wh..wh..opq``:
+    an opaque directory)."""
+    kinds = {"file": tarfile.REGTYPE, "dir": tarfile.DIRTYPE, "symlink": tarfile.SYMTYPE,
+             "hardlink": tarfile.LNKTYPE, "fifo": tarfile.FIFOTYPE}
+    modes = {"file": 0o644, "dir": 0o755, "symlink": 0o777, "hardlink": 0o644, "fifo": 0o644}
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for row in rows:
+            kind = str(row.get("kind", "file"))
+            info = tarfile.TarInfo(str(row["path"]))
+            info.type = kinds[kind]
+            info.mode = int(row.get("mode", modes[kind]))  # type: ignore[call-overload]
+            info.uid = int(row.get("uid", 0))  # type: ignore[call-overload]
+            info.gid = int(row.get("gid", 0))  # type: ignore[call-overload]
+            info.mtime = int(row.get("mtime", 1_700_000_000))  # type: ignore[call-overload]
+            if kind in ("symlink", "hardlink"):
+                info.linkname = str(row["target"])
+            xattrs: dict[str, bytes] = row.get("xattrs", {})  # type: ignore[assignment]
+            info.pax_headers = {f"SCHILY.xattr.{k}": v.decode("utf-8", "surrogateescape")
+                                for k, v in xattrs.items()}
+            data = bytes(row.get("data", b""))  # type: ignore[arg-type]
+            info.size = len(data) if kind == "file" else 0
+            tar.addfile(info, io.BytesIO(data) if kind == "file" else None)
+    return buf.getvalue()

@@ -68,7 +68,12 @@ async def _ready(w: World, req: models.MachineCreate) -> models.Machine:
 
 
 def _chains(w: World) -> set[str]:
-    return {p.name for p in (w.paths.image_roots / "chains").iterdir()}
+    """The chain trees; a ``.below`` link (what QEMU's disks build on) goes with its own."""
+    chains = w.paths.image_roots / "chains"
+    trees = {p.name for p in chains.iterdir() if p.is_dir() and not p.is_symlink()}
+    links = {p.name.removesuffix(".below") for p in chains.glob("*.below")}
+    assert links <= trees, (trees, links)
+    return trees
 
 
 def _disks(w: World) -> set[str]:

@@ -320,9 +320,10 @@ class Engine(Protocol):
     def image_roots(self) -> bool:
         """True when a machine can boot on a directory tree (an imported container
         image, unpacked): `create_disk` then takes that directory as a raw backing (in
-        whatever form the engine boots: gVisor serves the tree, QEMU packs it into an
-        ext4 disk once per image), and the engine brings its own agent runtime to a
-        machine whose config says ``image_root``, whatever the tree holds."""
+        whatever form the engine boots: gVisor serves the tree, QEMU makes it a disk
+        once per layer chain, a qcow2 chain on the base's ext4), and the engine brings
+        its own agent runtime to a machine whose config says ``image_root``, whatever
+        the tree holds."""
         ...
 
     def info(self) -> EngineInfo: ...

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ._build import CACHE_ENV, GuestImage, Recipe, cache_dir, ensure_image, list_images
 from ._collect import collect_unpacked
-from ._disk import image_disk
+from ._disk import disk_format, image_disk, virtual_size
 from ._rootfs import GUEST_CLIENT_DIR
 from ._tree import AGENT_MOUNT, CLIENT_DIR, RELAY_ENV, agent_tree, native_relay, rootfs_tree
 
@@ -23,9 +23,11 @@ __all__ = [
     "agent_tree",
     "cache_dir",
     "collect_unpacked",
+    "disk_format",
     "ensure_image",
     "image_disk",
     "list_images",
     "native_relay",
     "rootfs_tree",
+    "virtual_size",
 ]

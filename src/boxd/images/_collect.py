@@ -106,8 +106,9 @@ def _sweep_roots(roots: Path, live: set[str], keep_links: set[str]) -> list[Path
             removed.append(entry)
     chains = roots / "chains"
     if chains.is_dir():
-        for entry in chains.iterdir():
-            dead = _stale(entry) if entry.name.startswith(".") else entry.name not in live
+        for entry in chains.iterdir():  # <id> trees and <id>.below links (`_note_below`)
+            dead = _stale(entry) if entry.name.startswith(".") else \
+                entry.name.split(".", 1)[0] not in live
             if dead:
                 _remove(entry)
                 removed.append(entry)

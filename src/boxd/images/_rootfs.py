@@ -246,6 +246,12 @@ def tree_size(root: Path) -> tuple[int, int]:
     return total, count
 
 
+def ext4_size(used: int, entries: int) -> tuple[int, int]:
+    """(MiB, inodes) of an ext4 that holds ``used`` bytes in ``entries`` entries with
+    headroom: content x 1.15 + 256 MiB, twice the entries' inodes (at least 65536)."""
+    return int(used * 1.15 / 2**20) + 256, max(65536, entries * 2)
+
+
 def make_ext4(root: Path, image: Path) -> int:
     """Pack ``root`` into a raw ext4 image sized content + headroom; return its size.
 
@@ -253,9 +259,7 @@ def make_ext4(root: Path, image: Path) -> int:
         HostSetupError: mkfs.ext4 is missing or failed.
     """
     need_tool("mkfs.ext4", "mkfs.ext4")
-    used, entries = tree_size(root)
-    size_mib = int(used * 1.15 / 2**20) + 256
-    inodes = max(65536, entries * 2)
+    size_mib, inodes = ext4_size(*tree_size(root))
     with open(image, "wb") as f:
         f.truncate(size_mib * 2**20)
     run(["mkfs.ext4", "-q", "-F", "-L", "boxd-root", "-N", str(inodes),

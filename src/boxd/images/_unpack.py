@@ -9,8 +9,9 @@ resolves them there, not this code.
 
 Whiteouts (the OCI layer format): ``.wh.NAME`` removes NAME as the lower layers left
 it; ``.wh..wh..opq`` empties its directory of what lower layers put there. Ownership is
-numeric (the image's uids, not this host's names); modes, setuid bits and times are
-kept. Stdlib only: it runs in a fresh interpreter before anything else is imported.
+numeric (the image's uids, not this host's names); modes, setuid bits, times and
+xattrs (PAX ``SCHILY.xattr.*`` records: file capabilities) are kept. Stdlib only: it
+runs in a fresh interpreter before anything else is imported.
 """
 
 from __future__ import annotations
@@ -20,9 +21,14 @@ import shutil
 import stat
 import sys
 import tarfile
+from collections.abc import Mapping
 
 WHITEOUT = ".wh."
 OPAQUE = ".wh..wh..opq"
+XATTR = "SCHILY.xattr."
+#: The xattr names (prefixes) a layer may set on its files.
+KEPT_XATTRS = ("user.", "security.capability", "system.posix_acl_access",
+               "system.posix_acl_default")
 
 
 def _clean(name: str) -> str | None:
@@ -86,7 +92,25 @@ def apply(layer: tarfile.TarFile) -> None:
         trusted = {"filter": "fully_trusted"} if hasattr(tarfile, "fully_trusted_filter") \
             else {}
         layer.extract(m, "/", set_attrs=True, numeric_owner=True, **trusted)  # type: ignore[arg-type]
+        if not m.islnk():  # a hard link's xattrs are its file's, set where that was made
+            _set_xattrs(path, m.pax_headers)
         made.add(path)
+
+
+def _set_xattrs(path: str, pax: Mapping[str, str]) -> None:
+    """The entry's xattrs (PAX ``SCHILY.xattr.NAME`` records, as docker and buildah
+    write them; tarfile applies none), set after the owner: a chown clears a file's
+    security.capability. A value is bytes (tarfile decoded it with surrogateescape).
+    Only the names an image's files mean for their guest (`KEPT_XATTRS`): trusted.*
+    and other security.* names are the host's (overlayfs metadata, LSM labels) and are
+    left out, as is one the kernel refuses (as before xattrs were applied at all)."""
+    for key, value in pax.items():
+        if key.startswith(XATTR) and key[len(XATTR):].startswith(KEPT_XATTRS):
+            try:
+                os.setxattr(path, key[len(XATTR):], value.encode("utf-8", "surrogateescape"),
+                            follow_symlinks=False)
+            except OSError:
+                continue
 
 
 def main(argv: list[str]) -> int:

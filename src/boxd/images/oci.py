@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import itertools
 import json
 import os
 import secrets
@@ -485,8 +486,10 @@ def unpack_image(store: ImageStore, info: ImageInfo, roots: Path) -> Path:
     layers, its id the hash of the chain below it and the k-th layer's digest. A chain
     starts as hard links of the one below (`_link_tree`: new directories, the same
     file inodes) and applies its own layer, so images that share base layers share
-    those layers' file data on disk however many are unpacked. ``roots/<digest>`` is a
-    symbolic link naming the image's chain, made last: an image is unpacked once.
+    those layers' file data on disk however many are unpacked. ``roots/chains/<id>.below``
+    names the chain under each (QEMU builds its disks per chain on it:
+    `boxd.images._disk`). ``roots/<digest>`` is a symbolic link naming the image's chain,
+    made last: an image is unpacked once.
 
     A layer replaces a file by unlinking it first (`boxd.images._unpack`), so a
     chain never writes through a link into the tree below it. The layers are applied
@@ -515,19 +518,21 @@ def roots_lock(roots: Path, mode: int) -> Iterator[None]:
 
 def _unpack_image(store: ImageStore, info: ImageInfo, roots: Path) -> Path:
     final = roots / info.digest.split(":", 1)[1]
+    ids = chain_ids([d.digest for d in info.layers])
     if final.is_dir():
+        _note_below(roots / "chains", ids)  # an image unpacked before chains were noted
         return final.resolve()
     specs = [_compression(d, info.name) for d in info.layers]
     roots.mkdir(parents=True, exist_ok=True, mode=0o700)  # the trees inside: the image's modes
     chains = roots / "chains"
     chains.mkdir(exist_ok=True, mode=0o700)
     below: Path | None = None
-    ids = chain_ids([d.digest for d in info.layers])
     for d, how, chain in zip(info.layers, specs, ids, strict=True):
         here = chains / chain
         if not here.is_dir():
             _make_chain(store, here, below, d.digest, how, info.name)
         below = here
+    _note_below(chains, ids)
     if below is None:  # an image of no layers: an empty root
         below = chains / hashlib.sha256(b"").hexdigest()
         below.mkdir(mode=0o755, exist_ok=True)
@@ -548,6 +553,17 @@ def chain_ids(layers: list[str]) -> list[str]:
         chain = hashlib.sha256(f"{chain}|{digest}".encode()).hexdigest()
         out.append(chain)
     return out
+
+
+def _note_below(chains: Path, ids: list[str]) -> None:
+    """``chains/<id>.below``, a symbolic link naming the chain under each chain but the
+    first: what a QEMU image disk is built on (`boxd.images._disk.chain_below`). The
+    target follows from the id, so a second writer's link is the same."""
+    for below, chain in itertools.pairwise(ids):
+        note = chains / f"{chain}.below"
+        if (chains / chain).is_dir() and not note.is_symlink():
+            with contextlib.suppress(FileExistsError):
+                note.symlink_to(below)
 
 
 def _compression(d: Descriptor, name: str) -> str:

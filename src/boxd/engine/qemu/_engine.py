@@ -30,7 +30,7 @@ from boxd.engine.qemu import _argv, _net
 from boxd.engine.qemu._probe import AccelChoice
 from boxd.engine.qemu._process import QemuProcess, pid_matches
 from boxd.errors import BoxdError, InternalError, InvalidRequest, MachineFailed
-from boxd.images import image_disk
+from boxd.images import disk_format, image_disk, virtual_size
 from boxd.storage import disks
 from boxd.storage.fds import OwnedFd
 from boxd.storage.memory import sparse_copy
@@ -413,7 +413,8 @@ class QemuEngine:
         self, path: Path, backing: Path, backing_format: str, size_gib: int
     ) -> None:
         """A qcow2 overlay on ``backing``; a directory (a container image's unpacked
-        root, `image_roots`) is first packed into an ext4 disk, once per image."""
+        root, `image_roots`) is first made a disk, once per layer chain (a raw ext4
+        of the first, qcow2s of each chain's changes above it: `image_disk`)."""
         fmt = "raw" if backing_format == "raw" else "qcow2"
         if backing.is_dir():
             if self.image_disks is None:
@@ -421,9 +422,9 @@ class QemuEngine:
                                     "image disks: it cannot boot a container image")
             group = self.file_owner[1] if self.file_owner else None
             backing = await asyncio.to_thread(image_disk, backing, self.image_disks, group)
-            fmt = "raw"
+            fmt = disk_format(backing)
             # An overlay smaller than its base would cut the image's filesystem short.
-            need = -(-backing.stat().st_size // (1 << 30))
+            need = -(-virtual_size(backing) // (1 << 30))
             if size_gib < need:
                 raise InvalidRequest(
                     f"this image's files need a disk of at least {need} GiB; the machine's "
