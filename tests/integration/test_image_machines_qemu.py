@@ -110,3 +110,46 @@ def test_a_qemu_machine_runs_an_image_without_python_forks_and_snapshots(  # typ
         client.machines.delete(again.id)
     finally:
         client.snapshots.delete(snap.name)
+
+
+def test_an_image_machines_long_disk_chain_collapses(  # type: ignore[no-untyped-def]
+        daemon, client, image, made) -> None:
+    """Each checkpoint adds a layer under the machine's disk; past `MAX_CHAIN` the
+    node streams them into the active one, down to the image's own disk (its records
+    name the image's tree; QEMU's chain ends in the top layer chain's disk)."""
+    import sqlite3
+
+    from boxd.node.runtime import MAX_CHAIN
+
+    m = client.machines.new("imgq-chain", engine="qemu", image=IMAGE, service=False)
+    made.append(m.id)
+    client.machines.wait_until_ready(m.id, timeout=300)
+
+    def chain_length() -> int:
+        db = sqlite3.connect(daemon.home / "state.db")
+        try:
+            (layer,) = db.execute("SELECT layer_id FROM machines WHERE id=?",
+                                  (m.id,)).fetchone()
+            n = 0
+            while layer is not None:
+                n += 1
+                (layer,) = db.execute("SELECT parent_id FROM layers WHERE id=?",
+                                      (layer,)).fetchone()
+            return n
+        finally:
+            db.close()
+
+    for i in range(MAX_CHAIN + 2):
+        client.machines.exec(m.id, ["busybox", "sh", "-c", f"echo {i} > /layer-{i}"],
+                             user="root")
+        client.machines.checkpoints.save(m.id, f"c{i}")
+    deadline = time.monotonic() + 300
+    while chain_length() > MAX_CHAIN and time.monotonic() < deadline:
+        time.sleep(1)
+    assert chain_length() <= MAX_CHAIN, f"chain is {chain_length()} long"
+    out = client.machines.exec(m.id, ["busybox", "sh", "-c", "cat /layer-*"],
+                               user="root").stdout.split()
+    assert sorted(out, key=int) == [str(i) for i in range(MAX_CHAIN + 2)]
+    client.machines.checkpoints.restore(m.id, "c0")
+    r = client.machines.exec(m.id, ["busybox", "ls", "/"], user="root")
+    assert "layer-0" in r.stdout.split() and "layer-1" not in r.stdout.split(), r

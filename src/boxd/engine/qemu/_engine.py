@@ -233,7 +233,7 @@ class QemuMachine:
         nodes = await self.process.execute("query-named-block-nodes", {"flat": True})
         base_node = next(
             (n["node-name"] for n in nodes
-             if n.get("file") == str(base) and n.get("drv") != "file"),
+             if _is_base(str(n.get("file", "")), base) and n.get("drv") != "file"),
             None,
         )
         if base_node is None:
@@ -253,7 +253,7 @@ class QemuMachine:
         info = await self.process.execute("query-block")
         disk = next(b for b in info if b.get("device") == "disk0")
         backing = disk["inserted"]["image"].get("backing-image", {}).get("filename")
-        if backing != str(base):
+        if backing is None or not _is_base(backing, base):
             raise InternalError(
                 f"collapsing the disk of {self.config.id} did not finish (backing {backing})"
             )
@@ -330,6 +330,15 @@ class QemuMachine:
             log.warning("machine=%s event=announce_failed error=%s", self.config.id, exc)
             return
         self._announced = True
+
+
+def _is_base(file: str, base: Path) -> bool:
+    """Whether a block node's ``file`` is the chain's ``base``: that path, or for a
+    container image's tree (the base its records name) the disk of its top layer
+    chain, `<chain id>.ext4` or `.qcow2` (`image_disk`: the tree is chains/<chain id>)."""
+    if file == str(base):
+        return True
+    return base.is_dir() and Path(file).name.split(".", 1)[0] == base.resolve().name
 
 
 class QemuEngine:
