@@ -450,6 +450,8 @@ async def _upload(request: Request, rec: SandboxRecord, path: str,
     """
     machines = state_of(request).sandboxes.machines
     user = await user_of(request, rec, named)
+    if user == ROOT:
+        user = None  # the agent writes as root: no owner to give (any agent can)
     try:
         await machines.upload(rec.account, rec.sandbox_id, path, body(), user=user)
     except InvalidRequest as exc:
