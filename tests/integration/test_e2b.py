@@ -143,7 +143,8 @@ def test_files_belong_to_the_calls_user(sbx) -> None:  # type: ignore[no-untyped
     for call in (lambda: sbx.files.write("owned/x", "x", user="no-such-user"),
                  lambda: sbx.files.make_dir("owned/y", user="no-such-user"),
                  lambda: sbx.files.read("owned/new/dir/b.txt", user="no-such-user"),
-                 lambda: sbx.files.get_info("owned", user="no-such-user")):
+                 lambda: sbx.files.get_info("owned", user="no-such-user"),
+                 lambda: sbx.files.watch_dir("owned", user="no-such-user")):
         with pytest.raises(e2b.AuthenticationException, match="no-such-user"):
             call()
     assert not sbx.files.exists("owned/x") and not sbx.files.exists("owned/y")

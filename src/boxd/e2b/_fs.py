@@ -187,9 +187,9 @@ async def fs_call(machines: MachineService, account: str, sandbox_id: str, op: s
 #: ``{"start": true}`` (or one ``{"error": ...}``). At most ``MAX_WATCHED`` entries are
 #: looked at, so its memory stays bounded whatever the directory holds.
 WATCH_PROGRAM = r'''
-import json, os, stat, sys, time
+import json, os, pwd, stat, sys, time
 root, recursive = sys.argv[1], sys.argv[2] == "1"
-interval, limit = float(sys.argv[3]), int(sys.argv[4])
+interval, limit, user = float(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 
 def snap():
     out, todo = {}, [""]
@@ -216,6 +216,12 @@ def say(msg):
     sys.stdout.write(json.dumps(msg) + "\n")
     sys.stdout.flush()
 
+if user:
+    try:
+        pwd.getpwnam(user)
+    except KeyError:
+        say({"error": {"code": "unauthenticated", "message": "invalid username: '%s'" % user}})
+        sys.exit(0)
 if not os.path.isdir(root):
     code = "not_found" if not os.path.exists(root) else "invalid_argument"
     say({"error": {"code": code, "message": "%s is not a directory" % root}})
@@ -316,12 +322,14 @@ class Watchers:
         self._all: dict[str, Watcher] = {}
 
     async def create(self, machines: MachineService, account: str, sandbox_id: str,
-                     path: str, recursive: bool) -> Watcher:
-        """Start watching ``path``; returns once the first listing is taken.
+                     path: str, recursive: bool, user: str | None = None) -> Watcher:
+        """Start watching ``path`` (as root, as envd does; ``user``, the one the call
+        names, must exist); returns once the first listing is taken.
 
         Raises:
             ConnectError: ``not_found`` / ``invalid_argument`` (no such directory),
-                ``resource_exhausted`` (too many watchers).
+                ``resource_exhausted`` (too many watchers), ``unauthenticated`` (no such
+                user).
             BoxdError: the machine could not run it.
         """
         if sum(w.sandbox_id == sandbox_id for w in self._all.values()) >= MAX_WATCHERS:
@@ -330,7 +338,7 @@ class Watchers:
         watcher = Watcher(secrets.token_hex(8), sandbox_id)
         req = models.ExecRequest(command=[
             "python3", "-c", WATCH_PROGRAM, path, "1" if recursive else "0",
-            str(WATCH_INTERVAL), str(MAX_WATCHED)], timeout=None)
+            str(WATCH_INTERVAL), str(MAX_WATCHED), user or ""], timeout=None)
         watcher.task = asyncio.create_task(
             watcher.run(machines.exec_stream(account, sandbox_id, req)))
         self._all[watcher.id] = watcher

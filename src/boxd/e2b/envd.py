@@ -516,7 +516,7 @@ async def _watch(request: Request, rec: SandboxRecord, msg: dict[str, Any]) -> W
         raise ConnectError("invalid_argument", "recursive must be true or false")
     return await state_of(request).watchers.create(
         state_of(request).sandboxes.machines, rec.account, rec.sandbox_id,
-        absolute(msg.get("path")), recursive)
+        absolute(msg.get("path")), recursive, rpc_user(request))
 
 
 async def fs_watch_dir(request: Request, rec: SandboxRecord) -> Response:
