@@ -57,7 +57,7 @@ def main() -> int:
         # Branch the finished episode: both children start from this sandbox's state.
         left, right = sbx.fork(count=2)
         try:
-            left.commands.run("echo 'x:x:1:1::/:/bin/sh' >> /etc/passwd")
+            left.commands.run("echo 'x:x:1:1::/:/bin/sh' >> /etc/passwd", user="root")
             counts = [int(s.commands.run("grep -c 'sh$' /etc/passwd").stdout)
                       for s in (left, right)]
         finally:

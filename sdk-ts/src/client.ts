@@ -912,19 +912,21 @@ export class Files {
    * Write a file in the machine (parent directories are created).
    * @param data the content; a string is encoded as UTF-8.
    * @param options.mode permission bits (default 0o644).
-   * @throws MachineNotFound, InvalidRequest
+   * @param options.user the file's owner, `NAME[:GROUP]` or `UID[:GID]` from the guest's
+   *   /etc/passwd and /etc/group (the parents the upload makes are theirs too); default root.
+   * @throws MachineNotFound, InvalidRequest (a user the guest does not have)
    */
   async upload(
     ref: string,
     path: string,
     data: string | Uint8Array,
-    options: { mode?: number } = {},
+    options: { mode?: number; user?: string } = {},
   ): Promise<FileInfo> {
     const body = typeof data === "string" ? Buffer.from(data, "utf8") : Buffer.from(data);
     return this.c._json({
       method: "PUT",
       path: `/v1/machines/${seg(ref)}/files`,
-      query: { path, mode: Math.trunc(options.mode ?? 0o644) },
+      query: { path, mode: Math.trunc(options.mode ?? 0o644), user: options.user },
       body,
     });
   }

@@ -4232,6 +4232,8 @@ export interface operations {
                 path: string;
                 /** @description permission bits, decimal (420 = 0o644) */
                 mode?: number;
+                /** @description the file's owner (and that of the parents the upload makes): NAME[:GROUP] or UID[:GID] from the machine's /etc/passwd and /etc/group; default: root */
+                user?: string | null;
             };
             header?: never;
             path: {

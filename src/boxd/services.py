@@ -163,10 +163,12 @@ class MachineService(Protocol):
 
     async def upload(
         self, account: str, ref: str, path: str, data: bytes | AsyncIterable[bytes],
-        mode: int = 0o644,
+        mode: int = 0o644, user: str | None = None,
     ) -> models.FileInfo:
-        """Write a file in the guest from bytes or streamed chunks (parents created).
-        Raises: MachineNotFound, InvalidRequest."""
+        """Write a file in the guest from bytes or streamed chunks (parents created), the
+        file and the parents it makes owned by ``user`` (``NAME[:GROUP]`` or
+        ``UID[:GID]``; None: root). Raises: MachineNotFound, InvalidRequest (field
+        ``user``: a user the guest lacks, or an agent too old to set an owner)."""
         ...
 
     def download(self, account: str, ref: str, path: str) -> AsyncIterator[bytes]:

@@ -206,7 +206,7 @@ class FakeMachines(MachineService):
 
     async def upload(
         self, account: str, ref: str, path: str, data: bytes | AsyncIterable[bytes],
-        mode: int = 0o644,
+        mode: int = 0o644, user: str | None = None,
     ) -> models.FileInfo:
         m = self._find(account, ref)
         if not isinstance(data, bytes):

@@ -53,6 +53,20 @@ describe('one sandbox', () => {
     })
   })
 
+  test('users: E2B\'s user by default, root when named; files are the call\'s user\'s', async () => {
+    assert.equal((await sbx.commands.run('whoami; echo $HOME')).stdout, 'user\n/home/user\n')
+    assert.equal((await sbx.commands.run('whoami', { user: 'root' })).stdout, 'root\n')
+    await sbx.files.write('jsowned/a.txt', 'x')
+    await sbx.files.write('/home/user/jsowned/r.txt', 'x', { user: 'root' })
+    assert.equal((await sbx.commands.run('stat -c %U jsowned jsowned/a.txt jsowned/r.txt'))
+      .stdout, 'user\nuser\nroot\n')
+    assert.equal((await sbx.files.getInfo('jsowned/a.txt')).owner, 'user')
+    await assert.rejects(sbx.commands.run('true', { user: 'no-such-user' }), AuthenticationError)
+    await assert.rejects(sbx.files.write('jsowned/n.txt', 'x', { user: 'no-such-user' }),
+      AuthenticationError)
+    await sbx.files.remove('jsowned')
+  })
+
   test('streaming callbacks get output as it comes', async () => {
     const out = []
     const err = []

@@ -536,6 +536,8 @@ sbx = Sandbox.create(timeout=600)
 try:
     assert sbx.commands.run("echo hi").stdout == "hi\\n"
     sbx.files.write("/home/user/state", "42")
+    # E2B's user, and the upload is theirs (the owner crosses the Ray actor calls)
+    assert sbx.commands.run("whoami; stat -c %U /home/user/state").stdout == "user\\nuser\\n"
     kids = sbx.fork(count=2)
     try:
         for kid in kids:

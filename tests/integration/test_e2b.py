@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from boxd.errors import InvalidRequest as BoxdInvalidRequest
 from tests._support.daemon import Daemon
 from tests._support.e2b import e2b_daemon
 
@@ -96,6 +97,90 @@ def test_files(sbx) -> None:  # type: ignore[no-untyped-def]
     assert not sbx.files.exists("/home/user/notes")
     with pytest.raises(e2b.NotFoundException):
         sbx.files.read("/home/user/nothing-here")
+
+
+def test_commands_run_as_e2bs_user_or_the_one_named(sbx) -> None:  # type: ignore[no-untyped-def]
+    """As on E2B's base template: commands run as `user` (home /home/user, bash) unless
+    the call names another user; a user the sandbox lacks is the SDK's
+    AuthenticationException. (Its sudo works under QEMU, not gVisor, which ignores
+    setuid bits: test_e2b_qemu.py.)"""
+    r = sbx.commands.run("whoami; echo $HOME; pwd; echo $SHELL")
+    assert r.stdout == "user\n/home/user\n/home/user\n/bin/bash\n"
+    assert sbx.commands.run("whoami; echo $HOME", user="root").stdout == "root\n/root\n"
+    with pytest.raises(e2b.CommandExitException):
+        sbx.commands.run("touch /root/not-users")  # the user's own permissions
+    h = sbx.commands.run("sleep 30; whoami", background=True, user="root")
+    assert sbx.commands.kill(h.pid) is True
+    with pytest.raises(e2b.AuthenticationException, match="no-such-user"):
+        sbx.commands.run("true", user="no-such-user")
+
+
+def test_files_belong_to_the_calls_user(sbx) -> None:  # type: ignore[no-untyped-def]
+    """As E2B's envd (which runs as root) leaves them: an upload, the parents it makes,
+    a made directory and a move's new parents belong to the call's user; root's own
+    when the call says root; a user the sandbox lacks is AuthenticationException."""
+    sbx.files.write("owned/a/b.txt", "one\n")
+    assert sbx.commands.run("cd owned && stat -c %U:%G a a/b.txt").stdout == \
+        "user:user\nuser:user\n"
+    sbx.commands.run("echo two >> owned/a/b.txt")  # the user may write to it
+    assert sbx.files.read("owned/a/b.txt") == "one\ntwo\n"
+    # envd writes as root: an upload anywhere works, and is the call's user's
+    sbx.files.write("/root/for-user", "x")
+    sbx.files.write("/root/for-root", "x", user="root")
+    assert sbx.commands.run("stat -c %U /root/for-user /root/for-root", user="root"
+                            ).stdout == "user\nroot\n"
+    made = sbx.files.make_dir("owned/d/e")
+    assert made is True
+    info = sbx.files.get_info("owned/d")
+    assert (info.owner, info.group) == ("user", "user")
+    assert {(e.name, e.owner) for e in sbx.files.list("owned")} == {
+        ("a", "user"), ("d", "user")}
+    assert sbx.files.make_dir("/home/user/owned/by-root", user="root") is True
+    assert sbx.files.get_info("owned/by-root").owner == "root"
+    moved = sbx.files.rename("owned/a/b.txt", "owned/new/dir/b.txt")
+    assert moved.owner == "user"
+    assert sbx.files.get_info("owned/new/dir").owner == "user"
+    assert sbx.files.list("/root", user="root")  # root reads /root; so does envd for all
+    for call in (lambda: sbx.files.write("owned/x", "x", user="no-such-user"),
+                 lambda: sbx.files.make_dir("owned/y", user="no-such-user"),
+                 lambda: sbx.files.read("owned/new/dir/b.txt", user="no-such-user"),
+                 lambda: sbx.files.get_info("owned", user="no-such-user"),
+                 lambda: sbx.files.watch_dir("owned", user="no-such-user")):
+        with pytest.raises(e2b.AuthenticationException, match="no-such-user"):
+            call()
+    assert not sbx.files.exists("owned/x") and not sbx.files.exists("owned/y")
+    sbx.files.remove("owned")
+    # boxd's own upload takes an owner too
+    from boxd import Boxd
+
+    with Boxd() as b:
+        b.machines.files.upload(sbx.sandbox_id, "/tmp/boxd-up/f", "x", user="user")
+        assert b.machines.exec(sbx.sandbox_id, "stat -c %U /tmp/boxd-up /tmp/boxd-up/f"
+                               ).stdout == "user\nuser\n"
+        with pytest.raises(BoxdInvalidRequest, match="no user 'no-such-user'"):
+            b.machines.files.upload(sbx.sandbox_id, "/tmp/never", "x", user="no-such-user")
+
+
+def test_a_guest_without_the_user_account_runs_as_root(sbx) -> None:  # type: ignore[no-untyped-def]
+    """A snapshot template saved from a guest that has no `user` (as boxd's guest image
+    before it had one): its sandboxes' commands and files fall back to root."""
+    src = e2b.Sandbox.create(timeout=300)
+    try:
+        src.commands.run("userdel user", user="root")
+        snap = src.create_snapshot(name="no-user-account")
+    finally:
+        src.kill()
+    child = e2b.Sandbox.create(template=snap.snapshot_id, timeout=120)
+    try:
+        assert child.commands.run("whoami; pwd").stdout == "root\n/home/user\n"
+        child.files.write("made/by/default.txt", "x")
+        assert child.commands.run("stat -c %U made made/by/default.txt").stdout == \
+            "root\nroot\n"
+        with pytest.raises(e2b.AuthenticationException, match="user"):
+            child.commands.run("true", user="user")
+    finally:
+        child.kill()
+        e2b.Sandbox.delete_snapshot(snap.snapshot_id)
 
 
 def test_list_info_and_timeout(sbx) -> None:  # type: ignore[no-untyped-def]
@@ -376,13 +461,15 @@ def test_a_warm_template_create_is_a_fork_of_its_source(e2b_env: dict[str, str])
     with Boxd() as b:
         src = b.machines.get(first["machine"])
         assert src.labels == {"boxd.e2b/template": "base", "boxd.e2b/role": "source"}
-        b.machines.exec(src.id, "echo from-the-source > /home/user/mark")
+        # as E2B's user, whose sandboxes then overwrite it
+        b.machines.exec(src.id, "echo from-the-source > /home/user/mark", user="user")
         again = json.loads(_boxd_cli("e2b", "warm", "base", "--forks", "2", "--json"))
         assert again["machine"] == src.id and again["forks"] == 2  # the same source
         made = [e2b.Sandbox.create(timeout=120) for _ in range(2)]
         try:
             for s in made:
                 assert s.commands.run("cat /home/user/mark").stdout == "from-the-source\n"
+                assert s.commands.run("whoami").stdout == "user\n"  # found out once
                 m = b.machines.get(s.sandbox_id)
                 assert m.parent_id == src.id, m
                 assert m.labels["boxd.e2b/role"] == "sandbox"

@@ -110,6 +110,17 @@ def test_pty_create_input_resize_kill(sbx) -> None:  # type: ignore[no-untyped-d
     sbx.commands.kill(plain.pid)
 
 
+def test_a_pty_runs_as_e2bs_user_or_the_one_named(sbx) -> None:  # type: ignore[no-untyped-def]
+    h = sbx.pty.create(e2b.PtySize(rows=24, cols=80))
+    sbx.pty.send_stdin(h.pid, b"echo who-$(whoami)-$HOME-$PWD\n")
+    assert "who-user-/home/user-/home/user" in _pty_text(h, "who-user-")
+    sbx.pty.kill(h.pid)
+    h = sbx.pty.create(e2b.PtySize(rows=24, cols=80), user="root")
+    sbx.pty.send_stdin(h.pid, b"echo who-$(whoami)\n")
+    assert "who-root" in _pty_text(h, "who-root")
+    sbx.pty.kill(h.pid)
+
+
 def test_a_flooding_pty_nobody_reads_holds_the_command_not_the_daemon(sbx) -> None:  # type: ignore[no-untyped-def]
     """`yes` on a pty whose client reads nothing: flow control holds the command in
     the guest (agent window, the shim's queue, the HTTP stream), so the daemon's memory

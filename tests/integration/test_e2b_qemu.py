@@ -36,6 +36,9 @@ def test_create_run_files_fork_and_kill_on_qemu(e2b_env: dict[str, str]) -> None
         assert r.stdout.split() == ["qemu", "/home/user"], r
         sbx.files.write("notes/a.txt", "from qemu")
         assert sbx.files.read("notes/a.txt") == "from qemu"
+        # E2B's user, whose sudo works here (gVisor ignores setuid bits: docs/e2b.md)
+        r = sbx.commands.run("whoami; sudo -n whoami; stat -c %U notes/a.txt")
+        assert r.stdout.split() == ["user", "root", "user"], r
         sbx.commands.run("echo kept > /tmp/state")
         kids = list(sbx.fork(count=2))
         for kid in kids:

@@ -713,14 +713,19 @@ def machine_files() -> None:
 @click.argument("local", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.argument("remote")
 @click.option("--mode", default="644", show_default=True, help="Permission bits, octal.")
+@click.option("--user", default=None, metavar="NAME[:GROUP]",
+              help="The file's owner (and that of the directories the upload makes), from "
+              "the machine's /etc/passwd; default: root.")
 @pass_state
-def files_upload(state: _State, name: str, local: Path, remote: str, mode: str) -> None:
+def files_upload(state: _State, name: str, local: Path, remote: str, mode: str,
+                 user: str | None) -> None:
     """Copy LOCAL file to absolute path REMOTE in machine NAME."""
     try:
         bits = int(mode, 8)
     except ValueError:
         raise click.BadParameter(f"not an octal mode: {mode!r}", param_hint="--mode") from None
-    info = state.boxd.machines.files.upload(name, remote, local.read_bytes(), mode=bits)
+    info = state.boxd.machines.files.upload(name, remote, local.read_bytes(), mode=bits,
+                                            user=user)
     click.echo(f"uploaded {local} -> {name}:{info.path} ({info.size} bytes)")
 
 

@@ -486,12 +486,12 @@ class Machines:
 
     async def upload(
         self, account: str, ref: str, path: str, data: bytes | AsyncIterable[bytes],
-        mode: int = 0o644,
+        mode: int = 0o644, user: str | None = None,
     ) -> models.FileInfo:
         if not path.startswith("/"):
             raise InvalidRequest(f"guest path must be absolute: {path!r}", field="path")
         rec = self._find(account, ref)
-        return await self._node(rec).upload(rec.id, path, data, mode)
+        return await self._node(rec).upload(rec.id, path, data, mode, user)
 
     async def download(self, account: str, ref: str, path: str) -> AsyncIterator[bytes]:
         if not path.startswith("/"):

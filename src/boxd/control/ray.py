@@ -311,11 +311,13 @@ class RayNode:
                     return
 
     async def upload(
-        self, machine_id: str, path: str, data: bytes | AsyncIterable[bytes], mode: int
+        self, machine_id: str, path: str, data: bytes | AsyncIterable[bytes], mode: int,
+        user: str | None = None,
     ) -> models.FileInfo:
         """Chunks go to the node one actor call each (the node writes them to the guest
         as they come; a few in flight at most)."""
-        sid: str = await self._ask(self.actor.upload_begin.remote(machine_id, path, mode))
+        sid: str = await self._ask(self.actor.upload_begin.remote(
+            machine_id, path, mode, user=user))
         try:
             if isinstance(data, bytes):
                 for off in range(0, len(data), CHUNK):

@@ -22,9 +22,10 @@ __all__ = [
 ]
 
 #: The envd version boxd's shim answers for: the highest E2B version whose features the
-#: SDKs gate on that the shim implements (docs/e2b.md): stdin (0.3.0), no default user
-#: (0.4.0: the SDKs send none, boxd runs commands as root anyway) and CloseStdin
-#: (0.5.2); not yet octet-stream uploads (0.5.7) or file metadata (0.6.2).
+#: SDKs gate on that the shim implements (docs/e2b.md): stdin (0.3.0), the default user
+#: (0.4.0: the SDKs name a user only when the caller does, and the sandbox's default
+#: applies otherwise, `boxd.e2b._users`) and CloseStdin (0.5.2); not yet octet-stream
+#: uploads (0.5.7) or file metadata (0.6.2).
 ENVD_VERSION = "0.5.2"
 #: E2B's ``clientID``: a constant.
 CLIENT_ID = "boxd"

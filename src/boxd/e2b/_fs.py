@@ -10,6 +10,10 @@ and it costs one exec per watcher, not one per poll.
 the guest's python3 through boxd's exec; it prints one JSON line, the answer or
 ``{"error": {"code", "message"}}`` in Connect's codes. Entries are envd's
 ``EntryInfo`` in proto3 JSON (64-bit ``size`` as a string, times in RFC 3339).
+
+The program runs as root, as envd does, whoever the call is for: the call's user
+(`boxd.e2b._users`) owns the directories ``mkdir`` and ``move`` make (envd's
+``EnsureDirs``), and a name the guest lacks is ``unauthenticated``, as envd answers.
 """
 
 from __future__ import annotations
@@ -60,6 +64,28 @@ def entry(p):
         e["isSymlink"] = True
     return e
 
+class UnknownUser(Exception):
+    pass
+
+def owner_ids(name):
+    if not name:
+        return None
+    try:
+        e = pwd.getpwnam(name)
+    except KeyError:
+        raise UnknownUser(name)
+    return e.pw_uid, e.pw_gid
+
+def ensure_dirs(p, ids):
+    missing = []
+    while not os.path.exists(p):
+        missing.append(p)
+        p = os.path.dirname(p)
+    for d in reversed(missing):
+        os.mkdir(d, 0o755)
+        if ids:
+            os.chown(d, *ids)
+
 def walk(p, depth):
     out = []
     for name in sorted(os.listdir(p)):
@@ -69,7 +95,8 @@ def walk(p, depth):
             out.extend(walk(c, depth - 1))
     return out
 
-def main(op, args):
+def main(op, user, args):
+    ids = owner_ids(user)
     p = args[0]
     if op == "stat":
         return {"entry": entry(p)}
@@ -80,7 +107,7 @@ def main(op, args):
     if op == "mkdir":
         if os.path.lexists(p):
             return {"error": {"code": "already_exists", "message": "%s already exists" % p}}
-        os.makedirs(p)
+        ensure_dirs(p, ids)
         return {"entry": entry(p)}
     if op == "remove":
         if os.path.isdir(p) and not os.path.islink(p):
@@ -91,13 +118,15 @@ def main(op, args):
     if op == "move":
         parent = os.path.dirname(args[1])
         if parent:
-            os.makedirs(parent, exist_ok=True)
+            ensure_dirs(parent, ids)
         os.rename(p, args[1])
         return {"entry": entry(args[1])}
     return {"error": {"code": "unimplemented", "message": op}}
 
 try:
-    out = main(sys.argv[1], sys.argv[2:])
+    out = main(sys.argv[1], sys.argv[2], sys.argv[3:])
+except UnknownUser as e:
+    out = {"error": {"code": "unauthenticated", "message": "invalid username: '%s'" % e.args[0]}}
 except FileNotFoundError as e:
     out = {"error": {"code": "not_found", "message": "%s: no such file or directory" % e.filename}}
 except FileExistsError as e:
@@ -126,16 +155,18 @@ def absolute(path: object, field: str = "path") -> str:
 
 
 async def fs_call(machines: MachineService, account: str, sandbox_id: str, op: str,
-                  *args: str) -> dict[str, Any]:
-    """Run one filesystem operation in the sandbox; its JSON answer.
+                  *args: str, user: str | None = None) -> dict[str, Any]:
+    """Run one filesystem operation in the sandbox for ``user`` (None: root), who owns
+    the directories it makes; its JSON answer.
 
     Raises:
-        ConnectError: the operation's own error (``not_found``, ``already_exists``, ...)
-            or ``internal`` when the guest's answer cannot be read.
+        ConnectError: the operation's own error (``not_found``, ``already_exists``,
+            ``unauthenticated`` for a user the guest lacks, ...) or ``internal`` when the
+            guest's answer cannot be read.
         BoxdError: the machine could not run it (the caller maps it).
     """
     result = await machines.exec(account, sandbox_id, models.ExecRequest(
-        command=["python3", "-c", GUEST_PROGRAM, op, *args], timeout=120))
+        command=["python3", "-c", GUEST_PROGRAM, op, user or "", *args], timeout=120))
     try:
         answer = json.loads(result.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError) as exc:
@@ -156,9 +187,9 @@ async def fs_call(machines: MachineService, account: str, sandbox_id: str, op: s
 #: ``{"start": true}`` (or one ``{"error": ...}``). At most ``MAX_WATCHED`` entries are
 #: looked at, so its memory stays bounded whatever the directory holds.
 WATCH_PROGRAM = r'''
-import json, os, stat, sys, time
+import json, os, pwd, stat, sys, time
 root, recursive = sys.argv[1], sys.argv[2] == "1"
-interval, limit = float(sys.argv[3]), int(sys.argv[4])
+interval, limit, user = float(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 
 def snap():
     out, todo = {}, [""]
@@ -185,6 +216,12 @@ def say(msg):
     sys.stdout.write(json.dumps(msg) + "\n")
     sys.stdout.flush()
 
+if user:
+    try:
+        pwd.getpwnam(user)
+    except KeyError:
+        say({"error": {"code": "unauthenticated", "message": "invalid username: '%s'" % user}})
+        sys.exit(0)
 if not os.path.isdir(root):
     code = "not_found" if not os.path.exists(root) else "invalid_argument"
     say({"error": {"code": code, "message": "%s is not a directory" % root}})
@@ -285,12 +322,14 @@ class Watchers:
         self._all: dict[str, Watcher] = {}
 
     async def create(self, machines: MachineService, account: str, sandbox_id: str,
-                     path: str, recursive: bool) -> Watcher:
-        """Start watching ``path``; returns once the first listing is taken.
+                     path: str, recursive: bool, user: str | None = None) -> Watcher:
+        """Start watching ``path`` (as root, as envd does; ``user``, the one the call
+        names, must exist); returns once the first listing is taken.
 
         Raises:
             ConnectError: ``not_found`` / ``invalid_argument`` (no such directory),
-                ``resource_exhausted`` (too many watchers).
+                ``resource_exhausted`` (too many watchers), ``unauthenticated`` (no such
+                user).
             BoxdError: the machine could not run it.
         """
         if sum(w.sandbox_id == sandbox_id for w in self._all.values()) >= MAX_WATCHERS:
@@ -299,7 +338,7 @@ class Watchers:
         watcher = Watcher(secrets.token_hex(8), sandbox_id)
         req = models.ExecRequest(command=[
             "python3", "-c", WATCH_PROGRAM, path, "1" if recursive else "0",
-            str(WATCH_INTERVAL), str(MAX_WATCHED)], timeout=None)
+            str(WATCH_INTERVAL), str(MAX_WATCHED), user or ""], timeout=None)
         watcher.task = asyncio.create_task(
             watcher.run(machines.exec_stream(account, sandbox_id, req)))
         self._all[watcher.id] = watcher

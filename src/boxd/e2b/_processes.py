@@ -31,6 +31,7 @@ from pydantic import ValidationError
 from boxd import models
 from boxd import process_models as pm
 from boxd.e2b._connect import ConnectError
+from boxd.e2b._users import invalid_user, is_unknown_user
 from boxd.errors import BoxdError, MachineFailed, MachineNotFound
 from boxd.services import MachineService
 
@@ -68,6 +69,7 @@ class Proc:
     #: An interactive command's input (None: its stdin is /dev/null, or closed).
     inputs: asyncio.Queue[pm.ExecInput] | None = None
     pty: bool = False
+    user: str | None = None  # who it runs as (None: root, or an image's USER)
 
     def info(self) -> Event:
         """Its ``ProcessInfo`` (proto3 JSON)."""
@@ -180,10 +182,12 @@ class ProcessTable:
 
     def start(self, account: str, sandbox_id: str, argv: builtins.list[str],
               envs: dict[str, str], cwd: str | None, tag: str | None, *,
-              stdin: bool = False, pty: tuple[int, int] | None = None) -> Proc:
-        """Start a command in its own task; a client subscribes to see its events.
-        With ``stdin`` its stdin stays open for `send`; with ``pty`` (rows, cols) it
-        runs on a terminal of that size.
+              stdin: bool = False, pty: tuple[int, int] | None = None,
+              user: str | None = None) -> Proc:
+        """Start a command in its own task, as ``user`` (None: root, or a container
+        image's USER); a client subscribes to see its events. With ``stdin`` its stdin
+        stays open for `send`; with ``pty`` (rows, cols) it runs on a terminal of that
+        size. A user the guest lacks ends the command's stream ``unauthenticated``.
 
         Raises:
             ConnectError: ``invalid_argument`` (a bad command), ``resource_exhausted``.
@@ -193,11 +197,13 @@ class ProcessTable:
             raise ConnectError("resource_exhausted", f"sandbox {sandbox_id} runs "
                                f"{MAX_PROCESSES} commands already: end some first")
         try:
-            req = models.ExecRequest.model_validate({"command": argv, "env": envs, "cwd": cwd})
+            req = models.ExecRequest.model_validate({"command": argv, "env": envs, "cwd": cwd,
+                                                     "user": user})
         except ValidationError as exc:
             raise ConnectError("invalid_argument", "bad command: " + "; ".join(
                 str(e.get("msg")) for e in exc.errors())) from exc
-        proc = Proc(next(self._pids), sandbox_id, argv[0], argv[1:], envs, cwd, tag)
+        proc = Proc(next(self._pids), sandbox_id, argv[0], argv[1:], envs, cwd, tag,
+                    user=user)
         events: AsyncIterator[pm.ExecBytes | models.ExecEvent]
         if stdin or pty is not None:
             proc.inputs = asyncio.Queue(INPUT_QUEUE)
@@ -252,7 +258,8 @@ class ProcessTable:
         except (MachineNotFound, MachineFailed):
             end = sandbox_gone(proc.sandbox_id)
         except BoxdError as exc:
-            end = ConnectError(connect_code(exc), exc.message)
+            end = (invalid_user(proc.user or "root", exc.message) if is_unknown_user(exc)
+                   else ConnectError(connect_code(exc), exc.message))
         except Exception as exc:
             log.exception("command %s in %s failed", proc.pid, proc.sandbox_id)
             end = ConnectError("internal", f"the command failed: {exc}")

@@ -22,7 +22,8 @@ from dataclasses import dataclass, replace
 from boxd import models
 from boxd.e2b._ids import is_sandbox_id, new_sandbox_id
 from boxd.e2b._store import SandboxRecord, SandboxStore, now
-from boxd.e2b.env import SANDBOX_LABELS, source_labels
+from boxd.e2b._users import DEFAULT_USER, ROOT, is_unknown_user
+from boxd.e2b.env import ROLE_LABEL, SANDBOX_LABELS, source_labels
 from boxd.errors import (
     BoxdError,
     InvalidRequest,
@@ -48,6 +49,8 @@ MAX_TIMEOUT = 24 * 3600
 _READY_TIMEOUT = 120.0
 #: Warm sources of one template a create looks through for one of its network.
 WARM_SOURCES = 8
+#: Warm sources whose sandboxes' default user is remembered (`Sandboxes.default_user`).
+WARM_SOURCE_USERS = 1024
 #: Idempotency keys remembered (the newest; in memory: a daemon restart forgets them).
 IDEMPOTENCY_KEYS = 4096
 #: The end of life of a paused sandbox: none (on E2B a paused sandbox's timeout stops;
@@ -97,6 +100,8 @@ class Sandboxes:
         self._wakeup = asyncio.Event()
         # (account, Idempotency-Key) -> the create it started; the newest IDEMPOTENCY_KEYS
         self._creates: OrderedDict[tuple[str, str], asyncio.Task[Sandbox]] = OrderedDict()
+        # warm source machine id -> the default user its sandboxes were found to have
+        self._source_users: dict[str, str] = {}
 
     # -- lookup -------------------------------------------------------------------------
 
@@ -197,16 +202,21 @@ class Sandboxes:
             # A fork keeps its source's network: an egress policy needs a machine of its own
             machine = None if egress is not None else await self._fork_warm(
                 account, template, sandbox_id, isolated)
-            if machine is None:
+            if machine is not None:
+                user = self._source_users.get(machine.parent_id or "")
+            else:
                 if template in self.built:  # a snapshot of the template's name, made once
                     await self.built[template](account)
                 await self._boot(account, req)
-                machine = await self._ready(account, sandbox_id)
+                machine, user = await self._ready(account, sandbox_id)
         except BaseException:
             self.store.remove(sandbox_id)
             with contextlib.suppress(Exception):
                 await self.machines.delete(account, sandbox_id)
             raise
+        if user is not None:
+            rec = replace(rec, user=user)
+            self.store.put(rec)
         self._wakeup.set()
         return Sandbox(rec, machine)
 
@@ -255,12 +265,65 @@ class Sandboxes:
             raise item
         return item
 
-    async def _ready(self, account: str, sandbox_id: str) -> models.Machine:
+    async def _ready(self, account: str, sandbox_id: str) -> tuple[models.Machine, str]:
+        """The machine once it runs a command, and its default user (`default_user`):
+        the one command makes sure of /home/user as that user, which proves both."""
         machine = await self.machines.wait_until_ready(account, sandbox_id, _READY_TIMEOUT)
         # E2B's base template works in /home/user; this also proves a command runs.
-        await self.machines.exec(account, sandbox_id, models.ExecRequest(
-            command=["mkdir", "-p", HOME], timeout=60))
-        return machine
+        user = "" if machine.image is not None else DEFAULT_USER
+        mkdir = models.ExecRequest(command=["mkdir", "-p", HOME], timeout=60)
+        try:
+            done = await self.machines.exec(account, sandbox_id,
+                                            mkdir.model_copy(update={"user": user or None}))
+        except InvalidRequest as exc:
+            if not user or not is_unknown_user(exc):
+                raise
+            user = ROOT  # a guest without the account (an older guest image's snapshot)
+            done = await self.machines.exec(account, sandbox_id, mkdir)
+        if done.exit_code != 0 and user == DEFAULT_USER:  # no /home/user it may make
+            await self.machines.exec(account, sandbox_id, mkdir)
+        return machine, user
+
+    async def default_user(self, rec: SandboxRecord) -> str | None:
+        """Who the sandbox's commands and files are for when a call names no user:
+        ``user`` (E2B's default, which boxd's guest image has), ``root`` when its guest
+        lacks that account, None for a container image's sandbox (the image's USER).
+        Known from the create, or found out here once (a sandbox forked of a warm
+        source, a record from before boxd knew) and kept in the record.
+
+        Raises:
+            MachineNotFound, MachineFailed: the sandbox cannot say.
+        """
+        user = rec.user
+        if user is None:
+            machine = await self.machines.get(rec.account, rec.sandbox_id)
+            user = "" if machine.image is not None else DEFAULT_USER
+            if user and not await self.has_user(rec, user):
+                user = ROOT
+            current = self.store.get(rec.sandbox_id)
+            if current is not None:
+                self.store.put(replace(current, user=user))
+            if machine.parent_id is not None and machine.labels.get(ROLE_LABEL) == "sandbox":
+                # a warm source's next sandboxes need not find out again
+                if len(self._source_users) >= WARM_SOURCE_USERS:
+                    self._source_users.clear()
+                self._source_users[machine.parent_id] = user
+        return user or None
+
+    async def has_user(self, rec: SandboxRecord, user: str) -> bool:
+        """Whether the sandbox's guest has ``user`` (a command runs as it).
+
+        Raises:
+            MachineNotFound, MachineFailed: the sandbox cannot say.
+        """
+        try:
+            await self.machines.exec(rec.account, rec.sandbox_id, models.ExecRequest(
+                command=["true"], user=user, timeout=30))
+        except InvalidRequest as exc:
+            if is_unknown_user(exc):
+                return False
+            raise
+        return True
 
     async def fork(
         self, account: str, sandbox_id: str, count: int, timeout: int | None

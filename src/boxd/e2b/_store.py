@@ -39,6 +39,10 @@ class SandboxRecord:
     auto_pause: bool = False
     metadata: dict[str, str] = field(default_factory=dict)
     env_vars: dict[str, str] = field(default_factory=dict)
+    #: Who its commands and files are for when a call names no user (`boxd.e2b._users`):
+    #: ``user`` (E2B's), ``root`` (a guest without that account), ``""`` (a container
+    #: image's own USER: boxd's exec applies it), None (not known yet: found out once).
+    user: str | None = None
 
     def with_end(self, end_at: float) -> SandboxRecord:
         return replace(self, end_at=end_at)

@@ -8,7 +8,8 @@ the ``filesystem.Filesystem`` service (``Stat``, ``ListDir``, ``MakeDir``, ``Rem
 ``Move``, the ``WatchDir`` stream and the watcher calls), ``GET/POST /files`` and
 ``/health``. Any other path is a 404. A sandbox that is gone answers 502
 "... was not found", as E2B's proxy does, so the SDK raises its
-``SandboxNotRunningException``.
+``SandboxNotRunningException``. Each call is for a user (`boxd.e2b._users`): the one it
+names, else the sandbox's default (`Sandboxes.default_user`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import hmac
+import logging
 import posixpath
 import zlib
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -44,9 +47,12 @@ from boxd.e2b._processes import Item, Proc, connect_code
 from boxd.e2b._sandboxes import HOME
 from boxd.e2b._signing import operation_of
 from boxd.e2b._store import SandboxRecord
-from boxd.errors import BoxdError, MachineNotFound
+from boxd.e2b._users import ROOT, files_user, invalid_user, is_unknown_user, rpc_user
+from boxd.errors import BoxdError, InvalidRequest, MachineNotFound
 
 __all__ = ["routes", "sandbox_of"]
+
+log = logging.getLogger("boxd.e2b")
 
 CONNECT_JSON = "application/connect+json"
 #: Seconds between keepalive events on a quiet process stream (when the client names
@@ -92,6 +98,14 @@ def sandbox_of(request: Request, *, signed: bool = False) -> SandboxRecord:
 
 
 Handler = Callable[[Request, SandboxRecord], Awaitable[Response]]
+
+
+async def user_of(request: Request, rec: SandboxRecord, named: str | None) -> str | None:
+    """Who a call is for: ``named`` (what it sent), else the sandbox's default user
+    (None: root, or a container image's USER)."""
+    if named is not None:
+        return named
+    return await state_of(request).sandboxes.default_user(rec)
 
 
 def _guarded(handler: Handler, *, rpc: bool,
@@ -212,13 +226,14 @@ async def process_start(request: Request, rec: SandboxRecord) -> Response:
         pty = _pty_size(msg["pty"]) if msg.get("pty") is not None else None
         cwd = config.get("cwd")
         tag = msg.get("tag")
+        user = await user_of(request, rec, rpc_user(request))
         proc = state_of(request).processes.start(
             rec.account, rec.sandbox_id, [config["cmd"], *args],
             {**rec.env_vars, **{str(k): str(v) for k, v in envs.items()}},
             absolute(cwd, "cwd") if cwd else HOME, tag if isinstance(tag, str) else None,
             # An absent ``stdin`` is E2B's old default (open); boxd keeps stdin open only
             # when asked (the SDKs since 2.x send it): docs/e2b.md, "Differs".
-            stdin=msg.get("stdin") is True, pty=pty)
+            stdin=msg.get("stdin") is True, pty=pty, user=user)
     except ConnectError as exc:
         return _stream_error(exc)
     return _stream(request, proc)
@@ -335,10 +350,15 @@ async def process_stream_input(request: Request, rec: SandboxRecord) -> Response
 # -- filesystem.Filesystem ---------------------------------------------------------------
 
 
+# As envd, which runs as root: stat, list and remove act as root and only check a user
+# the call names; mkdir and move make directories the call's user owns.
+
+
 async def fs_stat(request: Request, rec: SandboxRecord) -> Response:
     path = absolute((await _unary_body(request)).get("path"))
     machines = state_of(request).sandboxes.machines
-    return JSONResponse(await fs_call(machines, rec.account, rec.sandbox_id, "stat", path))
+    return JSONResponse(await fs_call(machines, rec.account, rec.sandbox_id, "stat", path,
+                                      user=rpc_user(request)))
 
 
 async def fs_list(request: Request, rec: SandboxRecord) -> Response:
@@ -348,19 +368,23 @@ async def fs_list(request: Request, rec: SandboxRecord) -> Response:
         raise ConnectError("invalid_argument", "depth must be 1-64")
     machines = state_of(request).sandboxes.machines
     return JSONResponse(await fs_call(machines, rec.account, rec.sandbox_id, "list",
-                                      absolute(msg.get("path")), str(depth)))
+                                      absolute(msg.get("path")), str(depth),
+                                      user=rpc_user(request)))
 
 
 async def fs_make_dir(request: Request, rec: SandboxRecord) -> Response:
     path = absolute((await _unary_body(request)).get("path"))
     machines = state_of(request).sandboxes.machines
-    return JSONResponse(await fs_call(machines, rec.account, rec.sandbox_id, "mkdir", path))
+    user = await user_of(request, rec, rpc_user(request))
+    return JSONResponse(await fs_call(machines, rec.account, rec.sandbox_id, "mkdir", path,
+                                      user=user))
 
 
 async def fs_remove(request: Request, rec: SandboxRecord) -> Response:
     path = absolute((await _unary_body(request)).get("path"))
     machines = state_of(request).sandboxes.machines
-    return JSONResponse(await fs_call(machines, rec.account, rec.sandbox_id, "remove", path))
+    return JSONResponse(await fs_call(machines, rec.account, rec.sandbox_id, "remove", path,
+                                      user=rpc_user(request)))
 
 
 async def fs_move(request: Request, rec: SandboxRecord) -> Response:
@@ -368,16 +392,24 @@ async def fs_move(request: Request, rec: SandboxRecord) -> Response:
     src = absolute(msg.get("source"), "source")
     dst = absolute(msg.get("destination"), "destination")
     machines = state_of(request).sandboxes.machines
+    user = await user_of(request, rec, rpc_user(request))
     return JSONResponse(await fs_call(machines, rec.account, rec.sandbox_id, "move", src,
-                                      dst))
+                                      dst, user=user))
 
 
 # -- /files, /health ---------------------------------------------------------------------
 
 
 async def files_get(request: Request, rec: SandboxRecord) -> Response:
+    """The file, read as root whoever the call is for, as envd reads it; a user the
+    call names must exist (an exec to find out, unless it is root or the default)."""
     path = absolute(request.query_params.get("path"))
-    machines = state_of(request).sandboxes.machines
+    sandboxes = state_of(request).sandboxes
+    named = files_user(request)
+    if named is not None and named not in (ROOT, await sandboxes.default_user(rec)) and \
+            not await sandboxes.has_user(rec, named):
+        raise invalid_user(named)
+    machines = sandboxes.machines
     chunks = aiter(machines.download(rec.account, rec.sandbox_id, path))
     # The first chunk before the answer: a missing file gets its 404, not a 200.
     try:
@@ -410,13 +442,43 @@ async def _gunzip(stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
 
 
 async def _upload_chunks(upload: UploadFile) -> AsyncIterator[bytes]:
+    await upload.seek(0)  # from the start again when an upload is retried
     while chunk := await upload.read(1 << 20):
         yield chunk
 
 
-async def files_post(request: Request, rec: SandboxRecord) -> Response:
+async def _upload(request: Request, rec: SandboxRecord, path: str,
+                  body: Callable[[], AsyncIterator[bytes]], named: str | None,
+                  replayable: Callable[[], bool]) -> None:
+    """Write one uploaded file (``body()``'s chunks) owned by the call's user, as envd
+    leaves it. A guest that cannot give the default user a file (an agent older than
+    protocol 1.8 in a sandbox restored from an older snapshot) gets it as root's, as
+    before boxd knew users, when the body can be sent again.
+
+    Raises:
+        ConnectError: ``unauthenticated`` for a named user the guest lacks.
+    """
     machines = state_of(request).sandboxes.machines
+    user = await user_of(request, rec, named)
+    if user == ROOT:
+        user = None  # the agent writes as root: no owner to give (any agent can)
+    try:
+        await machines.upload(rec.account, rec.sandbox_id, path, body(), user=user)
+    except InvalidRequest as exc:
+        if not is_unknown_user(exc) or user is None:
+            raise
+        if named is not None:
+            raise invalid_user(named, exc.message) from None
+        if not replayable():
+            raise
+        log.warning("sandbox %s: upload of %s as root: %s", rec.sandbox_id, path,
+                    exc.message)
+        await machines.upload(rec.account, rec.sandbox_id, path, body())
+
+
+async def files_post(request: Request, rec: SandboxRecord) -> Response:
     query_path = request.query_params.get("path")
+    named = files_user(request)
     written: list[dict[str, str]] = []
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if kind == "multipart/form-data":
@@ -428,8 +490,8 @@ async def files_post(request: Request, rec: SandboxRecord) -> Response:
             for upload in uploads:
                 name = query_path if len(uploads) == 1 and query_path else upload.filename
                 path = absolute(name)
-                await machines.upload(rec.account, rec.sandbox_id, path,
-                                      _upload_chunks(upload))
+                await _upload(request, rec, path, functools.partial(_upload_chunks, upload),
+                              named, lambda: True)
                 written.append({"name": posixpath.basename(path), "type": "file",
                                 "path": path})
     else:
@@ -437,7 +499,15 @@ async def files_post(request: Request, rec: SandboxRecord) -> Response:
         stream: AsyncIterator[bytes] = request.stream()
         if request.headers.get("content-encoding", "").lower() == "gzip":
             stream = _gunzip(stream)
-        await machines.upload(rec.account, rec.sandbox_id, path, stream)
+        started = False
+
+        async def body() -> AsyncIterator[bytes]:
+            nonlocal started
+            async for chunk in stream:
+                started = True
+                yield chunk
+
+        await _upload(request, rec, path, body, named, lambda: not started)
         written.append({"name": posixpath.basename(path), "type": "file", "path": path})
     return JSONResponse(written)
 
@@ -456,7 +526,7 @@ async def _watch(request: Request, rec: SandboxRecord, msg: dict[str, Any]) -> W
         raise ConnectError("invalid_argument", "recursive must be true or false")
     return await state_of(request).watchers.create(
         state_of(request).sandboxes.machines, rec.account, rec.sandbox_id,
-        absolute(msg.get("path")), recursive)
+        absolute(msg.get("path")), recursive, rpc_user(request))
 
 
 async def fs_watch_dir(request: Request, rec: SandboxRecord) -> Response:

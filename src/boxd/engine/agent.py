@@ -91,6 +91,9 @@ USER_MINOR = 6
 PTY_MINOR = 7
 #: The protocol minor version from which the agent answers ``metrics``.
 METRICS_MINOR = 8
+#: The protocol minor version from which a write takes ``user`` (its owner; an older
+#: agent would ignore it and leave the file root's).
+WRITE_USER_MINOR = 9
 #: How often `connect` re-sends hello while the guest agent is not up yet.
 HELLO_RETRY = 0.25
 #: The protocol minor version from which reads and execs take a flow-control ``window``.
@@ -616,20 +619,29 @@ class AgentClient:
         return reader, writer
 
     async def write_file(
-        self, path: str, data: bytes | AsyncIterable[bytes], mode: int = 0o644
+        self, path: str, data: bytes | AsyncIterable[bytes], mode: int = 0o644,
+        user: str | None = None,
     ) -> FileStat:
         """Write ``data`` to ``path`` in the guest atomically (temp file, fsync, rename).
 
         ``data`` is bytes or an async iterable of chunks (streamed: at most a chunk or
         two are held here, the socket's back-pressure paces the source). Parent
-        directories are created. The agent's sha256 is checked against ours.
+        directories are created. The agent's sha256 is checked against ours. With
+        ``user`` (1.9) the file and the parents it makes belong to that user.
 
         Raises:
-            InvalidRequest: the path is a directory, not absolute, or not writable.
+            InvalidRequest: the path is a directory, not absolute, or not writable; a
+                ``user`` the guest does not have, or an agent older than 1.9 (which
+                would ignore it): field ``user``, refused before any of ``data`` is read.
             IntegrityError: the guest's copy does not match.
             MachineFailed: the connection was lost.
         """
-        return await self._files.write(path, data, mode)
+        if user and not self.supports(WRITE_USER_MINOR):
+            raise InvalidRequest(
+                f"this machine's agent ({self.agent_version}) cannot give a file an owner "
+                f"({user!r})", field="user",
+                hint="create the machine again (its agent is older than this boxd)")
+        return await self._files.write(path, data, mode, user or None)
 
     async def read_file(self, path: str) -> bytes:
         """Read a whole guest file, verified by sha256.
@@ -1247,11 +1259,12 @@ class _FileTransfer:
         self._supports = supports
 
     async def write(
-        self, path: str, data: bytes | AsyncIterable[bytes], mode: int
+        self, path: str, data: bytes | AsyncIterable[bytes], mode: int, user: str | None
     ) -> FileStat:
         """`AgentClient.write_file`."""
         sha = hashlib.sha256()
-        req_id, q, first = self._channel.open(P.OP_WRITE, path=path, mode=mode)
+        owner: _Msg = {"user": user} if user else {}
+        req_id, q, first = self._channel.open(P.OP_WRITE, path=path, mode=mode, **owner)
         try:
             size = await self._send_chunks(req_id, q, first, data, sha)
             reply = await self._channel.next(q, STREAM_IDLE_TIMEOUT, "write")

@@ -155,9 +155,12 @@ class Agent(Protocol):
         ...
 
     async def write_file(
-        self, path: str, data: bytes | AsyncIterable[bytes], mode: int = 0o644
+        self, path: str, data: bytes | AsyncIterable[bytes], mode: int = 0o644,
+        user: str | None = None,
     ) -> FileStat:
-        """Write a file from bytes or streamed chunks (atomic, digest checked)."""
+        """Write a file from bytes or streamed chunks (atomic, digest checked), owned by
+        ``user`` (with the parents it makes; None: root). Raises InvalidRequest (field
+        ``user``) for a user the guest lacks or an agent too old to set an owner."""
         ...
 
     async def read_file(self, path: str) -> bytes: ...

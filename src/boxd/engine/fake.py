@@ -198,7 +198,8 @@ class FakeAgent:
         return ExecOutcome(out, b"", code, None, False, 0.0, stdout_truncated=cut)
 
     async def write_file(
-        self, path: str, data: bytes | AsyncIterable[bytes], mode: int = 0o644
+        self, path: str, data: bytes | AsyncIterable[bytes], mode: int = 0o644,
+        user: str | None = None,
     ) -> FileStat:
         self._check()
         if not isinstance(data, bytes):

@@ -514,10 +514,29 @@ class RunAs(NamedTuple):
 
 
 def user_arg(msg: dict[str, Any], env: dict[str, str]) -> RunAs | None:
-    """The request's ``user`` (``NAME[:GROUP]`` or ``UID[:GID]``, as a Dockerfile's USER)
-    resolved through the guest's /etc/passwd and /etc/group; None runs as root. Sets
-    ``env``'s HOME and USER from the user's entry unless the request set them."""
-    raw = msg.get("user")
+    """The request's ``user`` (`lookup_user`); None runs as root. Sets ``env``'s HOME and
+    USER from the user's entry unless the request set them."""
+    found = lookup_user(msg.get("user"))
+    if found is None:
+        return None
+    run_as, entry = found
+    given = msg.get("env") if isinstance(msg.get("env"), dict) else {}
+    if "HOME" not in given:
+        env["HOME"] = entry.pw_dir if entry is not None and entry.pw_dir else "/"
+    if "USER" not in given and entry is not None:
+        env["USER"] = entry.pw_name
+    return run_as
+
+
+def lookup_user(raw: Any) -> tuple[RunAs, pwd.struct_passwd | None] | None:
+    """``raw`` (``NAME[:GROUP]`` or ``UID[:GID]``, as a Dockerfile's USER) resolved
+    through the guest's /etc/passwd and /etc/group, with its passwd entry (None for a
+    numeric uid that has none); None for no user (absent or empty).
+
+    Raises:
+        RequestError: ``EINVAL`` (field ``user``) for a malformed value, or a name or
+            group the guest does not have.
+    """
     if raw is None or raw == "":
         return None
     if not isinstance(raw, str) or "\0" in raw:
@@ -541,12 +560,7 @@ def user_arg(msg: dict[str, Any], env: dict[str, str]) -> RunAs | None:
             raise RequestError(P.ERR_INVALID, f"no group {group!r} in the machine's "
                                "/etc/group", field="user") from None
     groups = os.getgrouplist(entry.pw_name, gid) if entry is not None else [gid]
-    given = msg.get("env") if isinstance(msg.get("env"), dict) else {}
-    if "HOME" not in given:
-        env["HOME"] = entry.pw_dir if entry is not None and entry.pw_dir else "/"
-    if "USER" not in given and entry is not None:
-        env["USER"] = entry.pw_name
-    return RunAs(uid, gid, groups)
+    return RunAs(uid, gid, groups), entry
 
 
 def argv_arg(msg: dict[str, Any]) -> list[str]:
@@ -1036,6 +1050,24 @@ def check_regular(path: str, st: os.stat_result) -> None:
             P.ERR_INVALID, f"{path} is {kind}: only regular files can be read", path=path)
 
 
+def make_parents(parent: str, owner: RunAs | None) -> None:
+    """Make directory ``parent`` and its missing ancestors (0755); those it makes belong
+    to ``owner`` when given (1.9), as envd's upload makes them."""
+    if owner is None:
+        os.makedirs(parent, exist_ok=True)
+        return
+    missing = []
+    while not os.path.exists(parent):
+        missing.append(parent)
+        parent = os.path.dirname(parent)
+    for path in reversed(missing):
+        try:
+            os.mkdir(path, 0o755)
+        except FileExistsError:
+            continue  # made meanwhile by someone else: theirs
+        os.chown(path, owner.uid, owner.gid, follow_symlinks=False)
+
+
 class Files:
     """The file requests: ``stat``, ``write`` (chunks into a temporary file renamed over
     the path at its end), ``read`` (streamed from a thread, flow controlled) and its
@@ -1118,13 +1150,25 @@ class Files:
                     P.ERR_INVALID,
                     f"not a regular file: {path} (an upload replaces a file; devices, "
                     "fifos and sockets are not replaced)", path=path)
+        # 1.9: the file (and the parents the write makes) belong to ``user``, as E2B's
+        # envd leaves an upload: checked before anything is made.
+        found = lookup_user(msg.get("user"))
+        owner = found[0] if found is not None else None
         parent = os.path.dirname(path) or "/"
         try:
-            os.makedirs(parent, exist_ok=True)
+            make_parents(parent, owner)
             tmp = os.path.join(parent, f".{os.path.basename(path)}.boxd-{os.getpid()}-{req_id}")
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise os_error(exc, path) from exc
+        if owner is not None:
+            try:
+                os.fchown(fd, owner.uid, owner.gid)
+            except OSError as exc:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise os_error(exc, path) from exc
         fw = FileWrite(path, tmp, fd, mode, conn)
         with self.lock:
             self.writes[req_id] = fw

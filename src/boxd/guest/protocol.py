@@ -8,7 +8,7 @@ backward-compatible additions and ``PROTOCOL_MAJOR`` for anything else.
 from __future__ import annotations
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 8
+PROTOCOL_MINOR = 9
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
 
 #: Name of the virtio-serial port (``-device virtserialport,name=...``).

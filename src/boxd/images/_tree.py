@@ -3,9 +3,13 @@
 The image builder makes one ext4 image (``rootfs.img``) per recipe. gVisor serves a
 host directory to its sandboxes instead of a block device, so the same build is
 unpacked once, next to the image, with ``debugfs rdump`` (e2fsprogs: no loop device,
-no mount, ~1 s for the default image). The agent files go into a second, small tree
-keyed by their content, mounted read-only at `AGENT_MOUNT` in each sandbox: a newer
-agent gets a new tree and never changes files under a running or checkpointed sandbox.
+no mount, ~1 s for the default image). rdump chowns each file after its chmod, which
+clears setuid and setgid bits (sudo, su, passwd would lose them), so `special_modes`
+reads those modes from the image and they are set again (the runsc tested ignores
+setuid bits anyway, google/gvisor#212; the tree mirrors the image for one that does).
+The agent files go into a second, small tree keyed by their content, mounted
+read-only at `AGENT_MOUNT` in each sandbox: a newer agent gets a new tree and never
+changes files under a running or checkpointed sandbox.
 
 Layout, inside the recipe's cache directory::
 
@@ -28,7 +32,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import shutil
+import stat
+import tempfile
 from pathlib import Path
 
 from boxd.errors import HostSetupError
@@ -47,6 +54,12 @@ AGENT_MOUNT = "/opt/boxd"
 #: The client's folder in an agent tree; sandboxes see it at ``GUEST_CLIENT_DIR``.
 CLIENT_DIR = "py"
 _COMPLETE = ".boxd-complete"
+#: Marks a tree whose setuid/setgid bits were set again (`special_modes`): a tree
+#: unpacked before boxd did it gets them in place, once.
+_MODES = ".boxd-modes"
+#: A directory entry of ``debugfs ls -p``: /inode/mode/uid/gid/name/size/.
+_ENTRY = re.compile(r"/(\d+)/([0-7]+)/\d+/\d+/([^/]*)/[^/]*/")
+_LISTING = re.compile(r"debugfs: ls -p <(\d+)>")
 
 
 def rootfs_tree(rootfs_img: Path) -> Path:
@@ -56,7 +69,7 @@ def rootfs_tree(rootfs_img: Path) -> Path:
         HostSetupError: the image is missing or debugfs failed.
     """
     tree = rootfs_img.with_name(TREE_DIR)
-    if (tree / _COMPLETE).exists():
+    if (tree / _COMPLETE).exists() and (tree / _MODES).exists():
         return tree
     if not rootfs_img.exists():
         raise HostSetupError(f"the guest root filesystem {rootfs_img} is missing",
@@ -64,6 +77,8 @@ def rootfs_tree(rootfs_img: Path) -> Path:
     debugfs = need_tool("debugfs", "unpack rootfs for gVisor")
     with _locked(rootfs_img.with_name(TREE_DIR + ".lock")):
         if (tree / _COMPLETE).exists():
+            if not (tree / _MODES).exists():  # unpacked by an older boxd
+                _restore_modes(debugfs, rootfs_img, tree)
             return tree
         tmp = rootfs_img.with_name(f"{TREE_DIR}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -76,6 +91,7 @@ def rootfs_tree(rootfs_img: Path) -> Path:
                     f"debugfs unpacked no /usr/bin from {rootfs_img}: {out[-300:]}",
                     hint="rebuild the image (boxd image build --force)")
             shutil.rmtree(tmp / "lost+found", ignore_errors=True)
+            _restore_modes(debugfs, rootfs_img, tmp)
             (tmp / _COMPLETE).write_text("")
             shutil.rmtree(tree, ignore_errors=True)
             os.replace(tmp, tree)
@@ -83,6 +99,51 @@ def rootfs_tree(rootfs_img: Path) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return tree
+
+
+def special_modes(debugfs: str, rootfs_img: Path) -> dict[str, int]:
+    """The files of ``rootfs_img`` with a setuid, setgid or sticky bit: their paths
+    (relative) and permission bits, read with ``debugfs ls -p`` a directory level at a
+    time (one debugfs run per level, directories named by inode: any name works).
+
+    Raises:
+        HostSetupError: debugfs failed.
+    """
+    found: dict[str, int] = {}
+    level = {2: ""}  # the root directory's inode
+    while level:
+        with tempfile.NamedTemporaryFile("w", suffix=".debugfs") as cmds:
+            cmds.write("".join(f"ls -p <{ino}>\n" for ino in level))
+            cmds.flush()
+            out = run([debugfs, "-f", cmds.name, rootfs_img], "read rootfs modes",
+                      hint="e2fsprogs' debugfs must read the image; rebuild it if it is "
+                      "damaged")
+        below: dict[int, str] = {}
+        parent: str | None = None
+        for line in out.splitlines():
+            if (listing := _LISTING.fullmatch(line)) is not None:
+                parent = level.get(int(listing.group(1)))
+                continue
+            entry = _ENTRY.fullmatch(line)
+            if parent is None or entry is None or entry.group(3) in ("", ".", ".."):
+                continue
+            ino, mode, path = int(entry.group(1)), int(entry.group(2), 8), \
+                os.path.join(parent, entry.group(3))
+            if stat.S_ISDIR(mode):
+                below[ino] = path
+            if (stat.S_ISREG(mode) or stat.S_ISDIR(mode)) and mode & 0o7000:
+                found[path] = stat.S_IMODE(mode)
+        level = below
+    return found
+
+
+def _restore_modes(debugfs: str, rootfs_img: Path, tree: Path) -> None:
+    """Set the setuid/setgid/sticky bits rdump dropped (`special_modes`) on ``tree``."""
+    for path, mode in special_modes(debugfs, rootfs_img).items():
+        target = tree / path
+        if not target.is_symlink() and target.exists():
+            os.chmod(target, mode)
+    (tree / _MODES).write_text("")
 
 
 def native_relay(tree: Path) -> bool:

@@ -318,12 +318,13 @@ class Exec:
                 await proc.aclose()
 
     async def upload(
-        self, machine_id: str, path: str, data: bytes | AsyncIterable[bytes], mode: int
+        self, machine_id: str, path: str, data: bytes | AsyncIterable[bytes], mode: int,
+        user: str | None = None,
     ) -> models.FileInfo:
         _absolute(path)
         async with self._g.using(machine_id) as (_, _handle, agent):
             self._g.changed(machine_id)
-            st = await agent.write_file(path, data, mode)
+            st = await agent.write_file(path, data, mode, user)
         return models.FileInfo(path=path, size=st.size, mode=st.mode, sha256=st.sha256)
 
     async def download(self, machine_id: str, path: str) -> AsyncGenerator[bytes, None]:

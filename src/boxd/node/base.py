@@ -105,8 +105,10 @@ class Node(Protocol):
     ) -> AsyncIterator[pm.ExecBytes | models.ExecEvent]: ...
 
     async def upload(
-        self, machine_id: str, path: str, data: bytes | AsyncIterable[bytes], mode: int
+        self, machine_id: str, path: str, data: bytes | AsyncIterable[bytes], mode: int,
+        user: str | None = None,
     ) -> models.FileInfo:
+        """Write a guest file, owned by ``user`` (None: root) with the parents it makes."""
         ...
 
     def download(self, machine_id: str, path: str) -> AsyncGenerator[bytes, None]:

@@ -353,15 +353,17 @@ class NodeActor:
             async for chunk in chunks:
                 yield chunk
 
-    async def upload_begin(self, machine_id: str, path: str, mode: int) -> str:
-        """Start writing a guest file fed by `upload_chunk` calls; `upload_end` answers."""
+    async def upload_begin(self, machine_id: str, path: str, mode: int,
+                           user: str | None = None) -> str:
+        """Start writing a guest file (owned by ``user``; None: root) fed by
+        `upload_chunk` calls; `upload_end` answers."""
         queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=4)
 
         async def chunks() -> AsyncIterator[bytes]:
             while (item := await queue.get()) is not None:
                 yield item
 
-        task = asyncio.create_task(self.rt.upload(machine_id, path, chunks(), mode))
+        task = asyncio.create_task(self.rt.upload(machine_id, path, chunks(), mode, user))
         sid = secrets.token_hex(8)
         self._uploads[sid] = (queue, task)
         return sid

@@ -432,9 +432,10 @@ class NodeRuntime:
         return self.execs.exec_interactive(machine_id, req, inputs, pty)
 
     async def upload(
-        self, machine_id: str, path: str, data: bytes | AsyncIterable[bytes], mode: int
+        self, machine_id: str, path: str, data: bytes | AsyncIterable[bytes], mode: int,
+        user: str | None = None,
     ) -> models.FileInfo:
-        return await self.execs.upload(machine_id, path, data, mode)
+        return await self.execs.upload(machine_id, path, data, mode, user)
 
     def download(self, machine_id: str, path: str) -> AsyncGenerator[bytes, None]:
         return self.execs.download(machine_id, path)

@@ -547,14 +547,13 @@ def machine_fork_batch(src: str, count: int | None, names: list[str] | None,
                headers=idempotency(idempotency_key))
 
 
-def file_upload(ref: str, path: str, data: str | bytes, mode: int) -> Req:
+def file_upload(ref: str, path: str, data: str | bytes, mode: int,
+                user: str | None = None) -> Req:
     content = data.encode("utf-8") if isinstance(data, str) else bytes(data)
-    return Req(
-        "PUT",
-        f"/v1/machines/{seg(ref)}/files",
-        params={"path": path, "mode": str(int(mode))},
-        content=content,
-    )
+    params = {"path": path, "mode": str(int(mode))}
+    if user is not None:
+        params["user"] = user
+    return Req("PUT", f"/v1/machines/{seg(ref)}/files", params=params, content=content)
 
 
 def file_download(ref: str, path: str) -> Req:

@@ -717,7 +717,8 @@ class Files:
         self._c = client
 
     def upload(
-        self, ref: str, path: str, data: str | bytes, mode: int = 0o644
+        self, ref: str, path: str, data: str | bytes, mode: int = 0o644,
+        user: str | None = None,
     ) -> models.FileInfo:
         """Write a file in the machine (parent directories are created).
 
@@ -726,11 +727,15 @@ class Files:
             path: absolute path in the guest.
             data: the content; ``str`` is encoded as UTF-8.
             mode: permission bits.
+            user: the file's owner, ``NAME[:GROUP]`` or ``UID[:GID]`` from the guest's
+                /etc/passwd and /etc/group (the parents the upload makes are theirs
+                too); default: root.
 
         Raises:
-            MachineNotFound, InvalidRequest.
+            MachineNotFound, InvalidRequest (a user the guest does not have).
         """
-        return self._c._parse(models.FileInfo, _base.file_upload(ref, path, data, mode))
+        return self._c._parse(models.FileInfo,
+                                    _base.file_upload(ref, path, data, mode, user))
 
     def download(self, ref: str, path: str) -> bytes:
         """Read a file from the machine.

@@ -326,12 +326,16 @@ async def upload_file(
     machines: Machines,
     mode: Annotated[int, Query(ge=0, le=0o7777, description="permission bits, decimal "
                                                                "(420 = 0o644)")] = 0o644,
+    user: Annotated[models.GuestUser | None, Query(
+        description="the file's owner (and that of the parents the upload makes): "
+        "NAME[:GROUP] or UID[:GID] from the machine's /etc/passwd and /etc/group; "
+        "default: root")] = None,
 ) -> models.FileInfo:
     """Write the request body to a file in the machine (parents are created).
 
     The body is streamed to the guest as it arrives (at most BOXD_MAX_UPLOAD bytes)."""
     _check_path(path)
-    return await machines.upload(account, ref, path, request.stream(), mode)
+    return await machines.upload(account, ref, path, request.stream(), mode, user)
 
 
 @router.get(
