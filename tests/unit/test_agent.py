@@ -684,6 +684,25 @@ def test_init_answers_itself_and_relays_the_rest(init_guest: Guest) -> None:
         relayed = int((await c.run("echo $PPID", stdin=b"")).stdout)
         assert relayed != init_pid and relayed in _children(init_pid)
         assert (await c.stat("/"))["type"] == "dir"  # files go to agent.py
+        if os.geteuid() == 0:  # another user: a name in /etc/passwd is boxd-init's too
+            import pwd
+
+            nobody = pwd.getpwnam("nobody")
+            own = await c.run("echo $PPID; id -u; id -g; id -G; echo $HOME:$USER",
+                              user="nobody")
+            ppid, uid, gid, groups, env = own.stdout.decode().splitlines()
+            assert int(ppid) == init_pid
+            assert (int(uid), int(gid)) == (nobody.pw_uid, nobody.pw_gid)
+            assert sorted(map(int, groups.split())) == sorted(
+                os.getgrouplist("nobody", nobody.pw_gid))
+            assert env == f"{nobody.pw_dir}:nobody"
+            given = await c.run("echo $HOME:$USER", user="nobody", env={"HOME": "/h"})
+            assert given.stdout == b"/h:nobody\n"  # the request's env wins
+            # a GROUP part, an unknown name: agent.py's (the same answers as before)
+            relayed = int((await c.run("echo $PPID", user="nobody:nogroup")).stdout)
+            assert relayed != init_pid
+            with pytest.raises(InvalidRequest, match="no user 'no-such-user'"):
+                await c.run("true", user="no-such-user")
 
     with_client(init_guest, body)
 

@@ -39,6 +39,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <grp.h> /* setgroups */
 #include <netinet/in.h> /* --dial */
 #include <linux/random.h> /* RNDADDENTROPY, RNDRESEEDCRNG */
 #include <poll.h>
@@ -1183,6 +1184,100 @@ static void mkdirs(const char *path) {
 /* Run an exec request without stdin, or with stdin_stream (then its stdin is a pipe fed
    by stdin requests, starting with the request's own "stdin" bytes if any). Returns 0 if
    handled, -1 to relay it instead. */
+/* An exec's `user` (1.6) when this front end can run it itself: a name, or a uid, that
+   the guest's /etc/passwd has, with no GROUP part. Its groups are the entry's group and
+   every /etc/group line naming it, as agent.py's lookup_user (os.getgrouplist) makes
+   them. Anything else (a GROUP part, a name or uid the file lacks, too many groups) is
+   agent.py's, which answers the exact error or the numeric form. */
+#define RUN_AS_GROUPS 64
+struct run_as {
+    uid_t uid;
+    gid_t gid;
+    int ngroups;
+    gid_t groups[RUN_AS_GROUPS];
+    char name[64], home[512];
+};
+
+/* Split a colon-separated line in place into `want` fields; 0 if it has fewer. */
+static int colon_fields(char *line, char **out, int want) {
+    line[strcspn(line, "\n")] = 0;
+    for (int k = 0; k < want; k++) {
+        out[k] = line;
+        char *c = strchr(line, ':');
+        if (!c) return k == want - 1;
+        *c = 0;
+        line = c + 1;
+    }
+    return 1;
+}
+
+static int lookup_run_as(const char *raw, struct run_as *ra) {
+    size_t len = strlen(raw);
+    if (!len || len >= sizeof ra->name || strchr(raw, ':')) return 0;
+    int numeric = raw[strspn(raw, "0123456789")] == 0;
+    FILE *pw = fopen("/etc/passwd", "re");
+    if (!pw) return 0;
+    char line[2048], *fld[7];
+    int found = 0;
+    while (!found && fgets(line, sizeof line, pw)) {
+        if (!colon_fields(line, fld, 7)) continue;
+        if (numeric ? strcmp(fld[2], raw) != 0 : strcmp(fld[0], raw) != 0) continue;
+        if (strlen(fld[0]) >= sizeof ra->name || strlen(fld[5]) >= sizeof ra->home) break;
+        ra->uid = (uid_t)strtoul(fld[2], NULL, 10);
+        ra->gid = (gid_t)strtoul(fld[3], NULL, 10);
+        snprintf(ra->name, sizeof ra->name, "%s", fld[0]);
+        snprintf(ra->home, sizeof ra->home, "%s", *fld[5] ? fld[5] : "/");
+        found = 1;
+    }
+    fclose(pw);
+    if (!found) return 0;
+    ra->ngroups = 0;
+    ra->groups[ra->ngroups++] = ra->gid;
+    FILE *gr = fopen("/etc/group", "re");
+    if (!gr) return 1;
+    while (fgets(line, sizeof line, gr)) {
+        if (!colon_fields(line, fld, 4)) continue;
+        gid_t g = (gid_t)strtoul(fld[2], NULL, 10);
+        int member = 0;
+        for (char *m = strtok(fld[3], ","); m && !member; m = strtok(NULL, ","))
+            member = !strcmp(m, ra->name);
+        int dup = 0;
+        for (int i = 0; i < ra->ngroups; i++) dup |= ra->groups[i] == g;
+        if (!member || dup) continue;
+        if (ra->ngroups == RUN_AS_GROUPS) {
+            fclose(gr);
+            return 0;
+        }
+        ra->groups[ra->ngroups++] = g;
+    }
+    fclose(gr);
+    return 1;
+}
+
+/* HOME and USER of `envp` set to the user's, unless the request's env named them. */
+static int user_env(char **envp, const struct jfield *env, const struct run_as *ra) {
+    struct jfield f[MAX_FIELDS];
+    int nf = env && env->type == J_OTHER ? json_fields(env->val, env->vlen, f) : 0;
+    static const char *const keys[] = {"HOME", "USER"};
+    for (int k = 0; k < 2; k++) {
+        int given = 0;
+        for (int i = 0; i < nf; i++)
+            given |= f[i].klen == strlen(keys[k]) && !memcmp(f[i].key, keys[k], f[i].klen);
+        if (given) continue;
+        size_t kl = strlen(keys[k]);
+        for (char **e = envp; *e; e++) {
+            if (strncmp(*e, keys[k], kl) || (*e)[kl] != '=') continue;
+            const char *val = k == 0 ? ra->home : ra->name;
+            char *kv = malloc(kl + strlen(val) + 2);
+            if (!kv) return -1;
+            sprintf(kv, "%s=%s", keys[k], val);
+            free(*e);
+            *e = kv;
+        }
+    }
+    return 0;
+}
+
 static int op_exec(long long id, const struct jfield *f, int n, int stream) {
     const struct jfield *cmd = field(f, n, "cmd"), *cwdf = field(f, n, "cwd");
     const struct jfield *tf = field(f, n, "timeout"), *wf = field(f, n, "window");
@@ -1193,7 +1288,14 @@ static int op_exec(long long id, const struct jfield *f, int n, int stream) {
     int argc = 0;
     if (!cmd) return -1;
     const struct jfield *uf = field(f, n, "user");
-    if (uf && uf->type != J_NULL) return -1; /* another user (an image's USER): agent.py */
+    struct run_as run_as, *ra = NULL;
+    if (uf && uf->type != J_NULL) { /* another user (E2B's, an image's USER) */
+        char raw[sizeof run_as.name];
+        long ul = uf->type == J_STR ? json_str(uf, raw, sizeof raw) : -1;
+        if (ul < 0 || (size_t)ul != strlen(raw) || !lookup_run_as(raw, &run_as))
+            return -1; /* agent.py answers, or resolves what this does not */
+        ra = &run_as;
+    }
     if (cmd->type == J_STR) {
         char *c = malloc(cmd->vlen * 4 + 8);
         long cl = c ? json_str(cmd, c, cmd->vlen * 4 + 8) : -1;
@@ -1210,8 +1312,9 @@ static int op_exec(long long id, const struct jfield *f, int n, int stream) {
     }
     if (!argv) return -1; /* malformed: agent.py answers with the exact error */
     envp = exec_env(field(f, n, "env"));
-    if (!envp) {
+    if (!envp || (ra && user_env(envp, field(f, n, "env"), ra) != 0)) {
         free_strings(argv);
+        if (envp) free_strings(envp);
         return -1;
     }
     double timeout = 0;
@@ -1297,7 +1400,10 @@ static int op_exec(long long id, const struct jfield *f, int n, int stream) {
         }
         dup2(out_p[1], 1);
         dup2(err_p[1], 2);
-        if (chdir(cwd) == 0) {
+        /* As Popen(cwd=, user=, group=, extra_groups=): chdir first, then the ids. */
+        if (chdir(cwd) == 0 &&
+            (!ra || (setgroups((size_t)ra->ngroups, ra->groups) == 0 &&
+                     setgid(ra->gid) == 0 && setuid(ra->uid) == 0))) {
             extern char **environ;
             environ = envp; /* execvp searches the command's own PATH, like Popen */
             execvp(argv[0], argv);
