@@ -199,6 +199,11 @@ def test_forks_that_use_up_the_quota_shrink_the_accounts_standby_forks() -> None
         assert pool.count("t1") == 1 and pool.reserved("t1") == 1 and pool.held("a") == 1
         pool.forked("b", 5)  # another account's forks change nothing here
         assert pool.held("a") == 1
+        # the two children deleted: the pool grows back to what warm asked for
+        pool.freed("b", 2)  # (another account's deletes change nothing here)
+        pool.freed("a", 2)
+        await settle(pool)
+        assert pool.count("t1") == 3 and pool.reserved("t1") == 3
         await pool.close()
 
     asyncio.run(main())
@@ -340,6 +345,38 @@ def test_forks_within_the_quota_still_refill_their_standby_forks(
                 break
             await asyncio.sleep(0.01)
         assert len(w.node.spares.ready()) == 3  # 2 warmed + the fork's refill
+        await w.node.spares.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        w.repos.db.close()
+
+
+def test_a_warm_pool_keeps_serving_forks_deleted_one_by_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trainer (or E2B's warm template) forks the warm source, runs, deletes, again
+    and again: many more children than its quota's headroom, never more at once. Every
+    fork after the first claims a standby fork: deletes give the quota back (the pool
+    had stayed empty once forks had counted to the headroom)."""
+    w = make_world(tmp_path, monkeypatch, spares=2, spares_total=6)
+
+    async def main() -> None:
+        _account(w, "a_loop", 4)
+        src = await running(w, "src", account="a_loop")
+        assert (await w.machines.warm("a_loop", src.id, 2)).forks == 2
+        claimed = 0
+        for i in range(10):
+            for _ in range(300):  # the refill after the last delete
+                if len(w.node.spares.ready()) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            before = len(w.node.spares.ready())
+            (kid,) = await w.machines.fork("a_loop", src.id, [f"k{i}"])
+            assert isinstance(kid, models.Machine), kid
+            claimed += before - len(w.node.spares.ready()) > 0
+            await w.machines.delete("a_loop", kid.id)
+        assert claimed == 10
         await w.node.spares.close()
 
     try:

@@ -23,8 +23,9 @@ spares, not capped by ``BOXD_FORK_SPARES``, made at once and kept at N after for
 them. The node's standby capacity is shared: `warm` reserves its N before making any
 (so concurrent calls never exceed a cap), against the total, the account's share of the
 node (``BOXD_FORK_SPARES_PER_ACCOUNT``, default half the total) and the machines its
-quota still lets it start; a request that does not fit is refused whole, saying which
-cap and what to do. Spares that forks refilled on their own give way to it. Spares live
+quota still lets it start (less with each machine it starts, more with each it deletes:
+a pool cut to that headroom grows back to N as machines go); a request that does not
+fit is refused whole, saying which cap and what to do. Spares that forks refilled on their own give way to it. Spares live
 only while their template is the one the next fork would use: when the source changes,
 is deleted or its template is collected, they are killed. They are never in the
 database (a claimed spare's VM id becomes the record's ``vm_id``); a restarted daemon
@@ -113,6 +114,9 @@ class SparePool:
         # less the children forked since).
         self._owner: dict[str, str] = {}
         self._reserved: dict[str, int] = {}
+        # What `warm` asked for, and of what source: what `freed` restores a pool that
+        # `forked` cut to the account's headroom back up to, as machines go.
+        self._asked: dict[str, tuple[int, str, TemplateRecord]] = {}
         self._claimable: dict[str, int] = {}  # by account
         # Set (and replaced) whenever a spare is kept or a refill ends: what `warm` waits on.
         self._progress = asyncio.Event()
@@ -191,7 +195,10 @@ class SparePool:
             return self.count(tpl.id), short
         self._reserve(tpl.id, n)
         if n:
+            self._asked[tpl.id] = (n, source_id, tpl)
             self._make_room(tpl.id)
+        else:
+            self._asked.pop(tpl.id, None)
         self._failed.pop(tpl.id, None)
         self._last_take.pop(tpl.id, None)  # asked for now: no waiting for forks to pause
         if hurry := self._settling.get(tpl.id):
@@ -235,6 +242,24 @@ class SparePool:
             while len(pool) > keep:
                 self._background(self._discard(pool.pop()))
 
+    def freed(self, owner: str, machines: int) -> None:
+        """``owner`` has ``machines`` fewer (deleted): its quota lets it start that many
+        more, so the pools `forked` cut short grow back towards what `warm` asked for
+        (as far as every cap allows) and refill. Without this a warm pool that forks had
+        drained to the account's headroom stayed empty however many machines went."""
+        if owner not in self._claimable or machines <= 0:
+            return
+        self._claimable[owner] += machines
+        for tid, (asked, source_id, tpl) in list(self._asked.items()):
+            if self._owner.get(tid, "") != owner or not self._maker.template_is_current(tid):
+                continue
+            have = self._reserved.get(tid, 0)
+            grow = next((k for k in range(asked, have, -1) if self._refusal(tid, k) is None),
+                        have)
+            if grow > have:
+                self._reserve(tid, grow)
+                self._start_refill(source_id, tpl)
+
     def reserved(self, template_id: str | None = None) -> int:
         """Spares `warm` reserved: for one template, or in all."""
         if template_id is not None:
@@ -258,7 +283,8 @@ class SparePool:
             if not self._maker.template_is_current(tid):
                 for spare in self._spares.pop(tid, []):
                     self._background(self._discard(spare))
-                for table in (self._target, self._last_take, self._reserved, self._owner):
+                for table in (self._target, self._last_take, self._reserved, self._owner,
+                              self._asked):
                     table.pop(tid, None)
 
     async def close(self) -> None:

@@ -245,6 +245,9 @@ class NodeRuntime:
         # process yet) waits for the create instead of answering that no VM runs.
         async with self.lease(machine_id).op():
             await self._create(machine_id, source)
+        # One more machine of its account: as a fork's children, it leaves the warm
+        # pools less headroom (`SparePool.forked`; `freed` gives it back on delete).
+        self.spares.forked(self.record(machine_id).account_id, 1)
 
     async def _create(self, machine_id: str, source: Boot | FromSnapshot) -> None:
         rec = self.record(machine_id)
@@ -487,6 +490,8 @@ class NodeRuntime:
         for ck_id in self.repos.checkpoints.delete_for(machine_id):
             remove_tree(self.paths.checkpoints / ck_id)
         self.repos.machines.delete(machine_id)
+        if rec is not None:  # a slot of its account's quota is free: warm pools refill
+            self.spares.freed(rec.account_id, 1)
         self.execs.records.forget(machine_id)
         # In a thread: a RAM file or a hibernation image is GiBs to free, which would
         # hold every other request up for as long.
