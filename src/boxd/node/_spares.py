@@ -25,9 +25,10 @@ them. The node's standby capacity is shared: `warm` reserves its N before making
 node (``BOXD_FORK_SPARES_PER_ACCOUNT``, default half the total) and the machines its
 quota still lets it start (less with each machine it starts, more with each it deletes:
 a pool cut to that headroom grows back to N as machines go); a request that does not
-fit is refused whole, saying which cap and what to do. Spares that forks refilled on their own give way to it. Spares live
-only while their template is the one the next fork would use: when the source changes,
-is deleted or its template is collected, they are killed. They are never in the
+fit is refused whole, saying which cap and what to do. Spares that forks refilled on
+their own give way to it. Spares live only while their template is the one the next
+fork would use: when the source changes, is deleted or its template is collected, they
+are killed. They are never in the
 database (a claimed spare's VM id becomes the record's ``vm_id``); a restarted daemon
 kills the VM processes of run directories no machine owns (see ``boxd.node._recovery``).
 """
