@@ -104,6 +104,11 @@ def _unstatable(case: schemathesis.Case) -> bool:
             return True  # boxd's own port bands (from the host's ephemeral range)
         if body.get("isolated") and (ports or body.get("egress") is not None):
             return True  # an isolated machine has no network to apply them to
+    if case.operation.path.endswith("/metrics"):
+        query = case.query or {}
+        start, end = query.get("start"), query.get("end")
+        if isinstance(start, int | float) and isinstance(end, int | float) and start > end:
+            return True  # a window whose start is after its end
     if case.operation.path.endswith("/fork/batch") and isinstance(body, dict):
         names, count = body.get("names"), body.get("count")
         return isinstance(names, list) and count is not None and count != len(names)
