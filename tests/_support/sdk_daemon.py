@@ -185,6 +185,19 @@ def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_daemon: Paths) -> 
 
 
 @pytest.fixture
+def transport(world: Any, tmp_path: Path) -> Iterator[SyncASGITransport]:
+    """The in-process app over ``world``, as an httpx transport carrying (``key``) a key
+    of its account."""
+    from tests._support.fake_world import ACCOUNT
+
+    app, keys = world_app(world, tmp_path)
+    t = SyncASGITransport(app)
+    t.key = keys.create(ACCOUNT, "sdk").secret  # type: ignore[attr-defined]
+    yield t
+    t.close()
+
+
+@pytest.fixture
 def world_boxd(world: Any, tmp_path: Path) -> Iterator[Any]:
     """A sync client of the in-process app over ``world``, with a key of its account."""
     from boxd import Boxd

@@ -25,13 +25,7 @@ no_daemon = support.no_daemon
 world = support.world
 
 
-@pytest.fixture
-def transport(world: World, tmp_path: Path) -> Iterator[support.SyncASGITransport]:
-    app, keys = support.world_app(world, tmp_path)
-    t = support.SyncASGITransport(app)
-    t.key = keys.create(ACCOUNT, "sdk").secret  # type: ignore[attr-defined]
-    yield t
-    t.close()
+transport = support.transport  # fixture: the app over world, keyed
 
 
 @pytest.fixture

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -27,13 +25,7 @@ no_daemon = support.no_daemon
 world = support.world
 
 
-@pytest.fixture
-def transport(world: World, tmp_path: Path) -> Iterator[support.SyncASGITransport]:
-    app, keys = support.world_app(world, tmp_path)
-    t = support.SyncASGITransport(app)
-    t.key = keys.create(ACCOUNT, "sdk").secret  # type: ignore[attr-defined]
-    yield t
-    t.close()
+transport = support.transport  # fixture: the app over world, keyed
 
 
 def test_a_request_samples_a_running_machine_from_its_guest(world: World) -> None:
