@@ -285,3 +285,64 @@ def test_a_machines_overlay_backs_on_the_top_chains_qcow2(tmp_path: Path) -> Non
     with pytest.raises(InvalidRequest, match="at least 3 GiB; the machine's is 2 GiB"):
         asyncio.run(engine.create_disk(tmp_path / "l2.qcow2", big, "raw", 2))
     assert not (tmp_path / "l2.qcow2").exists()
+
+
+def test_an_image_disk_chain_moves_to_another_node_byte_for_byte(tmp_path: Path) -> None:
+    """A cross-node fork of a QEMU image machine: each node packs its own disks of a
+    tree (they differ byte for byte), so the sender's chain goes along under names of
+    its bytes (`root_files`); the receiver keeps it beside its own, re-pointed at its
+    copies (`receive_root`), fetches each disk once, and a node asked for a disk it made
+    itself uses it."""
+    import asyncio
+
+    from boxd.engine.qemu import QemuEngine
+    from boxd.engine.qemu._probe import AccelChoice
+    from boxd.errors import InvalidRequest
+    from boxd.images import qcow2_backing
+
+    _need_tools()
+    top = _tree(tmp_path, [BASE[:3], [{"path": "srv/a", "data": b"a"}]])
+    a_dir, b_dir = tmp_path / "a-disks", tmp_path / "b-disks"
+    a, b = (QemuEngine("qemu-system-x86_64", AccelChoice("tcg", "test"),
+                       runtime=tmp_path / "rootfs.img", image_disks=d) for d in (a_dir, b_dir))
+    assert a.portable_image_templates
+    asyncio.run(a.create_disk(tmp_path / "a-layer.qcow2", top, "raw", 1))
+    asyncio.run(b.create_disk(tmp_path / "b-layer.qcow2", top, "raw", 1))  # b's own packing
+    mine = [a_dir / f"{top.with_name(os.readlink(f'{top}.below')).name}.ext4",
+            a_dir / f"{top.name}.qcow2"]
+    assert (mine[0].read_bytes() != (b_dir / mine[0].name).read_bytes()), \
+        "two packings of one tree are alike: nothing would need to move"
+    files = a.root_files(tmp_path / "a-layer.qcow2")
+    assert [f.path for f in files] == mine  # bottom first
+    assert [f.name.split(".")[::2] for f in files] == [
+        [mine[0].name.split(".")[0], "ext4"], [top.name, "qcow2"]]
+    fetched: list[str] = []
+
+    def fetcher(src: Path):  # type: ignore[no-untyped-def]
+        async def fetch(dest: Path) -> int:
+            fetched.append(src.name)
+            shutil.copyfile(src, dest)
+            return src.stat().st_size
+        return fetch
+
+    got = asyncio.run(b.receive_root([(f.name, fetcher(f.path)) for f in files]))
+    assert got == b_dir / files[1].name and fetched == [m.name for m in mine]
+    assert qcow2_backing(got) == b_dir / files[0].name  # re-pointed at b's copy
+    subprocess.run(["qemu-img", "compare", "-q", str(mine[1]), str(got)], check=True)
+    assert (b_dir / files[0].name).read_bytes() == mine[0].read_bytes()
+    assert stat.S_IMODE(got.stat().st_mode) == 0o640
+    # a frozen layer re-pointed at it opens as a qcow2 chain
+    layer = tmp_path / "recv-layer.qcow2"
+    shutil.copyfile(tmp_path / "a-layer.qcow2", layer)
+    asyncio.run(b.retarget_disk(layer, got, "raw"))
+    info = subprocess.run(["qemu-img", "info", "--backing-chain", str(layer)],
+                          capture_output=True, text=True, check=True).stdout
+    assert f"backing file: {got}" in info and "backing file format: qcow2" in info
+    assert [f.name for f in b.root_files(layer)] == [f.name for f in files]  # onward
+    # again: nothing fetched; and back on the node that made them, its own disks
+    fetched.clear()
+    assert asyncio.run(b.receive_root([(f.name, fetcher(f.path)) for f in files])) == got
+    assert asyncio.run(a.receive_root([(f.name, fetcher(f.path)) for f in files])) == mine[1]
+    assert fetched == []
+    with pytest.raises(InvalidRequest, match="not an image disk's name"):
+        asyncio.run(b.receive_root([("../../etc/passwd", fetcher(mine[0]))]))

@@ -92,6 +92,70 @@ def test_a_template_whose_engine_cannot_move_it_is_refused_and_leaves_nothing(
     asyncio.run(main())
 
 
+def test_a_root_each_node_makes_of_an_image_goes_along_once_and_comes_back_as_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # issue 41: QEMU packs an image's tree into disks each node makes its own way, and
+    # a machine's frozen layers sit on them block by block, so an image machine's forks
+    # stayed on its node. The sender's root files now go with the template, named by
+    # their bytes: a receiver fetches each once, and the node that made one uses its own.
+    from tests._support.oci import make_image, write_layout
+
+    a, b = _two_nodes(tmp_path, monkeypatch)
+    a.engine.made_roots, b.engine.made_roots = tmp_path / "a-roots", tmp_path / "b-roots"
+    img = make_image([{"srv/hello.txt": b"from the image\n"}])
+    layout = write_layout(tmp_path / "layout", {"v1": img})
+    _import(a, layout)
+    _import(b, layout)
+    hexd = img.digest.split(":", 1)[1]
+
+    async def main() -> None:
+        src = await a.machines.create(ACCOUNT, models.MachineCreate(name="img",
+                                                                    image="it/x:v1"))
+        await a.machines.wait_until_ready(ACCOUNT, src.id, timeout=5)
+        await sh(a, src.id, "write /root/state one")
+        offer = await a.node.offer_template(src.id)
+        (root,) = offer.roots
+        own_a = tmp_path / "a-roots" / f"{(a.paths.image_roots / hexd).resolve().name}.root"
+        assert root.kind == "root" and root.key.endswith("." + own_a.read_text())
+        fetched: list[str] = []
+        tpl = await b.node.receive_template(offer, _fetch_from(a, fetched))
+        assert fetched.count("root") == 1
+        base = b.repos.layers.chain(tpl.layer_id)[-1]
+        assert _backing(b, base.id) == tmp_path / "b-roots" / root.key  # a's bytes, kept here
+        assert base.base == str((b.paths.image_roots / hexd).resolve())  # still its tree
+        rec = a.repos.machines.get(src.id)
+        assert rec is not None
+        (kid,) = _claim(b, ["k1"], src.id, rec.run_image)
+        assert await b.node.fork_received(rec, tpl, [kid]) == [None]
+        b.node.unpin_template(tpl.id)
+        out = await b.node.exec(kid, models.ExecRequest(command="cat /root/state"))
+        assert out.stdout == "one"
+        # the source changes: its next template crosses, its root does not again
+        await sh(a, src.id, "write /root/state two")
+        fetched.clear()
+        tpl2 = await b.node.receive_template(await a.node.offer_template(src.id),
+                                             _fetch_from(a, fetched))
+        b.node.unpin_template(tpl2.id)
+        assert "layer" in fetched and "root" not in fetched
+        # the child forks back to the node that made the root: that node uses its own
+        back = await b.node.offer_template(kid)
+        assert [r.key for r in back.roots] == [root.key]
+        fetched.clear()
+        tpl3 = await a.node.receive_template(back, _fetch_from(b, fetched))
+        assert "root" not in fetched
+        assert _backing(a, a.repos.layers.chain(tpl3.layer_id)[-1].id) == own_a
+        kid_rec = b.repos.machines.get(kid)
+        assert kid_rec is not None
+        (grand,) = _claim(a, ["g1"], kid, kid_rec.run_image)
+        assert await a.node.fork_received(kid_rec, tpl3, [grand]) == [None]
+        a.node.unpin_template(tpl3.id)
+        out = await a.node.exec(grand, models.ExecRequest(command="cat /root/state"))
+        assert out.stdout == "one"
+
+    asyncio.run(main())
+
+
 def test_an_offered_template_outlives_its_source_changing_until_the_peer_is_done(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -191,7 +255,7 @@ def test_an_image_machines_template_moves_onto_the_receivers_own_tree_of_the_ima
             await b.node.receive_template(offer, _fetch_from(a, []))
         assert not b.paths.templates.exists() or not any(b.paths.templates.iterdir())
         assert b.repos.layers.ids() == set()
-        # an engine that cannot move an image machine's template (QEMU) refuses it
+        # an engine that cannot move an image machine's template refuses it
         _import(b, layout)
         b.engine.portable_images = False
         with pytest.raises(InvalidRequest, match="container image's machine cannot move"):

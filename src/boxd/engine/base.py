@@ -19,6 +19,7 @@ from collections.abc import (
     Awaitable,
     Callable,
     Mapping,
+    Sequence,
 )
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +75,18 @@ class MemoryImage:
     mem_path: Path | None
     state_path: Path
     memory_mib: int
+
+
+@dataclass(frozen=True)
+class RootFile:
+    """A file a machine's disk sits on, under a name of its exact bytes on every node."""
+
+    name: str
+    path: Path
+
+
+#: Fetches a peer's file into the path given; returns the bytes received.
+Fetcher = Callable[[Path], Awaitable[int]]
 
 
 @dataclass(frozen=True)
@@ -395,6 +408,25 @@ class Engine(Protocol):
         """
         ...
 
+    def root_files(self, layer: Path) -> tuple[RootFile, ...]:
+        """The files this node made that the bottom frozen ``layer`` of a container
+        image's machine sits on block by block and another node would make otherwise
+        (QEMU: the image's disk chain, bottom first); () when every node's root of the
+        image is the same (gVisor serves the tree). A cross-node fork sends them along
+        (`receive_root`)."""
+        ...
+
+    async def receive_root(self, files: Sequence[tuple[str, Fetcher]]) -> Path | None:
+        """The root another node's `root_files` named (``files``: each one's name, and
+        how to fetch it into a path), made here: kept from an earlier fork, found among
+        this node's own, or fetched once and kept beside them. Returns what the bottom
+        layer is re-pointed at (None: nothing named).
+
+        Raises:
+            InvalidRequest: a name is not one `root_files` gives.
+        """
+        ...
+
 
 __all__ = [
     "Agent",
@@ -405,6 +437,7 @@ __all__ = [
     "ExecExit",
     "ExecOutcome",
     "ExecOutput",
+    "Fetcher",
     "FileStat",
     "GuestStream",
     "GuestUsage",
@@ -412,4 +445,5 @@ __all__ = [
     "MachineHandle",
     "MemoryImage",
     "Process",
+    "RootFile",
 ]

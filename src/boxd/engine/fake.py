@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import secrets
 import shutil
 import time
 from collections.abc import (
@@ -27,6 +28,7 @@ from collections.abc import (
     Awaitable,
     Callable,
     Mapping,
+    Sequence,
 )
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,10 +44,12 @@ from boxd.engine.agent import (
 from boxd.engine.base import (
     BootDisk,
     EngineInfo,
+    Fetcher,
     GuestStream,
     MachineConfig,
     MemoryImage,
     Process,
+    RootFile,
 )
 from boxd.errors import (
     AgentLost,
@@ -397,6 +401,10 @@ class FakeEngine:
         self.portable = True  # its templates move between nodes (`portable_templates`)
         self.portable_images = True  # ... an image machine's too (`portable_image_templates`)
         self.roots_from_images = True  # boots on an image's tree (`image_roots`)
+        # Set: a machine of an image's tree sits on a file this engine makes of the tree
+        # here (as QEMU's disk: each node's differs), which a cross-node fork sends along
+        # (`root_files`, `receive_root`); received ones are kept there by name.
+        self.made_roots: Path | None = None
 
     @property
     def name(self) -> str:
@@ -484,6 +492,12 @@ class FakeEngine:
         self, path: Path, backing: Path, backing_format: str, size_gib: int
     ) -> None:
         await self._step("create_disk")
+        if backing.is_dir() and self.made_roots is not None:
+            own = self.made_roots / f"{backing.name}.root"
+            if not own.exists():
+                own.parent.mkdir(parents=True, exist_ok=True)
+                own.write_text(secrets.token_hex(8))  # this node's own making of the tree
+            backing, backing_format = own, "root"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"backing": str(backing), "format": backing_format}))
 
@@ -513,6 +527,31 @@ class FakeEngine:
     async def receive_image(self, image: MemoryImage, disk: Path) -> MemoryImage:
         await self._step("receive_image")
         return image
+
+    def root_files(self, layer: Path) -> tuple[RootFile, ...]:
+        backing = Path(json.loads(layer.read_text())["backing"])
+        if self.made_roots is None or backing.parent != self.made_roots:
+            return ()
+        if backing.suffix == ".root":  # made here: named by its content
+            return (RootFile(f"{backing.stem}.{backing.read_text()}", backing),)
+        return (RootFile(backing.name, backing),)
+
+    async def receive_root(self, files: Sequence[tuple[str, Fetcher]]) -> Path | None:
+        await self._step("receive_root")
+        top: Path | None = None
+        for name, fetch in files:
+            if self.made_roots is None or "/" in name or name.count(".") != 1:
+                raise InvalidRequest(f"{name!r} is not a root file's name", field="roots")
+            tree, token = name.split(".")
+            own = self.made_roots / f"{tree}.root"
+            top = self.made_roots / name
+            if own.exists() and own.read_text() == token:
+                top = own
+            elif not top.exists():
+                self.calls.append(f"fetch_root:{name}")
+                self.made_roots.mkdir(parents=True, exist_ok=True)
+                await fetch(top)
+        return top
 
 
 __all__ = ["FakeAgent", "FakeEngine", "FakeGuest", "FakeMachine"]

@@ -8,7 +8,17 @@ from __future__ import annotations
 
 from ._build import CACHE_ENV, GuestImage, Recipe, cache_dir, ensure_image, list_images
 from ._collect import collect_unpacked
-from ._disk import disk_format, image_disk, virtual_size
+from ._disk import (
+    check_disk_name,
+    disk_chain,
+    disk_format,
+    disk_name,
+    find_disk,
+    image_disk,
+    place_disk,
+    qcow2_backing,
+    virtual_size,
+)
 from ._rootfs import GUEST_CLIENT_DIR
 from ._tree import AGENT_MOUNT, CLIENT_DIR, RELAY_ENV, agent_tree, native_relay, rootfs_tree
 
@@ -22,12 +32,18 @@ __all__ = [
     "Recipe",
     "agent_tree",
     "cache_dir",
+    "check_disk_name",
     "collect_unpacked",
+    "disk_chain",
     "disk_format",
+    "disk_name",
     "ensure_image",
+    "find_disk",
     "image_disk",
     "list_images",
     "native_relay",
+    "place_disk",
+    "qcow2_backing",
     "rootfs_tree",
     "virtual_size",
 ]

@@ -34,18 +34,33 @@ Layout::
 
 A disk once made is never renamed or removed here: machines' overlays name it as
 their backing file.
+
+Moving to another node (a cross-node fork of an image machine): each node packs its own
+disks, and two packings of one tree differ byte for byte (mkfs.ext4's UUID, times and
+block layout), while a machine's frozen qcow2 layers sit on the sender's disks block by
+block. So the sender's chain goes with them (`disk_chain`, each disk under a name of
+its exact bytes, `disk_name`) and the receiver keeps it beside its own
+(`place_disk`)::
+
+    <dest>/<chain id>.<stamp>.ext4    another node's disk of a chain, as its name says
+    <dest>/<chain id>.<stamp>.qcow2   (the stamp names those bytes on every node)
+
+A node asked for a disk it made itself (a fork coming back) finds it by its stamp
+(`find_disk`). The collection treats every disk of a chain alike (its chain id).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 
-from boxd.errors import HostSetupError
+from boxd.errors import HostSetupError, IntegrityError, InvalidRequest
 
 from ._build import _locked
 from ._ext4diff import Script, Tree, Unsupported
@@ -225,4 +240,109 @@ def _publish(tmp: Path, final: Path, group: int | None) -> None:
     os.replace(tmp, final)
 
 
-__all__ = ["DISK_MODE", "chain_below", "disk_format", "image_disk", "virtual_size"]
+# ---------------------------------------------------------------- moving between nodes
+
+#: qcow2's magic: the first four bytes of its header.
+_QCOW2_MAGIC = b"QFI\xfb"
+#: The suffixes of an image disk's two forms.
+_SUFFIXES = (".ext4", ".qcow2")
+
+
+def disk_chain(top: Path) -> list[Path]:
+    """The image disks ``top`` stands on, itself included, bottom (a raw ext4) first:
+    each qcow2's backing file as its header names it.
+
+    Raises:
+        IntegrityError: a backing file named is not an image disk beside ``top``.
+    """
+    chain = [top]
+    while chain[-1].suffix == ".qcow2":
+        below = qcow2_backing(chain[-1])
+        if below is None or below.parent != top.parent or below.suffix not in _SUFFIXES \
+                or below in chain:
+            raise IntegrityError(f"image disk {chain[-1]} names backing {below}, not an "
+                              "image disk beside it", hint="remove the image and import it "
+                              "again (`boxd image rm`, `boxd image import`)")
+        chain.append(below)
+    return chain[::-1]
+
+
+def qcow2_backing(path: Path) -> Path | None:
+    """The backing file a qcow2's header names (None: none, or not a qcow2)."""
+    with open(path, "rb") as f:
+        header = f.read(20)
+        if len(header) < 20 or header[:4] != _QCOW2_MAGIC:
+            return None
+        offset = int.from_bytes(header[8:16], "big")
+        size = int.from_bytes(header[16:20], "big")
+        if offset == 0 or not 0 < size <= 4096:
+            return None
+        f.seek(offset)
+        return Path(os.fsdecode(f.read(size)))
+
+
+def disk_name(disk: Path) -> str:
+    """A name of ``disk``'s exact bytes, the same on every node that holds them:
+    ``<chain id>.<stamp><suffix>``. A disk received from a peer keeps the name it came
+    with; one made here is named by where and when it was made (this host, its device,
+    inode, size and mtime: a disk never changes once made, one made again is another)."""
+    parts = disk.name.split(".")
+    if len(parts) == 3:
+        return disk.name
+    st = disk.stat()
+    where = f"{_host_id()}:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+    return f"{parts[0]}.{hashlib.sha256(where.encode()).hexdigest()[:20]}{disk.suffix}"
+
+
+def find_disk(dest: Path, name: str) -> Path | None:
+    """The disk under ``dest`` whose bytes `disk_name` calls ``name``: received before,
+    or made here."""
+    received = dest / name
+    if received.exists():
+        return received
+    chain, _, suffix = name.split(".")
+    own = dest / f"{chain}.{suffix}"
+    with contextlib.suppress(FileNotFoundError):
+        if disk_name(own) == name:
+            return own
+    return None
+
+
+def check_disk_name(name: str) -> None:
+    """Raise InvalidRequest unless ``name`` is what `disk_name` gives (a peer's word)."""
+    parts = name.split(".")
+    if len(parts) != 3 or f".{parts[2]}" not in _SUFFIXES or not all(
+            p and all(c in "0123456789abcdef" for c in p) for p in parts[:2]):
+        raise InvalidRequest(f"{name!r} is not an image disk's name", field="roots")
+
+
+def place_disk(received: Path, dest: Path, name: str, below: Path | None,
+               group: int | None) -> Path:
+    """Keep ``received`` (a peer's disk, fetched whole) under ``dest`` as ``name``: a
+    qcow2 is re-pointed at ``below``, this node's copy of the disk under it (its header
+    only: ``qemu-img rebase -u``). Returns its path; ``received`` is moved there."""
+    check_disk_name(name)
+    final = dest / name
+    if final.suffix == ".qcow2":
+        if below is None:
+            raise InvalidRequest(f"image disk {name} came without the disk under it",
+                                 field="roots")
+        run([need_tool("qemu-img", "image disk"), "rebase", "-q", "-u", "-f", "qcow2",
+             "-b", below, "-F", disk_format(below), received], "image disk: re-point")
+    _publish(received, final, group)
+    return final
+
+
+def _host_id() -> str:
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        with contextlib.suppress(OSError):
+            value = Path(path).read_text().strip()
+            if value:
+                return value
+    return socket.gethostname()
+
+
+__all__ = [
+    "DISK_MODE", "chain_below", "check_disk_name", "disk_chain", "disk_format", "disk_name",
+    "find_disk", "image_disk", "place_disk", "qcow2_backing", "virtual_size",
+]

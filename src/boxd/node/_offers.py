@@ -19,6 +19,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from boxd.engine.base import Engine
 from boxd.errors import NotFound
 from boxd.node import _transfer as transfer
 from boxd.node._template_refs import TemplateRefs
@@ -42,6 +43,7 @@ class Offers:
         self, repos: Repos, store: SnapshotStore, disks_dir: Path, *,
         fork_source: Callable[[str], Awaitable[tuple[MachineRecord, TemplateRecord]]],
         unpin: Callable[[str], None], refs: TemplateRefs,
+        engine: Callable[[str], Awaitable[Engine]],
     ) -> None:
         self.repos = repos
         self.store = store
@@ -49,6 +51,8 @@ class Offers:
         self._fork_source = fork_source
         self._unpin = unpin
         self._refs = refs
+        self._engine = engine
+        self._roots: dict[str, Path] = {}  # root files offered (`Engine.root_files`)
         self._offered: dict[str, TemplateRecord] = {}  # templates peers may fetch
         self._offers: dict[str, TemplateOffer] = {}  # ... and how they were described
         # template id -> (offers not yet done, the lease's timer)
@@ -124,18 +128,24 @@ class Offers:
         if cached is not None:
             return cached
 
+        engine = await self._engine(src.engine) if src.run_image is not None else None
+
         def describe() -> TemplateOffer:
+            chain = self.repos.layers.chain(tpl.layer_id)
             layers = tuple(
                 LayerOffer(layer.id, layer.parent_id,
                            transfer.offer("layer", layer.id, self._layer_path(layer.id)))
-                for layer in self.repos.layers.chain(tpl.layer_id)
+                for layer in chain
             )
+            roots = () if engine is None else engine.root_files(self._layer_path(chain[-1].id))
+            self._roots.update((r.name, r.path) for r in roots)
             return TemplateOffer(
                 template_id=tpl.id, source_id=src.id, generation=tpl.generation,
                 image=src.image, engine=src.engine, memory_mib=src.memory_mib,
                 mem=transfer.offer("mem", tpl.id, tpl.mem_path),
                 state=transfer.offer("state", tpl.id, tpl.state_path), layers=layers,
                 run_image=src.run_image,
+                roots=tuple(transfer.offer("root", r.name, r.path) for r in roots),
             )
 
         self._offers[tpl.id] = await asyncio.to_thread(describe)
@@ -149,6 +159,8 @@ class Offers:
             layer = self.repos.layers.get(key)
             if layer is not None and layer.frozen:
                 return self._layer_path(key)
+        if kind == "root" and key in self._roots and self._roots[key].exists():
+            return self._roots[key]
         if kind == "blob" and self.store.has_blob(key):
             return self.store.blob_path(key)
         raise NotFound(f"this node offers no {kind} {key!r}",
@@ -159,9 +171,11 @@ class Offers:
         A read of a template's file renews the lease of its offers."""
         if kind in ("mem", "state"):
             self._renew(key)
-        elif kind == "layer":
+        elif kind in ("layer", "root"):
             for tid, described in self._offers.items():
-                if tid in self._leases and any(lo.id == key for lo in described.layers):
+                if tid in self._leases and (
+                        any(lo.id == key for lo in described.layers) if kind == "layer"
+                        else any(r.key == key for r in described.roots)):
                     self._renew(tid)
         return await asyncio.to_thread(
             transfer.read_chunk, self._offered_path(kind, key), offset, length

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -323,6 +324,9 @@ class Templates:
                 hint="run the same boxd version (and image recipe) on every node",
             )
         root = image.rootfs if o.run_image is None else await self._image_root(o, engine)
+        # the sender's own form of that root (QEMU: the image's disk chain), if it sent one
+        below = await engine.receive_root(
+            [(f.key, functools.partial(transfer.receive, fetch, f)) for f in o.roots])
         # the state twice: an engine may lay it out anew beside the copy (gVisor)
         ensure_space(self.paths.shm, o.mem.data_bytes + 2 * o.state.size)
         t0 = time.monotonic()
@@ -336,7 +340,7 @@ class Templates:
                 # As a template made here: QEMU reads the state file as its own user.
                 for p in (dest, dest / "mem", dest / "state"):
                     os.chown(p, *engine.file_owner)
-            received += await self._receive_layers(o, fetch, root, engine, made)
+            received += await self._receive_layers(o, fetch, root, engine, made, below)
             # The engine lays the copy out as its own captures are (gVisor: the files
             # runsc restores from, naming this node's root and agent trees).
             got = await engine.receive_image(
@@ -382,10 +386,12 @@ class Templates:
 
     async def _receive_layers(
         self, o: TemplateOffer, fetch: Fetch, rootfs: Path, engine: Engine, made: list[str],
+        below: Path | None,
     ) -> int:
         """Fetch the frozen layers of ``o`` this node lacks (their ids go into ``made``
         as each is written), each re-pointed at this node's copy of its backing (the
-        engine's layer format); returns the bytes received."""
+        engine's layer format; the base layer at ``below`` if given, the root files
+        received, else at ``rootfs``); returns the bytes received."""
         received = 0
         for layer in reversed(o.layers):  # the base image's layer first
             if self.repos.layers.get(layer.id) is not None:
@@ -393,7 +399,8 @@ class Templates:
             path = self.layer_path(layer.id)
             received += await transfer.receive(fetch, layer.file, path)
             made.append(layer.id)
-            backing = rootfs if layer.parent is None else self.layer_path(layer.parent)
+            backing = (below or rootfs) if layer.parent is None else \
+                self.layer_path(layer.parent)
             await engine.retarget_disk(path, backing, "raw" if layer.parent is None else "layer")
             if engine.file_owner is not None:
                 os.chown(path, *engine.file_owner)

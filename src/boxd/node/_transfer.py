@@ -37,8 +37,8 @@ WINDOW = 4
 class FileOffer:
     """One file a node offers: how to ask for it, its size and its data regions."""
 
-    kind: str  # "mem", "state", "layer" or "blob"
-    key: str  # template id, layer id or blob digest
+    kind: str  # "mem", "state", "layer", "root" or "blob"
+    key: str  # template id, layer id, root file name or blob digest
     size: int
     regions: tuple[tuple[int, int], ...]
 
@@ -70,13 +70,17 @@ class TemplateOffer:
     state: FileOffer
     layers: tuple[LayerOffer, ...]  # the frozen layer first, down to the base image
     # The container image the base layer sits on (None: the guest image): the receiving
-    # node re-points that layer at its own root of the image (`Host.image_root`).
+    # node re-points that layer at its own root of the image (`Host.image_root`) ...
     run_image: RunImage | None = None
+    # ... or, when the engine's form of that root differs between nodes, at the
+    # sender's, sent along (`Engine.root_files`, bottom first, keyed by name).
+    roots: tuple[FileOffer, ...] = ()
 
     @property
     def data_bytes(self) -> int:
         return (self.mem.data_bytes + self.state.data_bytes
-                + sum(layer.file.data_bytes for layer in self.layers))
+                + sum(layer.file.data_bytes for layer in self.layers)
+                + sum(f.data_bytes for f in self.roots))
 
 
 def offer(kind: str, key: str, path: Path) -> FileOffer:

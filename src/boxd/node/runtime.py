@@ -38,7 +38,7 @@ from boxd import models
 from boxd import process_models as pm
 from boxd._version import __version__
 from boxd.config import DEFAULT_MEMORY_MIB, Paths, Settings
-from boxd.engine.base import Agent, MachineHandle, MemoryImage
+from boxd.engine.base import Agent, Engine, MachineHandle, MemoryImage
 from boxd.errors import (
     InvalidRequest,
     MachineFailed,
@@ -128,7 +128,8 @@ class NodeRuntime:
                            purge=self.purge)
         self.spares = self.forks.spares
         self.offers = Offers(repos, store, paths.disks, fork_source=self.forks.source,
-                             unpin=self.templates.unpin, refs=self.templates.refs)
+                             unpin=self.templates.unpin, refs=self.templates.refs,
+                             engine=self._engine)
         self.idle = IdleTimers(repos, settings, self.procs, node_id=node_id, lease=self.lease,
                                spawn=self._spawn)
         self.sleep = Sleep(paths, repos, settings, self.lifecycle, machines=self,
@@ -236,6 +237,10 @@ class NodeRuntime:
         """The engine new machines get unless they ask for one."""
         _, engine = await self.host.ready()
         return engine.name
+
+    async def _engine(self, name: str) -> Engine:
+        _, engine = await self.host.ready(name)
+        return engine
 
     # ------------------------------------------------------------------ create
 

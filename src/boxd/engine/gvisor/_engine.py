@@ -55,7 +55,14 @@ from typing import Any
 
 from boxd.config import GUEST_HTTP_PORT
 from boxd.engine.agent import AgentClient, connect_watched, dial_guest_port
-from boxd.engine.base import BootDisk, EngineInfo, MachineConfig, MemoryImage
+from boxd.engine.base import (
+    BootDisk,
+    EngineInfo,
+    Fetcher,
+    MachineConfig,
+    MemoryImage,
+    RootFile,
+)
 from boxd.engine.cgroups import (
     GVISOR_OVERHEAD_MIB,
     GVISOR_PIDS_MAX,
@@ -66,7 +73,14 @@ from boxd.engine.cgroups import (
 )
 from boxd.engine.gvisor import _net, _spec
 from boxd.engine.gvisor._spec import Roots, RunFiles
-from boxd.errors import BoxdError, HostSetupError, InternalError, MachineFailed, StateError
+from boxd.errors import (
+    BoxdError,
+    HostSetupError,
+    InternalError,
+    InvalidRequest,
+    MachineFailed,
+    StateError,
+)
 from boxd.guest import protocol as P
 from boxd.images import AGENT_MOUNT, rootfs_tree
 from boxd.storage.fds import OwnedFd, pipe_file
@@ -1164,6 +1178,15 @@ class GvisorEngine:
         roots = await asyncio.to_thread(self._roots, disk)
         await asyncio.to_thread(unpack_received, image, roots, self.agent_tree.parent)
         return image
+
+    def root_files(self, layer: Path) -> tuple[RootFile, ...]:
+        return ()  # a layer names a tree every node unpacks alike (the image's digest)
+
+    async def receive_root(self, files: Sequence[tuple[str, Fetcher]]) -> Path | None:
+        if files:
+            raise InvalidRequest("the gvisor engine boots an image on its tree: it "
+                                 "takes no root files from another node", field="roots")
+        return None
 
 
 def _open_stdio(files: RunFiles, log_path: Path) -> tuple[OwnedFd, OwnedFd, OwnedFd]:

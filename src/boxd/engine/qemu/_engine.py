@@ -17,20 +17,37 @@ import signal
 import stat
 import subprocess
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from boxd.config import GUEST_HTTP_PORT
 from boxd.engine import netpolicy as _policy
 from boxd.engine.agent import AgentClient, connect_watched, dial_guest_port
-from boxd.engine.base import BootDisk, EngineInfo, MachineConfig, MemoryImage
+from boxd.engine.base import (
+    BootDisk,
+    EngineInfo,
+    Fetcher,
+    MachineConfig,
+    MemoryImage,
+    RootFile,
+)
 from boxd.engine.cgroups import Cgroups, Limits, memory_limit
 from boxd.engine.qemu import _argv, _net
 from boxd.engine.qemu._probe import AccelChoice
 from boxd.engine.qemu._process import QemuProcess, pid_matches
 from boxd.errors import BoxdError, InternalError, InvalidRequest, MachineFailed
-from boxd.images import disk_format, image_disk, virtual_size
+from boxd.images import (
+    check_disk_name,
+    disk_chain,
+    disk_format,
+    disk_name,
+    find_disk,
+    image_disk,
+    place_disk,
+    qcow2_backing,
+    virtual_size,
+)
 from boxd.storage import disks
 from boxd.storage.fds import OwnedFd
 from boxd.storage.memory import sparse_copy
@@ -364,6 +381,7 @@ class QemuEngine:
         self.run_as = run_as
         self.version = version
         self.cgroups = cgroups or Cgroups.off("not set up")
+        self._root_locks: dict[str, asyncio.Lock] = {}  # a disk received once at a time
 
     @property
     def net(self) -> NetSetup:
@@ -461,12 +479,50 @@ class QemuEngine:
     @property
     def portable_image_templates(self) -> bool:
         # A container image's disk is packed on each node by mkfs.ext4 (its own UUID,
-        # timestamps and block layout): a frozen qcow2 layer written over the sender's
-        # would corrupt the receiver's. An image machine's forks stay on its node.
-        return False
+        # timestamps and block layout), and a frozen qcow2 layer is written over the
+        # sender's block by block: the sender's disk chain goes with the template
+        # (`root_files`, `receive_root`), kept here beside this node's own.
+        return self.image_roots
+
+    def root_files(self, layer: Path) -> tuple[RootFile, ...]:
+        top = qcow2_backing(layer)
+        if self.image_disks is None or top is None or top.parent != self.image_disks:
+            return ()  # boxd's guest root: the same file on every node
+        return tuple(RootFile(disk_name(d), d) for d in disk_chain(top))
+
+    async def receive_root(self, files: Sequence[tuple[str, Fetcher]]) -> Path | None:
+        assert self.image_disks is not None
+        dest = self.image_disks
+        below: Path | None = None
+        for name, fetch in files:
+            check_disk_name(name)
+            async with self._root_locks.setdefault(name, asyncio.Lock()):
+                here = await asyncio.to_thread(find_disk, dest, name)
+                if here is None:
+                    here = await self._fetch_disk(dest, name, fetch, below)
+            below = here
+        return below
+
+    async def _fetch_disk(self, dest: Path, name: str, fetch: Fetcher,
+                          below: Path | None) -> Path:
+        dest.mkdir(parents=True, exist_ok=True, mode=0o711)
+        tmp = dest / f".{name}.recv-{os.getpid()}"
+        t0 = time.monotonic()
+        try:
+            received = await fetch(tmp)
+            group = self.file_owner[1] if self.file_owner else None
+            path = await asyncio.to_thread(place_disk, tmp, dest, name, below, group)
+        finally:
+            tmp.unlink(missing_ok=True)
+        log.info("event=image_disk_received disk=%s bytes=%d seconds=%.3f", name, received,
+                 time.monotonic() - t0)
+        return path
 
     async def retarget_disk(self, path: Path, backing: Path, backing_format: str) -> None:
-        await disks.retarget(path, backing, "raw" if backing_format == "raw" else "qcow2")
+        fmt = "raw" if backing_format == "raw" else "qcow2"
+        if self.image_disks is not None and backing.parent == self.image_disks:
+            fmt = disk_format(backing)  # a container image's disk (`receive_root`)
+        await disks.retarget(path, backing, fmt)
 
     async def receive_image(self, image: MemoryImage, disk: Path) -> MemoryImage:
         return image  # the RAM file and the device state start as they are
