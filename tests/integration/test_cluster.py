@@ -264,50 +264,6 @@ def test_a_durable_exec_is_read_through_the_control_plane(
         b.machines.exec_result(base.id, "no-such-exec")
 
 
-@ON_QEMU
-def test_losing_a_node_marks_exactly_its_machines(cluster: LocalCluster, base: Any) -> None:
-    from boxd import errors
-
-    b = cluster.client
-    children = [c for c in b.machines.fork(base.id, count=2 * CAP + 1)
-                if not isinstance(c, Exception)]
-    victim = next(n for n in cluster.node_ids if n != base.node)  # the head is not a node
-    on_victim = {c.id for c in children if c.node == victim}
-    assert on_victim and qemu_pids(cluster.node_shm(victim))
-    removed = cluster.command(f"remove {cluster.node_ids.index(victim)}")
-    assert removed["removed"] == victim
-    deadline = time.monotonic() + 60
-    while not on_victim <= {m.id for m in b.machines.list() if m.state == "lost"}:
-        assert time.monotonic() < deadline, [(m.name, m.state) for m in b.machines.list()]
-        time.sleep(0.5)
-    # exactly its machines: every lost one was on the victim, every other still runs
-    assert all((m.state == "lost") == (m.node == victim) for m in b.machines.list())
-    for _ in range(50):  # the node's reaper kills its VMs once the node runtime is gone
-        if not qemu_pids(cluster.node_shm(victim)):
-            break
-        time.sleep(0.2)
-    assert not qemu_pids(cluster.node_shm(victim)), "QEMU outlived its node runtime"
-    dead = next(n for n in b.nodes.list() if n.id == victim)
-    assert dead.health == "dead"
-    lost = next(iter(on_victim))
-    with pytest.raises(errors.NodeLost) as info:
-        b.machines.exec(lost, "true")
-    assert victim in info.value.message and "delete" in info.value.hint
-    for c in children:  # the other nodes' machines keep answering
-        if c.id not in on_victim:
-            assert b.machines.exec(c.id, "echo ok").stdout == "ok\n"
-    for mid in on_victim:  # delete removes a lost machine's record
-        b.machines.delete(mid)
-    assert not {m.id for m in b.machines.list()} & on_victim
-    for c in children:
-        if c.id not in on_victim:
-            b.machines.delete(c.id)
-    after = b.machines.fork(base.id, count=2)  # forks go to the nodes that remain
-    assert all(not isinstance(c, Exception) and c.node != victim for c in after), after
-    for c in after:
-        b.machines.delete(c.id)
-
-
 @_on("gvisor")
 def test_the_fleet_controls_hold_on_a_cluster(cluster: LocalCluster, base: Any) -> None:
     """Labels, idempotency keys, lifetimes and the admission queue are the control
@@ -412,15 +368,16 @@ def test_an_image_machine_starts_on_any_node(cluster: LocalCluster, tmp_path: Pa
         b.images.remove("it/bb:v1")
 
 
-@_on("gvisor")
+@ON_BOTH
 def test_an_image_machines_forks_spread_over_nodes_on_their_own_trees(
     cluster: LocalCluster, tmp_path: Path
 ) -> None:
     """Issue 41 item 4: an image machine forks as any machine does. Children past its
     node's room go to other nodes, which get the image pushed first and restore the
-    template on their own tree of it; each child sees the image's files (not boxd's
-    Debian root) and what the source wrote before the fork, and a child on another node
-    forks there in turn."""
+    template on their own tree of it (gVisor), or on the source node's disks of it that
+    came along (QEMU: each node packs its own, byte for byte different); each child sees
+    the image's files (not boxd's Debian root) and what the source wrote before the
+    fork, and a child on another node forks there in turn."""
     from tests._support.oci import make_image, write_layout
 
     busybox = shutil.which("busybox")
@@ -459,6 +416,11 @@ def test_an_image_machines_forks_spread_over_nodes_on_their_own_trees(
             assert (cluster.node_home(c.node) / "oci-roots" / img.digest[7:]).is_dir()
             log = (cluster.node_home(c.node) / "daemon.log").read_text()
             assert f"source={src.id} event=fork_from" in log
+            if cluster.env["BOXD_ENGINE"] == "qemu":  # the source node's disks, kept here
+                disks = cluster.node_home(c.node) / "oci-disks"
+                assert any(len(p.name.split(".")) == 3 for p in disks.iterdir()), \
+                    sorted(p.name for p in disks.iterdir())
+                assert "event=image_disk_received" in log
         # a child on another node forks in turn (room made for it)
         for c in kids:
             if c is not far[0]:
@@ -778,3 +740,48 @@ def test_a_node_lost_under_an_e2b_pty_ends_its_stream(cluster: LocalCluster) -> 
         script.kill()
         script.wait()
     cluster.client.machines.delete(m.id)  # a lost machine's record goes with delete
+
+
+@ON_QEMU
+def test_losing_a_node_marks_exactly_its_machines(cluster: LocalCluster, base: Any) -> None:
+    """The last test of the QEMU cluster (it removes a node)."""
+    from boxd import errors
+
+    b = cluster.client
+    children = [c for c in b.machines.fork(base.id, count=2 * CAP + 1)
+                if not isinstance(c, Exception)]
+    victim = next(n for n in cluster.node_ids if n != base.node)  # the head is not a node
+    on_victim = {c.id for c in children if c.node == victim}
+    assert on_victim and qemu_pids(cluster.node_shm(victim))
+    removed = cluster.command(f"remove {cluster.node_ids.index(victim)}")
+    assert removed["removed"] == victim
+    deadline = time.monotonic() + 60
+    while not on_victim <= {m.id for m in b.machines.list() if m.state == "lost"}:
+        assert time.monotonic() < deadline, [(m.name, m.state) for m in b.machines.list()]
+        time.sleep(0.5)
+    # exactly its machines: every lost one was on the victim, every other still runs
+    assert all((m.state == "lost") == (m.node == victim) for m in b.machines.list())
+    for _ in range(50):  # the node's reaper kills its VMs once the node runtime is gone
+        if not qemu_pids(cluster.node_shm(victim)):
+            break
+        time.sleep(0.2)
+    assert not qemu_pids(cluster.node_shm(victim)), "QEMU outlived its node runtime"
+    dead = next(n for n in b.nodes.list() if n.id == victim)
+    assert dead.health == "dead"
+    lost = next(iter(on_victim))
+    with pytest.raises(errors.NodeLost) as info:
+        b.machines.exec(lost, "true")
+    assert victim in info.value.message and "delete" in info.value.hint
+    for c in children:  # the other nodes' machines keep answering
+        if c.id not in on_victim:
+            assert b.machines.exec(c.id, "echo ok").stdout == "ok\n"
+    for mid in on_victim:  # delete removes a lost machine's record
+        b.machines.delete(mid)
+    assert not {m.id for m in b.machines.list()} & on_victim
+    for c in children:
+        if c.id not in on_victim:
+            b.machines.delete(c.id)
+    after = b.machines.fork(base.id, count=2)  # forks go to the nodes that remain
+    assert all(not isinstance(c, Exception) and c.node != victim for c in after), after
+    for c in after:
+        b.machines.delete(c.id)
