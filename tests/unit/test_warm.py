@@ -392,3 +392,34 @@ def _assert_says_why(exc: BaseException, reason: str) -> None:
     assert message.split("are ready: ", 1)[1].strip(), message
     assert reason in message, message
     assert exc.hint, message
+
+
+def test_a_create_that_fails_gives_back_no_more_headroom_than_it_took(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A create counts against the account's headroom in its warm pools, and its delete
+    gives the slot back. Before: a create that failed (its record purged, which gives a
+    slot back) had not counted yet, so each failure left the pools one more slot than
+    the quota allows."""
+    w = make_world(tmp_path, monkeypatch, spares=2, spares_total=6)
+
+    async def main() -> None:
+        _account(w, "a_fail", 4)
+        src = await running(w, "src", account="a_fail")
+        assert (await w.machines.warm("a_fail", src.id, 2)).forks == 2
+        before = w.node.spares.claimable("a_fail")
+        assert before is not None
+        for i in range(3):
+            w.engine.failures["boot"] = errors.MachineFailed("the VM died while booting")
+            with pytest.raises(errors.MachineFailed):
+                await w.machines.create("a_fail", models.MachineCreate(name=f"bad{i}"))
+        assert w.node.spares.claimable("a_fail") == before
+        ok = await w.machines.create("a_fail", models.MachineCreate(name="good"))
+        assert w.node.spares.claimable("a_fail") == before - 1
+        await w.machines.delete("a_fail", ok.id)
+        assert w.node.spares.claimable("a_fail") == before
+        await w.node.spares.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        w.repos.db.close()

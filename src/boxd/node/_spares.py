@@ -267,6 +267,11 @@ class SparePool:
             return self._reserved.get(template_id, 0)
         return sum(self._reserved.values())
 
+    def claimable(self, owner: str) -> int | None:
+        """How many more machines ``owner`` may start, as its pools here count it (None:
+        it warmed none here)."""
+        return self._claimable.get(owner)
+
     def held(self, owner: str | None = None) -> int:
         """Spares held (ready, being made or reserved): by one account, or in all."""
         return sum(self._claimed(t) for t in self._templates()

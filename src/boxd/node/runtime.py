@@ -248,11 +248,12 @@ class NodeRuntime:
         # The whole create holds the machine's lease, an image's unpacking included: a
         # request for the machine meanwhile (its record exists, starting, with no VM
         # process yet) waits for the create instead of answering that no VM runs.
+        # One more machine of its account: as a fork's children, it leaves the warm
+        # pools less headroom (`SparePool.forked`; `freed` gives it back on delete, and
+        # so does the purge of a create that fails: counted first, it balances).
+        self.spares.forked(self.record(machine_id).account_id, 1)
         async with self.lease(machine_id).op():
             await self._create(machine_id, source)
-        # One more machine of its account: as a fork's children, it leaves the warm
-        # pools less headroom (`SparePool.forked`; `freed` gives it back on delete).
-        self.spares.forked(self.record(machine_id).account_id, 1)
 
     async def _create(self, machine_id: str, source: Boot | FromSnapshot) -> None:
         rec = self.record(machine_id)
