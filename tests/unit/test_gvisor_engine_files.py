@@ -63,24 +63,33 @@ def _capture(d: Path, roots: Roots) -> MemoryImage:
 def test_a_capture_is_used_in_place(tmp_path: Path) -> None:
     roots = Roots(tmp_path / "root", tmp_path / "agent")
     img = _capture(tmp_path / "tpl", roots)
-    src, got = _image_dir(img, RunFiles(tmp_path / "run"))
+    src, got = _image_dir(img, RunFiles(tmp_path / "run"), Roots(tmp_path / "x", tmp_path / "y"))
     assert src == tmp_path / "tpl" and got == roots
 
 
-def test_snapshot_blobs_are_reassembled(tmp_path: Path) -> None:
-    roots = Roots(tmp_path / "root", tmp_path / "agent")
+def test_snapshot_blobs_are_reassembled_on_this_nodes_trees(tmp_path: Path) -> None:
+    # issue 41: a snapshot named the trees of the node that saved it by path (an image
+    # machine's tree under that node's data directory); it now runs on this node's:
+    # its root and runtime trees under the machine's disk, its agent tree by name.
+    (tmp_path / "agent-abc").mkdir()
+    roots = Roots(tmp_path / "there" / "root", tmp_path / "there" / "agent-abc",
+                  tmp_path / "there" / "runtime")
     img = _capture(tmp_path / "tpl", roots)
     blobs = tmp_path / "blobs"
     blobs.mkdir()
     (img.mem_path).rename(blobs / "sha-pages")  # type: ignore[union-attr]
     (img.state_path).rename(blobs / "sha-state")
-    src, got = _image_dir(MemoryImage(blobs / "sha-pages", blobs / "sha-state", 512),
-                          RunFiles(tmp_path / "run"))
-    assert got == roots
+    ours = Roots(tmp_path / "root", tmp_path / "agent-new", tmp_path / "runtime")
+    snap = MemoryImage(blobs / "sha-pages", blobs / "sha-state", 512)
+    src, got = _image_dir(snap, RunFiles(tmp_path / "run"), ours)
+    assert got == Roots(tmp_path / "root", tmp_path / "agent-abc", tmp_path / "runtime")
     assert {p.name for p in src.iterdir()} >= {CHECKPOINT, PAGES, PAGES_META}
     assert (src / PAGES).read_bytes() == b"pages"
     with tarfile.open(blobs / "sha-state") as tar:
         assert set(tar.getnames()) == {CHECKPOINT, PAGES_META, "roots.json"}
+    (tmp_path / "agent-abc").rmdir()  # saved by another boxd version: said, not started
+    with pytest.raises(HostSetupError, match="no agent tree agent-abc"):
+        _image_dir(snap, RunFiles(tmp_path / "run"), ours)
 
 
 def test_a_capture_from_another_node_is_laid_out_in_place_on_this_nodes_trees(
@@ -99,7 +108,7 @@ def test_a_capture_from_another_node_is_laid_out_in_place_on_this_nodes_trees(
     here = tmp_path / "here"
     (here / "agent-abc123").mkdir(parents=True)
     unpack_received(received, Roots(here / "root", here / "agent-new"), here)
-    src, roots = _image_dir(received, RunFiles(tmp_path / "run"))
+    src, roots = _image_dir(received, RunFiles(tmp_path / "run"), Roots(here, here))
     assert src == got_dir, "used in place, not unpacked again for every child"
     assert roots == Roots(here / "root", here / "agent-abc123")
     assert (got_dir / CHECKPOINT).read_bytes() == b"state"
@@ -114,7 +123,8 @@ def test_a_qemu_state_is_refused(tmp_path: Path) -> None:
     state = tmp_path / "state"
     state.write_bytes(b"QEVM")
     with pytest.raises(MachineFailed, match="not a gvisor checkpoint"):
-        _image_dir(MemoryImage(tmp_path / "mem", state, 512), RunFiles(tmp_path / "run"))
+        _image_dir(MemoryImage(tmp_path / "mem", state, 512), RunFiles(tmp_path / "run"),
+                   Roots(tmp_path, tmp_path))
 
 
 def test_both_engines_are_known() -> None:

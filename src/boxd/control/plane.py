@@ -168,9 +168,7 @@ class Machines:
         return node is not None and node.alive
 
     def _live_cluster_nodes(self) -> builtins.list[ClusterNode]:
-        if self.cluster is None:
-            return []
-        return [n for n in self.cluster.nodes.values() if n.alive]
+        return [n for n in self.cluster.nodes.values() if n.alive] if self.cluster else []
 
     def _node(self, rec: MachineRecord) -> Node:
         node = self.nodes.get(rec.node_id)
@@ -315,18 +313,22 @@ class Machines:
                 on_timeout=req.on_timeout or "delete", run_image=run_image, net=net,
             )
             held.append(rec)
-            if run_image is not None and self.cluster is not None:
-                try:
-                    await self._push_image(node.id, run_image.digest)
-                except BaseException:
-                    await self._forget(rec.id, node)
-                    raise
+            await self._give_image(rec, node)
             await node.create(rec.id, Boot())  # on failure the record is gone
             return rec
 
         with self.lifetimes.launching() as held:  # its end waits for the create
             rec = await self._launch(req.node, set(), launch)
         return await self.get(account, rec.id)
+
+    async def _give_image(self, rec: MachineRecord, node: Node) -> None:
+        """On a cluster: a new image machine's node gets its image (failed: no record)."""
+        try:
+            if rec.run_image is not None and self.cluster is not None:
+                await self._push_image(node.id, rec.run_image.digest)
+        except BaseException:
+            await self._forget(rec.id, node)
+            raise
 
     async def _push_image(self, node_id: str, digest: str) -> None:
         """On a cluster: give the node the image's blobs it lacks (to create or fork on)."""
@@ -371,15 +373,15 @@ class Machines:
             if self.cluster is None:
                 await node.create(rec.id, source)
             else:  # a node that lacks the blobs pulls them from one that holds them
+                await self._give_image(rec, node)  # ... and an image machine's image
                 target = self.cluster.nodes[node.id]
                 holder = holders.get(node.id) or next(iter(holders.values()))
                 await target.create(rec.id, source,
                                     holder=None if holder.id == node.id else holder)
             return rec
 
-        hint = _image_snapshot_node(req.node, holders, meta) if holders else req.node
         with self.lifetimes.launching() as held:
-            rec = await self._launch(hint, set(holders), launch)
+            rec = await self._launch(req.node, set(holders), launch)
         return await self.get(account, rec.id)
 
     # ------------------------------------------------------------ inspection
@@ -980,25 +982,6 @@ class Snapshots:
             return self._model(existing)
         return self._model(self.repos.snapshots.add(account, name, manifest.digest,
                                                     new_version=True))
-
-
-def _image_snapshot_node(node: str | None, holders: Mapping[str, ClusterNode],
-                         meta: Mapping[str, object]) -> str | None:
-    """The node a snapshot starts on: ``node`` (None: placement's choice), except that a
-    container image machine's snapshot names its image's tree on the node that saved it,
-    so it starts on a node that holds it.
-
-    Raises:
-        InvalidRequest: ``node`` does not hold the image machine's snapshot.
-    """
-    if meta.get("run_image") is None or (node is not None and node in holders):
-        return node
-    if node is None:
-        return next(iter(holders))
-    raise InvalidRequest(
-        f"a container image machine's snapshot starts on a node that holds it "
-        f"({', '.join(holders)}), not on {node} yet", field="node",
-        hint="start it without a node, or on one of those")
 
 
 async def _holders(nodes: Iterable[ClusterNode], digest: str, ref: str,

@@ -202,7 +202,7 @@ def _open_gvisor(settings: Settings, paths: Paths, image: GuestImage) -> Engine:
     engine = GvisorEngine(
         runsc, runsc_version(runsc), state_root=paths.shm / "gvisor",
         agent_tree=agent_tree(image.dir), reason=status.reason, fallback_rootfs=image.rootfs,
-        net_user=settings.net_user, cgroups=cgroups,
+        net_user=settings.net_user, cgroups=cgroups, image_roots=paths.image_roots,
     )
     if swept := engine.sweep():
         log.info("event=gvisor_state_swept sandboxes=%d", len(swept))

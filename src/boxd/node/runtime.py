@@ -260,7 +260,7 @@ class NodeRuntime:
         try:
             image, engine = await self.host.ready(rec.engine)
             root = image.rootfs
-            if isinstance(source, Boot) and rec.run_image is not None:
+            if rec.run_image is not None:  # unpacked here (a snapshot's too: it runs on it)
                 root = await self.host.image_root(rec.run_image, engine)
         except BaseException:
             await self.purge(machine_id)  # its engine cannot run here: no record is left

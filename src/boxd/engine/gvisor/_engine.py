@@ -88,6 +88,8 @@ from boxd.storage.fds import OwnedFd, pipe_file
 log = logging.getLogger("boxd.engine")
 
 CHECKPOINT = "checkpoint.img"
+#: Where an image's unpacked layer chains sit under its roots (`boxd.images.oci`).
+CHAINS = "chains"
 PAGES = "pages.img"
 PAGES_META = "pages_meta.img"
 # The names the node reads a capture back by (QEMU's): a hard link to pages.img, and the
@@ -792,11 +794,16 @@ def unpack_received(image: MemoryImage, ours: Roots, agent_dir: Path) -> None:
     _pack_state(dest, json.dumps(Roots(ours.rootfs, agent, ours.runtime).to_json()).encode())
 
 
-def _image_dir(image: MemoryImage, files: RunFiles) -> tuple[Path, Roots]:
+def _image_dir(image: MemoryImage, files: RunFiles, ours: Roots) -> tuple[Path, Roots]:
     """A directory runsc can restore from, and the host trees the sandbox needs.
 
     A capture of this engine is used in place (a template, a checkpoint); a snapshot's
-    blobs (content-addressed files) are reassembled under the run directory.
+    blobs (content-addressed files) are reassembled under the run directory, to run on
+    ``ours`` (this node's trees under the machine's disk).
+
+    Raises:
+        MachineFailed: the files are not a gvisor capture's.
+        HostSetupError: this node has no agent tree of the content it was saved with.
     """
     if image.mem_path is None:
         raise MachineFailed("this memory image has no pages file: it was not made by the "
@@ -820,7 +827,15 @@ def _image_dir(image: MemoryImage, files: RunFiles) -> tuple[Path, Roots]:
         raise MachineFailed(f"{image.state_path} is not a gvisor checkpoint ({exc})",
                             hint="start it on the engine that saved it") from exc
     (out / PAGES).symlink_to(image.mem_path)
-    return out, Roots.from_json(json.loads((out / ROOTS).read_text()))
+    theirs = Roots.from_json(json.loads((out / ROOTS).read_text()))
+    # The trees of the node that saved it are named by path: this node's of the same
+    # content stand in (its root tree under the disk's chain, its agent tree by name).
+    agent = ours.agent.parent / theirs.agent.name
+    if not agent.is_dir():
+        raise HostSetupError(
+            f"this node has no agent tree {theirs.agent.name} (the snapshot was saved by "
+            "another boxd version)", hint="run the same boxd version on every node")
+    return out, Roots(ours.rootfs, agent, ours.runtime)
 
 
 # ------------------------------------------------------------------- engine
@@ -838,8 +853,12 @@ class GvisorEngine:
     def __init__(
         self, runsc: str, version: str, state_root: Path, agent_tree: Path, reason: str,
         fallback_rootfs: Path, net_user: str = "boxd-net", cgroups: Cgroups | None = None,
+        image_roots: Path | None = None,
     ) -> None:
         self.binary = runsc
+        # Where this node unpacks container images (`chains/<chain id>`): a layer naming
+        # another node's tree of a chain runs on this node's (a snapshot started here).
+        self.image_trees = image_roots
         self.cgroups = cgroups or Cgroups.off("not set up")
         self.version = version
         state_root.mkdir(parents=True, exist_ok=True)
@@ -905,6 +924,11 @@ class GvisorEngine:
 
     def _roots(self, disk: Path) -> Roots:
         base = layer_base(disk)
+        if not base.exists() and self.image_trees is not None and base.parent.name == CHAINS:
+            # Another node's tree of an image's layer chain (a snapshot saved there):
+            # a chain is named by its layers' digests, so this node's is the same tree.
+            ours = self.image_trees / CHAINS / base.name
+            base = ours if ours.is_dir() else base
         if base.is_dir():
             # A container image's unpacked tree (`image_roots`): the agent runs on the
             # guest root's Python, mounted beside it.
@@ -1085,7 +1109,8 @@ class GvisorEngine:
         files = RunFiles(run_dir)
         await self.settled(config.id)  # before anything is written to its run directory
         run_dir.mkdir(parents=True, exist_ok=True)
-        src, roots = await asyncio.to_thread(_image_dir, image, files)
+        src, roots = await asyncio.to_thread(_image_dir, image, files,
+                                             self._roots(disk.path))
         machine = await self._launch(config, disk.path, run_dir, log_path,
                                      ["restore", f"--image-path={src}"], roots, "restore",
                                      background=paused)
