@@ -9,13 +9,16 @@ machine from its snapshot.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
 from boxd import errors
+from boxd.config import Paths
 from tests._support.oci import make_image, write_layout
 from tests.integration.test_image_machines import CONFIG, _files
 
@@ -51,7 +54,7 @@ def made(client) -> Iterator[list[str]]:  # type: ignore[no-untyped-def]
 
 
 def test_a_qemu_machine_runs_an_image_without_python_forks_and_snapshots(  # type: ignore[no-untyped-def]
-        client, image, made) -> None:
+        daemon, client, image, made) -> None:
     m = client.machines.new("imgq", engine="qemu", image=IMAGE)
     made.append(m.id)
     m = client.machines.wait_until_ready(m.id, timeout=300)
@@ -93,11 +96,24 @@ def test_a_qemu_machine_runs_an_image_without_python_forks_and_snapshots(  # typ
     client.machines.exec(child.id, "echo child > mine.txt", user="root")
     assert client.machines.exec(m.id, "cat mine.txt").stdout == "parent\n"
     client.machines.delete(child.id)
-    # a checkpoint rewinds it; a snapshot records the image and starts on it again
+    # a checkpoint rewinds it, on the guest root it was saved on (its RAM caches that
+    # disk's blocks: a guest root built since, as after the daemon's guest image
+    # changed, is another file): here a link to it stands for the old one
     client.machines.checkpoints.save(m.id, "before")
     client.machines.exec(m.id, "echo after > mine.txt", user="root")
-    client.machines.checkpoints.restore(m.id, "before")
-    assert client.machines.exec(m.id, "cat mine.txt").stdout == "parent\n"
+    (note,) = list((Paths(daemon.home.resolve()).checkpoints).glob("*/runtime"))
+    runtime = Path(note.read_text())
+    assert runtime.name == "rootfs.img" and runtime.is_file()
+    pinned = runtime.with_name(f"rootfs.pinned-{m.id}.img")
+    os.link(runtime, pinned)
+    try:
+        note.write_text(str(pinned))
+        client.machines.checkpoints.restore(m.id, "before")
+        assert client.machines.exec(m.id, "cat mine.txt").stdout == "parent\n"
+        assert any(str(pinned) in _cmdline(p) for p in _pids_of(m.id)), \
+            "the restore attached the guest root the checkpoint names"
+    finally:
+        pinned.unlink()  # QEMU holds it open
     snap = client.snapshots.save(m.id, "imgq-snap")
     try:
         again = client.machines.new("imgq-again", from_snapshot=snap.name)
@@ -110,6 +126,18 @@ def test_a_qemu_machine_runs_an_image_without_python_forks_and_snapshots(  # typ
         client.machines.delete(again.id)
     finally:
         client.snapshots.delete(snap.name)
+
+
+def _pids_of(machine_id: str) -> list[int]:
+    return [int(p.name) for p in Path("/proc").iterdir()
+            if p.name.isdigit() and machine_id in _cmdline(int(p.name))]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
 
 
 def test_an_image_machines_long_disk_chain_collapses(  # type: ignore[no-untyped-def]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -133,3 +134,34 @@ def test_a_container_images_machine_gets_the_guest_root_as_a_read_only_disk() ->
     assert f"boxd.runtime={_argv.RUNTIME_SERIAL}" in append.split()
     with pytest.raises(ValueError, match="runtime"):
         _build(config=replace(_config(), image_root=True))
+
+
+def test_an_image_machine_continues_on_the_guest_root_its_capture_names(tmp_path: Path) -> None:
+    """A QEMU image machine's RAM caches blocks of the guest root its agent runs from
+    (a second disk): a capture (template, checkpoint, hibernation) notes that root and
+    continues on it, not on the daemon's guest root of now; a capture without a note
+    (a snapshot's blobs, another node's template) takes the daemon's; one whose root is
+    gone says so."""
+    from boxd.engine.base import MemoryImage
+    from boxd.engine.qemu import QemuEngine
+    from boxd.engine.qemu._probe import AccelChoice
+    from boxd.errors import MachineFailed
+
+    now, old = tmp_path / "now" / "rootfs.img", tmp_path / "old" / "rootfs.img"
+    for p in (now, old):
+        p.parent.mkdir()
+        p.write_bytes(b"ext4")
+    engine = QemuEngine("qemu-system-x86_64", AccelChoice("tcg", "test"), runtime=now,
+                        image_disks=tmp_path / "disks")
+    cfg = MachineConfig("m1", "m1", 1, 256, True, None, tmp_path / "k", tmp_path / "i", "",
+                        image_root=True)
+    cap = tmp_path / "cap"
+    cap.mkdir()
+    image = MemoryImage(cap / "mem", cap / "state", 256)
+    assert engine._runtime_of(cfg, image) is None  # no note: the daemon's
+    (cap / "runtime").write_text(f"{old}\n")
+    assert engine._runtime_of(cfg, image) == old
+    assert engine._runtime_of(dataclasses.replace(cfg, image_root=False), image) is None
+    old.unlink()
+    with pytest.raises(MachineFailed, match=r"guest root .*old/rootfs\.img, which is gone"):
+        engine._runtime_of(cfg, image)

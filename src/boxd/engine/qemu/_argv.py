@@ -22,6 +22,11 @@ SANDBOX = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=de
 SANDBOX_RUN_AS = "on,obsolete=deny,elevateprivileges=allow,spawn=deny,resourcecontrol=deny"
 
 
+#: The file (in a run directory and in a capture beside the state) naming the guest
+#: root a container image's machine runs its agent from: a capture continues on it.
+RUNTIME = "runtime"
+
+
 @dataclass(frozen=True)
 class RunFiles:
     """The files of one QEMU process, all under the machine's run directory."""
@@ -43,6 +48,11 @@ class RunFiles:
     @property
     def pidfile(self) -> Path:
         return self.run_dir / "qemu.pid"
+
+    @property
+    def runtime(self) -> Path:
+        """Names the guest root a container image's machine was started with (`RUNTIME`)."""
+        return self.run_dir / RUNTIME
 
 
 @dataclass(frozen=True)

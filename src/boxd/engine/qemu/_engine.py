@@ -301,6 +301,8 @@ class QemuMachine:
         if self._ram_shared:
             mem = dest_dir / MEM_FILE
             await asyncio.to_thread(sparse_copy, self.files.mem, mem)
+        if self.files.runtime.is_file():  # the guest root it continues on (`_runtime_of`)
+            shutil.copyfile(self.files.runtime, dest_dir / _argv.RUNTIME)
         return MemoryImage(mem_path=mem, state_path=state, memory_mib=self.config.memory_mib)
 
     async def destroy(self) -> None:
@@ -541,7 +543,7 @@ class QemuEngine:
 
     def _spawn(
         self, config: MachineConfig, disk: Path, files: _argv.RunFiles, memory: _argv.Memory,
-        log_path: Path, *, incoming: bool,
+        log_path: Path, *, incoming: bool, runtime: Path | None = None,
     ) -> tuple[QemuProcess, _Forward | None]:
         """Start QEMU (and its passt); the caller checks the forward with `_Forward.wait`
         once QEMU answers, so passt binds its port while QEMU starts."""
@@ -565,8 +567,10 @@ class QemuEngine:
                 disk=disk, memory=memory, console_log=log_path.with_name("console.log"),
                 incoming=incoming, readonly_rom_supported=self.readonly_rom,
                 run_as=self.run_as.user if self.run_as else None,
-                net_fd=None if net is None else net.fd, runtime=self.runtime,
+                net_fd=None if net is None else net.fd, runtime=runtime or self.runtime,
             )
+            if config.image_root and (runtime or self.runtime) is not None:
+                files.runtime.write_text(str(runtime or self.runtime))  # `capture` keeps it
             for stale in (files.qmp, files.agent, files.pidfile):
                 stale.unlink(missing_ok=True)
             cgroup = self.cgroups.create(
@@ -613,6 +617,26 @@ class QemuEngine:
             raise
         return machine
 
+    def _runtime_of(self, config: MachineConfig, image: MemoryImage) -> Path | None:
+        """The guest root a container image's machine continues on: the one its capture
+        was made on (a RAM file and device state are tied to its blocks: a guest root
+        built since, after the daemon's guest image changed, holds other bytes), else
+        (a snapshot's blobs, another node's template) the daemon's.
+
+        Raises:
+            MachineFailed: the capture's guest root is gone from this host.
+        """
+        noted = image.state_path.with_name(_argv.RUNTIME)
+        if not config.image_root or not noted.is_file():
+            return None
+        runtime = Path(noted.read_text().strip())
+        if not runtime.is_file():
+            raise MachineFailed(
+                f"machine {config.id} was saved on guest root {runtime}, which is gone",
+                machine=config.id, hint="delete it and start it again from its image or a "
+                "snapshot (the guest image was rebuilt or its cache cleared)")
+        return runtime
+
     async def start_from(
         self, config: MachineConfig, disk: BootDisk, image: MemoryImage, run_dir: Path,
         log_path: Path, *, copy_memory: bool, paused: bool = False,
@@ -636,7 +660,7 @@ class QemuEngine:
             memory = _argv.Memory(image.mem_path, shared=False, readonly=True)
             caps = [{"capability": "x-ignore-shared", "state": True}]
         proc, forward = self._spawn(config, disk.path, files, memory, log_path,
-                                    incoming=True)
+                                    incoming=True, runtime=self._runtime_of(config, image))
         machine = QemuMachine(
             config, proc, files, disk.path, ram_shared=memory.shared, run_as=self.run_as
         )
