@@ -36,10 +36,10 @@ from boxd.config import Paths, Settings
 from boxd.console.app import create_console_app
 from boxd.console.login import url_file as console_url_file
 from boxd.control import build_services, netpolicy
-from boxd.control.images import images_in_use
 from boxd.e2b.app import WS_MAX_MESSAGE, create_e2b_app
 from boxd.e2b.env import url_file
 from boxd.errors import Conflict, HostSetupError, InvalidRequest
+from boxd.images import images_in_use
 from boxd.services import HostInfoFn, MachineService, ProcessService, SnapshotService
 from boxd.state import Database, Repos
 from boxd.storage import SnapshotStore
@@ -153,7 +153,21 @@ def _image_service(paths: Paths, machines: object) -> ImageService:
     def in_use() -> set[str]:
         return images_in_use(repos, store)
 
-    return ImageService(paths.images_store, in_use=in_use,
+    async def on_nodes(keep: Callable[[], set[str]]) -> int:
+        """On a cluster: each live node collects its copies of images ``keep()`` does
+        not name (`ClusterNode.collect_images`)."""
+        cluster = getattr(machines, "cluster", None)
+        if cluster is None:
+            return 0
+        removed = 0
+        for node in [n for n in cluster.nodes.values() if n.alive]:
+            try:
+                removed += await node.collect_images(keep)
+            except Exception as exc:  # the name is gone: the node collects at the next one
+                log.warning("node=%s event=images_not_collected error=%r", node.id, exc)
+        return removed
+
+    return ImageService(paths.images_store, in_use=in_use, on_nodes=on_nodes,
                         unpacked=(paths.image_roots, paths.image_disks))
 
 

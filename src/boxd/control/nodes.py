@@ -9,7 +9,7 @@ what kind of node it holds (`control/ray.py` implements the cluster ones on Ray)
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from boxd.node.base import Boot, FromSnapshot, Node
@@ -81,6 +81,12 @@ class ClusterNode(Node, Protocol):
 
     async def drop_snapshot(self, digest: str) -> None:
         """Remove a snapshot the registry no longer has (blobs in use there stay)."""
+        ...
+
+    async def collect_images(self, keep: Callable[[], set[str]]) -> int:
+        """Remove this node's copies (blobs, unpacked trees, disks) of every image that
+        neither ``keep()`` (asked when no push to this node is under way) nor a machine
+        or snapshot of the node names; return how many entries went."""
         ...
 
 

@@ -90,9 +90,11 @@ class RayNode:
         # (engine, image machine) -> `portable_templates` answer
         self._portable: dict[tuple[str, bool], bool] = {}
         self._pushing: dict[str, asyncio.Lock] = {}  # image digest -> its push here
-        # Images whose blobs this node holds (pushed, or found whole): nodes never drop
-        # image blobs, so a later fork or create there asks nothing.
+        # Images whose blobs this node holds (pushed, or found whole): a later fork or
+        # create there asks nothing, until a collection there (`collect_images`).
         self._images: set[str] = set()
+        # Pushes share it, a collection of the node's images holds it alone.
+        self._images_gate = _Gate()
 
     @property
     def id(self) -> str:
@@ -375,7 +377,8 @@ class RayNode:
         node's image store lacks from ``store``, chunk by chunk; the node verifies each.
         One push of an image to this node at a time (a second create waits for it), and
         none once the node holds it (``_images``)."""
-        async with self._pushing.setdefault(digests[0], asyncio.Lock()):
+        async with self._pushing.setdefault(digests[0], asyncio.Lock()), \
+                self._images_gate.shared():
             if digests[0] in self._images:
                 return
             missing: list[str] = await self._ask(self.actor.image_missing.remote(digests))
@@ -398,6 +401,13 @@ class RayNode:
 
     async def drop_snapshot(self, digest: str) -> None:
         await self._ask(self.actor.drop_snapshot.remote(digest))
+
+    async def collect_images(self, keep: Callable[[], set[str]]) -> int:
+        async with self._images_gate.alone():
+            kept = keep()  # no push is under way: what it pushes, the records name
+            removed: int = await self._ask(self.actor.collect_images.remote(sorted(kept)))
+            self._images &= kept
+            return removed
 
     async def snapshot_digests(self) -> set[str]:
         return set(await self._ask(self.actor.snapshot_digests.remote()))
@@ -456,6 +466,46 @@ class RayNode:
         finally:
             with contextlib.suppress(Exception):
                 await self.actor.detach.remote(sid)
+
+
+class _Gate:
+    """Held by many at once (`shared`) or by one alone (`alone`); one waiting to hold
+    it alone goes before sharers that come after it."""
+
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self._sharers = 0
+        self._alone = False
+        self._waiting = 0  # waiting to hold it alone
+
+    @contextlib.asynccontextmanager
+    async def shared(self) -> AsyncIterator[None]:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._alone and not self._waiting)
+            self._sharers += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._sharers -= 1
+                self._cond.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def alone(self) -> AsyncIterator[None]:
+        async with self._cond:
+            self._waiting += 1
+            try:
+                await self._cond.wait_for(lambda: not self._alone and not self._sharers)
+            finally:
+                self._waiting -= 1
+                self._cond.notify_all()  # sharers held back by this wait may go now
+            self._alone = True
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._alone = False
+                self._cond.notify_all()
 
 
 class _RemoteStream:

@@ -7,7 +7,7 @@ docs/images.md for the layout, the QEMU flags it boots with and measured timings
 from __future__ import annotations
 
 from ._build import CACHE_ENV, GuestImage, Recipe, cache_dir, ensure_image, list_images
-from ._collect import collect_unpacked
+from ._collect import collect_unpacked, images_in_use
 from ._disk import (
     check_disk_name,
     disk_chain,
@@ -40,6 +40,7 @@ __all__ = [
     "ensure_image",
     "find_disk",
     "image_disk",
+    "images_in_use",
     "list_images",
     "native_relay",
     "place_disk",

@@ -26,7 +26,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from boxd.errors import CorruptData, NotFound
+from boxd.errors import CorruptData, IntegrityError, NotFound
+from boxd.state import Repos
+from boxd.storage import SnapshotStore
 from boxd.storage.oci import ImageStore
 
 from .oci import chain_ids, image_by_digest, roots_lock
@@ -38,7 +40,27 @@ STALE_TEMP_S = 3600.0
 #: The chain of an image of no layers (`unpack_image`).
 EMPTY_CHAIN = hashlib.sha256(b"").hexdigest()
 
-__all__ = ["collect_unpacked"]
+__all__ = ["collect_unpacked", "images_in_use"]
+
+
+def images_in_use(repos: Repos, store: SnapshotStore) -> set[str]:
+    """The manifest digests of the images every machine record of ``repos`` and every
+    snapshot of ``store`` runs: what a collection must keep after their names went.
+
+    Raises:
+        IntegrityError: a snapshot's manifest cannot be read (what it runs is unknown,
+            so nothing may be collected).
+    """
+    out = repos.machines.run_image_digests()
+    manifests, whole = store.list_all()
+    if not whole:
+        raise IntegrityError("a stored snapshot cannot be read: which images it runs is "
+                             "unknown", hint="run `boxd snapshot verify` to find it")
+    for manifest in manifests:
+        run = manifest.meta.get("run_image")
+        if isinstance(run, dict) and run.get("digest"):
+            out.add(str(run["digest"]))
+    return out
 
 
 def collect_unpacked(store: ImageStore, roots: Path, disks: Path,

@@ -46,6 +46,7 @@ from boxd import models
 from boxd import process_models as pm
 from boxd.config import Paths, Settings
 from boxd.errors import BoxdError, InternalError, ResourceExhausted
+from boxd.images import collect_unpacked
 from boxd.node import _transfer as transfer
 from boxd.node._host import Host
 from boxd.node._transfer import FileOffer, TemplateOffer
@@ -318,6 +319,33 @@ class NodeActor:
 
     async def offer_done(self, template_id: str) -> None:
         self.rt.offer_done(template_id)
+
+    async def collect_images(self, keep: list[str]) -> int:
+        """Remove this node's copies of the images neither ``keep`` (the control
+        plane's: named, or run by a record or a snapshot of its registry) nor a machine
+        of this node names: their blobs, unpacked trees and disks (received ones too).
+        Returns how many entries went. (A snapshot copy here that the registry dropped
+        keeps no image: a machine started from it names its image itself.)"""
+        store = ImageStore(self.paths.images_store)
+        machines = self.rt.repos.machines
+
+        def needed() -> set[str]:
+            return set(keep) | machines.run_image_digests()
+
+        def run() -> int:
+            # An unpack under way here is of a machine's image (its record came first):
+            # needed, its blobs stay.
+            blobs = store.collect(needed())
+            return len(blobs) + len(collect_unpacked(store, self.paths.image_roots,
+                                                     self.paths.image_disks, needed))
+
+        try:
+            removed = await asyncio.to_thread(run)
+        except BoxdError as exc:
+            log.warning("node=%s event=images_not_collected error=%s", self.node_id, exc)
+            return 0
+        log.info("node=%s event=images_collected entries=%d", self.node_id, removed)
+        return removed
 
     async def drop_snapshot(self, digest: str) -> bool:
         """Remove a snapshot the registry no longer has (blobs machines here map stay);

@@ -275,6 +275,8 @@ class ImageStore:
         or snapshot still runs, its name removed). Return the digests removed. Blobs
         being written (temporary files) are kept, and no import is between its first
         blob and its name meanwhile (`importing`)."""
+        if not self.blobs.is_dir():
+            return []  # nothing stored yet (a node no image was pushed to)
         with self._flock(".gc-lock", fcntl.LOCK_EX), self.locked():
             live: set[str] = set()
             for desc in self.refs().values():

@@ -11,7 +11,7 @@ import asyncio
 import builtins
 import logging
 import tempfile
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from boxd import models
@@ -31,15 +31,20 @@ class ImageService:
     """The daemon's image store, per account."""
 
     def __init__(self, root: Path | None, *, unpacked: tuple[Path, Path] | None = None,
-                 in_use: Callable[[], set[str]] | None = None) -> None:
+                 in_use: Callable[[], set[str]] | None = None,
+                 on_nodes: Callable[[Callable[[], set[str]]], Awaitable[int]] | None = None,
+                 ) -> None:
         """``root``: the store's folder; None: a new temporary folder, made on first use
         (an app built only to read its schema makes none). ``unpacked``: where images
         are unpacked for machines (trees, disks: `collect`); ``in_use``: the manifest
-        digests of the images machines and snapshots still run (raises when unknown)."""
+        digests of the images machines and snapshots still run (raises when unknown);
+        ``on_nodes``: a cluster's nodes collect their copies of the images a function
+        it is given does not name (its count of what went)."""
         self._root = root
         self._store: ImageStore | None = None
         self._unpacked = unpacked
         self._in_use = in_use or set
+        self._on_nodes = on_nodes
 
     @property
     def store(self) -> ImageStore:
@@ -110,16 +115,22 @@ class ImageService:
         """Remove the unpacked trees and disks no image, machine or snapshot needs
         (`boxd.images._collect`); return how many entries went. Run after a remove and
         when the daemon starts (a machine deleted since frees its image's then)."""
-        if self._unpacked is None:
-            return 0
-        roots, disks = self._unpacked
-        try:
-            removed = await asyncio.to_thread(collect_unpacked, self.store, roots, disks,
-                                              self._in_use)
-        except BoxdError as exc:
-            log.warning("unpacked images not collected: %s", exc)
-            return 0
-        return len(removed)
+        removed = 0
+        if self._unpacked is not None:
+            roots, disks = self._unpacked
+            try:
+                removed = len(await asyncio.to_thread(collect_unpacked, self.store, roots,
+                                                      disks, self._in_use))
+            except BoxdError as exc:
+                log.warning("unpacked images not collected: %s", exc)
+        if self._on_nodes is not None:
+            removed += await self._on_nodes(self._needed)
+        return removed
+
+    def _needed(self) -> set[str]:
+        """The images a node's copies of which stay: every named one (it may run there
+        again) and every one a machine or snapshot runs. Raises when that is unknown."""
+        return {d.digest for d in self.store.refs().values()} | self._in_use()
 
 
 def _missing(name: str) -> NotFound:
