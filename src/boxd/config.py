@@ -19,6 +19,9 @@ else ``$XDG_DATA_HOME/boxd`` or ``~/.local/share/boxd``)::
     oci-disks/<chain>.ext4|.qcow2  an image's trees as disks, one per layer chain (QEMU
                          boots on them): a raw ext4 of the first chain, qcow2s of each
                          chain's changes backed by the disk below
+    received-roots/      what other nodes' fork templates sat on, byte for byte theirs
+                         (QEMU): rootfs.<stamp>.img (a guest root built apart from this
+                         node's), disk.<stamp>.qcow2 (a snapshot's disk)
     disks/<layer>.qcow2  disk layers: a machine's writable overlay or a frozen layer
     snapshots/           content-addressed snapshot store (blobs/, manifests)
     machines/<id>/       per-machine persistent files (console log)
@@ -104,6 +107,12 @@ class Paths:
     def image_roots(self) -> Path:
         """Imported images unpacked for machines to run on: one tree per image digest."""
         return self.home / "oci-roots"
+
+    @property
+    def received_roots(self) -> Path:
+        """What other nodes' fork templates sat on, received with them (QEMU: a guest
+        root built apart from this node's, a snapshot's disk): kept, named by bytes."""
+        return self.home / "received-roots"
 
     @property
     def image_disks(self) -> Path:

@@ -190,12 +190,20 @@ def test_snapshot_taken_on_one_node_starts_on_another(
     from boxd import errors
 
     b = cluster.client
+    b.machines.exec(base.id, "echo on-disk > /root/disk.txt; sync")
     snap = b.snapshots.save(base.id, "warm")
-    other = next(n for n in cluster.node_ids if n != base.node)
+    other, third = [n for n in cluster.node_ids if n != base.node][:2]
     m = b.machines.new("from-warm", from_snapshot="warm", node=other)
     assert m.node == other and m.snapshot == snap.digest.removeprefix("sha256:")
     assert b.machines.exec(m.id, "cat /dev/shm/value").stdout.strip()
     assert _value_from_memory(b, m.id) == _value_from_memory(b, base.id)
+    # its fork on a node that never held the snapshot sits on the snapshot's disk too
+    # (before: its bottom layer was re-pointed at that node's bare guest root)
+    kid = b.machines.fork(m.id, "from-warm-kid", node=third)
+    assert kid.node == third
+    read = "echo 3 > /proc/sys/vm/drop_caches; cat /root/disk.txt"  # from disk, not RAM
+    assert b.machines.exec(kid.id, read).stdout == "on-disk\n"
+    b.machines.delete(kid.id)
     b.machines.delete(m.id)
     # export pulls the blobs from a node; import is not offered on a cluster yet
     out = tmp_path / "warm.boxd"
@@ -423,7 +431,7 @@ def test_an_image_machines_forks_spread_over_nodes_on_their_own_trees(
                 disks = cluster.node_home(c.node) / "oci-disks"
                 assert any(len(p.name.split(".")) == 3 for p in disks.iterdir()), \
                     sorted(p.name for p in disks.iterdir())
-                assert "event=image_disk_received" in log
+                assert "event=root_received" in log
         # a child on another node forks in turn (room made for it)
         for c in kids:
             if c is not far[0]:

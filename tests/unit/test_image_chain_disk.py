@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from tests._support.oci import entries_tar, image_of_tars, write_layout
 
-from boxd.images import disk_format, image_disk, virtual_size
+from boxd.images import disk_format, image_disk, qcow2_backing, virtual_size
 from boxd.images._rootfs import make_ext4
 from boxd.images.oci import import_image, inspect_image, unpack_image
 from boxd.storage.oci import ImageStore
@@ -287,50 +287,75 @@ def test_a_machines_overlay_backs_on_the_top_chains_qcow2(tmp_path: Path) -> Non
     assert not (tmp_path / "l2.qcow2").exists()
 
 
+def _engines(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """Two nodes' QEMU engines, each with its own guest root (built apart: other bytes)."""
+    from boxd.engine.qemu import QemuEngine
+    from boxd.engine.qemu._probe import AccelChoice
+
+    out = []
+    for n in ("a", "b"):
+        runtime = tmp_path / f"{n}-cache" / "3a1b263fa04c100e" / "rootfs.img"
+        runtime.parent.mkdir(parents=True)
+        runtime.write_bytes(f"guest root built on {n}".encode() * 1000)
+        out.append(QemuEngine("qemu-system-x86_64", AccelChoice("tcg", "test"),
+                              runtime=runtime, image_disks=tmp_path / f"{n}-disks",
+                              received_roots=tmp_path / f"{n}-received"))
+    return out
+
+
+def _fetcher(fetched: list[str]):  # type: ignore[no-untyped-def]
+    def of(src: Path):  # type: ignore[no-untyped-def]
+        async def fetch(dest: Path) -> int:
+            fetched.append(src.name)
+            shutil.copyfile(src, dest)
+            return src.stat().st_size
+        return fetch
+    return of
+
+
 def test_an_image_disk_chain_moves_to_another_node_byte_for_byte(tmp_path: Path) -> None:
     """A cross-node fork of a QEMU image machine: each node packs its own disks of a
     tree (they differ byte for byte), so the sender's chain goes along under names of
-    its bytes (`root_files`); the receiver keeps it beside its own, re-pointed at its
-    copies (`receive_root`), fetches each disk once, and a node asked for a disk it made
-    itself uses it."""
+    its bytes (`root_files`), and so does the guest root its agent runs from; the
+    receiver keeps them beside its own, re-pointed at its copies (`receive_root`),
+    notes the guest root in the template, fetches each once, and a node asked for a
+    disk it made itself uses it."""
     import asyncio
 
-    from boxd.engine.qemu import QemuEngine
-    from boxd.engine.qemu._probe import AccelChoice
+    from boxd.engine.base import MemoryImage
     from boxd.errors import InvalidRequest
-    from boxd.images import qcow2_backing
 
     _need_tools()
     top = _tree(tmp_path, [BASE[:3], [{"path": "srv/a", "data": b"a"}]])
-    a_dir, b_dir = tmp_path / "a-disks", tmp_path / "b-disks"
-    a, b = (QemuEngine("qemu-system-x86_64", AccelChoice("tcg", "test"),
-                       runtime=tmp_path / "rootfs.img", image_disks=d) for d in (a_dir, b_dir))
-    assert a.portable_image_templates
+    a, b = _engines(tmp_path)
+    a_dir, b_dir = a.image_disks, b.image_disks
+    assert a.portable_image_templates and a_dir is not None and b_dir is not None
+    assert a.runtime is not None and b.received_roots is not None
     asyncio.run(a.create_disk(tmp_path / "a-layer.qcow2", top, "raw", 1))
     asyncio.run(b.create_disk(tmp_path / "b-layer.qcow2", top, "raw", 1))  # b's own packing
     mine = [a_dir / f"{top.with_name(os.readlink(f'{top}.below')).name}.ext4",
             a_dir / f"{top.name}.qcow2"]
     assert (mine[0].read_bytes() != (b_dir / mine[0].name).read_bytes()), \
         "two packings of one tree are alike: nothing would need to move"
-    files = a.root_files(tmp_path / "a-layer.qcow2")
-    assert [f.path for f in files] == mine  # bottom first
+    tpl = tmp_path / "a-tpl"
+    tpl.mkdir()
+    files = a.root_files(tmp_path / "a-layer.qcow2", MemoryImage(tpl / "mem", tpl / "state", 1))
+    assert [f.path for f in files] == [*mine, a.runtime]  # bottom first, then its guest root
     assert [f.name.split(".")[::2] for f in files] == [
-        [mine[0].name.split(".")[0], "ext4"], [top.name, "qcow2"]]
+        [mine[0].name.split(".")[0], "ext4"], [top.name, "qcow2"], ["rootfs", "img"]]
     fetched: list[str] = []
-
-    def fetcher(src: Path):  # type: ignore[no-untyped-def]
-        async def fetch(dest: Path) -> int:
-            fetched.append(src.name)
-            shutil.copyfile(src, dest)
-            return src.stat().st_size
-        return fetch
-
-    got = asyncio.run(b.receive_root([(f.name, fetcher(f.path)) for f in files]))
-    assert got == b_dir / files[1].name and fetched == [m.name for m in mine]
+    of = _fetcher(fetched)
+    into = tmp_path / "b-tpl"
+    into.mkdir()
+    got = asyncio.run(b.receive_root([(f.name, of(f.path)) for f in files], into))
+    assert got == b_dir / files[1].name and fetched == [m.name for m in mine] + ["rootfs.img"]
     assert qcow2_backing(got) == b_dir / files[0].name  # re-pointed at b's copy
     subprocess.run(["qemu-img", "compare", "-q", str(mine[1]), str(got)], check=True)
     assert (b_dir / files[0].name).read_bytes() == mine[0].read_bytes()
     assert stat.S_IMODE(got.stat().st_mode) == 0o640
+    # the template continues on a's guest root, kept here (`_runtime_of` reads the note)
+    noted = Path((into / "runtime").read_text())
+    assert noted.parent == b.received_roots and noted.read_bytes() == a.runtime.read_bytes()
     # a frozen layer re-pointed at it opens as a qcow2 chain
     layer = tmp_path / "recv-layer.qcow2"
     shutil.copyfile(tmp_path / "a-layer.qcow2", layer)
@@ -338,11 +363,60 @@ def test_an_image_disk_chain_moves_to_another_node_byte_for_byte(tmp_path: Path)
     info = subprocess.run(["qemu-img", "info", "--backing-chain", str(layer)],
                           capture_output=True, text=True, check=True).stdout
     assert f"backing file: {got}" in info and "backing file format: qcow2" in info
-    assert [f.name for f in b.root_files(layer)] == [f.name for f in files]  # onward
-    # again: nothing fetched; and back on the node that made them, its own disks
+    onward = b.root_files(layer, MemoryImage(into / "mem", into / "state", 1))
+    assert [f.name for f in onward] == [f.name for f in files]  # the same bytes, onward
+    # again: nothing fetched; and back on the node that made them, its own files
     fetched.clear()
-    assert asyncio.run(b.receive_root([(f.name, fetcher(f.path)) for f in files])) == got
-    assert asyncio.run(a.receive_root([(f.name, fetcher(f.path)) for f in files])) == mine[1]
-    assert fetched == []
+    assert asyncio.run(b.receive_root([(f.name, of(f.path)) for f in files], into)) == got
+    back = tmp_path / "a-back"
+    back.mkdir()
+    assert asyncio.run(a.receive_root([(f.name, of(f.path)) for f in files], back)) == mine[1]
+    assert fetched == [] and Path((back / "runtime").read_text()) == a.runtime
     with pytest.raises(InvalidRequest, match="not an image disk's name"):
-        asyncio.run(b.receive_root([("../../etc/passwd", fetcher(mine[0]))]))
+        asyncio.run(b.receive_root([("../../etc/passwd", of(mine[0]))], into))
+
+
+def test_a_guest_root_built_apart_and_a_snapshots_disk_go_along_too(tmp_path: Path) -> None:
+    """Not only images: a QEMU machine of boxd's own image sits on the node's guest
+    root, and two nodes' guest roots of one key are built apart (other bytes); a machine
+    started from a snapshot sits on the snapshot's disk, which a node may not hold.
+    Before, the receiver re-pointed the bottom layer at its own guest root either way:
+    a child of a snapshot's machine lost the snapshot's disk."""
+    import asyncio
+
+    from boxd.engine.base import MemoryImage
+
+    _need_tools()
+    a, b = _engines(tmp_path)
+    assert a.runtime is not None and b.received_roots is not None
+    img = MemoryImage(tmp_path / "mem", tmp_path / "state", 1)
+    fetched: list[str] = []
+    of = _fetcher(fetched)
+    into = tmp_path / "tpl"
+    into.mkdir()
+    # boxd's own image: its guest root
+    layer = tmp_path / "on-root.qcow2"
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(a.runtime), "-F",
+                    "raw", str(layer), "1G"], check=True)
+    (root,) = a.root_files(layer, img)
+    assert root.path == a.runtime and root.name.startswith("rootfs.")
+    got = asyncio.run(b.receive_root([(root.name, of(root.path))], into))
+    assert got is not None and got.parent == b.received_roots
+    assert got.read_bytes() == a.runtime.read_bytes() and not (into / "runtime").exists()
+    assert asyncio.run(a.receive_root([(root.name, of(root.path))], into)) == a.runtime
+    assert fetched == ["rootfs.img"]
+    # a snapshot's disk (a standalone qcow2 named by its digest)
+    snap = tmp_path / "blobs" / ("ab" * 32)
+    snap.parent.mkdir()
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(snap), "1G"], check=True)
+    layer2 = tmp_path / "on-snap.qcow2"
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(snap), "-F",
+                    "qcow2", str(layer2), "1G"], check=True)
+    (disk,) = a.root_files(layer2, img)
+    assert disk.path == snap and disk.name.startswith("disk.") and disk.name.endswith(".qcow2")
+    got = asyncio.run(b.receive_root([(disk.name, of(disk.path))], into))
+    assert got == b.received_roots / disk.name and qcow2_backing(got) is None
+    asyncio.run(b.retarget_disk(layer2, got, "raw"))
+    info = subprocess.run(["qemu-img", "info", str(layer2)], capture_output=True, text=True,
+                          check=True).stdout
+    assert f"backing file: {got}" in info and "backing file format: qcow2" in info

@@ -408,19 +408,22 @@ class Engine(Protocol):
         """
         ...
 
-    def root_files(self, layer: Path) -> tuple[RootFile, ...]:
-        """The files this node made that the bottom frozen ``layer`` of a container
-        image's machine sits on block by block and another node would make otherwise
-        (QEMU: the image's disk chain, bottom first); () when every node's root of the
-        image is the same (gVisor serves the tree). A cross-node fork sends them along
-        (`receive_root`)."""
+    def root_files(self, layer: Path, image: MemoryImage) -> tuple[RootFile, ...]:
+        """The files the bottom frozen ``layer`` of a template (``image``) sits on block
+        by block whose bytes another node may not have, bottom first, each named by its
+        bytes (QEMU: a container image's disk chain and the guest root its agent runs
+        from, or the guest root itself, or a snapshot's disk); () when every node's
+        root is the same by construction (gVisor: trees, by content). A cross-node fork
+        sends them along (`receive_root`)."""
         ...
 
-    async def receive_root(self, files: Sequence[tuple[str, Fetcher]]) -> Path | None:
-        """The root another node's `root_files` named (``files``: each one's name, and
-        how to fetch it into a path), made here: kept from an earlier fork, found among
-        this node's own, or fetched once and kept beside them. Returns what the bottom
-        layer is re-pointed at (None: nothing named).
+    async def receive_root(self, files: Sequence[tuple[str, Fetcher]],
+                           into: Path) -> Path | None:
+        """The roots another node's `root_files` named (``files``: each one's name, and
+        how to fetch it into a path), made here: this node's own when the bytes are the
+        same, one kept from an earlier fork, or fetched once and kept. Returns what the
+        bottom layer is re-pointed at (None: nothing named); what else the template
+        needs goes into its directory ``into`` (QEMU: the guest root to attach).
 
         Raises:
             InvalidRequest: a name is not one `root_files` gives.

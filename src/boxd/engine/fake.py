@@ -528,7 +528,7 @@ class FakeEngine:
         await self._step("receive_image")
         return image
 
-    def root_files(self, layer: Path) -> tuple[RootFile, ...]:
+    def root_files(self, layer: Path, image: MemoryImage) -> tuple[RootFile, ...]:
         backing = Path(json.loads(layer.read_text())["backing"])
         if self.made_roots is None or backing.parent != self.made_roots:
             return ()
@@ -536,7 +536,8 @@ class FakeEngine:
             return (RootFile(f"{backing.stem}.{backing.read_text()}", backing),)
         return (RootFile(backing.name, backing),)
 
-    async def receive_root(self, files: Sequence[tuple[str, Fetcher]]) -> Path | None:
+    async def receive_root(self, files: Sequence[tuple[str, Fetcher]],
+                           into: Path) -> Path | None:
         await self._step("receive_root")
         top: Path | None = None
         for name, fetch in files:

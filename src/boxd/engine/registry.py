@@ -177,6 +177,7 @@ def _open_qemu(settings: Settings, paths: Paths, image: GuestImage) -> Engine:
         qemu, accel, readonly_rom=version >= (8, 2, 0), run_as=run_as,
         version=".".join(map(str, version)), net_user=settings.net_user,
         cgroups=cgroups, runtime=image.rootfs, image_disks=paths.image_disks,
+        received_roots=paths.received_roots,
     )
 
 

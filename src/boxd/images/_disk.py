@@ -113,8 +113,9 @@ def chain_below(tree: Path) -> Path | None:
 
 
 def disk_format(disk: Path) -> str:
-    """``raw`` or ``qcow2``: how QEMU opens an image disk `image_disk` returned."""
-    return "raw" if disk.suffix == ".ext4" else "qcow2"
+    """``raw`` or ``qcow2``: how QEMU opens an image disk `image_disk` returned (or a
+    root `disk_name` named: ``.img`` is a raw guest root)."""
+    return "raw" if disk.suffix in (".ext4", ".img") else "qcow2"
 
 
 def virtual_size(disk: Path) -> int:
@@ -246,6 +247,8 @@ def _publish(tmp: Path, final: Path, group: int | None) -> None:
 _QCOW2_MAGIC = b"QFI\xfb"
 #: The suffixes of an image disk's two forms.
 _SUFFIXES = (".ext4", ".qcow2")
+#: Other roots a disk may sit on (`disk_name`), and the suffix each is named with.
+_KINDS = {"rootfs": "img", "disk": "qcow2"}
 
 
 def disk_chain(top: Path) -> list[Path]:
@@ -281,17 +284,21 @@ def qcow2_backing(path: Path) -> Path | None:
         return Path(os.fsdecode(f.read(size)))
 
 
-def disk_name(disk: Path) -> str:
-    """A name of ``disk``'s exact bytes, the same on every node that holds them:
-    ``<chain id>.<stamp><suffix>``. A disk received from a peer keeps the name it came
+def disk_name(disk: Path, kind: str | None = None) -> str:
+    """A name of ``disk``'s exact bytes, the same on every node that holds them. An
+    image disk: ``<chain id>.<stamp><suffix>``; another root (``kind``: ``rootfs``, a
+    raw guest root, or ``disk``, a standalone qcow2 such as a snapshot's disk):
+    ``<kind>.<stamp>.img|qcow2``. A disk received from a peer keeps the name it came
     with; one made here is named by where and when it was made (this host, its device,
     inode, size and mtime: a disk never changes once made, one made again is another)."""
-    parts = disk.name.split(".")
-    if len(parts) == 3:
+    if _valid_name(disk.name):
         return disk.name
     st = disk.stat()
     where = f"{_host_id()}:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
-    return f"{parts[0]}.{hashlib.sha256(where.encode()).hexdigest()[:20]}{disk.suffix}"
+    stamp = hashlib.sha256(where.encode()).hexdigest()[:20]
+    if kind is not None:
+        return f"{kind}.{stamp}.{_KINDS[kind]}"
+    return f"{disk.name.split('.')[0]}.{stamp}{disk.suffix}"
 
 
 def find_disk(dest: Path, name: str) -> Path | None:
@@ -310,10 +317,19 @@ def find_disk(dest: Path, name: str) -> Path | None:
 
 def check_disk_name(name: str) -> None:
     """Raise InvalidRequest unless ``name`` is what `disk_name` gives (a peer's word)."""
-    parts = name.split(".")
-    if len(parts) != 3 or f".{parts[2]}" not in _SUFFIXES or not all(
-            p and all(c in "0123456789abcdef" for c in p) for p in parts[:2]):
+    if not _valid_name(name):
         raise InvalidRequest(f"{name!r} is not an image disk's name", field="roots")
+
+
+def _valid_name(name: str) -> bool:
+    parts = name.split(".")
+    return len(parts) == 3 and _hex(parts[1]) and (
+        _KINDS.get(parts[0]) == parts[2]
+        or (_hex(parts[0]) and f".{parts[2]}" in _SUFFIXES))
+
+
+def _hex(part: str) -> bool:
+    return bool(part) and all(c in "0123456789abcdef" for c in part)
 
 
 def place_disk(received: Path, dest: Path, name: str, below: Path | None,
@@ -323,12 +339,13 @@ def place_disk(received: Path, dest: Path, name: str, below: Path | None,
     only: ``qemu-img rebase -u``). Returns its path; ``received`` is moved there."""
     check_disk_name(name)
     final = dest / name
-    if final.suffix == ".qcow2":
+    if final.suffix == ".qcow2" and qcow2_backing(received) is not None:
         if below is None:
             raise InvalidRequest(f"image disk {name} came without the disk under it",
                                  field="roots")
         run([need_tool("qemu-img", "image disk"), "rebase", "-q", "-u", "-f", "qcow2",
              "-b", below, "-F", disk_format(below), received], "image disk: re-point")
+    dest.mkdir(parents=True, exist_ok=True, mode=0o711)
     _publish(received, final, group)
     return final
 

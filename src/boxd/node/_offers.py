@@ -19,7 +19,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from boxd.engine.base import Engine
+from boxd.engine.base import Engine, MemoryImage
 from boxd.errors import NotFound
 from boxd.node import _transfer as transfer
 from boxd.node._template_refs import TemplateRefs
@@ -128,7 +128,7 @@ class Offers:
         if cached is not None:
             return cached
 
-        engine = await self._engine(src.engine) if src.run_image is not None else None
+        engine = await self._engine(src.engine)
 
         def describe() -> TemplateOffer:
             chain = self.repos.layers.chain(tpl.layer_id)
@@ -137,7 +137,8 @@ class Offers:
                            transfer.offer("layer", layer.id, self._layer_path(layer.id)))
                 for layer in chain
             )
-            roots = () if engine is None else engine.root_files(self._layer_path(chain[-1].id))
+            roots = engine.root_files(self._layer_path(chain[-1].id),
+                                      MemoryImage(tpl.mem_path, tpl.state_path, src.memory_mib))
             self._roots.update((r.name, r.path) for r in roots)
             return TemplateOffer(
                 template_id=tpl.id, source_id=src.id, generation=tpl.generation,

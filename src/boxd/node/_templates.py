@@ -324,9 +324,6 @@ class Templates:
                 hint="run the same boxd version (and image recipe) on every node",
             )
         root = image.rootfs if o.run_image is None else await self._image_root(o, engine)
-        # the sender's own form of that root (QEMU: the image's disk chain), if it sent one
-        below = await engine.receive_root(
-            [(f.key, functools.partial(transfer.receive, fetch, f)) for f in o.roots])
         # the state twice: an engine may lay it out anew beside the copy (gVisor)
         ensure_space(self.paths.shm, o.mem.data_bytes + 2 * o.state.size)
         t0 = time.monotonic()
@@ -334,6 +331,11 @@ class Templates:
         dest.mkdir(parents=True, exist_ok=True, mode=0o700)
         made: list[str] = []
         try:
+            # the sender's own bytes of what the bottom layer sits on, when this node's
+            # may differ (QEMU: an image's disks, a guest root, a snapshot's disk)
+            below = await engine.receive_root(
+                [(f.key, functools.partial(transfer.receive, fetch, f)) for f in o.roots],
+                dest)
             received = await transfer.receive(fetch, o.mem, dest / "mem")
             received += await transfer.receive(fetch, o.state, dest / "state")
             if engine.file_owner is not None:
@@ -404,9 +406,9 @@ class Templates:
             await engine.retarget_disk(path, backing, "raw" if layer.parent is None else "layer")
             if engine.file_owner is not None:
                 os.chown(path, *engine.file_owner)
-            self.repos.layers.received(
-                layer.id, layer.parent, str(rootfs) if layer.parent is None else ""
-            )
+            # the bottom layer's base: what it sits on here (a collapse streams down to it)
+            self.repos.layers.received(layer.id, layer.parent,
+                                       str(backing) if layer.parent is None else "")
         return received
 
 

@@ -1204,10 +1204,11 @@ class GvisorEngine:
         await asyncio.to_thread(unpack_received, image, roots, self.agent_tree.parent)
         return image
 
-    def root_files(self, layer: Path) -> tuple[RootFile, ...]:
+    def root_files(self, layer: Path, image: MemoryImage) -> tuple[RootFile, ...]:
         return ()  # a layer names a tree every node unpacks alike (the image's digest)
 
-    async def receive_root(self, files: Sequence[tuple[str, Fetcher]]) -> Path | None:
+    async def receive_root(self, files: Sequence[tuple[str, Fetcher]],
+                           into: Path) -> Path | None:
         if files:
             raise InvalidRequest("the gvisor engine boots an image on its tree: it "
                                  "takes no root files from another node", field="roots")

@@ -36,7 +36,13 @@ from boxd.engine.cgroups import Cgroups, Limits, memory_limit
 from boxd.engine.qemu import _argv, _net
 from boxd.engine.qemu._probe import AccelChoice
 from boxd.engine.qemu._process import QemuProcess, pid_matches
-from boxd.errors import BoxdError, InternalError, InvalidRequest, MachineFailed
+from boxd.errors import (
+    BoxdError,
+    HostSetupError,
+    InternalError,
+    InvalidRequest,
+    MachineFailed,
+)
 from boxd.images import (
     check_disk_name,
     disk_chain,
@@ -351,6 +357,20 @@ class QemuMachine:
         self._announced = True
 
 
+def _noted_runtime(image: MemoryImage) -> Path | None:
+    """The guest root a capture notes beside its state (`QemuMachine.capture`)."""
+    noted = image.state_path.with_name(_argv.RUNTIME)
+    try:
+        return Path(noted.read_text().strip())
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def _is_qcow2(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"QFI\xfb"
+
+
 def _is_base(file: str, base: Path) -> bool:
     """Whether a block node's ``file`` is the chain's ``base``: that path, or for a
     container image's tree (the base its records name) the disk of its top layer
@@ -370,11 +390,14 @@ class QemuEngine:
         run_as: RunAs | None = None, version: str = "", net: NetSetup | None = None,
         net_user: str = "boxd-net", cgroups: Cgroups | None = None,
         runtime: Path | None = None, image_disks: Path | None = None,
+        received_roots: Path | None = None,
     ) -> None:
         # boxd's guest root (the default image's rootfs.img) and where imported images
         # become disks: with both, machines boot on a container image (`image_roots`).
         self.runtime = runtime
         self.image_disks = image_disks
+        # Where other nodes' roots received with a fork's template are kept (`_root`).
+        self.received_roots = received_roots
         self._net = net
         self._net_user = net_user
         self.qemu = qemu
@@ -486,24 +509,54 @@ class QemuEngine:
         # (`root_files`, `receive_root`), kept here beside this node's own.
         return self.image_roots
 
-    def root_files(self, layer: Path) -> tuple[RootFile, ...]:
+    def root_files(self, layer: Path, image: MemoryImage) -> tuple[RootFile, ...]:
+        # What the bottom layer sits on, block by block, as made on this node: a
+        # container image's disk chain (and the guest root its agent runs from), the
+        # guest root itself, or a snapshot's disk. Each goes by a name of its bytes.
         top = qcow2_backing(layer)
-        if self.image_disks is None or top is None or top.parent != self.image_disks:
-            return ()  # boxd's guest root: the same file on every node
-        return tuple(RootFile(disk_name(d), d) for d in disk_chain(top))
+        if top is None:
+            return ()
+        if self.image_disks is not None and top.parent == self.image_disks:
+            files = [RootFile(disk_name(d), d) for d in disk_chain(top)]
+            runtime = _noted_runtime(image) or self.runtime
+            if runtime is not None:
+                files.append(RootFile(disk_name(runtime, "rootfs"), runtime))
+            return tuple(files)
+        kind = "disk" if qcow2_backing(top) is None and _is_qcow2(top) else "rootfs"
+        return (RootFile(disk_name(top, kind), top),)
 
-    async def receive_root(self, files: Sequence[tuple[str, Fetcher]]) -> Path | None:
-        assert self.image_disks is not None
-        dest = self.image_disks
+    async def receive_root(self, files: Sequence[tuple[str, Fetcher]],
+                           into: Path) -> Path | None:
         below: Path | None = None
         for name, fetch in files:
             check_disk_name(name)
-            async with self._root_locks.setdefault(name, asyncio.Lock()):
-                here = await asyncio.to_thread(find_disk, dest, name)
-                if here is None:
-                    here = await self._fetch_disk(dest, name, fetch, below)
-            below = here
+            kind = name.split(".", 1)[0]
+            if kind == "rootfs" and below is not None:  # an image machine's guest root
+                runtime = await self._root(name, fetch, None)
+                (into / _argv.RUNTIME).write_text(str(runtime))  # `_runtime_of`
+                continue
+            below = await self._root(name, fetch, below)
         return below
+
+    async def _root(self, name: str, fetch: Fetcher, below: Path | None) -> Path:
+        """This node's copy of the root named ``name``: its own, kept from an earlier
+        fork, or fetched now and kept (an image disk in the image disks, re-pointed at
+        ``below``; a guest root or a snapshot's disk in the received roots)."""
+        image_disk = name.split(".", 1)[0] not in ("rootfs", "disk")
+        dest = self.image_disks if image_disk else self.received_roots
+        if dest is None:
+            raise HostSetupError(f"this QEMU engine has no place for another node's {name}",
+                                 hint="run the node with boxd's own engine set-up")
+        async with self._root_locks.setdefault(name, asyncio.Lock()):
+            if image_disk:
+                here = await asyncio.to_thread(find_disk, dest, name)
+            elif self.runtime is not None and disk_name(self.runtime, "rootfs") == name:
+                here = self.runtime  # the same guest root file (a shared image cache)
+            else:
+                here = dest / name if (dest / name).exists() else None
+            if here is None:
+                here = await self._fetch_disk(dest, name, fetch, below)
+        return here
 
     async def _fetch_disk(self, dest: Path, name: str, fetch: Fetcher,
                           below: Path | None) -> Path:
@@ -516,14 +569,14 @@ class QemuEngine:
             path = await asyncio.to_thread(place_disk, tmp, dest, name, below, group)
         finally:
             tmp.unlink(missing_ok=True)
-        log.info("event=image_disk_received disk=%s bytes=%d seconds=%.3f", name, received,
+        log.info("event=root_received name=%s bytes=%d seconds=%.3f", name, received,
                  time.monotonic() - t0)
         return path
 
     async def retarget_disk(self, path: Path, backing: Path, backing_format: str) -> None:
         fmt = "raw" if backing_format == "raw" else "qcow2"
-        if self.image_disks is not None and backing.parent == self.image_disks:
-            fmt = disk_format(backing)  # a container image's disk (`receive_root`)
+        if backing.parent in (self.image_disks, self.received_roots):
+            fmt = disk_format(backing)  # a root another node's template sat on
         await disks.retarget(path, backing, fmt)
 
     async def receive_image(self, image: MemoryImage, disk: Path) -> MemoryImage:
@@ -626,10 +679,9 @@ class QemuEngine:
         Raises:
             MachineFailed: the capture's guest root is gone from this host.
         """
-        noted = image.state_path.with_name(_argv.RUNTIME)
-        if not config.image_root or not noted.is_file():
+        runtime = _noted_runtime(image) if config.image_root else None
+        if runtime is None:
             return None
-        runtime = Path(noted.read_text().strip())
         if not runtime.is_file():
             raise MachineFailed(
                 f"machine {config.id} was saved on guest root {runtime}, which is gone",
