@@ -522,8 +522,12 @@ class QemuEngine:
             if runtime is not None:
                 files.append(RootFile(disk_name(runtime, "rootfs"), runtime))
             return tuple(files)
-        kind = "disk" if qcow2_backing(top) is None and _is_qcow2(top) else "rootfs"
-        return (RootFile(disk_name(top, kind), top),)
+        if not _is_qcow2(top):
+            return (RootFile(disk_name(top, "rootfs"), top),)
+        if qcow2_backing(top) is not None:  # none such is made: say so, move nothing
+            raise InternalError(f"the disk of this template sits on {top}, which is "
+                                "neither a guest root, an image's disk nor a whole disk")
+        return (RootFile(disk_name(top, "disk"), top),)
 
     async def receive_root(self, files: Sequence[tuple[str, Fetcher]],
                            into: Path) -> Path | None:
