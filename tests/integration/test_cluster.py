@@ -203,7 +203,10 @@ def test_snapshot_taken_on_one_node_starts_on_another(
     assert kid.node == third
     read = "echo 3 > /proc/sys/vm/drop_caches; cat /root/disk.txt"  # from disk, not RAM
     assert b.machines.exec(kid.id, read).stdout == "on-disk\n"
+    kept = cluster.node_home(third) / "received-roots"
+    assert len(list(kept.glob("disk.*.qcow2"))) == 1  # the snapshot's disk came along
     b.machines.delete(kid.id)
+    assert not list(kept.glob("disk.*.qcow2"))  # ... and goes with the last layer on it
     b.machines.delete(m.id)
     # export pulls the blobs from a node; import is not offered on a cluster yet
     out = tmp_path / "warm.boxd"
@@ -372,11 +375,14 @@ def test_an_image_machine_starts_on_any_node(cluster: LocalCluster, tmp_path: Pa
             assert again.image.digest == img.digest
             r = b.machines.exec(again.id, "cat hello.txt state.txt; echo $WHO; pwd")
             assert r.stdout == "from the image\nchanged\ncluster\n/srv\n", (nid, r)
-        b.snapshots.delete("bb-snap")
+        b.snapshots.delete("bb-snap")  # while machines run from it: their nodes keep it
     finally:
         for mid in made:
             b.machines.delete(mid)
         b.images.remove("it/bb:v1")
+    # ... until the last of them goes (before: kept for good, and the image it ran)
+    for nid in cluster.node_ids:
+        assert not list((cluster.node_home(nid) / "snapshots" / "manifests").glob("*.json"))
 
 
 @ON_BOTH

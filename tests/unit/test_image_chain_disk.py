@@ -420,3 +420,19 @@ def test_a_guest_root_built_apart_and_a_snapshots_disk_go_along_too(tmp_path: Pa
     info = subprocess.run(["qemu-img", "info", str(layer2)], capture_output=True, text=True,
                           check=True).stdout
     assert f"backing file: {got}" in info and "backing file format: qcow2" in info
+
+
+def test_received_whole_disks_no_layer_sits_on_are_collected(tmp_path: Path) -> None:
+    """`unused_received`: a snapshot's disk received with a peer's template goes once no
+    layer sits on it; guest roots (a template may note one as its runtime), files of
+    other names and temporary ones stay."""
+    from boxd.images import unused_received
+
+    names = ["disk." + "a" * 20 + ".qcow2", "disk." + "b" * 20 + ".qcow2",
+             "rootfs." + "c" * 20 + ".img", "disk.x.qcow2", ".disk." + "d" * 20 + ".qcow2"]
+    for n in names:
+        (tmp_path / n).write_bytes(b"x")
+    gone = unused_received(tmp_path, {str(tmp_path / names[0])})
+    assert gone == [tmp_path / names[1]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(set(names) - {names[1]})
+    assert unused_received(tmp_path / "none", set()) == []

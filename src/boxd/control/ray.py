@@ -413,9 +413,16 @@ class RayNode:
         return set(await self._ask(self.actor.snapshot_digests.remote()))
 
     async def delete(self, machine_id: str) -> None:
+        rec = self.repos.machines.get(machine_id)
         with contextlib.suppress(NodeLost, MachineNotFound):  # nothing is left of it there
             await self._ask(self.actor.call.remote("delete", machine_id))
         self.repos.machines.delete(machine_id)
+        digest = rec.snapshot if rec is not None else None
+        if digest and not self.repos.snapshots.digest_used(digest):
+            # Its snapshot left the registry while it ran from it: the node kept its copy
+            # then (`drop_snapshot` refuses one in use); the last such machine lets it go.
+            with contextlib.suppress(BoxdError):
+                await self.drop_snapshot(digest)
 
     def snapshot_digests_in_use(self) -> set[str]:
         return {r.snapshot for r in self.repos.machines.on_node(self._id) if r.snapshot}

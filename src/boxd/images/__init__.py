@@ -17,6 +17,7 @@ from ._disk import (
     image_disk,
     place_disk,
     qcow2_backing,
+    unused_received,
     virtual_size,
 )
 from ._rootfs import GUEST_CLIENT_DIR
@@ -46,5 +47,6 @@ __all__ = [
     "place_disk",
     "qcow2_backing",
     "rootfs_tree",
+    "unused_received",
     "virtual_size",
 ]

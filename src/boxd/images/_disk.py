@@ -350,6 +350,18 @@ def place_disk(received: Path, dest: Path, name: str, below: Path | None,
     return final
 
 
+def unused_received(dest: Path, used: set[str]) -> list[Path]:
+    """Remove the whole disks under ``dest`` (``disk.<stamp>.qcow2``: a snapshot's disk a
+    peer's template sat on, `place_disk`) whose path is not in ``used`` (what layers sit
+    on); return them. Guest roots stay (a template's guest root is noted, not a base)."""
+    gone = []
+    for disk in dest.glob("disk.*.qcow2") if dest.is_dir() else ():
+        if str(disk) not in used and _valid_name(disk.name):
+            disk.unlink(missing_ok=True)
+            gone.append(disk)
+    return gone
+
+
 def _host_id() -> str:
     for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
         with contextlib.suppress(OSError):
@@ -361,5 +373,5 @@ def _host_id() -> str:
 
 __all__ = [
     "DISK_MODE", "chain_below", "check_disk_name", "disk_chain", "disk_format", "disk_name",
-    "find_disk", "image_disk", "place_disk", "qcow2_backing", "virtual_size",
+    "find_disk", "image_disk", "place_disk", "qcow2_backing", "unused_received", "virtual_size",
 ]

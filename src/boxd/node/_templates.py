@@ -44,6 +44,7 @@ from typing import Any, Protocol
 from boxd.config import Paths
 from boxd.engine.base import Engine, MachineHandle, MemoryImage
 from boxd.errors import BoxdError, Conflict, HostSetupError, InvalidRequest
+from boxd.images import unused_received
 from boxd.models import MachineState
 from boxd.node import _transfer as transfer
 from boxd.node._host import Host
@@ -127,6 +128,9 @@ class Templates:
             remove_tree(d)
         for lid in garbage.layer_ids:
             disks.remove(self.layer_path(lid))
+        if not self._receiving:  # a receive fetches roots before it records their layers
+            for gone in unused_received(self.paths.received_roots, self.repos.layers.bases()):
+                log.info("event=received_root_collected path=%s", gone)
 
     def pin(self, tpl: TemplateRecord) -> None:
         """Keep ``tpl`` (its row, files and layers) while a launch from it is in flight.

@@ -494,6 +494,10 @@ class Layers:
         return row is not None
 
     @_writes
+    def bases(self) -> set[str]:
+        """What the bottom layers sit on (each layer chain's base)."""
+        return {r["base"] for r in self._db.all("SELECT DISTINCT base FROM layers")}
+
     def collect(
         self, keep: Collection[str] = (), keep_templates: Collection[str] = ()
     ) -> Garbage:
