@@ -83,6 +83,10 @@ def test_snapshot_blobs_are_reassembled_on_this_nodes_trees(tmp_path: Path) -> N
     snap = MemoryImage(blobs / "sha-pages", blobs / "sha-state", 512)
     src, got = _image_dir(snap, RunFiles(tmp_path / "run"), ours)
     assert got == Roots(tmp_path / "root", tmp_path / "agent-abc", tmp_path / "runtime")
+    # the guest root tree it ran its agent from, where this host still has it
+    (tmp_path / "there" / "runtime").mkdir(parents=True)
+    _, got = _image_dir(snap, RunFiles(tmp_path / "run"), ours)
+    assert got.runtime == tmp_path / "there" / "runtime"
     assert {p.name for p in src.iterdir()} >= {CHECKPOINT, PAGES, PAGES_META}
     assert (src / PAGES).read_bytes() == b"pages"
     with tarfile.open(blobs / "sha-state") as tar:

@@ -829,13 +829,16 @@ def _image_dir(image: MemoryImage, files: RunFiles, ours: Roots) -> tuple[Path, 
     (out / PAGES).symlink_to(image.mem_path)
     theirs = Roots.from_json(json.loads((out / ROOTS).read_text()))
     # The trees of the node that saved it are named by path: this node's of the same
-    # content stand in (its root tree under the disk's chain, its agent tree by name).
+    # content stand in (its root tree under the disk's chain, its agent tree by name,
+    # the guest root it ran its agent from where this host has it, else this node's).
     agent = ours.agent.parent / theirs.agent.name
     if not agent.is_dir():
         raise HostSetupError(
             f"this node has no agent tree {theirs.agent.name} (the snapshot was saved by "
             "another boxd version)", hint="run the same boxd version on every node")
-    return out, Roots(ours.rootfs, agent, ours.runtime)
+    runtime = theirs.runtime if theirs.runtime is not None and theirs.runtime.is_dir() \
+        else ours.runtime
+    return out, Roots(ours.rootfs, agent, runtime)
 
 
 # ------------------------------------------------------------------- engine
