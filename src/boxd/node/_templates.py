@@ -128,8 +128,10 @@ class Templates:
             remove_tree(d)
         for lid in garbage.layer_ids:
             disks.remove(self.layer_path(lid))
-        if not self._receiving:  # a receive fetches roots before it records their layers
-            for gone in unused_received(self.paths.received_roots, self.repos.layers.bases()):
+        received = self.paths.received_roots
+        # (none while a receive is under way: it fetches roots before it records layers)
+        if not self._receiving and received.is_dir():
+            for gone in unused_received(received, self.repos.layers.bases()):
                 log.info("event=received_root_collected path=%s", gone)
 
     def pin(self, tpl: TemplateRecord) -> None:
