@@ -60,10 +60,14 @@ def _capture(d: Path, roots: Roots) -> MemoryImage:
     return MemoryImage(d / MEM, d / STATE_TAR, 512)
 
 
+def _unused() -> Roots:
+    raise AssertionError("a capture used in place runs on the trees it names")
+
+
 def test_a_capture_is_used_in_place(tmp_path: Path) -> None:
     roots = Roots(tmp_path / "root", tmp_path / "agent")
     img = _capture(tmp_path / "tpl", roots)
-    src, got = _image_dir(img, RunFiles(tmp_path / "run"), Roots(tmp_path / "x", tmp_path / "y"))
+    src, got = _image_dir(img, RunFiles(tmp_path / "run"), _unused)
     assert src == tmp_path / "tpl" and got == roots
 
 
@@ -81,11 +85,11 @@ def test_snapshot_blobs_are_reassembled_on_this_nodes_trees(tmp_path: Path) -> N
     (img.state_path).rename(blobs / "sha-state")
     ours = Roots(tmp_path / "root", tmp_path / "agent-new", tmp_path / "runtime")
     snap = MemoryImage(blobs / "sha-pages", blobs / "sha-state", 512)
-    src, got = _image_dir(snap, RunFiles(tmp_path / "run"), ours)
+    src, got = _image_dir(snap, RunFiles(tmp_path / "run"), lambda: ours)
     assert got == Roots(tmp_path / "root", tmp_path / "agent-abc", tmp_path / "runtime")
     # the guest root tree it ran its agent from, where this host still has it
     (tmp_path / "there" / "runtime").mkdir(parents=True)
-    _, got = _image_dir(snap, RunFiles(tmp_path / "run"), ours)
+    _, got = _image_dir(snap, RunFiles(tmp_path / "run"), lambda: ours)
     assert got.runtime == tmp_path / "there" / "runtime"
     assert {p.name for p in src.iterdir()} >= {CHECKPOINT, PAGES, PAGES_META}
     assert (src / PAGES).read_bytes() == b"pages"
@@ -93,7 +97,7 @@ def test_snapshot_blobs_are_reassembled_on_this_nodes_trees(tmp_path: Path) -> N
         assert set(tar.getnames()) == {CHECKPOINT, PAGES_META, "roots.json"}
     (tmp_path / "agent-abc").rmdir()  # saved by another boxd version: said, not started
     with pytest.raises(HostSetupError, match="no agent tree agent-abc"):
-        _image_dir(snap, RunFiles(tmp_path / "run"), ours)
+        _image_dir(snap, RunFiles(tmp_path / "run"), lambda: ours)
 
 
 def test_a_capture_from_another_node_is_laid_out_in_place_on_this_nodes_trees(
@@ -112,7 +116,7 @@ def test_a_capture_from_another_node_is_laid_out_in_place_on_this_nodes_trees(
     here = tmp_path / "here"
     (here / "agent-abc123").mkdir(parents=True)
     unpack_received(received, Roots(here / "root", here / "agent-new"), here)
-    src, roots = _image_dir(received, RunFiles(tmp_path / "run"), Roots(here, here))
+    src, roots = _image_dir(received, RunFiles(tmp_path / "run"), _unused)
     assert src == got_dir, "used in place, not unpacked again for every child"
     assert roots == Roots(here / "root", here / "agent-abc123")
     assert (got_dir / CHECKPOINT).read_bytes() == b"state"
@@ -128,7 +132,7 @@ def test_a_qemu_state_is_refused(tmp_path: Path) -> None:
     state.write_bytes(b"QEVM")
     with pytest.raises(MachineFailed, match="not a gvisor checkpoint"):
         _image_dir(MemoryImage(tmp_path / "mem", state, 512), RunFiles(tmp_path / "run"),
-                   Roots(tmp_path, tmp_path))
+                   _unused)
 
 
 def test_both_engines_are_known() -> None:

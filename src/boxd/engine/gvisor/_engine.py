@@ -794,12 +794,13 @@ def unpack_received(image: MemoryImage, ours: Roots, agent_dir: Path) -> None:
     _pack_state(dest, json.dumps(Roots(ours.rootfs, agent, ours.runtime).to_json()).encode())
 
 
-def _image_dir(image: MemoryImage, files: RunFiles, ours: Roots) -> tuple[Path, Roots]:
+def _image_dir(image: MemoryImage, files: RunFiles,
+               roots_here: Callable[[], Roots]) -> tuple[Path, Roots]:
     """A directory runsc can restore from, and the host trees the sandbox needs.
 
     A capture of this engine is used in place (a template, a checkpoint); a snapshot's
     blobs (content-addressed files) are reassembled under the run directory, to run on
-    ``ours`` (this node's trees under the machine's disk).
+    ``roots_here()`` (this node's trees under the machine's disk).
 
     Raises:
         MachineFailed: the files are not a gvisor capture's.
@@ -828,6 +829,7 @@ def _image_dir(image: MemoryImage, files: RunFiles, ours: Roots) -> tuple[Path, 
                             hint="start it on the engine that saved it") from exc
     (out / PAGES).symlink_to(image.mem_path)
     theirs = Roots.from_json(json.loads((out / ROOTS).read_text()))
+    ours = roots_here()
     # The trees of the node that saved it are named by path: this node's of the same
     # content stand in (its root tree under the disk's chain, its agent tree by name,
     # the guest root it ran its agent from where this host has it, else this node's).
@@ -1113,7 +1115,7 @@ class GvisorEngine:
         await self.settled(config.id)  # before anything is written to its run directory
         run_dir.mkdir(parents=True, exist_ok=True)
         src, roots = await asyncio.to_thread(_image_dir, image, files,
-                                             self._roots(disk.path))
+                                             lambda: self._roots(disk.path))
         machine = await self._launch(config, disk.path, run_dir, log_path,
                                      ["restore", f"--image-path={src}"], roots, "restore",
                                      background=paused)
