@@ -87,41 +87,76 @@ def test_checkpoints_die_with_their_machine(daemon, client, machine_factory) -> 
     assert not (paths.checkpoints / ck.id).exists()
 
 
-def test_long_backing_chains_collapse(daemon, client, machine) -> None:  # type: ignore[no-untyped-def]
+def _chain_length(daemon, machine_id: str) -> int:  # type: ignore[no-untyped-def]
     import sqlite3
+
+    db = sqlite3.connect(daemon.home / "state.db")
+    try:
+        (layer,) = db.execute(
+            "SELECT layer_id FROM machines WHERE id=?", (machine_id,)
+        ).fetchone()
+        n = 0
+        while layer is not None:
+            n += 1
+            (layer,) = db.execute(
+                "SELECT parent_id FROM layers WHERE id=?", (layer,)
+            ).fetchone()
+        return n
+    finally:
+        db.close()
+
+
+def _collapse(daemon, client, machine_id: str) -> None:  # type: ignore[no-untyped-def]
+    """Checkpoints past `MAX_CHAIN`, each after a write, until the chain collapses."""
     import time
 
     from boxd.node.runtime import MAX_CHAIN
 
-    def chain_length() -> int:
-        db = sqlite3.connect(daemon.home / "state.db")
-        try:
-            (layer,) = db.execute(
-                "SELECT layer_id FROM machines WHERE id=?", (machine.id,)
-            ).fetchone()
-            n = 0
-            while layer is not None:
-                n += 1
-                (layer,) = db.execute(
-                    "SELECT parent_id FROM layers WHERE id=?", (layer,)
-                ).fetchone()
-            return n
-        finally:
-            db.close()
-
-    start = chain_length()
+    start = _chain_length(daemon, machine_id)
     for i in range(MAX_CHAIN + 2):
-        client.machines.exec(machine.id, f"echo {i} > /root/layer-{i}")
-        client.machines.checkpoints.save(machine.id, f"c{i}")
+        client.machines.exec(machine_id, f"echo {i} > /root/layer-{i}")
+        client.machines.checkpoints.save(machine_id, f"c{i}")
     # without collapsing, every save would have added one layer to the chain
     uncollapsed = start + MAX_CHAIN + 2
     deadline = time.monotonic() + 300
-    while chain_length() > MAX_CHAIN and time.monotonic() < deadline:
+    while _chain_length(daemon, machine_id) > MAX_CHAIN and time.monotonic() < deadline:
         time.sleep(1)
-    assert chain_length() <= MAX_CHAIN < uncollapsed, f"chain is {chain_length()} long"
+    n = _chain_length(daemon, machine_id)
+    assert n <= MAX_CHAIN < uncollapsed, f"chain is {n} long"
+
+
+def test_long_backing_chains_collapse(daemon, client, machine) -> None:  # type: ignore[no-untyped-def]
+    from boxd.node.runtime import MAX_CHAIN
+
+    _collapse(daemon, client, machine.id)
     # the data written into every layer is still there, and old checkpoints still restore
     out = client.machines.exec(machine.id, "cat /root/layer-*").stdout.split()
     assert sorted(out, key=int) == [str(i) for i in range(MAX_CHAIN + 2)]
     client.machines.checkpoints.restore(machine.id, "c0")
     assert client.machines.exec(machine.id, "ls /root").stdout.split().count("layer-0") == 1
     assert "layer-1" not in client.machines.exec(machine.id, "ls /root").stdout
+
+
+def test_a_gvisor_machine_snapshots_and_forks_after_its_chain_collapsed(  # type: ignore[no-untyped-def]
+        daemon, client, gvisor_base) -> None:
+    """gVisor's collapse wrote the active layer as a "layer" on the guest root's image:
+    after it, a snapshot of the machine failed (`layer_base` read the raw image as a
+    layer: 503 machine_failed), and so did a cross-node fork."""
+    from boxd.node.runtime import MAX_CHAIN
+
+    m = client.machines.fork(gvisor_base.id, "g-collapse")
+    try:
+        _collapse(daemon, client, m.id)
+        snap = client.snapshots.save(m.id, "g-collapsed")
+        try:
+            again = client.machines.new("g-collapsed-again", from_snapshot=snap.name)
+            out = client.machines.exec(again.id, "cat /root/layer-*").stdout.split()
+            assert sorted(out, key=int) == [str(i) for i in range(MAX_CHAIN + 2)]
+            client.machines.delete(again.id)
+        finally:
+            client.snapshots.delete(snap.name)
+        kid = client.machines.fork(m.id, "g-collapse-kid")
+        assert client.machines.exec(kid.id, "cat /root/layer-0").stdout == "0\n"
+        client.machines.delete(kid.id)
+    finally:
+        client.machines.delete(m.id)

@@ -34,6 +34,25 @@ def test_layer_chain_resolves_to_the_raw_rootfs(tmp_path: Path) -> None:
     assert layer_base(tmp_path / "c.qcow2") == raw
 
 
+def test_a_chain_a_collapse_wrote_before_the_fix_still_resolves(tmp_path: Path) -> None:
+    # gVisor's collapse wrote the active layer as {"backing": <base>, "format": "layer"}:
+    # layer_base then read the guest root's image (or an image's tree) as a layer, and
+    # a snapshot or cross-node fork of a long-lived machine failed. Such layers stay on
+    # disk: the base they name is still found.
+    raw = tmp_path / "rootfs.img"
+    raw.write_bytes(b"\x00" * 4096)
+    tree = tmp_path / "chains" / "abc"
+    tree.mkdir(parents=True)
+    for base in (raw, tree):
+        write_layer(tmp_path / "active.qcow2", base, "layer")
+        write_layer(tmp_path / "top.qcow2", tmp_path / "active.qcow2", "layer")
+        assert layer_base(tmp_path / "top.qcow2") == base
+    # a layer that is gone is still said so
+    write_layer(tmp_path / "top.qcow2", tmp_path / "gone.qcow2", "layer")
+    with pytest.raises(MachineFailed, match=r"gone\.qcow2 is not a disk layer"):
+        layer_base(tmp_path / "top.qcow2")
+
+
 def test_a_qcow2_file_is_not_a_gvisor_layer(tmp_path: Path) -> None:
     q = tmp_path / "q.qcow2"
     q.write_bytes(b"QFI\xfb" + b"\0" * 100)

@@ -136,6 +136,8 @@ def layer_base(path: Path) -> Path:
     """
     seen = 0
     while True:
+        if seen and (path.is_dir() or _not_json(path)):
+            return path  # a base a collapse before the fix named as a layer
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError, UnicodeDecodeError) as exc:
@@ -153,6 +155,15 @@ def layer_base(path: Path) -> Path:
         seen += 1
         if seen > 1000:
             raise InternalError(f"disk layer chain at {path} loops")
+
+
+def _not_json(path: Path) -> bool:
+    """Whether ``path`` is a file that does not start as a JSON object (a raw image)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(1) != b"{"
+    except OSError:
+        return False  # missing: reading it says so
 
 
 # ---------------------------------------------------------------- processes
@@ -646,7 +657,10 @@ class GvisorMachine:
         return frozen
 
     async def collapse_disk(self, base: Path) -> None:
-        await asyncio.to_thread(write_layer, self.disk, base, "layer")
+        # The active layer sits on the chain's base (a guest root or an image's tree)
+        # now: a base, "raw" (before, "layer": `layer_base` then read the guest root's
+        # image as a layer, and a snapshot or cross-node fork of the machine failed).
+        await asyncio.to_thread(write_layer, self.disk, base, "raw")
 
     async def capture(self, dest_dir: Path) -> MemoryImage:
         """Checkpoint the sandbox (its memory, kernel state and overlay files) to ``dest_dir``.
