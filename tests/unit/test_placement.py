@@ -98,6 +98,9 @@ class NumbersNode:
         self.events.append(f"fork_from {source.id}")
         return await self.fork(source_id, child_ids)
 
+    async def drop_received(self, source_id: str) -> None:
+        self.events.append(f"drop_received {source_id}")
+
     async def delete(self, machine_id: str) -> None:
         assert self.repos is not None
         self.repos.machines.delete(machine_id)
@@ -201,6 +204,11 @@ def test_fork_children_fill_the_source_node_first_then_spread(tmp_path: Path) ->
     plane.forks.received[src.id] = {"c"}
     assert _ids(asyncio.run(plane.forks.targets(src, cast(Node, a), 5))) == [
         "a", "a", "c", "c", "b"]
+    # the source deleted: the node that kept its template lets it go (it was told
+    # nothing before, and kept the RAM file and layers until it restarted)
+    asyncio.run(plane.delete(_acct(plane), src.id))
+    assert c.events == [f"drop_received {src.id}"] and b.events == []
+    assert src.id not in plane.forks.received
 
 
 def test_a_fork_with_a_node_puts_every_child_on_that_node(tmp_path: Path) -> None:

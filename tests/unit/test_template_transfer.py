@@ -70,6 +70,15 @@ def test_a_template_of_any_portable_engine_moves_and_is_kept_while_current(
                                               _fetch_from(a, fetched))
         assert again.id == tpl.id and fetched == []
         b.node.unpin_template(again.id)
+        # the source deleted on its node: the receiver lets the template go, once the
+        # children that map it are gone too (before: kept until the node restarted)
+        assert b.node.templates.drop_received(src.id)
+        assert (b.paths.templates / tpl.id).exists()  # k1 and k2 map it
+        for cid in ids:
+            await b.node.delete(cid)
+        assert not (b.paths.templates / tpl.id).exists()
+        assert b.repos.layers.template(tpl.id) is None
+        assert not b.node.templates.drop_received(src.id)  # said twice: nothing kept
 
     asyncio.run(main())
 

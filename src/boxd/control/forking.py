@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import logging
 from collections.abc import Awaitable, Callable, Mapping
 
 from boxd.control.nodes import Cluster
 from boxd.control.placement import Placement, Room, check_hint, no_room
-from boxd.errors import InvalidRequest
+from boxd.errors import BoxdError, InvalidRequest
 from boxd.node.base import Node
 from boxd.state import MachineRecord
+
+log = logging.getLogger("boxd.control")
 
 
 class ForkPlacement:
@@ -37,6 +40,20 @@ class ForkPlacement:
         self._forget_ = forget
         # source machine id -> nodes that received its template
         self.received: dict[str, set[str]] = {}
+
+    async def source_gone(self, source_id: str) -> None:
+        """The machine was deleted: the nodes that received its template let it go (it
+        was kept there for further forks; nothing else tells them the source is gone)."""
+        cluster = self._cluster()
+        for nid in self.received.pop(source_id, set()):
+            node = cluster.nodes.get(nid) if cluster is not None else None
+            if node is None or not node.alive:
+                continue
+            try:
+                await node.drop_received(source_id)
+            except BoxdError as exc:  # the node's next restart collects it
+                log.warning("node=%s source=%s event=drop_received_failed error=%s",
+                            nid, source_id, exc)
 
     async def launch(
         self, src: MachineRecord, node: Node, claimed: builtins.list[MachineRecord | Exception]

@@ -83,6 +83,11 @@ class ClusterNode(Node, Protocol):
         """Remove a snapshot the registry no longer has (blobs in use there stay)."""
         ...
 
+    async def drop_received(self, source_id: str) -> None:
+        """The machine ``source_id`` (on another node) was deleted: this node lets go of
+        the template of it it received (a cross-node fork) and kept for further forks."""
+        ...
+
     async def collect_images(self, keep: Callable[[], set[str]]) -> int:
         """Remove this node's copies (blobs, unpacked trees, disks) of every image that
         neither ``keep()`` (asked when no push to this node is under way) nor a machine

@@ -688,7 +688,7 @@ class Machines:
     async def delete(self, account: str, ref: str) -> None:
         rec = self._find(account, ref)
         node = self.nodes.get(rec.node_id)
-        self.forks.received.pop(rec.id, None)
+        await self.forks.source_gone(rec.id)
         if rec.state == MachineState.LOST or node is None or not self._alive(node.id):
             self.repos.machines.delete(rec.id)  # its node and VM are gone: only the record
             return

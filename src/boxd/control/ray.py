@@ -402,6 +402,9 @@ class RayNode:
     async def drop_snapshot(self, digest: str) -> None:
         await self._ask(self.actor.drop_snapshot.remote(digest))
 
+    async def drop_received(self, source_id: str) -> None:
+        await self._ask(self.actor.drop_received.remote(source_id))
+
     async def collect_images(self, keep: Callable[[], set[str]]) -> int:
         async with self._images_gate.alone():
             kept = keep()  # no push is under way: what it pushes, the records name

@@ -307,6 +307,15 @@ class Templates:
         raise Conflict(f"template {tpl_offer.template_id} was collected while it was received",
                        hint="its source changed meanwhile; fork again")
 
+    def drop_received(self, source_id: str) -> bool:
+        """The source of a template received here is gone (deleted on its node): let the
+        template go (collected now unless a child here still maps it, then with its
+        last child). Returns whether one was kept."""
+        tid = self._received.pop(source_id, None)
+        if tid is not None:
+            self.refs.release(tid, f"received:{source_id}")
+        return tid is not None
+
     async def _receive_once(self, tpl_offer: TemplateOffer, fetch: Fetch) -> TemplateRecord:
         existing = self.repos.layers.template(tpl_offer.template_id)
         if existing is not None and existing.mem_path.exists():

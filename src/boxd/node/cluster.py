@@ -320,6 +320,10 @@ class NodeActor:
     async def offer_done(self, template_id: str) -> None:
         self.rt.offer_done(template_id)
 
+    async def drop_received(self, source_id: str) -> bool:
+        """Let go of the template received of ``source_id`` (the source was deleted)."""
+        return self.rt.templates.drop_received(source_id)
+
     async def collect_images(self, keep: list[str]) -> int:
         """Remove this node's copies of the images neither ``keep`` (the control
         plane's: named, or run by a record or a snapshot of its registry) nor a machine
