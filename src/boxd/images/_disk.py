@@ -46,7 +46,10 @@ its exact bytes, `disk_name`) and the receiver keeps it beside its own
     <dest>/<chain id>.<stamp>.qcow2   (the stamp names those bytes on every node)
 
 A node asked for a disk it made itself (a fork coming back) finds it by its stamp
-(`find_disk`). The collection treats every disk of a chain alike (its chain id).
+(`find_disk`). The collection treats every disk of a chain alike (its chain id). Other
+roots a QEMU template may sit on go by the same kind of name (`disk_name` with a kind):
+``rootfs.<stamp>.img``, a guest root, and ``disk.<stamp>.qcow2``, a snapshot's whole
+disk; a receiver keeps those apart (`boxd.config.Paths.received_roots`).
 """
 
 from __future__ import annotations
@@ -263,9 +266,10 @@ def disk_chain(top: Path) -> list[Path]:
         below = qcow2_backing(chain[-1])
         if below is None or below.parent != top.parent or below.suffix not in _SUFFIXES \
                 or below in chain:
-            raise IntegrityError(f"image disk {chain[-1]} names backing {below}, not an "
-                              "image disk beside it", hint="remove the image and import it "
-                              "again (`boxd image rm`, `boxd image import`)")
+            raise IntegrityError(
+                f"image disk {chain[-1]} names backing {below}, not an image disk beside it",
+                hint="remove the image and import it again (`boxd image rm`, "
+                "`boxd image import`)")
         chain.append(below)
     return chain[::-1]
 
