@@ -180,3 +180,33 @@ def test_an_agent_tree_without_the_client_gets_no_client_mount(tmp_path: Path) -
     (tmp_path / "agent").mkdir()
     spec = build("m1", Roots(tmp_path / "root", tmp_path / "agent"), 512)
     assert "/run/boxd/py" not in [m["destination"] for m in spec["mounts"]]
+
+
+def test_a_layer_on_another_nodes_image_tree_runs_on_this_nodes_or_says_it_lacks_it(
+    tmp_path: Path
+) -> None:
+    """A snapshot of an image machine names the saving node's tree of a layer chain
+    (`<its data dir>/oci-roots/chains/<chain id>`). Started on another node it runs on
+    that node's tree of the same chain (a chain is named by its layers' digests); a node
+    without one says so (before: it ran boxd's Debian root in its place, silently)."""
+    from boxd.engine.gvisor import GvisorEngine
+    from boxd.images import _tree
+
+    guest = tmp_path / "cache" / "rootfs.img"
+    guest.parent.mkdir()
+    guest.write_bytes(b"")
+    tree = guest.with_name(_tree.TREE_DIR)
+    tree.mkdir()
+    for marker in (_tree._COMPLETE, _tree._MODES):
+        (tree / marker).write_text("{}")
+    engine = GvisorEngine("runsc", "test", state_root=tmp_path / "state",
+                          agent_tree=tmp_path / "agent", reason="", fallback_rootfs=guest,
+                          image_roots=tmp_path / "here" / "oci-roots")
+    chain = "ab" * 32
+    write_layer(tmp_path / "disk.qcow2", tmp_path / "there" / "oci-roots" / "chains" / chain,
+                "raw")
+    with pytest.raises(HostSetupError, match="no tree of the container image"):
+        engine._roots(tmp_path / "disk.qcow2")
+    ours = tmp_path / "here" / "oci-roots" / "chains" / chain
+    ours.mkdir(parents=True)
+    assert engine._roots(tmp_path / "disk.qcow2") == Roots(ours, tmp_path / "agent", tree)

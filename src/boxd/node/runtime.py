@@ -43,6 +43,7 @@ from boxd.errors import (
     InvalidRequest,
     MachineFailed,
     MachineNotFound,
+    NotFound,
 )
 from boxd.models import MachineState
 from boxd.node._checkpoints import Checkpoints
@@ -65,7 +66,7 @@ from boxd.node._transfer import Fetch, FileOffer, TemplateOffer
 from boxd.node.base import Boot, FromSnapshot
 from boxd.node.lifecycle import Lease, Lifecycle, require
 from boxd.services import GuestApi
-from boxd.state import CheckpointRecord, MachineRecord, Repos, TemplateRecord
+from boxd.state import CheckpointRecord, MachineRecord, Repos, RunImage, TemplateRecord
 from boxd.storage import Manifest, SnapshotStore, disks
 from boxd.storage.execs import ExecFiles
 from boxd.storage.memory import remove_tree
@@ -260,8 +261,10 @@ class NodeRuntime:
         try:
             image, engine = await self.host.ready(rec.engine)
             root = image.rootfs
-            if rec.run_image is not None:  # unpacked here (a snapshot's too: it runs on it)
+            if isinstance(source, Boot) and rec.run_image is not None:
                 root = await self.host.image_root(rec.run_image, engine)
+            elif rec.run_image is not None:
+                await self._snapshot_image(rec.run_image, engine)
         except BaseException:
             await self.purge(machine_id)  # its engine cannot run here: no record is left
             raise
@@ -284,6 +287,16 @@ class NodeRuntime:
             await self.purge(machine_id)
             raise
         log.info("machine=%s event=created name=%s", machine_id, rec.name)
+
+    async def _snapshot_image(self, run: RunImage, engine: Engine) -> None:
+        """Unpack here the image a snapshot's machine runs, where the engine runs it on
+        the tree (gVisor; QEMU's snapshot disk is whole). A snapshot imported from
+        another host may name an image this store lacks: its start says so if the
+        engine needs the tree."""
+        try:
+            await self.host.image_root(run, engine)
+        except NotFound as exc:
+            log.info("event=snapshot_image_missing image=%s error=%s", run.name, exc)
 
     # -------------------------------------------------------------- agent use
 

@@ -947,7 +947,12 @@ class GvisorEngine:
             # Another node's tree of an image's layer chain (a snapshot saved there):
             # a chain is named by its layers' digests, so this node's is the same tree.
             ours = self.image_trees / CHAINS / base.name
-            base = ours if ours.is_dir() else base
+            if not ours.is_dir():  # not the guest root: running that instead would lie
+                raise HostSetupError(
+                    f"this node has no tree of the container image this machine runs "
+                    f"(layer chain {base.name[:12]})",
+                    hint="import the image here (`boxd image import`), then start it again")
+            base = ours
         if base.is_dir():
             # A container image's unpacked tree (`image_roots`): the agent runs on the
             # guest root's Python, mounted beside it.
