@@ -100,8 +100,10 @@ def _unstatable(case: schemathesis.Case) -> bool:
     body = case.body
     if case.operation.path == "/v1/machines" and isinstance(body, dict):
         ports = body.get("expose_host") or []
-        if any(isinstance(p, int) and p >= 20000 for p in ports):
-            return True  # boxd's own port bands (from the host's ephemeral range)
+        if any(isinstance(p, int | float) and p >= 20000 for p in ports):
+            # boxd's own port bands (from the host's ephemeral range); a JSON number
+            # without a fraction (29395.0) is such a port too
+            return True
         if body.get("isolated") and (ports or body.get("egress") is not None):
             return True  # an isolated machine has no network to apply them to
     if case.operation.path.endswith("/metrics"):
