@@ -289,10 +289,10 @@ class NodeRuntime:
         log.info("machine=%s event=created name=%s", machine_id, rec.name)
 
     async def _snapshot_image(self, run: RunImage, engine: Engine) -> None:
-        """Unpack here the image a snapshot's machine runs, where the engine runs it on
-        the tree (gVisor; QEMU's snapshot disk is whole). A snapshot imported from
-        another host may name an image this store lacks: its start says so if the
-        engine needs the tree."""
+        """Unpack here the image a snapshot's machine runs (gVisor runs it on that tree;
+        QEMU's snapshot disk is whole and needs none). A snapshot imported from another
+        host may name an image this store lacks: the start goes on, and an engine that
+        needs the tree says so then."""
         try:
             await self.host.image_root(run, engine)
         except NotFound as exc:
