@@ -31,7 +31,7 @@ from boxd.state import Repos
 from boxd.storage import SnapshotStore
 from boxd.storage.oci import ImageStore
 
-from .oci import chain_ids, image_by_digest, roots_lock
+from .oci import CHAINS, chain_ids, image_by_digest, roots_lock
 
 log = logging.getLogger(__name__)
 
@@ -120,13 +120,13 @@ def _sweep_roots(roots: Path, live: set[str], keep_links: set[str]) -> list[Path
     if not roots.is_dir():
         return removed
     for entry in roots.iterdir():  # <digest> links naming a chain, and temporary links
-        if entry.name in ("chains", ".gc-lock"):
+        if entry.name in (CHAINS, ".gc-lock"):
             continue
         dead = _stale(entry) if entry.name.startswith(".") else entry.name not in keep_links
         if dead:
             _remove(entry)
             removed.append(entry)
-    chains = roots / "chains"
+    chains = roots / CHAINS
     if chains.is_dir():
         for entry in chains.iterdir():  # <id> trees and <id>.below links (`_note_below`)
             dead = _stale(entry) if entry.name.startswith(".") else \

@@ -49,6 +49,7 @@ from ._oci_parts import (
 )
 
 __all__ = [
+    "CHAINS",
     "ImageConfig",
     "ImageInfo",
     "Source",
@@ -516,15 +517,21 @@ def roots_lock(roots: Path, mode: int) -> Iterator[None]:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
+#: The folder of an image roots folder where each layer chain is unpacked, as
+#: ``chains/<chain id>`` (a chain is named by its layers' digests: the same id is the
+#: same tree in every data directory).
+CHAINS = "chains"
+
+
 def _unpack_image(store: ImageStore, info: ImageInfo, roots: Path) -> Path:
     final = roots / info.digest.split(":", 1)[1]
     ids = chain_ids([d.digest for d in info.layers])
     if final.is_dir():
-        _note_below(roots / "chains", ids)  # an image unpacked before chains were noted
+        _note_below(roots / CHAINS, ids)  # an image unpacked before chains were noted
         return final.resolve()
     specs = [_compression(d, info.name) for d in info.layers]
     roots.mkdir(parents=True, exist_ok=True, mode=0o700)  # the trees inside: the image's modes
-    chains = roots / "chains"
+    chains = roots / CHAINS
     chains.mkdir(exist_ok=True, mode=0o700)
     below: Path | None = None
     for d, how, chain in zip(info.layers, specs, ids, strict=True):
@@ -538,7 +545,7 @@ def _unpack_image(store: ImageStore, info: ImageInfo, roots: Path) -> Path:
         below.mkdir(mode=0o755, exist_ok=True)
     # a name of this call's own: two unpacks of one image at once each make a link
     link = roots / f".{final.name[:12]}-{os.getpid()}-{secrets.token_hex(4)}-link"
-    link.symlink_to(Path("chains") / below.name)
+    link.symlink_to(Path(CHAINS) / below.name)
     os.replace(link, final)  # the last step: a root named by its image is whole
     return below
 

@@ -83,13 +83,12 @@ from boxd.errors import (
 )
 from boxd.guest import protocol as P
 from boxd.images import AGENT_MOUNT, rootfs_tree
+from boxd.images.oci import CHAINS
 from boxd.storage.fds import OwnedFd, pipe_file
 
 log = logging.getLogger("boxd.engine")
 
 CHECKPOINT = "checkpoint.img"
-#: Where an image's unpacked layer chains sit under its roots (`boxd.images.oci`).
-CHAINS = "chains"
 PAGES = "pages.img"
 PAGES_META = "pages_meta.img"
 # The names the node reads a capture back by (QEMU's): a hard link to pages.img, and the
@@ -772,6 +771,21 @@ def _pack_state(dest: Path, roots: bytes) -> None:
         tar.addfile(info, io.BytesIO(roots))
 
 
+def _agent_tree(agent_dir: Path, name: str, whose: str) -> Path:
+    """This node's agent tree named ``name`` (an agent tree is named by the digest of
+    its files) in ``agent_dir``.
+
+    Raises:
+        HostSetupError: there is none (``whose`` another boxd version, as the message
+            says).
+    """
+    agent = agent_dir / name
+    if not agent.is_dir():
+        raise HostSetupError(f"this node has no agent tree {name} ({whose} another boxd "
+                             "version)", hint="run the same boxd version on every node")
+    return agent
+
+
 def unpack_received(image: MemoryImage, ours: Roots, agent_dir: Path) -> None:
     """Give a capture copied from another node (its ``mem`` and ``state`` files) the
     layout `capture` writes (checkpoint.img, pages_meta.img and pages.img beside them),
@@ -797,11 +811,7 @@ def unpack_received(image: MemoryImage, ours: Roots, agent_dir: Path) -> None:
     except (OSError, tarfile.TarError, KeyError, ValueError) as exc:
         raise MachineFailed(f"{image.state_path} is not a gvisor capture ({exc})",
                             hint="fork it on its own node") from exc
-    agent = agent_dir / theirs.agent.name
-    if not agent.is_dir():
-        raise HostSetupError(
-            f"this node has no agent tree {theirs.agent.name} (the fork's source runs "
-            "another boxd version)", hint="run the same boxd version on every node")
+    agent = _agent_tree(agent_dir, theirs.agent.name, "the fork's source runs")
     pages = dest / PAGES
     pages.unlink(missing_ok=True)
     os.link(image.mem_path, pages)
@@ -847,11 +857,7 @@ def _image_dir(image: MemoryImage, files: RunFiles,
     # The trees of the node that saved it are named by path: this node's of the same
     # content stand in (its root tree under the disk's chain, its agent tree by name,
     # the guest root it ran its agent from where this host has it, else this node's).
-    agent = ours.agent.parent / theirs.agent.name
-    if not agent.is_dir():
-        raise HostSetupError(
-            f"this node has no agent tree {theirs.agent.name} (the snapshot was saved by "
-            "another boxd version)", hint="run the same boxd version on every node")
+    agent = _agent_tree(ours.agent.parent, theirs.agent.name, "the snapshot was saved by")
     runtime = theirs.runtime if theirs.runtime is not None and theirs.runtime.is_dir() \
         else ours.runtime
     return out, Roots(ours.rootfs, agent, runtime)
