@@ -170,14 +170,10 @@ class Offers:
     async def read_chunk(self, kind: str, key: str, offset: int, length: int) -> bytes:
         """A chunk of a file this node offered (a template's, a frozen layer, a blob).
         A read of a template's file renews the lease of its offers."""
-        if kind in ("mem", "state"):
-            self._renew(key)
-        elif kind in ("layer", "root"):
-            for tid, described in self._offers.items():
-                if tid in self._leases and (
-                        any(lo.id == key for lo in described.layers) if kind == "layer"
-                        else any(r.key == key for r in described.roots)):
-                    self._renew(tid)
+        for tid, described in self._offers.items():
+            if tid in self._leases and any(f.kind == kind and f.key == key
+                                           for f in described.files):
+                self._renew(tid)
         return await asyncio.to_thread(
             transfer.read_chunk, self._offered_path(kind, key), offset, length
         )

@@ -77,10 +77,13 @@ class TemplateOffer:
     roots: tuple[FileOffer, ...] = ()
 
     @property
+    def files(self) -> tuple[FileOffer, ...]:
+        """Every file offered: RAM, device state, layers, roots."""
+        return (self.mem, self.state, *(layer.file for layer in self.layers), *self.roots)
+
+    @property
     def data_bytes(self) -> int:
-        return (self.mem.data_bytes + self.state.data_bytes
-                + sum(layer.file.data_bytes for layer in self.layers)
-                + sum(f.data_bytes for f in self.roots))
+        return sum(f.data_bytes for f in self.files)
 
 
 def offer(kind: str, key: str, path: Path) -> FileOffer:

@@ -603,7 +603,9 @@ class QemuEngine:
         log_path: Path, *, incoming: bool, runtime: Path | None = None,
     ) -> tuple[QemuProcess, _Forward | None]:
         """Start QEMU (and its passt); the caller checks the forward with `_Forward.wait`
-        once QEMU answers, so passt binds its port while QEMU starts."""
+        once QEMU answers, so passt binds its port while QEMU starts. ``runtime``: the
+        guest root a container image's machine attaches (default: the daemon's)."""
+        runtime = runtime or self.runtime
         net: OwnedFd | None = None
         passt: subprocess.Popen[bytes] | None = None
         forward: _Forward | None = None
@@ -624,10 +626,10 @@ class QemuEngine:
                 disk=disk, memory=memory, console_log=log_path.with_name("console.log"),
                 incoming=incoming, readonly_rom_supported=self.readonly_rom,
                 run_as=self.run_as.user if self.run_as else None,
-                net_fd=None if net is None else net.fd, runtime=runtime or self.runtime,
+                net_fd=None if net is None else net.fd, runtime=runtime,
             )
-            if config.image_root and (runtime or self.runtime) is not None:
-                files.runtime.write_text(str(runtime or self.runtime))  # `capture` keeps it
+            if config.image_root and runtime is not None:
+                files.runtime.write_text(str(runtime))  # `capture` keeps it
             for stale in (files.qmp, files.agent, files.pidfile):
                 stale.unlink(missing_ok=True)
             cgroup = self.cgroups.create(
