@@ -108,21 +108,15 @@ def test_a_root_each_node_makes_of_an_image_goes_along_once_and_comes_back_as_it
     # a machine's frozen layers sit on them block by block, so an image machine's forks
     # stayed on its node. The sender's root files now go with the template, named by
     # their bytes: a receiver fetches each once, and the node that made one uses its own.
-    from tests._support.oci import make_image, write_layout
-
     a, b = _two_nodes(tmp_path, monkeypatch)
     a.engine.made_roots, b.engine.made_roots = tmp_path / "a-roots", tmp_path / "b-roots"
-    img = make_image([{"srv/hello.txt": b"from the image\n"}])
-    layout = write_layout(tmp_path / "layout", {"v1": img})
+    layout, digest = _image_layout(tmp_path)
     _import(a, layout)
     _import(b, layout)
-    hexd = img.digest.split(":", 1)[1]
+    hexd = digest.split(":", 1)[1]
 
     async def main() -> None:
-        src = await a.machines.create(ACCOUNT, models.MachineCreate(name="img",
-                                                                    image="it/x:v1"))
-        await a.machines.wait_until_ready(ACCOUNT, src.id, timeout=5)
-        await sh(a, src.id, "write /root/state one")
+        src = await _image_source(a, "one")
         offer = await a.node.offer_template(src.id)
         (root,) = offer.roots
         own_a = tmp_path / "a-roots" / f"{(a.paths.image_roots / hexd).resolve().name}.root"
@@ -233,6 +227,22 @@ def _import(w: World, layout: Path) -> None:
     import_image(ImageStore(w.paths.images_store), f"oci:{layout}:v1", f"{ACCOUNT}/it/x:v1")
 
 
+def _image_layout(tmp_path: Path) -> tuple[Path, str]:
+    """An image of one file as an OCI layout (tag v1): the layout and the image's digest."""
+    from tests._support.oci import make_image, write_layout
+
+    img = make_image([{"srv/hello.txt": b"from the image\n"}])
+    return write_layout(tmp_path / "layout", {"v1": img}), img.digest
+
+
+async def _image_source(w: World, state: str) -> models.Machine:
+    """A running machine of the image `_import` named, its /root/state written."""
+    src = await w.machines.create(ACCOUNT, models.MachineCreate(name="img", image="it/x:v1"))
+    await w.machines.wait_until_ready(ACCOUNT, src.id, timeout=5)
+    await sh(w, src.id, f"write /root/state {state}")
+    return src
+
+
 def _backing(w: World, layer_id: str) -> Path:
     """What a fake engine's layer file sits on."""
     return Path(json.loads(w.node.templates.layer_path(layer_id).read_text())["backing"])
@@ -244,21 +254,15 @@ def test_an_image_machines_template_moves_onto_the_receivers_own_tree_of_the_ima
     # issue 41: the template of a container image's machine named the image's tree on
     # its node; the receiving node re-points its base layer at its own tree of that
     # image (unpacked from its own store: the control plane pushed the blobs before)
-    from tests._support.oci import make_image, write_layout
-
     a, b = _two_nodes(tmp_path, monkeypatch)
-    img = make_image([{"srv/hello.txt": b"from the image\n"}])
-    layout = write_layout(tmp_path / "layout", {"v1": img})
+    layout, digest = _image_layout(tmp_path)
     _import(a, layout)
-    hexd = img.digest.split(":", 1)[1]
+    hexd = digest.split(":", 1)[1]
 
     async def main() -> None:
-        src = await a.machines.create(ACCOUNT, models.MachineCreate(name="img",
-                                                                    image="it/x:v1"))
-        await a.machines.wait_until_ready(ACCOUNT, src.id, timeout=5)
-        await sh(a, src.id, "write /root/state before-the-fork")
+        src = await _image_source(a, "before-the-fork")
         offer = await a.node.offer_template(src.id)
-        assert offer.run_image is not None and offer.run_image.digest == img.digest
+        assert offer.run_image is not None and offer.run_image.digest == digest
         # a node whose store lacks the image refuses it, typed, and keeps nothing
         with pytest.raises(NotFound):
             await b.node.receive_template(offer, _fetch_from(a, []))
