@@ -74,6 +74,10 @@ def test_fork_churn_on_gvisor_answers_no_5xx(daemon, client, gvisor_base) -> Non
         for t in threads:
             t.join()
     finally:
+        # The source's boxd-init and agent log (it goes with the machine): what its
+        # guest said about the requests that failed.
+        console = daemon.home / "machines" / src.id / "console.log"
+        guest_said = console.read_text(errors="replace")[-3000:] if console.exists() else ""
         for m in client.machines.list():
             if m.parent_id == src.id or m.id == src.id:
                 client.machines.delete(m.id)
@@ -82,6 +86,7 @@ def test_fork_churn_on_gvisor_answers_no_5xx(daemon, client, gvisor_base) -> Non
         f.seek(log_start)
         logged = [line.strip()[:300] for line in f
                   if "Bad file descriptor" in line or "unhandled error" in line]
-    assert not bad, f"{len(bad)} 5xx answers or broken connections:\n" + "\n".join(bad[:30])
+    assert not bad, (f"{len(bad)} 5xx answers or broken connections:\n" + "\n".join(bad[:30])
+                     + f"\nthe source's console log ends:\n{guest_said}")
     assert not logged, "\n".join(logged[:20])
     assert statuses[("child-delete", 204)] >= THREADS, statuses
