@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import threading
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
 from datetime import UTC, datetime
@@ -48,6 +49,7 @@ class FakeMachines(MachineService):
         self.files: dict[tuple[str, str], bytes] = {}
         self.checkpoints: dict[tuple[str, str], models.Checkpoint] = {}
         self.closed = False
+        self.hanging = threading.Event()  # an exec of "hang" is under way
         self.execs: dict[tuple[str, str], models.ExecStatus] = {}  # (machine id, exec id)
         self.commands: dict[tuple[str, str], str] = {}  # (machine id, exec id) -> command
         self.stderr_logs: dict[str, OutputLog] = {}  # process id -> its stderr
@@ -148,6 +150,9 @@ class FakeMachines(MachineService):
             raise ExecTimeout("timed out", timeout=req.timeout, stdout="partial", stderr="")
         if cmd == "crash":
             raise RuntimeError("a bug in the service")
+        if cmd == "hang":  # until the request is cancelled (the daemon stops)
+            self.hanging.set()
+            await asyncio.Event().wait()
         exec_id = req.exec_id or f"x-{len(self.execs)}"
         m = self._find(account, ref)
         self.commands[(m.id, exec_id)] = cmd

@@ -144,6 +144,35 @@ def test_serve_exits_cleanly_on_sigterm(paths: Paths, tmp_path: Path) -> None:
     assert "daemon stopped" in paths.log.read_text()
 
 
+def test_a_request_the_stopping_daemon_cuts_off_is_answered(
+    daemon: Daemon, paths: Paths
+) -> None:
+    # Every request gets an answer: one still running when the daemon stops, past the
+    # server's grace for requests in flight, is a typed 503, not uvicorn's bare 500.
+    machines = daemon.machines
+    assert isinstance(machines, FakeMachines)
+    key = local_key_path(paths).read_text().strip()
+    with _client(paths, key) as c:
+        assert c.post("/v1/machines", json={"name": "m"}).status_code == 201
+    got: dict[str, httpx.Response] = {}
+
+    def call() -> None:
+        with _client(paths, key) as c:
+            got["r"] = c.post("/v1/machines/m/exec", json={"command": ["hang"]}, timeout=60)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    assert machines.hanging.wait(10)
+    daemon.stop()
+    caller.join(30)
+    r = got["r"]
+    assert r.status_code == 503, r.text
+    err = r.json()["error"]
+    assert err["code"] == "infrastructure_error"
+    assert "daemon stopped before it finished this request" in err["message"]
+    assert "exec_id" in err["hint"]
+
+
 @pytest.mark.parametrize("path", ["/v1/snapshots/import", "/v1/machines"])
 def test_a_stalled_body_is_answered(  # every request gets an answer
     paths: Paths, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str

@@ -23,9 +23,9 @@ from typing import Any
 
 from fastapi.encoders import jsonable_encoder
 
-from boxd.errors import BodyTimeout, BoxdError, PayloadTooLarge
+from boxd.errors import BodyTimeout, BoxdError, InfrastructureError, PayloadTooLarge
 
-__all__ = ["BodyLimit", "is_upload"]
+__all__ = ["AnswerWhenStopped", "BodyLimit", "is_upload"]
 
 _Scope = MutableMapping[str, Any]
 _Message = MutableMapping[str, Any]
@@ -84,6 +84,37 @@ class BodyLimit:
         except (PayloadTooLarge, BodyTimeout):
             if not guard.started:
                 await _answer(send, guard.over or _too_large(limit, setting, None))
+
+
+class AnswerWhenStopped:
+    """ASGI middleware: a request still unanswered when the server stops and its grace
+    for requests in flight ran out (uvicorn then cancels them) is answered 503
+    ``infrastructure_error`` saying so, not with uvicorn's bare 500."""
+
+    def __init__(self, app: _App) -> None:
+        self.app = app
+
+    async def __call__(self, scope: _Scope, receive: _Receive, send: _Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: _Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except asyncio.CancelledError:
+            if started:
+                raise
+            await _answer(send, InfrastructureError(
+                "the daemon stopped before it finished this request: its outcome is "
+                "unknown (it may have been carried out in part or whole)",
+                hint="retry once the daemon is back; an exec's outcome can be read by its "
+                "exec_id (GET /v1/machines/{id}/execs/{exec_id})"))
 
 
 class _Guard:

@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from boxd import models
-from boxd.api._limits import BodyLimit
+from boxd.api._limits import AnswerWhenStopped, BodyLimit
 from boxd.api.errors import install_error_handlers
 from boxd.api.routes import accounts as accounts_routes
 from boxd.api.routes import images as images_routes
@@ -97,6 +97,7 @@ def create_app(
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_body=max_body, max_upload=max_upload,
                        body_timeout=body_timeout)
+    app.add_middleware(AnswerWhenStopped)  # outermost: it answers whatever was cancelled
     for module in (system, machines_routes, snapshots_routes, keys_routes, accounts_routes,
                    processes_routes, images_routes, reports_routes):
         app.include_router(module.router, prefix=API_PREFIX)
