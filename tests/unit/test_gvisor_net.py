@@ -93,3 +93,46 @@ def test_handshakes_counts_connections_being_opened_to_the_outside() -> None:
     assert _net.handshakes(_TCP6) == 1  # ::1 is loopback; the v4-mapped SYN_RECV counts
     assert _net.handshakes(_TCP.splitlines()[0]) == 0
     assert _net.handshakes("") == 0
+
+
+def test_a_namespace_made_for_a_cancelled_launch_is_ended(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A standby copy's launch cancelled while pasta started (its thread cannot be
+    # stopped) left pasta and its holder running for good (seen after whole runs).
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    from boxd.engine.gvisor import _engine
+
+    ended: list[int] = []
+    release = threading.Event()
+
+    class Made(_net.Namespace):
+        def signal_end(self) -> None:
+            ended.append(self.pasta_pid)
+
+    def slow_start(*_: object) -> _net.Namespace:
+        release.wait(5)  # pasta comes up after the launch is cancelled
+        return Made(4242, 4243)
+
+    monkeypatch.setattr(_net, "start", slow_start)
+    config = SimpleNamespace(id="m_x", net=None)
+
+    async def main() -> None:
+        launch = asyncio.ensure_future(
+            _engine.start_net(object(), tmp_path, config))  # type: ignore[arg-type]
+        await asyncio.sleep(0.05)
+        launch.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await launch
+        assert ended == []  # still starting
+        release.set()
+        for _ in range(100):
+            if ended:
+                break
+            await asyncio.sleep(0.02)
+
+    asyncio.run(main())
+    assert ended == [4242]

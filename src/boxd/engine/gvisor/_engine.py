@@ -1058,8 +1058,7 @@ class GvisorEngine:
         files = RunFiles(run_dir)
         netns = None
         if not config.isolated:
-            netns = await asyncio.to_thread(_net.start, self.net, run_dir, config.id,
-                                            config.net)
+            netns = await start_net(self.net, run_dir, config)
         try:
             await asyncio.to_thread(_spec.write_bundle, files, config.hostname, roots,
                                     config.memory_mib, netns.path if netns else None)
@@ -1243,6 +1242,26 @@ class GvisorEngine:
             raise InvalidRequest("the gvisor engine boots an image on its tree: it "
                                  "takes no root files from another node", field="roots")
         return None
+
+
+async def start_net(net: _net.GvisorNet, run_dir: Path,
+                    config: MachineConfig) -> _net.Namespace:
+    """The machine's network namespace (`_net.start`, in a thread). A launch cancelled
+    meanwhile (a standby copy whose template went stale, a daemon stopping) cannot stop
+    that thread: the namespace it makes is ended when it is done, or its pasta and
+    holder would outlive everything (nothing records them once the launch is gone)."""
+    job = asyncio.ensure_future(asyncio.to_thread(_net.start, net, run_dir, config.id,
+                                                  config.net))
+    try:
+        return await asyncio.shield(job)
+    except asyncio.CancelledError:
+        job.add_done_callback(_end_unclaimed)
+        raise
+
+
+def _end_unclaimed(job: asyncio.Future[_net.Namespace]) -> None:
+    if not job.cancelled() and job.exception() is None:
+        job.result().signal_end()
 
 
 def _open_stdio(files: RunFiles, log_path: Path) -> tuple[OwnedFd, OwnedFd, OwnedFd]:
