@@ -95,14 +95,21 @@ def create_app(
     app.state.images = images or _default_images(upload_dir)
     app.state.reports = reports or _default_reports(upload_dir)
     install_error_handlers(app)
-    app.add_middleware(BodyLimit, max_body=max_body, max_upload=max_upload,
-                       body_timeout=body_timeout)
-    app.add_middleware(AnswerWhenStopped)  # outermost: it answers whatever was cancelled
+    _guard(app, max_body, max_upload, body_timeout)
     for module in (system, machines_routes, snapshots_routes, keys_routes, accounts_routes,
                    processes_routes, images_routes, reports_routes):
         app.include_router(module.router, prefix=API_PREFIX)
     _document_400_not_422(app)
     return app
+
+
+def _guard(app: FastAPI, max_body: int, max_upload: int, body_timeout: float) -> None:
+    """Every request gets an answer: a body over its limit or stalled (`BodyLimit`),
+    one the stopping server cancels (`AnswerWhenStopped`, outermost: it answers
+    whatever was cut off)."""
+    app.add_middleware(BodyLimit, max_body=max_body, max_upload=max_upload,
+                       body_timeout=body_timeout)
+    app.add_middleware(AnswerWhenStopped)
 
 
 def _private_dirs(upload_dir: Path | None,
