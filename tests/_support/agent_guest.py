@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -158,8 +158,7 @@ def init_binary(tmp_factory: pytest.TempPathFactory) -> Path:
 class Guest:
     """A running agent behind a FakeQemu: agent.py alone, or boxd-init in front of it."""
 
-    def __init__(self, tmp: Path, *, hup: bool = False, init: Path | None = None,
-                 init_args: Sequence[str] = ()) -> None:
+    def __init__(self, tmp: Path, *, hup: bool = False, init: Path | None = None) -> None:
         self.tmp = tmp
         self.qemu = FakeQemu(tmp, hup=hup)
         self.home = tmp / "home"
@@ -172,7 +171,7 @@ class Guest:
             argv = [sys.executable, str(AGENT), "--connect", str(self.qemu.guest_path),
                     *agent_args]
         else:
-            argv = [str(init), *init_args, "--connect", str(self.qemu.guest_path),
+            argv = [str(init), "--connect", str(self.qemu.guest_path),
                     "--sysroot", str(self.sysroot), "--python", sys.executable,
                     "--agent", str(AGENT), "--", *agent_args]
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=self.log)

@@ -744,44 +744,6 @@ def test_init_fails_requests_a_dead_agent_held(init_guest: Guest) -> None:
     with_client(init_guest, body)
 
 
-def test_init_ends_commands_whose_sigchld_went_missing(
-    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    # A gVisor checkpoint taken as a command exited lost its SIGCHLD, and the exec never
-    # ended (the fork churn test, runsc 20240729). boxd-init also looks for exits every
-    # REAP_POLL_MS: here it never reads SIGCHLD at all.
-    g = Guest(tmp_path, init=agent_guest.init_binary(tmp_path_factory),
-              init_args=["--no-sigchld"])
-
-    async def body(c: AgentClient) -> None:
-        assert (await asyncio.wait_for(c.run("true"), 10)).exit_code == 0
-        assert (await asyncio.wait_for(c.run("exit 3", timeout=60), 10)).exit_code == 3
-        # a background child holds the pipes: the drain ends once the exit is found
-        held = await asyncio.wait_for(c.run("sleep 30 & echo up; exit 4"), 10)
-        assert (held.exit_code, held.stdout) == (4, b"up\n")
-
-    try:
-        with_client(g, body)
-    finally:
-        g.stop()
-        print(g.log_path.read_text(errors="replace")[-4000:])
-
-
-def test_agent_finds_an_exit_its_reaper_missed() -> None:
-    # agent.py's side of the same loss: its reaper's blocking waitpid never returns for
-    # the command (here: no reaper thread at all); RunningCommand polls, and gets it.
-    reaper = agent_module.Reaper(listen=False)
-    proc = subprocess.Popen(["sh", "-c", "exit 5"])
-    done, box = reaper.register(proc.pid, time.monotonic())
-    deadline = time.monotonic() + 10
-    while not reaper.poll(proc.pid):
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    assert done.is_set() and os.waitstatus_to_exitcode(box[0]) == 5
-    assert proc.pid not in reaper.waiters
-    proc.returncode = 5  # collected above: Popen must not wait for it
-
-
 def test_protocol_constants() -> None:
     # The host relies on these names.
     assert P.PORT_NAME == "boxd.agent"

@@ -56,10 +56,6 @@ WRITE_STALL_LIMIT = 30.0  # seconds a connected but non-reading host may stall o
 EXIT_DRAIN_IDLE = 0.25  # after the command exits, stop reading its pipes after this much quiet
 EXIT_DRAIN_MAX = 2.0  # ... or after this long (background children may hold the pipes)
 UNCLAIMED_TTL = 120.0
-# While a command runs its exit is also looked for this often, besides the reaper's
-# blocking waitpid: a gVisor checkpoint taken as a command exits can lose the wake-up
-# (runsc 20240729: the exec never ended). boxd-init's REAP_POLL_MS.
-REAP_POLL = 0.2
 RELAY_MOVE_WAIT = 10.0  # seconds a relayed stream waits for its relay to come back
 IDLE_WAIT = 60.0  # seconds an idle loop sleeps between checks (it is woken for real work)
 RNDADDENTROPY = 0x40085203
@@ -350,13 +346,12 @@ class StdioChannel(Channel):
 class Reaper:
     """Owns every ``waitpid``: reaps all children (and, as PID 1, all orphans)."""
 
-    def __init__(self, *, listen: bool = True) -> None:
+    def __init__(self) -> None:
         self.lock = threading.Lock()
         self.waiters: dict[int, tuple[threading.Event, list[int]]] = {}
         self.unclaimed: dict[int, tuple[int, float]] = {}  # pid -> (status, monotonic time)
         self.wake = threading.Event()
-        if listen:  # (tests: not, as if every wake-up were lost; see `poll`)
-            threading.Thread(target=self.run, name="reaper", daemon=True).start()
+        threading.Thread(target=self.run, name="reaper", daemon=True).start()
 
     def run(self) -> None:
         while True:
@@ -388,24 +383,6 @@ class Reaper:
                             p for p, (_, t) in self.unclaimed.items() if now - t > UNCLAIMED_TTL
                         ]:
                             del self.unclaimed[old]
-
-    def poll(self, pid: int) -> bool:
-        """Collect ``pid``'s exit status now if it exited and nobody collected it (the
-        reaper missed its wake-up, `REAP_POLL`); whether its waiter has a status."""
-        with self.lock:
-            waiter = self.waiters.get(pid)
-            if waiter is None:
-                return True  # handed over already
-            try:
-                got, status = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                return False  # the reaper has it: it hands it over once it has the lock
-            if got != pid:
-                return False
-            del self.waiters[pid]
-            waiter[1].append(status)
-            waiter[0].set()
-            return True
 
     def register(self, pid: int, spawned_at: float) -> tuple[threading.Event, list[int]]:
         """Claim ``pid``'s exit status; ``spawned_at`` is ``time.monotonic()`` before spawning."""
@@ -740,13 +717,10 @@ class RunningCommand:
         proc: subprocess.Popen[bytes],
         start: float,
         timeout: float | None,
-        reaper: Reaper,
         reaped: tuple[threading.Event, list[int]],
     ) -> None:
         assert proc.stdout is not None
         self.host = host
-        self.reaper = reaper
-        self.polled = start  # when its exit was last looked for (`REAP_POLL`)
         self.ex = ex
         self.proc = proc
         # A command on a pty has one output, the terminal (its stderr goes there too).
@@ -766,16 +740,6 @@ class RunningCommand:
         self.exited_at: float | None = None
         self.last_data = time.monotonic()
 
-    def exited(self, now: float) -> bool:
-        """Whether the command's exit status is in, looked for now and then as well
-        (`REAP_POLL`)."""
-        if self.done_event.is_set():
-            return True
-        if now - self.polled >= REAP_POLL:
-            self.polled = now
-            return self.reaper.poll(self.proc.pid)
-        return False
-
     def enforce_timeout(self, now: float) -> None:
         """At the deadline the process group gets SIGTERM; `P.EXEC_KILL_GRACE` seconds
         later, if the command still runs (it ignores or traps TERM), SIGKILL."""
@@ -792,7 +756,7 @@ class RunningCommand:
         ex = self.ex
         while self.pipes:
             now = time.monotonic()
-            if self.exited_at is None and self.exited(now):
+            if self.exited_at is None and self.done_event.is_set():
                 self.exited_at = now
             if self.exited_at is not None and drain_over(now, self.last_data, self.exited_at):
                 break  # background children still hold the pipes: don't wait for them
@@ -844,9 +808,7 @@ class RunningCommand:
     def wait_status(self) -> int:
         """Wait for the exit status (still honouring the timeout) and release the pipes."""
         while not self.done_event.wait(0.05):
-            now = time.monotonic()
-            self.enforce_timeout(now)
-            self.exited(now)
+            self.enforce_timeout(time.monotonic())
         if self.timed_out:
             # The whole group dies, not only the leader.
             killpg(self.ex.pgid, signal.SIGKILL)
@@ -936,8 +898,7 @@ class Execs:
         self.host.send({"id": ex.id, "ev": P.EV_STARTED, "pid": proc.pid}, ex.conn)
         if proc.stdin is not None:
             spawn_thread(f"stdin-{ex.id}", feed_stdin, ex, proc.stdin)
-        running = RunningCommand(self.host, ex, proc, start, command.timeout, self.reaper,
-                                 reaped)
+        running = RunningCommand(self.host, ex, proc, start, command.timeout, reaped)
         running.forward_output()
         # Pipes closed (or given up on): now wait for the exit status, still honouring timeout.
         status = running.wait_status()

@@ -73,7 +73,6 @@
 #define INTERNAL_ID "{\"id\":-1,"
 
 static const char *opt_connect;
-static int opt_no_sigchld;  /* tests: SIGCHLD is never read (see REAP_POLL_MS) */
 static int opt_stdio;      /* the host is stdin (requests) and stdout (replies): gVisor */
 static int opt_host_clock; /* identity's "now" is not applied: the clock is the host's */
 static const char *opt_sysroot;
@@ -99,10 +98,6 @@ static const char *default_cwd = "/home/boxd"; /* agent.py's --default-cwd, if g
 #define EXEC_KILL_GRACE_MS 2000
 #define EXIT_DRAIN_IDLE_MS 250 /* after exit, stop reading pipes after this much quiet */
 #define EXIT_DRAIN_MAX_MS 2000 /* ... or this long (background children hold them) */
-/* While a command runs, its exit is also looked for this often, SIGCHLD or not: a gVisor
-   checkpoint taken as a command exits can lose the signal (runsc 20240729; the exec then
-   never ended). */
-#define REAP_POLL_MS 200
 static const char *const DEFAULT_ENV[] = {
     "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root",
     "LANG=C.UTF-8", "TERM=xterm-256color", "USER=root", NULL};
@@ -121,7 +116,6 @@ struct exec {
     double start;
     long long deadline, exited_at, last_data; /* monotonic ms; deadline 0 = none */
     long long kill_at; /* after a timeout's SIGTERM: when SIGKILL comes (0: not due) */
-    long long closed_at; /* when both its pipes were closed by the command (0: not yet) */
     long long window, sent, acked; /* 1.3 flow control: window 0 = none */
     /* stdin_stream execs (machines.spawn's processes, boxd.rl's env servers): */
     int stream;      /* stdin stays open for stdin requests */
@@ -1517,7 +1511,6 @@ static void exec_read(struct exec *x, int k) {
     if (r <= 0) {
         close(x->fd[k]);
         x->fd[k] = -1;
-        if (x->fd[!k] < 0 && !x->exited) x->closed_at = now_ms();
         return;
     }
     x->last_data = now_ms();
@@ -1599,7 +1592,6 @@ static int execs_timeout(void) {
         long long due = -1;
         if (x->deadline && !x->timed_out) due = x->deadline;
         if (x->kill_at) due = x->kill_at;
-        if (!x->exited && (due < 0 || t + REAP_POLL_MS < due)) due = t + REAP_POLL_MS;
         if (x->exited) {
             long long drain = x->last_data + EXIT_DRAIN_IDLE_MS + 1;
             long long cap = x->exited_at + EXIT_DRAIN_MAX_MS + 1;
@@ -1844,7 +1836,7 @@ static void host_readable(void) {
 
 /* ------------------------------------------------------------------ main loop */
 
-static void reap(int sfd, int heard) {
+static void reap(int sfd) {
     struct signalfd_siginfo si;
     while (read(sfd, &si, sizeof si) == sizeof si) {
     }
@@ -1861,9 +1853,6 @@ static void reap(int sfd, int heard) {
                 x->exited = 1;
                 x->status = status;
                 x->exited_at = now_ms();
-                if (!heard && x->closed_at && x->exited_at - x->closed_at >= REAP_POLL_MS / 2)
-                    logf_("exec %lld: pid %d exited unheard (no SIGCHLD); found by polling",
-                          x->id, (int)pid);
                 /* The drain's quiet counts from the exit, never from before it: what the
                    command wrote just before exiting may not have been polled yet (this
                    wake-up was for another child), and its silence before that is no
@@ -1874,7 +1863,7 @@ static void reap(int sfd, int heard) {
 }
 
 static void usage(void) {
-    fprintf(stderr, "usage: boxd-init [--connect SOCK | --stdio] [--host-clock] [--no-sigchld] "
+    fprintf(stderr, "usage: boxd-init [--connect SOCK | --stdio] [--host-clock] "
                     "[--memory-mib N] [--sysroot DIR] [--python PY] [--python-arg A]... "
                     "[--agent PATH] [-- agent args]\n"
                     "       boxd-init --dial PORT\n");
@@ -2058,10 +2047,6 @@ int main(int argc, char **argv) {
             opt_host_clock = 1;
             continue;
         }
-        if (!strcmp(a, "--no-sigchld")) { /* tests: reap by REAP_POLL_MS alone */
-            opt_no_sigchld = 1;
-            continue;
-        }
         if (i + 1 >= argc) usage();
         if (!strcmp(a, "--connect")) opt_connect = argv[++i];
         else if (!strcmp(a, "--sysroot")) opt_sysroot = argv[++i];
@@ -2093,9 +2078,7 @@ int main(int argc, char **argv) {
     sigemptyset(&chld);
     sigaddset(&chld, SIGCHLD);
     sigprocmask(SIG_BLOCK, &chld, NULL);
-    sigset_t heard = chld;
-    if (opt_no_sigchld) sigemptyset(&heard); /* as if every SIGCHLD went missing */
-    int sfd = signalfd(-1, &heard, SFD_NONBLOCK | SFD_CLOEXEC);
+    int sfd = signalfd(-1, &chld, SFD_NONBLOCK | SFD_CLOEXEC);
     logf_("boxd-init %s started", PROTOCOL_VERSION);
     if (getpid() == 1 && !opt_sysroot) {
         /* The machine's own directory (identity, the API socket and credential, the
@@ -2158,7 +2141,7 @@ int main(int argc, char **argv) {
             if (errno != EINTR) logf_("poll: %s", strerror(errno));
             continue;
         }
-        if (p[0].revents || execs) reap(sfd, p[0].revents != 0); /* see REAP_POLL_MS */
+        if (p[0].revents) reap(sfd);
         {
             int j = ix;
             for (struct exec *x = execs; x && j < np; x = x->next, j++) {
