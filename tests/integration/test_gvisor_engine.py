@@ -255,3 +255,30 @@ def test_network_reaches_nothing_on_the_host_and_forks_get_their_own(
         server.close()
     if no_index is not None:
         pytest.skip(f"host reachability checked; DNS not: {no_index}")
+
+
+def test_a_request_sent_while_paused_for_a_capture_is_answered(
+    env: tuple[Paths, GuestImage]
+) -> None:
+    run_with_engine(env, _request_across_capture)
+
+
+async def _request_across_capture(engine: Engine, paths: Paths, image: GuestImage) -> None:
+    # What the fork churn hit: requests written to the agent's stdin while the source
+    # was paused for a template's checkpoint. runsc 20240729's checkpoint took them in
+    # (the restored copies answered them) and left boxd-init asleep on them: the
+    # source answered only when its next request came. Its `resume` wakes the agent.
+    src = await _boot(engine, paths, image, "m_gv4")
+    try:
+        agent = await src.agent(timeout=30)
+        for n in range(3):
+            await src.pause()
+            pending = [asyncio.ensure_future(agent.run(["sh", "-c", f"echo {n}-{i}"]))
+                       for i in range(3)]
+            await asyncio.sleep(0.2)  # the requests wait in the FIFO: the sandbox is paused
+            await src.capture(paths.templates / f"t_gv4_{n}")
+            await src.resume()
+            done = await asyncio.wait_for(asyncio.gather(*pending), 20)
+            assert [d.stdout for d in done] == [f"{n}-{i}\n".encode() for i in range(3)]
+    finally:
+        await src.destroy()

@@ -475,6 +475,12 @@ class AgentClient:
         await self._channel.call(P.OP_PING)
         return time.perf_counter() - start
 
+    def nudge(self) -> None:
+        """Send a ping and do not wait for it: it only wakes the guest agent's loop (its
+        answer is dropped as stale if it ever comes). Nothing on a closed connection."""
+        if not self._channel.closed:
+            self._channel.fire_and_forget(P.OP_PING)
+
     async def exec(
         self,
         command: str | list[str],

@@ -418,6 +418,7 @@ class GvisorMachine:
         self._held = False
         # Guest TCP connections still being opened when it was last paused.
         self._opening = 0
+        self._captured = False  # checkpointed since its last pause (see `resume`)
 
     @property
     def config(self) -> MachineConfig:
@@ -628,6 +629,14 @@ class GvisorMachine:
             return  # only frozen (`hold`): the thaw was the resume
         await self.engine.runsc.run("resume", self._config.id, what="resume",
                                     machine=self._config.id, log=self.log_path)
+        if self._captured:
+            # runsc 20240729's ``checkpoint --leave-running`` can leave boxd-init asleep
+            # in poll() with events it missed (a command's exit during the checkpoint):
+            # those execs never answered, until the next request woke it (the fork churn
+            # test, one run in a few). A request on its stdin wakes it now.
+            self._captured = False
+            if self._agent is not None:
+                self._agent.nudge()
 
     async def recover(self) -> str | None:
         """Resume a sandbox a killed daemon left paused (runsc state ``paused``) or
@@ -679,6 +688,7 @@ class GvisorMachine:
                 "or given up", machine=self._config.id)
         dest_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
+        self._captured = True  # `resume` wakes its agent (a failed checkpoint too)
         await self.engine.runsc.run(
             "checkpoint", "--leave-running", "--compression=none",
             f"--image-path={dest_dir}", self._config.id, what="checkpoint",
