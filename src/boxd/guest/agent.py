@@ -123,9 +123,6 @@ class Channel:
         self.lock = threading.Lock()
         self.broken_line = False  # a message was cut mid-way: start the next on a new line
         self.host_present = False
-        # Whether an EOF or hang-up means the host went away (its requests are orphaned):
-        # not on stdio (`StdioChannel`).
-        self.hangs_up = True
 
     def open(self) -> None:
         raise NotImplementedError
@@ -161,27 +158,11 @@ class Channel:
                 if data:
                     self.host_present = True
                     return data
-            was_present = self.host_present and self.hangs_up
+            was_present = self.host_present
             self.host_present = False
             self.on_eof()
             if was_present:
                 return b""
-
-    def _hung_up(self, fd: int) -> bool:
-        """Wait up to 0.1 s for ``fd`` to take more; whether it reports a hang-up
-        instead (waited out a moment more where that is not the host going away)."""
-        try:
-            p = select.poll()
-            p.register(fd, select.POLLOUT)
-            events = p.poll(100)
-        except (OSError, ValueError):
-            events = [(fd, select.POLLHUP)]
-        revents = events[0][1] if events else 0
-        hung = bool(revents & (select.POLLHUP | select.POLLERR | select.POLLNVAL)) and not (
-            revents & select.POLLOUT)
-        if hung and not self.hangs_up:
-            time.sleep(RETRY_SLEEP)
-        return hung
 
     def write(self, data: bytes) -> bool:
         with self.lock:
@@ -208,7 +189,16 @@ class Channel:
                     return False
                 now = time.monotonic()
                 stalled_since = stalled_since or now
-                if self._hung_up(fd) and self.hangs_up:
+                try:
+                    p = select.poll()
+                    p.register(fd, select.POLLOUT)
+                    events = p.poll(100)
+                except (OSError, ValueError):
+                    events = [(fd, select.POLLHUP)]
+                revents = events[0][1] if events else 0
+                if (revents & (select.POLLHUP | select.POLLERR | select.POLLNVAL)) and not (
+                    revents & select.POLLOUT
+                ):
                     self.broken_line = len(view) != len(data)
                     return False
                 if now - stalled_since > WRITE_STALL_LIMIT:
@@ -324,14 +314,7 @@ class RelayChannel(Channel):
 class StdioChannel(Channel):
     """stdin/stdout (gVisor: the sandbox's stdio are two host FIFOs, which ``runsc restore``
     hands to each restored copy). The host opens them O_RDWR for the sandbox, so they never
-    report EOF: a host reconnect is only visible as a hello with a new nonce. An EOF or
-    hang-up stdin reports anyway (a gVisor checkpoint can make it, for a moment) is
-    waited out, the connection kept: taken for a new one, it dropped the answers of
-    every request in flight (boxd-init's host_hangup)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.hangs_up = False
+    report EOF: a host reconnect is only visible as a hello with a new nonce."""
 
     def open(self) -> None:
         for fd in (0, 1):

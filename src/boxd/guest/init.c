@@ -137,7 +137,6 @@ static long long py_restart_at;
 static char cur_nonce[256];  /* nonce of the current host connection */
 static char py_nonce[256];   /* nonce agent.py last heard (it drops stale work on change) */
 static unsigned long hangups;
-static unsigned long stdio_blips; /* --stdio: hang-ups of stdin (see host_hangup) */
 static double started;
 
 /* Ids of requests relayed to agent.py and not yet ended (by a result or error event):
@@ -670,10 +669,6 @@ static void host_send(const char *data, size_t n) {
         struct pollfd p = {host_out, POLLOUT, 0};
         if (poll(&p, 1, 100) > 0 && (p.revents & (POLLHUP | POLLERR | POLLNVAL)) &&
             !(p.revents & POLLOUT)) {
-            if (opt_stdio) { /* a moment's hang-up, not the host gone: see host_hangup */
-                poll(NULL, 0, RETRY_MS);
-                continue;
-            }
             broken_line = done > 0;
             return;
         }
@@ -1784,19 +1779,10 @@ static void host_line(const char *line, size_t n) {
 
 /* The host went away (EOF, or POLLHUP on the virtio port): poll it again in RETRY_MS. */
 static void host_hangup(void) {
-    host_retry_at = now_ms() + RETRY_MS;
-    if (opt_stdio) {
-        /* Not the host going away: its FIFOs are held open read-write by the engine and
-           never really end (a reconnect is a hello with a new nonce). A gVisor
-           checkpoint can make stdin report EOF or a hang-up for a moment: taken for a
-           new connection, it dropped the answers of every request in flight (their
-           execs never ended). Keep the connection, the partial line and the table. */
-        if (!stdio_blips++) logf_("stdin reported a hang-up; the host connection is kept");
-        return;
-    }
     int was = host_present;
     host_present = 0;
     if (opt_connect) host_close();
+    host_retry_at = now_ms() + RETRY_MS;
     if (!was) return;
     /* A partial line can never complete. agent.py hears of the change (a nonce no host
        uses) with the next request relayed to it, not now: in a fork child that has just
