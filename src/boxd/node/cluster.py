@@ -13,7 +13,9 @@ Lifecycle moves it from there. The control plane's end of the actor (`RayNode`,
 
 A node runtime's QEMU processes die with it: each actor starts a small reaper process
 that holds a pipe to the actor and, when the pipe closes (the actor died, whatever the
-signal), kills every process whose command line names the node's directories.
+signal), kills every process whose command line names the node's directories, then
+the gVisor machines' network namespaces (pasta and its holder, whose command lines
+name nothing of the node's: each machine's ``net.json`` records them).
 
 Cross-node work goes node to node, not through the control plane: the receiving actor
 gets the sender's actor handle and pulls chunks (`boxd.node._transfer`).
@@ -77,8 +79,8 @@ INTERACTIVE_LEASE = 30.0
 Output = pm.ExecBytes | models.ExecEvent
 
 _REAPER = r"""
-import os, signal, sys
-markers = sys.argv[1:]
+import json, os, signal, sys
+nets, markers = sys.argv[1], sys.argv[2:]
 try:
     while os.read(0, 4096):
         pass
@@ -98,6 +100,20 @@ for pid in os.listdir("/proc"):
             os.kill(int(pid), signal.SIGKILL)
         except OSError:
             pass
+for machine in os.listdir(nets) if os.path.isdir(nets) else []:
+    try:
+        with open(os.path.join(nets, machine, "net.json")) as f:
+            pids = json.load(f)
+    except (OSError, ValueError):
+        continue
+    for key, name in (("holder", b"sleep"), ("pasta", b"pasta")):
+        try:
+            pid = int(pids[key])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f.read().split(b"\0", 1)[0].endswith(name):  # still that process
+                    os.kill(pid, signal.SIGKILL)
+        except (OSError, KeyError, TypeError, ValueError):
+            pass
 """
 
 
@@ -105,7 +121,8 @@ def _start_reaper(paths: Paths) -> subprocess.Popen[bytes]:
     """A process that kills this node's VMs once this process is gone (see module doc)."""
     markers = [str(paths.home) + "/", str(paths.shm) + "/"]
     return subprocess.Popen(
-        [sys.executable, "-c", _REAPER, *markers], stdin=subprocess.PIPE,
+        [sys.executable, "-c", _REAPER, str(paths.shm / "machines"), *markers],
+        stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         close_fds=True,
     )
