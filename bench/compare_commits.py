@@ -156,10 +156,16 @@ def main() -> int:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-            subprocess.run(["pkill", "-9", "-f", str(home)], check=False)  # its QEMUs
             from boxd.config import Paths
+            from boxd.engine.gvisor import _net
 
-            shutil.rmtree(Paths(home).shm, ignore_errors=True)
+            shm = Paths(home).shm
+            for where in (home, shm):  # its QEMUs, its gVisor sandboxes
+                subprocess.run(["pkill", "-9", "-f", str(where)], check=False)
+            for run_dir in (shm / "machines").glob("*/"):  # their pasta, named nowhere
+                if (ns := _net.load(run_dir)) is not None:
+                    ns.signal_end()
+            shutil.rmtree(shm, ignore_errors=True)
             shutil.rmtree(home, ignore_errors=True)
     print(f"| figure | n | A {args.old} median | A p90 | B {args.new} median | B p90 | B/A |")
     print("|---|---|---|---|---|---|---|")
