@@ -630,10 +630,10 @@ class GvisorMachine:
         await self.engine.runsc.run("resume", self._config.id, what="resume",
                                     machine=self._config.id, log=self.log_path)
         if self._captured:
-            # runsc 20240729's ``checkpoint --leave-running`` can leave boxd-init asleep
-            # in poll() with events it missed (a command's exit during the checkpoint):
-            # those execs never answered, until the next request woke it (the fork churn
-            # test, one run in a few). A request on its stdin wakes it now.
+            # Requests written to its stdin while it was paused are taken in by runsc
+            # 20240729's ``checkpoint --leave-running`` (its restored copies answer them)
+            # and boxd-init is left asleep on them: those execs waited for the next
+            # request (the fork churn test, one run in a few). A ping wakes it now.
             self._captured = False
             if self._agent is not None:
                 self._agent.nudge()
