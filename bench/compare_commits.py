@@ -162,9 +162,7 @@ def main() -> int:
             shm = Paths(home).shm
             for where in (home, shm):  # its QEMUs, its gVisor sandboxes
                 subprocess.run(["pkill", "-9", "-f", str(where)], check=False)
-            for run_dir in (shm / "machines").glob("*/"):  # their pasta, named nowhere
-                if (ns := _net.load(run_dir)) is not None:
-                    ns.signal_end()
+            _net.end_recorded(shm / "machines")  # their pasta, named nowhere
             shutil.rmtree(shm, ignore_errors=True)
             shutil.rmtree(home, ignore_errors=True)
     print(f"| figure | n | A {args.old} median | A p90 | B {args.new} median | B p90 | B/A |")

@@ -146,9 +146,7 @@ def kill_machines_of(home: Path) -> None:
     # directory (their command lines do not name the data directory).
     from boxd.engine.gvisor import _net
 
-    for run_dir in (_shm_of(home) / "machines").glob("*/"):
-        if (ns := _net.load(run_dir)) is not None:
-            ns.signal_end()
+    _net.end_recorded(_shm_of(home) / "machines")
 
 
 def remove_cgroups_of(home: Path) -> None:

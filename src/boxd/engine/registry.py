@@ -210,5 +210,14 @@ def _open_gvisor(settings: Settings, paths: Paths, image: GuestImage) -> Engine:
     return engine
 
 
-__all__ = ["AUTO", "ENGINES", "EngineStatus", "describe_engines", "engine_status",
-           "open_engine", "resolve_auto"]
+def end_networks_left(machines: Path) -> None:
+    """End the network helpers each machine run directory under ``machines`` records
+    (a gVisor machine's pasta and its holder, named by nothing of the data directory's):
+    the clean-up after a daemon or node that is gone."""
+    from boxd.engine.gvisor._net import end_recorded
+
+    end_recorded(machines)
+
+
+__all__ = ["AUTO", "ENGINES", "EngineStatus", "describe_engines", "end_networks_left",
+           "engine_status", "open_engine", "resolve_auto"]

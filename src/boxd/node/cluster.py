@@ -79,8 +79,8 @@ INTERACTIVE_LEASE = 30.0
 Output = pm.ExecBytes | models.ExecEvent
 
 _REAPER = r"""
-import json, os, signal, sys
-nets, markers = sys.argv[1], sys.argv[2:]
+import os, signal, sys
+home, nets, markers = sys.argv[1], sys.argv[2], sys.argv[3:]
 try:
     while os.read(0, 4096):
         pass
@@ -100,20 +100,10 @@ for pid in os.listdir("/proc"):
             os.kill(int(pid), signal.SIGKILL)
         except OSError:
             pass
-for machine in os.listdir(nets) if os.path.isdir(nets) else []:
-    try:
-        with open(os.path.join(nets, machine, "net.json")) as f:
-            pids = json.load(f)
-    except (OSError, ValueError):
-        continue
-    for key, name in (("holder", b"sleep"), ("pasta", b"pasta")):
-        try:
-            pid = int(pids[key])
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if f.read().split(b"\0", 1)[0].endswith(name):  # still that process
-                    os.kill(pid, signal.SIGKILL)
-        except (OSError, KeyError, TypeError, ValueError):
-            pass
+sys.path.insert(0, home)  # where this node's boxd is, whatever the environment says
+from pathlib import Path
+from boxd.engine.registry import end_networks_left
+end_networks_left(Path(nets))
 """
 
 
@@ -121,7 +111,8 @@ def _start_reaper(paths: Paths) -> subprocess.Popen[bytes]:
     """A process that kills this node's VMs once this process is gone (see module doc)."""
     markers = [str(paths.home) + "/", str(paths.shm) + "/"]
     return subprocess.Popen(
-        [sys.executable, "-c", _REAPER, str(paths.shm / "machines"), *markers],
+        [sys.executable, "-c", _REAPER, str(Path(models.__file__).parents[1]),
+         str(paths.shm / "machines"), *markers],
         stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         close_fds=True,

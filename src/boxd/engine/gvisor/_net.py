@@ -287,5 +287,14 @@ def load(run_dir: Path) -> Namespace | None:
         return None
 
 
-__all__ = ["GvisorNet", "Namespace", "ensure_tun_access", "handshakes", "load", "pasta_argv",
-           "start"]
+def end_recorded(machines: Path) -> None:
+    """End the namespace (pasta and its holder) each run directory under ``machines``
+    records, where they are still those processes: the clean-up after a daemon or node
+    that is gone (their command lines name none of its directories)."""
+    for run_dir in machines.glob("*/"):
+        if (ns := load(run_dir)) is not None:
+            ns.signal_end()
+
+
+__all__ = ["GvisorNet", "Namespace", "end_recorded", "ensure_tun_access", "handshakes",
+           "load", "pasta_argv", "start"]
